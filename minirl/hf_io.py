@@ -1,0 +1,73 @@
+"""HF <-> TorchTitan weights: HF model folders (safetensors + config + tokenizer) in and out.
+
+All conversion goes through TorchTitan's `Qwen3StateDictAdapter`, the same one a 30B-A3B run uses
+to load `Qwen/Qwen3-30B-A3B-Base`, so the tiny model exercises the real mapping (per-expert HF
+tensors <-> TorchTitan's grouped `w1_EFD / w2_EDF / w3_EFD`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from minirl.models import ModelShape, hf_config_dict, titan_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def adapter(shape: ModelShape):
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(titan_config(shape), None)
+
+
+def titan_to_hf(shape: ModelShape, titan_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """TorchTitan state dict -> HF names (experts split per expert). Tensors are not copied."""
+    return adapter(shape).to_hf(titan_sd)
+
+
+def hf_to_titan(shape: ModelShape, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return adapter(shape).from_hf(dict(hf_sd))
+
+
+def save_hf_folder(
+    out: Path,
+    shape: ModelShape,
+    titan_sd: dict[str, torch.Tensor],
+    *,
+    tokenizer_dir: Path,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a self-contained HF folder (loadable by transformers and vLLM) from TorchTitan weights."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    hf_sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in titan_to_hf(shape, titan_sd).items()}
+    save_file(hf_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    ids = json.loads((tokenizer_dir / "minirl_special_ids.json").read_text())
+    cfg = hf_config_dict(shape, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer_dir.resolve() != out.resolve():
+        for name in (*TOKENIZER_FILES, "minirl_special_ids.json"):
+            if (tokenizer_dir / name).exists():
+                shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def load_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All safetensors shards of an HF folder, by HF name."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        from minirl.errors import UsageError
+
+        raise UsageError(f"no *.safetensors in {folder}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd

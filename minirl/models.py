@@ -1,0 +1,137 @@
+"""Model registry: a model id -> TorchTitan Qwen3 config + the HF config that describes the same net.
+
+The tiny default is the Qwen3-MoE architecture in miniature (QK-norm attention with GQA, a softmax
+top-k router with route normalisation, 8 experts), so every code path the 30B-A3B run takes
+(state-dict adapter, router, experts, vLLM's Qwen3MoeForCausalLM) is exercised on a laptop.
+
+TorchTitan imports stay in this module and in `train.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The few numbers that define a Qwen3-MoE; both the TorchTitan and the HF config derive from them."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    moe_hidden_dim: int
+    num_experts: int
+    top_k: int
+    max_seq_len: int
+    rope_theta: float
+    tie_embeddings: bool = False
+
+
+TINY = ModelShape(
+    vocab_size=32, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+    moe_hidden_dim=128, num_experts=8, top_k=2, max_seq_len=64, rope_theta=10000.0,
+)
+QWEN3_30B_A3B = ModelShape(
+    vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+    moe_hidden_dim=768, num_experts=128, top_k=8, max_seq_len=40960, rope_theta=1000000.0,
+)
+
+# model id -> (shape, HF repo id or None for a locally built model)
+REGISTRY: dict[str, tuple[ModelShape, str | None]] = {
+    "tiny-qwen3-moe": (TINY, None),
+    "Qwen3-30B-A3B": (QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B-Base"),
+}
+
+
+def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa"):
+    """The TorchTitan `Qwen3Model.Config` for `shape`.
+
+    attn_backend "sdpa" swaps each layer's inner attention for plain causal SDPA: TorchTitan's LM
+    backends (flex, varlen) have no backward on CPU (PLATFORM.md). Batches are right-padded and
+    causal, so padding never leaks into real positions.
+    """
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _LINEAR_INIT, _EMBEDDING_INIT, _qwen3_norm
+
+    layers = _build_qwen3_moe_layers(
+        n_layers=shape.n_layers, dim=shape.dim, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim, moe_hidden_dim=shape.moe_hidden_dim, num_experts=shape.num_experts,
+        top_k=shape.top_k, fuse_qkv=False, attn_backend="flex" if attn_backend == "sdpa" else attn_backend,
+        moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta),
+    )
+    for layer in layers:
+        if attn_backend == "sdpa":
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        # HF/vLLM Qwen3-MoE has no aux-free expert bias; keep routing identical across engines.
+        layer.moe.load_balance_coeff = None
+    return Qwen3Model.Config(
+        vocab_size=shape.vocab_size,
+        dim=shape.dim,
+        norm=_qwen3_norm(shape.dim),
+        enable_weight_tying=shape.tie_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=shape.vocab_size, embedding_dim=shape.dim, param_init=_EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=shape.dim, out_features=shape.vocab_size, param_init=_LINEAR_INIT),
+        layers=layers,
+    )
+
+
+def hf_config_dict(shape: ModelShape, *, bos_id: int, eos_id: int, pad_id: int) -> dict:
+    """The `config.json` of the equivalent HF `Qwen3MoeForCausalLM`."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.dim,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
+        "moe_intermediate_size": shape.moe_hidden_dim,
+        "intermediate_size": shape.moe_hidden_dim,
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.top_k,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": shape.max_seq_len,
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def shape_for(model_id: str) -> ModelShape:
+    from minirl.errors import UsageError
+
+    if model_id not in REGISTRY:
+        raise UsageError(f"unknown model {model_id!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[model_id][0]
+
+
+def param_count(shape: ModelShape) -> int:
+    """Total parameters, for plans and model cards (no build needed)."""
+    attn = shape.dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 2 * shape.head_dim
+    moe = shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim + shape.dim * shape.num_experts
+    per_layer = attn + moe + 2 * shape.dim
+    emb = shape.vocab_size * shape.dim * (1 if shape.tie_embeddings else 2)
+    return shape.n_layers * per_layer + emb + shape.dim
+

@@ -1,0 +1,258 @@
+"""The MiniRL objective and its ablations, as small pure functions over tensors.
+
+Symbols follow the paper (Zheng et al., "Stabilizing RL with LLMs", arXiv 2512.01374):
+    μ_θold   rollout-engine policy (vLLM, bf16 / FP8) that sampled y        -> `rollout_logp`
+    π_θold   training-engine recompute of that policy before any update      -> `old_logp`
+    π_θ      training-engine policy being optimised                          -> `logp`
+    A(x,y)   sequence advantage, one per response                            -> `adv`
+    M_t      decoupled clip mask                                             -> `clip_mask(...)`
+
+Shapes: B responses in the (mini-)batch, T response positions (right-padded).
+`mask_BT` is 1.0 on real response tokens and 0.0 on padding; prompt tokens never appear here
+(the trainer gathers response positions only).
+
+Every loss is written to be *minimised* and returns (loss, metrics); metrics are computed under
+no_grad and are plain floats keyed by fixed names.
+
+Deliberately left out, as in the paper: no KL penalty, no entropy bonus.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+ISMode = Literal["truncate", "mask", "off"]
+LossName = Literal["minirl", "grpo", "cispo"]
+
+
+def valid_mask(mask_BT: torch.Tensor, rollout_logp_BT: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose rollout log-prob is not finite (an engine glitch) from the mask.
+
+    They then count neither in the numerator nor in any per-response length."""
+    return mask_BT * torch.isfinite(rollout_logp_BT).to(mask_BT.dtype)
+
+
+def group_advantages(rewards_PG: torch.Tensor, *, std_scale: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """A(x, y_i) = R(x, y_i) − mean_j R(x, y_j) over the G responses of the same prompt x.
+
+    rewards_PG: [P prompts, G responses]. The paper's MiniRL uses the plain mean baseline;
+    `std_scale=True` divides by the group std (GRPO). A group whose rewards are all equal
+    gets A = 0 either way.
+
+    >>> group_advantages(torch.tensor([[1., 0., 0., 1.]]))
+    tensor([[ 0.5000, -0.5000, -0.5000,  0.5000]])
+    """
+    adv = rewards_PG - rewards_PG.mean(dim=-1, keepdim=True)
+    if std_scale:
+        adv = adv / (rewards_PG.std(dim=-1, keepdim=True, unbiased=False) + eps)
+    return adv
+
+
+def is_weight(
+    logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    *,
+    cap: float = 5.0,
+    mode: ISMode = "truncate",
+) -> torch.Tensor:
+    """Token IS weight w_t = sg[π_θ(y_t) / μ_θold(y_t)], the *full* ratio against the rollout engine.
+
+    mode "truncate" (TIS): min(w_t, cap).  "mask": w_t, but tokens with w_t > cap get 0.
+    "off": 1 (no training–inference correction; the paper's collapse ablation).
+    Always detached: the weight scales the gradient of log π_θ, it is not differentiated.
+
+    >>> is_weight(torch.log(torch.tensor([[0.5, 0.9]])), torch.log(torch.tensor([[0.25, 0.1]])))
+    tensor([[2., 5.]])
+    """
+    with torch.no_grad():
+        if mode == "off":
+            return torch.ones_like(logp_BT)
+        # Clamp the log-ratio before exp so a wildly off token cannot overflow to inf·0 = nan.
+        w = torch.exp(torch.clamp(logp_BT - rollout_logp_BT, max=50.0))
+        if mode == "truncate":
+            return torch.clamp(w, max=cap)
+        if mode == "mask":
+            return torch.where(w > cap, torch.zeros_like(w), w)
+        raise ValueError(f"unknown IS mode {mode!r} (use truncate, mask or off)")
+
+
+def clip_mask(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+) -> torch.Tensor:
+    """Decoupled clip mask M_t on the staleness ratio r_t = π_θ / π_θold (paper Eq. 7):
+
+        M_t = 0  if A > 0 and r_t > 1 + ε_high
+        M_t = 0  if A < 0 and r_t < 1 − ε_low
+        M_t = 1  otherwise
+
+    On-policy (θ = θ_old) r_t ≡ 1, so M_t ≡ 1.
+    """
+    with torch.no_grad():
+        r = torch.exp(logp_BT - old_logp_BT)
+        a = adv_B[:, None]
+        drop = ((a > 0) & (r > 1 + eps_high)) | ((a < 0) & (r < 1 - eps_low))
+        return (~drop).to(logp_BT.dtype)
+
+
+def aggregate(tok_BT: torch.Tensor, mask_BT: torch.Tensor, *, length_norm: bool = False) -> torch.Tensor:
+    """Reduce a per-token quantity to a scalar.
+
+    MiniRL (default): Σ_t within each response, then the mean over the B responses.
+    length_norm=True: (1/|y_i|) Σ_t first (GRPO-style; an ablation that scored lower, F2).
+    """
+    per_resp_B = (tok_BT * mask_BT).sum(dim=-1)
+    if length_norm:
+        per_resp_B = per_resp_B / mask_BT.sum(dim=-1).clamp(min=1.0)
+    return per_resp_B.mean()
+
+
+def minirl_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+    tis_cap: float = 5.0,
+    is_mode: ISMode = "truncate",
+    length_norm: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """MiniRL (paper Eq. 7), to minimise:
+
+        −J = −(1/B) Σ_i Σ_t M_t · sg[π_θ/μ_θold] · A_i · log π_θ(y_t | x, y_<t)
+    """
+    mask = valid_mask(mask_BT, rollout_logp_BT)
+    rollout_logp = torch.where(mask > 0, rollout_logp_BT, logp_BT.detach())
+    w = is_weight(logp_BT, rollout_logp, cap=tis_cap, mode=is_mode)
+    m = clip_mask(logp_BT, old_logp_BT, adv_B, eps_low=eps_low, eps_high=eps_high)
+    loss = -aggregate(m * w * adv_B[:, None] * logp_BT, mask, length_norm=length_norm)
+    return loss, _ratio_metrics(logp_BT, old_logp_BT, rollout_logp, mask, w, m)
+
+
+def grpo_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+    **_: object,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO as the paper writes it (appendix), to minimise:
+
+        −(1/G) Σ_i (1/|y_i|) Σ_t min(r_t A_i, clip(r_t, 1−ε_low, 1+ε_high) A_i),  r_t = π_θ/π_θold
+
+    Pass std-scaled advantages (`group_advantages(..., std_scale=True)`). No correction of the
+    training–inference discrepancy (μ is ignored except for metrics).
+    """
+    mask = valid_mask(mask_BT, rollout_logp_BT)
+    r = torch.exp(logp_BT - old_logp_BT)
+    a = adv_B[:, None]
+    surr = torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+    loss = -aggregate(surr, mask, length_norm=True)
+    with torch.no_grad():
+        clipped = ((a > 0) & (r > 1 + eps_high)) | ((a < 0) & (r < 1 - eps_low))
+    rollout_logp = torch.where(mask > 0, rollout_logp_BT, logp_BT.detach())
+    return loss, _ratio_metrics(logp_BT, old_logp_BT, rollout_logp, mask, torch.ones_like(r), (~clipped).float())
+
+
+def cispo_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+    **_: object,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO as the paper writes it (appendix), to minimise:
+
+        −(1/Σ_i |y_i|) Σ_i Σ_t sg[clip(r_t, 1−ε_low, 1+ε_high)] · A_i · log π_θ(y_t),  r_t = π_θ/π_θold
+    """
+    mask = valid_mask(mask_BT, rollout_logp_BT)
+    with torch.no_grad():
+        w = torch.clamp(torch.exp(logp_BT - old_logp_BT), 1 - eps_low, 1 + eps_high)
+    loss = -(w * adv_B[:, None] * logp_BT * mask).sum() / mask.sum().clamp(min=1.0)
+    rollout_logp = torch.where(mask > 0, rollout_logp_BT, logp_BT.detach())
+    return loss, _ratio_metrics(logp_BT, old_logp_BT, rollout_logp, mask, w, torch.ones_like(w))
+
+
+LOSSES = {"minirl": minirl_loss, "grpo": grpo_loss, "cispo": cispo_loss}
+
+
+def policy_loss(name: LossName, *args: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dispatch by recipe name (`loss.name`)."""
+    return LOSSES[name](*args, **kwargs)
+
+
+def train_inference_kl(rollout_logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """D_KL(μ_θold ‖ π_θold) estimated on sampled tokens: mean_t [log μ(y_t) − log π_old(y_t)]."""
+    mask = valid_mask(mask_BT, rollout_logp_BT)
+    diff = torch.where(mask > 0, rollout_logp_BT - old_logp_BT, torch.zeros_like(old_logp_BT))
+    return float(diff.sum() / mask.sum().clamp(min=1.0))
+
+
+def _ratio_metrics(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    w_BT: torch.Tensor,
+    m_BT: torch.Tensor,
+) -> dict[str, float]:
+    with torch.no_grad():
+        n = mask_BT.sum().clamp(min=1.0)
+        sel = mask_BT > 0
+        w_sel = w_BT[sel]
+        full_w = torch.exp(logp_BT - rollout_logp_BT)[sel]
+        qs = torch.quantile(full_w.float(), torch.tensor([0.5, 0.9, 0.99])) if full_w.numel() else torch.ones(3)
+        return {
+            "loss/is_weight_mean": float(w_sel.mean()) if w_sel.numel() else 1.0,
+            "loss/is_weight_max": float(full_w.max()) if full_w.numel() else 1.0,
+            "loss/is_weight_p50": float(qs[0]),
+            "loss/is_weight_p90": float(qs[1]),
+            "loss/is_weight_p99": float(qs[2]),
+            "loss/clip_frac": float(((1 - m_BT) * mask_BT).sum() / n),
+            "loss/ratio_mean": float((torch.exp(logp_BT - old_logp_BT) * mask_BT).sum() / n),
+            "loss/tokens": float(n),
+        }
+
+
+def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v per position, [B, T]."""
+    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    return float((x_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0))
+
+
+__all__ = [
+    "aggregate",
+    "cispo_loss",
+    "clip_mask",
+    "entropy_from_logits",
+    "group_advantages",
+    "grpo_loss",
+    "is_weight",
+    "masked_mean",
+    "minirl_loss",
+    "policy_loss",
+    "train_inference_kl",
+    "valid_mask",
+]
+

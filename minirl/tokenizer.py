@@ -1,0 +1,41 @@
+"""The tiny model's character-level tokenizer, saved as a standard HF fast tokenizer.
+
+One token per character, so a response of n characters is n tokens of work; special tokens are
+<pad>, <bos> (unused by Qwen3, kept for completeness) and <eos>, which ends every response.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHARS = "0123456789+-*=,;:()?# abcdefg"  # 29 chars + 3 specials = the tiny vocab of 32
+
+
+def vocab(vocab_size: int) -> dict[str, int]:
+    chars = CHARS[: vocab_size - len(SPECIALS)]
+    return {tok: i for i, tok in enumerate((*SPECIALS, *chars))}
+
+
+def build_tokenizer(out: Path, vocab_size: int) -> Path:
+    """Write tokenizer.json (+ config files) for a char-level WordLevel tokenizer into `out`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    v = vocab(vocab_size)
+    tok = Tokenizer(models.WordLevel(vocab=v, unk_token="#"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="#",
+    )
+    fast.model_max_length = 64
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    ids = {"pad": v["<pad>"], "bos": v["<bos>"], "eos": v["<eos>"]}
+    (out / "minirl_special_ids.json").write_text(json.dumps(ids))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]})
+    )
+    return out
