@@ -9,6 +9,8 @@ TorchTitan imports stay in this module and in `train.py`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 
@@ -46,9 +48,35 @@ REGISTRY: dict[str, tuple[ModelShape, str | None]] = {
 }
 
 
-def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa"):
+@functools.cache
+def _fp32_grouped_experts_cls():
+    """TorchTitan's GroupedExperts casts to bf16 for its CUDA grouped GEMM. On CPU that path is ~2x
+    slower than fp32 (strided bf16 matmuls) and adds a second precision gap inside the trainer, so
+    the CPU trainer computes experts in the parameters' dtype. Same weights, same routing."""
+    import torch
+    import torch.nn.functional as F
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class FP32GroupedExperts(GroupedExperts):
+        @dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            offs_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            x = x_RD.to(self.w1_EFD.dtype)
+            gate_RF = torch._grouped_mm(x, self.w1_EFD.transpose(-2, -1), offs=offs_E)
+            up_RF = torch._grouped_mm(x, self.w3_EFD.transpose(-2, -1), offs=offs_E)
+            return torch._grouped_mm(F.silu(gate_RF) * up_RF, self.w2_EDF.transpose(-2, -1), offs=offs_E).type_as(x_RD)
+
+    return FP32GroupedExperts
+
+
+def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype: str = "float32"):
     """The TorchTitan `Qwen3Model.Config` for `shape`.
 
+    expert_dtype "float32" computes routed experts in fp32 (CPU); "bfloat16" keeps TorchTitan's
+    bf16 grouped GEMM (CUDA).
     attn_backend "sdpa" swaps each layer's inner attention for plain causal SDPA: TorchTitan's LM
     backends (flex, varlen) have no backward on CPU (PLATFORM.md). Batches are right-padded and
     causal, so padding never leaks into real positions.
@@ -65,7 +93,13 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa"):
         moe_comm_backend="standard",
         rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta),
     )
+    fp32_experts = _fp32_grouped_experts_cls() if expert_dtype == "float32" else None
     for layer in layers:
+        if fp32_experts is not None:
+            old = layer.moe.routed_experts.inner_experts
+            layer.moe.routed_experts.inner_experts = fp32_experts.Config(
+                **{f.name: getattr(old, f.name) for f in dataclasses.fields(old)}
+            )
         if attn_backend == "sdpa":
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
         # HF/vLLM Qwen3-MoE has no aux-free expert bias; keep routing identical across engines.

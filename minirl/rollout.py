@@ -49,6 +49,7 @@ class VLLMEngine:
         max_model_len: int = 64,
         max_num_seqs: int = 256,
         memory_fraction: float = 0.1,
+        kv_cache_gib: float = 0.0,
         tensor_parallel: int = 1,
         quantization: str | None = None,
     ):
@@ -67,6 +68,9 @@ class VLLMEngine:
             gpu_memory_utilization=memory_fraction,
             tensor_parallel_size=tensor_parallel,
             quantization=quantization,
+            # On CPU vLLM subtracts this process's whole RSS (trainer included) from the memory
+            # fraction; an explicit KV size avoids that coupling.
+            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None,
         )
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
 

@@ -1,0 +1,203 @@
+"""The `minirl` command line. It parses arguments, loads the recipe, calls `minirl`, renders with rich.
+
+No algorithm code lives here. Bad input of any kind prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+console = Console(stderr=False, highlight=False)
+err = Console(stderr=True, highlight=False)
+
+SET_HELP = "Override a recipe value, e.g. --set train.lr=1e-4 (repeatable). Keys are [section].key of the TOML recipe."
+
+
+def _prepare_env(verbose: bool) -> None:
+    """Engine settings that must be in place before torch/vLLM are imported."""
+    # vLLM shrinks torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; the trainer
+    # shares the process, so give it every core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not verbose:
+        import logging
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        for name in ("torchao", "torch", "transformers", "datasets", "torchtitan", "root"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger().setLevel(logging.ERROR)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", is_flag=True, help="Show the engines' own logs (vLLM, TorchTitan, torchao).")
+@click.version_option(package_name="minirl")
+def cli(verbose: bool) -> None:
+    """minirl: RL post-training of LLMs with the MiniRL recipe (token-level IS correction,
+    decoupled clipping, Routing Replay).
+
+    \b
+    Typical use:
+      minirl init ws      # workspace + tiny Qwen3-MoE, cold-started on an embedded task
+      minirl run ws       # RL with vLLM rollouts and TorchTitan training
+      minirl eval ws      # held-out accuracy of the latest checkpoint
+    """
+    _prepare_env(verbose)
+
+
+@cli.command()
+@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
+@click.option("--recipe", "recipe_name", default="tiny", show_default=True,
+              help="Shipped recipe (a file stem in recipes/) to copy into the workspace.")
+@click.option("--force", is_flag=True, help="Rebuild an existing workspace (deletes its data, model and runs).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, ...]) -> None:
+    """Create a workspace in WORKSPACE (default ./minirl-ws).
+
+    On the embedded default (model tiny-qwen3-moe) it also writes the synthetic task's train and
+    held-out splits, builds a tiny Qwen3-MoE with its tokenizer (HF folder + TorchTitan DCP), and
+    cold-starts it with SFT through TorchTitan (~1-2 min on 2 CPU cores).
+    Re-running on an existing workspace leaves it untouched unless --force is given.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from minirl.workspace import init_workspace
+
+    labels = {"data": "task splits", "model": "tiny Qwen3-MoE + tokenizer", "cold-start": "cold-start SFT",
+              "save": "save HF + DCP"}
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as prog:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int, info: dict) -> None:
+            if stage not in tasks:
+                tasks[stage] = prog.add_task(labels.get(stage, stage), total=total, info="")
+            text = f"loss {info['loss']:.3f}" if "loss" in info else ""
+            prog.update(tasks[stage], completed=done, total=total, info=text)
+
+        try:
+            report = init_workspace(workspace, recipe_name=recipe_name, force=force, overrides=list(overrides),
+                                    progress=progress)
+        except FileExistsError:
+            prog.stop()
+            console.print(f"[yellow]workspace {workspace} exists; left as it is[/] (use --force to rebuild)")
+            return
+    console.print(f"[green]workspace ready:[/] {report['workspace']}")
+    if "params" in report:
+        console.print(f"  tiny-qwen3-moe: {report['params']:,} params, cold start {report['cold_start_steps']} "
+                      f"SFT steps in {report['cold_start_s']} s (final loss {report['cold_start_final_loss']:.3f})")
+    console.print(f"  next: [bold]minirl run {workspace}[/]")
+
+
+@cli.command()
+@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
+@click.option("--model", "model_id", default=None, help="Model id from the registry (sets model.id), e.g. Qwen3-30B-A3B.")
+@click.option("--replay", type=click.Choice(["off", "r2", "r3"]), default=None,
+              help="Routing Replay for MoE (sets train.replay): off, r2 (trainer routes), r3 (rollout routes).")
+@click.option("--steps", type=int, default=None, help="RL steps (sets train.steps).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--resume", is_flag=True, help="Continue the latest run from its newest checkpoint.")
+def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
+        overrides: tuple[str, ...], resume: bool) -> None:
+    """Run RL in WORKSPACE (default ./minirl-ws) with its recipe.
+
+    Every step: sample prompts, generate G responses each with vLLM (keeping log μ_old), grade,
+    compute group advantages, recompute log π_old in TorchTitan, apply N mini-batch updates of the
+    MiniRL loss, sync weights into vLLM in place. Metrics stream to runs/<id>/metrics.jsonl;
+    runs/<id>/summary.json is written at the end. Ctrl-C stops after the current step and saves a
+    checkpoint (a second Ctrl-C aborts at once).
+    """
+    from minirl import recipe as recipe_mod
+    from minirl.workspace import Workspace
+
+    ws = Workspace.open(workspace)
+    extra = list(overrides)
+    if model_id is not None:
+        extra.append(f"model.id={model_id}")
+    if replay is not None:
+        extra.append(f"train.replay={replay}")
+    if steps is not None:
+        extra.append(f"train.steps={steps}")
+    rec = recipe_mod.load(ws.recipe_path, extra)
+
+    from cli.render import RunView
+    from minirl import loop
+
+    def on_sigint(signum, frame):
+        if loop.Stop.requested:
+            raise KeyboardInterrupt
+        loop.Stop.requested = True
+        console.print("[yellow]stopping after this step (Ctrl-C again to abort)...[/]")
+
+    signal.signal(signal.SIGINT, on_sigint)
+    with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
+        summary = loop.run(ws, rec, resume=resume, on_event=view.on_event)
+    view.print_summary(summary)
+
+
+@cli.command("eval")
+@click.argument("bench", default="heldout")
+@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
+              show_default=True, help="Workspace whose recipe, data and runs to use.")
+@click.option("--checkpoint", default="latest", show_default=True,
+              help="'latest' (final checkpoint of the newest run), 'coldstart', an HF model folder, or a run checkpoint folder.")
+@click.option("--k", type=int, default=None, help="Samples per problem (default: the recipe's eval.k).")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (default: eval.temperature).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def eval_cmd(bench: str, workspace: Path, checkpoint: str, k: int | None, temperature: float | None,
+             overrides: tuple[str, ...]) -> None:
+    """Evaluate a checkpoint on BENCH (default: the embedded task's held-out split) and report avg@k / pass@k."""
+    from minirl import recipe as recipe_mod
+    from minirl.evaluate import eval_checkpoint
+    from minirl.workspace import Workspace
+
+    ws = Workspace.open(workspace)
+    extra = list(overrides)
+    if k is not None:
+        extra.append(f"eval.k={k}")
+    if temperature is not None:
+        extra.append(f"eval.temperature={temperature}")
+    rec = recipe_mod.load(ws.recipe_path, extra)
+    with console.status(f"evaluating {checkpoint} on {bench}..."):
+        result = eval_checkpoint(ws, rec, bench=bench, checkpoint=checkpoint)
+    from rich.table import Table
+
+    table = Table(title=f"{bench}: {result['checkpoint']}")
+    for col in ("problems", f"avg@{rec.eval.k}", f"pass@{rec.eval.k}", "temperature"):
+        table.add_column(col, justify="right")
+    table.add_row(str(result["problems"]), f"{result[f'avg@{rec.eval.k}']:.3f}", f"{result[f'pass@{rec.eval.k}']:.3f}",
+                  str(result["temperature"]))
+    console.print(table)
+    console.print(f"results: {result['results_file']}")
+
+
+def main() -> None:
+    from minirl.errors import UsageError
+
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        err.print(f"minirl: error: {e.format_message()}", markup=False)
+        sys.exit(2)
+    except UsageError as e:
+        err.print(f"minirl: error: {e}", markup=False)
+        sys.exit(2)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        err.print("minirl: aborted", markup=False)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

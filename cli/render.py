@@ -1,0 +1,88 @@
+"""Rich rendering for `minirl run`: a progress bar with a live table of the latest metrics."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+LIVE_KEYS = [
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("rollout/acc", "acc", "{:.3f}"),
+    ("train/entropy", "entropy", "{:.3f}"),
+    ("train/kl_mu_pi_old", "KL(μ‖π_old)", "{:.2e}"),
+    ("loss/is_weight_mean", "IS mean", "{:.3f}"),
+    ("loss/is_weight_max", "IS max", "{:.2f}"),
+    ("loss/clip_frac", "clip", "{:.3f}"),
+    ("rollout/resp_len", "len", "{:.2f}"),
+    ("sync/parity_abs_dlogp", "|Δlogp| sync", "{:.1e}"),
+]
+
+
+class RunView:
+    def __init__(self, console: Console, *, total_steps: int, eval_key: str):
+        self.console, self.eval_key = console, eval_key
+        self.progress = Progress(TextColumn("RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("eta"), TimeRemainingColumn(), console=console)
+        self.task = self.progress.add_task("rl", total=total_steps)
+        self.last: dict = {}
+        self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> "RunView":
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.__exit__(*exc)
+
+    def _render(self):
+        table = Table(box=None, pad_edge=False)
+        for _, title, _ in LIVE_KEYS:
+            table.add_column(title, justify="right")
+        if self.last:
+            table.add_row(*[_fmt(self.last.get(k), f) for k, _, f in LIVE_KEYS])
+        return Group(self.progress, table)
+
+    def on_event(self, kind: str, data: dict) -> None:
+        if kind == "start":
+            what = f"resumed at step {data['step']} from {data['resumed_from']}" if data["resumed_from"] else "new run"
+            self.console.print(f"[bold]{what}[/] in {data['run_dir']} (engines up in {data['startup_s']} s; "
+                               f"{data['train_rows']} train prompts, skipped {data['skipped_rows']})")
+            self.progress.update(self.task, completed=data["step"])
+        elif kind == "eval":
+            self.console.print(f"held-out {data['which']}: {self.eval_key} = [bold]{data[self.eval_key]:.3f}[/] "
+                               f"over {data['problems']} problems (T={data['temperature']})")
+        elif kind == "step":
+            self.last = data
+            self.progress.update(self.task, completed=data["step"])
+        elif kind == "checkpoint":
+            self.console.print(f"[dim]checkpoint step {data['step']}: {data['path']}[/]")
+        self.live.update(self._render())
+
+    def print_summary(self, s: dict) -> None:
+        h = s["heldout"]
+        key = h["metric"]
+        table = Table(title=f"run summary ({s['status']})")
+        table.add_column("")
+        table.add_column("value", justify="right")
+        table.add_row("steps", str(s["steps"]))
+        table.add_row("wall time", f"{s['wall_s']:.0f} s")
+        table.add_row(f"held-out {key}, cold start", f"{h['start'][key]:.3f}")
+        table.add_row(f"held-out {key}, after RL", f"{h['end'][key]:.3f}")
+        table.add_row("gain", f"{h['gain_points']:+.1f} points")
+        for k, v in s["phases_s"].items():
+            table.add_row(f"time: {k}", f"{v:.1f} s")
+        self.console.print(table)
+        self.console.print(f"summary: {s['run_dir']}/summary.json")
+        self.console.print(f"checkpoint: {s['checkpoint']}  (HF folder: {s['hf_folder']})")
+        if "plot" in s:
+            self.console.print(f"plot: {s['plot']}")
+
+
+def _fmt(v, f: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f.format(v)

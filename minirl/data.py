@@ -1,0 +1,112 @@
+"""Prompt sources, loaded through `datasets`: a local JSONL/Parquet file (or folder) or a Hub id.
+
+Rows with an empty prompt, a missing answer or a prompt over the token limit are skipped and
+counted; a source with no usable row is an error.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minirl.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One prompt. `prompt_ids` are the tokenised prompt; `record` is the raw row for the grader."""
+
+    prompt_ids: tuple[int, ...]
+    record: dict[str, Any]
+
+
+def load_rows(spec: str, *, base: Path | None = None, split: str = "train"):
+    """A `datasets.Dataset` from a local file/folder (resolved against `base`) or a Hub dataset id."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    local = Path(spec) if Path(spec).is_absolute() or base is None else base / spec
+    try:
+        if local.exists():
+            files = sorted(local.glob("*.jsonl")) + sorted(local.glob("*.parquet")) if local.is_dir() else [local]
+            if not files:
+                raise UsageError(f"no .jsonl or .parquet files in {local}")
+            kind = "parquet" if files[0].suffix == ".parquet" else "json"
+            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        return datasets.load_dataset(spec, split=split)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - turn any loader failure into one line
+        raise UsageError(f"cannot load dataset {spec!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def load_problems(
+    spec: str,
+    *,
+    encode: Callable[[str], list[int]],
+    prompt_field: str,
+    answer_field: str,
+    max_prompt_tokens: int,
+    base: Path | None = None,
+    split: str = "train",
+) -> tuple[list[Problem], dict[str, int]]:
+    """Usable problems plus skip counts {"empty_prompt", "missing_answer", "too_long"}."""
+    rows = load_rows(spec, base=base, split=split)
+    for f in (prompt_field, answer_field):
+        if f not in rows.column_names:
+            raise UsageError(f"dataset {spec!r} has no field {f!r}; fields: {', '.join(rows.column_names)}")
+    skipped = {"empty_prompt": 0, "missing_answer": 0, "too_long": 0}
+    problems = []
+    for row in rows:
+        prompt, answer = row.get(prompt_field), row.get(answer_field)
+        if not prompt or not str(prompt).strip():
+            skipped["empty_prompt"] += 1
+            continue
+        if answer is None or str(answer).strip() == "":
+            skipped["missing_answer"] += 1
+            continue
+        ids = encode(str(prompt))
+        if len(ids) > max_prompt_tokens:
+            skipped["too_long"] += 1
+            continue
+        problems.append(Problem(tuple(ids), dict(row)))
+    if not problems:
+        raise UsageError(f"dataset {spec!r} has no usable rows (skipped: {skipped})")
+    return problems, skipped
+
+
+class PromptSampler:
+    """Epoch-shuffled batches of problems; its position is part of the checkpoint."""
+
+    def __init__(self, problems: list[Problem], seed: int):
+        self.problems, self.seed = problems, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._shuffled()
+
+    def _shuffled(self) -> list[int]:
+        order = list(range(len(self.problems)))
+        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._shuffled()
+            out.append(self.problems[self._order[self.pos]])
+            self.pos += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._shuffled()
+
+    def __iter__(self) -> Iterator[Problem]:
+        return iter(self.problems)

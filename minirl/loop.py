@@ -1,0 +1,342 @@
+"""The RL loop of `minirl run`. One step, as data flows:
+
+    prompts (datasets) ──▶ VLLMEngine.generate ──▶ completions + log μ_θold
+        ──▶ grader ──▶ rewards R [B, G] ──▶ group advantages A
+        ──▶ Trainer.logprobs ──▶ log π_θold, entropy          (KL(μ‖π_old) measured here)
+        ──▶ N × (forward_backward(MiniRL loss) + optim_step)  (π_θold fixed for the step)
+        ──▶ VLLMEngine.load_weights (in place)                (parity check on a fixed batch)
+        ──▶ metrics.jsonl ──▶ checkpoint every k steps
+
+Deliberately simple: rollouts and training alternate in one process (no async, no overlap), so
+on-policy N = 1 is exactly on-policy and every number in the log has one meaning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minirl import objective
+from minirl.data import PromptSampler, load_problems
+from minirl.evaluate import evaluate, response_text
+from minirl.models import shape_for
+from minirl.recipe import Recipe
+from minirl.rollout import VLLMEngine
+from minirl.train import Batch, Trainer, build_batch
+from minirl.workspace import Workspace
+from rewards.base import grade_safely, load_grader
+
+PARITY_BATCH = 16  # fixed (prompt, response) pairs re-scored by both engines after every sync
+
+
+@dataclass
+class RunState:
+    """Everything a resumed run needs besides model/optimizer weights."""
+
+    run_dir: Path
+    step: int = 0
+    sampler: dict = field(default_factory=dict)
+    heldout_start: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+
+class Stop:
+    """Set by the CLI's SIGINT handler; the loop checks it between steps."""
+
+    requested = False
+
+
+def _timed(timing: dict, key: str, t0: float) -> float:
+    now = time.perf_counter()
+    timing[key] = timing.get(key, 0.0) + (now - t0)
+    return now
+
+
+class RLRun:
+    def __init__(self, ws: Workspace, rec: Recipe, *, run_dir: Path, resume_from: Path | None = None):
+        from transformers import AutoTokenizer
+
+        self.ws, self.rec = ws, rec
+        model_dir = ws.path(rec.model.path)
+        if not model_dir.exists():
+            raise_usage(f"model folder {model_dir} not found (recipe model.path)")
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
+        enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
+                  max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
+        self.train_problems, self.skipped = load_problems(rec.data.train, **kw)
+        self.heldout, _ = load_problems(rec.data.heldout, **kw)
+        self.heldout = self.heldout[: rec.eval.max_problems]
+        self.grader = load_grader(rec.reward.grader, rec.reward.params)
+
+        self.shape = shape_for(rec.model.id)
+        self.trainer = Trainer(self.shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay,
+                               grad_clip=rec.train.grad_clip, seed=rec.train.seed)
+        self.state = RunState(run_dir=run_dir)
+        self.sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
+        if resume_from is not None:
+            extra = self.trainer.load(resume_from)
+            self.state.step = extra["step"]
+            self.state.heldout_start = extra.get("heldout_start", {})
+            self.state.timing = extra.get("timing", {})
+            self.sampler.restore(extra["sampler"])
+        else:
+            self.trainer.load_hf(model_dir)
+        max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
+        self.engine = VLLMEngine(model_dir, dtype=rec.rollout.dtype, seed=rec.train.seed, max_model_len=max_len,
+                                 max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
+                                 memory_fraction=rec.rollout.memory_fraction, kv_cache_gib=rec.rollout.kv_cache_gib,
+                                 tensor_parallel=rec.rollout.tensor_parallel)
+        self.sync()  # resumed weights, or FP8-emulated ones; a no-op in effect otherwise (~30 ms)
+        self._parity_pairs = self._fixed_parity_pairs()
+
+    # ----- pieces -------------------------------------------------------------------------------
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def sync(self) -> None:
+        """Trainer weights -> vLLM, in place (optionally through FP8 emulation)."""
+        weights = self.trainer.hf_state_dict()
+        if self.rec.rollout.fp8:
+            from minirl.fp8 import fp8_roundtrip
+
+            weights = fp8_roundtrip(weights)
+        self.engine.load_weights(weights.items())
+
+    def _fixed_parity_pairs(self) -> list[tuple[list[int], list[int]]]:
+        probs = self.heldout[:PARITY_BATCH]
+        groups = self.engine.generate([p.prompt_ids for p in probs], n=1, temperature=1.0,
+                                      max_tokens=self.rec.rollout.max_tokens, seed=4321)
+        return [(list(p.prompt_ids), list(g[0].token_ids)) for p, g in zip(probs, groups)]
+
+    def parity(self) -> float:
+        """mean |log μ − log π| over a fixed batch of tokens, right after a sync."""
+        prompts = [p for p, _ in self._parity_pairs]
+        resps = [r for _, r in self._parity_pairs]
+        mu = self.engine.score(prompts, resps)
+        batch = build_batch(prompts, resps, mu, None, pad_id=self.pad)
+        pi, _ = self.trainer.logprobs(batch)
+        m = batch.mask_BT
+        return float(((batch.rollout_logp_BT - pi).abs() * m).sum() / m.sum())
+
+    def heldout_eval(self) -> dict:
+        e = self.rec.eval
+        return evaluate(self.engine, self.heldout, self.grader, k=e.k, temperature=e.temperature,
+                        max_tokens=self.rec.rollout.max_tokens, decode=self.decode, eos_id=self.eos)
+
+    # ----- one step -----------------------------------------------------------------------------
+    def step(self) -> dict:
+        r, t = self.rec, self.state.timing
+        B, G, N = r.train.prompts_per_step, r.train.group_size, r.train.minibatches
+        step = self.state.step + 1
+        t0 = time.perf_counter()
+
+        problems = self.sampler.next_batch(B)
+        groups = self.engine.generate([p.prompt_ids for p in problems], n=G, temperature=r.rollout.temperature,
+                                      max_tokens=r.rollout.max_tokens, seed=r.train.seed * 1_000_003 + step)
+        t0 = _timed(t, "rollout", t0)
+
+        rewards, errors, truncated = [], 0, 0
+        for prob, group in zip(problems, groups):
+            for c in group:
+                s = grade_safely(self.grader, prob.record, response_text(c.token_ids, self.decode, self.eos))
+                errors += "error" in s.info
+                cut = c.finish == "length"
+                truncated += cut
+                rewards.append(0.0 if cut and r.loss.truncated_reward == "zero" else s.score)
+        rewards_PG = torch.tensor(rewards).view(B, G)
+        adv_PG = objective.group_advantages(rewards_PG, std_scale=r.loss.adv_std)
+        comps = [c for g in groups for c in g]
+        batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
+                            [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad)
+        t0 = _timed(t, "grade", t0)
+
+        old_logp, ent = self.trainer.logprobs(batch)
+        kl = objective.train_inference_kl(batch.rollout_logp_BT, old_logp, batch.mask_BT)
+        t0 = _timed(t, "old_logp", t0)
+
+        mb_metrics, losses, grad_norms = [], [], []
+        order = torch.randperm(B, generator=torch.Generator().manual_seed(step)).view(N, B // N)
+        for mb_prompts in order:  # whole groups per mini-batch
+            idx = (mb_prompts[:, None] * G + torch.arange(G)[None, :]).flatten()
+            mb, mb_old = batch.select(idx), old_logp[idx]
+            loss_fn = _loss_fn(r, mb_old)
+            loss, m = self.trainer.forward_backward(mb, loss_fn)
+            grad_norms.append(self.trainer.optim_step())
+            losses.append(loss)
+            mb_metrics.append(m)
+        t0 = _timed(t, "update", t0)
+
+        self.sync()
+        t0 = _timed(t, "sync", t0)
+        parity = self.parity() if r.rollout.parity_every and step % r.rollout.parity_every == 0 else float("nan")
+        _timed(t, "parity", t0)
+
+        self.state.step = step
+        mask = batch.mask_BT
+        metrics = {
+            "step": step,
+            "rollout/reward_mean": float(rewards_PG.mean()),
+            "rollout/acc": float((rewards_PG >= 1.0).float().mean()),
+            "rollout/resp_len": float(mask.sum(-1).mean()),
+            "rollout/truncated_frac": truncated / (B * G),
+            "rollout/grader_errors": errors,
+            "rollout/zero_adv_groups": float((adv_PG.abs().sum(-1) == 0).float().mean()),
+            "train/entropy": objective.masked_mean(ent, mask),
+            "train/kl_mu_pi_old": kl,
+            "train/loss": sum(losses) / len(losses),
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "sync/parity_abs_dlogp": parity,
+            **{k: sum(m[k] for m in mb_metrics) / len(mb_metrics) for k in mb_metrics[0]},
+            "loss/is_weight_max": max(m["loss/is_weight_max"] for m in mb_metrics),
+            "loss/clip_frac_per_mb": [m["loss/clip_frac"] for m in mb_metrics],
+            **{f"timing/{k}_s": round(v, 4) for k, v in t.items()},
+            "timing/elapsed_s": round(time.time() - self.state.started, 2),
+        }
+        return metrics
+
+    # ----- checkpoints --------------------------------------------------------------------------
+    def save(self, name: str) -> Path:
+        path = self.state.run_dir / "checkpoints" / name
+        self.trainer.save(path, {
+            "step": self.state.step, "sampler": self.sampler.state(), "heldout_start": self.state.heldout_start,
+            "timing": self.state.timing, "recipe": self.rec.to_dict(),
+        })
+        return path
+
+    def prune(self, keep: int) -> None:
+        ckpts = sorted((self.state.run_dir / "checkpoints").glob("step_*"))
+        for old in ckpts[:-keep] if keep > 0 else []:
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _loss_fn(r: Recipe, mb_old_logp: torch.Tensor) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:
+    kw = dict(eps_low=r.loss.eps_low, eps_high=r.loss.eps_high, tis_cap=r.loss.tis_cap, is_mode=r.loss.is_mode,
+              length_norm=r.loss.length_norm)
+
+    def fn(logp_BT: torch.Tensor, b: Batch):
+        return objective.policy_loss(r.loss.name, logp_BT, mb_old_logp, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+
+    return fn
+
+
+def raise_usage(msg: str):
+    from minirl.errors import UsageError
+
+    raise UsageError(msg)
+
+
+def run(
+    ws: Workspace,
+    rec: Recipe,
+    *,
+    resume: bool = False,
+    on_event: Callable[[str, dict], None] = lambda kind, data: None,
+) -> dict:
+    """Run (or resume) RL in `ws`; returns the summary dict (also written to summary.json).
+
+    on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done".
+    """
+    t_start = time.time()
+    resume_from = None
+    if resume:
+        run_dir = ws.latest_run()
+        ckpts = sorted((run_dir / "checkpoints").iterdir()) if run_dir and (run_dir / "checkpoints").exists() else []
+        ckpts = [c for c in ckpts if not c.name.endswith(".tmp")]
+        if not ckpts:
+            raise_usage(f"nothing to resume in {ws.runs}: no run with a checkpoint")
+        resume_from = max(ckpts, key=lambda c: json.loads((c / "minirl.json").read_text())["step"])
+    else:
+        run_dir = ws.runs / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.toml").write_text(rec.to_toml())
+
+    t0 = time.time()
+    rl = RLRun(ws, rec, run_dir=run_dir, resume_from=resume_from)
+    startup_s = time.time() - t0
+    on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
+                       "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
+                       "resumed_from": str(resume_from) if resume_from else None})
+
+    t0 = time.time()
+    if not rl.state.heldout_start:
+        rl.state.heldout_start = rl.heldout_eval()
+        on_event("eval", {"which": "start", **rl.state.heldout_start})
+    eval_s = time.time() - t0
+
+    metrics_path = run_dir / "metrics.jsonl"
+    status = "finished"
+    t_rl = time.time()
+    with metrics_path.open("a") as mf:
+        while rl.state.step < rec.train.steps:
+            if Stop.requested:
+                status = "interrupted"
+                break
+            if rec.train.time_limit_s and time.time() - t_rl > rec.train.time_limit_s:
+                status = "time_limit"
+                break
+            m = rl.step()
+            mf.write(json.dumps(m) + "\n")
+            mf.flush()
+            on_event("step", m)
+            if rl.state.step % rec.checkpoint.every == 0 and rl.state.step < rec.train.steps:
+                path = rl.save(f"step_{rl.state.step:06d}")
+                rl.prune(rec.checkpoint.keep)
+                on_event("checkpoint", {"path": str(path), "step": rl.state.step})
+    rl_s = time.time() - t_rl
+
+    final = rl.save(f"step_{rl.state.step:06d}")
+    rl.prune(max(rec.checkpoint.keep, 1))
+    on_event("checkpoint", {"path": str(final), "step": rl.state.step})
+    t0 = time.time()
+    heldout_end = rl.heldout_eval()
+    on_event("eval", {"which": "end", **heldout_end})
+    eval_s += time.time() - t0
+
+    from minirl.hf_io import save_hf_folder
+
+    hf_dir = save_hf_folder(final / "hf", rl.shape, rl.trainer.model.state_dict(), tokenizer_dir=ws.path(rec.model.path))
+    key = f"avg@{rec.eval.k}"
+    summary = {
+        "status": status,
+        "steps": rl.state.step,
+        "wall_s": round(time.time() - t_start, 1),
+        "phases_s": {"startup": round(startup_s, 1), "eval": round(eval_s, 1), "rl": round(rl_s, 1),
+                     **{k: round(v, 1) for k, v in rl.state.timing.items()}},
+        "heldout": {"metric": key, "start": rl.state.heldout_start, "end": heldout_end,
+                    "gain_points": round(100 * (heldout_end[key] - rl.state.heldout_start[key]), 1)},
+        "last_metrics": _last_metrics(metrics_path),
+        "checkpoint": str(final),
+        "hf_folder": str(hf_dir),
+        "metrics": str(metrics_path),
+        "run_dir": str(run_dir),
+        "recipe": rec.to_dict(),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        from minirl.plots import plot_metrics
+
+        summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    except Exception as e:  # noqa: BLE001 - a plot must never cost the run its summary
+        summary["plot_error"] = str(e)
+    on_event("done", summary)
+    return summary
+
+
+def _last_metrics(path: Path) -> dict:
+    lines = path.read_text().splitlines() if path.exists() else []
+    if not lines:
+        return {}
+    m = json.loads(lines[-1])
+    return {k: v for k, v in m.items() if isinstance(v, float) and not math.isnan(v)}

@@ -1,0 +1,272 @@
+"""Recipes: typed dataclasses that map one-to-one onto TOML sections and `--set a.b=c` overrides.
+
+Precedence: dataclass defaults < recipe TOML < `--set` flags. An unknown section or key fails and
+names it; a value of the wrong type fails and names the key. Rules that span sections live in
+`validate()`, which raises and never rewrites a field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minirl.errors import UsageError
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    id: str = "tiny-qwen3-moe"  # registry id (minirl.models.REGISTRY)
+    path: str = "model/coldstart"  # HF folder, relative to the workspace, or an HF repo id
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    train: str = "data/train.jsonl"  # local JSONL/Parquet (relative to the workspace) or an HF dataset id
+    heldout: str = "data/heldout.jsonl"
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    max_prompt_tokens: int = 32  # longer prompts are skipped and counted
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    engine: str = "vllm"
+    dtype: str = "bfloat16"  # rollout precision; training is float32, so μ ≠ π even on-policy
+    fp8: bool = False  # torchao FP8 weights (emulated on CPU: quantize-dequantize before each sync)
+    temperature: float = 1.0
+    max_tokens: int = 8  # response length limit
+    memory_fraction: float = 0.1  # vLLM gpu_memory_utilization (CPU: fraction of NUMA-node RAM)
+    kv_cache_gib: float = 0.0  # explicit KV-cache size; 0 = vLLM sizes it from memory_fraction
+    tensor_parallel: int = 1
+    parity_every: int = 1  # check vLLM vs trainer log-probs on a fixed batch every k syncs (0 = never)
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    name: str = "minirl"  # minirl | grpo | cispo
+    eps_low: float = 0.2  # ε_low
+    eps_high: float = 0.27  # ε_high
+    tis_cap: float = 5.0  # truncated-IS cap
+    is_mode: str = "truncate"  # truncate | mask | off
+    length_norm: bool = False  # 1/|y| per response (ablation, F2)
+    adv_std: bool = False  # divide advantages by the group std (GRPO)
+    truncated_reward: str = "grade"  # a response cut at max_tokens: "grade" it as is, or score "zero"
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 300
+    prompts_per_step: int = 32  # B
+    group_size: int = 8  # G
+    minibatches: int = 1  # N: updates per step (N > 1 = off-policy mini-batches)
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    replay: str = "off"  # off | r2 | r3 (routing replay for MoE)
+    seed: int = 0
+    time_limit_s: float = 0.0  # stop after this many seconds of RL (0 = no limit)
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    grader: str = "arith"  # a name from the `minirl.graders` entry-point group
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    k: int = 4  # samples per held-out problem
+    temperature: float = 1.0
+    max_problems: int = 500
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = 50  # steps
+    keep: int = 2  # newest step checkpoints kept (the final one is always kept)
+
+
+@dataclass(kw_only=True, slots=True)
+class ColdStartConfig:
+    """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
+
+    steps: int = 1000
+    batch_size: int = 128
+    lr: float = 3e-3
+    seed: int = 0
+    train_size: int = 20000
+    heldout_size: int = 500
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Cluster layout; single process on the embedded default."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1
+    dp_shard: int = -1  # FSDP2 degree (-1: all ranks)
+    ep: int = 1  # expert-parallel degree
+
+
+@dataclass(kw_only=True, slots=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for k, v in values.items():
+                if isinstance(v, dict):
+                    v_s = "{ " + ", ".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items()) + " }"
+                elif isinstance(v, bool):
+                    v_s = "true" if v else "false"
+                else:
+                    v_s = json.dumps(v)
+                lines.append(f"{k} = {v_s}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _coerce(key: str, typ: Any, value: Any) -> Any:
+    """Check (TOML) or parse (`--set` strings) one value against its declared type."""
+    typ = typing.get_origin(typ) or typ
+    from_flag = isinstance(value, str) and typ is not str
+    try:
+        if typ is bool:
+            if from_flag:
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if typ is int:
+            if isinstance(value, bool) or (not from_flag and not isinstance(value, int)):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is dict:
+            v = json.loads(value) if from_flag else value
+            if not isinstance(v, dict):
+                raise ValueError
+            return v
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except ValueError:
+        pass
+    else:
+        return value
+    raise UsageError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _apply(recipe: Recipe, section: str, key: str, value: Any) -> None:
+    sections = {f.name: f for f in dataclasses.fields(Recipe)}
+    if section not in sections:
+        raise UsageError(f"unknown recipe section [{section}]; known: {', '.join(sections)}")
+    obj = getattr(recipe, section)
+    hints = typing.get_type_hints(type(obj))
+    if key not in hints:
+        raise UsageError(f"unknown recipe key {section}.{key}; known in [{section}]: {', '.join(hints)}")
+    setattr(obj, key, _coerce(f"{section}.{key}", hints[key], value))
+
+
+def load(path: Path | None, overrides: list[str] = ()) -> Recipe:
+    """defaults < TOML file < `section.key=value` overrides."""
+    recipe = Recipe()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"recipe not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"malformed recipe {path}: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise UsageError(f"{path}: top-level key {section!r} must be a [section]")
+            for key, value in values.items():
+                _apply(recipe, section, key, value)
+    for item in overrides:
+        dotted, sep, value = item.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not sep or not dot or not key:
+            raise UsageError(f"--set expects section.key=value, got {item!r}")
+        _apply(recipe, section, key.strip(), value.strip())
+    validate(recipe)
+    return recipe
+
+
+def validate(r: Recipe) -> None:
+    """Cross-field rules. Fails with the key to change; never rewrites."""
+    choices = {
+        "loss.name": (r.loss.name, ("minirl", "grpo", "cispo")),
+        "loss.is_mode": (r.loss.is_mode, ("truncate", "mask", "off")),
+        "loss.truncated_reward": (r.loss.truncated_reward, ("grade", "zero")),
+        "train.replay": (r.train.replay, ("off", "r2", "r3")),
+        "rollout.engine": (r.rollout.engine, ("vllm",)),
+        "rollout.dtype": (r.rollout.dtype, ("bfloat16", "float16", "float32")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise UsageError(f"{key} = {value!r}; choose one of {', '.join(allowed)}")
+    positive = {
+        "train.prompts_per_step": r.train.prompts_per_step,
+        "train.group_size": r.train.group_size,
+        "train.minibatches": r.train.minibatches,
+        "rollout.max_tokens": r.rollout.max_tokens,
+        "eval.k": r.eval.k,
+        "checkpoint.every": r.checkpoint.every,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{key} must be ≥ 1, got {value}")
+    if r.train.steps < 0:
+        raise UsageError(f"train.steps must be ≥ 0, got {r.train.steps}")
+    if r.train.prompts_per_step % r.train.minibatches:
+        raise UsageError(
+            f"train.prompts_per_step ({r.train.prompts_per_step}) must divide into "
+            f"train.minibatches ({r.train.minibatches}) equal mini-batches of whole groups"
+        )
+    if not 0 < r.loss.eps_low < 1 or r.loss.eps_high <= 0:
+        raise UsageError("loss.eps_low must be in (0, 1) and loss.eps_high > 0")
+    if r.loss.tis_cap <= 0:
+        raise UsageError(f"loss.tis_cap must be > 0, got {r.loss.tis_cap}")
+    if r.train.replay != "off":
+        raise UsageError(
+            f"train.replay = {r.train.replay!r}: routing replay is not implemented yet (tracked in issue 3); use off"
+        )
+
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def shipped(name: str) -> Path:
+    """A recipe from `recipes/` by file stem, e.g. "tiny"."""
+    p = RECIPES_DIR / f"{name}.toml"
+    if not p.is_file():
+        names = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.toml")))
+        raise UsageError(f"no shipped recipe {name!r}; available: {names}")
+    return p

@@ -1,0 +1,191 @@
+"""Trainer: the TorchTitan Qwen3(-MoE) model, its log-probs/entropy, updates and checkpoints.
+
+Interface: `logprobs`, `forward_backward`, `optim_step`, `hf_state_dict`, `save`, `load`.
+TorchTitan imports stay here and in `models.py`.
+
+Precision: parameters and attention are float32; TorchTitan's `GroupedExperts` runs its grouped
+matmuls in bfloat16 whatever the parameter dtype (its CUDA grouped-GEMM constraint, kept on CPU),
+so the trainer's π is "fp32 with bf16 experts". vLLM rolls out fully in bf16 (or FP8 weights).
+
+Checkpoints are torch.distributed.checkpoint (DCP) folders, the format TorchTitan itself writes,
+with model and optimizer state; they load under any later parallel layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minirl.models import ModelShape, titan_config
+from minirl.objective import entropy_from_logits
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A right-padded token batch for the trainer.
+
+    tokens_BL:        int64 [B, L]    prompt + response token ids, padded with pad id
+    mask_BT:          float [B, L-1]  1.0 where position t predicts a response token tokens[:, t+1]
+    rollout_logp_BT:  float [B, L-1]  log μ_θold(tokens[:, t+1]) at those positions, 0 elsewhere
+    adv_B:            float [B]       A(x, y) per response
+
+    Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
+        tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
+    """
+
+    tokens_BL: torch.Tensor
+    mask_BT: torch.Tensor
+    rollout_logp_BT: torch.Tensor
+    adv_B: torch.Tensor
+
+    def select(self, idx: torch.Tensor | slice) -> "Batch":
+        return Batch(self.tokens_BL[idx], self.mask_BT[idx], self.rollout_logp_BT[idx], self.adv_B[idx])
+
+    def __len__(self) -> int:
+        return self.tokens_BL.shape[0]
+
+
+def build_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    rollout_logps: Sequence[Sequence[float]] | None,
+    adv: Sequence[float] | None,
+    *,
+    pad_id: int,
+) -> Batch:
+    B = len(prompts)
+    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, L - 1)
+    rlp = torch.zeros(B, L - 1)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        n_p, n_r = len(p), len(r)
+        tokens[i, : n_p + n_r] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        mask[i, n_p - 1 : n_p - 1 + n_r] = 1.0
+        if rollout_logps is not None:
+            rlp[i, n_p - 1 : n_p - 1 + n_r] = torch.tensor(rollout_logps[i], dtype=torch.float32)
+    adv_t = torch.tensor(list(adv), dtype=torch.float32) if adv is not None else torch.zeros(B)
+    return Batch(tokens, mask, rlp, adv_t)
+
+
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """log π(target_t) from logits, in float32."""
+    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
+    return logp.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+
+
+class Trainer:
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        torch.manual_seed(seed)
+        self.shape, self.grad_clip, self.device = shape, grad_clip, torch.device(device)
+        self.model = titan_config(shape).build().to(self.device)
+        self._init_weights()
+        self.optim = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8
+        )
+
+    def _init_weights(self) -> None:
+        """TorchTitan configs carry per-parameter init functions; apply them to the fresh model."""
+        self.model.init_states()
+
+    # ----- weights in / out --------------------------------------------------------------------
+    def load_hf(self, folder: Path) -> None:
+        from minirl.hf_io import hf_to_titan, load_hf_weights
+
+        sd = hf_to_titan(self.shape, load_hf_weights(folder))
+        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if "expert_bias" not in k and "tokens_per_expert" not in k]
+        if missing or unexpected:
+            raise RuntimeError(f"HF weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        from minirl.hf_io import titan_to_hf
+
+        return titan_to_hf(self.shape, {k: v.detach() for k, v in self.model.state_dict().items()})
+
+    # ----- compute -----------------------------------------------------------------------------
+    def _forward_logp(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens = batch.tokens_BL.to(self.device)
+        logits = self.model(tokens[:, :-1])
+        logp = token_logprobs(logits, tokens[:, 1:])
+        ent = entropy_from_logits(logits.detach()) if with_entropy else None
+        return logp, ent
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, *, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        """log π(y_t) and full-vocabulary entropy H_t at every position, [B, L-1] each."""
+        self.model.eval()
+        lps, ents = [], []
+        for s in range(0, len(batch), chunk):
+            lp, ent = self._forward_logp(batch.select(slice(s, s + chunk)), with_entropy=True)
+            lps.append(lp)
+            ents.append(ent)
+        return torch.cat(lps), torch.cat(ents)
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]], *, scale: float = 1.0
+    ) -> tuple[float, dict]:
+        """Accumulate grads of `scale * loss_fn(logp_BT, batch)`; returns (loss, metrics)."""
+        self.model.train()
+        logp, _ = self._forward_logp(batch, with_entropy=False)
+        loss, metrics = loss_fn(logp, batch)
+        (loss * scale).backward()
+        return float(loss.detach()), metrics
+
+    def optim_step(self) -> float:
+        """Clip, step, zero; returns the pre-clip grad norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optim.param_groups:
+            g["lr"] = lr
+
+    # ----- checkpoints -------------------------------------------------------------------------
+    def save(self, path: Path, extra: dict | None = None) -> Path:
+        """DCP checkpoint of model + optimizer, plus `extra` (step, sampler, ...) as JSON. Atomic:
+        written to a temp folder and renamed, so a crash mid-save never leaves a half checkpoint."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        (tmp / "minirl.json").write_text(json.dumps(extra or {}, indent=2))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+        return path
+
+    def load(self, path: Path, *, with_optim: bool = True) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        state = {"model": model_sd, "optim": optim_sd} if with_optim else {"model": model_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        if with_optim:
+            set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            self.model.load_state_dict(state["model"])
+        return json.loads((Path(path) / "minirl.json").read_text())

@@ -1,0 +1,155 @@
+"""A workspace folder and `minirl init`, which builds the embedded default inside it.
+
+Layout:
+    minirl.toml                  the recipe (edit it, or override with --set)
+    data/train.jsonl             embedded task, train split
+    data/heldout.jsonl           embedded task, held-out split (never trained on)
+    model/tokenizer/             char-level HF tokenizer
+    model/coldstart/             cold-start policy, HF folder (safetensors + config + tokenizer)
+    model/coldstart-dcp/         the same weights as a TorchTitan DCP checkpoint
+    runs/<run-id>/               one folder per `minirl run`: metrics.jsonl, checkpoints/, summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from minirl import recipe as recipe_mod
+from minirl.errors import UsageError
+
+RECIPE_NAME = "minirl.toml"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.root / RECIPE_NAME
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    def path(self, rel: str) -> Path:
+        p = Path(rel)
+        return p if p.is_absolute() else self.root / p
+
+    def latest_run(self) -> Path | None:
+        runs = sorted(p for p in self.runs.glob("*") if p.is_dir()) if self.runs.exists() else []
+        return runs[-1] if runs else None
+
+    @classmethod
+    def open(cls, root: Path) -> "Workspace":
+        root = Path(root)
+        if not (root / RECIPE_NAME).is_file():
+            raise UsageError(f"{root} is not a minirl workspace (no {RECIPE_NAME}); create one with `minirl init {root}`")
+        return cls(root.resolve())
+
+
+def init_workspace(
+    root: Path,
+    *,
+    recipe_name: str = "tiny",
+    force: bool = False,
+    overrides: list[str] = (),
+    progress: Callable[[str, int, int, dict], None] | None = None,
+) -> dict:
+    """Create a workspace; for the embedded default also build data, model and cold start.
+
+    Returns a report dict. Refuses to touch an existing workspace unless `force`.
+    `progress(stage, done, total, info)` is called as work advances.
+    """
+    root = Path(root)
+    if (root / RECIPE_NAME).exists() and not force:
+        raise FileExistsError(str(root))
+    if force and root.exists():
+        for sub in ("data", "model", "runs"):
+            shutil.rmtree(root / sub, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    src = recipe_mod.shipped(recipe_name)
+    rec = recipe_mod.load(src, list(overrides))
+    ws = Workspace(root.resolve())
+    report: dict = {"workspace": str(ws.root), "recipe": recipe_name}
+    if rec.model.id == "tiny-qwen3-moe":
+        report.update(build_embedded_default(ws, rec, progress=progress))
+    # Written last: a workspace counts as created only once everything above succeeded.
+    if overrides:
+        ws.recipe_path.write_text(rec.to_toml())  # the resolved recipe, --set values folded in
+    else:
+        shutil.copy(src, ws.recipe_path)
+    return report
+
+
+def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
+    """Tokenizer, tiny Qwen3-MoE, task splits and the cold-start SFT, all through the real engines."""
+    import torch
+
+    from minirl.hf_io import save_hf_folder
+    from minirl.models import TINY, param_count
+    from minirl.sft import cold_start
+    from minirl.task import make_splits, write_jsonl
+    from minirl.tokenizer import build_tokenizer
+    from minirl.train import Trainer
+
+    def tell(stage: str, done: int, total: int, **info) -> None:
+        if progress is not None:
+            progress(stage, done, total, info)
+
+    cs = rec.cold_start
+    t0 = time.time()
+    tell("data", 0, 1)
+    train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed)
+    write_jsonl(ws.path(rec.data.train), train)
+    write_jsonl(ws.path(rec.data.heldout), heldout)
+    tell("data", 1, 1)
+
+    tell("model", 0, 1)
+    tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", TINY.vocab_size)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    eos = tok.eos_token_id
+    examples = [
+        (tok(r["prompt"], add_special_tokens=False)["input_ids"], tok(r["answer"], add_special_tokens=False)["input_ids"] + [eos])
+        for r in train
+    ]
+    trainer = Trainer(TINY, lr=cs.lr, seed=cs.seed)
+    tell("model", 1, 1)
+
+    losses: list[float] = []
+
+    def on_step(step: int, loss: float) -> None:
+        losses.append(loss)
+        if step % 10 == 0 or step == cs.steps - 1:
+            tell("cold-start", step + 1, cs.steps, loss=sum(losses[-10:]) / len(losses[-10:]))
+
+    t_sft = time.time()
+    final_loss = cold_start(
+        trainer, examples, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr, pad_id=tok.pad_token_id,
+        seed=cs.seed, on_step=on_step,
+    )
+    sft_s = time.time() - t_sft
+    tell("save", 0, 1)
+    out = ws.path(rec.model.path)
+    save_hf_folder(out, TINY, trainer.model.state_dict(), tokenizer_dir=tok_dir, dtype=torch.float32)
+    trainer.save(ws.root / "model" / "coldstart-dcp", {"step": 0, "kind": "cold-start"})
+    info = {
+        "model": "tiny-qwen3-moe",
+        "params": param_count(TINY),
+        "train_rows": len(train),
+        "heldout_rows": len(heldout),
+        "cold_start_steps": cs.steps,
+        "cold_start_final_loss": final_loss,
+        "cold_start_s": round(sft_s, 1),
+        "build_s": round(time.time() - t0, 1),
+    }
+    (out / "minirl_coldstart.json").write_text(json.dumps(info, indent=2))
+    tell("save", 1, 1)
+    return info

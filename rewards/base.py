@@ -1,0 +1,49 @@
+"""The grader interface and its registry (entry-point group `minirl.graders`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+GROUP = "minirl.graders"
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """score in [0, 1]; info holds what the grader saw (extracted answer, error, ...)."""
+
+    score: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Grader(Protocol):
+    """A grader never raises on model output: anything unparsable scores 0 with the reason in info."""
+
+    def __call__(self, record: dict[str, Any], response: str) -> Score: ...
+
+
+def available() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def load_grader(name: str, params: dict[str, Any] | None = None) -> Grader:
+    """Instantiate the grader registered as `name` with the recipe's `reward.params`."""
+    from minirl.errors import UsageError
+
+    eps = available()
+    if name not in eps:
+        raise UsageError(f"unknown grader {name!r}; installed: {', '.join(sorted(eps)) or 'none'}")
+    cls = eps[name].load()
+    try:
+        return cls(**(params or {}))
+    except TypeError as e:
+        raise UsageError(f"grader {name!r}: bad reward.params: {e}") from None
+
+
+def grade_safely(grader: Grader, record: dict[str, Any], response: str) -> Score:
+    """Call a grader; an exception scores 0 and is reported in info (counted by the caller)."""
+    try:
+        return grader(record, response)
+    except Exception as e:  # noqa: BLE001 - a grader bug must never kill a run
+        return Score(0.0, {"error": f"{type(e).__name__}: {e}"})
