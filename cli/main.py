@@ -14,7 +14,6 @@ import click
 from rich.console import Console
 
 console = Console(stderr=False, highlight=False)
-err = Console(stderr=True, highlight=False)
 
 SET_HELP = "Override a recipe value, e.g. --set train.lr=1e-4 (repeatable). Keys are [section].key of the TOML recipe."
 
@@ -82,7 +81,7 @@ def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, .
         def progress(stage: str, done: int, total: int, info: dict) -> None:
             if stage not in tasks:
                 tasks[stage] = prog.add_task(labels.get(stage, stage), total=total, info="")
-            text = f"loss {info['loss']:.3f}" if "loss" in info else ""
+            text = f"loss {info['loss']:.3f}  dev acc {info['dev_acc']:.2f}" if "loss" in info else ""
             prog.update(tasks[stage], completed=done, total=total, info=text)
 
         try:
@@ -94,8 +93,9 @@ def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, .
             return
     console.print(f"[green]workspace ready:[/] {report['workspace']}")
     if "params" in report:
-        console.print(f"  tiny-qwen3-moe: {report['params']:,} params, cold start {report['cold_start_steps']} "
-                      f"SFT steps in {report['cold_start_s']} s (final loss {report['cold_start_final_loss']:.3f})")
+        console.print(f"  tiny-qwen3-moe: {report['params']:,} params; cold start: {report['cold_start_steps']} SFT steps "
+                      f"in {report['cold_start_s']} s, dev accuracy {report['cold_start_dev_acc']:.2f} "
+                      f"(target {report['cold_start_target_acc']})")
     console.print(f"  next: [bold]minirl run {workspace}[/]")
 
 
@@ -143,6 +143,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
         summary = loop.run(ws, rec, resume=resume, on_event=view.on_event)
     view.print_summary(summary)
+    if summary["status"] == "interrupted":
+        sys.exit(130)  # stopped by Ctrl-C; the checkpoint and summary are saved, `--resume` continues
 
 
 @cli.command("eval")
@@ -189,14 +191,18 @@ def main() -> None:
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:
-        err.print(f"minirl: error: {e.format_message()}", markup=False)
-        sys.exit(2)
+        _fail(e.format_message())
     except UsageError as e:
-        err.print(f"minirl: error: {e}", markup=False)
-        sys.exit(2)
+        _fail(str(e))
     except (KeyboardInterrupt, click.exceptions.Abort):
-        err.print("minirl: aborted", markup=False)
+        print("minirl: aborted", file=sys.stderr)
         sys.exit(130)
+
+
+def _fail(message: str) -> None:
+    """One line on stderr (plain print: rich would wrap it at the terminal width), exit code 2."""
+    print(f"minirl: error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

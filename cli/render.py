@@ -65,6 +65,7 @@ class RunView:
     def print_summary(self, s: dict) -> None:
         h = s["heldout"]
         key = h["metric"]
+        self.console.print()
         table = Table(title=f"run summary ({s['status']})")
         table.add_column("")
         table.add_column("value", justify="right")

@@ -95,7 +95,9 @@ class CheckpointConfig:
 class ColdStartConfig:
     """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
 
-    steps: int = 1000
+    max_steps: int = 1000
+    target_acc: float = 0.3  # stop once sampled (T=1) accuracy on the dev split reaches this
+    dev_size: int = 256  # carved from the train split for the stopping rule; never the held-out split
     batch_size: int = 128
     lr: float = 3e-3
     seed: int = 0

@@ -1,14 +1,17 @@
 """Cold-start SFT of the tiny model through the TorchTitan trainer (used by `minirl init`).
 
-Teacher-forced cross-entropy on the answer tokens (+ EOS) only, mean over answer tokens, with a
-cosine learning-rate decay. It stops well short of mastery on purpose: RL needs a policy whose
-held-out accuracy is clearly non-zero but far from perfect.
+Teacher-forced cross-entropy on the answer tokens (+ EOS) only, mean over answer tokens, constant
+learning rate after a short warm-up. It stops as soon as the policy's *sampled* accuracy on a dev
+split (carved from train, never the held-out split) reaches a target: RL needs a policy that is
+clearly non-zero but far from perfect. A fixed step count would not do: on this task accuracy jumps
+from ~2% to ~90% within ~150 steps once carrying is learned (measured: 300 steps 2%, 350 30%,
+450 77%), so the stopping point must be measured, not guessed.
 """
 
 from __future__ import annotations
 
-import math
 import random
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,28 +24,69 @@ def sft_loss(logp_BT: torch.Tensor, batch) -> tuple[torch.Tensor, dict]:
     return -(logp_BT * batch.mask_BT).sum() / n, {}
 
 
+@torch.no_grad()
+def sampled_accuracy(
+    trainer: Trainer,
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    eos_id: int,
+    max_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> float:
+    """Share of prompts whose sampled response (T=temperature) equals the target token ids.
+
+    Plain full-recompute decoding with the TorchTitan model (no KV cache: the tiny model is cheap),
+    prompts grouped by length so no padding is needed."""
+    trainer.model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, (p, _) in enumerate(examples):
+        by_len[len(p)].append(i)
+    correct = 0
+    for n_p, idx in by_len.items():
+        x = torch.tensor([list(examples[i][0]) for i in idx], device=trainer.device)
+        for _ in range(max_tokens):
+            logits = trainer.model(x)[:, -1].float()
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=gen)
+            else:
+                nxt = logits.argmax(-1, keepdim=True).cpu()
+            x = torch.cat([x, nxt.to(x.device)], dim=1)
+        for i, row in zip(idx, x[:, n_p:].tolist()):
+            if eos_id in row:
+                row = row[: row.index(eos_id) + 1]
+            correct += row == list(examples[i][1])
+    return correct / len(examples)
+
+
 def cold_start(
     trainer: Trainer,
     examples: Sequence[tuple[Sequence[int], Sequence[int]]],
     *,
-    steps: int,
+    max_steps: int,
     batch_size: int,
     lr: float,
     pad_id: int,
     seed: int = 0,
+    stop_when: Callable[[int], bool] | None = None,
+    check_every: int = 25,
     on_step: Callable[[int, float], None] | None = None,
-) -> float:
-    """Run `steps` SFT steps over (prompt_ids, target_ids) pairs; returns the last loss."""
+) -> tuple[int, float]:
+    """SFT over (prompt_ids, target_ids) pairs until `stop_when(step)` or `max_steps`.
+
+    Returns (steps run, last loss)."""
     rng = random.Random(seed)
     loss = float("nan")
-    warmup = max(1, steps // 50)
-    for step in range(steps):
-        frac = step / max(1, steps - 1)
-        trainer.set_lr(lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))))
+    warmup = 20
+    for step in range(max_steps):
+        trainer.set_lr(lr * min(1.0, (step + 1) / warmup))
         picks = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         batch = build_batch([p for p, _ in picks], [t for _, t in picks], None, None, pad_id=pad_id)
         loss, _ = trainer.forward_backward(batch, sft_loss)
         trainer.optim_step()
         if on_step is not None:
             on_step(step, loss)
-    return loss
+        if stop_when is not None and (step + 1) % check_every == 0 and stop_when(step + 1):
+            return step + 1, loss
+    return max_steps, loss

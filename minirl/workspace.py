@@ -93,7 +93,7 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
 
     from minirl.hf_io import save_hf_folder
     from minirl.models import TINY, param_count
-    from minirl.sft import cold_start
+    from minirl.sft import cold_start, sampled_accuracy
     from minirl.task import make_splits, write_jsonl
     from minirl.tokenizer import build_tokenizer
     from minirl.train import Trainer
@@ -123,18 +123,26 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     trainer = Trainer(TINY, lr=cs.lr, seed=cs.seed)
     tell("model", 1, 1)
 
+    dev, sft_examples = examples[: cs.dev_size], examples[cs.dev_size :]
     losses: list[float] = []
+    dev_acc: list[float] = []
 
     def on_step(step: int, loss: float) -> None:
         losses.append(loss)
-        if step % 10 == 0 or step == cs.steps - 1:
-            tell("cold-start", step + 1, cs.steps, loss=sum(losses[-10:]) / len(losses[-10:]))
+        if step % 10 == 0:
+            tell("cold-start", step + 1, cs.max_steps, loss=sum(losses[-10:]) / len(losses[-10:]),
+                 dev_acc=dev_acc[-1] if dev_acc else 0.0)
+
+    def reached_target(step: int) -> bool:
+        dev_acc.append(sampled_accuracy(trainer, dev, eos_id=eos, max_tokens=rec.rollout.max_tokens, seed=step))
+        return dev_acc[-1] >= cs.target_acc
 
     t_sft = time.time()
-    final_loss = cold_start(
-        trainer, examples, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr, pad_id=tok.pad_token_id,
-        seed=cs.seed, on_step=on_step,
+    steps_run, final_loss = cold_start(
+        trainer, sft_examples, max_steps=cs.max_steps, batch_size=cs.batch_size, lr=cs.lr,
+        pad_id=tok.pad_token_id, seed=cs.seed, stop_when=reached_target, on_step=on_step,
     )
+    tell("cold-start", cs.max_steps, cs.max_steps, loss=final_loss, dev_acc=dev_acc[-1] if dev_acc else 0.0)
     sft_s = time.time() - t_sft
     tell("save", 0, 1)
     out = ws.path(rec.model.path)
@@ -145,8 +153,10 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
         "params": param_count(TINY),
         "train_rows": len(train),
         "heldout_rows": len(heldout),
-        "cold_start_steps": cs.steps,
+        "cold_start_steps": steps_run,
         "cold_start_final_loss": final_loss,
+        "cold_start_dev_acc": dev_acc[-1] if dev_acc else None,
+        "cold_start_target_acc": cs.target_acc,
         "cold_start_s": round(sft_s, 1),
         "build_s": round(time.time() - t0, 1),
     }

@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny Qwen3-MoE built by the project itself (no hub), and one vLLM engine.
+
+The engine is session-scoped: starting vLLM costs ~5–15 s on 2 cores, and tests that change its
+weights restore them (or build their own) so order never matters.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """HF folder of a randomly initialised tiny model (weights ~N(0, 0.1) so outputs are non-trivial)."""
+    import torch
+
+    from minirl.hf_io import save_hf_folder
+    from minirl.models import TINY
+    from minirl.tokenizer import build_tokenizer
+    from minirl.train import Trainer
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer(root / "tok", TINY.vocab_size)
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    with torch.no_grad():
+        for name, p in tr.model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    return save_hf_folder(root / "hf", TINY, tr.model.state_dict(), tokenizer_dir=tok)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_dir):
+    from minirl.rollout import VLLMEngine
+
+    return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_dir))

@@ -1,0 +1,75 @@
+"""Prompt sources through `datasets` on local files; skip counts; sampler determinism."""
+
+import json
+
+import pytest
+
+from minirl.data import PromptSampler, load_problems
+from minirl.errors import UsageError
+from minirl.task import make_splits
+
+
+def enc(s):
+    return [ord(c) for c in s]
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path):
+    p = write(tmp_path / "d.jsonl", [
+        {"prompt": "1+1=", "answer": "2"},
+        {"prompt": "", "answer": "3"},
+        {"prompt": "2+2=", "answer": None},
+        {"prompt": "1234567890+1=", "answer": "1234567891"},
+        {"prompt": "3+3=", "answer": "6"},
+    ])
+    probs, skipped = load_problems(str(p), encode=enc, prompt_field="prompt", answer_field="answer", max_prompt_tokens=8)
+    assert [pr.record["answer"] for pr in probs] == ["2", "6"]
+    assert skipped == {"empty_prompt": 1, "missing_answer": 1, "too_long": 1}
+    assert probs[0].prompt_ids == tuple(enc("1+1="))
+
+
+def test_zero_usable_rows_is_an_error(tmp_path):
+    p = write(tmp_path / "d.jsonl", [{"prompt": "", "answer": "1"}])
+    with pytest.raises(UsageError, match="no usable rows"):
+        load_problems(str(p), encode=enc, prompt_field="prompt", answer_field="answer", max_prompt_tokens=8)
+
+
+def test_missing_field_names_the_fields(tmp_path):
+    p = write(tmp_path / "d.jsonl", [{"question": "1+1=", "answer": "2"}])
+    with pytest.raises(UsageError, match="no field 'prompt'; fields: question, answer"):
+        load_problems(str(p), encode=enc, prompt_field="prompt", answer_field="answer", max_prompt_tokens=8)
+
+
+def test_missing_local_path_and_no_hub_is_one_line(tmp_path):
+    with pytest.raises(UsageError) as e:
+        load_problems(str(tmp_path / "nope.jsonl"), encode=enc, prompt_field="p", answer_field="a", max_prompt_tokens=8)
+    assert "cannot load dataset" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_task_splits_are_disjoint_and_correct():
+    train, held = make_splits(2000, 200, seed=3)
+    assert len(train) == 2000 and len(held) == 200
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    for r in held:
+        a, b = r["prompt"].rstrip("=").split("+")
+        assert int(a) + int(b) == int(r["answer"]) and 100 <= int(a) <= 999
+
+
+def test_sampler_is_deterministic_and_restorable(tmp_path):
+    train, _ = make_splits(50, 1)
+    p = write(tmp_path / "t.jsonl", train)
+    probs, _ = load_problems(str(p), encode=enc, prompt_field="prompt", answer_field="answer", max_prompt_tokens=16)
+    a = PromptSampler(probs, seed=1)
+    first = [x.record["prompt"] for x in a.next_batch(30)]
+    state = a.state()
+    nxt = [x.record["prompt"] for x in a.next_batch(40)]  # crosses an epoch boundary
+    b = PromptSampler(probs, seed=1)
+    assert [x.record["prompt"] for x in b.next_batch(30)] == first
+    c = PromptSampler(probs, seed=1)
+    c.restore(state)
+    assert [x.record["prompt"] for x in c.next_batch(40)] == nxt
+    assert len(set(first)) == 30  # no repeats within an epoch

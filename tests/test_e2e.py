@@ -1,0 +1,107 @@
+"""End to end through the real CLI: init -> run (vLLM rollouts, TorchTitan training) -> Ctrl-C ->
+resume -> eval, on a small workspace. Slow (~2–3 min on 2 cores): one test, marked."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "--set", "cold_start.max_steps=30", "--set", "cold_start.train_size=2000",
+    "--set", "cold_start.heldout_size=64", "--set", "cold_start.dev_size=32",
+    "--set", "train.prompts_per_step=8", "--set", "train.group_size=4",
+    "--set", "eval.k=2", "--set", "checkpoint.every=2",
+]
+
+
+def minirl(*args, **kw):
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600, **kw)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def titan_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    from minirl.models import TINY
+    from minirl.train import Trainer
+
+    tr = Trainer(TINY, lr=0.0)
+    tr.load(ckpt, with_optim=False)
+    return {k: v.clone() for k, v in tr.model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_init_run_interrupt_resume_eval(tmp_path):
+    ws = tmp_path / "ws"
+    r = minirl("init", str(ws), *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rel in ("minirl.toml", "data/train.jsonl", "data/heldout.jsonl", "model/coldstart/config.json",
+                "model/coldstart/model.safetensors", "model/coldstart/tokenizer.json", "model/coldstart-dcp/minirl.json"):
+        assert (ws / rel).exists(), rel
+    stamp = (ws / "model/coldstart/model.safetensors").stat().st_mtime_ns
+    again = minirl("init", str(ws))
+    assert again.returncode == 0 and "left as it is" in again.stdout
+    assert (ws / "model/coldstart/model.safetensors").stat().st_mtime_ns == stamp
+
+    # --- 3 real RL steps ------------------------------------------------------------------------
+    r = minirl("run", str(ws), "--steps", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = sorted((ws / "runs").iterdir())[-1]
+    rows = metrics(run_dir)
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for m in rows:
+        assert 0.0 <= m["rollout/acc"] <= 1.0 and m["train/entropy"] > 0
+        assert m["loss/is_weight_max"] >= m["loss/is_weight_mean"] > 0
+        assert 0 < m["sync/parity_abs_dlogp"] < 5e-2  # vLLM matches the trainer after every sync
+        assert all(m[f"timing/{k}_s"] > 0 for k in ("rollout", "old_logp", "update", "sync"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 3
+    assert set(summary["heldout"]) == {"metric", "start", "end", "gain_points"}
+    assert summary["heldout"]["metric"] == "avg@2" and 0 <= summary["heldout"]["end"]["avg@2"] <= 1
+    assert Path(summary["checkpoint"]).name == "step_000003" and (Path(summary["hf_folder"]) / "config.json").exists()
+    assert (run_dir / "metrics.png").stat().st_size > 10_000
+    before = titan_weights(ws / "model/coldstart-dcp")
+    after = titan_weights(Path(summary["checkpoint"]))
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before), set(before) - set(changed)  # every tensor moved, routers included
+
+    # --- Ctrl-C: stop after the current step, checkpoint, exit 130 -------------------------------
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        runs = sorted((ws / "runs").iterdir())
+        if len(runs) == 2 and (runs[-1] / "metrics.jsonl").exists() and len(metrics(runs[-1])) >= 2:
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    run2 = sorted((ws / "runs").iterdir())[-1]
+    s2 = json.loads((run2 / "summary.json").read_text())
+    assert s2["status"] == "interrupted" and 2 <= s2["steps"] < 200
+    assert Path(s2["checkpoint"]).name == f"step_{s2['steps']:06d}"
+
+    # --- resume continues from that checkpoint ---------------------------------------------------
+    k = s2["steps"]
+    r = minirl("run", str(ws), "--resume", "--steps", str(k + 1))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed at step {k}" in r.stdout
+    assert [m["step"] for m in metrics(run2)][-2:] == [k, k + 1]
+
+    # --- eval of the latest checkpoint -------------------------------------------------------------
+    r = minirl("eval", "-w", str(ws))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(sorted((ws / "evals").glob("heldout-*.json"))[-1].read_text())
+    assert res["problems"] == 64 and res["k"] == 2 and 0 <= res["avg@2"] <= res["pass@2"] <= 1
