@@ -17,14 +17,37 @@ SMALL = [
     "--set", "cold_start.max_steps=30", "--set", "cold_start.train_size=2000",
     "--set", "cold_start.heldout_size=64", "--set", "cold_start.dev_size=32",
     "--set", "train.prompts_per_step=8", "--set", "train.group_size=4",
-    "--set", "eval.k=2", "--set", "checkpoint.every=2",
+    "--set", "eval.k=2", "--set", "checkpoint.every=2", "--set", "reward.grader=first_digit",
 ]
 
 
+GRADER_PKG = {
+    "minirl_testgrader/__init__.py": (
+        "class FirstDigitGrader:\n"
+        "    \"\"\"Partial credit a barely trained policy can earn: the first digit of the sum.\"\"\"\n"
+        "    def __init__(self, answer_field='answer'):\n"
+        "        self.answer_field = answer_field\n"
+        "    def __call__(self, record, response):\n"
+        "        from rewards import Score\n"
+        "        return Score(float(response[:1] == str(record[self.answer_field])[:1]), {})\n"
+    ),
+    "minirl_testgrader-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: minirl-testgrader\nVersion: 0.1\n",
+    "minirl_testgrader-0.1.dist-info/entry_points.txt": "[minirl.graders]\nfirst_digit = minirl_testgrader:FirstDigitGrader\n",
+}
+ENV: dict[str, str] = {}
+
+
+def install_throwaway_grader(site: Path) -> None:
+    """A third-party grader package, found only through its `minirl.graders` entry point."""
+    for rel, text in GRADER_PKG.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    ENV.update({**os.environ, "COLUMNS": "200", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"})
+
+
 def minirl(*args, **kw):
-    env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=600, **kw)
+                          env=ENV, timeout=600, **kw)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -42,6 +65,7 @@ def titan_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_init_run_interrupt_resume_eval(tmp_path):
+    install_throwaway_grader(tmp_path / "site")
     ws = tmp_path / "ws"
     r = minirl("init", str(ws), *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -59,6 +83,7 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     run_dir = sorted((ws / "runs").iterdir())[-1]
     rows = metrics(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3]
+    assert any(m["rollout/reward_mean"] > 0 for m in rows)  # the plug-in grader, loaded by name, scored
     for m in rows:
         assert 0.0 <= m["rollout/acc"] <= 1.0 and m["train/entropy"] > 0
         assert m["loss/is_weight_max"] >= m["loss/is_weight_mean"] > 0
@@ -76,8 +101,7 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     assert len(changed) == len(before), set(before) - set(changed)  # every tensor moved, routers included
 
     # --- Ctrl-C: stop after the current step, checkpoint, exit 130 -------------------------------
-    env = {**os.environ, "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
