@@ -150,36 +150,65 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
 @cli.command("eval")
 @click.argument("bench", default="heldout")
 @click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose recipe, data and runs to use.")
+              show_default=True, help="Workspace whose recipe, data and runs to use (optional with an HF folder or model id).")
 @click.option("--checkpoint", default="latest", show_default=True,
-              help="'latest' (final checkpoint of the newest run), 'coldstart', an HF model folder, or a run checkpoint folder.")
-@click.option("--k", type=int, default=None, help="Samples per problem (default: the recipe's eval.k).")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature (default: eval.temperature).")
+              help="'latest' (newest run checkpoint), 'coldstart', a run checkpoint folder, an exported HF folder, "
+                   "or an HF model id.")
+@click.option("--data", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Local benchmark file or folder (JSONL/Parquet) instead of the Hub.")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder holding <bench>.jsonl files (sets eval.data_dir).")
+@click.option("--k", type=int, default=None, help="Samples per problem (sets eval.k).")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (sets eval.temperature).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-def eval_cmd(bench: str, workspace: Path, checkpoint: str, k: int | None, temperature: float | None,
-             overrides: tuple[str, ...]) -> None:
-    """Evaluate a checkpoint on BENCH (default: the embedded task's held-out split) and report avg@k / pass@k."""
-    from minirl import recipe as recipe_mod
-    from minirl.evaluate import eval_checkpoint
-    from minirl.workspace import Workspace
+def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, data_dir: Path | None, k: int | None,
+             temperature: float | None, overrides: tuple[str, ...]) -> None:
+    """Evaluate a checkpoint on BENCH and report avg@k, pass@k and maj@k.
 
-    ws = Workspace.open(workspace)
+    BENCH is one of aime24, aime25, hmmt25, amc23, math500, gsm8k (Hugging Face datasets, or a
+    local copy with --data / --data-dir) or heldout (the workspace's held-out split, the default).
+    Results go to <workspace>/evals/ (or ./minirl-evals/ without a workspace) as JSON with a
+    per-problem breakdown. An interrupted eval resumes where it stopped.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from minirl import recipe as recipe_mod
+    from minirl.benchmarks import get as get_bench
+    from minirl.evaluate import eval_benchmark, resolve_checkpoint
+    from minirl.workspace import RECIPE_NAME, Workspace
+
+    get_bench(bench)  # an unknown name fails before anything loads
+    ws = Workspace.open(workspace) if (workspace / RECIPE_NAME).exists() else None
+    if ws is None and checkpoint in ("latest", "coldstart"):
+        Workspace.open(workspace)  # raises the one-line "not a workspace" error
     extra = list(overrides)
-    if k is not None:
-        extra.append(f"eval.k={k}")
-    if temperature is not None:
-        extra.append(f"eval.temperature={temperature}")
-    rec = recipe_mod.load(ws.recipe_path, extra)
-    with console.status(f"evaluating {checkpoint} on {bench}..."):
-        result = eval_checkpoint(ws, rec, bench=bench, checkpoint=checkpoint)
+    for key, value in (("eval.k", k), ("eval.temperature", temperature), ("eval.data_dir", data_dir)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    rec = recipe_mod.load(ws.recipe_path if ws else None, extra)
+    model_dir = resolve_checkpoint(ws, rec, checkpoint)
+    out_dir = ws.root / "evals" if ws else Path("minirl-evals")
+    with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as prog:
+        task = prog.add_task("eval", total=None)
+        result = eval_benchmark(
+            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec,
+            heldout_path=ws.path(rec.data.heldout) if ws else None, data=data,
+            data_dir=Path(rec.eval.data_dir) if rec.eval.data_dir else None,
+            on_progress=lambda done, total: prog.update(task, completed=done, total=total),
+        )
     from rich.table import Table
 
+    kk = result["k"]
     table = Table(title=f"{bench}: {result['checkpoint']}")
-    for col in ("problems", f"avg@{rec.eval.k}", f"pass@{rec.eval.k}", "temperature"):
+    for col in ("problems", f"avg@{kk}", f"pass@{kk}", f"maj@{kk}", "T", "truncated prompts", "grader timeouts"):
         table.add_column(col, justify="right")
-    table.add_row(str(result["problems"]), f"{result[f'avg@{rec.eval.k}']:.3f}", f"{result[f'pass@{rec.eval.k}']:.3f}",
-                  str(result["temperature"]))
+    table.add_row(str(result["problems"]), f"{result[f'avg@{kk}']:.3f}", f"{result[f'pass@{kk}']:.3f}",
+                  f"{result[f'maj@{kk}']:.3f}", str(result["temperature"]), str(result["truncated_prompts"]),
+                  str(result["grader_timeouts"]))
     console.print(table)
+    if result["resumed_problems"]:
+        console.print(f"resumed: {result['resumed_problems']} problems were already done")
     console.print(f"results: {result['results_file']}")
 
 

@@ -23,7 +23,7 @@ class Problem:
     record: dict[str, Any]
 
 
-def load_rows(spec: str, *, base: Path | None = None, split: str = "train"):
+def load_rows(spec: str, *, base: Path | None = None, split: str = "train", config: str | None = None):
     """A `datasets.Dataset` from a local file/folder (resolved against `base`) or a Hub dataset id."""
     import datasets
 
@@ -36,7 +36,7 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train"):
                 raise UsageError(f"no .jsonl or .parquet files in {local}")
             kind = "parquet" if files[0].suffix == ".parquet" else "json"
             return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
-        return datasets.load_dataset(spec, split=split)
+        return datasets.load_dataset(spec, config, split=split)
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - turn any loader failure into one line

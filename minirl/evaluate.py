@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from minirl.data import Problem
-from rewards.base import Grader, grade_safely
+from rewards.pool import GradingPool
 
 
 def response_text(token_ids: Sequence[int], decode: Callable[[list[int]], str], eos_id: int) -> str:
@@ -23,7 +23,7 @@ def response_text(token_ids: Sequence[int], decode: Callable[[list[int]], str], 
 def evaluate(
     engine,
     problems: Sequence[Problem],
-    grader: Grader,
+    grading: GradingPool,
     *,
     k: int,
     temperature: float,
@@ -35,10 +35,9 @@ def evaluate(
     groups = engine.generate(
         [p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens, seed=seed
     )
-    per_problem = []
-    for prob, group in zip(problems, groups):
-        scores = [grade_safely(grader, prob.record, response_text(c.token_ids, decode, eos_id)).score for c in group]
-        per_problem.append(sum(s >= 1.0 for s in scores) / k)
+    items = [(prob.record, response_text(c.token_ids, decode, eos_id)) for prob, g in zip(problems, groups) for c in g]
+    scores = [s.score for s in grading.grade(items)]
+    per_problem = [sum(s >= 1.0 for s in scores[i * k : (i + 1) * k]) / k for i in range(len(problems))]
     n = len(per_problem)
     return {
         f"avg@{k}": sum(per_problem) / n,
@@ -56,8 +55,12 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
     from minirl.errors import UsageError
 
     if checkpoint == "coldstart":
+        if ws is None:
+            raise UsageError("--checkpoint coldstart needs a workspace (-w DIR)")
         return ws.path(rec.model.path)
     if checkpoint == "latest":
+        if ws is None:
+            raise UsageError("no workspace here: pass -w DIR, or --checkpoint with an HF folder or model id")
         run = ws.latest_run()
         ckpts = sorted((run / "checkpoints").glob("step_*")) if run else []
         ckpts = [c for c in ckpts if not c.name.endswith(".tmp")]
@@ -67,6 +70,8 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
     else:
         path = Path(checkpoint)
         if not path.exists():
+            if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/")):
+                return _hub_snapshot(checkpoint)
             raise UsageError(f"checkpoint not found: {checkpoint}")
     if (path / "config.json").exists():
         return path
@@ -80,41 +85,169 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
         shape = shape_for(rec.model.id)
         trainer = Trainer(shape, lr=0.0)
         trainer.load(path, with_optim=False)
+        if ws is None:
+            raise UsageError("exporting a step checkpoint needs its workspace (-w DIR) for the tokenizer")
         return save_hf_folder(path / "hf", shape, trainer.model.state_dict(), tokenizer_dir=ws.path(rec.model.path))
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")
 
 
-def eval_checkpoint(ws, rec, *, bench: str, checkpoint: str) -> dict:
-    """Evaluate one checkpoint on the embedded held-out split; writes ws/evals/<bench>-<ckpt>.json."""
+def _hub_snapshot(repo_id: str):
+    """An HF model id -> local snapshot folder through huggingface_hub (cached after the first call)."""
+    from pathlib import Path
+
+    from huggingface_hub import snapshot_download
+
+    from minirl.errors import UsageError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as e:  # noqa: BLE001 - offline, gated, missing: one line
+        raise UsageError(f"cannot fetch model {repo_id!r} from the Hub: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]) -> dict:
+    """avg@k, pass@k and maj@k from per-sample correctness and extracted answers.
+
+    maj@k: the most frequent extracted answer (ties: first seen) decides; a problem counts as
+    solved when that answer was graded correct.
+    >>> summarize([[True, False], [False, False]], [["1", "2"], ["3", None]])["avg@2"]
+    0.25
+    """
+    from collections import Counter
+
+    k = len(correct_PK[0]) if correct_PK else 0
+    maj = []
+    for corr, ext in zip(correct_PK, extracted_PK):
+        votes = Counter(e for e in ext if e is not None)
+        if not votes:
+            maj.append(False)
+            continue
+        top = votes.most_common(1)[0][0]
+        maj.append(any(c for c, e in zip(corr, ext) if e == top))
+    n = max(1, len(correct_PK))
+    return {
+        f"avg@{k}": sum(sum(c) / k for c in correct_PK) / n,
+        f"pass@{k}": sum(any(c) for c in correct_PK) / n,
+        f"maj@{k}": sum(maj) / n,
+        "problems": len(correct_PK),
+        "k": k,
+    }
+
+
+def _format_prompt(tok, template: str, problem: str) -> list[int]:
+    text = template.format(problem=problem)
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def eval_benchmark(
+    *,
+    bench_name: str,
+    model_dir,
+    out_dir,
+    rec,
+    heldout_path=None,
+    data=None,
+    data_dir=None,
+    chunk: int = 16,
+    on_progress=lambda done, total: None,
+) -> dict:
+    """`minirl eval`: k samples per problem with vLLM, graded with the benchmark's grader.
+
+    Resumable: finished problems are appended to `<results>.partial.jsonl` chunk by chunk and are
+    not generated again; the final JSON holds the summary and a per-problem breakdown.
+    """
     import json
     import time
+    from pathlib import Path
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from minirl.data import load_problems
-    from minirl.errors import UsageError
+    from minirl import benchmarks
     from minirl.rollout import VLLMEngine
-    from rewards.base import load_grader
+    from rewards.pool import GradingPool
 
-    if bench != "heldout":
-        raise UsageError(f"unknown benchmark {bench!r}; available here: heldout (the benchmark registry is issue 4)")
-    model_dir = resolve_checkpoint(ws, rec, checkpoint)
+    bench = benchmarks.get(bench_name)
+    if bench.hub_id is None:  # the embedded task: the workspace's held-out split, graded by the recipe's grader
+        records = benchmarks.load_records(bench, data=data or heldout_path)
+        grader_name, params = rec.reward.grader, rec.reward.params
+    else:
+        records = benchmarks.load_records(bench, data=data, data_dir=data_dir)
+        grader_name, params = bench.grader, {}
+    records = records[: rec.eval.max_problems]
+    model_dir = Path(model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    problems, _ = load_problems(
-        rec.data.heldout, encode=lambda s: tok(s, add_special_tokens=False)["input_ids"],
-        prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
-        max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root,
-    )
-    problems = problems[: rec.eval.max_problems]
-    engine = VLLMEngine(model_dir, dtype=rec.rollout.dtype, seed=rec.train.seed,
-                        max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1,
-                        memory_fraction=rec.rollout.memory_fraction, kv_cache_gib=rec.rollout.kv_cache_gib, tensor_parallel=rec.rollout.tensor_parallel)
-    result = evaluate(engine, problems, load_grader(rec.reward.grader, rec.reward.params), k=rec.eval.k,
-                      temperature=rec.eval.temperature, max_tokens=rec.rollout.max_tokens,
-                      decode=lambda ids: tok.decode(ids), eos_id=tok.eos_token_id)
-    result["checkpoint"] = str(model_dir)
-    out = ws.root / "evals" / f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
-    result["results_file"] = str(out)
-    out.write_text(json.dumps(result, indent=2))
+    ctx = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 4096))
+    max_tokens = rec.eval.max_tokens or rec.rollout.max_tokens
+    max_tokens = min(max_tokens, ctx - 1)
+    budget = ctx - max_tokens
+    prompts, truncated = [], 0
+    template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template
+    for r in records:
+        ids = _format_prompt(tok, template, r["problem"])
+        if len(ids) > budget:  # keep the end, where the question is
+            ids, truncated = ids[-budget:], truncated + 1
+        prompts.append(ids)
+
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(model_dir.resolve()).strip("/"))[-80:]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"{bench.name}-k{rec.eval.k}-{slug}.json"
+    partial = final.with_suffix(".partial.jsonl")
+    done = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                done[row["index"]] = row
+            except json.JSONDecodeError:
+                break  # a line cut by a crash: regenerate from there
+    todo = [i for i in range(len(records)) if i not in done]
+    on_progress(len(done), len(records))
+    t0 = time.time()
+    if todo:
+        eos = tok.eos_token_id
+        engine = VLLMEngine(model_dir, dtype=rec.rollout.dtype, seed=rec.train.seed, max_model_len=ctx,
+                            memory_fraction=rec.rollout.memory_fraction, kv_cache_gib=rec.rollout.kv_cache_gib,
+                            tensor_parallel=rec.rollout.tensor_parallel)
+        pool = GradingPool(grader_name, params, workers=rec.eval.grader_workers, timeout_s=rec.reward.timeout_s)
+        try:
+            with partial.open("a") as f:
+                for s in range(0, len(todo), chunk):
+                    idx = todo[s : s + chunk]
+                    groups = engine.generate([prompts[i] for i in idx], n=rec.eval.k, temperature=rec.eval.temperature,
+                                             max_tokens=max_tokens, seed=rec.train.seed + 1234)
+                    items = [(records[i], response_text(c.token_ids, tok.decode, eos)) for i, g in zip(idx, groups) for c in g]
+                    scores = pool.grade(items)
+                    for j, i in enumerate(idx):
+                        sc = scores[j * rec.eval.k : (j + 1) * rec.eval.k]
+                        row = {"index": i, "answer": records[i]["answer"], "correct": [x.score >= 1.0 for x in sc],
+                               "extracted": [x.info.get("extracted") for x in sc],
+                               "timeouts": sum(bool(x.info.get("timeout")) for x in sc),
+                               "errors": sum("error" in x.info for x in sc)}
+                        f.write(json.dumps(row) + "\n")
+                        done[i] = row
+                    f.flush()
+                    on_progress(len(done), len(records))
+        finally:
+            pool.close()
+    rows = [done[i] for i in range(len(records))]
+    result = {
+        "benchmark": bench.name,
+        "checkpoint": str(model_dir),
+        **summarize([r["correct"] for r in rows], [r["extracted"] for r in rows]),
+        "temperature": rec.eval.temperature,
+        "max_tokens": max_tokens,
+        "truncated_prompts": truncated,
+        "grader": grader_name,
+        "grader_timeouts": sum(r["timeouts"] for r in rows),
+        "grader_errors": sum(r["errors"] for r in rows),
+        "resumed_problems": len(records) - len(todo),
+        "seconds": round(time.time() - t0, 1),
+        "per_problem": rows,
+        "results_file": str(final),
+    }
+    final.write_text(json.dumps(result, indent=2))
+    partial.unlink(missing_ok=True)
     return result

@@ -30,7 +30,7 @@ from minirl.recipe import Recipe
 from minirl.rollout import VLLMEngine
 from minirl.train import Batch, Trainer, build_batch
 from minirl.workspace import Workspace
-from rewards.base import grade_safely, load_grader
+from rewards.pool import GradingPool
 
 PARITY_BATCH = 16  # fixed (prompt, response) pairs re-scored by both engines after every sync
 
@@ -75,7 +75,8 @@ class RLRun:
         self.train_problems, self.skipped = load_problems(rec.data.train, **kw)
         self.heldout, _ = load_problems(rec.data.heldout, **kw)
         self.heldout = self.heldout[: rec.eval.max_problems]
-        self.grader = load_grader(rec.reward.grader, rec.reward.params)
+        self.grading = GradingPool(rec.reward.grader, rec.reward.params, workers=rec.reward.workers,
+                                   timeout_s=rec.reward.timeout_s)
 
         self.shape = shape_for(rec.model.id)
         self.trainer = Trainer(self.shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay,
@@ -129,7 +130,7 @@ class RLRun:
 
     def heldout_eval(self) -> dict:
         e = self.rec.eval
-        return evaluate(self.engine, self.heldout, self.grader, k=e.k, temperature=e.temperature,
+        return evaluate(self.engine, self.heldout, self.grading, k=e.k, temperature=e.temperature,
                         max_tokens=self.rec.rollout.max_tokens, decode=self.decode, eos_id=self.eos)
 
     # ----- one step -----------------------------------------------------------------------------
@@ -144,17 +145,13 @@ class RLRun:
                                       max_tokens=r.rollout.max_tokens, seed=r.train.seed * 1_000_003 + step)
         t0 = _timed(t, "rollout", t0)
 
-        rewards, errors, truncated = [], 0, 0
-        for prob, group in zip(problems, groups):
-            for c in group:
-                s = grade_safely(self.grader, prob.record, response_text(c.token_ids, self.decode, self.eos))
-                errors += "error" in s.info
-                cut = c.finish == "length"
-                truncated += cut
-                rewards.append(0.0 if cut and r.loss.truncated_reward == "zero" else s.score)
-        rewards_PG = torch.tensor(rewards).view(B, G)
-        adv_PG = objective.group_advantages(rewards_PG, std_scale=r.loss.adv_std)
         comps = [c for g in groups for c in g]
+        scores = self.grading.grade([(prob.record, response_text(c.token_ids, self.decode, self.eos))
+                                     for prob, g in zip(problems, groups) for c in g])
+        cut = [c.finish == "length" for c in comps]
+        zero_cut = r.loss.truncated_reward == "zero"
+        rewards_PG = torch.tensor([0.0 if x and zero_cut else s.score for s, x in zip(scores, cut)]).view(B, G)
+        adv_PG = objective.group_advantages(rewards_PG, std_scale=r.loss.adv_std)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad)
         t0 = _timed(t, "grade", t0)
@@ -187,8 +184,9 @@ class RLRun:
             "rollout/reward_mean": float(rewards_PG.mean()),
             "rollout/acc": float((rewards_PG >= 1.0).float().mean()),
             "rollout/resp_len": float(mask.sum(-1).mean()),
-            "rollout/truncated_frac": truncated / (B * G),
-            "rollout/grader_errors": errors,
+            "rollout/truncated_frac": sum(cut) / (B * G),
+            "rollout/grader_errors": sum("error" in s.info for s in scores),
+            "rollout/grader_timeouts": sum(bool(s.info.get("timeout")) for s in scores),
             "rollout/zero_adv_groups": float((adv_PG.abs().sum(-1) == 0).float().mean()),
             "train/entropy": objective.masked_mean(ent, mask),
             "train/kl_mu_pi_old": kl,

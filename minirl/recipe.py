@@ -76,6 +76,8 @@ class TrainConfig:
 class RewardConfig:
     grader: str = "arith"  # a name from the `minirl.graders` entry-point group
     params: dict[str, Any] = field(default_factory=dict)
+    workers: int = 0  # grader processes (0 = in the trainer process; cheap graders)
+    timeout_s: float = 5.0  # per response; a timeout scores 0 and is counted
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +85,10 @@ class EvalConfig:
     k: int = 4  # samples per held-out problem
     temperature: float = 1.0
     max_problems: int = 500
+    max_tokens: int = 0  # response limit for `minirl eval` (0 = rollout.max_tokens)
+    prompt_template: str = ""  # benchmark prompt, with {problem}; "" = the benchmark's own (boxed-answer)
+    grader_workers: int = 2  # grader processes for `minirl eval`
+    data_dir: str = ""  # folder of <benchmark>.jsonl files used instead of the Hub
 
 
 @dataclass(kw_only=True, slots=True)

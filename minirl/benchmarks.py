@@ -1,0 +1,81 @@
+"""Benchmark registry: name -> Hugging Face dataset (id, config, split) and its field mapping.
+
+Loaded through `datasets`, from the Hub by default or from a local file/folder (`--data PATH`, or
+`--data-dir DIR` holding `<name>.jsonl`), since some machines have no Hub. The ids below are the
+public copies most evaluation code uses; they could not be fetched from the development machine
+(no Hub access), so the local path is what the tests exercise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from minirl.errors import UsageError
+
+BOXED_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+@dataclass(frozen=True, kw_only=True)
+class Benchmark:
+    name: str
+    hub_id: str | None  # None: the workspace's own held-out split
+    split: str = "test"
+    config: str | None = None
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    answer_after: str | None = None  # keep only the text after this marker (GSM8K: "#### ")
+    grader: str = "math"
+    prompt_template: str = BOXED_PROMPT
+
+
+REGISTRY: dict[str, Benchmark] = {
+    b.name: b
+    for b in [
+        Benchmark(name="aime24", hub_id="HuggingFaceH4/aime_2024", split="train"),
+        Benchmark(name="aime25", hub_id="MathArena/aime_2025", split="train"),
+        Benchmark(name="hmmt25", hub_id="MathArena/hmmt_feb_2025", split="train"),
+        Benchmark(name="amc23", hub_id="math-ai/amc23", split="test", problem_field="question"),
+        Benchmark(name="math500", hub_id="HuggingFaceH4/MATH-500", split="test"),
+        Benchmark(name="gsm8k", hub_id="openai/gsm8k", config="main", split="test", problem_field="question",
+                  answer_after="#### "),
+        Benchmark(name="heldout", hub_id=None, grader="", prompt_template="{problem}"),
+    ]
+}
+
+# Local copies sometimes name the problem field differently from the Hub copy.
+PROBLEM_FIELD_ALIASES = ("problem", "question", "prompt")
+
+
+def get(name: str) -> Benchmark:
+    if name not in REGISTRY:
+        raise UsageError(f"unknown benchmark {name!r}; available: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path | None = None) -> list[dict]:
+    """Rows as {"problem", "answer", "index"} from a local file/folder or the Hub."""
+    from minirl.data import load_rows
+
+    if data is None and data_dir is not None:
+        data = Path(data_dir) / f"{bench.name}.jsonl"
+    if data is not None:
+        if not Path(data).exists():
+            raise UsageError(f"benchmark data not found: {data}")
+        rows = load_rows(str(data))
+    else:
+        rows = load_rows(bench.hub_id, split=bench.split, config=bench.config)
+    fields = rows.column_names
+    pf = bench.problem_field if bench.problem_field in fields else next((f for f in PROBLEM_FIELD_ALIASES if f in fields), None)
+    if pf is None or bench.answer_field not in fields:
+        raise UsageError(f"{bench.name}: need a problem field ({'/'.join(PROBLEM_FIELD_ALIASES)}) and "
+                         f"{bench.answer_field!r}; the data has {', '.join(fields)}")
+    out = []
+    for i, row in enumerate(rows):
+        answer = str(row[bench.answer_field])
+        if bench.answer_after and bench.answer_after in answer:
+            answer = answer.rsplit(bench.answer_after, 1)[1].strip()
+        out.append({"index": i, "problem": str(row[pf]), "answer": answer})
+    if not out:
+        raise UsageError(f"{bench.name}: no rows")
+    return out

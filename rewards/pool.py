@@ -1,0 +1,124 @@
+"""Grading with a per-call time limit, inline or in a pool of worker processes.
+
+Symbolic checks can hang on adversarial model output (a 1 MB response, 10^(10^10)); a run must
+never stall or die on one. Every call therefore has a time limit, and a timeout or an exception
+scores 0 with the reason in `info` (the loop counts both).
+
+- workers = 0: graded in this process; the limit is a SIGALRM timer, which interrupts Python code
+  (sympy, math-verify) but not a long C call. Fine for cheap graders such as `arith`.
+- workers > 0: spawned worker processes (never forked: the parent holds vLLM/OpenMP threads),
+  each limiting its own calls with SIGALRM; if a worker still does not answer within a hard
+  deadline (a C-level hang), the pool is killed and rebuilt, and the unanswered calls score 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rewards.base import Score, load_grader
+
+MAX_RESPONSE_CHARS = 20_000  # graders see the tail: the final answer is at the end of a response
+
+
+class _Timeout(BaseException):  # BaseException: libraries that catch Exception must not swallow it
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout
+
+
+def call_with_limit(grader, record: dict, response: str, timeout_s: float) -> Score:
+    """grader(record, response) with a SIGALRM time limit (main thread only; elsewhere no limit)."""
+    response = response[-MAX_RESPONSE_CHARS:]
+    use_alarm = timeout_s > 0 and threading.current_thread() is threading.main_thread()
+    if use_alarm:
+        old = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return grader(record, response)
+    except _Timeout:
+        return Score(0.0, {"timeout": True})
+    except Exception as e:  # noqa: BLE001 - a grader bug must never kill a run
+        return Score(0.0, {"error": f"{type(e).__name__}: {e}"})
+    finally:
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+_WORKER_GRADER = None
+
+
+def _worker_init(name: str, params: dict) -> None:
+    global _WORKER_GRADER
+    _WORKER_GRADER = load_grader(name, params)
+
+
+def _worker_call(record: dict, response: str, timeout_s: float) -> Score:
+    return call_with_limit(_WORKER_GRADER, record, response, timeout_s)
+
+
+class GradingPool:
+    def __init__(
+        self,
+        name: str,
+        params: dict[str, Any] | None = None,
+        *,
+        workers: int = 0,
+        timeout_s: float = 5.0,
+        hard_slack_s: float = 30.0,
+    ):
+        self.name, self.params, self.workers, self.timeout_s = name, dict(params or {}), workers, timeout_s
+        self.hard_slack_s = hard_slack_s  # extra wait for a whole batch before workers are killed
+        self.grader = load_grader(name, self.params)  # fails fast (UsageError) on a bad name or params
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    def _executor(self) -> cf.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(
+                self.workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                initargs=(self.name, self.params),
+            )
+        return self._pool
+
+    def grade(self, items: Sequence[tuple[dict, str]]) -> list[Score]:
+        """Scores in input order; never raises on model output."""
+        if self.workers <= 0:
+            return [call_with_limit(self.grader, rec, resp, self.timeout_s) for rec, resp in items]
+        pool = self._executor()
+        futures = [pool.submit(_worker_call, rec, resp, self.timeout_s) for rec, resp in items]
+        # Each worker enforces timeout_s per call; this outer deadline only catches C-level hangs.
+        deadline = time.monotonic() + self.timeout_s * (len(items) / self.workers + 2) + self.hard_slack_s
+        out: list[Score] = []
+        for fut in futures:
+            try:
+                out.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+            except cf.TimeoutError:
+                out.append(Score(0.0, {"timeout": True, "hard": True}))
+            except Exception as e:  # noqa: BLE001 - a dead worker scores 0, the pool is rebuilt
+                out.append(Score(0.0, {"error": f"{type(e).__name__}: {e}"}))
+        if any(s.info.get("hard") or "BrokenProcessPool" in str(s.info.get("error", "")) for s in out):
+            self.close(kill=True)
+        return out
+
+    def close(self, kill: bool = False) -> None:
+        if self._pool is None:
+            return
+        if kill:
+            for p in list(getattr(self._pool, "_processes", {}).values()):
+                p.kill()
+        self._pool.shutdown(wait=not kill, cancel_futures=True)
+        self._pool = None
+
+    def __del__(self) -> None:
+        try:
+            self.close(kill=True)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,69 @@
+"""Benchmark registry on the real files, avg/pass/maj@k by hand, and `minirl eval` with resume."""
+
+import json
+
+import pytest
+
+from minirl import benchmarks
+from minirl.errors import UsageError
+from minirl.evaluate import eval_benchmark, summarize
+from minirl.recipe import Recipe
+from tests.conftest import SHARED
+
+BENCH = SHARED / "data" / "benchmarks"
+
+
+@pytest.mark.parametrize("name, n", [("aime24", 30), ("aime25", 30), ("hmmt25", 30), ("amc23", 40),
+                                     ("math500", 500), ("gsm8k", 1319)])
+def test_every_benchmark_loads_from_a_local_copy(name, n):
+    recs = benchmarks.load_records(benchmarks.get(name), data_dir=BENCH)
+    assert len(recs) == n
+    assert all(r["problem"].strip() and r["answer"].strip() for r in recs)
+
+
+def test_gsm8k_answer_is_the_number_after_the_marker():
+    recs = benchmarks.load_records(benchmarks.get("gsm8k"), data=BENCH / "gsm8k.jsonl")
+    assert recs[0]["answer"] == "18" and all("####" not in r["answer"] for r in recs)
+
+
+def test_unknown_benchmark_and_missing_file():
+    with pytest.raises(UsageError, match="unknown benchmark 'aime99'"):
+        benchmarks.get("aime99")
+    with pytest.raises(UsageError, match="benchmark data not found"):
+        benchmarks.load_records(benchmarks.get("aime25"), data=BENCH / "nope.jsonl")
+
+
+def test_summarize_by_hand():
+    s = summarize([[True, False, True], [False, False, False], [False, True, False]],
+                  [["4", "5", "4"], ["1", "1", None], ["7", "8", "7"]])
+    assert s["avg@3"] == pytest.approx((2 / 3 + 0 + 1 / 3) / 3)
+    assert s["pass@3"] == pytest.approx(2 / 3)
+    assert s["maj@3"] == pytest.approx(1 / 3)  # majority "4" right; "1" wrong; "7" wrong
+
+
+def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
+    rec = Recipe()
+    rec.eval.k, rec.eval.grader_workers, rec.rollout.kv_cache_gib = 2, 0, 0.25
+    out = tmp_path / "evals"
+    seen = []
+
+    def stop_after_first_chunk(done, total):
+        seen.append(done)
+        if done >= 8:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        eval_benchmark(bench_name="aime25", model_dir=tiny_dir, out_dir=out, rec=rec, data=BENCH / "aime25.jsonl",
+                       chunk=8, on_progress=stop_after_first_chunk)
+    partial = list(out.glob("*.partial.jsonl"))
+    assert len(partial) == 1 and len(partial[0].read_text().splitlines()) == 8
+
+    res = eval_benchmark(bench_name="aime25", model_dir=tiny_dir, out_dir=out, rec=rec, data=BENCH / "aime25.jsonl",
+                         chunk=8)
+    assert res["resumed_problems"] == 8 and res["problems"] == 30 and res["k"] == 2
+    assert res["truncated_prompts"] == 30  # AIME problems do not fit the tiny model's 64-token context
+    assert 0.0 <= res["avg@2"] <= res["pass@2"] <= 1.0
+    saved = json.loads(open(res["results_file"]).read())
+    assert [r["index"] for r in saved["per_problem"]] == list(range(30))
+    assert all(len(r["correct"]) == 2 for r in saved["per_problem"])
+    assert not partial[0].exists()

@@ -1,0 +1,130 @@
+"""The math grader (math-verify) on the real benchmark files and on the equivalences math answers
+really show; adversarial outputs finish within the time limit, inline and in worker processes."""
+
+import json
+import re
+import time
+
+import pytest
+
+from rewards.math import MathGrader
+from rewards.pool import GradingPool
+from tests.conftest import SHARED
+
+BENCH = SHARED / "data" / "benchmarks"
+
+
+def rows(name):
+    return [json.loads(line) for line in (BENCH / f"{name}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["aime24", "aime25", "hmmt25", "amc23", "math500"])
+def test_reference_answers_score_100_percent_and_wrong_ones_0(name):
+    g = MathGrader()
+    data = rows(name)
+    failures = [(i, r["answer"]) for i, r in enumerate(data)
+                if g(r, f"Let me work it out. ... so the answer is \\boxed{{{r['answer']}}}.").score != 1.0]
+    assert failures == []
+    assert sum(g(r, "so the answer is \\boxed{123456789}.").score for r in data) == 0
+    # each row against the next row's answer, where the two differ ("x=5" and "5" do not: the grader
+    # rightly accepts an equation for its value; MATH-500 rows 22/23 are such a pair)
+    def norm(a):
+        return re.sub(r"^[a-z]\s*=", "", a.replace(" ", ""))
+
+    wrong = [(i, data[i]["answer"], data[i + 1]["answer"]) for i in range(len(data) - 1)
+             if norm(data[i]["answer"]) != norm(data[i + 1]["answer"])
+             and g(data[i], f"\\boxed{{{data[i + 1]['answer']}}}").score != 0.0]
+    assert wrong == []
+
+
+@pytest.mark.parametrize(
+    "gold, response",
+    [
+        ("\\frac{1}{2}", "\\boxed{0.5}"),
+        ("\\frac{1}{2}", "\\boxed{\\dfrac{1}{2}}"),
+        ("0.5", "\\boxed{\\frac12}"),
+        ("7", "\\boxed{007}"),  # leading zeros
+        ("1000", "\\boxed{1,000}"),  # thousands separator
+        ("1000", "The answer is 1,000."),
+        ("30", "\\boxed{30^\\circ}"),  # degrees
+        ("30^\\circ", "\\boxed{30}"),
+        ("5", "\\boxed{5 \\text{ cm}}"),  # units
+        ("3", "\\boxed{x = 3}"),
+        ("x=3", "\\boxed{3}"),
+        ("(1, 2]", "\\boxed{(1,2]}"),  # interval
+        ("\\{1,2\\}", "\\boxed{\\{2, 1\\}}"),  # set, any order
+        ("\\sqrt{2}", "\\boxed{2^{1/2}}"),
+        ("2\\pi", "\\boxed{2\\pi}"),
+        ("\\pi", "\\boxed{3.14159265358979}"),
+        ("-4", "answer: -4"),  # the answer pattern
+        ("12", "so 5+7 = 12"),  # the last number
+    ],
+)
+def test_equivalent_answers_score_1(gold, response):
+    assert MathGrader()({"answer": gold}, response).score == 1.0
+
+
+@pytest.mark.parametrize(
+    "gold, response",
+    [("\\frac{1}{2}", "\\boxed{0.6}"), ("(1,2]", "\\boxed{[1,2]}"), ("3", "\\boxed{x=4}"), ("5", "no answer here")],
+)
+def test_different_answers_score_0(gold, response):
+    assert MathGrader()({"answer": gold}, response).score == 0.0
+
+
+ADVERSARIAL = [
+    "1" * 1_000_000,  # 1 MB response
+    "\\boxed{" + "9" * 1_000_000 + "}",
+    "\\boxed{10^{10^{10^{10}}}}",  # huge exponent
+    "\\boxed{9^{9^{9^{9^9}}}}!",
+    "\\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}",
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_adversarial_outputs_finish_within_the_limit(workers):
+    pool = GradingPool("math", workers=workers, timeout_s=2.0, hard_slack_s=5.0)
+    try:
+        pool.grade([({"answer": "5"}, "\\boxed{5}")])  # start the workers outside the timed part
+        t0 = time.monotonic()
+        scores = pool.grade([({"answer": "5"}, r) for r in ADVERSARIAL] + [({"answer": "5"}, "\\boxed{5}")])
+        elapsed = time.monotonic() - t0
+    finally:
+        pool.close()
+    assert [s.score for s in scores] == [0.0] * len(ADVERSARIAL) + [1.0]
+    assert sum(bool(s.info.get("timeout")) for s in scores) >= 2  # the exponent towers hit the limit
+    bound = 2.0 * len(ADVERSARIAL) / max(1, workers) + 2.0 * (2 + 1) + 5.0
+    assert elapsed < bound, elapsed
+
+
+HANG_PKG = {
+    "minirl_hanggrader/__init__.py": (
+        "import re\n"
+        "class CHang:\n"
+        "    def __init__(self):\n"
+        "        pass\n"
+        "    def __call__(self, record, response):\n"
+        "        from rewards import Score\n"
+        "        if response == 'hang':\n"
+        "            re.match('(a+)+$', 'a' * 64 + 'b')  # catastrophic backtracking in C: no signal gets in\n"
+        "        return Score(1.0, {})\n"
+    ),
+    "minirl_hanggrader-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: minirl-hanggrader\nVersion: 0.1\n",
+    "minirl_hanggrader-0.1.dist-info/entry_points.txt": "[minirl.graders]\nc_hang = minirl_hanggrader:CHang\n",
+}
+
+
+def test_a_c_level_hang_is_killed_and_the_pool_recovers(tmp_path, monkeypatch):
+    for rel, text in HANG_PKG.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pool = GradingPool("c_hang", workers=1, timeout_s=0.5, hard_slack_s=1.0)
+    try:
+        t0 = time.monotonic()
+        scores = pool.grade([({}, "hang"), ({}, "fine")])
+        assert time.monotonic() - t0 < 10
+        assert scores[0].score == 0.0 and scores[0].info.get("timeout")
+        assert [s.score for s in pool.grade([({}, "fine")])] == [1.0]  # a fresh pool took over
+    finally:
+        pool.close(kill=True)
