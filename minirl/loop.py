@@ -27,6 +27,7 @@ from minirl.data import PromptSampler, load_problems
 from minirl.evaluate import evaluate, response_text
 from minirl.models import shape_for
 from minirl.recipe import Recipe
+from minirl.replay import route_agreement, route_dtype
 from minirl.rollout import VLLMEngine
 from minirl.train import Batch, Trainer, build_batch
 from minirl.workspace import Workspace
@@ -95,7 +96,8 @@ class RLRun:
         self.engine = VLLMEngine(model_dir, dtype=rec.rollout.dtype, seed=rec.train.seed, max_model_len=max_len,
                                  max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
                                  memory_fraction=rec.rollout.memory_fraction, kv_cache_gib=rec.rollout.kv_cache_gib,
-                                 tensor_parallel=rec.rollout.tensor_parallel)
+                                 tensor_parallel=rec.rollout.tensor_parallel,
+                                 capture_routes=rec.train.replay == "r3")
         self.sync()  # resumed weights, or FP8-emulated ones; a no-op in effect otherwise (~30 ms)
         self._parity_pairs = self._fixed_parity_pairs()
 
@@ -124,7 +126,7 @@ class RLRun:
         resps = [r for _, r in self._parity_pairs]
         mu = self.engine.score(prompts, resps)
         batch = build_batch(prompts, resps, mu, None, pad_id=self.pad)
-        pi, _ = self.trainer.logprobs(batch)
+        pi, _, _ = self.trainer.logprobs(batch)
         m = batch.mask_BT
         return float(((batch.rollout_logp_BT - pi).abs() * m).sum() / m.sum())
 
@@ -156,7 +158,23 @@ class RLRun:
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad)
         t0 = _timed(t, "grade", t0)
 
-        old_logp, ent = self.trainer.logprobs(batch)
+        replay_metrics = {}
+        if r.train.replay == "r3":  # π_old under the rollout engine's routes; the trainer's own for metrics
+            routes = rollout_routes(comps, batch, self.trainer.replay.num_layers, self.shape.top_k,
+                                    self.shape.num_experts)
+            old_logp, ent, _ = self.trainer.logprobs(batch, routes=routes)
+            replay_metrics = {"replay/coverage": 1.0}  # every fed position has a captured route (checked when built)
+            if r.train.replay_diagnostics:
+                own_logp, _, own_routes = self.trainer.logprobs(batch, record_routes=True)
+                agree = route_agreement(routes, own_routes, batch.mask_BT)
+                replay_metrics.update({
+                    "replay/route_agreement": float(agree.mean()),
+                    **{f"replay/route_agreement_l{i}": float(a) for i, a in enumerate(agree)},
+                    "train/kl_mu_pi_old_noreplay": objective.train_inference_kl(
+                        batch.rollout_logp_BT, own_logp, batch.mask_BT),
+                })
+        else:  # R2 records the trainer's own routes under π_old and replays them in every mini-batch
+            old_logp, ent, routes = self.trainer.logprobs(batch, record_routes=r.train.replay == "r2")
         kl = objective.train_inference_kl(batch.rollout_logp_BT, old_logp, batch.mask_BT)
         t0 = _timed(t, "old_logp", t0)
 
@@ -166,7 +184,7 @@ class RLRun:
             idx = (mb_prompts[:, None] * G + torch.arange(G)[None, :]).flatten()
             mb, mb_old = batch.select(idx), old_logp[idx]
             loss_fn = _loss_fn(r, mb_old)
-            loss, m = self.trainer.forward_backward(mb, loss_fn)
+            loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None)
             grad_norms.append(self.trainer.optim_step())
             losses.append(loss)
             mb_metrics.append(m)
@@ -193,6 +211,7 @@ class RLRun:
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             "sync/parity_abs_dlogp": parity,
+            **replay_metrics,
             **{k: sum(m[k] for m in mb_metrics) / len(mb_metrics) for k in mb_metrics[0]},
             "loss/is_weight_max": max(m["loss/is_weight_max"] for m in mb_metrics),
             "loss/clip_frac_per_mb": [m["loss/clip_frac"] for m in mb_metrics],
@@ -226,6 +245,22 @@ def _loss_fn(r: Recipe, mb_old_logp: torch.Tensor) -> Callable[[torch.Tensor, Ba
         return objective.policy_loss(r.loss.name, logp_BT, mb_old_logp, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
 
     return fn
+
+
+def rollout_routes(comps, batch: Batch, n_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
+    """The rollout engine's routes laid out like the batch, [n_layers, B, L-1, K].
+
+    Positions past a sequence's end (padding) get experts 0..K-1: they are masked out of the loss
+    and, attention being causal, cannot affect real positions."""
+    B, T = batch.mask_BT.shape
+    dtype = route_dtype(num_experts)
+    out = torch.arange(top_k, dtype=dtype).expand(n_layers, B, T, top_k).clone()
+    for i, c in enumerate(comps):
+        r = torch.from_numpy(c.routes).to(dtype).permute(1, 0, 2)  # [layers, n, K]
+        if r.shape[0] != n_layers or r.shape[2] != top_k:
+            raise RuntimeError(f"rollout routes {tuple(r.shape)} do not match {n_layers} MoE layers × top-{top_k}")
+        out[:, i, : r.shape[1]] = r
+    return out
 
 
 def raise_usage(msg: str):

@@ -68,6 +68,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     replay: str = "off"  # off | r2 | r3 (routing replay for MoE)
+    replay_diagnostics: bool = True  # R3: also compute π_old without replay (KL and route-agreement metrics)
     seed: int = 0
     time_limit_s: float = 0.0  # stop after this many seconds of RL (0 = no limit)
 
@@ -262,10 +263,8 @@ def validate(r: Recipe) -> None:
         raise UsageError("loss.eps_low must be in (0, 1) and loss.eps_high > 0")
     if r.loss.tis_cap <= 0:
         raise UsageError(f"loss.tis_cap must be > 0, got {r.loss.tis_cap}")
-    if r.train.replay != "off":
-        raise UsageError(
-            f"train.replay = {r.train.replay!r}: routing replay is not implemented yet (tracked in issue 3); use off"
-        )
+    if r.train.replay == "r3" and r.rollout.engine != "vllm":
+        raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")
 
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

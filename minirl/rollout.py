@@ -37,6 +37,7 @@ class Completion:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish: str
+    routes: object = None  # R3: np.int16 [len(prompt) + len(response) − 1, n_moe_layers, top_k], else None
 
 
 class VLLMEngine:
@@ -52,6 +53,7 @@ class VLLMEngine:
         kv_cache_gib: float = 0.0,
         tensor_parallel: int = 1,
         quantization: str | None = None,
+        capture_routes: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -73,6 +75,18 @@ class VLLMEngine:
             kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None,
         )
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
+        self.capture_routes = capture_routes
+        if capture_routes:
+            if not self.on_cpu:
+                from minirl.errors import UsageError
+
+                raise UsageError(
+                    "replay r3 on CUDA needs vLLM's enable_return_routed_experts path, which is not wired up yet "
+                    "(no GPU was available to test it); use r2"
+                )
+            from minirl import capture
+
+            self._llm.collective_rpc(capture.install)
 
     def generate(
         self,
@@ -87,13 +101,28 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed)
-        outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        if self.capture_routes:
+            from minirl import capture
+
+            self._llm.collective_rpc(capture.start)
+        try:
+            outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        finally:
+            routes = self._llm.collective_rpc(capture.stop)[0] if self.capture_routes else {}
         result = []
-        for out in outs:
+        for prompt, out in zip(prompts, outs):
             group = []
             for c in out.outputs:
                 lps = tuple(lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs))
-                group.append(Completion(tuple(c.token_ids), lps, c.finish_reason or "length"))
+                r = None
+                if self.capture_routes:
+                    r = routes.get((out.request_id, c.index))
+                    want = len(prompt) + len(c.token_ids) - 1
+                    if r is None or r.shape[0] < want:
+                        got = None if r is None else r.shape[0]
+                        raise RuntimeError(f"captured routes for request {out.request_id}/{c.index}: {got} positions, need {want}")
+                    r = r[:want]
+                group.append(Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r))
             result.append(group)
         return result
 

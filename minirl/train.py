@@ -93,6 +93,9 @@ class Trainer:
         self.shape, self.grad_clip, self.device = shape, grad_clip, torch.device(device)
         self.model = titan_config(shape).build().to(self.device)
         self._init_weights()
+        from minirl.replay import RoutingReplay
+
+        self.replay = RoutingReplay(self.model)
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8
         )
@@ -125,24 +128,45 @@ class Trainer:
         return logp, ent
 
     @torch.no_grad()
-    def logprobs(self, batch: Batch, *, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-        """log π(y_t) and full-vocabulary entropy H_t at every position, [B, L-1] each."""
+    def logprobs(
+        self, batch: Batch, *, chunk: int = 512, routes: torch.Tensor | None = None, record_routes: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """log π(y_t) and full-vocabulary entropy H_t at every position, [B, L-1] each.
+
+        routes [n_layers, B, L-1, K]: replay these expert choices (R3). record_routes: also return
+        the experts this forward used (R2 records them while computing π_old)."""
         self.model.eval()
         lps, ents = [], []
-        for s in range(0, len(batch), chunk):
-            lp, ent = self._forward_logp(batch.select(slice(s, s + chunk)), with_entropy=True)
-            lps.append(lp)
-            ents.append(ent)
-        return torch.cat(lps), torch.cat(ents)
+        if record_routes:
+            self.replay.start_recording()
+        try:
+            for s in range(0, len(batch), chunk):
+                self.replay.set_replay(routes[:, s : s + chunk] if routes is not None else None)
+                lp, ent = self._forward_logp(batch.select(slice(s, s + chunk)), with_entropy=True)
+                lps.append(lp)
+                ents.append(ent)
+        finally:
+            self.replay.set_replay(None)
+            recorded = self.replay.stop_recording() if record_routes else None
+        return torch.cat(lps), torch.cat(ents), recorded
 
     def forward_backward(
-        self, batch: Batch, loss_fn: Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]], *, scale: float = 1.0
+        self,
+        batch: Batch,
+        loss_fn: Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]],
+        *,
+        scale: float = 1.0,
+        routes: torch.Tensor | None = None,
     ) -> tuple[float, dict]:
-        """Accumulate grads of `scale * loss_fn(logp_BT, batch)`; returns (loss, metrics)."""
+        """Accumulate grads of `scale * loss_fn(logp_BT, batch)`, replaying `routes` if given."""
         self.model.train()
-        logp, _ = self._forward_logp(batch, with_entropy=False)
-        loss, metrics = loss_fn(logp, batch)
-        (loss * scale).backward()
+        self.replay.set_replay(routes)
+        try:
+            logp, _ = self._forward_logp(batch, with_entropy=False)
+            loss, metrics = loss_fn(logp, batch)
+            (loss * scale).backward()
+        finally:
+            self.replay.set_replay(None)
         return float(loss.detach()), metrics
 
     def optim_step(self) -> float:

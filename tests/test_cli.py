@@ -69,8 +69,12 @@ def test_bad_value_type(bare_ws):
     one_line_error(minirl("run", str(bare_ws), "--steps", "many"), "'many' is not a valid integer")
 
 
-def test_replay_not_available_yet_is_a_clear_error(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--replay", "r3"), "routing replay is not implemented yet")
+def test_unknown_replay_mode(bare_ws):
+    one_line_error(minirl("run", str(bare_ws), "--replay", "r5"), "Invalid value for '--replay'")
+
+
+def test_bad_replay_in_recipe(bare_ws):
+    one_line_error(minirl("run", str(bare_ws), "--set", "train.replay=r4"), "train.replay = 'r4'; choose one of off, r2, r3")
 
 
 def test_missing_model_folder(bare_ws):

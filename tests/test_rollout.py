@@ -11,7 +11,7 @@ PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 4, 4, 4, 16], [12, 11, 10, 
 
 def trainer_logprobs(tr, prompts, responses):
     batch = build_batch(prompts, responses, None, None, pad_id=0)
-    lp, _ = tr.logprobs(batch)
+    lp, _, _ = tr.logprobs(batch)
     return [lp[i][batch.mask_BT[i] > 0].tolist() for i in range(len(prompts))]
 
 
@@ -61,11 +61,15 @@ def test_fp32_rollouts_match_the_trainer_before_and_after_sync(engine32, tiny_di
     tr.load_hf(tiny_dir)
     before = engine32.score(prompts, responses)
     assert mean_abs_diff(before, trainer_logprobs(tr, prompts, responses)) < 1e-5
-    one_update(tr, prompts, responses)
-    engine32.load_weights(tr.hf_state_dict().items())
-    after = engine32.score(prompts, responses)
-    assert mean_abs_diff(after, before) > 0.05  # the sync really changed vLLM's outputs
-    assert mean_abs_diff(after, trainer_logprobs(tr, prompts, responses)) < 1e-5
+    original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
+    try:
+        one_update(tr, prompts, responses)
+        engine32.load_weights(tr.hf_state_dict().items())
+        after = engine32.score(prompts, responses)
+        assert mean_abs_diff(after, before) > 0.05  # the sync really changed vLLM's outputs
+        assert mean_abs_diff(after, trainer_logprobs(tr, prompts, responses)) < 1e-5
+    finally:
+        engine32.load_weights(original.items())
 
 
 def test_bf16_sync_parity_within_precision(engine, tiny_dir, fixed):
@@ -91,3 +95,66 @@ def test_bf16_sync_parity_within_precision(engine, tiny_dir, fixed):
     finally:
         engine.load_weights(original.items())
     assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def engine_r3(tiny_dir):
+    from minirl.rollout import VLLMEngine
+
+    return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25, capture_routes=True)
+
+
+def capture_batch(engine, n_prompts=18):
+    from minirl.loop import rollout_routes
+
+    prompts_in = [PROMPTS[i % 3][: 5 + i % 4] for i in range(n_prompts)]  # varied lengths, many requests
+    groups = engine.generate(prompts_in, n=4, temperature=1.0, max_tokens=6, seed=11)
+    comps = [c for g in groups for c in g]
+    prompts = [p for p, g in zip(prompts_in, groups) for _ in g]
+    batch = build_batch(prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], None, pad_id=0)
+    return comps, batch, rollout_routes(comps, batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
+
+
+def fed_positions(comps, batch):
+    """1 where a token was fed to the rollout engine (prompt and response, not the last sampled token)."""
+    m = torch.zeros_like(batch.mask_BT)
+    for i, c in enumerate(comps):
+        m[i, : c.routes.shape[0]] = 1.0
+    return m
+
+
+def test_route_capture_is_aligned_with_the_trainer_in_fp32(engine32, tiny_dir):
+    """fp32 engines route identically, so a capture that is cut per request and position correctly
+    agrees 100% with the trainer's own routing; an off-by-one or a request mix-up would not."""
+    from minirl import capture
+    from minirl.replay import route_agreement
+
+    engine32._llm.collective_rpc(capture.install)
+    engine32.capture_routes = True
+    try:
+        comps, batch, routes = capture_batch(engine32)
+    finally:
+        engine32.capture_routes = False
+    tr = Trainer(TINY, lr=1e-2, seed=0)
+    tr.load_hf(tiny_dir)
+    _, _, own = tr.logprobs(batch, record_routes=True)
+    assert route_agreement(routes, own, fed_positions(comps, batch)).tolist() == [1.0] * TINY.n_layers
+
+
+def test_r3_trainer_uses_exactly_the_rollout_routes_and_lowers_the_mismatch(engine_r3, tiny_dir):
+    from minirl.replay import route_agreement
+
+    comps, batch, routes = capture_batch(engine_r3)
+    assert routes.dtype == torch.uint8
+    fed = fed_positions(comps, batch)
+    tr = Trainer(TINY, lr=1e-2, seed=0)
+    tr.load_hf(tiny_dir)
+    lp_r3, _, used = tr.logprobs(batch, routes=routes, record_routes=True)
+    assert route_agreement(used, routes, fed).tolist() == [1.0] * TINY.n_layers  # 100% of tokens and layers
+    lp_own, _, own = tr.logprobs(batch, record_routes=True)
+    own_agree = route_agreement(own, routes, fed)
+    assert float(own_agree.min()) < 1.0  # bf16 vLLM does route some tokens differently
+    m = batch.mask_BT
+    gap_r3 = float(((batch.rollout_logp_BT - lp_r3).abs() * m).sum() / m.sum())
+    gap_own = float(((batch.rollout_logp_BT - lp_own).abs() * m).sum() / m.sum())
+    assert gap_r3 < gap_own, (gap_r3, gap_own)

@@ -1,0 +1,89 @@
+"""Routing Replay for the TorchTitan MoE router (paper §3.2).
+
+    R2: replay the experts the *training engine* chose for the rollout tokens under π_θold
+        (recorded while computing π_old, replayed in every mini-batch).
+    R3: replay the experts the *inference engine* chose while sampling (captured from vLLM).
+
+Only the discrete top-k selection is replayed. Gate weights are recomputed from the current router
+scores over the replayed experts (the router's own score function, then its route normalisation
+and scale), so the router keeps its gradient. Replay state is held per forward call, not consumed,
+so activation-checkpoint recompute sees the same indices.
+
+Routes are stored compactly: uint8 when the model has ≤ 256 experts, else int16, shaped
+[n_layers, B, T, K] (T = positions fed to the model, i.e. L − 1 for a batch of length L).
+A shape mismatch is an error, never a silent misalignment.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+class RoutingReplay:
+    """Installed once on a TorchTitan model. Replays while routes are set; records while recording."""
+
+    def __init__(self, model: torch.nn.Module):
+        from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
+        self.recording = False
+        self._recorded: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self._replay: torch.Tensor | None = None  # [n_layers, B, T, K]
+        for i, router in enumerate(self.routers):
+            router.forward = functools.partial(self._forward, i, router, router.forward)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.routers)
+
+    # ----- recording ----------------------------------------------------------------------------
+    def start_recording(self) -> None:
+        self.recording, self._recorded = True, [[] for _ in self.routers]
+
+    def stop_recording(self) -> torch.Tensor:
+        """Routes of everything forwarded since start_recording, [n_layers, B, T, K]."""
+        self.recording = False
+        return torch.stack([torch.cat(chunks, dim=0) for chunks in self._recorded])
+
+    # ----- replay -------------------------------------------------------------------------------
+    def set_replay(self, routes_NBTK: torch.Tensor | None) -> None:
+        if routes_NBTK is not None and routes_NBTK.shape[0] != self.num_layers:
+            raise ValueError(f"routes cover {routes_NBTK.shape[0]} MoE layers, the model has {self.num_layers}")
+        self._replay = routes_NBTK
+
+    def _forward(self, i: int, router, original, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
+        out = self._replayed(i, router, x_BLD) if self._replay is not None else original(x_BLD, expert_bias_E)
+        if self.recording:  # what the experts actually received, replayed or chosen
+            self._recorded[i].append(out[1].detach().to(route_dtype(router.num_experts)).cpu())
+        return out
+
+    def _replayed(self, i: int, router, x_BLD: torch.Tensor):
+        ids_BLK = self._replay[i].to(device=x_BLD.device, dtype=torch.long)
+        if ids_BLK.shape[:2] != x_BLD.shape[:2] or ids_BLK.shape[2] != router.top_k:
+            raise ValueError(
+                f"layer {i}: replayed routes {tuple(ids_BLK.shape)} do not fit tokens {tuple(x_BLD.shape[:2])} "
+                f"× top-k {router.top_k}"
+            )
+        # The router's own scoring, as in TokenChoiceTopKRouter.forward, minus the top-k choice.
+        with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
+            scores_BLE = router.gate(x_BLD)
+        scores_BLE = torch.sigmoid(scores_BLE) if router.score_func == "sigmoid" else F.softmax(scores_BLE, dim=-1)
+        topk_scores_BLK = scores_BLE.gather(dim=-1, index=ids_BLK)
+        if router.route_norm:
+            topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_scores_BLK * router.route_scale, ids_BLK, scores_BLE
+
+
+def route_agreement(a_NBTK: torch.Tensor, b_NBTK: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Per layer, the share of (masked) tokens whose top-k *set* is the same in a and b, [n_layers]."""
+    a = torch.sort(a_NBTK.long(), dim=-1).values
+    b = torch.sort(b_NBTK.long(), dim=-1).values
+    same_NBT = (a == b).all(dim=-1).float()
+    return (same_NBT * mask_BT).sum(dim=(1, 2)) / mask_BT.sum().clamp(min=1.0)
