@@ -29,6 +29,8 @@ def _prepare_env(verbose: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if not verbose:
+        os.environ.setdefault("TORCH_LOGS", "-all")  # torch's own loggers at ERROR (import-time pytree notices)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # vLLM's NUMA-binding notice
         import logging
         import warnings
 

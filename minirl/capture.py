@@ -30,15 +30,15 @@ _REQ_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$")
 
 
 class RouteRecorder:
-    """Lives in the worker. Collects per-request routes while enabled."""
+    """Lives in the worker. Collects routes while enabled, with O(1) numpy work per forward and
+    layer; the per-request split happens once, in stop()."""
 
     def __init__(self, worker):
         self.runner = worker.model_runner
         layers = self.runner.model.model.layers
         self.routers = [layer.mlp.experts.router for layer in layers if hasattr(layer.mlp, "experts")]
         self.enabled = False
-        self.layout: list[tuple[str, int, int]] = []  # (req_id, start position, n tokens) in batch order
-        self.routes: dict[str, dict[int, np.ndarray]] = {}  # req_id -> {position: [n_layers, K]}
+        self._reset()
         for i, router in enumerate(self.routers):
             router.set_capture_fn(self._make_capture(i))
         original = self.runner._update_states
@@ -46,55 +46,66 @@ class RouteRecorder:
         def update_states(scheduler_output):
             out = original(scheduler_output)
             if self.enabled:
-                sched = scheduler_output.num_scheduled_tokens
-                batch = self.runner.input_batch
-                self.layout = [
-                    (rid, int(batch.num_computed_tokens_cpu[j]), int(sched[rid]))
-                    for j, rid in enumerate(batch.req_ids)
-                    if rid is not None and rid in sched
-                ]
+                self._snapshot_layout(scheduler_output.num_scheduled_tokens, self.runner.input_batch)
             return out
 
         self.runner._update_states = update_states
 
-    def _make_capture(self, layer: int):
-        n_layers = len(self.routers)
+    def _reset(self) -> None:
+        self.req_index: dict[str, int] = {}
+        self.row_req: list[np.ndarray] = []  # per forward: request index of each scheduled token
+        self.row_pos: list[np.ndarray] = []  # per forward: its position in that request's sequence
+        self.row_ids: list[list[np.ndarray]] = [[] for _ in self.routers]  # per layer, per forward: [rows, K]
+        self.n_rows = 0
 
+    def _snapshot_layout(self, sched: dict[str, int], batch) -> None:
+        """The order of tokens in this forward: requests in batch order, each one's tokens contiguous."""
+        js = [j for j, rid in enumerate(batch.req_ids) if rid is not None and rid in sched]
+        rids = [batch.req_ids[j] for j in js]
+        idx = np.fromiter((self.req_index.setdefault(r, len(self.req_index)) for r in rids), np.int64, len(rids))
+        counts = np.fromiter((sched[r] for r in rids), np.int64, len(rids))
+        starts = np.asarray(batch.num_computed_tokens_cpu)[js].astype(np.int64)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.row_req.append(np.repeat(idx, counts))
+        self.row_pos.append(np.repeat(starts, counts) + offsets)
+        self.n_rows = int(counts.sum())
+
+    def _make_capture(self, layer: int):
         def capture(topk_ids: torch.Tensor) -> None:
             if not self.enabled:
                 return
-            ids = topk_ids.detach().to("cpu", torch.int16).numpy()
-            row = 0
-            for rid, start, n in self.layout:
-                per_req = self.routes.setdefault(rid, {})
-                for k in range(n):
-                    slot = per_req.get(start + k)
-                    if slot is None:
-                        slot = per_req[start + k] = np.full((n_layers, ids.shape[1]), -1, dtype=np.int16)
-                    slot[layer] = ids[row + k]
-                row += n
-            if row > ids.shape[0]:
-                raise RuntimeError(f"route capture: layout wants {row} rows, the router gave {ids.shape[0]}")
+            if topk_ids.shape[0] < self.n_rows:
+                raise RuntimeError(f"route capture: layout wants {self.n_rows} rows, the router gave {topk_ids.shape[0]}")
+            self.row_ids[layer].append(topk_ids[: self.n_rows].detach().to("cpu", torch.int16).numpy().copy())
 
         return capture
 
     def start(self) -> None:
-        self.enabled, self.routes, self.layout = True, {}, []
+        self.enabled = True
+        self._reset()
 
     def stop(self) -> dict[tuple[str, int], np.ndarray]:
         """{(external request id, completion index): [positions, n_layers, K] int16}."""
         self.enabled = False
+        if not self.row_req:
+            return {}
+        req, pos = np.concatenate(self.row_req), np.concatenate(self.row_pos)
+        if any(len(per_layer) != len(self.row_req) for per_layer in self.row_ids):
+            raise RuntimeError("route capture: a layer missed a forward")
+        ids = np.stack([np.concatenate(per_layer) for per_layer in self.row_ids], axis=1)  # [rows, layers, K]
+        order = np.lexsort((pos, req))
+        req, pos, ids = req[order], pos[order], ids[order]
+        counts = np.bincount(req, minlength=len(self.req_index))
+        expected = np.arange(len(req)) - np.repeat(np.cumsum(counts) - counts, counts)
+        if not np.array_equal(pos, expected):  # each request: positions 0..n-1, once each
+            raise RuntimeError("route capture: a request has gaps or repeats in its positions")
         out = {}
-        for rid, per_pos in self.routes.items():
+        for rid, part in zip(self.req_index, np.split(ids, np.cumsum(counts)[:-1])):
             m = _REQ_ID.match(rid)
             if m is None:
                 raise RuntimeError(f"route capture: unexpected request id {rid!r}")
-            key = (m.group(2), int(m.group(1) or 0))
-            n = max(per_pos) + 1
-            if sorted(per_pos) != list(range(n)):
-                raise RuntimeError(f"route capture: request {rid} has gaps in its positions")
-            out[key] = np.stack([per_pos[p] for p in range(n)])
-        self.routes = {}
+            out[(m.group(2), int(m.group(1) or 0))] = part
+        self._reset()
         return out
 
 

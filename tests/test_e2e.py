@@ -18,6 +18,7 @@ SMALL = [
     "--set", "cold_start.heldout_size=64", "--set", "cold_start.dev_size=32",
     "--set", "train.prompts_per_step=8", "--set", "train.group_size=4",
     "--set", "eval.k=2", "--set", "checkpoint.every=2", "--set", "reward.grader=first_digit",
+    "--set", "train.minibatches=2",
 ]
 
 
@@ -84,6 +85,7 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     rows = metrics(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert any(m["rollout/reward_mean"] > 0 for m in rows)  # the plug-in grader, loaded by name, scored
+    assert all(len(m["loss/clip_frac_per_mb"]) == 2 and m["loss/clip_frac_per_mb"][0] == 0.0 for m in rows)
     for m in rows:
         assert 0.0 <= m["rollout/acc"] <= 1.0 and m["train/entropy"] > 0
         assert m["loss/is_weight_max"] >= m["loss/is_weight_mean"] > 0

@@ -118,3 +118,26 @@ def test_token_surrogate_gradient_equals_sequence_reinforce_on_policy(setup):
     assert sum(g.abs().sum() for g in g_seq) > 0
     for a, b in zip(g_token, g_seq):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_activation_checkpoint_recompute_replays_the_same_indices(setup):
+    """With activation checkpointing the MoE forward runs twice (forward, then recompute in backward);
+    both must use the replayed experts, so gradients equal those without checkpointing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    tr, batch = setup
+    _, _, routes = tr.logprobs(batch, record_routes=True)
+    with torch.no_grad():
+        for r in tr.replay.routers:  # make the router's own choice differ from the replayed one
+            r.gate.weight.add_(torch.randn_like(r.gate.weight) * 2.0)
+    loss_fn = lambda lp, b: (-(lp * b.mask_BT).sum(-1).mul(b.adv_B).mean(), {})  # noqa: E731
+    tr.forward_backward(batch, loss_fn, routes=routes)
+    plain = [p.grad.clone() for p in tr.model.parameters()]
+    tr.optim.zero_grad()
+    for name, layer in list(tr.model.layers.named_children()):
+        tr.model.layers.register_module(name, checkpoint_wrapper(layer))
+    tr.forward_backward(batch, loss_fn, routes=routes)
+    ckpt = [p.grad.clone() for p in tr.model.parameters()]
+    tr.optim.zero_grad()
+    for a, b in zip(plain, ckpt):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
