@@ -103,7 +103,8 @@ def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, .
 
 @cli.command()
 @click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
-@click.option("--model", "model_id", default=None, help="Model id from the registry (sets model.id), e.g. Qwen3-30B-A3B.")
+@click.option("--model", "model_id", default=None, help="Model id from the registry (sets model.id). Only tiny-qwen3-moe runs today; Qwen3-30B-A3B is "
+                   "registered but its multi-GPU path is not written yet.")
 @click.option("--replay", type=click.Choice(["off", "r2", "r3"]), default=None,
               help="Routing Replay for MoE (sets train.replay): off, r2 (trainer routes), r3 (rollout routes).")
 @click.option("--steps", type=int, default=None, help="RL steps (sets train.steps).")

@@ -281,6 +281,9 @@ def run(
     on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done".
     """
     t_start = time.time()
+    if rec.model.id != "tiny-qwen3-moe":
+        raise_usage(f"model {rec.model.id}: the multi-GPU path (FSDP2 / expert parallel under torchrun) is not "
+                    "implemented yet; only tiny-qwen3-moe runs for now")
     resume_from = None
     if resume:
         run_dir = ws.latest_run()

@@ -238,6 +238,9 @@ def validate(r: Recipe) -> None:
         "rollout.engine": (r.rollout.engine, ("vllm",)),
         "rollout.dtype": (r.rollout.dtype, ("bfloat16", "float16", "float32")),
     }
+    from minirl.models import REGISTRY
+
+    choices["model.id"] = (r.model.id, tuple(REGISTRY))
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise UsageError(f"{key} = {value!r}; choose one of {', '.join(allowed)}")

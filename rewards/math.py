@@ -10,10 +10,14 @@ SIGALRM timers are switched off rather than nested.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from typing import Any
 
 from rewards.base import Score
+
+# math-verify warns on every call that its own timeouts are off; we enforce them in rewards.pool.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 DEFAULT_PATTERN = r"(?i)answer(?:\s+is)?\s*[:=]?\s*\$?([^\n$]+)"

@@ -81,5 +81,13 @@ def test_missing_model_folder(bare_ws):
     one_line_error(minirl("run", str(bare_ws), "--set", "model.path=nowhere"), "model folder")
 
 
+def test_big_model_is_refused_until_the_cluster_path_exists(bare_ws):
+    one_line_error(minirl("run", str(bare_ws), "--model", "Qwen3-30B-A3B"), "multi-GPU path")
+
+
+def test_unknown_model(bare_ws):
+    one_line_error(minirl("run", str(bare_ws), "--model", "gpt-5"), "model.id = 'gpt-5'; choose one of tiny-qwen3-moe, Qwen3-30B-A3B")
+
+
 def test_eval_unknown_benchmark(bare_ws):
     one_line_error(minirl("eval", "aime99", "-w", str(bare_ws), "--checkpoint", "coldstart"), "unknown benchmark 'aime99'")
