@@ -24,10 +24,11 @@ import torch
 
 from minirl import objective
 from minirl.data import PromptSampler, load_problems
+from minirl.errors import UsageError
 from minirl.evaluate import evaluate, response_text
 from minirl.models import shape_for
 from minirl.recipe import Recipe
-from minirl.replay import route_agreement, route_dtype
+from minirl.replay import rollout_routes, route_agreement
 from minirl.rollout import VLLMEngine
 from minirl.train import Batch, Trainer, build_batch
 from minirl.workspace import Workspace
@@ -42,7 +43,6 @@ class RunState:
 
     run_dir: Path
     step: int = 0
-    sampler: dict = field(default_factory=dict)
     heldout_start: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
     started: float = field(default_factory=time.time)
@@ -67,7 +67,7 @@ class RLRun:
         self.ws, self.rec = ws, rec
         model_dir = ws.path(rec.model.path)
         if not model_dir.exists():
-            raise_usage(f"model folder {model_dir} not found (recipe model.path)")
+            raise UsageError(f"model folder {model_dir} not found (recipe model.path)")
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -247,28 +247,6 @@ def _loss_fn(r: Recipe, mb_old_logp: torch.Tensor) -> Callable[[torch.Tensor, Ba
     return fn
 
 
-def rollout_routes(comps, batch: Batch, n_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
-    """The rollout engine's routes laid out like the batch, [n_layers, B, L-1, K].
-
-    Positions past a sequence's end (padding) get experts 0..K-1: they are masked out of the loss
-    and, attention being causal, cannot affect real positions."""
-    B, T = batch.mask_BT.shape
-    dtype = route_dtype(num_experts)
-    out = torch.arange(top_k, dtype=dtype).expand(n_layers, B, T, top_k).clone()
-    for i, c in enumerate(comps):
-        r = torch.from_numpy(c.routes).to(dtype).permute(1, 0, 2)  # [layers, n, K]
-        if r.shape[0] != n_layers or r.shape[2] != top_k:
-            raise RuntimeError(f"rollout routes {tuple(r.shape)} do not match {n_layers} MoE layers × top-{top_k}")
-        out[:, i, : r.shape[1]] = r
-    return out
-
-
-def raise_usage(msg: str):
-    from minirl.errors import UsageError
-
-    raise UsageError(msg)
-
-
 def run(
     ws: Workspace,
     rec: Recipe,
@@ -282,7 +260,7 @@ def run(
     """
     t_start = time.time()
     if rec.model.id != "tiny-qwen3-moe":
-        raise_usage(f"model {rec.model.id}: the multi-GPU path (FSDP2 / expert parallel under torchrun) is not "
+        raise UsageError(f"model {rec.model.id}: the multi-GPU path (FSDP2 / expert parallel under torchrun) is not "
                     "implemented yet; only tiny-qwen3-moe runs for now")
     resume_from = None
     if resume:
@@ -290,7 +268,7 @@ def run(
         ckpts = sorted((run_dir / "checkpoints").iterdir()) if run_dir and (run_dir / "checkpoints").exists() else []
         ckpts = [c for c in ckpts if not c.name.endswith(".tmp")]
         if not ckpts:
-            raise_usage(f"nothing to resume in {ws.runs}: no run with a checkpoint")
+            raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
         resume_from = max(ckpts, key=lambda c: json.loads((c / "minirl.json").read_text())["step"])
     else:
         run_dir = ws.runs / time.strftime("%Y%m%d-%H%M%S")
@@ -311,6 +289,10 @@ def run(
     eval_s = time.time() - t0
 
     metrics_path = run_dir / "metrics.jsonl"
+    if resume_from is not None and metrics_path.exists():  # steps after the checkpoint are redone: drop their rows
+        rows = [x for x in metrics_path.read_text().splitlines() if x.strip()]
+        kept = [x for x in rows if json.loads(x)["step"] <= rl.state.step]
+        metrics_path.write_text("".join(x + "\n" for x in kept))
     status = "finished"
     t_rl = time.time()
     with metrics_path.open("a") as mf:
@@ -342,31 +324,38 @@ def run(
     from minirl.hf_io import save_hf_folder
 
     hf_dir = save_hf_folder(final / "hf", rl.shape, rl.trainer.model.state_dict(), tokenizer_dir=ws.path(rec.model.path))
-    key = f"avg@{rec.eval.k}"
+    phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
+    summary = _write_summary(rl, status=status, wall_s=time.time() - t_start, phases=phases, heldout_end=heldout_end,
+                             checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
+    on_event("done", summary)
+    return summary
+
+
+def _write_summary(rl: RLRun, *, status, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path) -> dict:
+    """runs/<id>/summary.json (fields documented in the README) plus the metrics plot."""
+    key = f"avg@{rl.rec.eval.k}"
+    run_dir = rl.state.run_dir
     summary = {
         "status": status,
         "steps": rl.state.step,
-        "wall_s": round(time.time() - t_start, 1),
-        "phases_s": {"startup": round(startup_s, 1), "eval": round(eval_s, 1), "rl": round(rl_s, 1),
-                     **{k: round(v, 1) for k, v in rl.state.timing.items()}},
+        "wall_s": round(wall_s, 1),
+        "phases_s": {k: round(v, 1) for k, v in phases.items()},
         "heldout": {"metric": key, "start": rl.state.heldout_start, "end": heldout_end,
                     "gain_points": round(100 * (heldout_end[key] - rl.state.heldout_start[key]), 1)},
         "last_metrics": _last_metrics(metrics_path),
-        "checkpoint": str(final),
+        "checkpoint": str(checkpoint),
         "hf_folder": str(hf_dir),
         "metrics": str(metrics_path),
         "run_dir": str(run_dir),
-        "recipe": rec.to_dict(),
+        "recipe": rl.rec.to_dict(),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
         from minirl.plots import plot_metrics
 
         summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     except Exception as e:  # noqa: BLE001 - a plot must never cost the run its summary
         summary["plot_error"] = str(e)
-    on_event("done", summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 

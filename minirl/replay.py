@@ -87,3 +87,19 @@ def route_agreement(a_NBTK: torch.Tensor, b_NBTK: torch.Tensor, mask_BT: torch.T
     b = torch.sort(b_NBTK.long(), dim=-1).values
     same_NBT = (a == b).all(dim=-1).float()
     return (same_NBT * mask_BT).sum(dim=(1, 2)) / mask_BT.sum().clamp(min=1.0)
+
+
+def rollout_routes(comps, batch, n_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
+    """The rollout engine's routes laid out like the batch, [n_layers, B, L-1, K].
+
+    Positions past a sequence's end (padding) get experts 0..K-1: they are masked out of the loss
+    and, attention being causal, cannot affect real positions."""
+    B, T = batch.mask_BT.shape
+    dtype = route_dtype(num_experts)
+    out = torch.arange(top_k, dtype=dtype).expand(n_layers, B, T, top_k).clone()
+    for i, c in enumerate(comps):
+        r = torch.from_numpy(c.routes).to(dtype).permute(1, 0, 2)  # [layers, n, K]
+        if r.shape[0] != n_layers or r.shape[2] != top_k:
+            raise RuntimeError(f"rollout routes {tuple(r.shape)} do not match {n_layers} MoE layers × top-{top_k}")
+        out[:, i, : r.shape[1]] = r
+    return out

@@ -126,6 +126,26 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     assert f"resumed at step {k}" in r.stdout
     assert [m["step"] for m in metrics(run2)][-2:] == [k, k + 1]
 
+    # --- a hard crash (SIGKILL) loses at most the steps since the last checkpoint -------------------
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        runs = sorted((ws / "runs").iterdir())
+        if len(runs) == 3 and (runs[-1] / "metrics.jsonl").exists() and len(metrics(runs[-1])) >= 5:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait(timeout=60)
+    run3 = sorted((ws / "runs").iterdir())[-1]
+    logged = [m["step"] for m in metrics(run3)]
+    ckpt_steps = sorted(int(c.name.split("_")[1]) for c in (run3 / "checkpoints").glob("step_*") if "." not in c.name)
+    assert ckpt_steps and ckpt_steps[-1] <= logged[-1]
+    r = minirl("run", str(ws), "--resume", "--steps", str(logged[-1] + 1))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed at step {ckpt_steps[-1]}" in r.stdout
+    assert [m["step"] for m in metrics(run3)] == list(range(1, logged[-1] + 2))  # redone steps replace, not repeat
+
     # --- eval of the latest checkpoint -------------------------------------------------------------
     r = minirl("eval", "-w", str(ws))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -105,7 +105,7 @@ def engine_r3(tiny_dir):
 
 
 def capture_batch(engine, n_prompts=18):
-    from minirl.loop import rollout_routes
+    from minirl.replay import rollout_routes
 
     prompts_in = [PROMPTS[i % 3][: 5 + i % 4] for i in range(n_prompts)]  # varied lengths, many requests
     groups = engine.generate(prompts_in, n=4, temperature=1.0, max_tokens=6, seed=11)

@@ -67,7 +67,8 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     import torch
 
     from minirl import recipe
-    from minirl.loop import RLRun, _loss_fn, rollout_routes
+    from minirl.loop import RLRun, _loss_fn
+    from minirl.replay import rollout_routes
     from minirl.train import build_batch
     from minirl.workspace import Workspace
 
