@@ -271,8 +271,7 @@ def run(
             raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
         resume_from = max(ckpts, key=lambda c: json.loads((c / "minirl.json").read_text())["step"])
     else:
-        run_dir = ws.runs / time.strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = _new_run_dir(ws.runs)
     (run_dir / "recipe.toml").write_text(rec.to_toml())
 
     t0 = time.time()
@@ -329,6 +328,20 @@ def run(
                              checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
     on_event("done", summary)
     return summary
+
+
+def _new_run_dir(runs: Path) -> Path:
+    """runs/<YYYYmmdd-HHMMSS>, with a suffix if another run started in the same second."""
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        path = runs / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a run folder in {runs}")
 
 
 def _write_summary(rl: RLRun, *, status, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path) -> dict:
