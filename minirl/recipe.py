@@ -41,7 +41,7 @@ class RolloutConfig:
     temperature: float = 1.0
     max_tokens: int = 8  # response length limit
     memory_fraction: float = 0.1  # vLLM gpu_memory_utilization (CPU: fraction of NUMA-node RAM)
-    kv_cache_gib: float = 0.0  # explicit KV-cache size; 0 = vLLM sizes it from memory_fraction
+    kv_cache_gib: float = 0.0  # explicit KV-cache size; 0 = auto (CUDA: from memory_fraction; CPU: 0.5 GiB)
     tensor_parallel: int = 1
     parity_every: int = 1  # check vLLM vs trainer log-probs on a fixed batch every k syncs (0 = never)
 

