@@ -151,8 +151,7 @@ class RLRun:
         scores = self.grading.grade([(prob.record, response_text(c.token_ids, self.decode, self.eos))
                                      for prob, g in zip(problems, groups) for c in g])
         cut = [c.finish == "length" for c in comps]
-        zero_cut = r.loss.truncated_reward == "zero"
-        rewards_PG = torch.tensor([0.0 if x and zero_cut else s.score for s, x in zip(scores, cut)]).view(B, G)
+        rewards_PG = sequence_rewards([s.score for s in scores], cut, r.loss.truncated_reward).view(B, G)
         adv_PG = objective.group_advantages(rewards_PG, std_scale=r.loss.adv_std)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad)
@@ -179,9 +178,7 @@ class RLRun:
         t0 = _timed(t, "old_logp", t0)
 
         mb_metrics, losses, grad_norms = [], [], []
-        order = torch.randperm(B, generator=torch.Generator().manual_seed(step)).view(N, B // N)
-        for mb_prompts in order:  # whole groups per mini-batch
-            idx = (mb_prompts[:, None] * G + torch.arange(G)[None, :]).flatten()
+        for idx in minibatch_indices(B, G, N, seed=step):
             mb, mb_old = batch.select(idx), old_logp[idx]
             loss_fn = _loss_fn(r, mb_old)
             loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None)
@@ -235,6 +232,21 @@ class RLRun:
             import shutil
 
             shutil.rmtree(old, ignore_errors=True)
+
+
+def sequence_rewards(scores: list[float], truncated: list[bool], truncated_reward: str) -> torch.Tensor:
+    """R(x, y) per response. A response cut at the length limit is graded as written ("grade") or
+    scores 0 whatever it says ("zero"); the recipe declares which (`loss.truncated_reward`)."""
+    if truncated_reward == "zero":
+        return torch.tensor([0.0 if cut else s for s, cut in zip(scores, truncated)])
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def minibatch_indices(B: int, G: int, N: int, *, seed: int) -> list[torch.Tensor]:
+    """Split B prompts × G responses (rows grouped by prompt) into N mini-batches of whole groups,
+    in a seeded random order. Every row lands in exactly one mini-batch."""
+    order = torch.randperm(B, generator=torch.Generator().manual_seed(seed)).view(N, B // N)
+    return [(prompts[:, None] * G + torch.arange(G)[None, :]).flatten() for prompts in order]
 
 
 def _loss_fn(r: Recipe, mb_old_logp: torch.Tensor) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:

@@ -67,3 +67,16 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
     assert [r["index"] for r in saved["per_problem"]] == list(range(30))
     assert all(len(r["correct"]) == 2 for r in saved["per_problem"])
     assert not partial[0].exists()
+
+
+def test_prompt_uses_the_chat_template_when_the_tokenizer_has_one(tokenizer):
+    from minirl.evaluate import _format_prompt
+
+    plain = _format_prompt(tokenizer, "{problem}?", "1+2")
+    assert tokenizer.decode(plain) == "1+2?"
+    tokenizer.chat_template = "{% for m in messages %}({{ m['content'] }}){% endfor %}{% if add_generation_prompt %}={% endif %}"
+    try:
+        chat = _format_prompt(tokenizer, "{problem}?", "1+2")
+    finally:
+        tokenizer.chat_template = None
+    assert tokenizer.decode(chat) == "(1+2?)="
