@@ -118,7 +118,9 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     compute group advantages, recompute log π_old in TorchTitan, apply N mini-batch updates of the
     MiniRL loss, sync weights into vLLM in place. Metrics stream to runs/<id>/metrics.jsonl;
     runs/<id>/summary.json is written at the end. Ctrl-C stops after the current step and saves a
-    checkpoint (a second Ctrl-C aborts at once).
+    checkpoint (a second Ctrl-C aborts at once; exit code 130). Guardrails ([guard] in the recipe)
+    watch KL(μ‖π_old) and entropy and roll back to the last good checkpoint on collapse; when
+    their rollbacks are used up the run ends as "collapsed" (exit code 3).
     """
     from minirl import recipe as recipe_mod
     from minirl.workspace import Workspace
@@ -148,6 +150,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     view.print_summary(summary)
     if summary["status"] == "interrupted":
         sys.exit(130)  # stopped by Ctrl-C; the checkpoint and summary are saved, `--resume` continues
+    if summary["status"] == "collapsed":
+        sys.exit(3)  # the guard used up its rollbacks; the final checkpoint holds the last good weights
 
 
 @cli.command("eval")

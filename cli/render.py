@@ -58,6 +58,10 @@ class RunView:
         elif kind == "step":
             self.last = data
             self.progress.update(self.task, completed=data["step"])
+        elif kind == "guard":
+            what = {"rollback": f"rolled back to {data['to']} (lr now {data['lr']:.2e})",
+                    "stop": "stopping: rollbacks used up", "skip": "skipped the update"}[data["action"]]
+            self.console.print(f"[bold red]guard[/] step {data['step']}: {data['reason']}; {what}")
         elif kind == "checkpoint":
             self.console.print(f"[dim]checkpoint step {data['step']}: {data['path']}[/]")
         self.live.update(self._render())

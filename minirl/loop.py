@@ -26,6 +26,7 @@ from minirl import objective
 from minirl.data import PromptSampler, load_problems
 from minirl.errors import UsageError
 from minirl.evaluate import evaluate, response_text
+from minirl.guard import Guard, Verdict
 from minirl.models import shape_for
 from minirl.recipe import Recipe
 from minirl.replay import rollout_routes, route_agreement
@@ -84,12 +85,21 @@ class RLRun:
                                grad_clip=rec.train.grad_clip, seed=rec.train.seed)
         self.state = RunState(run_dir=run_dir)
         self.sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
+        g = rec.guard
+        self.guard = Guard(max_kl=g.max_kl, min_entropy_frac=g.min_entropy_frac, reward_drop=g.reward_drop,
+                           patience=g.patience, max_rollbacks=g.max_rollbacks, enabled=g.enabled)
+        self.lr = rec.train.lr
+        self.last_good: Path | None = resume_from
+        self.rolled_back_to: list[str] = []
         if resume_from is not None:
             extra = self.trainer.load(resume_from)
             self.state.step = extra["step"]
             self.state.heldout_start = extra.get("heldout_start", {})
             self.state.timing = extra.get("timing", {})
             self.sampler.restore(extra["sampler"])
+            self.guard.load_state_dict(extra.get("guard", {}))
+            self.lr = extra.get("lr", self.lr)
+            self.trainer.set_lr(self.lr)
         else:
             self.trainer.load_hf(model_dir)
         max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
@@ -177,17 +187,33 @@ class RLRun:
         kl = objective.train_inference_kl(batch.rollout_logp_BT, old_logp, batch.mask_BT)
         t0 = _timed(t, "old_logp", t0)
 
-        mb_metrics, losses, grad_norms = [], [], []
-        for idx in minibatch_indices(B, G, N, seed=step):
+        entropy, reward, lr = objective.masked_mean(ent, batch.mask_BT), float(rewards_PG.mean()), self.lr
+        mb_metrics, losses, grad_norms, verdict = [], [], [], Verdict("step")
+        for j, idx in enumerate(minibatch_indices(B, G, N, seed=step)):
             mb, mb_old = batch.select(idx), old_logp[idx]
             loss_fn = _loss_fn(r, mb_old)
             loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None)
-            grad_norms.append(self.trainer.optim_step())
+            norm = self.trainer.clip_grads()
+            # The guard's one decision point: after the loss, before the optimizer step.
+            v = self.guard.decide(kl=kl, entropy=entropy, reward=reward, loss=loss, grad_norm=norm, new_step=j == 0)
+            if v.action == "step":
+                self.trainer.apply_update()
+            else:
+                self.trainer.drop_update()
             losses.append(loss)
+            grad_norms.append(norm)
             mb_metrics.append(m)
+            if v.action in ("rollback", "stop"):
+                verdict = v
+                break
+            if v.action == "skip" or v.reason:
+                verdict = v
         t0 = _timed(t, "update", t0)
 
-        self.sync()
+        if verdict.action in ("rollback", "stop"):  # a stopped run also ends on its last good weights
+            self.rollback()
+        else:
+            self.sync()
         t0 = _timed(t, "sync", t0)
         parity = self.parity() if r.rollout.parity_every and step % r.rollout.parity_every == 0 else float("nan")
         _timed(t, "parity", t0)
@@ -196,14 +222,14 @@ class RLRun:
         mask = batch.mask_BT
         metrics = {
             "step": step,
-            "rollout/reward_mean": float(rewards_PG.mean()),
+            "rollout/reward_mean": reward,
             "rollout/acc": float((rewards_PG >= 1.0).float().mean()),
             "rollout/resp_len": float(mask.sum(-1).mean()),
             "rollout/truncated_frac": sum(cut) / (B * G),
             "rollout/grader_errors": sum("error" in s.info for s in scores),
             "rollout/grader_timeouts": sum(bool(s.info.get("timeout")) for s in scores),
             "rollout/zero_adv_groups": float((adv_PG.abs().sum(-1) == 0).float().mean()),
-            "train/entropy": objective.masked_mean(ent, mask),
+            "train/entropy": entropy,
             "train/kl_mu_pi_old": kl,
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
@@ -214,24 +240,44 @@ class RLRun:
             "loss/clip_frac_per_mb": [m["loss/clip_frac"] for m in mb_metrics],
             **{f"timing/{k}_s": round(v, 4) for k, v in t.items()},
             "timing/elapsed_s": round(time.time() - self.state.started, 2),
+            "guard/rollbacks": self.guard.rollbacks,
+            "guard/skipped_updates": self.guard.skipped,
+            "train/lr": lr,  # the rate this step's updates used (a rollback lowers the next one)
+            **({"guard/action": verdict.action, "guard/reason": verdict.reason} if verdict.action != "step" or verdict.reason
+               else {}),
         }
         return metrics
 
     # ----- checkpoints --------------------------------------------------------------------------
     def save(self, name: str) -> Path:
+        """A checkpoint; it becomes the rollback target if the guard sees nothing pending."""
         path = self.state.run_dir / "checkpoints" / name
         self.trainer.save(path, {
             "step": self.state.step, "sampler": self.sampler.state(), "heldout_start": self.state.heldout_start,
-            "timing": self.state.timing, "recipe": self.rec.to_dict(),
+            "timing": self.state.timing, "recipe": self.rec.to_dict(), "guard": self.guard.state_dict(),
+            "lr": self.lr,
         })
+        if self.guard.healthy:
+            self.last_good = path
         return path
 
     def prune(self, keep: int) -> None:
-        ckpts = sorted((self.state.run_dir / "checkpoints").glob("step_*"))
-        for old in ckpts[:-keep] if keep > 0 else []:
-            import shutil
+        """Keep the newest `keep` step checkpoints, and always the rollback target."""
+        import shutil
 
-            shutil.rmtree(old, ignore_errors=True)
+        ckpts = [c for c in sorted((self.state.run_dir / "checkpoints").glob("step_*")) if "." not in c.name]
+        for old in ckpts[:-keep] if keep > 0 else []:
+            if old != self.last_good:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def rollback(self) -> None:
+        """Back to the last good weights and optimizer state, at a lower learning rate. The data
+        position and the sampling seeds keep moving, so the same collapse is not replayed."""
+        self.trainer.load(self.last_good)
+        self.rolled_back_to.append(str(self.last_good))
+        self.lr *= self.rec.guard.lr_factor
+        self.trainer.set_lr(self.lr)
+        self.sync()
 
 
 def sequence_rewards(scores: list[float], truncated: list[bool], truncated_reward: str) -> torch.Tensor:
@@ -299,6 +345,8 @@ def run(
         on_event("eval", {"which": "start", **rl.state.heldout_start})
     eval_s = time.time() - t0
 
+    if rl.last_good is None:  # a fresh run: its starting point is the first rollback target
+        rl.save("step_000000")
     metrics_path = run_dir / "metrics.jsonl"
     if resume_from is not None and metrics_path.exists():  # steps after the checkpoint are redone: drop their rows
         rows = [x for x in metrics_path.read_text().splitlines() if x.strip()]
@@ -318,6 +366,12 @@ def run(
             mf.write(json.dumps(m) + "\n")
             mf.flush()
             on_event("step", m)
+            if m.get("guard/action") in ("rollback", "stop", "skip"):
+                on_event("guard", {"step": m["step"], "action": m["guard/action"], "reason": m["guard/reason"],
+                                   "to": str(rl.last_good), "lr": rl.lr})
+            if m.get("guard/action") == "stop":
+                status = "collapsed"
+                break
             if rl.state.step % rec.checkpoint.every == 0 and rl.state.step < rec.train.steps:
                 path = rl.save(f"step_{rl.state.step:06d}")
                 rl.prune(rec.checkpoint.keep)
@@ -372,6 +426,7 @@ def _write_summary(rl: RLRun, *, status, wall_s, phases, heldout_end, checkpoint
         "hf_folder": str(hf_dir),
         "metrics": str(metrics_path),
         "run_dir": str(run_dir),
+        "guard": {**rl.guard.state_dict(), "rolled_back_to": rl.rolled_back_to},
         "recipe": rl.rec.to_dict(),
     }
     try:

@@ -99,6 +99,19 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class GuardConfig:
+    """Collapse detection and rollback (minirl/guard.py)."""
+
+    enabled: bool = True
+    max_kl: float = 0.05  # KL(μ_old‖π_old) above this is a bad step
+    min_entropy_frac: float = 0.05  # entropy below this share of the first step's ...
+    reward_drop: float = 0.2  # ... with reward this far below its best is a bad step
+    patience: int = 3  # consecutive bad steps before a rollback
+    max_rollbacks: int = 3  # then the run stops as "collapsed"
+    lr_factor: float = 0.5  # learning rate multiplier applied at each rollback
+
+
+@dataclass(kw_only=True, slots=True)
 class ColdStartConfig:
     """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
 
@@ -132,6 +145,7 @@ class Recipe:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
@@ -251,6 +265,7 @@ def validate(r: Recipe) -> None:
         "rollout.max_tokens": r.rollout.max_tokens,
         "eval.k": r.eval.k,
         "checkpoint.every": r.checkpoint.every,
+        "guard.patience": r.guard.patience,
     }
     for key, value in positive.items():
         if value < 1:

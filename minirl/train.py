@@ -169,12 +169,22 @@ class Trainer:
             self.replay.set_replay(None)
         return float(loss.detach()), metrics
 
-    def optim_step(self) -> float:
-        """Clip, step, zero; returns the pre-clip grad norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+    def clip_grads(self) -> float:
+        """Clip accumulated gradients in place; returns their norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+
+    def apply_update(self) -> None:
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        return float(norm)
+
+    def drop_update(self) -> None:
+        self.optim.zero_grad(set_to_none=True)
+
+    def optim_step(self) -> float:
+        """Clip, step, zero; returns the pre-clip grad norm."""
+        norm = self.clip_grads()
+        self.apply_update()
+        return norm
 
     def set_lr(self, lr: float) -> None:
         for g in self.optim.param_groups:

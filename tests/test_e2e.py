@@ -1,5 +1,5 @@
 """End to end through the real CLI: init -> run (vLLM rollouts, TorchTitan training) -> Ctrl-C ->
-resume -> eval, on a small workspace. Slow (~2–3 min on 2 cores): one test, marked."""
+resume -> crash -> resume -> guard rollback -> eval, on a small workspace. Slow (~2–3 min on 2 cores): one test, marked."""
 
 import json
 import os
@@ -145,6 +145,21 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {ckpt_steps[-1]}" in r.stdout
     assert [m["step"] for m in metrics(run3)] == list(range(1, logged[-1] + 2))  # redone steps replace, not repeat
+
+    # --- guardrails: a forced "collapse" rolls back, then ends the run on the last good weights -----
+    r = minirl("run", str(ws), "--steps", "10", "--set", "guard.max_kl=-1", "--set", "guard.patience=1",
+               "--set", "guard.max_rollbacks=1")
+    assert r.returncode == 3, r.stderr[-3000:]
+    run4 = sorted((ws / "runs").iterdir())[-1]
+    rows = metrics(run4)
+    assert [m.get("guard/action") for m in rows] == ["rollback", "stop"]
+    assert rows[0]["train/lr"] == pytest.approx(3e-4) and rows[1]["train/lr"] == pytest.approx(1.5e-4)
+    s4 = json.loads((run4 / "summary.json").read_text())
+    assert s4["status"] == "collapsed" and s4["guard"]["rollbacks"] == 1
+    assert [Path(p).name for p in s4["guard"]["rolled_back_to"]] == ["step_000000", "step_000000"]
+    start = titan_weights(ws / "model/coldstart-dcp")
+    final = titan_weights(Path(s4["checkpoint"]))
+    assert all(torch.equal(start[k], final[k]) for k in start)  # no update of the bad steps survived
 
     # --- eval of the latest checkpoint -------------------------------------------------------------
     r = minirl("eval", "-w", str(ws))
