@@ -193,33 +193,49 @@ class Trainer:
     # ----- checkpoints -------------------------------------------------------------------------
     def save(self, path: Path, extra: dict | None = None) -> Path:
         """DCP checkpoint of model + optimizer, plus `extra` (step, sampler, ...) as JSON. Atomic:
-        written to a temp folder and renamed, so a crash mid-save never leaves a half checkpoint."""
+        written to a temp folder and renamed, so a crash mid-save never leaves a half checkpoint.
+
+        An optimizer that has not stepped yet is not saved: DCP would first materialise its state
+        with a zero step, which advances Adam's step count and changes every later update."""
         import shutil
 
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        model_sd, optim_sd = get_state_dict(self.model, self.optim)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        (tmp / "minirl.json").write_text(json.dumps(extra or {}, indent=2))
+        has_optim = bool(self.optim.state)
+        state = {"model": get_model_state_dict(self.model)}
+        if has_optim:
+            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
+        dcp.save(state, checkpoint_id=str(tmp))
+        (tmp / "minirl.json").write_text(json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
         return path
 
     def load(self, path: Path, *, with_optim: bool = True) -> dict:
+        """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optim)
-        state = {"model": model_sd, "optim": optim_sd} if with_optim else {"model": model_sd}
+        extra = json.loads((Path(path) / "minirl.json").read_text())
+        load_optim = with_optim and extra.get("has_optim", True)
+        state = {"model": get_model_state_dict(self.model)}
+        if load_optim:
+            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
         dcp.load(state, checkpoint_id=str(path))
-        if with_optim:
-            set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            self.model.load_state_dict(state["model"])
-        return json.loads((Path(path) / "minirl.json").read_text())
+        set_model_state_dict(self.model, state["model"])
+        if load_optim:
+            set_optimizer_state_dict(self.model, self.optim, state["optim"])
+        elif with_optim:
+            self.optim.state.clear()
+        return extra

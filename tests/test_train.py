@@ -1,0 +1,38 @@
+"""Trainer checkpoints (DCP): exact round trips, and no side effect of saving on the optimizer."""
+
+import torch
+
+from minirl.models import TINY
+from minirl.sft import sft_loss
+from minirl.train import Trainer, build_batch
+
+BATCH = build_batch([[4, 5, 16]] * 4, [[6, 2]] * 4, None, None, pad_id=0)
+
+
+def test_saving_before_the_first_step_leaves_adam_untouched(tmp_path):
+    """DCP materialises an empty optimizer with a zero step; that must not reach the live optimizer."""
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.save(tmp_path / "s0", {"step": 0})
+    assert not tr.optim.state
+    tr.forward_backward(BATCH, sft_loss)
+    tr.optim_step()
+    assert all(float(s["step"]) == 1.0 for s in tr.optim.state.values())
+
+
+def test_round_trip_and_rollback_to_a_pre_step_checkpoint(tmp_path):
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    start = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    tr.save(tmp_path / "s0", {"step": 0})
+    for _ in range(2):
+        tr.forward_backward(BATCH, sft_loss)
+        tr.optim_step()
+    tr.save(tmp_path / "s2", {"step": 2})
+    other = Trainer(TINY, lr=1e-3, seed=9)
+    assert other.load(tmp_path / "s2")["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(tr.model.state_dict().values(), other.model.state_dict().values()))
+    a = next(iter(tr.optim.state.values()))
+    b = next(iter(other.optim.state.values()))
+    assert torch.equal(a["exp_avg"], b["exp_avg"]) and float(b["step"]) == 2.0
+    tr.load(tmp_path / "s0")  # back to before any step: weights as they were, a fresh optimizer
+    assert all(torch.equal(start[k], v) for k, v in tr.model.state_dict().items())
+    assert not tr.optim.state
