@@ -2,6 +2,7 @@
 
 avg@k  = mean over problems of (correct samples / k)   (the paper's avg@32 with k = 32)
 pass@k = share of problems with at least one correct sample
+maj@k  = share of problems whose most frequent extracted answer is a correct one
 """
 
 from __future__ import annotations
@@ -20,6 +21,35 @@ def response_text(token_ids: Sequence[int], decode: Callable[[list[int]], str], 
     return decode(ids)
 
 
+def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]) -> dict:
+    """avg@k, pass@k and maj@k from per-sample correctness and extracted answers.
+
+    maj@k: the most frequent extracted answer (ties: first seen) decides; a problem counts as
+    solved when that answer was graded correct.
+    >>> summarize([[True, False], [False, False]], [["1", "2"], ["3", None]])["avg@2"]
+    0.25
+    """
+    from collections import Counter
+
+    k = len(correct_PK[0]) if correct_PK else 0
+    maj = []
+    for corr, ext in zip(correct_PK, extracted_PK):
+        votes = Counter(e for e in ext if e is not None)
+        if not votes:
+            maj.append(False)
+            continue
+        top = votes.most_common(1)[0][0]
+        maj.append(any(c for c, e in zip(corr, ext) if e == top))
+    n = max(1, len(correct_PK))
+    return {
+        f"avg@{k}": sum(sum(c) / k for c in correct_PK) / n,
+        f"pass@{k}": sum(any(c) for c in correct_PK) / n,
+        f"maj@{k}": sum(maj) / n,
+        "problems": len(correct_PK),
+        "k": k,
+    }
+
+
 def evaluate(
     engine,
     problems: Sequence[Problem],
@@ -32,18 +62,16 @@ def evaluate(
     eos_id: int,
     seed: int = 1234,
 ) -> dict:
+    """k samples per problem, graded: {avg@k, pass@k, maj@k, problems, k, temperature}."""
     groups = engine.generate(
         [p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens, seed=seed
     )
     items = [(prob.record, response_text(c.token_ids, decode, eos_id)) for prob, g in zip(problems, groups) for c in g]
-    scores = [s.score for s in grading.grade(items)]
-    per_problem = [sum(s >= 1.0 for s in scores[i * k : (i + 1) * k]) / k for i in range(len(problems))]
-    n = len(per_problem)
+    scores = grading.grade(items)
+    per_problem = [scores[i * k : (i + 1) * k] for i in range(len(problems))]
     return {
-        f"avg@{k}": sum(per_problem) / n,
-        f"pass@{k}": sum(p > 0 for p in per_problem) / n,
-        "problems": n,
-        "k": k,
+        **summarize([[s.score >= 1.0 for s in p] for p in per_problem],
+                    [[s.info.get("extracted") for s in p] for p in per_problem]),
         "temperature": temperature,
     }
 
@@ -103,35 +131,6 @@ def _hub_snapshot(repo_id: str):
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as e:  # noqa: BLE001 - offline, gated, missing: one line
         raise UsageError(f"cannot fetch model {repo_id!r} from the Hub: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-
-
-def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]) -> dict:
-    """avg@k, pass@k and maj@k from per-sample correctness and extracted answers.
-
-    maj@k: the most frequent extracted answer (ties: first seen) decides; a problem counts as
-    solved when that answer was graded correct.
-    >>> summarize([[True, False], [False, False]], [["1", "2"], ["3", None]])["avg@2"]
-    0.25
-    """
-    from collections import Counter
-
-    k = len(correct_PK[0]) if correct_PK else 0
-    maj = []
-    for corr, ext in zip(correct_PK, extracted_PK):
-        votes = Counter(e for e in ext if e is not None)
-        if not votes:
-            maj.append(False)
-            continue
-        top = votes.most_common(1)[0][0]
-        maj.append(any(c for c, e in zip(corr, ext) if e == top))
-    n = max(1, len(correct_PK))
-    return {
-        f"avg@{k}": sum(sum(c) / k for c in correct_PK) / n,
-        f"pass@{k}": sum(any(c) for c in correct_PK) / n,
-        f"maj@{k}": sum(maj) / n,
-        "problems": len(correct_PK),
-        "k": k,
-    }
 
 
 def _format_prompt(tok, template: str, problem: str) -> list[int]:

@@ -55,6 +55,22 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_in_background(ws: Path, out) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=ENV,
+                            stdout=out, stderr=out, text=True)
+
+
+def wait_for_steps(ws: Path, *, run_number: int, steps: int, timeout_s: float = 300) -> None:
+    """Until the run_number-th run of ws has logged `steps` steps."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        runs = sorted((ws / "runs").iterdir())
+        if len(runs) == run_number and (runs[-1] / "metrics.jsonl").exists() and len(metrics(runs[-1])) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"run {run_number} did not reach {steps} steps in {timeout_s} s")
+
+
 def titan_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from minirl.models import TINY
     from minirl.train import Trainer
@@ -103,14 +119,8 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     assert len(changed) == len(before), set(before) - set(changed)  # every tensor moved, routers included
 
     # --- Ctrl-C: stop after the current step, checkpoint, exit 130 -------------------------------
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        runs = sorted((ws / "runs").iterdir())
-        if len(runs) == 2 and (runs[-1] / "metrics.jsonl").exists() and len(metrics(runs[-1])) >= 2:
-            break
-        time.sleep(0.5)
+    proc = run_in_background(ws, subprocess.PIPE)
+    wait_for_steps(ws, run_number=2, steps=2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
@@ -127,14 +137,8 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     assert [m["step"] for m in metrics(run2)][-2:] == [k, k + 1]
 
     # --- a hard crash (SIGKILL) loses at most the steps since the last checkpoint -------------------
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        runs = sorted((ws / "runs").iterdir())
-        if len(runs) == 3 and (runs[-1] / "metrics.jsonl").exists() and len(metrics(runs[-1])) >= 5:
-            break
-        time.sleep(0.2)
+    proc = run_in_background(ws, subprocess.DEVNULL)
+    wait_for_steps(ws, run_number=3, steps=5)
     proc.kill()
     proc.wait(timeout=60)
     run3 = sorted((ws / "runs").iterdir())[-1]
