@@ -51,7 +51,8 @@ def cli(verbose: bool) -> None:
     Typical use:
       minirl init ws      # workspace + tiny Qwen3-MoE, cold-started on an embedded task
       minirl run ws       # RL with vLLM rollouts and TorchTitan training
-      minirl eval ws      # held-out accuracy of the latest checkpoint
+      minirl eval -w ws   # held-out accuracy of the latest checkpoint
+      minirl eval aime25 -w ws --data aime25.jsonl   # a benchmark, from a local copy
     """
     _prepare_env(verbose)
 
