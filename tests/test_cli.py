@@ -56,38 +56,23 @@ def test_unknown_option():
     one_line_error(minirl("run", "--bogus"), "No such option")
 
 
-def test_unknown_recipe_key(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--set", "train.bogus=1"), "unknown recipe key train.bogus")
-
-
 def test_malformed_recipe(bare_ws):
     (bare_ws / "minirl.toml").write_text("[train\nsteps = 1\n")
     one_line_error(minirl("run", str(bare_ws)), "malformed recipe")
 
 
-def test_bad_value_type(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--steps", "many"), "'many' is not a valid integer")
-
-
-def test_unknown_replay_mode(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--replay", "r5"), "Invalid value for '--replay'")
-
-
-def test_bad_replay_in_recipe(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--set", "train.replay=r4"), "train.replay = 'r4'; choose one of off, r2, r3")
-
-
-def test_missing_model_folder(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--set", "model.path=nowhere"), "model folder")
-
-
-def test_big_model_is_refused_until_the_cluster_path_exists(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--model", "Qwen3-30B-A3B"), "multi-GPU path")
-
-
-def test_unknown_model(bare_ws):
-    one_line_error(minirl("run", str(bare_ws), "--model", "gpt-5"), "model.id = 'gpt-5'; choose one of tiny-qwen3-moe, Qwen3-30B-A3B")
-
-
-def test_eval_unknown_benchmark(bare_ws):
-    one_line_error(minirl("eval", "aime99", "-w", str(bare_ws), "--checkpoint", "coldstart"), "unknown benchmark 'aime99'")
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["run", "{ws}", "--set", "train.bogus=1"], "unknown recipe key train.bogus"),
+        (["run", "{ws}", "--steps", "many"], "'many' is not a valid integer"),
+        (["run", "{ws}", "--replay", "r5"], "Invalid value for '--replay'"),
+        (["run", "{ws}", "--set", "train.replay=r4"], "train.replay = 'r4'; choose one of off, r2, r3"),
+        (["run", "{ws}", "--set", "model.path=nowhere"], "model folder"),
+        (["run", "{ws}", "--model", "Qwen3-30B-A3B"], "multi-GPU path"),  # refused until the cluster path exists
+        (["run", "{ws}", "--model", "gpt-5"], "model.id = 'gpt-5'; choose one of tiny-qwen3-moe, Qwen3-30B-A3B"),
+        (["eval", "aime99", "-w", "{ws}", "--checkpoint", "coldstart"], "unknown benchmark 'aime99'"),
+    ],
+)
+def test_bad_input_in_a_workspace(bare_ws, args, needle):
+    one_line_error(minirl(*[a.format(ws=bare_ws) for a in args]), needle)
