@@ -160,14 +160,6 @@ class VLLMEngine:
         if not self.on_cpu:
             self._llm.wake_up()
 
-    def call_on_model(self, fn):
-        """Run fn(model) inside the worker (in-process on CPU); used by routed-expert capture."""
-        return self._llm.collective_rpc(_on_model, args=(fn,))
-
-
-def _on_model(worker, fn):
-    return fn(worker.model_runner.model)
-
 
 def _repack_cpu_experts(worker) -> int:
     """Re-run the CPU MoE kernel's prepack after `reload_weights` (vLLM skips it on weight updates)."""

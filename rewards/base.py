@@ -39,11 +39,3 @@ def load_grader(name: str, params: dict[str, Any] | None = None) -> Grader:
         return cls(**(params or {}))
     except TypeError as e:
         raise UsageError(f"grader {name!r}: bad reward.params: {e}") from None
-
-
-def grade_safely(grader: Grader, record: dict[str, Any], response: str) -> Score:
-    """Call a grader; an exception scores 0 and is reported in info (counted by the caller)."""
-    try:
-        return grader(record, response)
-    except Exception as e:  # noqa: BLE001 - a grader bug must never kill a run
-        return Score(0.0, {"error": f"{type(e).__name__}: {e}"})

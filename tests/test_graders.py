@@ -4,7 +4,8 @@ import pytest
 
 from minirl.errors import UsageError
 from rewards import load_grader
-from rewards.base import Score, grade_safely
+from rewards.base import Score
+from rewards.pool import call_with_limit
 
 
 @pytest.mark.parametrize(
@@ -37,9 +38,9 @@ def test_bad_grader_params_are_a_usage_error():
         load_grader("exact", {"bogus": 1})
 
 
-def test_grade_safely_turns_exceptions_into_zero():
+def test_a_raising_grader_scores_zero_with_the_reason():
     def broken(record, response):
         raise KeyError("answer")
 
-    s = grade_safely(broken, {}, "x")
+    s = call_with_limit(broken, {}, "x", timeout_s=1.0)
     assert s == Score(0.0, {"error": "KeyError: 'answer'"})
