@@ -3,9 +3,10 @@
     prompts (datasets) ──▶ VLLMEngine.generate ──▶ completions + log μ_θold
         ──▶ grader ──▶ rewards R [B, G] ──▶ group advantages A
         ──▶ Trainer.logprobs ──▶ log π_θold, entropy          (KL(μ‖π_old) measured here)
-        ──▶ N × (forward_backward(MiniRL loss) + optim_step)  (π_θold fixed for the step)
+        ──▶ N × (forward_backward(MiniRL loss) ──▶ Guard.decide ──▶ optimizer step)
+                                                              (π_θold fixed for the step)
         ──▶ VLLMEngine.load_weights (in place)                (parity check on a fixed batch)
-        ──▶ metrics.jsonl ──▶ checkpoint every k steps
+        ──▶ metrics.jsonl ──▶ checkpoint every k steps       (or rollback, when the guard says so)
 
 Deliberately simple: rollouts and training alternate in one process (no async, no overlap), so
 on-policy N = 1 is exactly on-policy and every number in the log has one meaning.
