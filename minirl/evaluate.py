@@ -207,9 +207,7 @@ def eval_benchmark(
     t0 = time.time()
     if todo:
         eos = tok.eos_token_id
-        engine = VLLMEngine(model_dir, dtype=rec.rollout.dtype, seed=rec.train.seed, max_model_len=ctx,
-                            memory_fraction=rec.rollout.memory_fraction, kv_cache_gib=rec.rollout.kv_cache_gib,
-                            tensor_parallel=rec.rollout.tensor_parallel)
+        engine = VLLMEngine.from_config(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=ctx)
         pool = GradingPool(grader_name, params, workers=rec.eval.grader_workers, timeout_s=rec.reward.timeout_s)
         try:
             with partial.open("a") as f:

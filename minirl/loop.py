@@ -104,11 +104,9 @@ class RLRun:
         else:
             self.trainer.load_hf(model_dir)
         max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
-        self.engine = VLLMEngine(model_dir, dtype=rec.rollout.dtype, seed=rec.train.seed, max_model_len=max_len,
-                                 max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
-                                 memory_fraction=rec.rollout.memory_fraction, kv_cache_gib=rec.rollout.kv_cache_gib,
-                                 tensor_parallel=rec.rollout.tensor_parallel,
-                                 capture_routes=rec.train.replay == "r3")
+        self.engine = VLLMEngine.from_config(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=max_len,
+                                             max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
+                                             capture_routes=rec.train.replay == "r3")
         self.sync()  # resumed weights, or FP8-emulated ones; a no-op in effect otherwise (~30 ms)
         self._parity_pairs = self._fixed_parity_pairs()
 

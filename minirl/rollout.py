@@ -89,6 +89,13 @@ class VLLMEngine:
 
             self._llm.collective_rpc(capture.install)
 
+    @classmethod
+    def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
+        """An engine with the recipe's [rollout] settings (a `RolloutConfig`)."""
+        return cls(model_dir, dtype=rollout.dtype, seed=seed, max_model_len=max_model_len,
+                   memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
+                   tensor_parallel=rollout.tensor_parallel, **kw)
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
