@@ -1,9 +1,8 @@
 """The math grader (math-verify) on the real benchmark files and on the equivalences math answers
-really show; adversarial outputs finish within the time limit, inline and in worker processes."""
+really show; adversarial outputs are cut off by the time limit, inline and in worker processes."""
 
 import json
 import re
-import time
 
 import pytest
 
@@ -81,32 +80,54 @@ ADVERSARIAL = [
 ]
 
 
+# No wall-clock bounds below: a busy CI machine makes any of them flaky. What is asserted is the
+# mechanism: a call past its limit returns a score marked as a timeout, the run's other answers
+# are still graded, and the pool keeps working. If the limit did not work, the test would hang
+# and pytest-timeout (a bound ~100x the expected time) would fail it.
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_adversarial_outputs_finish_within_the_limit(workers):
+def test_adversarial_outputs_score_0_and_time_out(workers):
     pool = GradingPool("math", workers=workers, timeout_s=2.0, hard_slack_s=5.0)
     try:
-        pool.grade([({"answer": "5"}, "\\boxed{5}")])  # start the workers outside the timed part
-        t0 = time.monotonic()
         scores = pool.grade([({"answer": "5"}, r) for r in ADVERSARIAL] + [({"answer": "5"}, "\\boxed{5}")])
-        elapsed = time.monotonic() - t0
+        after = pool.grade([({"answer": "7"}, "\\boxed{7}")])
     finally:
         pool.close()
     assert [s.score for s in scores] == [0.0] * len(ADVERSARIAL) + [1.0]
     assert sum(bool(s.info.get("timeout")) for s in scores) >= 2  # the exponent towers hit the limit
-    bound = 2.0 * len(ADVERSARIAL) / max(1, workers) + 2.0 * (2 + 1) + 5.0
-    assert elapsed < bound, elapsed
+    assert [s.score for s in after] == [1.0]  # the pool grades on afterwards
+
+
+class _Spin:
+    """A grader stuck in a pure-Python loop: only the time limit can end the call."""
+
+    def __call__(self, record, response):
+        while True:
+            pass
+
+
+@pytest.mark.timeout(120)
+def test_the_inline_limit_interrupts_a_python_loop():
+    from rewards.pool import call_with_limit
+
+    s = call_with_limit(_Spin(), {}, "x", timeout_s=0.2)
+    assert s.score == 0.0 and s.info == {"timeout": True}
 
 
 HANG_PKG = {
     "minirl_hanggrader/__init__.py": (
-        "import re\n"
+        "import signal\n"
         "class CHang:\n"
         "    def __init__(self):\n"
         "        pass\n"
         "    def __call__(self, record, response):\n"
         "        from rewards import Score\n"
-        "        if response == 'hang':\n"
-        "            re.match('(a+)+$', 'a' * 64 + 'b')  # catastrophic backtracking in C: no signal gets in\n"
+        "        if response == 'hang':  # like a long C call: the alarm never gets in\n"
+        "            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n"
+        "            while True:\n"
+        "                pass\n"
         "        return Score(1.0, {})\n"
     ),
     "minirl_hanggrader-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: minirl-hanggrader\nVersion: 0.1\n",
@@ -114,6 +135,7 @@ HANG_PKG = {
 }
 
 
+@pytest.mark.timeout(300)
 def test_a_c_level_hang_is_killed_and_the_pool_recovers(tmp_path, monkeypatch):
     for rel, text in HANG_PKG.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -121,10 +143,9 @@ def test_a_c_level_hang_is_killed_and_the_pool_recovers(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     pool = GradingPool("c_hang", workers=1, timeout_s=0.5, hard_slack_s=1.0)
     try:
-        t0 = time.monotonic()
         scores = pool.grade([({}, "hang"), ({}, "fine")])
-        assert time.monotonic() - t0 < 10
-        assert scores[0].score == 0.0 and scores[0].info.get("timeout")
-        assert [s.score for s in pool.grade([({}, "fine")])] == [1.0]  # a fresh pool took over
+        assert scores[0].score == 0.0 and scores[0].info == {"timeout": True, "hard": True}  # killed, not waited for
+        assert pool._pool is None  # the hung worker's pool was torn down ...
+        assert [s.score for s in pool.grade([({}, "fine")])] == [1.0]  # ... and a fresh one took over
     finally:
         pool.close(kill=True)
