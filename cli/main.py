@@ -139,18 +139,20 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     from cli.render import RunView
     from minirl import loop
 
-    def on_sigint(signum, frame):
+    def on_stop_signal(signum, frame):
         if loop.Stop.requested:
             raise KeyboardInterrupt
-        loop.Stop.requested = True
-        console.print("[yellow]stopping after this step (Ctrl-C again to abort)...[/]")
+        loop.Stop.requested, loop.Stop.signal = True, signum
+        console.print(f"[yellow]{signal.Signals(signum).name}: stopping after this step (again to abort)...[/]")
 
-    signal.signal(signal.SIGINT, on_sigint)
+    # Ctrl-C and SIGTERM (kill, schedulers) alike: finish the step, checkpoint, summary, then exit
+    signal.signal(signal.SIGINT, on_stop_signal)
+    signal.signal(signal.SIGTERM, on_stop_signal)
     with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
         summary = loop.run(ws, rec, resume=resume, on_event=view.on_event)
     view.print_summary(summary)
     if summary["status"] == "interrupted":
-        sys.exit(130)  # stopped by Ctrl-C; the checkpoint and summary are saved, `--resume` continues
+        sys.exit(128 + loop.Stop.signal)  # 130 (SIGINT) or 143 (SIGTERM); `--resume` continues
     if summary["status"] == "collapsed":
         sys.exit(3)  # the guard used up its rollbacks; the final checkpoint holds the last good weights
 
@@ -221,7 +223,7 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
 
 
 def main() -> None:
-    from minirl.errors import UsageError
+    from minirl.errors import RunIOError, UsageError
 
     try:
         cli.main(standalone_mode=False)
@@ -231,15 +233,18 @@ def main() -> None:
         _fail(e.format_message())
     except UsageError as e:
         _fail(str(e))
+    except RunIOError as e:
+        _fail(str(e), code=4)
     except (KeyboardInterrupt, click.exceptions.Abort):
         print("minirl: aborted", file=sys.stderr)
         sys.exit(130)
 
 
-def _fail(message: str) -> None:
-    """One line on stderr (plain print: rich would wrap it at the terminal width), exit code 2."""
+def _fail(message: str, code: int = 2) -> None:
+    """One line on stderr (plain print: rich would wrap it at the terminal width), exit code 2
+    (bad input) or 4 (a run could not write its files)."""
     print(f"minirl: error: {' '.join(message.split())}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ class RunView:
         self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
 
     def __enter__(self) -> "RunView":
-        self.live.__enter__()
-        return self
+        return self  # the live view starts with the run ("start"), after every input check passed
 
     def __exit__(self, *exc) -> None:
-        self.live.__exit__(*exc)
+        if self.live.is_started:
+            self.live.__exit__(*exc)
 
     def _render(self):
         table = Table(box=None, pad_edge=False)
@@ -48,6 +48,7 @@ class RunView:
 
     def on_event(self, kind: str, data: dict) -> None:
         if kind == "start":
+            self.live.start()
             what = f"resumed at step {data['step']} from {data['resumed_from']}" if data["resumed_from"] else "new run"
             self.console.print(f"[bold]{what}[/] in {data['run_dir']} (engines up in {data['startup_s']} s; "
                                f"{data['train_rows']} train prompts, skipped {data['skipped_rows']})")

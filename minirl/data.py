@@ -34,13 +34,19 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train", conf
             files = sorted(local.glob("*.jsonl")) + sorted(local.glob("*.parquet")) if local.is_dir() else [local]
             if not files:
                 raise UsageError(f"no .jsonl or .parquet files in {local}")
+            for f in files:
+                if f.stat().st_size == 0:
+                    raise UsageError(f"dataset file {f} is empty")
             kind = "parquet" if files[0].suffix == ".parquet" else "json"
             return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        if local.suffix in (".jsonl", ".json", ".parquet", ".csv") or spec.startswith((".", "/")):
+            raise UsageError(f"dataset file {local} not found")  # a path, not a Hub id: never ask the Hub
         return datasets.load_dataset(spec, config, split=split)
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - turn any loader failure into one line
-        raise UsageError(f"cannot load dataset {spec!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"cannot load dataset {spec!r}: {type(e).__name__}{': ' + first if first else ''}") from None
 
 
 def load_problems(
@@ -60,16 +66,21 @@ def load_problems(
             raise UsageError(f"dataset {spec!r} has no field {f!r}; fields: {', '.join(rows.column_names)}")
     skipped = {"empty_prompt": 0, "missing_answer": 0, "too_long": 0}
     problems = []
-    for row in rows:
+    for i, row in enumerate(rows):
         prompt, answer = row.get(prompt_field), row.get(answer_field)
+        if prompt is not None and not isinstance(prompt, str):
+            raise UsageError(f"dataset {spec!r} row {i + 1}: field {prompt_field!r} must be a string, "
+                             f"got {type(prompt).__name__}")
         if not prompt or not str(prompt).strip():
             skipped["empty_prompt"] += 1
             continue
         if answer is None or str(answer).strip() == "":
             skipped["missing_answer"] += 1
             continue
-        ids = encode(str(prompt))
-        if len(ids) > max_prompt_tokens:
+        # No tokenizer's tokens average 1,000 characters: a longer prompt is too long without the
+        # cost of tokenizing it (a 10 MB line takes ~20 s).
+        ids = encode(prompt) if len(prompt) <= 1000 * max_prompt_tokens else None
+        if ids is None or len(ids) > max_prompt_tokens:
             skipped["too_long"] += 1
             continue
         problems.append(Problem(tuple(ids), dict(row)))

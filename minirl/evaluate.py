@@ -82,16 +82,19 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
 
     from minirl.errors import UsageError
 
+    from minirl.models import shape_for
+    from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints
+
+    shape = shape_for(rec.model.id)
     if checkpoint == "coldstart":
         if ws is None:
             raise UsageError("--checkpoint coldstart needs a workspace (-w DIR)")
+        check_model_folder(ws.path(rec.model.path), shape)
         return ws.path(rec.model.path)
     if checkpoint == "latest":
         if ws is None:
             raise UsageError("no workspace here: pass -w DIR, or --checkpoint with an HF folder or model id")
-        run = ws.latest_run()
-        ckpts = sorted((run / "checkpoints").glob("step_*")) if run else []
-        ckpts = [c for c in ckpts if not c.name.endswith(".tmp")]
+        ckpts = next((c for c in map(complete_checkpoints, ws.runs_newest_first()) if c), [])
         if not ckpts:
             raise UsageError(f"no run checkpoint in {ws.runs}; run `minirl run` first or pass --checkpoint coldstart")
         path = ckpts[-1]
@@ -102,19 +105,20 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
                 return _hub_snapshot(checkpoint)
             raise UsageError(f"checkpoint not found: {checkpoint}")
     if (path / "config.json").exists():
+        check_model_folder(path, shape if ws is not None else None)
         return path
     if (path / "hf" / "config.json").exists():
+        check_model_folder(path / "hf", shape)
         return path / "hf"
     if (path / "minirl.json").exists():  # a DCP step checkpoint: export its weights once
         from minirl.hf_io import save_hf_folder
-        from minirl.models import shape_for
         from minirl.train import Trainer
 
-        shape = shape_for(rec.model.id)
-        trainer = Trainer(shape, lr=0.0)
-        trainer.load(path, with_optim=False)
         if ws is None:
             raise UsageError("exporting a step checkpoint needs its workspace (-w DIR) for the tokenizer")
+        check_checkpoint(path, shape, rec.model.id)
+        trainer = Trainer(shape, lr=0.0)
+        trainer.load(path, with_optim=False)
         return save_hf_folder(path / "hf", shape, trainer.model.state_dict(), tokenizer_dir=ws.path(rec.model.path))
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")
 

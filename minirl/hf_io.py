@@ -41,21 +41,27 @@ def save_hf_folder(
     tokenizer_dir: Path,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write a self-contained HF folder (loadable by transformers and vLLM) from TorchTitan weights."""
+    """Write a self-contained HF folder (loadable by transformers and vLLM) from TorchTitan weights.
+    Written beside `out` and renamed into place: a crash never leaves a half folder that looks whole."""
     from safetensors.torch import save_file
 
-    out.mkdir(parents=True, exist_ok=True)
+    from minirl import atomic
+
+    final, out = Path(out), Path(out).with_name(Path(out).name + ".tmp")
+    atomic.remove_dir(out)
+    out.mkdir(parents=True)
     hf_sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in titan_to_hf(shape, titan_sd).items()}
     save_file(hf_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     ids = json.loads((tokenizer_dir / "minirl_special_ids.json").read_text())
     cfg = hf_config_dict(shape, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    if tokenizer_dir.resolve() != out.resolve():
-        for name in (*TOKENIZER_FILES, "minirl_special_ids.json"):
-            if (tokenizer_dir / name).exists():
-                shutil.copy(tokenizer_dir / name, out / name)
-    return out
+    for name in (*TOKENIZER_FILES, "minirl_special_ids.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    atomic.remove_dir(final)
+    out.rename(final)
+    return final
 
 
 def load_hf_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -14,8 +14,11 @@ on-policy N = 1 is exactly on-policy and every number in the log has one meaning
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,15 +26,17 @@ from pathlib import Path
 
 import torch
 
-from minirl import objective
-from minirl.data import PromptSampler, load_problems
-from minirl.errors import UsageError
+from minirl import atomic, objective
+from minirl.data import PromptSampler
+from minirl.errors import RunIOError, UsageError
 from minirl.evaluate import evaluate, response_text
 from minirl.guard import Guard, Verdict
 from minirl.models import shape_for
+from minirl.preflight import RunInputs, complete_checkpoints, prepare_run
 from minirl.recipe import Recipe
 from minirl.replay import rollout_routes, route_agreement
 from minirl.rollout import VLLMEngine
+from minirl.summary import write_summary
 from minirl.train import Batch, Trainer, build_batch
 from minirl.workspace import Workspace
 from rewards.pool import GradingPool
@@ -51,9 +56,10 @@ class RunState:
 
 
 class Stop:
-    """Set by the CLI's SIGINT handler; the loop checks it between steps."""
+    """Set by the CLI's SIGINT/SIGTERM handler; the loop checks it between steps."""
 
     requested = False
+    signal = 2  # which signal asked (the exit code is 128 + it)
 
 
 def _timed(timing: dict, key: str, t0: float) -> float:
@@ -63,23 +69,14 @@ def _timed(timing: dict, key: str, t0: float) -> float:
 
 
 class RLRun:
-    def __init__(self, ws: Workspace, rec: Recipe, *, run_dir: Path, resume_from: Path | None = None):
-        from transformers import AutoTokenizer
-
+    def __init__(self, ws: Workspace, rec: Recipe, inputs: RunInputs, *, run_dir: Path):
         self.ws, self.rec = ws, rec
         model_dir = ws.path(rec.model.path)
-        if not model_dir.exists():
-            raise UsageError(f"model folder {model_dir} not found (recipe model.path)")
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        resume_from = inputs.resume_from
+        self.tok = inputs.tokenizer
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
-        enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-        kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
-                  max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
-        self.train_problems, self.skipped = load_problems(rec.data.train, **kw)
-        self.heldout, _ = load_problems(rec.data.heldout, **kw)
-        self.heldout = self.heldout[: rec.eval.max_problems]
-        self.grading = GradingPool(rec.reward.grader, rec.reward.params, workers=rec.reward.workers,
-                                   timeout_s=rec.reward.timeout_s)
+        self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
+        self.grading = inputs.grading
 
         self.shape = shape_for(rec.model.id)
         self.trainer = Trainer(self.shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay,
@@ -188,10 +185,13 @@ class RLRun:
 
         entropy, reward, lr = objective.masked_mean(ent, batch.mask_BT), float(rewards_PG.mean()), self.lr
         mb_metrics, losses, grad_norms, verdict = [], [], [], Verdict("step")
+        inject = injected_nan(step)
         for j, idx in enumerate(minibatch_indices(B, G, N, seed=step)):
             mb, mb_old = batch.select(idx), old_logp[idx]
-            loss_fn = _loss_fn(r, mb_old)
+            loss_fn = _loss_fn(r, mb_old, poison=inject == "loss")
             loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None)
+            if inject == "grad":
+                self.trainer.fill_grads(math.nan)
             norm = self.trainer.clip_grads()
             # The guard's one decision point: after the loss, before the optimizer step.
             v = self.guard.decide(kl=kl, entropy=entropy, reward=reward, loss=loss, grad_norm=norm, new_step=j == 0)
@@ -261,13 +261,11 @@ class RLRun:
         return path
 
     def prune(self, keep: int) -> None:
-        """Keep the newest `keep` step checkpoints, and always the rollback target."""
-        import shutil
-
-        ckpts = [c for c in sorted((self.state.run_dir / "checkpoints").glob("step_*")) if "." not in c.name]
+        """Keep the newest `keep` step checkpoints (0: all), and always the rollback target."""
+        ckpts = complete_checkpoints(self.state.run_dir)
         for old in ckpts[:-keep] if keep > 0 else []:
             if old != self.last_good:
-                shutil.rmtree(old, ignore_errors=True)
+                atomic.remove_dir(old)
 
     def rollback(self) -> None:
         """Back to the last good weights and optimizer state, at a lower learning rate. The data
@@ -294,14 +292,26 @@ def minibatch_indices(B: int, G: int, N: int, *, seed: int) -> list[torch.Tensor
     return [(prompts[:, None] * G + torch.arange(G)[None, :]).flatten() for prompts in order]
 
 
-def _loss_fn(r: Recipe, mb_old_logp: torch.Tensor) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:
+def _loss_fn(r: Recipe, mb_old_logp: torch.Tensor, *, poison: bool = False
+             ) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:
     kw = dict(eps_low=r.loss.eps_low, eps_high=r.loss.eps_high, tis_cap=r.loss.tis_cap, is_mode=r.loss.is_mode,
               length_norm=r.loss.length_norm)
 
     def fn(logp_BT: torch.Tensor, b: Batch):
-        return objective.policy_loss(r.loss.name, logp_BT, mb_old_logp, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+        loss, m = objective.policy_loss(r.loss.name, logp_BT, mb_old_logp, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+        return (loss * math.nan, m) if poison else (loss, m)
 
     return fn
+
+
+def injected_nan(step: int) -> str | None:
+    """Fault-injection hook for tests, read here and nowhere else: MINIRL_INJECT_NAN="loss@3,grad@5"
+    makes step 3's loss and step 5's gradients NaN, to show that the guard keeps them out of the weights."""
+    for item in os.environ.get("MINIRL_INJECT_NAN", "").split(","):
+        what, _, at = item.strip().partition("@")
+        if what in ("loss", "grad") and at.isdigit() and int(at) == step:
+            return what
+    return None
 
 
 def run(
@@ -319,20 +329,34 @@ def run(
     if rec.model.id != "tiny-qwen3-moe":
         raise UsageError(f"model {rec.model.id}: the multi-GPU path (FSDP2 / expert parallel under torchrun) is not "
                     "implemented yet; only tiny-qwen3-moe runs for now")
-    resume_from = None
-    if resume:
-        run_dir = ws.latest_run()
-        ckpts = sorted((run_dir / "checkpoints").iterdir()) if run_dir and (run_dir / "checkpoints").exists() else []
-        ckpts = [c for c in ckpts if not c.name.endswith(".tmp")]
-        if not ckpts:
-            raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
-        resume_from = max(ckpts, key=lambda c: json.loads((c / "minirl.json").read_text())["step"])
-    else:
-        run_dir = _new_run_dir(ws.runs)
-    (run_dir / "recipe.toml").write_text(rec.to_toml())
+    inputs = prepare_run(ws, rec, resume=resume)  # every check that can fail on input; writes nothing
+    try:
+        return _start_and_train(ws, rec, inputs, on_event, t_start=t_start)
+    except OSError as e:
+        if e.errno not in _DISK_ERRORS:
+            raise
+        # A full disk or a read-only folder: one line. Checkpoints are written aside and renamed
+        # into place, so every complete one on disk is still whole.
+        where = e.filename or ws.runs
+        raise RunIOError(f"cannot write {where}: {e.strerror}; every complete checkpoint is intact (free space, "
+                         f"then `minirl run {ws.root} --resume`)") from None
 
+
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float) -> dict:
     t0 = time.time()
-    rl = RLRun(ws, rec, run_dir=run_dir, resume_from=resume_from)
+    resume_from = inputs.resume_from
+    run_dir = resume_from.parent.parent if resume_from else _new_run_dir(ws.runs)
+    try:
+        atomic.sweep(run_dir / "checkpoints")  # what a killed writer or deleter left behind
+        atomic.write_text(run_dir / "recipe.toml", rec.to_toml())
+        rl = RLRun(ws, rec, inputs, run_dir=run_dir)
+    except BaseException:
+        if resume_from is None:  # a run that never started leaves no folder for --resume to pick
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     startup_s = time.time() - t0
     on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
                        "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
@@ -343,14 +367,16 @@ def run(
         rl.state.heldout_start = rl.heldout_eval()
         on_event("eval", {"which": "start", **rl.state.heldout_start})
     eval_s = time.time() - t0
+    return _train(rl, on_event, t_start=t_start, startup_s=startup_s, eval_s=eval_s)
 
+
+def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float) -> dict:
+    """The steps, the checkpoints and the end of a run (final checkpoint, held-out eval, summary)."""
+    rec, run_dir = rl.rec, rl.state.run_dir
     if rl.last_good is None:  # a fresh run: its starting point is the first rollback target
         rl.save("step_000000")
     metrics_path = run_dir / "metrics.jsonl"
-    if resume_from is not None and metrics_path.exists():  # steps after the checkpoint are redone: drop their rows
-        rows = [x for x in metrics_path.read_text().splitlines() if x.strip()]
-        kept = [x for x in rows if json.loads(x)["step"] <= rl.state.step]
-        metrics_path.write_text("".join(x + "\n" for x in kept))
+    _truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
     status = "finished"
     t_rl = time.time()
     with metrics_path.open("a") as mf:
@@ -362,7 +388,7 @@ def run(
                 status = "time_limit"
                 break
             m = rl.step()
-            mf.write(json.dumps(m) + "\n")
+            mf.write(json.dumps(m) + "\n")  # one write per row; a kill can tear only the last line
             mf.flush()
             on_event("step", m)
             if m.get("guard/action") in ("rollback", "stop", "skip"):
@@ -378,7 +404,7 @@ def run(
     rl_s = time.time() - t_rl
 
     final = rl.save(f"step_{rl.state.step:06d}")
-    rl.prune(max(rec.checkpoint.keep, 1))
+    rl.prune(rec.checkpoint.keep)
     on_event("checkpoint", {"path": str(final), "step": rl.state.step})
     t0 = time.time()
     heldout_end = rl.heldout_eval()
@@ -387,12 +413,28 @@ def run(
 
     from minirl.hf_io import save_hf_folder
 
-    hf_dir = save_hf_folder(final / "hf", rl.shape, rl.trainer.model.state_dict(), tokenizer_dir=ws.path(rec.model.path))
+    hf_dir = save_hf_folder(final / "hf", rl.shape, rl.trainer.model.state_dict(), tokenizer_dir=rl.ws.path(rec.model.path))
     phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
-    summary = _write_summary(rl, status=status, wall_s=time.time() - t_start, phases=phases, heldout_end=heldout_end,
-                             checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
+    summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
+                            heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
     on_event("done", summary)
     return summary
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows of steps ≤ `step` (the checkpoint a run resumes from), in one atomic rewrite.
+    A line a kill cut short is not JSON and goes too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+    atomic.write_text(path, "".join(x + "\n" for x in kept))
 
 
 def _new_run_dir(runs: Path) -> Path:
@@ -407,40 +449,3 @@ def _new_run_dir(runs: Path) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"cannot create a run folder in {runs}")
-
-
-def _write_summary(rl: RLRun, *, status, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path) -> dict:
-    """runs/<id>/summary.json (fields documented in the README) plus the metrics plot."""
-    key = f"avg@{rl.rec.eval.k}"
-    run_dir = rl.state.run_dir
-    summary = {
-        "status": status,
-        "steps": rl.state.step,
-        "wall_s": round(wall_s, 1),
-        "phases_s": {k: round(v, 1) for k, v in phases.items()},
-        "heldout": {"metric": key, "start": rl.state.heldout_start, "end": heldout_end,
-                    "gain_points": round(100 * (heldout_end[key] - rl.state.heldout_start[key]), 1)},
-        "last_metrics": _last_metrics(metrics_path),
-        "checkpoint": str(checkpoint),
-        "hf_folder": str(hf_dir),
-        "metrics": str(metrics_path),
-        "run_dir": str(run_dir),
-        "guard": {**rl.guard.state_dict(), "rolled_back_to": rl.rolled_back_to},
-        "recipe": rl.rec.to_dict(),
-    }
-    try:
-        from minirl.plots import plot_metrics
-
-        summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))
-    except Exception as e:  # noqa: BLE001 - a plot must never cost the run its summary
-        summary["plot_error"] = str(e)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
-
-
-def _last_metrics(path: Path) -> dict:
-    lines = path.read_text().splitlines() if path.exists() else []
-    if not lines:
-        return {}
-    m = json.loads(lines[-1])
-    return {k: v for k, v in m.items() if isinstance(v, float) and not math.isnan(v)}

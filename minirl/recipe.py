@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class EvalConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     every: int = 50  # steps
-    keep: int = 2  # newest step checkpoints kept (the final one is always kept)
+    keep: int = 2  # newest step checkpoints kept (0 = all; the final one and the rollback target always stay)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -242,8 +243,78 @@ def load(path: Path | None, overrides: list[str] = ()) -> Recipe:
     return recipe
 
 
+# Range of every numeric field: key -> (lowest, highest, lowest allowed itself?). Every number
+# must also be finite; nan and inf (which TOML and float() both accept) are refused by name.
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "data.max_prompt_tokens": (1, math.inf, True),
+    "rollout.temperature": (0, math.inf, False),
+    "rollout.max_tokens": (1, math.inf, True),
+    "rollout.memory_fraction": (0, 1, False),
+    "rollout.kv_cache_gib": (0, math.inf, True),
+    "rollout.tensor_parallel": (1, math.inf, True),
+    "rollout.parity_every": (0, math.inf, True),
+    "loss.eps_low": (0, 1, False),
+    "loss.eps_high": (0, math.inf, False),
+    "loss.tis_cap": (0, math.inf, False),
+    "train.steps": (0, math.inf, True),
+    "train.prompts_per_step": (1, math.inf, True),
+    "train.group_size": (1, math.inf, True),
+    "train.minibatches": (1, math.inf, True),
+    "train.lr": (0, math.inf, False),
+    "train.weight_decay": (0, math.inf, True),
+    "train.grad_clip": (0, math.inf, False),
+    "train.seed": (0, 2**31 - 1, True),
+    "train.time_limit_s": (0, math.inf, True),
+    "reward.workers": (0, 256, True),
+    "reward.timeout_s": (0, math.inf, False),
+    "eval.k": (1, math.inf, True),
+    "eval.temperature": (0, math.inf, True),
+    "eval.max_problems": (1, math.inf, True),
+    "eval.max_tokens": (0, math.inf, True),
+    "eval.grader_workers": (0, 256, True),
+    "checkpoint.every": (1, math.inf, True),
+    "checkpoint.keep": (0, math.inf, True),
+    "guard.min_entropy_frac": (0, 1, True),
+    "guard.reward_drop": (0, math.inf, True),
+    "guard.patience": (1, math.inf, True),
+    "guard.max_rollbacks": (0, math.inf, True),
+    "guard.lr_factor": (0, 1, False),
+    "cold_start.max_steps": (1, math.inf, True),
+    "cold_start.target_acc": (0, 1, True),
+    "cold_start.dev_size": (1, math.inf, True),
+    "cold_start.batch_size": (1, math.inf, True),
+    "cold_start.lr": (0, math.inf, False),
+    "cold_start.seed": (0, 2**31 - 1, True),
+    "cold_start.train_size": (2, math.inf, True),
+    "cold_start.heldout_size": (1, math.inf, True),
+    "parallel.nodes": (1, math.inf, True),
+    "parallel.gpus_per_node": (1, math.inf, True),
+    "parallel.dp_shard": (-1, math.inf, True),
+    "parallel.ep": (1, math.inf, True),
+}
+
+
+def _check_numbers(r: Recipe) -> None:
+    for section in dataclasses.fields(r):
+        obj = getattr(r, section.name)
+        for f in dataclasses.fields(obj):
+            key, value = f"{section.name}.{f.name}", getattr(obj, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                raise UsageError(f"{key} = {value}; it must be a finite number")
+            if key not in _RANGES:
+                continue
+            lo, hi, lo_ok = _RANGES[key]
+            if value < lo or (value == lo and not lo_ok) or value > hi:
+                lower = f"≥ {lo}" if lo_ok else f"> {lo}"
+                upper = f" and ≤ {hi}" if math.isfinite(hi) else ""
+                raise UsageError(f"{key} = {value}; it must be {lower}{upper}")
+
+
 def validate(r: Recipe) -> None:
-    """Cross-field rules. Fails with the key to change; never rewrites."""
+    """Every field's range and the rules that span fields. Fails with the key to change; never
+    rewrites. Runs before anything is built, so a bad recipe costs no engine start."""
     choices = {
         "loss.name": (r.loss.name, ("minirl", "grpo", "cispo")),
         "loss.is_mode": (r.loss.is_mode, ("truncate", "mask", "off")),
@@ -258,29 +329,31 @@ def validate(r: Recipe) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise UsageError(f"{key} = {value!r}; choose one of {', '.join(allowed)}")
-    positive = {
-        "train.prompts_per_step": r.train.prompts_per_step,
-        "train.group_size": r.train.group_size,
-        "train.minibatches": r.train.minibatches,
-        "rollout.max_tokens": r.rollout.max_tokens,
-        "eval.k": r.eval.k,
-        "checkpoint.every": r.checkpoint.every,
-        "guard.patience": r.guard.patience,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{key} must be ≥ 1, got {value}")
-    if r.train.steps < 0:
-        raise UsageError(f"train.steps must be ≥ 0, got {r.train.steps}")
+    if r.rollout.temperature == 0:
+        raise UsageError("rollout.temperature = 0 (greedy) samples the same response G times, so every group-mean "
+                         "advantage is 0; use a temperature > 0")
+    _check_numbers(r)
+    for key, value in (("model.path", r.model.path), ("data.train", r.data.train), ("data.heldout", r.data.heldout),
+                       ("data.prompt_field", r.data.prompt_field), ("data.answer_field", r.data.answer_field),
+                       ("reward.grader", r.reward.grader)):
+        if not value.strip():
+            raise UsageError(f"{key} is empty")
+    if r.train.group_size < 2:
+        raise UsageError(
+            f"train.group_size = {r.train.group_size}: the advantage is R minus the mean of its group, so with one "
+            "response per prompt every advantage is 0 and no update can change the policy; use ≥ 2"
+        )
     if r.train.prompts_per_step % r.train.minibatches:
         raise UsageError(
             f"train.prompts_per_step ({r.train.prompts_per_step}) must divide into "
             f"train.minibatches ({r.train.minibatches}) equal mini-batches of whole groups"
         )
-    if not 0 < r.loss.eps_low < 1 or r.loss.eps_high <= 0:
-        raise UsageError("loss.eps_low must be in (0, 1) and loss.eps_high > 0")
-    if r.loss.tis_cap <= 0:
-        raise UsageError(f"loss.tis_cap must be > 0, got {r.loss.tis_cap}")
+    if r.eval.k > 1 and r.eval.temperature == 0:
+        raise UsageError(f"eval.temperature = 0 (greedy) gives eval.k = {r.eval.k} identical samples; "
+                         "use eval.k = 1 or a temperature > 0")
+    if r.cold_start.dev_size >= r.cold_start.train_size:
+        raise UsageError(f"cold_start.dev_size ({r.cold_start.dev_size}) must be smaller than cold_start.train_size "
+                         f"({r.cold_start.train_size}): the dev split is carved from the train split")
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")
 

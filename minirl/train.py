@@ -14,12 +14,15 @@ with model and optimizer state; they load under any later parallel layout.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from minirl import atomic
 from minirl.models import ModelShape, titan_config
 from minirl.objective import entropy_from_logits
 
@@ -173,6 +176,12 @@ class Trainer:
         """Clip accumulated gradients in place; returns their norm before clipping."""
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
 
+    def fill_grads(self, value: float) -> None:
+        """Overwrite the accumulated gradients (fault injection in tests: MINIRL_INJECT_NAN)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(value)
+
     def apply_update(self) -> None:
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
@@ -197,8 +206,6 @@ class Trainer:
 
         An optimizer that has not stepped yet is not saved: DCP would first materialise its state
         with a zero step, which advances Adam's step count and changes every later update."""
-        import shutil
-
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -210,11 +217,24 @@ class Trainer:
         state = {"model": get_model_state_dict(self.model)}
         if has_optim:
             state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-        dcp.save(state, checkpoint_id=str(tmp))
-        (tmp / "minirl.json").write_text(json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        needed = _nbytes(state)
+        try:
+            _check_room(path.parent, needed)  # a full disk fails before a byte is written
+            dcp.save(state, checkpoint_id=str(tmp))
+            # minirl.json last: a folder without it was never finished
+            atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+            cause = _os_error(e)
+            if cause is None and not isinstance(e, KeyboardInterrupt):
+                cause = _why_write_failed(path.parent, needed)
+            if cause is not None:
+                raise cause from None
+            raise
+        if path.exists():  # the same step saved twice (a final save right after a periodic one): same state
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
         return path
 
     def load(self, path: Path, *, with_optim: bool = True) -> dict:
@@ -239,3 +259,53 @@ class Trainer:
         elif with_optim:
             self.optim.state.clear()
         return extra
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError (ENOSPC, EROFS, ...) behind a failed DCP save, which wraps it in CheckpointException."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            for f in failures.values():
+                inner = _os_error(f) if isinstance(f, BaseException) else None
+                if inner is not None:
+                    return inner
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _nbytes(state) -> int:
+    """Bytes of all tensors in a (nested) state dict: what a checkpoint of it needs on disk."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    return 0
+
+
+def _check_room(folder: Path, needed: int) -> None:
+    import errno
+
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free, a checkpoint needs "
+                                    f"{needed / 2**20:.1f} MiB)", str(folder))
+
+
+def _why_write_failed(folder: Path, needed: int) -> OSError | None:
+    """torch's writer reports a short write as "unexpected pos vs ..." and drops the errno: look
+    for the cause ourselves (a full disk, a folder that stopped being writable)."""
+    try:
+        _check_room(folder, needed)
+        probe = folder / ".minirl-write-probe"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        return e
+    return None

@@ -41,9 +41,9 @@ class Workspace:
         p = Path(rel)
         return p if p.is_absolute() else self.root / p
 
-    def latest_run(self) -> Path | None:
-        runs = sorted(p for p in self.runs.glob("*") if p.is_dir()) if self.runs.exists() else []
-        return runs[-1] if runs else None
+    def runs_newest_first(self) -> list[Path]:
+        """Run folders, newest first (their names are start times)."""
+        return sorted((p for p in self.runs.glob("*") if p.is_dir()), reverse=True) if self.runs.is_dir() else []
 
     @classmethod
     def open(cls, root: Path) -> "Workspace":
@@ -67,14 +67,16 @@ def init_workspace(
     `progress(stage, done, total, info)` is called as work advances.
     """
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"{root} exists and is not a folder")
     if (root / RECIPE_NAME).exists() and not force:
         raise FileExistsError(str(root))
+    src = recipe_mod.shipped(recipe_name)
+    rec = recipe_mod.load(src, list(overrides))  # a bad recipe or --set fails before anything is written
     if force and root.exists():
         for sub in ("data", "model", "runs"):
             shutil.rmtree(root / sub, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    src = recipe_mod.shipped(recipe_name)
-    rec = recipe_mod.load(src, list(overrides))
     ws = Workspace(root.resolve())
     report: dict = {"workspace": str(ws.root), "recipe": recipe_name}
     if rec.model.id == "tiny-qwen3-moe":

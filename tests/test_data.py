@@ -44,10 +44,22 @@ def test_missing_field_names_the_fields(tmp_path):
         load_problems(str(p), encode=enc, prompt_field="prompt", answer_field="answer", max_prompt_tokens=8)
 
 
-def test_missing_local_path_and_no_hub_is_one_line(tmp_path):
+def test_a_missing_file_is_one_line_without_asking_the_hub(tmp_path):
     with pytest.raises(UsageError) as e:
         load_problems(str(tmp_path / "nope.jsonl"), encode=enc, prompt_field="p", answer_field="a", max_prompt_tokens=8)
-    assert "cannot load dataset" in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value) == f"dataset file {tmp_path / 'nope.jsonl'} not found"
+
+
+def test_an_unreachable_hub_id_is_one_line(monkeypatch):
+    import datasets
+
+    def no_network(*a, **k):  # the Hub's servers: the one thing that cannot exist here
+        raise ConnectionError("Couldn't reach 'nobody-minirl/no-such-dataset' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    with pytest.raises(UsageError) as e:
+        load_problems("nobody-minirl/no-such-dataset", encode=enc, prompt_field="p", answer_field="a", max_prompt_tokens=8)
+    assert "cannot load dataset 'nobody-minirl/no-such-dataset'" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_task_splits_are_disjoint_and_correct():

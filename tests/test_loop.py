@@ -10,7 +10,7 @@ from minirl.workspace import Workspace
 def test_runs_started_in_the_same_second_get_distinct_folders(tmp_path):
     a, b, c = (_new_run_dir(tmp_path / "runs") for _ in range(3))
     assert len({a, b, c}) == 3 and all(p.is_dir() for p in (a, b, c))
-    assert Workspace(tmp_path).latest_run() == c  # --resume and eval's "latest" find the newest
+    assert Workspace(tmp_path).runs_newest_first() == [c, b, a]  # --resume and eval's "latest" find the newest
 
 
 @pytest.mark.parametrize("N", [1, 2, 4, 8])
@@ -29,3 +29,25 @@ def test_truncated_reward_semantics():
     scores, cut = [1.0, 1.0, 0.0], [False, True, True]
     assert sequence_rewards(scores, cut, "grade").tolist() == [1.0, 1.0, 0.0]
     assert sequence_rewards(scores, cut, "zero").tolist() == [1.0, 0.0, 0.0]
+
+
+def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    from minirl.loop import _truncate_metrics
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rollout/rew')  # killed mid-write
+    _truncate_metrics(p, 2)
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    from minirl.preflight import complete_checkpoints
+
+    ck = tmp_path / "checkpoints"
+    for name, done in (("step_000001", True), ("step_000002", True), ("step_000003.tmp", True),
+                       ("step_000000.del", True), ("step_000004", False)):
+        (ck / name).mkdir(parents=True)
+        if done:
+            (ck / name / "minirl.json").write_text("{}")
+    assert [c.name for c in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]

