@@ -346,7 +346,6 @@ _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 
 def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float) -> dict:
-    t0 = time.time()
     resume_from = inputs.resume_from
     run_dir = resume_from.parent.parent if resume_from else _new_run_dir(ws.runs)
     try:
@@ -357,7 +356,7 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
         if resume_from is None:  # a run that never started leaves no folder for --resume to pick
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    startup_s = time.time() - t0
+    startup_s = time.time() - t_start  # input checks, data, trainer and vLLM
     on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
                        "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
                        "resumed_from": str(resume_from) if resume_from else None})

@@ -34,24 +34,32 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 @functools.cache
-def expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for `shape`, from the TorchTitan model built on the meta device and
-    converted by the same state-dict adapter the real load uses (nothing is allocated)."""
+def _meta_state_dict(shape: ModelShape) -> dict:
+    """The TorchTitan model's state dict on the meta device: every name and shape, no memory."""
     import torch
 
-    from minirl.hf_io import titan_to_hf
     from minirl.models import titan_config
 
     with torch.device("meta"):
-        model = titan_config(shape).build()
-    sd = {k: v for k, v in model.state_dict().items() if "expert_bias" not in k and "tokens_per_expert" not in k}
+        return dict(titan_config(shape).build().state_dict())
+
+
+def expected_titan_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in _meta_state_dict(shape).items()}
+
+
+def expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, through the same state-dict adapter the real load uses."""
+    from minirl.hf_io import titan_to_hf
+
+    sd = {k: v for k, v in _meta_state_dict(shape).items() if "expert_bias" not in k and "tokens_per_expert" not in k}
     return {k: tuple(v.shape) for k, v in titan_to_hf(shape, sd).items()}
 
 
 def check_model_folder(folder: Path, shape: ModelShape | None) -> None:
     """An HF folder the trainer and vLLM can load: config.json of a supported architecture, a
-    tokenizer, and safetensors whose tensors are exactly the model's names and shapes, with every
-    byte their headers promise present on disk."""
+    tokenizer, and safetensors whose tensors are exactly the model's names and shapes. Opening a
+    file checks its header and that the file holds every byte the header promises."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -77,7 +85,6 @@ def check_model_folder(folder: Path, shape: ModelShape | None) -> None:
         except Exception as e:  # noqa: BLE001 - a damaged header of any kind: one line
             raise UsageError(f"model weights {f} are damaged or truncated ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        _check_safetensors_size(f)
     if want is None:  # a folder of unknown size (an HF id or export given to `minirl eval`): headers only
         return
     missing = sorted(set(want) - set(seen))
@@ -87,16 +94,6 @@ def check_model_folder(folder: Path, shape: ModelShape | None) -> None:
     for name, s in want.items():
         if seen[name] != s:
             raise UsageError(f"model weights in {folder}: {name} has shape {list(seen[name])}, the model needs {list(s)}")
-
-
-def _check_safetensors_size(f: Path) -> None:
-    """safetensors' header states each tensor's byte range; a file cut short fails here, not mid-load."""
-    with f.open("rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if f.stat().st_size < 8 + n + end:
-        raise UsageError(f"model weights {f} are truncated: {f.stat().st_size} bytes, the header needs {8 + n + end}")
 
 
 def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
@@ -116,7 +113,7 @@ def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"checkpoint {path}: DCP metadata missing or unreadable ({type(e).__name__})") from None
-    want = _expected_titan_shapes(shape)
+    want = expected_titan_shapes(shape)
     have = {k.removeprefix("model."): tuple(v.size) for k, v in md.state_dict_metadata.items()
             if k.startswith("model.") and hasattr(v, "size")}
     for name, s in want.items():
@@ -133,17 +130,6 @@ def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
             state = "missing" if size < 0 else f"{size} bytes, {end} needed"
             raise UsageError(f"checkpoint {path}: shard {rel} is {state}")
     return extra
-
-
-@functools.cache
-def _expected_titan_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    import torch
-
-    from minirl.models import titan_config
-
-    with torch.device("meta"):
-        model = titan_config(shape).build()
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
