@@ -104,8 +104,10 @@ def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, .
 
 @cli.command()
 @click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
-@click.option("--model", "model_id", default=None, help="Model id from the registry (sets model.id). Only tiny-qwen3-moe runs today; Qwen3-30B-A3B is "
-                   "registered but its multi-GPU path is not written yet.")
+@click.option("--model", "model_id", default=None,
+              help="Model to train (sets model.id and clears model.path): a short name (Qwen3-30B-A3B, Qwen3-8B, ...), "
+                   "a Hugging Face repo id, or a local HF folder of a Qwen3 / Qwen3-MoE. The architecture comes from "
+                   "its config.json; one process on this machine trains what fits in memory.")
 @click.option("--replay", type=click.Choice(["off", "r2", "r3"]), default=None,
               help="Routing Replay for MoE (sets train.replay): off, r2 (trainer routes), r3 (rollout routes).")
 @click.option("--steps", type=int, default=None, help="RL steps (sets train.steps).")
@@ -129,7 +131,9 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     ws = Workspace.open(workspace)
     extra = list(overrides)
     if model_id is not None:
-        extra.append(f"model.id={model_id}")
+        from minirl.models import TINY_ID
+
+        extra += [f"model.id={model_id}"] + ([] if model_id == TINY_ID else ["model.path="])
     if replay is not None:
         extra.append(f"train.replay={replay}")
     if steps is not None:

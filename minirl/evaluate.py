@@ -77,20 +77,22 @@ def evaluate(
 
 
 def resolve_checkpoint(ws, rec, checkpoint: str):
-    """'latest' | 'coldstart' | HF folder | run checkpoint (DCP) folder -> an HF folder vLLM can load."""
+    """'latest' | 'coldstart' | HF folder | run checkpoint (DCP) folder | Hub id -> a checked HF
+    folder vLLM can load."""
     from pathlib import Path
 
+    from minirl import hub
     from minirl.errors import UsageError
-
-    from minirl.models import shape_for
     from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints
 
-    shape = shape_for(rec.model.id)
-    if checkpoint == "coldstart":
+    def start_dir() -> Path:  # the model the workspace's runs start from
         if ws is None:
-            raise UsageError("--checkpoint coldstart needs a workspace (-w DIR)")
-        check_model_folder(ws.path(rec.model.path), shape)
-        return ws.path(rec.model.path)
+            raise UsageError(f"--checkpoint {checkpoint} needs a workspace (-w DIR)")
+        return hub.model_dir(rec.model.id, rec.model.path, ws.root)
+
+    if checkpoint == "coldstart":
+        check_model_folder(start_dir())
+        return start_dir()
     if checkpoint == "latest":
         if ws is None:
             raise UsageError("no workspace here: pass -w DIR, or --checkpoint with an HF folder or model id")
@@ -102,39 +104,24 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
         path = Path(checkpoint)
         if not path.exists():
             if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/")):
-                return _hub_snapshot(checkpoint)
+                folder = hub.fetch(checkpoint, weights=True)
+                check_model_folder(folder)
+                return folder
             raise UsageError(f"checkpoint not found: {checkpoint}")
-    if (path / "config.json").exists():
-        check_model_folder(path, shape if ws is not None else None)
-        return path
-    if (path / "hf" / "config.json").exists():
-        check_model_folder(path / "hf", shape)
-        return path / "hf"
+    for folder in (path, path / "hf"):
+        if (folder / "config.json").exists():
+            check_model_folder(folder)
+            return folder
     if (path / "minirl.json").exists():  # a DCP step checkpoint: export its weights once
         from minirl.hf_io import save_hf_folder
         from minirl.train import Trainer
 
-        if ws is None:
-            raise UsageError("exporting a step checkpoint needs its workspace (-w DIR) for the tokenizer")
+        shape = check_model_folder(start_dir())
         check_checkpoint(path, shape, rec.model.id)
         trainer = Trainer(shape, lr=0.0)
         trainer.load(path, with_optim=False)
-        return save_hf_folder(path / "hf", shape, trainer.model.state_dict(), tokenizer_dir=ws.path(rec.model.path))
+        return save_hf_folder(path / "hf", shape, trainer.model.state_dict(), tokenizer_dir=start_dir())
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")
-
-
-def _hub_snapshot(repo_id: str):
-    """An HF model id -> local snapshot folder through huggingface_hub (cached after the first call)."""
-    from pathlib import Path
-
-    from huggingface_hub import snapshot_download
-
-    from minirl.errors import UsageError
-
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
-    except Exception as e:  # noqa: BLE001 - offline, gated, missing: one line
-        raise UsageError(f"cannot fetch model {repo_id!r} from the Hub: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
 
 def _format_prompt(tok, template: str, problem: str) -> list[int]:

@@ -52,16 +52,26 @@ def save_hf_folder(
     out.mkdir(parents=True)
     hf_sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in titan_to_hf(shape, titan_sd).items()}
     save_file(hf_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    ids = json.loads((tokenizer_dir / "minirl_special_ids.json").read_text())
+    ids = _special_ids(tokenizer_dir)
     cfg = hf_config_dict(shape, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in (*TOKENIZER_FILES, "minirl_special_ids.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
+    for f in Path(tokenizer_dir).iterdir():  # tokenizer, chat template, generation config
+        if f.is_file() and (f.name in TOKENIZER_FILES or f.suffix in (".jinja", ".txt", ".model", ".tiktoken")
+                            or f.name in ("minirl_special_ids.json", "vocab.json", "merges.txt")):
+            shutil.copy(f, out / f.name)
     atomic.remove_dir(final)
     out.rename(final)
     return final
+
+
+def _special_ids(folder: Path) -> dict[str, int | None]:
+    """BOS/EOS/pad ids: the embedded tokenizer's own file, else the source model's config.json."""
+    folder = Path(folder)
+    if (folder / "minirl_special_ids.json").exists():
+        return json.loads((folder / "minirl_special_ids.json").read_text())
+    cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    return {"bos": cfg.get("bos_token_id"), "eos": cfg.get("eos_token_id"), "pad": cfg.get("pad_token_id")}
 
 
 def load_hf_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -28,10 +28,9 @@ import torch
 
 from minirl import atomic, objective
 from minirl.data import PromptSampler
-from minirl.errors import RunIOError, UsageError
+from minirl.errors import RunIOError
 from minirl.evaluate import evaluate, response_text
 from minirl.guard import Guard, Verdict
-from minirl.models import shape_for
 from minirl.preflight import RunInputs, complete_checkpoints, prepare_run
 from minirl.recipe import Recipe
 from minirl.replay import rollout_routes, route_agreement
@@ -39,7 +38,6 @@ from minirl.rollout import VLLMEngine
 from minirl.summary import write_summary
 from minirl.train import Batch, Trainer, build_batch
 from minirl.workspace import Workspace
-from rewards.pool import GradingPool
 
 PARITY_BATCH = 16  # fixed (prompt, response) pairs re-scored by both engines after every sync
 
@@ -71,14 +69,14 @@ def _timed(timing: dict, key: str, t0: float) -> float:
 class RLRun:
     def __init__(self, ws: Workspace, rec: Recipe, inputs: RunInputs, *, run_dir: Path):
         self.ws, self.rec = ws, rec
-        model_dir = ws.path(rec.model.path)
+        model_dir, self.shape = inputs.model_dir, inputs.shape
         resume_from = inputs.resume_from
         self.tok = inputs.tokenizer
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
         self.grading = inputs.grading
+        self.model_dir = model_dir
 
-        self.shape = shape_for(rec.model.id)
         self.trainer = Trainer(self.shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay,
                                grad_clip=rec.train.grad_clip, seed=rec.train.seed)
         self.state = RunState(run_dir=run_dir)
@@ -326,9 +324,6 @@ def run(
     on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done".
     """
     t_start = time.time()
-    if rec.model.id != "tiny-qwen3-moe":
-        raise UsageError(f"model {rec.model.id}: the multi-GPU path (FSDP2 / expert parallel under torchrun) is not "
-                    "implemented yet; only tiny-qwen3-moe runs for now")
     inputs = prepare_run(ws, rec, resume=resume)  # every check that can fail on input; writes nothing
     try:
         return _start_and_train(ws, rec, inputs, on_event, t_start=t_start)
@@ -412,7 +407,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
 
     from minirl.hf_io import save_hf_folder
 
-    hf_dir = save_hf_folder(final / "hf", rl.shape, rl.trainer.model.state_dict(), tokenizer_dir=rl.ws.path(rec.model.path))
+    hf_dir = save_hf_folder(final / "hf", rl.shape, rl.trainer.model.state_dict(), tokenizer_dir=rl.model_dir)
     phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)

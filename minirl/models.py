@@ -1,4 +1,9 @@
-"""Model registry: a model id -> TorchTitan Qwen3 config + the HF config that describes the same net.
+"""Models: the Qwen3 / Qwen3-MoE shape of a checkpoint, its TorchTitan config and its HF config.
+
+A model is known by its `config.json`: `ModelShape.from_hf_config` reads any size of the two
+families (Qwen3ForCausalLM, dense; Qwen3MoeForCausalLM), and the TorchTitan model and the HF
+config both derive from that shape. Short names (`Qwen3-30B-A3B`, `Qwen3-0.6B`, ...) map to their
+Hub ids; `minirl.hub` fetches them.
 
 The tiny default is the Qwen3-MoE architecture in miniature (QK-norm attention with GQA, a softmax
 top-k router with route normalisation, 8 experts), so every code path the 30B-A3B run takes
@@ -12,11 +17,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
+
+from minirl.errors import UsageError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """The few numbers that define a Qwen3-MoE; both the TorchTitan and the HF config derive from them."""
+    """The few numbers that define a Qwen3 or Qwen3-MoE; the TorchTitan and HF configs derive from
+    them. Dense models have num_experts = 0 and their FFN width in hidden_dim."""
 
     vocab_size: int
     dim: int
@@ -24,12 +35,47 @@ class ModelShape:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    moe_hidden_dim: int
-    num_experts: int
-    top_k: int
+    moe_hidden_dim: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    hidden_dim: int = 0  # dense FFN width
     max_seq_len: int
     rope_theta: float
     tie_embeddings: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "ModelShape":
+        """The shape a HF `config.json` describes; anything outside the two families fails in one line."""
+        archs = cfg.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise UsageError(f"{source}: architectures {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        moe = "Qwen3MoeForCausalLM" in archs
+        try:
+            if moe and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+                raise UsageError(f"{source}: Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) "
+                                 "is not supported")
+            heads = int(cfg["num_attention_heads"])
+            return cls(
+                vocab_size=int(cfg["vocab_size"]), dim=int(cfg["hidden_size"]), n_layers=int(cfg["num_hidden_layers"]),
+                n_heads=heads, n_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                moe_hidden_dim=int(cfg["moe_intermediate_size"]) if moe else 0,
+                # transformers 5 writes num_local_experts, the Hub's Qwen3-MoE configs num_experts
+                num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]) if moe else 0,
+                top_k=int(cfg["num_experts_per_tok"]) if moe else 0,
+                hidden_dim=0 if moe else int(cfg["intermediate_size"]),
+                max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+                rope_theta=float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e6))),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise UsageError(f"{source}: missing {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"{source}: {e}") from None
 
 
 TINY = ModelShape(
@@ -41,10 +87,16 @@ QWEN3_30B_A3B = ModelShape(
     moe_hidden_dim=768, num_experts=128, top_k=8, max_seq_len=40960, rope_theta=1000000.0,
 )
 
-# model id -> (shape, HF repo id or None for a locally built model)
-REGISTRY: dict[str, tuple[ModelShape, str | None]] = {
-    "tiny-qwen3-moe": (TINY, None),
-    "Qwen3-30B-A3B": (QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B-Base"),
+TINY_ID = "tiny-qwen3-moe"  # the embedded default, built by `minirl init`, never fetched
+# Short names -> Hugging Face repo ids (the base models the paper's recipe starts from).
+HUB_IDS: dict[str, str] = {
+    "Qwen3-0.6B": "Qwen/Qwen3-0.6B-Base",
+    "Qwen3-1.7B": "Qwen/Qwen3-1.7B-Base",
+    "Qwen3-4B": "Qwen/Qwen3-4B-Base",
+    "Qwen3-8B": "Qwen/Qwen3-8B-Base",
+    "Qwen3-14B": "Qwen/Qwen3-14B-Base",
+    "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B-Base",
+    "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
 }
 
 
@@ -81,18 +133,23 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype:
     backends (flex, varlen) have no backward on CPU (PLATFORM.md). Batches are right-padded and
     causal, so padding never leaks into real positions.
     """
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common import CosSinRoPE
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model
-    from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _LINEAR_INIT, _EMBEDDING_INIT, _qwen3_norm
+    from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers
 
-    layers = _build_qwen3_moe_layers(
+    common = dict(
         n_layers=shape.n_layers, dim=shape.dim, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
-        head_dim=shape.head_dim, moe_hidden_dim=shape.moe_hidden_dim, num_experts=shape.num_experts,
-        top_k=shape.top_k, fuse_qkv=False, attn_backend="flex" if attn_backend == "sdpa" else attn_backend,
-        moe_comm_backend="standard",
+        head_dim=shape.head_dim, fuse_qkv=False, attn_backend="flex" if attn_backend == "sdpa" else attn_backend,
         rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta),
     )
+    if not shape.is_moe:
+        layers = _build_qwen3_layers(hidden_dim=shape.hidden_dim, **common)
+        for layer in layers:
+            if attn_backend == "sdpa":
+                layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        return _model_config(shape, layers)
+    layers = _build_qwen3_moe_layers(moe_hidden_dim=shape.moe_hidden_dim, num_experts=shape.num_experts,
+                                     top_k=shape.top_k, moe_comm_backend="standard", **common)
     fp32_experts = _fp32_grouped_experts_cls() if expert_dtype == "float32" else None
     for layer in layers:
         if fp32_experts is not None:
@@ -104,6 +161,14 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
         # HF/vLLM Qwen3-MoE has no aux-free expert bias; keep routing identical across engines.
         layer.moe.load_balance_coeff = None
+    return _model_config(shape, layers)
+
+
+def _model_config(shape: ModelShape, layers: list):
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _qwen3_norm
+
     return Qwen3Model.Config(
         vocab_size=shape.vocab_size,
         dim=shape.dim,
@@ -118,16 +183,10 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype:
 
 
 def hf_config_dict(shape: ModelShape, *, bos_id: int, eos_id: int, pad_id: int) -> dict:
-    """The `config.json` of the equivalent HF `Qwen3MoeForCausalLM`."""
-    return {
+    """The `config.json` of the equivalent HF `Qwen3MoeForCausalLM` (or `Qwen3ForCausalLM`, dense)."""
+    family = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.dim,
-        "num_hidden_layers": shape.n_layers,
-        "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_kv_heads,
-        "head_dim": shape.head_dim,
         "moe_intermediate_size": shape.moe_hidden_dim,
         "intermediate_size": shape.moe_hidden_dim,
         "num_experts": shape.num_experts,
@@ -135,6 +194,21 @@ def hf_config_dict(shape: ModelShape, *, bos_id: int, eos_id: int, pad_id: int) 
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.0,
+    } if shape.is_moe else {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "intermediate_size": shape.hidden_dim,
+    }
+    return {
+        **family,
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.dim,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
         "max_position_embeddings": shape.max_seq_len,
         "rope_theta": shape.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
@@ -143,8 +217,6 @@ def hf_config_dict(shape: ModelShape, *, bos_id: int, eos_id: int, pad_id: int) 
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": shape.tie_embeddings,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.0,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
@@ -153,19 +225,31 @@ def hf_config_dict(shape: ModelShape, *, bos_id: int, eos_id: int, pad_id: int) 
     }
 
 
-def shape_for(model_id: str) -> ModelShape:
-    from minirl.errors import UsageError
+def read_shape(folder) -> ModelShape:
+    """The shape of the HF model folder's config.json."""
+    import json
+    from pathlib import Path
 
-    if model_id not in REGISTRY:
-        raise UsageError(f"unknown model {model_id!r}; known: {', '.join(REGISTRY)}")
-    return REGISTRY[model_id][0]
+    path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"model config {path} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"model config {path} is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"model config {path} must hold a JSON object")
+    return ModelShape.from_hf_config(cfg, source=str(path))
 
 
 def param_count(shape: ModelShape) -> int:
     """Total parameters, for plans and model cards (no build needed)."""
     attn = shape.dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 2 * shape.head_dim
-    moe = shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim + shape.dim * shape.num_experts
-    per_layer = attn + moe + 2 * shape.dim
+    if shape.is_moe:
+        ffn = shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim + shape.dim * shape.num_experts
+    else:
+        ffn = 3 * shape.dim * shape.hidden_dim
+    per_layer = attn + ffn + 2 * shape.dim
     emb = shape.vocab_size * shape.dim * (1 if shape.tie_embeddings else 2)
     return shape.n_layers * per_layer + emb + shape.dim
 

@@ -18,9 +18,6 @@ from typing import Any
 from minirl.errors import UsageError
 from minirl.models import ModelShape
 
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
-
-
 def _read_json(path: Path, what: str) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -56,26 +53,23 @@ def expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in titan_to_hf(shape, sd).items()}
 
 
-def check_model_folder(folder: Path, shape: ModelShape | None) -> None:
+def check_model_folder(folder: Path) -> ModelShape:
     """An HF folder the trainer and vLLM can load: config.json of a supported architecture, a
-    tokenizer, and safetensors whose tensors are exactly the model's names and shapes. Opening a
-    file checks its header and that the file holds every byte the header promises."""
+    tokenizer, and safetensors whose tensors are exactly that config's names and shapes. Opening a
+    file checks its header and that the file holds every byte the header promises. Returns the shape."""
     from safetensors import safe_open
+
+    from minirl.models import read_shape
 
     folder = Path(folder)
     if not folder.is_dir():
-        raise UsageError(f"model folder {folder} not found (recipe model.path)")
-    cfg = _read_json(folder / "config.json", "model config")
-    archs = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise UsageError(f"model config {folder / 'config.json'}: architectures {archs}; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise UsageError(f"model folder {folder} not found (recipe model.path, or --model)")
+    shape = read_shape(folder)
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         raise UsageError(f"model folder {folder} has no tokenizer (tokenizer.json / tokenizer_config.json)")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UsageError(f"model folder {folder} has no *.safetensors weights")
-    want = expected_hf_shapes(shape) if shape is not None else None
     seen: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:
@@ -85,15 +79,38 @@ def check_model_folder(folder: Path, shape: ModelShape | None) -> None:
         except Exception as e:  # noqa: BLE001 - a damaged header of any kind: one line
             raise UsageError(f"model weights {f} are damaged or truncated ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if want is None:  # a folder of unknown size (an HF id or export given to `minirl eval`): headers only
-        return
+    want = expected_hf_shapes(shape)
+    if shape.tie_embeddings:  # a tied head may be left out of the files
+        seen.setdefault("lm_head.weight", want.get("lm_head.weight"))
     missing = sorted(set(want) - set(seen))
     if missing:
-        raise UsageError(f"model weights in {folder} lack {len(missing)} tensors of {len(want)}, e.g. {missing[0]} "
-                         f"(is this the model the recipe's model.id names?)")
+        raise UsageError(f"model weights in {folder} lack {len(missing)} tensors of {len(want)}, e.g. {missing[0]}")
     for name, s in want.items():
         if seen[name] != s:
-            raise UsageError(f"model weights in {folder}: {name} has shape {list(seen[name])}, the model needs {list(s)}")
+            raise UsageError(f"model weights in {folder}: {name} has shape {list(seen[name])}, its config.json "
+                             f"needs {list(s)}")
+    return shape
+
+
+def check_fits(shape: ModelShape, model_id: str) -> None:
+    """One process trains in fp32 (weights, gradients, Adam's two moments: 16 bytes a parameter)
+    beside a bf16 vLLM copy; refuse what cannot fit in this machine's memory."""
+    import os
+
+    from minirl.models import param_count
+
+    need = param_count(shape) * 18
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > 0.8 * have:
+        raise UsageError(f"model {model_id} has {param_count(shape) / 1e9:.2f}B parameters: one process needs "
+                         f"~{need / 2**30:.0f} GiB (fp32 weights, gradients, Adam, bf16 vLLM copy), this machine has "
+                         f"{have / 2**30:.0f} GiB; the multi-GPU path (FSDP2 / expert parallel under torchrun) is not "
+                         "written yet")
+
+
+def check_replay(replay: str, shape: ModelShape, model_id: str) -> None:
+    if replay != "off" and not shape.is_moe:
+        raise UsageError(f"train.replay = {replay!r} replays MoE routes, and {model_id} is a dense model; use off")
 
 
 def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
@@ -145,6 +162,8 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 class RunInputs:
     """What `minirl run` reads before any engine starts, all of it checked."""
 
+    model_dir: Path  # the HF folder the run starts from
+    shape: ModelShape  # from its config.json
     tokenizer: Any
     train: list  # [Problem]
     skipped: dict[str, int]  # train rows left out, by reason
@@ -168,15 +187,18 @@ def load_tokenizer(folder: Path):
 
 def prepare_run(ws, rec, *, resume: bool) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
-    each checked; raises one UsageError line and writes nothing."""
+    each checked; raises one UsageError line and writes nothing in the workspace."""
     from minirl.data import load_problems
-    from minirl.models import shape_for
+    from minirl.hub import model_dir as resolve_model_dir
+    from minirl.models import read_shape
     from rewards.pool import GradingPool
 
-    shape = shape_for(rec.model.id)
+    model_dir = resolve_model_dir(rec.model.id, rec.model.path, ws.root,
+                                  before_weights=lambda d: check_fits(read_shape(d), rec.model.id))
+    shape = check_model_folder(model_dir)
+    check_fits(shape, rec.model.id)
+    check_replay(rec.train.replay, shape, rec.model.id)
     resume_from = pick_resume_checkpoint(ws, shape, rec.model.id) if resume else None
-    model_dir = ws.path(rec.model.path)
-    check_model_folder(model_dir, shape)
     tok = load_tokenizer(model_dir)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
@@ -188,7 +210,7 @@ def prepare_run(ws, rec, *, resume: bool) -> RunInputs:
                          f"({rec.train.prompts_per_step})")
     grading = GradingPool(rec.reward.grader, rec.reward.params, workers=rec.reward.workers,
                           timeout_s=rec.reward.timeout_s)
-    return RunInputs(tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from)
+    return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from)
 
 
 def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str) -> Path:

@@ -21,8 +21,8 @@ from minirl.errors import UsageError
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    id: str = "tiny-qwen3-moe"  # registry id (minirl.models.REGISTRY)
-    path: str = "model/coldstart"  # HF folder, relative to the workspace, or an HF repo id
+    id: str = "tiny-qwen3-moe"  # tiny-qwen3-moe | a short name (Qwen3-30B-A3B, ...) | an HF repo id | a local folder
+    path: str = "model/coldstart"  # the HF folder to load (relative to the workspace); "" = from id (folder or Hub)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -323,9 +323,6 @@ def validate(r: Recipe) -> None:
         "rollout.engine": (r.rollout.engine, ("vllm",)),
         "rollout.dtype": (r.rollout.dtype, ("bfloat16", "float16", "float32")),
     }
-    from minirl.models import REGISTRY
-
-    choices["model.id"] = (r.model.id, tuple(REGISTRY))
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise UsageError(f"{key} = {value!r}; choose one of {', '.join(allowed)}")
@@ -333,7 +330,10 @@ def validate(r: Recipe) -> None:
         raise UsageError("rollout.temperature = 0 (greedy) samples the same response G times, so every group-mean "
                          "advantage is 0; use a temperature > 0")
     _check_numbers(r)
-    for key, value in (("model.path", r.model.path), ("data.train", r.data.train), ("data.heldout", r.data.heldout),
+    from minirl.hub import repo_id
+
+    repo_id(r.model.id)  # a short name, a repo id or a folder; anything else fails naming the forms
+    for key, value in (("model.id", r.model.id), ("data.train", r.data.train), ("data.heldout", r.data.heldout),
                        ("data.prompt_field", r.data.prompt_field), ("data.answer_field", r.data.answer_field),
                        ("reward.grader", r.reward.grader)):
         if not value.strip():

@@ -79,7 +79,9 @@ def init_workspace(
     root.mkdir(parents=True, exist_ok=True)
     ws = Workspace(root.resolve())
     report: dict = {"workspace": str(ws.root), "recipe": recipe_name}
-    if rec.model.id == "tiny-qwen3-moe":
+    from minirl.models import TINY_ID
+
+    if rec.model.id == TINY_ID:
         report.update(build_embedded_default(ws, rec, progress=progress))
     # Written last: a workspace counts as created only once everything above succeeded.
     if overrides:

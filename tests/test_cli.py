@@ -1,5 +1,6 @@
 """The CLI's contract: every option documented; bad input is one line on stderr and exit code 2."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def minirl(*args, cwd=None):
-    return subprocess.run([*MINIRL, *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=120)
+    # HF_HUB_OFFLINE: whether this machine reaches the Hub must not change what a test sees
+    return subprocess.run([*MINIRL, *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def test_every_command_and_option_has_help():
@@ -69,8 +72,9 @@ def test_malformed_recipe(bare_ws):
         (["run", "{ws}", "--replay", "r5"], "Invalid value for '--replay'"),
         (["run", "{ws}", "--set", "train.replay=r4"], "train.replay = 'r4'; choose one of off, r2, r3"),
         (["run", "{ws}", "--set", "model.path=nowhere"], "model folder"),
-        (["run", "{ws}", "--model", "Qwen3-30B-A3B"], "multi-GPU path"),  # refused until the cluster path exists
-        (["run", "{ws}", "--model", "gpt-5"], "model.id = 'gpt-5'; choose one of tiny-qwen3-moe, Qwen3-30B-A3B"),
+        (["run", "{ws}", "--model", "Qwen3-30B-A3B"], "cannot fetch model 'Qwen/Qwen3-30B-A3B-Base' from the Hub"),
+        (["run", "{ws}", "--model", "gpt-5"], "model.id = 'gpt-5' is neither a short name (tiny-qwen3-moe, Qwen3-0.6B"),
+        (["run", "{ws}", "--model", "/nonexistent/folder"], "model folder /nonexistent/folder not found"),
         (["eval", "aime99", "-w", "{ws}", "--checkpoint", "coldstart"], "unknown benchmark 'aime99'"),
     ],
 )

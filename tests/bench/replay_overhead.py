@@ -64,17 +64,16 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     """Time capture (generate with vs without) and replay (π_old and update with vs without)."""
     import time
 
-    import torch
-
     from minirl import recipe
     from minirl.loop import RLRun, _loss_fn
+    from minirl.preflight import prepare_run
     from minirl.replay import rollout_routes
     from minirl.train import build_batch
     from minirl.workspace import Workspace
 
     ws = Workspace.open(ws_src)
     rec = recipe.load(ws.recipe_path, ["train.replay=r3", "rollout.parity_every=0"])
-    rl = RLRun(ws, rec, run_dir=Path(tempfile.mkdtemp(prefix="minirl-bench-")))
+    rl = RLRun(ws, rec, prepare_run(ws, rec, resume=False), run_dir=Path(tempfile.mkdtemp(prefix="minirl-bench-")))
     B, G = rec.train.prompts_per_step, rec.train.group_size
     prompts = [p.prompt_ids for p in rl.sampler.next_batch(B)]
     eng, tr = rl.engine, rl.trainer
