@@ -26,7 +26,7 @@ def fp8_roundtrip(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not is_fp8_target(name, w):
             out[name] = w
             continue
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16, device=w.device)
         with torch.no_grad():
             lin.weight.copy_(w.to(torch.bfloat16))
         quantize_(lin, Float8WeightOnlyConfig())

@@ -179,14 +179,15 @@ class RLRun:
         else:  # R2 records the trainer's own routes under π_old and replays them in every mini-batch
             old_logp, ent, routes = self.trainer.logprobs(batch, record_routes=r.train.replay == "r2")
         kl = objective.train_inference_kl(batch.rollout_logp_BT, old_logp, batch.mask_BT)
+        batch = batch.with_old_logp(old_logp)  # π_θold, fixed for every mini-batch of this step
         t0 = _timed(t, "old_logp", t0)
 
         entropy, reward, lr = objective.masked_mean(ent, batch.mask_BT), float(rewards_PG.mean()), self.lr
         mb_metrics, losses, grad_norms, verdict = [], [], [], Verdict("step")
         inject = injected_nan(step)
         for j, idx in enumerate(minibatch_indices(B, G, N, seed=step)):
-            mb, mb_old = batch.select(idx), old_logp[idx]
-            loss_fn = _loss_fn(r, mb_old, poison=inject == "loss")
+            mb = batch.select(idx)
+            loss_fn = _loss_fn(r, poison=inject == "loss")
             loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None)
             if inject == "grad":
                 self.trainer.fill_grads(math.nan)
@@ -290,13 +291,12 @@ def minibatch_indices(B: int, G: int, N: int, *, seed: int) -> list[torch.Tensor
     return [(prompts[:, None] * G + torch.arange(G)[None, :]).flatten() for prompts in order]
 
 
-def _loss_fn(r: Recipe, mb_old_logp: torch.Tensor, *, poison: bool = False
-             ) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:
+def _loss_fn(r: Recipe, *, poison: bool = False) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:
     kw = dict(eps_low=r.loss.eps_low, eps_high=r.loss.eps_high, tis_cap=r.loss.tis_cap, is_mode=r.loss.is_mode,
               length_norm=r.loss.length_norm)
 
     def fn(logp_BT: torch.Tensor, b: Batch):
-        loss, m = objective.policy_loss(r.loss.name, logp_BT, mb_old_logp, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+        loss, m = objective.policy_loss(r.loss.name, logp_BT, b.old_logp_BT, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
         return (loss * math.nan, m) if poison else (loss, m)
 
     return fn

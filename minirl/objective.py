@@ -218,7 +218,8 @@ def _ratio_metrics(
         sel = mask_BT > 0
         w_sel = w_BT[sel]
         full_w = torch.exp(logp_BT - rollout_logp_BT)[sel]
-        qs = torch.quantile(full_w.float(), torch.tensor([0.5, 0.9, 0.99])) if full_w.numel() else torch.ones(3)
+        q = torch.tensor([0.5, 0.9, 0.99], device=full_w.device)
+        qs = torch.quantile(full_w.float(), q) if full_w.numel() else torch.ones(3)
         return {
             "loss/is_weight_mean": float(w_sel.mean()) if w_sel.numel() else 1.0,
             "loss/is_weight_max": float(full_w.max()) if full_w.numel() else 1.0,
@@ -231,10 +232,17 @@ def _ratio_metrics(
         }
 
 
-def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v per position, [B, T]."""
-    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+@torch.no_grad()
+def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
+    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v per position, [B, T], in float32 a chunk of
+    positions at a time (never a whole fp32 copy of the logits)."""
+    B, T, V = logits_BTV.shape
+    x_NV = logits_BTV.reshape(B * T, V)
+    out = []
+    for s in range(0, B * T, chunk_tokens):
+        logp = torch.log_softmax(x_NV[s : s + chunk_tokens].float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.cat(out).view(B, T)
 
 
 def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -48,9 +48,10 @@ class RoutingReplay:
         self.recording, self._recorded = True, [[] for _ in self.routers]
 
     def stop_recording(self) -> torch.Tensor:
-        """Routes of everything forwarded since start_recording, [n_layers, B, T, K]."""
+        """Routes of everything forwarded since start_recording, [n_layers, B, T, K], on the CPU
+        (one copy for the whole batch, not one per layer and forward)."""
         self.recording = False
-        return torch.stack([torch.cat(chunks, dim=0) for chunks in self._recorded])
+        return torch.stack([torch.cat(chunks, dim=0) for chunks in self._recorded]).cpu()
 
     # ----- replay -------------------------------------------------------------------------------
     def set_replay(self, routes_NBTK: torch.Tensor | None) -> None:
@@ -61,7 +62,7 @@ class RoutingReplay:
     def _forward(self, i: int, router, original, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         out = self._replayed(i, router, x_BLD) if self._replay is not None else original(x_BLD, expert_bias_E)
         if self.recording:  # what the experts actually received, replayed or chosen
-            self._recorded[i].append(out[1].detach().to(route_dtype(router.num_experts)).cpu())
+            self._recorded[i].append(out[1].detach().to(route_dtype(router.num_experts)))  # stays on the device
         return out
 
     def _replayed(self, i: int, router, x_BLD: torch.Tensor):

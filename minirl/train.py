@@ -13,6 +13,7 @@ with model and optimizer state; they load under any later parallel layout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ class Batch:
     mask_BT:          float [B, L-1]  1.0 where position t predicts a response token tokens[:, t+1]
     rollout_logp_BT:  float [B, L-1]  log μ_θold(tokens[:, t+1]) at those positions, 0 elsewhere
     adv_B:            float [B]       A(x, y) per response
+    old_logp_BT:      float [B, L-1]  log π_θold at those positions, once the trainer computed it (else None)
 
     Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
         tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
@@ -44,9 +46,20 @@ class Batch:
     mask_BT: torch.Tensor
     rollout_logp_BT: torch.Tensor
     adv_B: torch.Tensor
+    old_logp_BT: torch.Tensor | None = None
 
     def select(self, idx: torch.Tensor | slice) -> "Batch":
-        return Batch(self.tokens_BL[idx], self.mask_BT[idx], self.rollout_logp_BT[idx], self.adv_B[idx])
+        return Batch(*(None if t is None else t[idx] for t in self._tensors()))
+
+    def to(self, device: torch.device) -> "Batch":
+        """The whole batch on `device` (the trainer's): masks, advantages and log-probs included."""
+        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()))
+
+    def with_old_logp(self, old_logp_BT: torch.Tensor) -> "Batch":
+        return dataclasses.replace(self, old_logp_BT=old_logp_BT)
+
+    def _tensors(self) -> tuple:
+        return (self.tokens_BL, self.mask_BT, self.rollout_logp_BT, self.adv_B, self.old_logp_BT)
 
     def __len__(self) -> int:
         return self.tokens_BL.shape[0]
@@ -75,10 +88,26 @@ def build_batch(
     return Batch(tokens, mask, rlp, adv_t)
 
 
-def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """log π(target_t) from logits, in float32."""
-    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
-    return logp.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
+    """log π(target_t) = logit_t[target] − logsumexp_v logit_t[v], in float32, a chunk of positions
+    at a time: a whole fp32 log-softmax over Qwen3's 151,936-token vocabulary is ~37 GiB at
+    64×1024 tokens. Under autograd each chunk is recomputed in backward (checkpointed), so the
+    float copies never pile up; only the model's own logits are kept."""
+    B, T, V = logits_BTV.shape
+    x_NV, t_N = logits_BTV.reshape(B * T, V), targets_BT.reshape(B * T)
+
+    def chunk_logp(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+    out = []
+    for s in range(0, B * T, chunk_tokens):
+        x, t = x_NV[s : s + chunk_tokens], t_N[s : s + chunk_tokens]
+        if torch.is_grad_enabled() and x.requires_grad:
+            out.append(torch.utils.checkpoint.checkpoint(chunk_logp, x, t, use_reentrant=False))
+        else:
+            out.append(chunk_logp(x, t))
+    return torch.cat(out).view(B, T)
 
 
 class Trainer:
@@ -134,7 +163,7 @@ class Trainer:
     def logprobs(
         self, batch: Batch, *, chunk: int = 512, routes: torch.Tensor | None = None, record_routes: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """log π(y_t) and full-vocabulary entropy H_t at every position, [B, L-1] each.
+        """log π(y_t) and full-vocabulary entropy H_t at every position, [B, L-1] each, on the CPU.
 
         routes [n_layers, B, L-1, K]: replay these expert choices (R3). record_routes: also return
         the experts this forward used (R2 records them while computing π_old)."""
@@ -146,8 +175,8 @@ class Trainer:
             for s in range(0, len(batch), chunk):
                 self.replay.set_replay(routes[:, s : s + chunk] if routes is not None else None)
                 lp, ent = self._forward_logp(batch.select(slice(s, s + chunk)), with_entropy=True)
-                lps.append(lp)
-                ents.append(ent)
+                lps.append(lp.cpu())
+                ents.append(ent.cpu())
         finally:
             self.replay.set_replay(None)
             recorded = self.replay.stop_recording() if record_routes else None
@@ -164,6 +193,7 @@ class Trainer:
         """Accumulate grads of `scale * loss_fn(logp_BT, batch)`, replaying `routes` if given."""
         self.model.train()
         self.replay.set_replay(routes)
+        batch = batch.to(self.device)
         try:
             logp, _ = self._forward_logp(batch, with_entropy=False)
             loss, metrics = loss_fn(logp, batch)

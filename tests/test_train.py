@@ -36,3 +36,28 @@ def test_round_trip_and_rollback_to_a_pre_step_checkpoint(tmp_path):
     tr.load(tmp_path / "s0")  # back to before any step: weights as they were, a fresh optimizer
     assert all(torch.equal(start[k], v) for k, v in tr.model.state_dict().items())
     assert not tr.optim.state
+
+
+def test_chunked_logprobs_equal_the_whole_softmax_in_value_and_gradient():
+    from minirl.objective import entropy_from_logits
+    from minirl.train import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 7, 50, generator=g) * 3).requires_grad_()
+    targets = torch.randint(0, 50, (3, 7), generator=g)
+    whole = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (gw,) = torch.autograd.grad(whole.sum(), logits)
+    chunked = token_logprobs(logits, targets, chunk_tokens=4)  # 21 positions: 5 full chunks + 1
+    (gc,) = torch.autograd.grad(chunked.sum(), logits)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gc, gw, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        p = torch.softmax(logits, -1)
+        torch.testing.assert_close(entropy_from_logits(logits, chunk_tokens=4), -(p * p.log()).sum(-1))
+
+
+def test_a_batch_moves_and_splits_whole():
+    b = BATCH.with_old_logp(torch.full(BATCH.mask_BT.shape, -0.5))
+    mb = b.select(torch.tensor([1, 3])).to(torch.device("cpu"))
+    assert mb.tokens_BL.shape[0] == 2 and mb.old_logp_BT.shape == mb.mask_BT.shape
+    assert BATCH.select(slice(0, 2)).old_logp_BT is None
