@@ -113,8 +113,15 @@ def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, .
 @click.option("--steps", type=int, default=None, help="RL steps (sets train.steps).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--resume", is_flag=True, help="Continue the latest run from its newest checkpoint.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the plan (mesh, memory per GPU by component, tokens and FLOPs per step) and stop; needs no "
+                   "GPU, no weights and no workspace (the shipped recipe of --model, if any, else the defaults).")
+@click.option("--nodes", type=int, default=None, help="Nodes for the plan (sets parallel.nodes).")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node for the plan (sets parallel.gpus_per_node).")
+@click.option("--gpu-mem-gib", type=float, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
 def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
-        overrides: tuple[str, ...], resume: bool) -> None:
+        overrides: tuple[str, ...], resume: bool, dry_run: bool, nodes: int | None, gpus_per_node: int | None,
+        gpu_mem_gib: float) -> None:
     """Run RL in WORKSPACE (default ./minirl-ws) with its recipe.
 
     Every step: sample prompts, generate G responses each with vLLM (keeping log μ_old), grade,
@@ -126,18 +133,34 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     their rollbacks are used up the run ends as "collapsed" (exit code 3).
     """
     from minirl import recipe as recipe_mod
-    from minirl.workspace import Workspace
+    from minirl.workspace import RECIPE_NAME, Workspace
 
-    ws = Workspace.open(workspace)
     extra = list(overrides)
     if model_id is not None:
         from minirl.models import TINY_ID
 
         extra += [f"model.id={model_id}"] + ([] if model_id == TINY_ID else ["model.path="])
-    if replay is not None:
-        extra.append(f"train.replay={replay}")
-    if steps is not None:
-        extra.append(f"train.steps={steps}")
+    for key, value in (("train.replay", replay), ("train.steps", steps), ("parallel.nodes", nodes),
+                       ("parallel.gpus_per_node", gpus_per_node)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    if dry_run:
+        from cli.render import print_plan
+        from minirl.errors import UsageError
+        from minirl.hub import model_shape
+        from minirl.plan import make_plan
+
+        if (workspace / RECIPE_NAME).exists():
+            base, recipe_path = workspace.resolve(), workspace / RECIPE_NAME
+        else:  # no workspace: the model's shipped recipe, else the defaults
+            base, recipe_path = Path.cwd(), recipe_mod.for_model(model_id)
+        rec = recipe_mod.load(recipe_path, extra)
+        plan = make_plan(rec, model_shape(rec.model.id, rec.model.path, base), model=rec.model.id, gpu_gib=gpu_mem_gib)
+        print_plan(console, plan, recipe=str(recipe_path or "defaults"))
+        if not plan.fits:
+            raise UsageError(f"the plan does not fit: {plan.problems[0]}")
+        return
+    ws = Workspace.open(workspace)
     rec = recipe_mod.load(ws.recipe_path, extra)
 
     from cli.render import RunView

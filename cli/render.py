@@ -92,3 +92,32 @@ def _fmt(v, f: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f.format(v)
+
+
+def print_plan(console: Console, plan, *, recipe: str) -> None:
+    """`minirl run --dry-run`: the plan as tables (figures per GPU)."""
+    s = plan.shape
+    kind = f"MoE, {s.num_experts} experts, top-{s.top_k}" if s.is_moe else "dense"
+    console.print(f"[bold]plan[/] for {plan.model} ({kind}; recipe: {recipe})")
+    console.print(f"  parameters {plan.params / 1e9:.2f}B total, {plan.active / 1e9:.2f}B active per token; "
+                  f"{s.n_layers} layers, dim {s.dim}, vocab {s.vocab_size}")
+    console.print(f"  mesh: {plan.nodes} node(s) × {plan.gpus_per_node} GPU(s) of {plan.gpu_gib:g} GiB; "
+                  + ", ".join(f"{k} {v}" for k, v in plan.mesh.items()))
+    console.print(f"  tokens per step ≤ {plan.tokens_per_step:,} (prompt + max response); micro-batch "
+                  f"{plan.micro_batch_tokens:,} tokens per GPU")
+    console.print(f"  FLOPs per step: training {plan.train_flops_per_step:.3g} (π_old + update), rollout "
+                  f"{plan.rollout_flops_per_step:.3g}")
+    table = Table(title="memory per GPU", box=None)
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    for k, v in plan.memory_gib.items():
+        table.add_row(k, f"{v:.2f}")
+    for k, v in plan.phases_gib.items():
+        table.add_row(f"[bold]peak: {k}[/]", f"[bold]{v:.2f}[/]")
+    console.print(table)
+    console.print(f"  vLLM: {plan.in_flight} full-length sequences in flight per engine, "
+                  f"{plan.sequences_per_engine} to sample per step")
+    console.print("  launch: the FSDP2 / expert-parallel path under torchrun is not written yet; this plan is the "
+                  "layout it will use")
+    for p in plan.problems:
+        console.print(f"  [bold red]does not fit:[/] {p}")

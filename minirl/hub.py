@@ -66,3 +66,15 @@ def model_dir(model_id: str, path: str, base: Path, *, weights: bool = True, bef
     if before_weights is not None:
         before_weights(folder)
     return fetch(repo, weights=True) if weights else folder
+
+
+def model_shape(model_id: str, path: str, base: Path):
+    """The model's shape with as little as possible fetched: the known short names and the tiny
+    default need nothing, a folder its config.json, a repo id its config alone (no weights)."""
+    from minirl.models import KNOWN_SHAPES, TINY, read_shape
+
+    if not path and model_id in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model_id]
+    if model_id == TINY_ID and not (path and (base / path / "config.json").exists()):
+        return TINY
+    return read_shape(model_dir(model_id, path, base, weights=False))

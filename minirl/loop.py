@@ -188,7 +188,8 @@ class RLRun:
         for j, idx in enumerate(minibatch_indices(B, G, N, seed=step)):
             mb = batch.select(idx)
             loss_fn = _loss_fn(r, poison=inject == "loss")
-            loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None)
+            loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None,
+                                                    micro_batch_tokens=r.train.micro_batch_tokens)
             if inject == "grad":
                 self.trainer.fill_grads(math.nan)
             norm = self.trainer.clip_grads()

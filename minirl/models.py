@@ -87,6 +87,25 @@ QWEN3_30B_A3B = ModelShape(
     moe_hidden_dim=768, num_experts=128, top_k=8, max_seq_len=40960, rope_theta=1000000.0,
 )
 
+def _qwen3(dim: int, layers: int, heads: int, kv: int, hidden: int, tied: bool) -> ModelShape:
+    return ModelShape(vocab_size=151936, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, head_dim=128,
+                      hidden_dim=hidden, max_seq_len=40960, rope_theta=1000000.0, tie_embeddings=tied)
+
+
+# The published shapes of the short names (their config.json), so a plan needs no download;
+# tests/test_plan.py checks each against TorchTitan's own flavor of the same model.
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "Qwen3-0.6B": _qwen3(1024, 28, 16, 8, 3072, True),
+    "Qwen3-1.7B": _qwen3(2048, 28, 16, 8, 6144, True),
+    "Qwen3-4B": _qwen3(2560, 36, 32, 8, 9728, True),
+    "Qwen3-8B": _qwen3(4096, 36, 32, 8, 12288, False),
+    "Qwen3-14B": _qwen3(5120, 40, 40, 8, 17408, False),
+    "Qwen3-30B-A3B": QWEN3_30B_A3B,
+    "Qwen3-235B-A22B": ModelShape(
+        vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
+        moe_hidden_dim=1536, num_experts=128, top_k=8, max_seq_len=40960, rope_theta=1000000.0),
+}
+
 TINY_ID = "tiny-qwen3-moe"  # the embedded default, built by `minirl init`, never fetched
 # Short names -> Hugging Face repo ids (the base models the paper's recipe starts from).
 HUB_IDS: dict[str, str] = {

@@ -65,6 +65,7 @@ class TrainConfig:
     prompts_per_step: int = 32  # B
     group_size: int = 8  # G
     minibatches: int = 1  # N: updates per step (N > 1 = off-policy mini-batches)
+    micro_batch_tokens: int = 0  # tokens per forward/backward (gradient accumulation); 0 = a whole mini-batch
     lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -260,6 +261,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "train.prompts_per_step": (1, math.inf, True),
     "train.group_size": (1, math.inf, True),
     "train.minibatches": (1, math.inf, True),
+    "train.micro_batch_tokens": (0, math.inf, True),
     "train.lr": (0, math.inf, False),
     "train.weight_decay": (0, math.inf, True),
     "train.grad_clip": (0, math.inf, False),
@@ -359,6 +361,14 @@ def validate(r: Recipe) -> None:
 
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def for_model(model_id: str | None) -> Path | None:
+    """The shipped recipe written for a model (recipes/<id, lower case>.toml), if there is one."""
+    if not model_id:
+        return None
+    p = RECIPES_DIR / f"{model_id.lower()}.toml"
+    return p if p.is_file() else None
 
 
 def shipped(name: str) -> Path:

@@ -189,8 +189,27 @@ class Trainer:
         *,
         scale: float = 1.0,
         routes: torch.Tensor | None = None,
+        micro_batch_tokens: int = 0,
     ) -> tuple[float, dict]:
-        """Accumulate grads of `scale * loss_fn(logp_BT, batch)`, replaying `routes` if given."""
+        """Accumulate grads of `scale * loss_fn(logp_BT, batch)`, replaying `routes` if given.
+
+        micro_batch_tokens > 0 splits the rows into micro-batches of at most that many tokens
+        (gradient accumulation). The losses average over responses, so micro-batch j of n_j of
+        the B rows is weighted n_j / B and the gradient equals the whole batch's; metrics are
+        combined weighted by their token counts (maxima by max)."""
+        rows, length = batch.tokens_BL.shape
+        step = max(1, micro_batch_tokens // length) if micro_batch_tokens else rows
+        total, parts = 0.0, []
+        for s in range(0, rows, step):
+            part = batch.select(slice(s, s + step))
+            w = len(part) / rows
+            loss, m = self._forward_backward_one(part, loss_fn, scale * w,
+                                                 routes[:, s : s + step] if routes is not None else None)
+            total += w * loss
+            parts.append(m)
+        return total, parts[0] if len(parts) == 1 else _merge_metrics(parts)
+
+    def _forward_backward_one(self, batch: Batch, loss_fn, scale: float, routes) -> tuple[float, dict]:
         self.model.train()
         self.replay.set_replay(routes)
         batch = batch.to(self.device)
@@ -339,3 +358,18 @@ def _why_write_failed(folder: Path, needed: int) -> OSError | None:
     except OSError as e:
         return e
     return None
+
+
+def _merge_metrics(parts: list[dict]) -> dict:
+    """Micro-batch metrics as one: token-weighted means ("loss/tokens" is each part's count), max of maxima."""
+    n = [p.get("loss/tokens", 1.0) for p in parts]
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k == "loss/tokens":
+            out[k] = sum(vals)
+        else:
+            out[k] = sum(v * w for v, w in zip(vals, n)) / max(sum(n), 1e-12)
+    return out

@@ -1,5 +1,6 @@
 """Trainer checkpoints (DCP): exact round trips, and no side effect of saving on the optimizer."""
 
+import pytest
 import torch
 
 from minirl.models import TINY
@@ -61,3 +62,28 @@ def test_a_batch_moves_and_splits_whole():
     mb = b.select(torch.tensor([1, 3])).to(torch.device("cpu"))
     assert mb.tokens_BL.shape[0] == 2 and mb.old_logp_BT.shape == mb.mask_BT.shape
     assert BATCH.select(slice(0, 2)).old_logp_BT is None
+
+
+def test_micro_batches_give_the_whole_batch_gradient():
+    from minirl.objective import minirl_loss
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [[4, 5, 16]] * 6
+    resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] + [2] for n in (1, 3, 2, 4, 1, 2)]
+    b = build_batch(prompts, resps, [[-1.0] * len(r) for r in resps], [0.5, -0.5, 1.0, -1.0, 0.2, -0.2], pad_id=0)
+
+    def run(micro: int):
+        tr = Trainer(TINY, lr=1e-3, seed=0)
+        old, _, _ = tr.logprobs(b)
+        bb = b.with_old_logp(old)
+        loss, m = tr.forward_backward(
+            bb, lambda lp, x: minirl_loss(lp, x.old_logp_BT, x.rollout_logp_BT, x.adv_B, x.mask_BT),
+            micro_batch_tokens=micro)
+        return loss, m, {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+
+    loss1, m1, g1 = run(0)
+    loss2, m2, g2 = run(2 * b.tokens_BL.shape[1])  # 2 rows a micro-batch: 3 of them
+    assert loss2 == pytest.approx(loss1, rel=1e-5)
+    assert m2["loss/tokens"] == m1["loss/tokens"] and m2["loss/is_weight_max"] == pytest.approx(m1["loss/is_weight_max"])
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7)

@@ -1,0 +1,154 @@
+"""`minirl run --dry-run`: the plan of a run, computed from the recipe and the model's shape alone
+(no GPU, no weights, no workspace): the device mesh, memory per GPU by component, tokens and
+FLOPs per step. A plan that cannot fit is refused naming what overflows. (The launch command
+joins the plan with the torchrun path; until then a plan describes the layout that path will use.)
+
+The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per node):
+
+    training state   FSDP2 shards every parameter over all W ranks (experts over EP × the rest):
+                     fp32 master weights 4 B + fp32 gradients 4 B + Adam's two moments 8 B = 16 B × P / W
+    gathered layer   bf16 weights of the layers being computed, unsharded: 2 B × 2 layers (one prefetched);
+                     of an MoE layer's experts only this rank's EP share
+    activations      per micro-batch of T tokens on this GPU, bf16, flash attention (Korthikanti et al.
+                     2022, 34·T·d bytes a dense layer; an MoE layer's FFN part scales with top-k ×
+                     its expert width); with activation checkpointing only each layer's input
+                     (2·T·d bytes) is kept, plus one layer in full
+    logits           T × vocab in bf16, plus one fp32 chunk of 4,096 positions (minirl.train.token_logprobs)
+    vLLM weights     colocated, one engine per tensor-parallel group: P × 2 B (bf16) or 1 B (fp8) / TP
+    KV cache         what the rollout phase leaves free (vLLM schedules what fits): at 2 (K, V) ×
+                     layers × KV heads × head dim × 2 B per token, how many full-length sequences
+                     an engine holds at once
+
+Rollouts and training alternate: vLLM sleeps (frees its KV cache) while the trainer runs, and the
+trainer's activations are gone while vLLM samples, so the peak is the larger of the two phases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from minirl.models import ModelShape, param_count
+
+GiB = 2**30
+HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUDA context, NCCL buffers)
+LOGIT_CHUNK = 4096
+
+
+def active_params(shape: ModelShape) -> int:
+    """Parameters a token passes through: all but the experts it is not routed to."""
+    if not shape.is_moe:
+        return param_count(shape)
+    experts = shape.n_layers * shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim
+    return param_count(shape) - experts * (shape.num_experts - shape.top_k) // shape.num_experts
+
+
+@dataclass
+class Plan:
+    model: str
+    shape: ModelShape
+    nodes: int
+    gpus_per_node: int
+    gpu_gib: float
+    mesh: dict[str, int]
+    params: int
+    active: int
+    tokens_per_step: int
+    micro_batch_tokens: int
+    train_flops_per_step: float
+    rollout_flops_per_step: float
+    memory_gib: dict[str, float]  # per GPU, by component
+    phases_gib: dict[str, float]  # per GPU, peak of each phase
+    in_flight: int  # full-length sequences one vLLM engine holds at once
+    sequences_per_engine: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
+    p, t, r = rec.parallel, rec.train, rec.rollout
+    world = p.nodes * p.gpus_per_node
+    dp_shard = world if p.dp_shard == -1 else p.dp_shard
+    ep = p.ep if shape.is_moe else 1
+    tp_vllm = r.tensor_parallel
+    problems = []
+    if dp_shard != world:
+        problems.append(f"parallel.dp_shard = {dp_shard} must be -1 or the world size {world} (no other "
+                        "parallelism is planned yet)")
+    if ep > 1 and (world % ep or shape.num_experts % ep):
+        problems.append(f"parallel.ep = {ep} must divide the world size {world} and the {shape.num_experts} experts")
+    if world % tp_vllm or tp_vllm > p.gpus_per_node:
+        problems.append(f"rollout.tensor_parallel = {tp_vllm} must divide the world size and fit in one node "
+                        f"({p.gpus_per_node} GPUs)")
+
+    P, A = param_count(shape), active_params(shape)
+    seq = rec.data.max_prompt_tokens + r.max_tokens
+    sequences = t.prompts_per_step * t.group_size
+    tokens = sequences * seq  # an upper bound: responses stop at EOS
+    mb_tokens_gpu = math.ceil(tokens / t.minibatches / world)
+    micro = min(t.micro_batch_tokens or mb_tokens_gpu, mb_tokens_gpu)
+
+    d, L = shape.dim, shape.n_layers
+    layer_params = (P - shape.vocab_size * d * (1 if shape.tie_embeddings else 2)) // L
+    if shape.is_moe:  # attention and router (~10·T·d) + the top-k experts' gate/up/act/down
+        per_layer_act = 10 * micro * d + shape.top_k * micro * (2 * d + 8 * shape.moe_hidden_dim)
+        experts = shape.num_experts * 3 * d * shape.moe_hidden_dim
+        layer_params += experts // ep - experts  # FSDP gathers only this rank's EP share of the experts
+    else:
+        per_layer_act = 34 * micro * d
+    acts = {
+        "activations (no AC)": L * per_layer_act,
+        "activations (full AC)": L * 2 * micro * d + per_layer_act,
+    }
+    logits = micro * shape.vocab_size * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2
+    weight_bytes = 1 if r.fp8 else 2
+    engines = max(1, world // tp_vllm)
+    kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2
+    mem = {
+        "fp32 weights (sharded)": 4 * P / world,
+        "fp32 gradients (sharded)": 4 * P / world,
+        "Adam moments (sharded)": 8 * P / world,
+        "gathered bf16 layers": 2 * 2 * layer_params,
+        **acts,
+        "logits": logits,
+        f"vLLM weights ({'fp8' if r.fp8 else 'bf16'}, TP {tp_vllm})": P * weight_bytes / tp_vllm,
+    }
+    state = mem["fp32 weights (sharded)"] + mem["fp32 gradients (sharded)"] + mem["Adam moments (sharded)"]
+    vllm_w = next(v for k, v in mem.items() if k.startswith("vLLM weights"))
+    budget = HEADROOM * gpu_gib * GiB
+    training = state + mem["gathered bf16 layers"] + acts["activations (full AC)"] + logits + vllm_w
+    # vLLM schedules what fits: its KV cache is what the rollout phase leaves free, and sets how many
+    # sequences of full length an engine samples at once
+    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - state - vllm_w)
+    in_flight = int(kv * tp_vllm // (seq * kv_per_token))
+    phases = {"training (full AC)": training, "rollout": state + vllm_w + kv}
+    over = {k: v for k, v in mem.items() if not k.startswith(("activations (no AC)", "vLLM KV"))}
+    top = max(over.items(), key=lambda kv_: kv_[1])
+    if training > budget:
+        problems.insert(0, f"training needs {training / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of {gpu_gib:g} GiB; "
+                        f"the largest part is {top[0]} ({top[1] / GiB:.1f} GiB)")
+    elif in_flight < 1:
+        problems.insert(0, f"rollouts: after the training state and vLLM's weights ({(state + vllm_w) / GiB:.1f} GiB) "
+                        f"no KV cache is left for one {seq}-token sequence; the largest part is {top[0]} "
+                        f"({top[1] / GiB:.1f} GiB)")
+
+    # FLOPs: 2·active per token forward, 4·active backward; causal attention 2·2·L·(seq/2)·heads·head_dim
+    # per token forward (scores and values over the mean context)
+    attn_fwd = 4 * L * (seq // 2) * shape.n_heads * shape.head_dim
+    fwd = tokens * (2 * A + attn_fwd)
+    passes = 1 + (1 if t.replay == "r3" and t.replay_diagnostics else 0)  # π_old (+ own routes for R3 metrics)
+    train_flops = fwd * passes + 3 * fwd  # + forward and backward of the update
+    rollout_flops = tokens * (2 * A + attn_fwd)
+
+    return Plan(
+        model=model, shape=shape, nodes=p.nodes, gpus_per_node=p.gpus_per_node, gpu_gib=gpu_gib,
+        mesh={"world": world, "dp_shard (FSDP2)": dp_shard, "ep": ep, "vLLM tp": tp_vllm, "vLLM engines": engines},
+        params=P, active=A, tokens_per_step=tokens, micro_batch_tokens=micro,
+        train_flops_per_step=float(train_flops), rollout_flops_per_step=float(rollout_flops),
+        memory_gib={k: v / GiB for k, v in mem.items()}, phases_gib={k: v / GiB for k, v in phases.items()},
+        in_flight=in_flight, sequences_per_engine=math.ceil(sequences / engines),
+        problems=problems,
+    )

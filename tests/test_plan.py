@@ -1,0 +1,73 @@
+"""`minirl run --dry-run`: plans from the recipe and the model's shape alone, no GPU, no weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minirl import recipe
+from minirl.models import KNOWN_SHAPES, param_count
+from minirl.plan import GiB, active_params, make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAVORS = {"Qwen3-0.6B": "0.6B", "Qwen3-1.7B": "1.7B", "Qwen3-4B": "4B", "Qwen3-8B": "8B", "Qwen3-14B": "14B",
+           "Qwen3-30B-A3B": "30B-A3B", "Qwen3-235B-A22B": "235B-A22B"}
+
+
+@pytest.mark.parametrize("name", list(FLAVORS))
+def test_known_shapes_are_torchtitans_own_flavors(name):
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    with torch.device("meta"):
+        model = qwen3_configs[FLAVORS[name]]("flex").build()
+    assert param_count(KNOWN_SHAPES[name]) == sum(p.numel() for p in model.parameters())
+
+
+def plan_30b(nodes: int, gpus: int, *sets: str):
+    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}",
+                                                          *sets])
+    return make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B")
+
+
+def test_30b_a3b_on_two_nodes_fits_with_the_published_size():
+    plan = plan_30b(2, 8)
+    assert plan.fits, plan.problems
+    assert plan.params == pytest.approx(30.5e9, rel=0.01)  # "30.5B in total" (model card)
+    assert active_params(KNOWN_SHAPES["Qwen3-30B-A3B"]) == plan.active
+    assert plan.active == pytest.approx(3.35e9, rel=0.001)  # the card's "3.3B activated", rounded
+    assert plan.mesh == {"world": 16, "dp_shard (FSDP2)": 16, "ep": 8, "vLLM tp": 2, "vLLM engines": 8}
+    # 16 bytes a parameter of training state, sharded over the 16 ranks
+    state = sum(plan.memory_gib[k] for k in ("fp32 weights (sharded)", "fp32 gradients (sharded)",
+                                             "Adam moments (sharded)"))
+    assert state * GiB == pytest.approx(16 * plan.params / 16)
+    assert max(plan.phases_gib.values()) <= 0.9 * 80 + 1e-9 and plan.in_flight >= 1
+    assert plan.tokens_per_step == 64 * 16 * (1024 + 32768)
+
+
+def test_one_80gb_gpu_is_refused_with_the_component_that_overflows():
+    plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
+    assert not plan.fits
+    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 508.8 GiB per GPU")
+    assert "the largest part is Adam moments (sharded) (227.5 GiB)" in plan.problems[0]
+
+
+def test_the_cli_plans_without_a_workspace(tmp_path):
+    def dry(*args):
+        return subprocess.run([sys.executable, "-m", "cli.main", "run", "--model", "Qwen3-30B-A3B", "--dry-run", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1",
+                                   "PATH": "/usr/bin:/bin"})
+
+    ok = dry("--replay", "r3", "--nodes", "2", "--gpus-per-node", "8")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "30.53B total, 3.35B active" in ok.stdout and "world 16, dp_shard (FSDP2) 16, ep 8" in ok.stdout
+    refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "minirl: error: the plan does not fit: training needs 508.8 GiB per GPU, over 90% of 80 GiB; the largest "
+        "part is Adam moments (sharded) (227.5 GiB)"]
+    assert not list(tmp_path.iterdir())  # a plan writes nothing
