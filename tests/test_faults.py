@@ -84,6 +84,17 @@ def wait_for_rows(run_dir_of, n: int, proc: subprocess.Popen, timeout_s: float =
     raise AssertionError(f"no {n} rows in {timeout_s} s")
 
 
+def wait_until(condition, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    """A hang guard, not a speed assertion."""
+    deadline = time.time() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+        if time.time() > deadline:
+            raise AssertionError(f"condition not met in {timeout_s} s")
+        time.sleep(0.05)
+
+
 def latest_run(ws: Path):
     runs = sorted(p for p in (ws / "runs").iterdir() if p.is_dir()) if (ws / "runs").exists() else []
     return runs[-1] if runs else None
@@ -167,7 +178,11 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
         assert 0 <= lost <= 1  # checkpoint.every = 1: at most the step in flight is redone
         figures.append({"kill": kill + 1, "logged": steps[-1], "newest_checkpoint": newest, "lost_steps": lost,
                         "in_checkpoint_write": in_write, "checkpoints_on_disk": len(complete)})
+        inode = (run_dir / "metrics.jsonl").stat().st_ino
         proc = start(ws, "--resume", *args)
+        # the resumed run rewrites metrics.jsonl (atomically: a new inode) before its first step;
+        # only then do its rows say anything (and its signal handlers are in place)
+        wait_until(lambda: (run_dir / "metrics.jsonl").stat().st_ino != inode, proc)
         wait_for_rows(lambda: run_dir, newest + 1, proc)
         resumed = [r["step"] for r in metric_rows(run_dir, allow_torn_last=True)]
         assert resumed[: newest + 1] == list(range(1, newest + 2))  # rows past the checkpoint were dropped, then redone
