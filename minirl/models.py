@@ -134,11 +134,16 @@ def _fp32_grouped_experts_cls():
             pass
 
         def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            from torch.distributed.tensor import DTensor
+
+            # under expert parallelism the weights are DTensors sharded over experts: compute on
+            # this rank's experts, as the parent class does
+            w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
             offs_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-            x = x_RD.to(self.w1_EFD.dtype)
-            gate_RF = torch._grouped_mm(x, self.w1_EFD.transpose(-2, -1), offs=offs_E)
-            up_RF = torch._grouped_mm(x, self.w3_EFD.transpose(-2, -1), offs=offs_E)
-            return torch._grouped_mm(F.silu(gate_RF) * up_RF, self.w2_EDF.transpose(-2, -1), offs=offs_E).type_as(x_RD)
+            x = x_RD.to(w1.dtype)
+            gate_RF = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs_E)
+            up_RF = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs_E)
+            return torch._grouped_mm(F.silu(gate_RF) * up_RF, w2.transpose(-2, -1), offs=offs_E).type_as(x_RD)
 
     return FP32GroupedExperts
 
