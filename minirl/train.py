@@ -120,11 +120,23 @@ class Trainer:
         grad_clip: float = 1.0,
         seed: int = 0,
         device: str = "cpu",
+        ep: int = 1,
     ):
+        """Under torchrun (an initialised process group of more than one rank) the model is
+        sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
+        rank then passes its own share of the batch, and results equal one process's."""
+        import torch.distributed as dist
+
         torch.manual_seed(seed)
-        self.shape, self.grad_clip, self.device = shape, grad_clip, torch.device(device)
-        self.model = titan_config(shape).build().to(self.device)
-        self._init_weights()
+        self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.world > 1:
+            from minirl.parallel import parallelize
+
+            self.model = parallelize(titan_config(shape), ep=ep if shape.is_moe else 1, device=self.device, seed=seed)
+        else:
+            self.model = titan_config(shape).build().to(self.device)
+            self._init_weights()
         from minirl.replay import RoutingReplay
 
         self.replay = RoutingReplay(self.model)
@@ -199,6 +211,11 @@ class Trainer:
         combined weighted by their token counts (maxima by max)."""
         rows, length = batch.tokens_BL.shape
         step = max(1, micro_batch_tokens // length) if micro_batch_tokens else rows
+        if self.world > 1:  # gradients are summed over ranks: weigh this rank's mean by its share
+            from minirl.parallel import global_count
+
+            share = rows / global_count(rows)
+            scale *= share
         total, parts = 0.0, []
         for s in range(0, rows, step):
             part = batch.select(slice(s, s + step))
@@ -207,6 +224,12 @@ class Trainer:
                                                  routes[:, s : s + step] if routes is not None else None)
             total += w * loss
             parts.append(m)
+        if self.world > 1:  # the loss of the global batch, on every rank
+            import torch.distributed as dist
+
+            t = torch.tensor([total * share])
+            dist.all_reduce(t)
+            total = float(t.item())
         return total, parts[0] if len(parts) == 1 else _merge_metrics(parts)
 
     def _forward_backward_one(self, batch: Batch, loss_fn, scale: float, routes) -> tuple[float, dict]:
@@ -222,8 +245,15 @@ class Trainer:
         return float(loss.detach()), metrics
 
     def clip_grads(self) -> float:
-        """Clip accumulated gradients in place; returns their norm before clipping."""
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        """Clip accumulated gradients in place; returns their norm before clipping (of the whole
+        model: under EP, TorchTitan's clip reduces over the expert and the dense meshes)."""
+        if self.world == 1:
+            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        from torch.distributed.tensor import DTensor
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        norm = clip_grad_norm_(list(self.model.parameters()), self.grad_clip, ep_enabled=self.ep > 1)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def fill_grads(self, value: float) -> None:
         """Overwrite the accumulated gradients (fault injection in tests: MINIRL_INJECT_NAN)."""

@@ -1,0 +1,75 @@
+"""TorchTitan's parallelism for the trainer under torchrun: FSDP2 over every rank, experts sharded
+over `ep` of them (expert parallel). Only `train.Trainer` calls this; ranks and meshes stay there.
+
+What it takes, learned on gloo CPU ranks (the PLATFORM.md notes said EP = 2 "failed"; the three
+causes were ours):
+- TorchTitan keeps the SPMD backend in a process-wide setting that its token dispatcher reads
+  (`get_spmd_backend()`, default "spmd_types"); it must be set to the backend the mesh is built
+  for, or the dispatcher asks a mesh that does not exist for its process group.
+- Sharding plans live on the model *config* (`set_qwen3_sharding_config`), filled before build;
+  without them FSDP2 and EP find plain tensors where they expect DTensors.
+- minirl's CPU experts (models.py) must compute on `to_local()` shards, as TorchTitan's own do.
+gloo has no PREMUL_SUM, so FSDP2 reduces gradients by sum on every backend, and the trainer
+scales each rank's loss by its share of the global batch: the result equals one process's mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int):
+    """Build `model_cfg` on every rank with the same initial weights, then shard it: FSDP2 over
+    the world, experts over `ep` ranks. Returns the model (an FSDP module)."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torchtitan.tools.utils as titan_utils
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.qwen3 import parallelize_qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    world = dist.get_world_size()
+    if device.type == "cpu":  # TorchTitan assumes "cuda" when no accelerator is found, and its modules
+        import torchtitan.distributed.parallel_dims as titan_dims  # copied that name at import time
+
+        titan_utils.device_type = titan_dims.device_type = dist_utils.device_type = "cpu"
+    backend = "partial_dtensor"
+    dist_utils.set_spmd_backend(backend)
+    set_qwen3_sharding_config(model_cfg, enable_sp=False, enable_ep=ep > 1)
+    torch.manual_seed(seed)
+    model = model_cfg.build().to(device)
+    model.init_states()
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+                        spmd_backend=backend)
+    training = TrainingConfig()
+    training.mixed_precision_param = "float32"  # CPU: fp32 throughout; bf16 params are the CUDA setting
+    parallelism = ParallelismConfig()
+    parallelism.spmd_backend = backend
+    parallelism.data_parallel_shard_degree = world
+    parallelism.expert_parallel_degree = ep
+    model = parallelize_qwen3(model, parallel_dims=dims, training=training, parallelism=parallelism,
+                              compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.gettempdir())
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def global_count(n: int) -> int:
+    """The sum of `n` over all ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a whole tensor (DTensors gathered), on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}

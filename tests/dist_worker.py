@@ -1,0 +1,82 @@
+"""Run under torchrun by tests/test_parallel.py: one MiniRL update of the tiny model, this rank
+taking its share of a fixed batch; rank 0 saves the loss and the whole updated weights."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def fixed_batch():
+    from minirl.train import build_batch
+
+    g = torch.Generator().manual_seed(7)
+    B = 8
+    prompts = [[int(x) for x in torch.randint(3, 30, (3,), generator=g)] + [16] for _ in range(B)]
+    resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] + [2] for n in (1, 3, 2, 4, 1, 2, 3, 2)]
+    mu = [[float(-torch.rand(1, generator=g)) - 1.0 for _ in r] for r in resps]
+    adv = [0.5, -0.5, 1.0, -1.0, 0.25, -0.25, 0.75, -0.75]
+    return build_batch(prompts, resps, mu, adv, pad_id=0)
+
+
+def fixed_routes(batch, n_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
+    """R3 stand-in: rollout-engine routes, a fixed random top-k set per token and layer."""
+    g = torch.Generator().manual_seed(11)
+    B, T = batch.mask_BT.shape
+    return torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(n_layers * B * T)]
+                       ).view(n_layers, B, T, top_k).to(torch.uint8)
+
+
+def one_update(trainer, batch, replay: str, routes=None) -> tuple[float, dict[str, torch.Tensor]]:
+    """π_old (recording routes for R2), then one MiniRL update replaying the routes; returns the
+    loss and the (clipped) gradients it applied, whole."""
+    from torch.distributed.tensor import DTensor
+
+    from minirl.objective import minirl_loss
+
+    old, _, recorded = trainer.logprobs(batch, routes=routes if replay == "r3" else None, record_routes=replay == "r2")
+    use = recorded if replay == "r2" else routes if replay == "r3" else None
+    b = batch.with_old_logp(old)
+    loss, _ = trainer.forward_backward(
+        b, lambda lp, x: minirl_loss(lp, x.old_logp_BT, x.rollout_logp_BT, x.adv_B, x.mask_BT), routes=use)
+    trainer.clip_grads()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.apply_update()
+    return loss, grads
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from minirl.models import TINY
+    from minirl.parallel import full_state_dict
+    from minirl.train import Trainer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--replay", default="off")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep)
+    batch = fixed_batch()
+    routes = fixed_routes(batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
+    rows = torch.arange(len(batch)).chunk(world)[rank]
+    loss, grads = one_update(trainer, batch.select(rows), a.replay, routes[:, rows])
+    weights = full_state_dict(trainer.model)
+    if rank == 0:
+        torch.save({"loss": loss, "grads": grads, "weights": weights}, a.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
