@@ -251,19 +251,12 @@ def hf_config_dict(shape: ModelShape, *, bos_id: int, eos_id: int, pad_id: int) 
 
 def read_shape(folder) -> ModelShape:
     """The shape of the HF model folder's config.json."""
-    import json
     from pathlib import Path
 
+    from minirl.preflight import read_json
+
     path = Path(folder) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"model config {path} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"model config {path} is not readable JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(cfg, dict):
-        raise UsageError(f"model config {path} must hold a JSON object")
-    return ModelShape.from_hf_config(cfg, source=str(path))
+    return ModelShape.from_hf_config(read_json(path, "model config"), source=str(path))
 
 
 def param_count(shape: ModelShape) -> int:

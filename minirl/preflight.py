@@ -18,7 +18,8 @@ from typing import Any
 from minirl.errors import UsageError
 from minirl.models import ModelShape
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from `path`; anything else is one UsageError line naming the file."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -120,7 +121,7 @@ def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)
-    extra = _read_json(path / "minirl.json", "checkpoint")
+    extra = read_json(path / "minirl.json", "checkpoint")
     if not isinstance(extra.get("step"), int):
         raise UsageError(f"checkpoint {path}: minirl.json has no integer 'step'")
     ckpt_model = (extra.get("recipe") or {}).get("model", {}).get("id")
