@@ -164,20 +164,26 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     rec = recipe_mod.load(ws.recipe_path, extra)
 
     from cli.render import RunView
-    from minirl import loop
+    from minirl import launch, loop
+
+    world = launch.start()  # the whole job, or one rank of a torchrun job (rank 0 prints)
 
     def on_stop_signal(signum, frame):
         if loop.Stop.requested:
             raise KeyboardInterrupt
         loop.Stop.requested, loop.Stop.signal = True, signum
-        console.print(f"[yellow]{signal.Signals(signum).name}: stopping after this step (again to abort)...[/]")
+        if world.main:
+            console.print(f"[yellow]{signal.Signals(signum).name}: stopping after this step (again to abort)...[/]")
 
     # Ctrl-C and SIGTERM (kill, schedulers) alike: finish the step, checkpoint, summary, then exit
     signal.signal(signal.SIGINT, on_stop_signal)
     signal.signal(signal.SIGTERM, on_stop_signal)
+    if not world.main:
+        console.quiet = True
     with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
-        summary = loop.run(ws, rec, resume=resume, on_event=view.on_event)
-    view.print_summary(summary)
+        summary = loop.run(ws, rec, resume=resume, on_event=view.on_event, world=world)
+    if world.main:
+        view.print_summary(summary)
     if summary["status"] == "interrupted":
         sys.exit(128 + loop.Stop.signal)  # 130 (SIGINT) or 143 (SIGTERM); `--resume` continues
     if summary["status"] == "collapsed":
@@ -269,8 +275,9 @@ def main() -> None:
 
 def _fail(message: str, code: int = 2) -> None:
     """One line on stderr (plain print: rich would wrap it at the terminal width), exit code 2
-    (bad input) or 4 (a run could not write its files)."""
-    print(f"minirl: error: {' '.join(message.split())}", file=sys.stderr)
+    (bad input) or 4 (a run could not write its files). Under torchrun rank 0 alone says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"minirl: error: {' '.join(message.split())}", file=sys.stderr)
     sys.exit(code)
 
 

@@ -61,17 +61,21 @@ def evaluate(
     decode: Callable[[list[int]], str],
     eos_id: int,
     seed: int = 1234,
+    gather: Callable[[list], list] = list,
 ) -> dict:
-    """k samples per problem, graded: {avg@k, pass@k, maj@k, problems, k, temperature}."""
+    """k samples per problem, graded: {avg@k, pass@k, maj@k, problems, k, temperature}.
+
+    gather: joins the per-problem results of every rank (each passed its share of the problems)."""
     groups = engine.generate(
         [p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens, seed=seed
     )
     items = [(prob.record, response_text(c.token_ids, decode, eos_id)) for prob, g in zip(problems, groups) for c in g]
     scores = grading.grade(items)
-    per_problem = [scores[i * k : (i + 1) * k] for i in range(len(problems))]
+    per_problem = gather([[(s.score >= 1.0, s.info.get("extracted")) for s in scores[i * k : (i + 1) * k]]
+                          for i in range(len(problems))])
     return {
-        **summarize([[s.score >= 1.0 for s in p] for p in per_problem],
-                    [[s.info.get("extracted") for s in p] for p in per_problem]),
+        **summarize([[c for c, _ in p] for p in per_problem], [[e for _, e in p] for p in per_problem]),
+        "k": k,
         "temperature": temperature,
     }
 

@@ -8,8 +8,10 @@
         ──▶ VLLMEngine.load_weights (in place)                (parity check on a fixed batch)
         ──▶ metrics.jsonl ──▶ checkpoint every k steps       (or rollback, when the guard says so)
 
-Deliberately simple: rollouts and training alternate in one process (no async, no overlap), so
-on-policy N = 1 is exactly on-policy and every number in the log has one meaning.
+Deliberately simple: rollouts and training alternate (no async, no overlap), so on-policy N = 1
+is exactly on-policy and every number in the log has one meaning. Under torchrun every rank runs
+this same step on its share of the prompts (`World`, launch.py); what the guard decides on is
+reduced over ranks first, so every rank takes the same decision.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from minirl.data import PromptSampler
 from minirl.errors import RunIOError
 from minirl.evaluate import evaluate, response_text
 from minirl.guard import Guard, Verdict
+from minirl.launch import World
 from minirl.preflight import RunInputs, complete_checkpoints, prepare_run
 from minirl.recipe import Recipe
 from minirl.replay import rollout_routes, route_agreement
@@ -67,8 +70,8 @@ def _timed(timing: dict, key: str, t0: float) -> float:
 
 
 class RLRun:
-    def __init__(self, ws: Workspace, rec: Recipe, inputs: RunInputs, *, run_dir: Path):
-        self.ws, self.rec = ws, rec
+    def __init__(self, ws: Workspace, rec: Recipe, inputs: RunInputs, *, run_dir: Path, world: World):
+        self.ws, self.rec, self.world = ws, rec, world
         model_dir, self.shape = inputs.model_dir, inputs.shape
         resume_from = inputs.resume_from
         self.tok = inputs.tokenizer
@@ -78,7 +81,8 @@ class RLRun:
         self.model_dir = model_dir
 
         self.trainer = Trainer(self.shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay,
-                               grad_clip=rec.train.grad_clip, seed=rec.train.seed)
+                               grad_clip=rec.train.grad_clip, seed=rec.train.seed, device=world.device,
+                               ep=rec.parallel.ep)
         self.state = RunState(run_dir=run_dir)
         self.sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
         g = rec.guard
@@ -126,27 +130,30 @@ class RLRun:
 
     def parity(self) -> float:
         """mean |log μ − log π| over a fixed batch of tokens, right after a sync."""
-        prompts = [p for p, _ in self._parity_pairs]
-        resps = [r for _, r in self._parity_pairs]
+        pairs = self.world.share(self._parity_pairs)
+        prompts, resps = [p for p, _ in pairs], [r for _, r in pairs]
         mu = self.engine.score(prompts, resps)
         batch = build_batch(prompts, resps, mu, None, pad_id=self.pad)
         pi, _, _ = self.trainer.logprobs(batch)
         m = batch.mask_BT
-        return float(((batch.rollout_logp_BT - pi).abs() * m).sum() / m.sum())
+        local = float(((batch.rollout_logp_BT - pi).abs() * m).sum() / m.sum())
+        return self.world.mean({"parity": local}, weight=float(m.sum()))["parity"]
 
     def heldout_eval(self) -> dict:
         e = self.rec.eval
-        return evaluate(self.engine, self.heldout, self.grading, k=e.k, temperature=e.temperature,
-                        max_tokens=self.rec.rollout.max_tokens, decode=self.decode, eos_id=self.eos)
+        return evaluate(self.engine, self.world.share(self.heldout), self.grading, k=e.k, temperature=e.temperature,
+                        max_tokens=self.rec.rollout.max_tokens, decode=self.decode, eos_id=self.eos,
+                        gather=self.world.gather)
 
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> dict:
-        r, t = self.rec, self.state.timing
-        B, G, N = r.train.prompts_per_step, r.train.group_size, r.train.minibatches
+        r, t, world = self.rec, self.state.timing, self.world
+        G, N = r.train.group_size, r.train.minibatches
         step = self.state.step + 1
         t0 = time.perf_counter()
 
-        problems = self.sampler.next_batch(B)
+        problems = world.share(self.sampler.next_batch(r.train.prompts_per_step))  # the same draw on every rank
+        B = len(problems)
         groups = self.engine.generate([p.prompt_ids for p in problems], n=G, temperature=r.rollout.temperature,
                                       max_tokens=r.rollout.max_tokens, seed=r.train.seed * 1_000_003 + step)
         t0 = _timed(t, "rollout", t0)
@@ -183,6 +190,9 @@ class RLRun:
         t0 = _timed(t, "old_logp", t0)
 
         entropy, reward, lr = objective.masked_mean(ent, batch.mask_BT), float(rewards_PG.mean()), self.lr
+        # what the guard decides on, over all ranks (token-weighted; every rank has B·G rows)
+        kl, entropy = world.mean({"kl": kl, "entropy": entropy}, weight=float(batch.mask_BT.sum())).values()
+        reward = world.mean({"reward": reward})["reward"]
         mb_metrics, losses, grad_norms, verdict = [], [], [], Verdict("step")
         inject = injected_nan(step)
         for j, idx in enumerate(minibatch_indices(B, G, N, seed=step)):
@@ -201,7 +211,8 @@ class RLRun:
                 self.trainer.drop_update()
             losses.append(loss)
             grad_norms.append(norm)
-            mb_metrics.append(m)
+            # over ranks, token-weighted (the IS-weight quantiles become token-weighted means of the ranks' quantiles)
+            mb_metrics.append(world.mean(m, weight=m["loss/tokens"], sums=("loss/tokens",)))
             if v.action in ("rollback", "stop"):
                 verdict = v
                 break
@@ -219,21 +230,24 @@ class RLRun:
 
         self.state.step = step
         mask = batch.mask_BT
-        metrics = {
-            "step": step,
-            "rollout/reward_mean": reward,
+        rollout_metrics = world.mean({  # this rank's share, then over ranks (the others already are)
             "rollout/acc": float((rewards_PG >= 1.0).float().mean()),
             "rollout/resp_len": float(mask.sum(-1).mean()),
             "rollout/truncated_frac": sum(cut) / (B * G),
             "rollout/grader_errors": sum("error" in s.info for s in scores),
             "rollout/grader_timeouts": sum(bool(s.info.get("timeout")) for s in scores),
             "rollout/zero_adv_groups": float((adv_PG.abs().sum(-1) == 0).float().mean()),
+            **replay_metrics,
+        }, sums=("rollout/grader_errors", "rollout/grader_timeouts"))
+        metrics = {
+            "step": step,
+            "rollout/reward_mean": reward,
+            **rollout_metrics,
             "train/entropy": entropy,
             "train/kl_mu_pi_old": kl,
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             "sync/parity_abs_dlogp": parity,
-            **replay_metrics,
             **{k: sum(m[k] for m in mb_metrics) / len(mb_metrics) for k in mb_metrics[0]},
             "loss/is_weight_max": max(m["loss/is_weight_max"] for m in mb_metrics),
             "loss/clip_frac_per_mb": [m["loss/clip_frac"] for m in mb_metrics],
@@ -262,7 +276,7 @@ class RLRun:
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` step checkpoints (0: all), and always the rollback target."""
-        ckpts = complete_checkpoints(self.state.run_dir)
+        ckpts = complete_checkpoints(self.state.run_dir) if self.world.main else []
         for old in ckpts[:-keep] if keep > 0 else []:
             if old != self.last_good:
                 atomic.remove_dir(old)
@@ -319,15 +333,18 @@ def run(
     *,
     resume: bool = False,
     on_event: Callable[[str, dict], None] = lambda kind, data: None,
+    world: World | None = None,
 ) -> dict:
     """Run (or resume) RL in `ws`; returns the summary dict (also written to summary.json).
 
-    on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done".
+    on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done"; called on
+    the main rank only. world: this process's place in a torchrun job (default: the whole job).
     """
     t_start = time.time()
-    inputs = prepare_run(ws, rec, resume=resume)  # every check that can fail on input; writes nothing
+    world = world or World()
+    inputs = prepare_run(ws, rec, resume=resume, world_size=world.size)  # every check that can fail on input
     try:
-        return _start_and_train(ws, rec, inputs, on_event, t_start=t_start)
+        return _start_and_train(ws, rec, inputs, on_event if world.main else _quiet, t_start=t_start, world=world)
     except OSError as e:
         if e.errno not in _DISK_ERRORS:
             raise
@@ -341,15 +358,24 @@ def run(
 _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
-def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float) -> dict:
+def _quiet(kind: str, data: dict) -> None:
+    """on_event of the ranks that do not print."""
+
+
+def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float,
+                     world: World) -> dict:
     resume_from = inputs.resume_from
-    run_dir = resume_from.parent.parent if resume_from else _new_run_dir(ws.runs)
+    if resume_from:
+        run_dir = resume_from.parent.parent
+    else:  # rank 0 names the folder, every rank uses it
+        run_dir = world.broadcast(_new_run_dir(ws.runs) if world.main else None)
     try:
-        atomic.sweep(run_dir / "checkpoints")  # what a killed writer or deleter left behind
-        atomic.write_text(run_dir / "recipe.toml", rec.to_toml())
-        rl = RLRun(ws, rec, inputs, run_dir=run_dir)
+        if world.main:
+            atomic.sweep(run_dir / "checkpoints")  # what a killed writer or deleter left behind
+            atomic.write_text(run_dir / "recipe.toml", rec.to_toml())
+        rl = RLRun(ws, rec, inputs, run_dir=run_dir, world=world)
     except BaseException:
-        if resume_from is None:  # a run that never started leaves no folder for --resume to pick
+        if resume_from is None and world.main:  # a run that never started leaves no folder for --resume to pick
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     startup_s = time.time() - t_start  # input checks, data, trainer and vLLM
@@ -367,19 +393,20 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
 
 def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float) -> dict:
     """The steps, the checkpoints and the end of a run (final checkpoint, held-out eval, summary)."""
-    rec, run_dir = rl.rec, rl.state.run_dir
+    rec, run_dir, world = rl.rec, rl.state.run_dir, rl.world
     if rl.last_good is None:  # a fresh run: its starting point is the first rollback target
         rl.save("step_000000")
     metrics_path = run_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
+    if world.main:
+        _truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
     status = "finished"
     t_rl = time.time()
-    with metrics_path.open("a") as mf:
+    with metrics_path.open("a") if world.main else open(os.devnull, "w") as mf:
         while rl.state.step < rec.train.steps:
-            if Stop.requested:
+            if world.any(Stop.requested):  # every rank stops after the same step
                 status = "interrupted"
                 break
-            if rec.train.time_limit_s and time.time() - t_rl > rec.train.time_limit_s:
+            if world.any(rec.train.time_limit_s and time.time() - t_rl > rec.train.time_limit_s):
                 status = "time_limit"
                 break
             m = rl.step()
@@ -408,7 +435,10 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
 
     from minirl.hf_io import save_hf_folder
 
-    hf_dir = save_hf_folder(final / "hf", rl.shape, rl.trainer.model.state_dict(), tokenizer_dir=rl.model_dir)
+    weights = rl.trainer.full_state_dict()  # a collective: every rank takes part, rank 0 writes
+    if not world.main:
+        return {"status": status}
+    hf_dir = save_hf_folder(final / "hf", rl.shape, weights, tokenizer_dir=rl.model_dir)
     phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)

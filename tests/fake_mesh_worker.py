@@ -1,0 +1,45 @@
+"""Run by tests/test_plan.py in a process of its own: one rank of a fake process group of any size
+(TorchTitan's `fake_backend` comm mode: no GPU, no peers), the model built on the meta device and
+sharded by the same `parallel.parallelize` call a run makes; prints this rank's bytes as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    from torch.distributed.tensor import DTensor
+    from torchtitan.distributed.utils import init_fake_mode
+
+    from minirl.models import KNOWN_SHAPES, titan_config
+    from minirl.parallel import parallelize
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    a = ap.parse_args()
+    init_fake_mode(a.world, rank=a.rank)
+    model = parallelize(titan_config(KNOWN_SHAPES[a.model]), ep=a.ep, device=torch.device("meta"), seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    for p in params:  # a gradient of every parameter, as the backward leaves it, then Adam's state
+        p.grad = torch.zeros_like(p)
+    optim = torch.optim.AdamW(params, lr=1e-6)
+    optim.step()
+    nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+    state = [v for s in optim.state.values() for k, v in s.items() if k != "step"]
+    print(json.dumps({"params": nbytes(params), "grads": nbytes(p.grad for p in params), "optim": nbytes(state),
+                      "dtypes": sorted({str(local(p).dtype) for p in params})}))
+
+
+if __name__ == "__main__":
+    main()
