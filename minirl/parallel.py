@@ -18,9 +18,14 @@ from __future__ import annotations
 import torch
 
 
-def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int):
-    """Build `model_cfg` on every rank with the same initial weights, then shard it: FSDP2 over
-    the world, experts over `ep` ranks. Returns the model (an FSDP module)."""
+def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dtype: str = "float32"):
+    """Build `model_cfg` on the meta device, shard it (FSDP2 over the world, experts over `ep`
+    ranks), then allocate each rank's shards on `device` and initialise them (TorchTitan's own
+    order: no rank ever holds the whole model). Returns the model (an FSDP module).
+
+    device "meta" stops before allocating: the sharded layout of any model under a fake process
+    group (tests/fake_mesh_worker.py). param_dtype: the dtype FSDP2 gathers parameters in for
+    compute; the sharded parameters, gradients and optimizer state stay float32 (master weights)."""
     import tempfile
 
     import torch.distributed as dist
@@ -33,20 +38,20 @@ def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int):
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     world = dist.get_world_size()
-    if device.type == "cpu":  # TorchTitan assumes "cuda" when no accelerator is found, and its modules
+    if device.type != "cuda":  # TorchTitan assumes "cuda" when no accelerator is found, and its modules
         import torchtitan.distributed.parallel_dims as titan_dims  # copied that name at import time
 
         titan_utils.device_type = titan_dims.device_type = dist_utils.device_type = "cpu"
     backend = "partial_dtensor"
     dist_utils.set_spmd_backend(backend)
     set_qwen3_sharding_config(model_cfg, enable_sp=False, enable_ep=ep > 1)
-    torch.manual_seed(seed)
-    model = model_cfg.build().to(device)
-    model.init_states()
+    with torch.device("meta"):
+        model = model_cfg.build()
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
                         spmd_backend=backend)
     training = TrainingConfig()
-    training.mixed_precision_param = "float32"  # CPU: fp32 throughout; bf16 params are the CUDA setting
+    training.mixed_precision_param = param_dtype
+    training.mixed_precision_reduce = "float32"
     parallelism = ParallelismConfig()
     parallelism.spmd_backend = backend
     parallelism.data_parallel_shard_degree = world
@@ -56,6 +61,12 @@ def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int):
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    torch.manual_seed(seed)  # the same seed on every rank: DTensor's RNG gives each shard its part
+    with torch.no_grad():
+        model.init_states()
     return model
 
 

@@ -73,6 +73,9 @@ class TrainConfig:
     replay_diagnostics: bool = True  # R3: also compute π_old without replay (KL and route-agreement metrics)
     seed: int = 0
     time_limit_s: float = 0.0  # stop after this many seconds of RL (0 = no limit)
+    # compute dtype of the trainer's parameters; the weights, gradients and Adam state stay float32
+    # (master weights). "auto": bfloat16 on CUDA (TorchTitan's mixed precision), float32 on CPU.
+    param_dtype: str = "auto"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -322,6 +325,7 @@ def validate(r: Recipe) -> None:
         "loss.is_mode": (r.loss.is_mode, ("truncate", "mask", "off")),
         "loss.truncated_reward": (r.loss.truncated_reward, ("grade", "zero")),
         "train.replay": (r.train.replay, ("off", "r2", "r3")),
+        "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
         "rollout.dtype": (r.rollout.dtype, ("bfloat16", "float16", "float32")),
     }

@@ -3,9 +3,11 @@
 Interface: `logprobs`, `forward_backward`, `optim_step`, `hf_state_dict`, `save`, `load`.
 TorchTitan imports stay here and in `models.py`.
 
-Precision: parameters and attention are float32; TorchTitan's `GroupedExperts` runs its grouped
-matmuls in bfloat16 whatever the parameter dtype (its CUDA grouped-GEMM constraint, kept on CPU),
-so the trainer's π is "fp32 with bf16 experts". vLLM rolls out fully in bf16 (or FP8 weights).
+Precision (`train.param_dtype`): on CPU parameters and attention compute in float32; TorchTitan's
+`GroupedExperts` runs its grouped matmuls in bfloat16 whatever the parameter dtype (its CUDA
+grouped-GEMM constraint, kept on CPU), so the trainer's π is "fp32 with bf16 experts". On CUDA
+they compute in bfloat16 while weights, gradients and Adam state stay float32 (master weights).
+vLLM rolls out in bf16 (or FP8 weights).
 
 Checkpoints are torch.distributed.checkpoint (DCP) folders, the format TorchTitan itself writes,
 with model and optimizer state; they load under any later parallel layout.
@@ -119,22 +121,32 @@ class Trainer:
         weight_decay: float = 0.0,
         grad_clip: float = 1.0,
         seed: int = 0,
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
         ep: int = 1,
+        param_dtype: str = "auto",
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
-        rank then passes its own share of the batch, and results equal one process's."""
+        rank then passes its own share of the batch, and results equal one process's.
+
+        param_dtype: what the parameters compute in ("auto": bfloat16 on CUDA, float32 on CPU).
+        Weights, gradients and Adam state stay float32 (master weights): FSDP2 gathers the
+        shards in bfloat16 under torchrun; one process computes under bfloat16 autocast, as
+        TorchTitan does without FSDP."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
         self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
+        if param_dtype == "auto":
+            param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.param_dtype = param_dtype
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         if self.world > 1:
             from minirl.parallel import parallelize
 
-            self.model = parallelize(titan_config(shape), ep=ep if shape.is_moe else 1, device=self.device, seed=seed)
+            self.model = parallelize(titan_config(shape), ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
+                                     param_dtype=param_dtype)
         else:
             self.model = titan_config(shape).build().to(self.device)
             self._init_weights()
@@ -182,7 +194,9 @@ class Trainer:
     # ----- compute -----------------------------------------------------------------------------
     def _forward_logp(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens = batch.tokens_BL.to(self.device)
-        logits = self.model(tokens[:, :-1])
+        autocast = self.world == 1 and self.param_dtype == "bfloat16"  # under FSDP2 its policy casts
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = self.model(tokens[:, :-1])
         logp = token_logprobs(logits, tokens[:, 1:])
         ent = entropy_from_logits(logits.detach()) if with_entropy else None
         return logp, ent

@@ -52,8 +52,20 @@ def one_update(trainer, batch, replay: str, routes=None) -> tuple[float, dict[st
     return loss, grads
 
 
+def one_process_init() -> dict[str, torch.Tensor]:
+    """The initial weights of `Trainer(TINY, seed=0)` in one process (sharded ranks draw theirs
+    shard by shard, so a comparison starts both from these)."""
+    from minirl.models import TINY, titan_config
+
+    torch.manual_seed(0)
+    model = titan_config(TINY).build()
+    model.init_states()
+    return model.state_dict()
+
+
 def main() -> None:
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from minirl.models import TINY
     from minirl.parallel import full_state_dict
@@ -62,18 +74,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--replay", default="off")
+    ap.add_argument("--param-dtype", default="float32")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep)
+    trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype)
+    set_model_state_dict(trainer.model, one_process_init(), options=StateDictOptions(full_state_dict=True))
     batch = fixed_batch()
     routes = fixed_routes(batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
     rows = torch.arange(len(batch)).chunk(world)[rank]
     loss, grads = one_update(trainer, batch.select(rows), a.replay, routes[:, rows])
     weights = full_state_dict(trainer.model)
     if rank == 0:
-        torch.save({"loss": loss, "grads": grads, "weights": weights}, a.out)
+        torch.save({"loss": loss, "grads": grads, "weights": weights,
+                    "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()})}, a.out)
     dist.destroy_process_group()
 
 

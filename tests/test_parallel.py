@@ -16,6 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+def two_ranks(tmp_path, *args: str) -> dict:
+    """tests/dist_worker.py on 2 gloo ranks; what rank 0 saved."""
+    out = tmp_path / "out.pt"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                        str(ROOT / "tests" / "dist_worker.py"), *args, "--out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return torch.load(out)
+
+
 @pytest.mark.parametrize("ep, replay", [(1, "off"), (2, "off"), (2, "r2"), (2, "r3")],
                          ids=["fsdp2", "fsdp2+ep2", "ep2+r2", "ep2+r3"])
 def test_two_ranks_update_like_one_process(ep, replay, tmp_path):
@@ -24,16 +35,7 @@ def test_two_ranks_update_like_one_process(ep, replay, tmp_path):
     from minirl.models import TINY
     from minirl.train import Trainer
 
-    out = tmp_path / "out.pt"
-    with socket.socket() as sock:  # a free port for the rendezvous on this machine
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-addr", "127.0.0.1", "--master-port", str(port),
-                        str(ROOT / "tests" / "dist_worker.py"), "--ep", str(ep), "--replay", replay, "--out", str(out)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = torch.load(out)
+    got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay)
 
     one = Trainer(TINY, lr=1e-2, seed=0)
     batch = fixed_batch()
@@ -51,7 +53,22 @@ def test_two_ranks_update_like_one_process(ep, replay, tmp_path):
     assert sum(not torch.equal(v, start[k]) for k, v in ref.items()) > len(ref) // 2  # the update moved them
 
 
+def test_bf16_compute_keeps_fp32_master_shards(tmp_path):
+    """FSDP2's mixed precision (train.param_dtype = bfloat16, the CUDA default): shards, and so
+    Adam's state, stay float32; the loss is the fp32 one up to bfloat16 rounding."""
+    from dist_worker import fixed_batch, one_update
+
+    from minirl.models import TINY
+    from minirl.train import Trainer
+
+    got = two_ranks(tmp_path, "--ep", "2", "--param-dtype", "bfloat16")
+    assert got["shard_dtypes"] == ["torch.float32"]
+    loss, _ = one_update(Trainer(TINY, lr=1e-2, seed=0), fixed_batch(), "off")
+    assert got["loss"] == pytest.approx(loss, rel=0.05) and got["loss"] != pytest.approx(loss, rel=1e-6)
+
+
 def _free_port() -> int:
+    """A free port for a rendezvous on this machine."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -48,6 +48,26 @@ def test_30b_a3b_on_two_nodes_fits_with_the_published_size():
     assert plan.tokens_per_step == 64 * 16 * (1024 + 32768)
 
 
+@pytest.mark.parametrize("model, nodes, gpus, ep", [("Qwen3-30B-A3B", 2, 8, 8), ("Qwen3-30B-A3B", 1, 4, 4),
+                                                    ("Qwen3-8B", 1, 8, 1)])
+def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep):
+    """The model built on the meta device, under a fake process group of the planned size, through
+    the same `parallelize` call a run makes: rank 0's parameter, gradient and Adam bytes equal the plan's."""
+    import json
+
+    rec = recipe.load(recipe.for_model(model), [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}",
+                                                f"parallel.ep={ep}", "rollout.tensor_parallel=1"])
+    plan = make_plan(rec, KNOWN_SHAPES[model], model=model)
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_mesh_worker.py"), "--model", model,
+                        "--world", str(nodes * gpus), "--ep", str(ep)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["dtypes"] == ["torch.float32"]  # sharded master weights; FSDP2 gathers them in param_dtype
+    assert got["params"] == plan.memory_gib["fp32 weights (sharded)"] * GiB
+    assert got["grads"] == plan.memory_gib["fp32 gradients (sharded)"] * GiB
+    assert got["optim"] == plan.memory_gib["Adam moments (sharded)"] * GiB
+
+
 def test_one_80gb_gpu_is_refused_with_the_component_that_overflows():
     plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
     assert not plan.fits

@@ -87,3 +87,19 @@ def test_micro_batches_give_the_whole_batch_gradient():
     assert m2["loss/tokens"] == m1["loss/tokens"] and m2["loss/is_weight_max"] == pytest.approx(m1["loss/is_weight_max"])
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_compute_keeps_fp32_master_weights():
+    """train.param_dtype = bfloat16 (the CUDA default): the forward computes in bfloat16, while
+    weights, gradients and Adam's moments stay float32."""
+    fp32, bf16 = Trainer(TINY, lr=1e-3, seed=0), Trainer(TINY, lr=1e-3, seed=0, param_dtype="bfloat16")
+    assert fp32.param_dtype == "float32"  # "auto" on the CPU
+    lp32, _, _ = fp32.logprobs(BATCH)
+    lp16, _, _ = bf16.logprobs(BATCH)
+    m = BATCH.mask_BT.bool()
+    assert lp16.dtype == torch.float32 and not torch.equal(lp16[m], lp32[m])  # another rounding...
+    torch.testing.assert_close(lp16[m], lp32[m], rtol=0, atol=0.05)  # ...of the same model
+    bf16.forward_backward(BATCH, sft_loss)
+    bf16.optim_step()
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    assert {v.dtype for s in bf16.optim.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
