@@ -59,11 +59,17 @@ def cli(verbose: bool) -> None:
 
 @cli.command()
 @click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
-@click.option("--recipe", "recipe_name", default="tiny", show_default=True,
-              help="Shipped recipe (a file stem in recipes/) to copy into the workspace.")
+@click.option("--model", "model_id", default=None,
+              help="A Qwen3 / Qwen3-MoE to train instead of the embedded default: a short name (Qwen3-8B, "
+                   "Qwen3-30B-A3B, ...), a Hugging Face repo id or a local HF folder. The workspace gets a math RL "
+                   "recipe suited to its architecture and no cold start; only its config is read.")
+@click.option("--recipe", "recipe_name", default=None,
+              help="Shipped recipe (a file stem in recipes/) to start from [default: tiny; with --model, the "
+                   "model's own recipe if one is shipped, else qwen3].")
 @click.option("--force", is_flag=True, help="Rebuild an existing workspace (deletes its data, model and runs).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, ...]) -> None:
+def init(workspace: Path, model_id: str | None, recipe_name: str | None, force: bool,
+         overrides: tuple[str, ...]) -> None:
     """Create a workspace in WORKSPACE (default ./minirl-ws).
 
     On the embedded default (model tiny-qwen3-moe) it also writes the synthetic task's train and
@@ -88,17 +94,23 @@ def init(workspace: Path, recipe_name: str, force: bool, overrides: tuple[str, .
             prog.update(tasks[stage], completed=done, total=total, info=text)
 
         try:
-            report = init_workspace(workspace, recipe_name=recipe_name, force=force, overrides=list(overrides),
+            report = init_workspace(workspace, recipe_name=recipe_name, model=model_id, force=force,
+                                    overrides=list(overrides),
                                     progress=progress)
         except FileExistsError:
             prog.stop()
             console.print(f"[yellow]workspace {workspace} exists; left as it is[/] (use --force to rebuild)")
             return
     console.print(f"[green]workspace ready:[/] {report['workspace']}")
-    if "params" in report:
+    if "cold_start_steps" in report:
         console.print(f"  tiny-qwen3-moe: {report['params']:,} params; cold start: {report['cold_start_steps']} SFT steps "
                       f"in {report['cold_start_s']} s, dev accuracy {report['cold_start_dev_acc']:.2f} "
                       f"(target {report['cold_start_target_acc']})")
+    if "moe" in report:
+        kind = f"Qwen3-MoE, {report['active'] / 1e9:.2f}B active" if report["moe"] else "dense Qwen3"
+        console.print(f"  model {report['model']}: {report['params'] / 1e9:.2f}B params ({kind}); recipe from "
+                      f"recipes/{report['recipe']}.toml; no cold start (the checkpoint is the starting policy)")
+        console.print(f"  plan: [bold]minirl run {workspace} --dry-run[/] (add --nodes/--gpus-per-node)")
     console.print(f"  next: [bold]minirl run {workspace}[/]")
 
 

@@ -89,6 +89,16 @@ def load_problems(
     return problems, skipped
 
 
+def prompt_ids(tok, text: str, *, template: str = "{problem}", chat: bool = False) -> list[int]:
+    """The token ids a prompt is sent as: `text` put into `template` at "{problem}", then, with
+    `chat`, wrapped as one user turn by the tokenizer's chat template (generation prompt added)."""
+    text = template.format(problem=text)
+    if chat:
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False))
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 class PromptSampler:
     """Epoch-shuffled batches of problems; its position is part of the checkpoint."""
 

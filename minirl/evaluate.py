@@ -129,10 +129,9 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
 
 
 def _format_prompt(tok, template: str, problem: str) -> list[int]:
-    text = template.format(problem=problem)
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    from minirl.data import prompt_ids
+
+    return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)))
 
 
 def eval_benchmark(

@@ -205,7 +205,7 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
 def prepare_run(ws, rec, *, resume: bool, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
-    from minirl.data import load_problems
+    from minirl.data import load_problems, prompt_ids
     from minirl.hub import model_dir as resolve_model_dir
     from minirl.models import read_shape
     from rewards.pool import GradingPool
@@ -218,11 +218,14 @@ def prepare_run(ws, rec, *, resume: bool, world_size: int = 1) -> RunInputs:
     check_layout(rec, shape, world_size)
     resume_from = pick_resume_checkpoint(ws, shape, rec.model.id) if resume else None
     tok = load_tokenizer(model_dir)
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if rec.data.chat_template and not getattr(tok, "chat_template", None):
+        raise UsageError(f"data.chat_template = true, and the tokenizer of {rec.model.id} has no chat template; "
+                         "set data.chat_template = false to send the prompt as plain text")
+    enc = lambda s: prompt_ids(tok, s, template=rec.data.prompt_template, chat=rec.data.chat_template)  # noqa: E731
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
               max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
     train, skipped = load_problems(rec.data.train, **kw)
-    heldout, _ = load_problems(rec.data.heldout, **kw)
+    heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split)
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
                          f"({rec.train.prompts_per_step})")

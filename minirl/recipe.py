@@ -32,6 +32,9 @@ class DataConfig:
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     max_prompt_tokens: int = 32  # longer prompts are skipped and counted
+    prompt_template: str = "{problem}"  # the text sent; "{problem}" stands for the prompt field
+    chat_template: bool = False  # send it as one user turn through the tokenizer's chat template
+    heldout_split: str = "train"  # the split of a Hub dataset in data.heldout (MATH-500: "test")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -332,6 +335,12 @@ def validate(r: Recipe) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise UsageError(f"{key} = {value!r}; choose one of {', '.join(allowed)}")
+    try:
+        r.data.prompt_template.format(problem="")
+        assert "{problem}" in r.data.prompt_template
+    except (KeyError, IndexError, ValueError, AssertionError):
+        raise UsageError(f"data.prompt_template = {r.data.prompt_template!r} must hold {{problem}} once and no other "
+                         "{...} field (write a literal brace as {{ or }})") from None
     if r.rollout.temperature == 0:
         raise UsageError("rollout.temperature = 0 (greedy) samples the same response G times, so every group-mean "
                          "advantage is 0; use a temperature > 0")

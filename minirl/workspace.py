@@ -56,13 +56,17 @@ class Workspace:
 def init_workspace(
     root: Path,
     *,
-    recipe_name: str = "tiny",
+    recipe_name: str | None = None,
+    model: str | None = None,
     force: bool = False,
     overrides: list[str] = (),
     progress: Callable[[str, int, int, dict], None] | None = None,
 ) -> dict:
     """Create a workspace; for the embedded default also build data, model and cold start.
 
+    model: a Qwen3 / Qwen3-MoE to train instead (short name, Hub repo id or local HF folder): its
+    shipped recipe (else recipes/qwen3.toml) suited to its architecture, no cold start. Only its
+    config is read (nothing of a known short name), never its weights.
     Returns a report dict. Refuses to touch an existing workspace unless `force`.
     `progress(stage, done, total, info)` is called as work advances.
     """
@@ -71,24 +75,47 @@ def init_workspace(
         raise UsageError(f"{root} exists and is not a folder")
     if (root / RECIPE_NAME).exists() and not force:
         raise FileExistsError(str(root))
-    src = recipe_mod.shipped(recipe_name)
+    model_report: dict = {}
+    if model is not None:
+        recipe_name, overrides, model_report = _for_model(model, recipe_name, list(overrides))
+    src = recipe_mod.shipped(recipe_name or "tiny")
     rec = recipe_mod.load(src, list(overrides))  # a bad recipe or --set fails before anything is written
     if force and root.exists():
         for sub in ("data", "model", "runs"):
             shutil.rmtree(root / sub, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
     ws = Workspace(root.resolve())
-    report: dict = {"workspace": str(ws.root), "recipe": recipe_name}
+    report: dict = {"workspace": str(ws.root), "recipe": src.stem, **model_report}
     from minirl.models import TINY_ID
 
     if rec.model.id == TINY_ID:
         report.update(build_embedded_default(ws, rec, progress=progress))
     # Written last: a workspace counts as created only once everything above succeeded.
-    if overrides:
-        ws.recipe_path.write_text(rec.to_toml())  # the resolved recipe, --set values folded in
+    if overrides:  # the resolved recipe, --set values folded in, under the shipped one's notes
+        lines = src.read_text().splitlines()
+        notes = lines[: next((i for i, x in enumerate(lines) if not x.startswith("#")), len(lines))]
+        ws.recipe_path.write_text("".join(x + "\n" for x in notes) + "\n" + rec.to_toml())
     else:
         shutil.copy(src, ws.recipe_path)
     return report
+
+
+def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tuple[str, list[str], dict]:
+    """The recipe, the overrides and the report lines for `init --model`: the architecture comes
+    from the model's config (one line, exit 2, when it cannot be read or is not supported)."""
+    from minirl import hub
+    from minirl.plan import active_params
+    from minirl.models import param_count
+
+    if Path(model).exists():
+        model = str(Path(model).resolve())  # the workspace works from any folder
+    shape = hub.model_shape(model, "", Path.cwd())
+    name = recipe_name or (recipe_mod.for_model(model).stem if recipe_mod.for_model(model) else "qwen3")
+    suited = [f"model.id={model}", "model.path="]
+    if not shape.is_moe:  # routing replay and expert parallel have nothing to act on
+        suited += ["train.replay=off", "parallel.ep=1"]
+    report = {"model": model, "moe": shape.is_moe, "params": param_count(shape), "active": active_params(shape)}
+    return name, suited + overrides, report
 
 
 def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:

@@ -85,3 +85,19 @@ def test_sampler_is_deterministic_and_restorable(tmp_path):
     c.restore(state)
     assert [x.record["prompt"] for x in c.next_batch(40)] == nxt
     assert len(set(first)) == 30  # no repeats within an epoch
+
+
+def test_prompts_go_through_the_template_and_the_chat_template(tokenizer):
+    """data.prompt_template puts the row's text at {problem}; data.chat_template sends it as one
+    user turn through the tokenizer's own chat template (a Jinja template, as Qwen3's)."""
+    import copy
+
+    from minirl.data import prompt_ids
+
+    plain = prompt_ids(tokenizer, "12+34", template="{problem}=")
+    assert tokenizer.decode(plain) == "12+34="
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}+0{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    ids = prompt_ids(tok, "12+34", template="{problem}", chat=True)
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == "12+34+0="

@@ -89,3 +89,31 @@ def test_replay_on_a_dense_model_is_refused_in_one_line(data_ws, tiny_dir, tmp_p
     r = minirl("run", str(data_ws), "--model", str(folder), "--replay", "r2")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"minirl: error: train.replay = 'r2' replays MoE routes, and {folder} is a dense model; use off"]
+
+
+def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
+    """`minirl init --model`: the model's shipped recipe, or the generic one suited to a dense
+    model; math data, grader and chat template; no cold start; only the config is read."""
+    from minirl import recipe
+
+    r = minirl("init", str(tmp_path / "moe"), "--model", "Qwen3-30B-A3B")
+    assert r.returncode == 0, r.stderr
+    rec = recipe.load(tmp_path / "moe" / "minirl.toml", [])
+    assert (rec.model.id, rec.model.path, rec.parallel.ep, rec.rollout.fp8) == ("Qwen3-30B-A3B", "", 8, True)
+    assert (rec.reward.grader, rec.data.chat_template, rec.data.prompt_field) == ("math", True, "problem")
+    assert not (tmp_path / "moe" / "model").exists() or not any((tmp_path / "moe" / "model").iterdir())
+
+    folder = make_folder("dense", tmp_path / "dense", tiny_dir)
+    r = minirl("init", str(tmp_path / "dense-ws"), "--model", str(folder), "--set", "train.steps=7")
+    assert r.returncode == 0, r.stderr
+    rec = recipe.load(tmp_path / "dense-ws" / "minirl.toml", [])
+    assert (rec.model.id, rec.train.replay, rec.parallel.ep, rec.train.steps) == (str(folder), "off", 1, 7)
+    # this test tokenizer has no chat template: the run says so before any engine starts
+    r = minirl("run", str(tmp_path / "dense-ws"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"minirl: error: data.chat_template = true, and the tokenizer of {folder} has no chat template; "
+        "set data.chat_template = false to send the prompt as plain text"]
+
+    r = minirl("init", str(tmp_path / "nohub"), "--model", "someone/not-cached-here")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "cannot fetch model 'someone/not-cached-here'" in r.stderr and not (tmp_path / "nohub").exists()
