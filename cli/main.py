@@ -160,7 +160,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         from cli.render import print_plan
         from minirl.errors import UsageError
         from minirl.hub import model_shape
-        from minirl.plan import make_plan
+        from minirl.plan import launch_commands, make_plan
 
         if (workspace / RECIPE_NAME).exists():
             base, recipe_path = workspace.resolve(), workspace / RECIPE_NAME
@@ -168,7 +168,13 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
             base, recipe_path = Path.cwd(), recipe_mod.for_model(model_id)
         rec = recipe_mod.load(recipe_path, extra)
         plan = make_plan(rec, model_shape(rec.model.id, rec.model.path, base), model=rec.model.id, gpu_gib=gpu_mem_gib)
-        print_plan(console, plan, recipe=str(recipe_path or "defaults"))
+        has_ws = (workspace / RECIPE_NAME).exists()
+        opts = [("--model", model_id), ("--replay", replay), ("--steps", steps)]
+        args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in opts if v),
+                         *(f"--set {x}" for x in overrides)])
+        first = [] if has_ws else [f"minirl init WORKSPACE --model {model_id}"] if model_id else []
+        print_plan(console, plan, recipe=str(recipe_path or "defaults"),
+                   launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args))
         if not plan.fits:
             raise UsageError(f"the plan does not fit: {plan.problems[0]}")
         return

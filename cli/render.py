@@ -94,7 +94,7 @@ def _fmt(v, f: str) -> str:
     return f.format(v)
 
 
-def print_plan(console: Console, plan, *, recipe: str) -> None:
+def print_plan(console: Console, plan, *, recipe: str, launch: list[str]) -> None:
     """`minirl run --dry-run`: the plan as tables (figures per GPU)."""
     s = plan.shape
     kind = f"MoE, {s.num_experts} experts, top-{s.top_k}" if s.is_moe else "dense"
@@ -117,7 +117,7 @@ def print_plan(console: Console, plan, *, recipe: str) -> None:
     console.print(table)
     console.print(f"  vLLM: {plan.in_flight} full-length sequences in flight per engine, "
                   f"{plan.sequences_per_engine} to sample per step")
-    console.print("  launch: the FSDP2 / expert-parallel path under torchrun is not written yet; this plan is the "
-                  "layout it will use")
+    for cmd in launch:
+        console.print(f"  launch: {cmd}", soft_wrap=True)
     for p in plan.problems:
         console.print(f"  [bold red]does not fit:[/] {p}")

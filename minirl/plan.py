@@ -1,7 +1,6 @@
 """`minirl run --dry-run`: the plan of a run, computed from the recipe and the model's shape alone
 (no GPU, no weights, no workspace): the device mesh, memory per GPU by component, tokens and
-FLOPs per step. A plan that cannot fit is refused naming what overflows. (The launch command
-joins the plan with the torchrun path; until then a plan describes the layout that path will use.)
+FLOPs per step, and the launch command. A plan that cannot fit is refused naming what overflows.
 
 The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per node):
 
@@ -66,6 +65,17 @@ class Plan:
     @property
     def fits(self) -> bool:
         return not self.problems
+
+
+def launch_commands(nodes: int, gpus_per_node: int, args: str) -> list[str]:
+    """How to start `minirl <args>` on the plan's layout: one process, or torchrun on every node
+    (each rank then runs the same loop on its share; launch.py)."""
+    if nodes * gpus_per_node == 1:
+        return [f"minirl {args}"]
+    if nodes == 1:
+        return [f"torchrun --nproc-per-node {gpus_per_node} -m cli.main {args}"]
+    return [f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main {args}   # on each of the {nodes} nodes"]
 
 
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:

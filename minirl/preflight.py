@@ -197,6 +197,10 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
     if p.ep > 1 and (world_size % p.ep or shape.num_experts % p.ep):
         raise UsageError(f"parallel.ep = {p.ep} must divide the job's {world_size} rank(s) and the model's "
                          f"{shape.num_experts} experts (launch with torchrun --nproc-per-node N)")
+    if world_size > 1 and rec.rollout.tensor_parallel > 1:
+        raise UsageError(f"rollout.tensor_parallel = {rec.rollout.tensor_parallel} under torchrun: each rank runs its "
+                         "own vLLM engine on its share of the prompts (tensor_parallel = 1); engines spanning ranks "
+                         "are not written yet")
     if t.prompts_per_step % (world_size * t.minibatches):
         raise UsageError(f"train.prompts_per_step = {t.prompts_per_step} must split evenly into "
                          f"{t.minibatches} mini-batch(es) on each of {world_size} rank(s)")

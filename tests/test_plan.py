@@ -85,6 +85,10 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     ok = dry("--replay", "r3", "--nodes", "2", "--gpus-per-node", "8")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "30.53B total, 3.35B active" in ok.stdout and "world 16, dp_shard (FSDP2) 16, ep 8" in ok.stdout
+    assert "launch: minirl init WORKSPACE --model Qwen3-30B-A3B\n" in ok.stdout
+    assert ("launch: torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 "
+            "--rdzv-id $JOB_ID -m cli.main run WORKSPACE --model Qwen3-30B-A3B --replay r3   # on each of the 2 "
+            "nodes") in ok.stdout
     refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
