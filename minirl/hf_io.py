@@ -40,18 +40,22 @@ def save_hf_folder(
     *,
     tokenizer_dir: Path,
     dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write a self-contained HF folder (loadable by transformers and vLLM) from TorchTitan weights.
-    Written beside `out` and renamed into place: a crash never leaves a half folder that looks whole."""
-    from safetensors.torch import save_file
+    """Write a self-contained HF folder (loadable by transformers and vLLM) from TorchTitan weights:
+    safetensors (sharded with an index above `max_shard_size`, by huggingface_hub), config,
+    generation config and the tokenizer files. Written beside `out` and renamed into place: a
+    crash never leaves a half folder that looks whole."""
+    from huggingface_hub import save_torch_state_dict
 
     from minirl import atomic
 
     final, out = Path(out), Path(out).with_name(Path(out).name + ".tmp")
     atomic.remove_dir(out)
     out.mkdir(parents=True)
-    hf_sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in titan_to_hf(shape, titan_sd).items()}
-    save_file(hf_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # per-expert tensors are views into the grouped ones: each gets storage of its own
+    hf_sd = {k: v.detach().to(dtype).cpu().clone() for k, v in titan_to_hf(shape, titan_sd).items()}
+    save_torch_state_dict(hf_sd, out, max_shard_size=max_shard_size)
     ids = _special_ids(tokenizer_dir)
     cfg = hf_config_dict(shape, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -60,6 +64,10 @@ def save_hf_folder(
         if f.is_file() and (f.name in TOKENIZER_FILES or f.suffix in (".jinja", ".txt", ".model", ".tiktoken")
                             or f.name in ("minirl_special_ids.json", "vocab.json", "merges.txt")):
             shutil.copy(f, out / f.name)
+    if not (out / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
     atomic.remove_dir(final)
     out.rename(final)
     return final

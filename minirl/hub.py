@@ -1,5 +1,6 @@
-"""Model folders from a model id: a local HF folder as it is, or a Hub repo through
-huggingface_hub (its cache, `revision`, `HF_HUB_OFFLINE`, `HF_TOKEN` and progress bars all apply).
+"""The Hugging Face Hub, through huggingface_hub: model folders from a model id (a local HF folder
+as it is, or a Hub repo: its cache, `revision`, `HF_HUB_OFFLINE`, `HF_TOKEN` and progress bars all
+apply), and `push` of an exported folder.
 
     "tiny-qwen3-moe"   the embedded default: its folder is the recipe's model.path (built by init)
     "Qwen3-30B-A3B"    a short name (minirl.models.HUB_IDS) -> "Qwen/Qwen3-30B-A3B-Base"
@@ -78,3 +79,87 @@ def model_shape(model_id: str, path: str, base: Path):
     if model_id == TINY_ID and not (path and (base / path / "config.json").exists()):
         return TINY
     return read_shape(model_dir(model_id, path, base, weights=False))
+
+
+def push(folder: Path, repo: str, *, private: bool = False, revision: str | None = None, force: bool = False,
+         message: str = "minirl export", dry_run: bool = False) -> dict:
+    """Upload an exported folder to `repo` as one commit. The repo is created when missing. A
+    target branch that already holds files (besides .gitattributes) is refused unless `force`. The token comes from huggingface_hub's
+    usual places (HF_TOKEN, a saved login) and is never printed or written. A new branch starts
+    from main and takes the folder whole (what main holds besides is deleted on it). The card's snippets
+    are pointed at `repo` in the uploaded README.md (the folder itself is left as it is).
+
+    Returns {"files": [(path, bytes)], "url": ..., "commit": ...} ("url"/"commit" unless dry_run)."""
+    import huggingface_hub as hf
+
+    folder = Path(folder)
+    check_repo_name(repo)
+    files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+    if dry_run:
+        return {"files": files}
+    token = hf.get_token()
+    if not token:
+        raise UsageError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
+    api = hf.HfApi(token=token)
+    branch = revision or "main"
+    try:
+        url = api.create_repo(repo, private=private, exist_ok=True)
+        try:
+            present = [f for f in api.list_repo_files(repo, revision=branch) if f != ".gitattributes"]
+        except hf.errors.RevisionNotFoundError:  # a new branch (from main) is this push's own
+            api.create_branch(repo, branch=branch, exist_ok=True)
+            present, force = [f for f in api.list_repo_files(repo, revision=branch) if f != ".gitattributes"], True
+        if present and not force:
+            raise UsageError(f"{repo}@{branch} already holds {len(present)} file(s); --force replaces them")
+        readme = (folder / "README.md").read_text() if (folder / "README.md").exists() else None
+        ops = [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(folder / rel)) for rel, _ in files
+               if rel != "README.md"]
+        if readme is not None:
+            ops.append(hf.CommitOperationAdd(path_in_repo="README.md",
+                                             path_or_fileobj=_point_snippets(readme, repo).encode()))
+        ops += [hf.CommitOperationDelete(path_in_repo=f) for f in present if f not in dict(files)]
+        commit = api.create_commit(repo, operations=ops, commit_message=message, revision=branch)
+    except UsageError:
+        raise
+    except hf.errors.HfHubHTTPError as e:
+        raise UsageError(_http_failure(e, repo)) from None
+    except (OSError, ValueError) as e:  # connection refused, DNS, timeouts; the card's YAML refused
+        raise UsageError(f"cannot push to {hf.constants.ENDPOINT}: {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None
+    except Exception as e:  # noqa: BLE001 - httpx's transport errors are not OSErrors
+        if type(e).__module__.startswith(("httpx", "httpcore")):
+            raise UsageError(f"cannot reach the Hub at {hf.constants.ENDPOINT} ({type(e).__name__})") from None
+        raise
+    return {"files": files, "url": str(url), "commit": commit.oid, "commit_url": commit.commit_url}
+
+
+def check_repo_name(repo: str) -> None:
+    """OWNER/NAME as the Hub accepts it (huggingface_hub's own validator), else one line."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if repo.count("/") != 1:
+        raise UsageError(f"--repo {repo!r} must be OWNER/NAME")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        raise UsageError(f"--repo {repo!r} is not a valid Hub repo name (letters, digits, '-', '_', '.'; "
+                         "no '--' or '..'; at most 96 characters)") from None
+
+
+def _point_snippets(readme: str, repo: str) -> str:
+    """The card's `MODEL = "./folder"` lines load from the Hub repo instead."""
+    import re
+
+    return re.sub(r'^MODEL = ".*"$', f'MODEL = "{repo}"', readme, flags=re.MULTILINE)
+
+
+def _http_failure(e, repo: str) -> str:
+    status = e.response.status_code if getattr(e, "response", None) is not None else None
+    if status == 401:
+        return "the Hub refused the token (401 Unauthorized): log in again (`hf auth login`) or set HF_TOKEN"
+    if status == 403:
+        return f"no write access to {repo} (403 Forbidden): use a token with write permission for its owner"
+    if status == 404:
+        return f"{repo} was not found, or this token cannot see it (404)"
+    return f"the Hub answered {status} for {repo}: {(str(e).strip().splitlines() or [''])[0][:200]}"

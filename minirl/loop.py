@@ -220,8 +220,11 @@ class RLRun:
                 verdict = v
         t0 = _timed(t, "update", t0)
 
+        rollback_to = {}
         if verdict.action in ("rollback", "stop"):  # a stopped run also ends on its last good weights
             self.rollback()
+            # the stretch after that checkpoint up to this step was undone (`export --best` skips it)
+            rollback_to = {"guard/rollback_to_step": json.loads((self.last_good / "minirl.json").read_text())["step"]}
         else:
             self.sync()
         t0 = _timed(t, "sync", t0)
@@ -258,6 +261,7 @@ class RLRun:
             "train/lr": lr,  # the rate this step's updates used (a rollback lowers the next one)
             **({"guard/action": verdict.action, "guard/reason": verdict.reason} if verdict.action != "step" or verdict.reason
                else {}),
+            **rollback_to,
         }
         return metrics
 
@@ -268,7 +272,7 @@ class RLRun:
         self.trainer.save(path, {
             "step": self.state.step, "sampler": self.sampler.state(), "heldout_start": self.state.heldout_start,
             "timing": self.state.timing, "recipe": self.rec.to_dict(), "guard": self.guard.state_dict(),
-            "lr": self.lr,
+            "lr": self.lr, "good": self.guard.healthy,  # `export --best` picks only among good ones
         })
         if self.guard.healthy:
             self.last_good = path

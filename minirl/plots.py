@@ -1,13 +1,13 @@
-"""One PNG per run: the curves people look at first (reward, entropy, KL, IS weights, clipping, parity)."""
+"""One PNG per run: the curves people look at first (reward, entropy, KL, IS weights, clipping,
+parity), with the guard's rollbacks (red dashed) and skipped updates (orange dotted) on every panel."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 PANELS = [
-    ("rollout/acc", "train accuracy"),
+    ("rollout/reward_mean", "reward (mean over responses)"),
     ("train/entropy", "token entropy H(π_old)"),
     ("train/kl_mu_pi_old", "KL(μ_old ‖ π_old)"),
     ("loss/is_weight_max", "max IS weight π/μ"),
@@ -16,21 +16,32 @@ PANELS = [
 ]
 
 
-def plot_metrics(metrics_jsonl: Path, out_png: Path) -> Path:
+def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None) -> Path:
+    """The figure of a run's metrics.jsonl (rows up to step `upto`, if given)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    from minirl.summary import metric_rows
+
+    rows = metric_rows(metrics_jsonl, upto=upto)
+    marks = [(r["step"], "tab:red", "--", "rollback") for r in rows if r.get("guard/action") in ("rollback", "stop")]
+    marks += [(r["step"], "tab:orange", ":", "skipped update") for r in rows if r.get("guard/action") == "skip"]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
         if pts:
             ax.plot(*zip(*pts), lw=1.2)
+        for step, color, style, label in marks:
+            ax.axvline(step, color=color, ls=style, lw=1.0, label=label)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    if marks:
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        axes.flat[0].legend(unique.values(), unique.keys(), fontsize=8)
     fig.suptitle(f"minirl run: {Path(metrics_jsonl).parent.name}")
     fig.savefig(out_png, dpi=90)
     plt.close(fig)

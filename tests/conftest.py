@@ -17,7 +17,21 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:
+    """A workspace folder with the tiny recipe and the embedded task's splits, no model of its own
+    (tests pass --model, or copy one in)."""
+    from minirl.task import make_splits, write_jsonl
+
+    root.mkdir(parents=True)
+    (root / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
+    train_rows, heldout_rows = make_splits(train, heldout, seed=0)
+    write_jsonl(root / "data/train.jsonl", train_rows)
+    write_jsonl(root / "data/heldout.jsonl", heldout_rows)
+    return root
 
 
 @pytest.fixture(scope="session")

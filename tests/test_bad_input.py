@@ -25,17 +25,13 @@ CKPT = f"{RUN}/checkpoints/step_000002"
 @pytest.fixture(scope="session")
 def ws_template(tiny_dir, tmp_path_factory) -> Path:
     """A complete small workspace: recipe, data, model, and a run with a checkpoint at step 2."""
+    from tests.conftest import data_workspace
+
     from minirl import recipe
-    from minirl.task import make_splits, write_jsonl
     from minirl.train import Trainer
     from minirl.models import TINY
 
-    root = tmp_path_factory.mktemp("badinput") / "ws"
-    root.mkdir()
-    (root / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
-    train, heldout = make_splits(200, 40, seed=0)
-    write_jsonl(root / "data/train.jsonl", train)
-    write_jsonl(root / "data/heldout.jsonl", heldout)
+    root = data_workspace(tmp_path_factory.mktemp("badinput") / "ws", train=200, heldout=40)
     shutil.copytree(tiny_dir, root / "model/coldstart")
     rec = recipe.load(root / "minirl.toml")
     tr = Trainer(TINY, lr=1e-3)

@@ -41,15 +41,9 @@ def make_folder(kind: str, out: Path, tok_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def data_ws(tmp_path_factory) -> Path:
     """A workspace with the embedded task's data and no model of its own."""
-    from minirl.task import make_splits, write_jsonl
+    from tests.conftest import data_workspace
 
-    ws = tmp_path_factory.mktemp("other") / "ws"
-    ws.mkdir()
-    (ws / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
-    train, heldout = make_splits(400, 16, seed=0)
-    write_jsonl(ws / "data/train.jsonl", train)
-    write_jsonl(ws / "data/heldout.jsonl", heldout)
-    return ws
+    return data_workspace(tmp_path_factory.mktemp("other") / "ws")
 
 
 def minirl(*args):

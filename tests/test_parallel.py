@@ -84,15 +84,11 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
 
     from minirl.hf_io import hf_to_titan, load_hf_weights
     from minirl.models import TINY
-    from minirl.task import make_splits, write_jsonl
+    from tests.conftest import data_workspace
+
     from minirl.train import Trainer
 
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
-    train, heldout = make_splits(400, 16, seed=0)
-    write_jsonl(ws / "data/train.jsonl", train)
-    write_jsonl(ws / "data/heldout.jsonl", heldout)
+    ws = data_workspace(tmp_path / "ws")
     args = ["run", str(ws), "--model", str(tiny_dir), "--replay", "r3", "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=2",
             # a random policy earns no exact sums; a number within 500 of the sum gives a signal
             "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}']

@@ -1,0 +1,212 @@
+"""The model card (README.md) of an exported checkpoint, through huggingface_hub's `ModelCard`:
+its YAML metadata comes from `ModelCardData` (model-index from `EvalResult`s), its body from the
+Jinja template below. Every figure is read from the run's own files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+{{ origin }}, trained with reinforcement learning by minirl with the MiniRL recipe ("Stabilizing Reinforcement Learning with LLMs", arXiv 2512.01374): the token-level
+objective as a first-order approximation of the sequence reward, token-level importance-sampling
+correction against the rollout engine, and decoupled clipping{{ replay_words }}.
+
+This folder is checkpoint **step {{ step }}** of run `{{ run_name }}`: {{ why }}.
+
+## Results
+
+| evaluation | metric | before RL | this checkpoint |
+|---|---|---|---|
+{%- for r in results %}
+| {{ r.name }} | {{ r.metric }} | {{ r.before }} | {{ r.after }} |
+{%- endfor %}
+
+## Training run
+
+| | |
+|---|---|
+| steps | {{ step }} of {{ planned_steps }} planned ({{ status }}) |
+| wall time | {{ wall }} |
+| prompts × responses per step | {{ B }} × {{ G }} |
+| rollbacks by the guard | {{ rollbacks | length }} |
+{%- for rb in rollbacks %}
+| rollback at step {{ rb.step }} | {{ rb.reason }}; back to step {{ rb.to }} |
+{%- endfor %}
+
+![reward, entropy, KL, IS weights, clipping and parity per step; rollbacks dashed red](training_curves.png)
+
+## Recipe
+
+| | |
+|---|---|
+| loss | `{{ rec.loss.name }}`; length normalisation {{ rec.loss.length_norm }}; group-mean advantage{{ " / std" if rec.loss.adv_std else "" }} |
+| IS correction | `{{ rec.loss.is_mode }}`, cap {{ rec.loss.tis_cap }} |
+| clipping | ε_low {{ rec.loss.eps_low }}, ε_high {{ rec.loss.eps_high }} |
+| mini-batches per step (N) | {{ rec.train.minibatches }} |
+| routing replay | {{ rec.train.replay }} |
+| precision | rollouts {{ rollout_precision }} (vLLM), training {{ train_precision }} (TorchTitan) |
+| learning rate | {{ rec.train.lr }} |
+| reward | `{{ rec.reward.grader }}` grader on `{{ rec.data.train }}` |
+
+<details><summary>The whole recipe (minirl.toml)</summary>
+
+```toml
+{{ recipe_toml }}
+```
+
+</details>
+
+## Use
+
+With transformers:
+
+```python
+{{ transformers_snippet }}
+```
+
+With vLLM:
+
+```python
+{{ vllm_snippet }}
+```
+"""
+
+TRANSFORMERS = """from transformers import AutoModelForCausalLM, AutoTokenizer
+
+MODEL = "{model}"
+PROMPT = {prompt!r}
+tok = AutoTokenizer.from_pretrained(MODEL)
+model = AutoModelForCausalLM.from_pretrained(MODEL)
+{encode}
+out = model.generate(ids, max_new_tokens={max_tokens}, do_sample=True)
+print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))"""
+
+VLLM = """from vllm import LLM, SamplingParams
+
+MODEL = "{model}"
+PROMPT = {prompt!r}
+llm = LLM(model=MODEL)
+{call}
+print(out[0].outputs[0].text)"""
+
+
+def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results: list[dict],
+               repo_id: str | None = None):
+    """The card of checkpoint `ckpt` of `run_dir`, exported into `folder` (the name snippets load
+    unless `repo_id` is given)."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    from minirl.export import known_score
+    from minirl.hub import repo_id as hub_repo
+    from minirl.models import TINY_ID
+    from minirl.summary import metric_rows
+
+    summary = _read(run_dir / "summary.json")
+    rows = metric_rows(run_dir / "metrics.jsonl", upto=ckpt.step)
+    model_id = rec.model.id
+    base = hub_repo(model_id)
+    origin = (f"[{base}](https://huggingface.co/{base})" if base else
+              "The embedded tiny Qwen3-MoE of minirl (0.9M parameters, cold-started on 3-digit addition)"
+              if model_id == TINY_ID else f"The Qwen3 checkpoint `{model_id}`")
+    k = rec.eval.k
+    metric = f"avg@{k}"
+    held = summary.get("heldout", {})
+    before = held.get("start", {}).get(metric)
+    known = known_score(run_dir, ckpt, metric)
+    after = known[0] if known else None
+    results = [{"name": f"held-out split `{rec.data.heldout}`", "metric": metric, "before": _fmt(before),
+                "after": _fmt(after)}]
+    eval_objs = []
+    if after is not None:
+        eval_objs.append(EvalResult(task_type="text-generation", dataset_type=rec.data.heldout,
+                                    dataset_name="held-out split", dataset_split=rec.data.heldout_split,
+                                    metric_type="accuracy", metric_name=metric, metric_value=round(after, 4)))
+    for r in eval_results:
+        key = f"avg@{r['k']}"
+        results.append({"name": f"{r['benchmark']} (`minirl eval`)", "metric": key, "before": "",
+                        "after": _fmt(r.get(key))})
+        eval_objs.append(EvalResult(task_type="text-generation", dataset_type=r["benchmark"],
+                                    dataset_name=r["benchmark"], metric_type="accuracy", metric_name=key,
+                                    metric_value=round(float(r[key]), 4)))
+    rollbacks = [{"step": r["step"], "reason": r.get("guard/reason", ""), "to": r["guard/rollback_to_step"]}
+                 for r in rows if "guard/rollback_to_step" in r]
+    name = folder.name.removesuffix(".tmp") if repo_id is None else repo_id.split("/")[-1]
+    data = ModelCardData(
+        model_name=name,
+        base_model=base,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license="apache-2.0",  # Qwen3 and minirl's embedded model alike
+        tags=["minirl", "reinforcement-learning", "qwen3_moe" if "moe" in _arch(folder) else "qwen3",
+              f"replay-{rec.train.replay}"],
+        datasets=[d for d in (rec.data.train, rec.data.heldout) if _hub_dataset(d)] or None,
+        eval_results=eval_objs or None,
+    )
+    ref = repo_id or f"./{name}"
+    prompt = _sample_prompt(run_dir, rec)
+    chat = rec.data.chat_template
+    encode = ('ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, '
+              'return_tensors="pt", return_dict=True)["input_ids"]' if chat else
+              'ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids')
+    sp = f"SamplingParams(temperature={rec.rollout.temperature}, max_tokens={rec.rollout.max_tokens})"
+    call = (f'out = llm.chat([{{"role": "user", "content": PROMPT}}], {sp})' if chat else
+            f"out = llm.generate([PROMPT], {sp})")
+    wall = summary.get("wall_s") if summary and Path(summary.get("checkpoint", "")).name == ckpt.path.name else None
+    wall = wall if wall is not None else next((r.get("timing/elapsed_s") for r in reversed(rows)), None)
+    return ModelCard.from_template(
+        data, template_str=TEMPLATE, model_name=name, origin=origin,
+        replay_words={"r2": ", with Routing Replay R2 (the trainer's own routes replayed in every mini-batch)",
+                      "r3": ", with Routing Replay R3 (the rollout engine's routes replayed in the trainer)"}.get(
+                          rec.train.replay, ""),
+        step=ckpt.step, run_name=run_dir.name, why=why, results=results, planned_steps=rec.train.steps,
+        status=summary.get("status", "no summary: interrupted or running") if summary else
+        "no summary: interrupted or running",
+        wall=f"{wall:.0f} s" if isinstance(wall, (int, float)) else "unknown",
+        B=rec.train.prompts_per_step, G=rec.train.group_size, rollbacks=rollbacks, rec=rec,
+        rollout_precision="fp8 weights (torchao)" if rec.rollout.fp8 else rec.rollout.dtype,
+        train_precision={"auto": "float32 on CPU, bfloat16 with float32 master weights on CUDA"}.get(
+            rec.train.param_dtype, rec.train.param_dtype),
+        recipe_toml=rec.to_toml().strip(),
+        transformers_snippet=TRANSFORMERS.format(model=ref, prompt=prompt, encode=encode,
+                                                 max_tokens=rec.rollout.max_tokens),
+        vllm_snippet=VLLM.format(model=ref, prompt=prompt, call=call),
+    )
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _fmt(v) -> str:
+    return f"{float(v):.3f}" if isinstance(v, (int, float)) else "not measured"
+
+
+def _hub_dataset(spec: str) -> bool:
+    """A Hub dataset id (owner/name), not a local file."""
+    return spec.count("/") == 1 and not Path(spec).suffix and not spec.startswith((".", "/"))
+
+
+def _arch(folder: Path) -> str:
+    cfg = _read(Path(folder) / "config.json")
+    return " ".join(cfg.get("architectures", [])).lower()
+
+
+def _sample_prompt(run_dir: Path, rec) -> str:
+    """A prompt as the model saw it in training (the recipe's template, without the chat wrapper)."""
+    from minirl.data import load_rows
+
+    try:
+        rows = load_rows(rec.data.heldout, base=run_dir.parent.parent, split=rec.data.heldout_split)
+        text = str(rows[0][rec.data.prompt_field])
+    except Exception:  # noqa: BLE001 - a card without the data at hand still gets a snippet
+        text = "What is 1 + 1?"
+    return rec.data.prompt_template.format(problem=text)

@@ -1,0 +1,228 @@
+"""`minirl export`: a run's checkpoint becomes a self-contained Hugging Face model folder with a
+model card (`minirl push` then uploads it; hub.py).
+
+    run folder ──▶ which checkpoint (final | --step N | --best among the good ones)
+        ──▶ Trainer.load (DCP, any world size) ──▶ TorchTitan → HF names (the state-dict adapter)
+        ──▶ safetensors (sharded with an index by huggingface_hub) + config + generation config + tokenizer
+        ──▶ training_curves.png (rollbacks marked) ──▶ README.md (huggingface_hub's ModelCard)
+
+A checkpoint is *good* when the guard was healthy when it was written and no later rollback undid
+its step (a rollback at step s to the checkpoint of step t undoes the steps t+1..s); `--best`
+picks the good one with the best held-out score. Scores come from the run's summary (its start
+and final checkpoints), from a previous `--best` (`heldout.json` beside the checkpoint), or are
+measured now with the run's own held-out evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from minirl import atomic
+from minirl.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    good: bool
+
+
+def run_of(source: Path) -> tuple[Path, Path | None]:
+    """(run folder, the checkpoint named by `source` or None) for a run or a checkpoint folder."""
+    source = Path(source)
+    if (source / "minirl.json").exists() and source.parent.name == "checkpoints":
+        return source.parent.parent, source
+    if (source / "checkpoints").is_dir():
+        return source, None
+    raise UsageError(f"{source} is neither a minirl run folder (runs/<id>) nor one of its checkpoints")
+
+
+def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
+         progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[Path, Checkpoint, str]:
+    """(run folder, checkpoint, why) for a run or checkpoint folder, else the workspace's latest
+    run with a checkpoint; the run's checkpoint by `choose`."""
+    from minirl import recipe as recipe_mod
+    from minirl.workspace import Workspace
+
+    if best and step is not None:
+        raise UsageError("--best and --step choose the checkpoint two ways; give one")
+    if source is not None:
+        run_dir, named = run_of(source)
+    else:
+        ws = Workspace.open(workspace)
+        run_dir = next((r for r in ws.runs_newest_first() if checkpoints(r)), None)
+        if run_dir is None:
+            raise UsageError(f"no run with a checkpoint in {ws.runs}; run `minirl run` first")
+        named = None
+    if named is not None:
+        ckpt = next(c for c in checkpoints(run_dir) if c.path == named)
+        return run_dir, ckpt, f"the checkpoint asked for (step {ckpt.step})"
+    metric = f"avg@{recipe_mod.load(run_dir / 'recipe.toml', []).eval.k}"
+    ckpt, why = choose(run_dir, step=step, best=best, metric=metric,
+                       measure=lambda todo: measure_heldout(run_dir, todo, metric, progress=progress))
+    return run_dir, ckpt, why
+
+
+def checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """The run's complete checkpoints, oldest first, each marked good or not."""
+    from minirl.preflight import complete_checkpoints, read_json
+
+    undone = undone_stretches(run_dir)
+    out = []
+    for path in complete_checkpoints(run_dir):
+        extra = read_json(path / "minirl.json", what="checkpoint")
+        step = int(extra["step"])
+        good = bool(extra.get("good", True)) and not any(t < step <= s for t, s in undone)
+        out.append(Checkpoint(path, step, good))
+    return out
+
+
+def undone_stretches(run_dir: Path) -> list[tuple[int, int]]:
+    """(t, s) for each rollback: at step s, back to the checkpoint of step t."""
+    from minirl.summary import metric_rows
+
+    rows = metric_rows(run_dir / "metrics.jsonl")
+    return [(int(r["guard/rollback_to_step"]), int(r["step"])) for r in rows if "guard/rollback_to_step" in r]
+
+
+def known_score(run_dir: Path, ckpt: Checkpoint, metric: str) -> tuple[float, str] | None:
+    """A held-out score this checkpoint already has, and where it comes from."""
+    cached = ckpt.path / "heldout.json"
+    if cached.exists():
+        got = json.loads(cached.read_text())
+        if metric in got:
+            return float(got[metric]), f"{cached.name} (measured by an earlier export)"
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        held = summary.get("heldout", {})
+        if ckpt.step == 0 and metric in held.get("start", {}):
+            return float(held["start"][metric]), "the run's held-out evaluation at its start"
+        if Path(summary.get("checkpoint", "")).name == ckpt.path.name and metric in held.get("end", {}):
+            return float(held["end"][metric]), "the run's held-out evaluation at its end"
+    return None
+
+
+def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
+           measure: Callable[[list[Checkpoint]], dict[Path, float]]) -> tuple[Checkpoint, str]:
+    """The checkpoint to export and one line saying why."""
+    ckpts = checkpoints(run_dir)
+    if not ckpts:
+        raise UsageError(f"run {run_dir} has no complete checkpoint")
+    if step is not None:
+        match = [c for c in ckpts if c.step == step]
+        if not match:
+            raise UsageError(f"run {run_dir.name} has no checkpoint of step {step}; it has steps "
+                             f"{', '.join(str(c.step) for c in ckpts)}")
+        return match[0], f"step {step}, as asked"
+    if not best:
+        return ckpts[-1], f"the run's newest checkpoint (step {ckpts[-1].step})"
+    good = [c for c in ckpts if c.good]
+    if not good:
+        raise UsageError(f"run {run_dir.name} has no checkpoint the guard marked good")
+    scores, sources = {}, {}
+    for c in good:
+        known = known_score(run_dir, c, metric)
+        if known is not None:
+            scores[c.path], sources[c.path] = known
+    todo = [c for c in good if c.path not in scores]
+    if todo:
+        for path, value in measure(todo).items():
+            scores[path], sources[path] = value, "held-out evaluation measured now"
+            atomic.write_text(path / "heldout.json", json.dumps({metric: value}))
+    pick = max(good, key=lambda c: (scores[c.path], c.step))
+    table = ", ".join(f"step {c.step}: {scores[c.path]:.3f}" for c in good)
+    skipped = len(ckpts) - len(good)
+    return pick, (f"best held-out {metric} among {len(good)} good checkpoint(s) ({table}; {skipped} undone or "
+                  f"unhealthy skipped); its score: {sources[pick.path]}")
+
+
+def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_size: int | str = "5GB",
+           eval_results: list[dict] | None = None, repo_id: str | None = None) -> Path:
+    """Write the HF folder of `ckpt` with its card and curves into `out` (aside, then renamed)."""
+    from minirl import recipe as recipe_mod
+    from minirl.hf_io import save_hf_folder
+    from minirl.hub import model_dir
+    from minirl.plots import plot_metrics
+    from minirl.preflight import check_model_folder
+    from minirl.train import Trainer
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"{out} exists and is not empty; choose another folder or remove it")
+    rec = recipe_mod.load(run_dir / "recipe.toml", [])
+    ws_root = run_dir.parent.parent
+    base = model_dir(rec.model.id, rec.model.path, ws_root)
+    shape = check_model_folder(base)
+    trainer = Trainer(shape, lr=0.0)
+    trainer.load(ckpt.path, with_optim=False)
+    tmp = out.with_name(out.name + ".tmp")
+    atomic.remove_dir(tmp)
+    save_hf_folder(tmp, shape, trainer.full_state_dict(), tokenizer_dir=base, max_shard_size=max_shard_size)
+    if (run_dir / "metrics.jsonl").exists():
+        plot_metrics(run_dir / "metrics.jsonl", tmp / "training_curves.png", upto=ckpt.step)
+    from minirl.card import model_card
+
+    card = model_card(run_dir, rec, ckpt, why=why, folder=out, eval_results=eval_results or [], repo_id=repo_id)
+    card.save(tmp / "README.md")
+    atomic.write_text(tmp / "minirl_export.json", json.dumps(
+        {"run": run_dir.name, "step": ckpt.step, "checkpoint": str(ckpt.path), "why": why}, indent=2))
+    if out.exists():
+        out.rmdir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(tmp), str(out))
+    return out
+
+
+def eval_results_for(ws_root: Path, ckpt: Checkpoint) -> list[dict]:
+    """`minirl eval` results of this checkpoint (workspace evals/), newest per benchmark."""
+    found: dict[str, dict] = {}
+    for f in sorted((ws_root / "evals").glob("*.json")) if (ws_root / "evals").is_dir() else []:
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        where = Path(str(r.get("checkpoint", "")))
+        if where in (ckpt.path, ckpt.path / "hf") and "benchmark" in r:
+            found[r["benchmark"]] = r
+    return list(found.values())
+
+
+def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
+                    progress: Callable[[int, int], None] = lambda done, total: None) -> dict[Path, float]:
+    """The run's own held-out evaluation of each checkpoint: one vLLM engine, weights loaded in place."""
+    from minirl import recipe as recipe_mod
+    from minirl.evaluate import evaluate
+    from minirl.preflight import prepare_run
+    from minirl.rollout import VLLMEngine
+    from minirl.train import Trainer
+    from minirl.workspace import Workspace
+
+    rec = recipe_mod.load(run_dir / "recipe.toml", [])
+    ws = Workspace.open(run_dir.parent.parent)
+    inputs = prepare_run(ws, rec, resume=False)
+    engine = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed,
+                                    max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1)
+    trainer = Trainer(inputs.shape, lr=0.0)
+    tok = inputs.tokenizer
+    out = {}
+    for i, c in enumerate(ckpts):
+        trainer.load(c.path, with_optim=False)
+        weights = trainer.hf_state_dict()
+        if rec.rollout.fp8:  # as the run evaluated: through the same FP8 emulation as its rollouts
+            from minirl.fp8 import fp8_roundtrip
+
+            weights = fp8_roundtrip(weights)
+        engine.load_weights(weights.items())
+        got = evaluate(engine, inputs.heldout, inputs.grading, k=rec.eval.k, temperature=rec.eval.temperature,
+                       max_tokens=rec.rollout.max_tokens, eos_id=tok.eos_token_id,
+                       decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+        out[c.path] = float(got[metric])
+        progress(i + 1, len(ckpts))
+    inputs.grading.close()
+    return out

@@ -1,0 +1,192 @@
+"""`minirl export` and `minirl push`: a run's checkpoint becomes an HF folder with a model card
+that transformers and vLLM load with the trainer's log-probs; --best never picks what a rollback
+undid; push goes through huggingface_hub to a stand-in Hub on 127.0.0.1 (the one stand-in, at
+the network seam)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+RUN_SETS = ["--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=1",
+            "--set", "checkpoint.keep=0", "--set", "rollout.max_tokens=4",
+            # a random policy earns no exact sums; a number within 500 of the sum gives a signal
+            "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}']
+
+
+def minirl(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_dir, tmp_path_factory) -> Path:
+    """A run of the tiny model: 3 healthy steps, then (resumed) a forced guard trip: steps 4-5
+    are bad, step 5 rolls back to step 3, step 6 is bad again. Checkpoints 0..6, all kept."""
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path_factory.mktemp("export") / "ws")
+    model = ["--model", str(tiny_dir)]
+    r = minirl("run", str(ws), *model, "--steps", "3", *RUN_SETS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = minirl("run", str(ws), *model, "--steps", "6", "--resume", *RUN_SETS, "--set", "guard.max_kl=-1",
+               "--set", "guard.patience=2", "--set", "guard.max_rollbacks=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return next((ws / "runs").iterdir())
+
+
+@pytest.mark.slow
+def test_best_never_picks_what_a_rollback_undid(run_dir, tmp_path):
+    from minirl.export import checkpoints
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("guard/action"), r.get("guard/rollback_to_step")) for r in rows][3:] == [
+        (4, "step", None), (5, "rollback", 3), (6, "step", None)]
+    assert {c.step: c.good for c in checkpoints(run_dir)} == {0: True, 1: True, 2: True, 3: True, 4: False,
+                                                              5: False, 6: False}
+    for step in (4, 5, 6):  # were they candidates, these scores would win
+        (run_dir / "checkpoints" / f"step_{step:06d}" / "heldout.json").write_text(json.dumps({"avg@1": 1.0}))
+    r = minirl("export", str(run_dir), str(tmp_path / "best"), "--best")
+    assert r.returncode == 0, r.stderr[-3000:]
+    origin = json.loads((tmp_path / "best" / "minirl_export.json").read_text())
+    assert origin["step"] in (0, 1, 2, 3)
+    assert "3 undone or unhealthy skipped" in origin["why"]
+    measured = {s: json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "heldout.json").read_text())["avg@1"]
+                for s in (1, 2, 3)}  # evaluated now, cached beside each checkpoint
+    summary = json.loads((run_dir / "summary.json").read_text())
+    scores = {0: summary["heldout"]["start"]["avg@1"], **measured}
+    assert scores[origin["step"]] == max(scores.values())
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_dir, tmp_path):
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    from minirl.models import TINY
+    from minirl.rollout import VLLMEngine
+    from minirl.train import Trainer, build_batch
+
+    out = tmp_path / "hf"
+    r = minirl("export", str(run_dir), str(out), "--step", "3", "--max-shard-size", "1MB")
+    assert r.returncode == 0, r.stderr[-3000:]
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()  # sharded, with an index
+
+    trainer = Trainer(TINY, lr=0.0)
+    trainer.load(run_dir / "checkpoints" / "step_000003", with_optim=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [[int(x) for x in torch.randint(3, 30, (4,), generator=g)] for _ in range(8)]
+    resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] for n in (1, 2, 3, 4, 2, 3, 1, 4)]
+    batch = build_batch(prompts, resps, None, None, pad_id=0)
+    pi, _, _ = trainer.logprobs(batch)
+    m = batch.mask_BT.bool()
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(batch.tokens_BL[:, :-1]).logits
+    hf_lp = torch.log_softmax(logits.float(), -1).gather(-1, batch.tokens_BL[:, 1:, None]).squeeze(-1)
+    d_hf = float((hf_lp - pi)[m].abs().mean())
+
+    engine = VLLMEngine(out, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.25)
+    mu = engine.score(prompts, resps)
+    d_vllm = float((build_batch(prompts, resps, mu, None, pad_id=0).rollout_logp_BT - pi)[m].abs().mean())
+    print(f"mean |Δ log p| vs the trainer, fp32: transformers {d_hf:.2e}, vLLM {d_vllm:.2e}")
+    assert d_hf < 1e-5 and d_vllm < 1e-5
+
+    card = ModelCard.load(out / "README.md")
+    meta = card.data.to_dict()
+    assert {"minirl", "reinforcement-learning"} <= set(meta["tags"])
+    assert (meta["library_name"], meta["pipeline_tag"], meta["license"]) == ("transformers", "text-generation",
+                                                                            "apache-2.0")
+    for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", card.text):
+        assert (out / image).is_file()
+    assert "| rollback at step 5 |" not in card.text  # the card shows the run up to its checkpoint
+    r = minirl("eval", "-w", str(run_dir.parent.parent), "--checkpoint", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_cards_snippets_run(run_dir, tmp_path):
+    """The two loading snippets of the card, as written, pointed at the exported folder."""
+    out = tmp_path / "tiny-rl"
+    r = minirl("export", str(run_dir), str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = (out / "README.md").read_text()
+    assert "| rollback at step 5 | KL(μ‖π_old)" in text and "back to step 3 |" in text
+    snippets = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(snippets) == 2
+    for code in snippets:
+        assert 'MODEL = "./tiny-rl"' in code
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]  # it loaded and sampled (a random policy's text)
+
+
+@pytest.mark.slow
+def test_push_to_a_stand_in_hub(run_dir, tmp_path):
+    from hub_standin import READ, WRITE, Hub
+
+    folder = tmp_path / "tiny-rl"
+    assert minirl("export", str(run_dir), str(folder)).returncode == 0
+    home = tmp_path / "hf-home"  # no saved login of this machine's user
+
+    def push(*args, token=WRITE):
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0", "HF_TOKEN": token or ""}
+        r = minirl("push", str(folder), *args, env=env)
+        for text in (r.stdout, r.stderr):
+            assert WRITE not in text and READ not in text
+        return r
+
+    with Hub() as hub:
+        r = push("--repo", "me/tiny-rl", "--dry-run")
+        assert r.returncode == 0 and "model.safetensors" in r.stdout and not hub.requests  # a dry run asks nothing
+
+        r = push("--repo", "me/tiny-rl", "--private")
+        assert r.returncode == 0, r.stderr[-3000:]
+        sent = hub.repos["me/tiny-rl"]
+        assert sent["private"] is True
+        files = sent["branches"]["main"]
+        local = {p.name: p.read_bytes() for p in folder.iterdir()}
+        assert set(files) == set(local) | {".gitattributes"}
+        for name, data in local.items():
+            if name != "README.md":
+                assert files[name] == data, name  # byte-identical
+        assert 'MODEL = "me/tiny-rl"' in files["README.md"].decode()  # the card's snippets load from the repo
+        assert hub.commits[-1]["summary"].startswith(f"minirl: run {run_dir.name}, step 6")
+
+        r = push("--repo", "me/tiny-rl")
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"minirl: error: me/tiny-rl@main already holds {len(local)} file(s); --force replaces them"]
+        assert push("--repo", "me/tiny-rl", "--force").returncode == 0
+        assert len(hub.commits) == 2
+
+        r = push("--repo", "me/tiny-rl", "--revision", "rl-v2")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert hub.commits[-1]["branch"] == "rl-v2" and "README.md" in hub.repos["me/tiny-rl"]["branches"]["rl-v2"]
+
+        r = push("--repo", "me/other", token="hf_not_a_token")
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "minirl: error: the Hub refused the token (401 Unauthorized): log in again (`hf auth login`) or set "
+            "HF_TOKEN"]
+        r = push("--repo", "me/other", token=READ)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "minirl: error: no write access to me/other (403 Forbidden): use a token with write permission for its "
+            "owner"]
+        r = push("--repo", "me/other", token="")
+        assert r.returncode == 2 and "no Hugging Face token" in r.stderr
+    r = push("--repo", "me/other")  # the server is gone: network down
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot" in r.stderr
+    for p in folder.rglob("*"):
+        if p.is_file():
+            assert WRITE.encode() not in p.read_bytes()
