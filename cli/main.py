@@ -365,6 +365,9 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
             table.add_row("[bold]total[/]", f"[bold]{sum(s for _, s in files):,}[/]")
             console.print(table)
             return
+        from huggingface_hub.utils import enable_progress_bars
+
+        enable_progress_bars()  # large files go through huggingface_hub's own upload bars
         total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         with console.status(f"uploading {folder} ({total / 2**20:.1f} MiB) to {repo}@{revision or 'main'}..."):
             done = hub.push(folder, repo, private=private, revision=revision, force=force, message=message)

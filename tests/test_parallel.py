@@ -115,6 +115,14 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
         if k in exported:
             torch.testing.assert_close(v, exported[k], rtol=0, atol=0)
 
+    r = subprocess.run([sys.executable, "-m", "cli.main", "export", str(run_dir), str(tmp_path / "out"), "--step", "3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]  # `minirl export` of the sharded checkpoint, in one process
+    out = load_hf_weights(tmp_path / "out")
+    assert out.keys() == load_hf_weights(ckpt / "hf").keys()
+    for k, v in load_hf_weights(ckpt / "hf").items():
+        assert torch.equal(out[k], v), k
+
     r = subprocess.run([sys.executable, "-m", "cli.main", *args, "--steps", "4", "--resume"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
