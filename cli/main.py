@@ -357,7 +357,8 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
         message = (f"minirl: run {origin['run']}, step {origin['step']}" if origin else f"minirl: {folder.name}")
         if dry_run:
             files = hub.push(folder, repo, dry_run=True)["files"]
-            table = Table(title=f"would upload to {repo}@{revision or 'main'} ({message})", box=None)
+            console.print(f"would upload to {repo}@{revision or 'main'} ({message}):", soft_wrap=True)
+            table = Table(box=None)
             table.add_column("file")
             table.add_column("bytes", justify="right")
             for rel, size in files:

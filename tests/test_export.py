@@ -152,6 +152,11 @@ def test_push_to_a_stand_in_hub(run_dir, tmp_path):
         r = push("--repo", "me/tiny-rl", "--dry-run")
         assert r.returncode == 0 and "model.safetensors" in r.stdout and not hub.requests  # a dry run asks nothing
 
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0", "HF_TOKEN": WRITE}
+        r = minirl("push", str(run_dir), "--repo", "me/tiny-rl", "--step", "2", "--dry-run", env=env)
+        assert r.returncode == 0, r.stderr[-3000:]  # a run is exported first (to a temporary folder)
+        assert f"minirl: run {run_dir.name}, step 2" in r.stdout and "training_curves.png" in r.stdout
+
         r = push("--repo", "me/tiny-rl", "--private")
         assert r.returncode == 0, r.stderr[-3000:]
         sent = hub.repos["me/tiny-rl"]
