@@ -125,6 +125,8 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, force: 
 @click.option("--replay", type=click.Choice(["off", "r2", "r3"]), default=None,
               help="Routing Replay for MoE (sets train.replay): off, r2 (trainer routes), r3 (rollout routes).")
 @click.option("--steps", type=int, default=None, help="RL steps (sets train.steps).")
+@click.option("--rollout-precision", type=click.Choice(["fp32", "bf16", "fp8"]), default=None,
+              help="Rollout engine precision (sets rollout.precision); fp8: torchao FP8 weights (emulated on CPU).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--resume", is_flag=True, help="Continue the latest run from its newest checkpoint.")
 @click.option("--dry-run", is_flag=True,
@@ -134,7 +136,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, force: 
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node for the plan (sets parallel.gpus_per_node).")
 @click.option("--gpu-mem-gib", type=float, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
 def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
-        overrides: tuple[str, ...], resume: bool, dry_run: bool, nodes: int | None, gpus_per_node: int | None,
+        rollout_precision: str | None, overrides: tuple[str, ...], resume: bool, dry_run: bool, nodes: int | None, gpus_per_node: int | None,
         gpu_mem_gib: float) -> None:
     """Run RL in WORKSPACE (default ./minirl-ws) with its recipe.
 
@@ -154,7 +156,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         from minirl.models import TINY_ID
 
         extra += [f"model.id={model_id}"] + ([] if model_id == TINY_ID else ["model.path="])
-    for key, value in (("train.replay", replay), ("train.steps", steps), ("parallel.nodes", nodes),
+    for key, value in (("train.replay", replay), ("train.steps", steps), ("rollout.precision", rollout_precision),
+                       ("parallel.nodes", nodes),
                        ("parallel.gpus_per_node", gpus_per_node)):
         if value is not None:
             extra.append(f"{key}={value}")

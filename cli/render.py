@@ -63,6 +63,8 @@ class RunView:
             what = {"rollback": f"rolled back to {data['to']} (lr now {data['lr']:.2e})",
                     "stop": "stopping: rollbacks used up", "skip": "skipped the update"}[data["action"]]
             self.console.print(f"[bold red]guard[/] step {data['step']}: {data['reason']}; {what}")
+        elif kind == "warning":
+            self.console.print(f"[bold yellow]warning:[/] {data['text']}")
         elif kind == "checkpoint":
             self.console.print(f"[dim]checkpoint step {data['step']}: {data['path']}[/]")
         self.live.update(self._render())

@@ -169,7 +169,8 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
         "no summary: interrupted or running",
         wall=f"{wall:.0f} s" if isinstance(wall, (int, float)) else "unknown",
         B=rec.train.prompts_per_step, G=rec.train.group_size, rollbacks=rollbacks, rec=rec,
-        rollout_precision="fp8 weights (torchao)" if rec.rollout.fp8 else rec.rollout.dtype,
+        rollout_precision={"fp8": "fp8 weights (torchao, per-row scales)"}.get(rec.rollout.precision,
+                                                                              rec.rollout.precision),
         train_precision={"auto": "float32 on CPU, bfloat16 with float32 master weights on CUDA"}.get(
             rec.train.param_dtype, rec.train.param_dtype),
         recipe_toml=rec.to_toml().strip(),

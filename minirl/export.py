@@ -214,7 +214,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     for i, c in enumerate(ckpts):
         trainer.load(c.path, with_optim=False)
         weights = trainer.hf_state_dict()
-        if rec.rollout.fp8:  # as the run evaluated: through the same FP8 emulation as its rollouts
+        if rec.rollout.precision == "fp8":  # as the run evaluated: through the same FP8 emulation as its rollouts
             from minirl.fp8 import fp8_roundtrip
 
             weights = fp8_roundtrip(weights)

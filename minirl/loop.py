@@ -116,7 +116,7 @@ class RLRun:
     def sync(self) -> None:
         """Trainer weights -> vLLM, in place (optionally through FP8 emulation)."""
         weights = self.trainer.hf_state_dict()
-        if self.rec.rollout.fp8:
+        if self.rec.rollout.precision == "fp8":
             from minirl.fp8 import fp8_roundtrip
 
             weights = fp8_roundtrip(weights)
@@ -383,6 +383,9 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     startup_s = time.time() - t_start  # input checks, data, trainer and vLLM
+    if rec.loss.is_mode == "off":  # allowed explicitly (recipe.validate); said once, recorded in the summary
+        on_event("warning", {"text": f"IS correction is off: the gap between vLLM ({rec.rollout.precision}) and the "
+                                     "trainer is left uncorrected (loss.allow_uncorrected = true)"})
     on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
                        "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
                        "resumed_from": str(resume_from) if resume_from else None})

@@ -114,7 +114,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         "activations (full AC)": L * 2 * micro * d + per_layer_act,
     }
     logits = micro * shape.vocab_size * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2
-    weight_bytes = 1 if r.fp8 else 2
+    weight_bytes = {"fp32": 4, "bf16": 2, "fp8": 1}[r.precision]
     engines = max(1, world // tp_vllm)
     kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2
     mem = {
@@ -124,7 +124,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         "gathered bf16 layers": 2 * 2 * layer_params,
         **acts,
         "logits": logits,
-        f"vLLM weights ({'fp8' if r.fp8 else 'bf16'}, TP {tp_vllm})": P * weight_bytes / tp_vllm,
+        f"vLLM weights ({r.precision}, TP {tp_vllm})": P * weight_bytes / tp_vllm,
     }
     state = mem["fp32 weights (sharded)"] + mem["fp32 gradients (sharded)"] + mem["Adam moments (sharded)"]
     vllm_w = next(v for k, v in mem.items() if k.startswith("vLLM weights"))

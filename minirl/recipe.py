@@ -40,8 +40,10 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: str = "vllm"
-    dtype: str = "bfloat16"  # rollout precision; training is float32, so μ ≠ π even on-policy
-    fp8: bool = False  # torchao FP8 weights (emulated on CPU: quantize-dequantize before each sync)
+    # weights and compute of the rollout engine: fp32 | bf16 | fp8 (torchao FP8 weights, per-row
+    # scales; on CPU emulated: quantized and dequantized to bf16 at every sync). Training is fp32 on
+    # CPU, so μ ≠ π even on-policy, and the token IS correction has work to do.
+    precision: str = "bf16"
     temperature: float = 1.0
     max_tokens: int = 8  # response length limit
     memory_fraction: float = 0.1  # vLLM gpu_memory_utilization (CPU: fraction of NUMA-node RAM)
@@ -57,6 +59,9 @@ class LossConfig:
     eps_high: float = 0.27  # ε_high
     tis_cap: float = 5.0  # truncated-IS cap
     is_mode: str = "truncate"  # truncate | mask | off
+    # the rollout engine (vLLM, rollout.precision) always differs from the trainer (TorchTitan):
+    # is_mode = "off" leaves that gap uncorrected and must be asked for explicitly
+    allow_uncorrected: bool = False
     length_norm: bool = False  # 1/|y| per response (ablation, F2)
     adv_std: bool = False  # divide advantages by the group std (GRPO)
     truncated_reward: str = "grade"  # a response cut at max_tokens: "grade" it as is, or score "zero"
@@ -219,6 +224,9 @@ def _apply(recipe: Recipe, section: str, key: str, value: Any) -> None:
         raise UsageError(f"unknown recipe section [{section}]; known: {', '.join(sections)}")
     obj = getattr(recipe, section)
     hints = typing.get_type_hints(type(obj))
+    if section == "rollout" and key in ("dtype", "fp8"):
+        raise UsageError(f"rollout.{key} was replaced by rollout.precision = \"fp32\" | \"bf16\" | \"fp8\" "
+                         "(dtype \"bfloat16\" → \"bf16\", \"float32\" → \"fp32\", fp8 = true → \"fp8\")")
     if key not in hints:
         raise UsageError(f"unknown recipe key {section}.{key}; known in [{section}]: {', '.join(hints)}")
     setattr(obj, key, _coerce(f"{section}.{key}", hints[key], value))
@@ -330,7 +338,7 @@ def validate(r: Recipe) -> None:
         "train.replay": (r.train.replay, ("off", "r2", "r3")),
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
-        "rollout.dtype": (r.rollout.dtype, ("bfloat16", "float16", "float32")),
+        "rollout.precision": (r.rollout.precision, ("fp32", "bf16", "fp8")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -341,6 +349,10 @@ def validate(r: Recipe) -> None:
     except (KeyError, IndexError, ValueError, AssertionError):
         raise UsageError(f"data.prompt_template = {r.data.prompt_template!r} must hold {{problem}} once and no other "
                          "{...} field (write a literal brace as {{ or }})") from None
+    if r.loss.is_mode == "off" and not r.loss.allow_uncorrected:
+        raise UsageError(f"loss.is_mode = 'off' leaves the gap between the rollout engine (vLLM, "
+                         f"{r.rollout.precision}) and the trainer uncorrected; the token IS correction keeps it in "
+                         "check (paper F1). Set loss.allow_uncorrected = true to run without it")
     if r.rollout.temperature == 0:
         raise UsageError("rollout.temperature = 0 (greedy) samples the same response G times, so every group-mean "
                          "advantage is 0; use a temperature > 0")

