@@ -278,6 +278,71 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     console.print(f"results: {result['results_file']}")
 
 
+@cli.command()
+@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
+              show_default=True, help="Workspace whose recipe and data to use.")
+@click.option("--checkpoint", default="latest", show_default=True,
+              help="'latest' (newest run checkpoint, else the cold start), 'coldstart', a run checkpoint or an HF folder.")
+@click.option("--seeds", type=int, default=3, show_default=True, help="Fixed batches to draw (figures: mean ± spread).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, ...]) -> None:
+    """Say where the training–inference mismatch KL(μ‖π) comes from.
+
+    On one fixed batch of rollouts (the recipe's B × G, --seeds times): rollout precision (fp32,
+    bf16, fp8, and weights alone), engine and kernels at equal precision, MoE routing (per-layer
+    disagreement, KL with and without R3) and staleness (KL(π_θ‖π_θold) after 1, 2, 4, 8
+    mini-batch updates without replay, with R2 and with R3). Prints a table and advice; writes
+    doctor-<time>.json and .png in the workspace's doctor/ folder.
+    """
+    from rich.table import Table
+
+    from minirl import doctor as doc
+    from minirl import recipe as recipe_mod
+    from minirl.errors import UsageError
+    from minirl.evaluate import resolve_checkpoint
+    from minirl.workspace import Workspace
+
+    if seeds < 1:
+        raise UsageError(f"--seeds {seeds}: at least 1")
+    ws = Workspace.open(workspace)
+    rec = recipe_mod.load(ws.recipe_path, list(overrides))
+    try:
+        folder = resolve_checkpoint(ws, rec, checkpoint)
+    except UsageError:
+        if checkpoint != "latest":
+            raise
+        folder = resolve_checkpoint(ws, rec, "coldstart")  # no run yet: the starting policy
+    with console.status("doctor...") as status:
+        report = doc.diagnose(ws, rec, folder, seeds=seeds, progress=lambda what: status.update(f"doctor: {what}"))
+    f = report["figures"]
+    pm = lambda k: f"{f[k]['mean']:.2e} ± {f[k]['spread']:.1e}"  # noqa: E731
+    table = Table(title=f"KL(μ‖π) and its sources ({report['batch']}, {seeds} seed(s), checkpoint {folder})")
+    table.add_column("source")
+    table.add_column("what is compared")
+    table.add_column("KL", justify="right")
+    rows = [("precision", "fp32 rollouts (vLLM fp32 vs TorchTitan fp32: engine and kernels alone)", "kl/fp32"),
+            ("precision", "bf16 rollouts (vLLM bf16)", "kl/bf16"),
+            ("precision", "fp8 rollouts (vLLM bf16, torchao FP8 weights)", "kl/fp8"),
+            ("weights", "bf16-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_bf16"),
+            ("weights", "fp8-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_fp8")]
+    if report["moe"]:
+        rows += [("routing", f"{rec.rollout.precision} rollouts, trainer's own routes", "kl/run_no_replay"),
+                 ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
+    for src, what, k in rows:
+        table.add_row(src, what, pm(k))
+    if report["moe"]:
+        per_layer = ", ".join(f"{x['mean']:.1%}" for x in f["routing/disagree_per_layer"])
+        table.add_row("routing", "tokens whose top-k differ, per layer", per_layer)
+    for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
+        table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
+                      " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))
+    console.print(table)
+    js, png = doc.write(report, ws.root / "doctor")
+    for line in report["advice"]:
+        console.print(f"[bold]advice:[/] {line}", soft_wrap=True)
+    console.print(f"report: {js}  plot: {png}", soft_wrap=True)
+
+
 @cli.command("export")
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[RUN_OR_CHECKPOINT] OUT")
 @click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",

@@ -197,7 +197,7 @@ class RLRun:
         inject = injected_nan(step)
         for j, idx in enumerate(minibatch_indices(B, G, N, seed=step)):
             mb = batch.select(idx)
-            loss_fn = _loss_fn(r, poison=inject == "loss")
+            loss_fn = loss_for(r, poison=inject == "loss")
             loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None,
                                                     micro_batch_tokens=r.train.micro_batch_tokens)
             if inject == "grad":
@@ -310,7 +310,7 @@ def minibatch_indices(B: int, G: int, N: int, *, seed: int) -> list[torch.Tensor
     return [(prompts[:, None] * G + torch.arange(G)[None, :]).flatten() for prompts in order]
 
 
-def _loss_fn(r: Recipe, *, poison: bool = False) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:
+def loss_for(r: Recipe, *, poison: bool = False) -> Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]:
     kw = dict(eps_low=r.loss.eps_low, eps_high=r.loss.eps_high, tis_cap=r.loss.tis_cap, is_mode=r.loss.is_mode,
               length_norm=r.loss.length_norm)
 

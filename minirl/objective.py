@@ -205,6 +205,17 @@ def train_inference_kl(rollout_logp_BT: torch.Tensor, old_logp_BT: torch.Tensor,
     return float(diff.sum() / mask.sum().clamp(min=1.0))
 
 
+def train_inference_kl_k3(rollout_logp_BT: torch.Tensor, logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """D_KL(μ ‖ π) on tokens sampled from μ with the k3 estimator: mean_t [(r − 1) − log r],
+    r = π(y_t)/μ(y_t). Unbiased like the k1 mean of log μ − log π, but never negative per token and
+    of far lower variance when μ ≈ π: at 1e-4 nats over ~10^3 tokens k1's noise is as large as
+    the KL itself (`minirl doctor` uses k3; runs log the paper's k1)."""
+    mask = valid_mask(mask_BT, rollout_logp_BT)
+    log_r = torch.where(mask > 0, logp_BT - rollout_logp_BT, torch.zeros_like(logp_BT))
+    k3 = torch.expm1(log_r) - log_r
+    return float((k3 * mask).sum() / mask.sum().clamp(min=1.0))
+
+
 def _ratio_metrics(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,

@@ -65,7 +65,7 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     import time
 
     from minirl import recipe
-    from minirl.loop import RLRun, _loss_fn
+    from minirl.loop import RLRun, loss_for
     from minirl.preflight import prepare_run
     from minirl.replay import rollout_routes
     from minirl.train import build_batch
@@ -99,7 +99,7 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
         old, _, _ = timed("old", lambda: tr.logprobs(batch))
         timed("old_r3", lambda: tr.logprobs(batch, routes=routes))
         batch = batch.with_old_logp(old)
-        fn = _loss_fn(rec)
+        fn = loss_for(rec)
         timed("upd", lambda: tr.forward_backward(batch, fn))
         tr.optim.zero_grad()
         timed("upd_r3", lambda: tr.forward_backward(batch, fn, routes=routes))

@@ -1,0 +1,260 @@
+"""`minirl doctor`: where a training–inference mismatch comes from, measured source by source on
+one fixed batch of rollouts (the recipe's B prompts × G responses, drawn with fixed seeds).
+
+    precision   KL(μ‖π) with rollouts at fp32, bf16 and fp8 (each engine samples its own batch,
+                as a run would measure it), and with only the *weights* rounded to bf16 / fp8 in
+                an fp32 engine (the same tokens): how much of the gap is weight precision
+    engine      at equal precision (fp32 vLLM vs the fp32 TorchTitan forward): what kernels add
+    routing     MoE: per layer, the share of tokens whose top-k experts differ between vLLM and
+                the trainer; KL(μ‖π) without and with R3 (vLLM's routes replayed in the trainer)
+    staleness   KL(π_θ‖π_θold) after 1, 2, 4 and 8 mini-batch updates of the recipe's loss,
+                without replay, with R2 and with R3 (estimated on the batch as
+                mean_t [r·log r − (r − 1)], r = π_θ/π_θold, tokens drawn from μ ≈ π_θold)
+
+KL(μ‖π) is estimated with k3 (`objective.train_inference_kl_k3`): unbiased like the run's k1
+(mean of log μ − log π, the paper's) and far less noisy at these sizes; k1 is kept in the JSON
+(`k1/…`). With `seeds` > 1 each figure is a mean ± spread (standard deviation) over seeds.
+The trainer is fp32 (the CPU setting); vLLM's bf16 is its compute and weight dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from minirl import objective
+
+STALENESS_UPDATES = (1, 2, 4, 8)
+
+
+def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
+             progress: Callable[[str], None] = lambda what: None) -> dict:
+    """Every figure of the doctor, per seed and aggregated, plus the advice lines."""
+    from minirl.fp8 import fp8_roundtrip
+    from minirl.loop import loss_for, minibatch_indices
+    from minirl.preflight import check_model_folder, prepare_run
+    from minirl.rollout import VLLMEngine
+    from minirl.train import Trainer
+
+    inputs = prepare_run(ws, rec, resume=False)
+    shape = check_model_folder(folder)
+    moe = shape.is_moe
+    trainer = Trainer(shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay, grad_clip=rec.train.grad_clip)
+    trainer.load_hf(folder)
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    weights = trainer.hf_state_dict()
+    rounded = {"bf16": {k: v.to(torch.bfloat16).float() for k, v in weights.items()}, "fp8": fp8_roundtrip(weights)}
+    max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
+    progress("starting vLLM (fp32 and bf16)")
+    engines = {dtype: VLLMEngine(folder, dtype=dtype, seed=rec.train.seed, max_model_len=max_len,
+                                 max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
+                                 capture_routes=moe)
+               for dtype in ("float32", "bfloat16")}
+    B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
+    pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
+    per_seed = []
+    for seed in range(seeds):
+        progress(f"seed {seed + 1}/{seeds}")
+        problems = inputs.train[seed * B : (seed + 1) * B] if len(inputs.train) >= (seed + 1) * B else inputs.train[:B]
+        prompts = [p.prompt_ids for p in problems]
+        fig: dict = {}
+
+        def sample(engine, w):
+            engine.load_weights(w.items())
+            groups = engine.generate(prompts, n=G, temperature=r.temperature, max_tokens=r.max_tokens,
+                                     seed=1000 + seed)
+            return groups, _batch(prompts, groups, G, pad)
+
+        # precision, as a run measures it: each rollout precision samples its own batch
+        batches = {}
+        for name, engine, w in (("fp32", engines["float32"], weights), ("bf16", engines["bfloat16"], weights),
+                                ("fp8", engines["bfloat16"], rounded["fp8"])):
+            groups, batch = sample(engine, w)
+            pi, _, _ = trainer.logprobs(batch)
+            fig[f"kl/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
+            fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
+            batches[name] = (groups, batch, pi)
+        # weights alone: the fp32 sample's tokens, scored by the fp32 engine holding rounded weights
+        groups, batch, pi = batches["fp32"]
+        resps = [list(c.token_ids) for g in groups for c in g]
+        prompts_flat = [p for p in prompts for _ in range(G)]
+        for name in ("bf16", "fp8"):
+            engines["float32"].load_weights(rounded[name].items())
+            mu = _as_batch(prompts_flat, resps, engines["float32"].score(prompts_flat, resps), pad)
+            fig[f"kl/weights_{name}"] = objective.train_inference_kl_k3(mu.rollout_logp_BT, pi, batch.mask_BT)
+        engines["float32"].load_weights(weights.items())
+
+        # routing and staleness on the run's own precision
+        groups, batch, pi = batches[r.precision]
+        comps = [c for g in groups for c in g]
+        routes = None
+        if moe:
+            from minirl.replay import rollout_routes, route_agreement
+
+            routes = rollout_routes(comps, batch, trainer.replay.num_layers, shape.top_k, shape.num_experts)
+            own_lp, _, own = trainer.logprobs(batch, record_routes=True)
+            agree = route_agreement(routes, own, batch.mask_BT)
+            fig["routing/disagree_per_layer"] = [float(1 - a) for a in agree]
+            fig["routing/disagree"] = float(1 - agree.mean())
+            r3_lp, _, _ = trainer.logprobs(batch, routes=routes)
+            fig["kl/run_no_replay"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, own_lp, batch.mask_BT)
+            fig["kl/run_r3"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, r3_lp, batch.mask_BT)
+
+        scores = inputs.grading.grade([(p.record, _text(c.token_ids, inputs.tokenizer, eos))
+                                       for p, g in zip(problems, groups) for c in g])
+        adv = objective.group_advantages(torch.tensor([s.score for s in scores], dtype=torch.float32).view(-1, G),
+                                         std_scale=rec.loss.adv_std).flatten()
+        batch = _with_adv(batch, adv)
+        loss_fn = loss_for(rec)
+        for mode in ("off", "r2", "r3") if moe else ("off",):
+            trainer.model.load_state_dict(start)
+            trainer.optim.state.clear()
+            replay = routes if mode == "r3" else None
+            old, _, recorded = trainer.logprobs(batch, routes=replay, record_routes=mode == "r2")
+            replay = recorded if mode == "r2" else replay
+            b = batch.with_old_logp(old)
+            order = minibatch_indices(len(problems), G, max(STALENESS_UPDATES), seed=seed)
+            for j, idx in enumerate(order, start=1):
+                trainer.forward_backward(b.select(idx), loss_fn, routes=replay[:, idx] if replay is not None else None)
+                trainer.optim_step()
+                if j in STALENESS_UPDATES:
+                    now, _, _ = trainer.logprobs(b, routes=replay)
+                    fig[f"staleness/{mode}/{j}"] = _kl_from_old(now, old, batch.mask_BT)
+        trainer.model.load_state_dict(start)
+        trainer.optim.state.clear()
+        per_seed.append(fig)
+    inputs.grading.close()
+    summary = _aggregate(per_seed)
+    return {"checkpoint": str(folder), "seeds": seeds, "batch": f"{B} prompts × {G} responses",
+            "moe": moe, "rollout_precision": r.precision, "minibatches": rec.train.minibatches,
+            "replay": rec.train.replay, "is_mode": rec.loss.is_mode, "figures": summary, "per_seed": per_seed,
+            "advice": advice(summary, moe=moe, rec=rec)}
+
+
+def _batch(prompts, groups, G: int, pad: int):
+    from minirl.train import build_batch
+
+    comps = [c for g in groups for c in g]
+    return build_batch([p for p in prompts for _ in range(G)], [c.token_ids for c in comps],
+                       [c.logprobs for c in comps], None, pad_id=pad)
+
+
+def _as_batch(prompts, resps, logps, pad: int):
+    from minirl.train import build_batch
+
+    return build_batch(prompts, resps, logps, None, pad_id=pad)
+
+
+def _with_adv(batch, adv: torch.Tensor):
+    import dataclasses
+
+    return dataclasses.replace(batch, adv_B=adv)
+
+
+def _text(ids, tok, eos: int) -> str:
+    from minirl.evaluate import response_text
+
+    return response_text(ids, lambda x: tok.decode(x, skip_special_tokens=False), eos)
+
+
+def _kl_from_old(now_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """KL(π_θ ‖ π_θold) from tokens of π_θold: mean_t [r·log r − (r − 1)], r = π_θ/π_θold (unbiased,
+    as E[r − 1] = 0 under π_θold, and never negative per token)."""
+    d = (now_BT - old_BT) * mask_BT
+    r = torch.exp(d)
+    return float(((r * d - (r - 1)) * mask_BT).sum() / mask_BT.sum().clamp(min=1.0))
+
+
+def _aggregate(per_seed: list[dict]) -> dict:
+    """{key: {"mean", "spread"}} (lists element by element)."""
+    out = {}
+    for k, v in per_seed[0].items():
+        if isinstance(v, list):
+            cols = list(zip(*(s[k] for s in per_seed)))
+            out[k] = [{"mean": statistics.fmean(c), "spread": statistics.pstdev(c)} for c in cols]
+        else:
+            vals = [s[k] for s in per_seed]
+            out[k] = {"mean": statistics.fmean(vals), "spread": statistics.pstdev(vals)}
+    return out
+
+
+def advice(f: dict, *, moe: bool, rec) -> list[str]:
+    """The paper's rules, each with the figure that triggered it."""
+    m = lambda k: f[k]["mean"]  # noqa: E731
+    out = []
+    if m("kl/fp8") > m("kl/bf16"):
+        on = rec.loss.is_mode != "off"
+        out.append(f"fp8 rollouts raise KL(μ‖π) from {m('kl/bf16'):.2e} (bf16) to {m('kl/fp8'):.2e}: keep the token IS "
+                   f"correction on{' (it is)' if on else ' (it is off: set loss.is_mode = truncate)'}.")
+    if m("kl/fp32") < 0.5 * m("kl/bf16"):
+        out.append(f"at equal precision vLLM and TorchTitan agree to {m('kl/fp32'):.1e}: the gap is precision, not "
+                   f"kernels (bf16 weights alone give {m('kl/weights_bf16'):.1e}).")
+    else:
+        out.append(f"even at fp32 the engines differ by {m('kl/fp32'):.1e} (bf16: {m('kl/bf16'):.1e}): kernels add a "
+                   "gap of their own; keep the IS correction on.")
+    if moe:
+        worst = max(range(len(f["routing/disagree_per_layer"])), key=lambda i: f["routing/disagree_per_layer"][i]["mean"])
+        if m("kl/run_r3") < m("kl/run_no_replay"):
+            out.append(f"MoE: routes differ on {m('routing/disagree'):.1%} of tokens (layer {worst} most); R3 lowers "
+                       f"KL(μ‖π) from {m('kl/run_no_replay'):.2e} to {m('kl/run_r3'):.2e}: use R3 (--replay r3), above "
+                       f"all off-policy (N ≥ 4; this recipe has N = {rec.train.minibatches}).")
+        else:
+            out.append(f"MoE: routes differ on {m('routing/disagree'):.1%} of tokens, but R3 does not lower KL(μ‖π) "
+                       f"here ({m('kl/run_no_replay'):.2e} → {m('kl/run_r3'):.2e}).")
+        s8 = {mode: m(f"staleness/{mode}/8") for mode in ("off", "r2", "r3")}
+        best = min(s8, key=s8.get)
+        out.append(f"staleness after 8 mini-batch updates: KL(π_θ‖π_θold) {s8['off']:.2e} without replay, "
+                   f"{s8['r2']:.2e} with R2, {s8['r3']:.2e} with R3 (growing with N from "
+                   f"{m('staleness/off/1'):.2e} after 1); lowest: {best}.")
+    else:
+        out.append(f"staleness after 8 mini-batch updates: KL(π_θ‖π_θold) {m('staleness/off/8'):.2e} "
+                   f"(after 1: {m('staleness/off/1'):.2e}); dense model: no routing to replay.")
+    return out
+
+
+def write(report: dict, out_dir: Path) -> tuple[Path, Path]:
+    """doctor-<time>.json and .png in `out_dir`."""
+    from minirl import atomic
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / time.strftime("doctor-%Y%m%d-%H%M%S")
+    atomic.write_text(stem.with_suffix(".json"), json.dumps(report, indent=2))
+    return stem.with_suffix(".json"), plot(report, stem.with_suffix(".png"))
+
+
+def plot(report: dict, out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f = report["figures"]
+    panels = 3 if report["moe"] else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), constrained_layout=True)
+    names = ["fp32", "bf16", "fp8", "weights_bf16", "weights_fp8"]
+    labels = ["fp32", "bf16", "fp8", "bf16 w.\n(fp32 vLLM)", "fp8 w.\n(fp32 vLLM)"]
+    axes[0].bar(labels, [f[f"kl/{n}"]["mean"] for n in names], yerr=[f[f"kl/{n}"]["spread"] for n in names],
+                color=["tab:green", "tab:blue", "tab:red", "tab:cyan", "tab:pink"])
+    axes[0].set_title("KL(μ‖π) by rollout precision", fontsize=10)
+    for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
+        ys = [f[f"staleness/{mode}/{n}"]["mean"] for n in STALENESS_UPDATES]
+        axes[1].plot(STALENESS_UPDATES, ys, marker="o", label={"off": "no replay"}.get(mode, mode.upper()))
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xlabel("mini-batch updates")
+    axes[1].set_title("staleness KL(π_θ‖π_θold)", fontsize=10)
+    axes[1].legend(fontsize=8)
+    if report["moe"]:
+        d = [x["mean"] for x in f["routing/disagree_per_layer"]]
+        axes[2].bar(range(len(d)), d)
+        axes[2].set_xlabel("MoE layer")
+        axes[2].set_title(f"routes differing (vLLM {report['rollout_precision']} vs trainer)", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+    return out_png
