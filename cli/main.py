@@ -326,6 +326,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
             ("weights", "bf16-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_bf16"),
             ("weights", "fp8-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_fp8")]
     if report["moe"]:
+        rows[3:3] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
         rows += [("routing", f"{rec.rollout.precision} rollouts, trainer's own routes", "kl/run_no_replay"),
                  ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
     for src, what, k in rows:

@@ -2,8 +2,9 @@
 one fixed batch of rollouts (the recipe's B prompts × G responses, drawn with fixed seeds).
 
     precision   KL(μ‖π) with rollouts at fp32, bf16 and fp8 (each engine samples its own batch,
-                as a run would measure it), and with only the *weights* rounded to bf16 / fp8 in
-                an fp32 engine (the same tokens): how much of the gap is weight precision
+                as a run would measure it), for an MoE also with the engine's routes replayed (a
+                route that flips is a precision effect too, but a lumpy one), and with only the
+                *weights* rounded to bf16 / fp8 in an fp32 engine (the same tokens)
     engine      at equal precision (fp32 vLLM vs the fp32 TorchTitan forward): what kernels add
     routing     MoE: per layer, the share of tokens whose top-k experts differ between vLLM and
                 the trainer; KL(μ‖π) without and with R3 (vLLM's routes replayed in the trainer)
@@ -78,6 +79,13 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             pi, _, _ = trainer.logprobs(batch)
             fig[f"kl/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
             fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
+            if moe:  # the same with the engine's routes replayed: precision without route flips
+                from minirl.replay import rollout_routes
+
+                rr = rollout_routes([c for g in groups for c in g], batch, trainer.replay.num_layers, shape.top_k,
+                                    shape.num_experts)
+                pi_r3, _, _ = trainer.logprobs(batch, routes=rr)
+                fig[f"kl_r3/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi_r3, batch.mask_BT)
             batches[name] = (groups, batch, pi)
         # weights alone: the fp32 sample's tokens, scored by the fp32 engine holding rounded weights
         groups, batch, pi = batches["fp32"]
