@@ -77,6 +77,9 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     from minirl.rollout import VLLMEngine
     from minirl.train import Trainer, build_batch
 
+    ws = run_dir.parent.parent
+    r = minirl("eval", "-w", str(ws), "--checkpoint", str(run_dir / "checkpoints" / "step_000003"), "--k", "2")
+    assert r.returncode == 0, r.stderr[-3000:]  # a `minirl eval` result of that checkpoint goes into the card
     out = tmp_path / "hf"
     r = minirl("export", str(run_dir), str(out), "--step", "3", "--max-shard-size", "1MB")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -109,10 +112,12 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     assert {"minirl", "reinforcement-learning"} <= set(meta["tags"])
     assert (meta["library_name"], meta["pipeline_tag"], meta["license"]) == ("transformers", "text-generation",
                                                                             "apache-2.0")
+    results = {(e.dataset_name, e.metric_name) for e in card.data.eval_results}
+    assert ("heldout", "avg@2") in results, results  # model-index, parsed back by huggingface_hub
     for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", card.text):
         assert (out / image).is_file()
     assert "| rollback at step 5 |" not in card.text  # the card shows the run up to its checkpoint
-    r = minirl("eval", "-w", str(run_dir.parent.parent), "--checkpoint", str(out))
+    r = minirl("eval", "-w", str(ws), "--checkpoint", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
 
 
