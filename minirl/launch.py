@@ -99,12 +99,6 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
