@@ -128,15 +128,22 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, force: 
 @click.option("--rollout-precision", type=click.Choice(["fp32", "bf16", "fp8"]), default=None,
               help="Rollout engine precision (sets rollout.precision); fp8: torchao FP8 weights (emulated on CPU).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-@click.option("--resume", is_flag=True, help="Continue the latest run from its newest checkpoint.")
+@click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
+              help="Continue the latest run from its newest checkpoint. `--resume auto`: the same when that run has "
+                   "not ended, else start a new run (for jobs that restart themselves: torchrun --max-restarts, SLURM "
+                   "requeue).")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (mesh, memory per GPU by component, tokens and FLOPs per step) and stop; needs no "
                    "GPU, no weights and no workspace (the shipped recipe of --model, if any, else the defaults).")
+@click.option("--recipe", "recipe_name", default=None,
+              help="With --dry-run and no workspace: plan this shipped recipe (a file stem in recipes/, e.g. "
+                   "qwen3-30b-a3b-offpolicy) instead of the model's own.")
 @click.option("--nodes", type=int, default=None, help="Nodes for the plan (sets parallel.nodes).")
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node for the plan (sets parallel.gpus_per_node).")
 @click.option("--gpu-mem-gib", type=float, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
 def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
-        rollout_precision: str | None, overrides: tuple[str, ...], resume: bool, dry_run: bool, nodes: int | None, gpus_per_node: int | None,
+        rollout_precision: str | None, overrides: tuple[str, ...], resume: str | None, dry_run: bool,
+        recipe_name: str | None, nodes: int | None, gpus_per_node: int | None,
         gpu_mem_gib: float) -> None:
     """Run RL in WORKSPACE (default ./minirl-ws) with its recipe.
 
@@ -169,15 +176,18 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
 
         if (workspace / RECIPE_NAME).exists():
             base, recipe_path = workspace.resolve(), workspace / RECIPE_NAME
-        else:  # no workspace: the model's shipped recipe, else the defaults
-            base, recipe_path = Path.cwd(), recipe_mod.for_model(model_id)
+        else:  # no workspace: the named or the model's shipped recipe, else the defaults
+            base = Path.cwd()
+            recipe_path = recipe_mod.shipped(recipe_name) if recipe_name else recipe_mod.for_model(model_id)
         rec = recipe_mod.load(recipe_path, extra)
         plan = make_plan(rec, model_shape(rec.model.id, rec.model.path, base), model=rec.model.id, gpu_gib=gpu_mem_gib)
         has_ws = (workspace / RECIPE_NAME).exists()
         opts = [("--model", model_id), ("--replay", replay), ("--steps", steps)]
         args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in opts if v),
                          *(f"--set {x}" for x in overrides)])
-        first = [] if has_ws else [f"minirl init WORKSPACE --model {model_id}"] if model_id else []
+        init = " ".join(["minirl init WORKSPACE", f"--model {model_id or rec.model.id}",
+                         *([f"--recipe {recipe_name}"] if recipe_name else [])])
+        first = [] if has_ws or not (model_id or recipe_name) else [init]
         print_plan(console, plan, recipe=str(recipe_path or "defaults"),
                    launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args))
         if not plan.fits:

@@ -201,11 +201,12 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     from minirl.preflight import prepare_run
     from minirl.rollout import VLLMEngine
     from minirl.train import Trainer
+    from minirl.weight_sync import sync
     from minirl.workspace import Workspace
 
     rec = recipe_mod.load(run_dir / "recipe.toml", [])
     ws = Workspace.open(run_dir.parent.parent)
-    inputs = prepare_run(ws, rec, resume=False)
+    inputs = prepare_run(ws, rec, resume=None)
     engine = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed,
                                     max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1)
     trainer = Trainer(inputs.shape, lr=0.0)
@@ -213,12 +214,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     out = {}
     for i, c in enumerate(ckpts):
         trainer.load(c.path, with_optim=False)
-        weights = trainer.hf_state_dict()
-        if rec.rollout.precision == "fp8":  # as the run evaluated: through the same FP8 emulation as its rollouts
-            from minirl.fp8 import fp8_roundtrip
-
-            weights = fp8_roundtrip(weights)
-        engine.load_weights(weights.items())
+        sync(trainer, engine, bucket_bytes=rec.rollout.sync_bucket_mib * 2**20)  # as the run's rollouts saw it
         got = evaluate(engine, inputs.heldout, inputs.grading, k=rec.eval.k, temperature=rec.eval.temperature,
                        max_tokens=rec.rollout.max_tokens, eos_id=tok.eos_token_id,
                        decode=lambda ids: tok.decode(ids, skip_special_tokens=False))

@@ -4,8 +4,9 @@ It owns the process group and this rank's device. `World` is all the RL loop see
 its share of a batch, sums and means over ranks, and whether it is the rank that writes files.
 A world of one is the same code with every operation an identity.
 
-Under torchrun every rank runs the whole loop (SPMD): its own vLLM engine on its share of the
-prompts (vLLM's `external_launcher` executor, one tensor-parallel group per rank), its shard of
+Under torchrun every rank runs the whole loop (SPMD): a vLLM engine (vLLM's `external_launcher`
+executor) shared with the other ranks of its tensor-parallel group, which all send it their
+group's share of the prompts (`group_share`) and then keep their own part (`member_share`); its shard of
 the trainer (FSDP2 / expert parallel, `parallel.py`), and the collectives the two need. Rank 0
 alone writes metrics, summaries, JSON beside checkpoints and exported folders; checkpoints
 themselves are DCP, written by every rank.
@@ -37,9 +38,17 @@ class World:
     def share(self, items: Sequence[T]) -> list[T]:
         """This rank's contiguous slice of `items`: sizes differ by at most one, rank order kept,
         so `gather(share(x)) == x`."""
-        n, extra = divmod(len(items), self.size)
-        start = self.rank * n + min(self.rank, extra)
-        return list(items[start : start + n + (self.rank < extra)])
+        return _part(items, self.size, self.rank)
+
+    def group_share(self, items: Sequence[T], tp: int) -> list[T]:
+        """The slice of `items` for this rank's rollout group: ranks r // tp share one
+        tensor-parallel vLLM engine and must send it the same requests."""
+        return _part(items, self.size // tp, self.rank // tp)
+
+    def member_share(self, group_items: Sequence[T], tp: int) -> list[T]:
+        """This rank's part of its rollout group's items (what it trains on). With len(items) a
+        multiple of the world size, `member_share(group_share(x, tp), tp) == share(x)`."""
+        return _part(group_items, tp, self.rank % tp)
 
     def gather(self, items: list[T]) -> list[T]:
         """Every rank's `items`, concatenated in rank order."""
@@ -100,6 +109,13 @@ class World:
         return box[0]
 
 
+def _part(items: Sequence[T], parts: int, index: int) -> list[T]:
+    """Part `index` of `parts` contiguous slices whose sizes differ by at most one."""
+    n, extra = divmod(len(items), parts)
+    start = index * n + min(index, extra)
+    return list(items[start : start + n + (index < extra)])
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -127,6 +143,34 @@ def start() -> World:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **_fresh_store_after_restart())
     return World(size=dist.get_world_size(), rank=dist.get_rank(), device=device)
+
+
+def _fresh_store_after_restart() -> dict:
+    """After `torchrun --max-restarts` restarted the job, a rendezvous store that outlives the
+    attempt (the static backend, or c10d sharing its store: TORCHELASTIC_USE_AGENT_STORE) still
+    holds the failed attempt's addresses, and gloo or NCCL then connect to ranks that are gone
+    (measured here: "Gloo connectFullMesh failed ... Connection refused" on every restart;
+    pytorch/pytorch#135712). On one node the restart count is the same for every rank, so this
+    attempt's keys go under their own prefix. Across nodes it is not (an agent that restarts for a
+    peer's failure does not count it), so there the launch must give each attempt a fresh store:
+    `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` with `--rdzv-backend c10d` (the launch commands do)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        from minirl.errors import UsageError
+
+        raise UsageError("restarted across nodes with a shared rendezvous store: launch with "
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and torchrun --rdzv-backend c10d (README: Running on a "
+                         "cluster)")
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"minirl/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 

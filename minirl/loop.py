@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic, objective
+from minirl import atomic, objective, weight_sync
 from minirl.data import PromptSampler
 from minirl.errors import RunIOError
 from minirl.evaluate import evaluate, response_text
@@ -106,6 +106,7 @@ class RLRun:
         self.engine = VLLMEngine.from_config(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=max_len,
                                              max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
                                              capture_routes=rec.train.replay == "r3")
+        self.tp = rec.rollout.tensor_parallel  # ranks per vLLM engine
         self.sync()  # resumed weights, or FP8-emulated ones; a no-op in effect otherwise (~30 ms)
         self._parity_pairs = self._fixed_parity_pairs()
 
@@ -114,13 +115,8 @@ class RLRun:
         return self.tok.decode(ids, skip_special_tokens=False)
 
     def sync(self) -> None:
-        """Trainer weights -> vLLM, in place (optionally through FP8 emulation)."""
-        weights = self.trainer.hf_state_dict()
-        if self.rec.rollout.precision == "fp8":
-            from minirl.fp8 import fp8_roundtrip
-
-            weights = fp8_roundtrip(weights)
-        self.engine.load_weights(weights.items())
+        """Trainer weights -> vLLM, in place, a bounded bucket at a time (weight_sync.py)."""
+        weight_sync.sync(self.trainer, self.engine, bucket_bytes=self.rec.rollout.sync_bucket_mib * 2**20)
 
     def _fixed_parity_pairs(self) -> list[tuple[list[int], list[int]]]:
         probs = self.heldout[:PARITY_BATCH]
@@ -130,9 +126,10 @@ class RLRun:
 
     def parity(self) -> float:
         """mean |log μ − log π| over a fixed batch of tokens, right after a sync."""
-        pairs = self.world.share(self._parity_pairs)
+        pairs = self.world.group_share(self._parity_pairs, self.tp)
+        mu = self.world.member_share(self.engine.score([p for p, _ in pairs], [r for _, r in pairs]), self.tp)
+        pairs = self.world.member_share(pairs, self.tp)
         prompts, resps = [p for p, _ in pairs], [r for _, r in pairs]
-        mu = self.engine.score(prompts, resps)
         batch = build_batch(prompts, resps, mu, None, pad_id=self.pad)
         pi, _, _ = self.trainer.logprobs(batch)
         m = batch.mask_BT
@@ -141,21 +138,26 @@ class RLRun:
 
     def heldout_eval(self) -> dict:
         e = self.rec.eval
-        return evaluate(self.engine, self.world.share(self.heldout), self.grading, k=e.k, temperature=e.temperature,
+        world, tp = self.world, self.tp  # a TP group evaluates its share once; each member gathers its part
+        return evaluate(self.engine, world.group_share(self.heldout, tp), self.grading, k=e.k, temperature=e.temperature,
                         max_tokens=self.rec.rollout.max_tokens, decode=self.decode, eos_id=self.eos,
-                        gather=self.world.gather)
+                        gather=lambda rows: world.gather(world.member_share(rows, tp)))
 
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> dict:
         r, t, world = self.rec, self.state.timing, self.world
         G, N = r.train.group_size, r.train.minibatches
         step = self.state.step + 1
+        injected_kill(step, world.rank)
         t0 = time.perf_counter()
 
-        problems = world.share(self.sampler.next_batch(r.train.prompts_per_step))  # the same draw on every rank
-        B = len(problems)
-        groups = self.engine.generate([p.prompt_ids for p in problems], n=G, temperature=r.rollout.temperature,
+        # the same draw on every rank; each rollout (TP) group generates its share, each rank keeps its part
+        asked = world.group_share(self.sampler.next_batch(r.train.prompts_per_step), self.tp)
+        groups = self.engine.generate([p.prompt_ids for p in asked], n=G, temperature=r.rollout.temperature,
                                       max_tokens=r.rollout.max_tokens, seed=r.train.seed * 1_000_003 + step)
+        self.engine.sleep()  # frees its memory for training (CUDA); the sync wakes it
+        problems, groups = world.member_share(asked, self.tp), world.member_share(groups, self.tp)
+        B = len(problems)
         t0 = _timed(t, "rollout", t0)
 
         comps = [c for g in groups for c in g]
@@ -321,6 +323,17 @@ def loss_for(r: Recipe, *, poison: bool = False) -> Callable[[torch.Tensor, Batc
     return fn
 
 
+def injected_kill(step: int, rank: int) -> None:
+    """Fault-injection hook for tests: MINIRL_INJECT_KILL="1@3" SIGKILLs rank 1 as step 3 begins
+    (as an OOM killer or a lost node would), on a job's first attempt only (torchrun's
+    TORCHELASTIC_RESTART_COUNT), so that `torchrun --max-restarts` has something to restart."""
+    spec = os.environ.get("MINIRL_INJECT_KILL", "")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and spec == f"{rank}@{step}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def injected_nan(step: int) -> str | None:
     """Fault-injection hook for tests, read here and nowhere else: MINIRL_INJECT_NAN="loss@3,grad@5"
     makes step 3's loss and step 5's gradients NaN, to show that the guard keeps them out of the weights."""
@@ -335,11 +348,15 @@ def run(
     ws: Workspace,
     rec: Recipe,
     *,
-    resume: bool = False,
+    resume: str | None = None,
     on_event: Callable[[str, dict], None] = lambda kind, data: None,
     world: World | None = None,
 ) -> dict:
     """Run (or resume) RL in `ws`; returns the summary dict (also written to summary.json).
+
+    resume: None (a new run), "latest" (the newest checkpoint of the newest run; an error when
+    there is none) or "auto" (that, when the newest run has not ended; else a new run: the form a
+    job that restarts itself uses).
 
     on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done"; called on
     the main rank only. world: this process's place in a torchrun job (default: the whole job).

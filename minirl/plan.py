@@ -67,15 +67,21 @@ class Plan:
         return not self.problems
 
 
+MAX_RESTARTS = 3  # a job that loses ranks more often than this needs a person
+
+
 def launch_commands(nodes: int, gpus_per_node: int, args: str) -> list[str]:
     """How to start `minirl <args>` on the plan's layout: one process, or torchrun on every node
-    (each rank then runs the same loop on its share; launch.py)."""
+    (each rank then runs the same loop on its share; launch.py). A torchrun job restarts itself
+    after a lost rank (`--max-restarts`) and continues from the newest checkpoint (`--resume auto`)."""
     if nodes * gpus_per_node == 1:
         return [f"minirl {args}"]
+    restart = f"--max-restarts {MAX_RESTARTS}"
     if nodes == 1:
-        return [f"torchrun --nproc-per-node {gpus_per_node} -m cli.main {args}"]
-    return [f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --rdzv-backend c10d "
-            f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main {args}   # on each of the {nodes} nodes"]
+        return [f"torchrun --nproc-per-node {gpus_per_node} {restart} -m cli.main {args} --resume auto"]
+    return [f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} {restart} --rdzv-backend c10d "
+            f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main {args} --resume auto"
+            f"   # on each of the {nodes} nodes"]
 
 
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
@@ -129,17 +135,33 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     state = mem["fp32 weights (sharded)"] + mem["fp32 gradients (sharded)"] + mem["Adam moments (sharded)"]
     vllm_w = next(v for k, v in mem.items() if k.startswith("vLLM weights"))
     budget = HEADROOM * gpu_gib * GiB
-    training = state + mem["gathered bf16 layers"] + acts["activations (full AC)"] + logits + vllm_w
-    # vLLM schedules what fits: its KV cache is what the rollout phase leaves free, and sets how many
-    # sequences of full length an engine samples at once
-    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - state - vllm_w)
+    train_only = mem["gathered bf16 layers"] + acts["activations (full AC)"] + logits
+    # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
+    # while the trainer works; at 0 both stay, and the KV cache gets what training leaves
+    awake = r.sleep_level == 0
+    # vLLM schedules what fits: its KV cache is what is left free, and sets how many sequences of full
+    # length an engine samples at once
+    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - state - vllm_w - (train_only if awake else 0.0))
+    training = state + train_only + (vllm_w + kv if awake else 0.0)
+    if r.sleep_level == 1:
+        mem["host memory: vLLM weights asleep"] = vllm_w
+    # weight sync (weight_sync.py): vLLM's weights awake, its KV cache not yet; one bucket of whole
+    # layers in the engine's dtype (at least one layer) and the largest parameter gathered in fp32
+    full_layer = (P - shape.vocab_size * d * (1 if shape.tie_embeddings else 2)) // L
+    largest = max(shape.vocab_size * d, shape.num_experts * d * shape.moe_hidden_dim if shape.is_moe else 0,
+                  d * (shape.hidden_dim if not shape.is_moe else 0))
+    mem["weight sync bucket"] = bucket = max(r.sync_bucket_mib * 2**20, full_layer * min(weight_bytes * 2, 4))
     in_flight = int(kv * tp_vllm // (seq * kv_per_token))
-    phases = {"training (full AC)": training, "rollout": state + vllm_w + kv}
-    over = {k: v for k, v in mem.items() if not k.startswith(("activations (no AC)", "vLLM KV"))}
+    phases = {"training (full AC)": training, "weight sync": state + vllm_w + bucket + 4 * largest,
+              "rollout": state + vllm_w + kv}
+    over = {k: v for k, v in mem.items() if not k.startswith(("activations (no AC)", "vLLM KV", "host"))}
     top = max(over.items(), key=lambda kv_: kv_[1])
     if training > budget:
         problems.insert(0, f"training needs {training / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of {gpu_gib:g} GiB; "
                         f"the largest part is {top[0]} ({top[1] / GiB:.1f} GiB)")
+    elif phases["weight sync"] > budget:
+        problems.insert(0, f"the weight sync needs {phases['weight sync'] / GiB:.1f} GiB per GPU; lower "
+                        f"rollout.sync_bucket_mib ({r.sync_bucket_mib})")
     elif in_flight < 1:
         problems.insert(0, f"rollouts: after the training state and vLLM's weights ({(state + vllm_w) / GiB:.1f} GiB) "
                         f"no KV cache is left for one {seq}-token sequence; the largest part is {top[0]} "

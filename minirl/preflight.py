@@ -197,16 +197,17 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
     if p.ep > 1 and (world_size % p.ep or shape.num_experts % p.ep):
         raise UsageError(f"parallel.ep = {p.ep} must divide the job's {world_size} rank(s) and the model's "
                          f"{shape.num_experts} experts (launch with torchrun --nproc-per-node N)")
-    if world_size > 1 and rec.rollout.tensor_parallel > 1:
-        raise UsageError(f"rollout.tensor_parallel = {rec.rollout.tensor_parallel} under torchrun: each rank runs its "
-                         "own vLLM engine on its share of the prompts (tensor_parallel = 1); engines spanning ranks "
-                         "are not written yet")
+    tp = rec.rollout.tensor_parallel
+    if world_size % tp or (world_size == 1 and tp > 1):
+        where = ("one process runs a single-GPU engine; launch with torchrun --nproc-per-node "
+                 f"{tp} (or more)" if world_size == 1 else f"it must divide the job's {world_size} ranks")
+        raise UsageError(f"rollout.tensor_parallel = {tp}: each vLLM engine spans {tp} ranks of the job; {where}")
     if t.prompts_per_step % (world_size * t.minibatches):
         raise UsageError(f"train.prompts_per_step = {t.prompts_per_step} must split evenly into "
                          f"{t.minibatches} mini-batch(es) on each of {world_size} rank(s)")
 
 
-def prepare_run(ws, rec, *, resume: bool, world_size: int = 1) -> RunInputs:
+def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
     from minirl.data import load_problems, prompt_ids
@@ -220,7 +221,7 @@ def prepare_run(ws, rec, *, resume: bool, world_size: int = 1) -> RunInputs:
     check_fits(shape, rec.model.id)
     check_replay(rec.train.replay, shape, rec.model.id)
     check_layout(rec, shape, world_size)
-    resume_from = pick_resume_checkpoint(ws, shape, rec.model.id) if resume else None
+    resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, auto=resume == "auto") if resume else None
     tok = load_tokenizer(model_dir)
     if rec.data.chat_template and not getattr(tok, "chat_template", None):
         raise UsageError(f"data.chat_template = true, and the tokenizer of {rec.model.id} has no chat template; "
@@ -238,13 +239,22 @@ def prepare_run(ws, rec, *, resume: bool, world_size: int = 1) -> RunInputs:
     return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from)
 
 
-def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str) -> Path:
+ENDED = ("finished", "collapsed")  # a run in one of these states is not resumed by `--resume auto`
+
+
+def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool = False) -> Path | None:
     """The newest complete checkpoint of the newest run that has one, checked. A damaged newest
-    checkpoint is an error, not a silent step back: the user decides what to lose."""
+    checkpoint is an error, not a silent step back: the user decides what to lose.
+
+    auto: None when there is nothing to continue (no run with a checkpoint, or that run ended as
+    finished or collapsed); a killed, interrupted or timed-out run is continued. The checkpoint
+    carries the guard's state, so a restarted job decides exactly as the killed one would have."""
     for run in ws.runs_newest_first():
         ckpts = complete_checkpoints(run)
         if not ckpts:
             continue
+        if auto and _status(run) in ENDED:
+            return None
         steps = {}
         for c in ckpts:
             try:
@@ -255,4 +265,13 @@ def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str) -> Path:
         newest = max(ckpts, key=lambda c: steps[c])
         check_checkpoint(newest, shape, model_id)
         return newest
+    if auto:
+        return None
     raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
+
+
+def _status(run: Path) -> str | None:
+    try:
+        return json.loads((run / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None  # no summary: the run was killed

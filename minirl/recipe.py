@@ -48,7 +48,11 @@ class RolloutConfig:
     max_tokens: int = 8  # response length limit
     memory_fraction: float = 0.1  # vLLM gpu_memory_utilization (CPU: fraction of NUMA-node RAM)
     kv_cache_gib: float = 0.0  # explicit KV-cache size; 0 = auto (CUDA: from memory_fraction; CPU: 0.5 GiB)
-    tensor_parallel: int = 1
+    tensor_parallel: int = 1  # GPUs per vLLM engine; under torchrun every tensor_parallel consecutive ranks share one
+    # between rollouts (CUDA; CPU has no sleep mode): 0 stay awake, 1 offload weights to host and drop
+    # the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost)
+    sleep_level: int = 2
+    sync_bucket_mib: int = 1024  # weight sync: whole decoder layers gathered and loaded at most this much at a time
     parity_every: int = 1  # check vLLM vs trainer log-probs on a fixed batch every k syncs (0 = never)
 
 
@@ -268,6 +272,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "rollout.kv_cache_gib": (0, math.inf, True),
     "rollout.tensor_parallel": (1, math.inf, True),
     "rollout.parity_every": (0, math.inf, True),
+    "rollout.sleep_level": (0, 2, True),
+    "rollout.sync_bucket_mib": (1, math.inf, True),
     "loss.eps_low": (0, 1, False),
     "loss.eps_high": (0, math.inf, False),
     "loss.tis_cap": (0, math.inf, False),

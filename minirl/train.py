@@ -1,6 +1,6 @@
 """Trainer: the TorchTitan Qwen3(-MoE) model, its log-probs/entropy, updates and checkpoints.
 
-Interface: `logprobs`, `forward_backward`, `optim_step`, `hf_state_dict`, `save`, `load`.
+Interface: `logprobs`, `forward_backward`, `optim_step`, `hf_buckets` (the weight sync), `hf_state_dict`, `save`, `load`.
 TorchTitan imports stay here and in `models.py`.
 
 Precision (`train.param_dtype`): on CPU parameters and attention compute in float32; TorchTitan's
@@ -182,6 +182,15 @@ class Trainer:
         from minirl.hf_io import titan_to_hf
 
         return titan_to_hf(self.shape, self.full_state_dict())
+
+    def hf_buckets(self, *, dtype: torch.dtype, bucket_bytes: int, transform=None):
+        """The weights in HF names, whole, a few decoder layers at a time (weight_sync.py); a
+        collective under torchrun: every rank iterates it to the end."""
+        from minirl.hf_io import adapter
+        from minirl.weight_sync import hf_buckets
+
+        return hf_buckets(self.model, adapter(self.shape).to_hf, dtype=dtype, bucket_bytes=bucket_bytes,
+                          transform=transform)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """TorchTitan names to whole tensors (shards gathered: a collective under torchrun)."""

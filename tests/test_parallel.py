@@ -76,9 +76,12 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path):
-    """`torchrun --nproc-per-node 2 minirl run`: each rank rolls out its share of the prompts with
-    its own vLLM engine, trains its FSDP2 + EP shard with R3 routes from its engine, syncs the
-    gathered weights into that engine and writes its DCP shards; one process then resumes."""
+    """`torchrun --nproc-per-node 2 --max-restarts 1 minirl run --resume auto`: each rank rolls out
+    its share of the prompts with its own vLLM engine, trains its FSDP2 + EP shard with R3 routes
+    from its engine, syncs the gathered weights into that engine and writes its DCP shards. Rank 1
+    is SIGKILLed as step 3 begins (an OOM kill); torchrun restarts both ranks (static rendezvous,
+    whose store outlives the attempt: launch.py gives each attempt its own keys), which continue
+    from the step-2 checkpoint. One process then resumes the 2-rank checkpoint."""
     import json
     import os
 
@@ -93,12 +96,13 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
             # a random policy earns no exact sums; a number within 500 of the sum gives a signal
             "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}']
     env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                        "-m", "cli.main", *args, "--set", "parallel.ep=2", "--steps", "3"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+                        "-m", "cli.main", *args, "--set", "parallel.ep=2", "--steps", "3", "--resume", "auto"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env={**env, "MINIRL_INJECT_KILL": "1@3"})
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.count("run summary") == 1  # rank 0 alone prints
+    assert "exitcode: -9" in r.stderr and "new run" in r.stdout and "resumed at step 2" in r.stdout  # killed, restarted
     run_dir = next((ws / "runs").iterdir())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -130,3 +134,37 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
     assert 0 < rows[-1]["sync/parity_abs_dlogp"] < 5e-2
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_across_nodes_and_resumes_from_the_newest_checkpoint(tiny_dir, tmp_path):
+    """The multi-node launch (README "Running on a cluster"): `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    torchrun --nnodes 2 --max-restarts 1 --rdzv-backend c10d ... minirl run --resume auto`, as two
+    agents of one rank each on this machine. The first attempt starts a new run; rank 1 is
+    SIGKILLed as step 3 begins (a lost node); both agents restart their ranks, which continue that
+    run from its step-2 checkpoint and finish it, one metrics row per step. (One node, static
+    rendezvous: the test above.)"""
+    import json
+    import os
+
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "MINIRL_INJECT_KILL": "1@3",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts",
+           "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "restart-test",
+           "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--resume", "auto", "--steps", "4",
+           "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=1",
+           "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}']
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    out = "\n".join(p.communicate(timeout=900)[0] for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], out[-4000:]
+    assert "new run" in out and "resumed at step 2" in out and "exitcode: -9" in out, out[-4000:]
+    runs = list((ws / "runs").iterdir())
+    assert len(runs) == 1  # the restart continued the run; it did not start another
+    rows = [json.loads(x) for x in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+    assert json.loads((runs[0] / "summary.json").read_text())["status"] == "finished"
+    assert all(0 < m["sync/parity_abs_dlogp"] < 5e-2 for m in rows)

