@@ -79,7 +79,9 @@ def launch_commands(nodes: int, gpus_per_node: int, args: str) -> list[str]:
     restart = f"--max-restarts {MAX_RESTARTS}"
     if nodes == 1:
         return [f"torchrun --nproc-per-node {gpus_per_node} {restart} -m cli.main {args} --resume auto"]
-    return [f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} {restart} --rdzv-backend c10d "
+    # a fresh rendezvous store per attempt, or a restart meets the dead attempt's addresses (launch.py)
+    return [f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} "
+            f"{restart} --rdzv-backend c10d "
             f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main {args} --resume auto"
             f"   # on each of the {nodes} nodes"]
 

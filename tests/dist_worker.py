@@ -89,6 +89,9 @@ def main() -> None:
     if rank == 0:
         torch.save({"loss": loss, "grads": grads, "weights": weights,
                     "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()})}, a.out)
+    # both ranks leave together: a rank tearing gloo down while its peer still works aborted once
+    # in a full-suite run ("terminate called without an active exception", SIGABRT at exit)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -121,29 +121,26 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.slow
-def test_the_cards_snippets_run(run_dir, tmp_path):
+def check_the_cards_snippets_run(out: Path) -> None:
     """The two loading snippets of the card, as written, pointed at the exported folder."""
-    out = tmp_path / "tiny-rl"
-    r = minirl("export", str(run_dir), str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
     text = (out / "README.md").read_text()
     assert "| rollback at step 5 | KL(μ‖π_old)" in text and "back to step 3 |" in text
     snippets = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(snippets) == 2
     for code in snippets:
         assert 'MODEL = "./tiny-rl"' in code
-        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        r = subprocess.run([sys.executable, "-c", code], cwd=out.parent, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
         assert r.returncode == 0, r.stderr[-3000:]  # it loaded and sampled (a random policy's text)
 
 
 @pytest.mark.slow
-def test_push_to_a_stand_in_hub(run_dir, tmp_path):
+def test_the_cards_snippets_run_and_push_to_a_stand_in_hub(run_dir, tmp_path):
     from hub_standin import READ, WRITE, Hub
 
     folder = tmp_path / "tiny-rl"
     assert minirl("export", str(run_dir), str(folder)).returncode == 0
+    check_the_cards_snippets_run(folder)
     home = tmp_path / "hf-home"  # no saved login of this machine's user
 
     def push(*args, token=WRITE):

@@ -141,14 +141,15 @@ def test_sigterm_stops_like_ctrl_c_and_nan_updates_never_reach_the_weights(small
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
-    """10 kills: 7 at a random moment of the steps, 3 while a checkpoint is being written. After
-    each, every complete checkpoint loads, and the resumed run continues from the newest one."""
+    """6 kills: 4 at a random moment of the steps, 2 while a checkpoint is being written. After
+    each, every complete checkpoint loads, and the resumed run continues from the newest one.
+    (torchrun restarts after a SIGKILL: tests/test_parallel.py.)"""
     ws = fresh_copy(small_ws, tmp_path)
     rng = random.Random(0)
     args = ["--steps", "100000", *EVERY_STEP, "--set", "checkpoint.keep=2"]
     figures = []
     proc = start(ws, *args)
-    for kill in range(10):
+    for kill in range(6):
         run_dir = latest_run(ws)
         before = len(metric_rows(run_dir, allow_torn_last=True)) if run_dir else 0
         wait_for_rows(lambda: latest_run(ws), before + 1, proc)  # stepping (again)
@@ -193,7 +194,7 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
     rows = metric_rows(run_dir)  # no torn line left
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     print("\nSIGKILL figures:", json.dumps(figures, indent=1))
-    assert sum(f["in_checkpoint_write"] for f in figures) >= 3
+    assert sum(f["in_checkpoint_write"] for f in figures) >= 2
 
 
 @pytest.mark.slow

