@@ -289,6 +289,48 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
 
 
 @cli.command()
+@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
+@click.option("--run", "run_name", default=None, help="A run folder's name under WORKSPACE/runs [default: the newest].")
+@click.option("--follow", is_flag=True, help="Refresh every 2 s while the run goes on.")
+@click.option("--plot", "plot_png", type=click.Path(dir_okay=False, path_type=Path), default=None, is_flag=False,
+              flag_value=Path("metrics.png"),
+              help="Also write the run's figure now (to runs/<id>/metrics.png, or the path given).")
+def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path | None) -> None:
+    """How a run goes, from its files alone: state (running, finished, interrupted, time_limit,
+    collapsed, or killed), step, steps per second and ETA, the last metrics, held-out figures,
+    the guard's rollbacks and skipped updates, and the newest checkpoint. Works from another
+    terminal while the run goes on, and on a finished run."""
+    import time
+
+    from rich.live import Live
+
+    from cli.render import status_view
+    from minirl import status as status_mod
+    from minirl.errors import UsageError
+
+    if run_name is not None:
+        run_dir = workspace / "runs" / run_name
+        if not run_dir.is_dir():
+            raise UsageError(f"no run {run_name!r} in {workspace / 'runs'}")
+    else:
+        run_dir = status_mod.latest_run(workspace)
+    if plot_png is not None:
+        from minirl.plots import plot_metrics
+
+        out = run_dir / plot_png.name if plot_png == Path("metrics.png") else plot_png
+        console.print(f"plot: {plot_metrics(run_dir / 'metrics.jsonl', out)}")
+    st = status_mod.read(run_dir)
+    if not follow:
+        console.print(status_view(st))
+        return
+    with Live(status_view(st), console=console, refresh_per_second=1) as live:
+        while st.state == "running":
+            time.sleep(2)
+            st = status_mod.read(run_dir)
+            live.update(status_view(st))
+
+
+@cli.command()
 @click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
               show_default=True, help="Workspace whose recipe and data to use.")
 @click.option("--checkpoint", default="latest", show_default=True,

@@ -123,3 +123,45 @@ def print_plan(console: Console, plan, *, recipe: str, launch: list[str]) -> Non
         console.print(f"  launch: {cmd}", soft_wrap=True)
     for p in plan.problems:
         console.print(f"  [bold red]does not fit:[/] {p}")
+
+
+STATUS_COLORS = {"running": "green", "finished": "green", "interrupted": "yellow", "time_limit": "yellow",
+                 "killed": "red", "collapsed": "red"}
+
+
+def status_view(st) -> Group:
+    """`minirl status`: the run's state line, its last metrics, held-out figures and guard events."""
+    color = STATUS_COLORS.get(st.state, "cyan")
+    pace = []
+    if st.steps_per_s:
+        pace.append(f"{st.steps_per_s:.2f} steps/s")
+    if st.eta_s is not None:
+        pace.append(f"eta {_duration(st.eta_s)}")
+    head = Table.grid(padding=(0, 2))
+    head.add_row(f"[bold]{st.run_dir.name}[/]", f"[bold {color}]{st.state}[/]",
+                 f"step {st.step}/{st.total_steps}", *pace)
+    parts = [head]
+    if st.last:
+        table = Table(box=None, pad_edge=False)
+        for _, title, _ in LIVE_KEYS:
+            table.add_column(title, justify="right")
+        table.add_row(*[_fmt(st.last.get(k), f) for k, _, f in LIVE_KEYS])
+        parts.append(table)
+    h = st.heldout
+    if h.get("start"):
+        metric = h.get("metric") or next(k for k in h["start"] if k.startswith("avg@"))
+        end = f" → {h['end'][metric]:.3f}" if h.get("end") else ""
+        parts.append(f"held-out {metric}: {h['start'][metric]:.3f}{end}")
+    for rb in st.rollbacks:
+        back = f", back to step {rb['back_to']}" if rb["back_to"] is not None else ""
+        parts.append(f"[red]rollback at step {rb['step']}[/]: {rb['reason']}{back}")
+    if st.skipped:
+        parts.append(f"[yellow]skipped updates[/] at steps {', '.join(map(str, st.skipped))}")
+    if st.newest_checkpoint is not None:
+        parts.append(f"newest checkpoint: {st.newest_checkpoint}")
+    return Group(*parts)
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from minirl import atomic, objective, weight_sync
+from minirl import status as status_mod
 from minirl.data import PromptSampler
 from minirl.errors import RunIOError
 from minirl.evaluate import evaluate, response_text
@@ -38,6 +39,7 @@ from minirl.preflight import RunInputs, complete_checkpoints, prepare_run
 from minirl.recipe import Recipe
 from minirl.replay import rollout_routes, route_agreement
 from minirl.rollout import VLLMEngine
+from minirl.sinks import Sinks
 from minirl.summary import write_summary
 from minirl.train import Batch, Trainer, build_batch
 from minirl.workspace import Workspace
@@ -394,6 +396,8 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
         if world.main:
             atomic.sweep(run_dir / "checkpoints")  # what a killed writer or deleter left behind
             atomic.write_text(run_dir / "recipe.toml", rec.to_toml())
+            atomic.write_text(run_dir / status_mod.PROCESS_FILE,  # who runs it, for `minirl status`
+                              json.dumps(status_mod.process_record(str(resume_from) if resume_from else None)))
         rl = RLRun(ws, rec, inputs, run_dir=run_dir, world=world)
     except BaseException:
         if resume_from is None and world.main:  # a run that never started leaves no folder for --resume to pick
@@ -425,6 +429,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
         _truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
     status = "finished"
     t_rl = time.time()
+    sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
+                  resumed_at=rl.state.step if rl.state.step else None) if world.main else None
     with metrics_path.open("a") if world.main else open(os.devnull, "w") as mf:
         while rl.state.step < rec.train.steps:
             if world.any(Stop.requested):  # every rank stops after the same step
@@ -436,6 +442,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             m = rl.step()
             mf.write(json.dumps(m) + "\n")  # one write per row; a kill can tear only the last line
             mf.flush()
+            if sinks:
+                sinks.log(m)  # TensorBoard / W&B, as enabled in [metrics]
             on_event("step", m)
             if m.get("guard/action") in ("rollback", "stop", "skip"):
                 on_event("guard", {"step": m["step"], "action": m["guard/action"], "reason": m["guard/reason"],
@@ -466,6 +474,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
+    sinks.close(summary)
     on_event("done", summary)
     return summary
 

@@ -116,6 +116,18 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """Where each step's metrics go besides runs/<id>/metrics.jsonl (minirl/sinks.py)."""
+
+    tensorboard: bool = False  # event files in runs/<id>/tensorboard
+    wandb: bool = False  # Weights & Biases; WANDB_MODE=offline writes runs/<id>/wandb with no network
+    wandb_project: str = "minirl"
+    wandb_entity: str = ""  # default: the logged-in user's
+    wandb_name: str = ""  # default: the run folder's name
+    wandb_tags: str = ""  # comma-separated
+
+
+@dataclass(kw_only=True, slots=True)
 class GuardConfig:
     """Collapse detection and rollback (minirl/guard.py)."""
 
@@ -162,6 +174,7 @@ class Recipe:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
     run_dir = rl.state.run_dir
     summary = {
         "status": status,
+        "written_at": time.time(),  # `minirl status` tells it from an earlier attempt's
         "steps": rl.state.step,
         "wall_s": round(wall_s, 1),
         "phases_s": {k: round(v, 1) for k, v in phases.items()},

@@ -1,0 +1,136 @@
+"""The state of a run, read from its files alone (`minirl status`): works from another terminal,
+another machine with the same filesystem, and on a finished run.
+
+What a run leaves: `process.json` (who runs it: pid, host, start), `metrics.jsonl` (a row per
+step), `checkpoints/step_*`, `recipe.toml`, and `summary.json` at the end. The state is
+- running:     process.json names a live minirl process on this host (the pid is checked against
+               its command line, so a reused pid is not mistaken for the run);
+- finished / interrupted / time_limit / collapsed: what summary.json says, once no process runs it;
+- killed:      neither (the process died without a summary: `minirl run --resume` continues it);
+- running on HOST?: the process is on another host and the run has no summary yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minirl.errors import UsageError
+from minirl.summary import metric_rows
+
+PROCESS_FILE = "process.json"
+
+
+def process_record(resumed_from: str | None) -> dict:
+    """What a starting run writes to process.json (rank 0)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "resumed_from": resumed_from}
+
+
+@dataclass
+class RunStatus:
+    run_dir: Path
+    state: str
+    step: int
+    total_steps: int
+    steps_per_s: float | None
+    eta_s: float | None
+    last: dict
+    heldout: dict  # {"metric", "start", "end"} as far as known
+    rollbacks: list[dict] = field(default_factory=list)  # {"step", "reason", "back_to"}
+    skipped: list[int] = field(default_factory=list)
+    newest_checkpoint: Path | None = None
+    process: dict = field(default_factory=dict)
+
+
+def latest_run(ws_root: Path) -> Path:
+    runs = sorted((p for p in (Path(ws_root) / "runs").glob("*") if p.is_dir()), reverse=True)
+    if not (Path(ws_root) / "runs").is_dir() or not runs:
+        raise UsageError(f"no runs in {ws_root}: start one with `minirl run {ws_root}`")
+    return runs[0]
+
+
+def read(run_dir: Path) -> RunStatus:
+    from minirl.preflight import complete_checkpoints
+
+    run_dir = Path(run_dir)
+    rows = metric_rows(run_dir / "metrics.jsonl")
+    summary = _json(run_dir / "summary.json")
+    proc = _json(run_dir / PROCESS_FILE)
+    recipe = _recipe(run_dir)
+    total = int(recipe.get("train", {}).get("steps", 0))
+    step = rows[-1]["step"] if rows else 0
+    rate = _rate(rows)
+    ckpts = complete_checkpoints(run_dir)
+    state = _state(proc, summary)
+
+    if state == "running":  # a summary on disk belongs to an earlier attempt of this run
+        start = (_json(ckpts[-1] / "minirl.json").get("heldout_start") if ckpts else None) or \
+            (summary.get("heldout") or {}).get("start")
+        heldout = {"start": start} if start else {}
+    else:
+        heldout = dict(summary.get("heldout") or {})
+    rollbacks = [{"step": r["step"], "reason": r.get("guard/reason", ""), "back_to": r.get("guard/rollback_to_step")}
+                 for r in rows if r.get("guard/action") in ("rollback", "stop")]
+    return RunStatus(
+        run_dir=run_dir, state=state, step=step, total_steps=total, steps_per_s=rate,
+        eta_s=(total - step) / rate if rate and state == "running" and total > step else None,
+        last=rows[-1] if rows else {}, heldout=heldout, rollbacks=rollbacks,
+        skipped=[r["step"] for r in rows if r.get("guard/action") == "skip"],
+        newest_checkpoint=ckpts[-1] if ckpts else None, process=proc,
+    )
+
+
+def _state(proc: dict, summary: dict) -> str:
+    here = proc.get("host") == socket.gethostname()
+    if proc and here and _alive(int(proc.get("pid", 0))):
+        return "running"
+    if summary and (not proc or float(summary.get("written_at", 0)) >= float(proc.get("started", 0))):
+        return summary.get("status", "finished")
+    if proc and not here:
+        return f"running on {proc.get('host')}?"
+    return "killed"
+
+
+def _alive(pid: int) -> bool:
+    """A live process with this pid that is a minirl run (not another program that got the pid)."""
+    if pid <= 0:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"minirl" in cmdline or b"cli.main" in cmdline
+
+
+def _rate(rows: list[dict]) -> float | None:
+    """Steps per second over the newest rows of one process (elapsed time only grows within one)."""
+    tail = []
+    for r in reversed(rows[-20:]):
+        e = r.get("timing/elapsed_s")
+        if not isinstance(e, (int, float)) or (tail and e >= tail[-1][1]):
+            break
+        tail.append((r["step"], e))
+    if len(tail) < 2:
+        return None
+    (s1, e1), (s0, e0) = tail[0], tail[-1]
+    return (s1 - s0) / (e1 - e0) if e1 > e0 else None
+
+
+def _json(path: Path) -> dict:
+    try:
+        d = json.loads(Path(path).read_text())
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _recipe(run_dir: Path) -> dict:
+    try:
+        return tomllib.loads((run_dir / "recipe.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
