@@ -1,0 +1,67 @@
+"""`minirl status`'s reading of a run's files: the state rules, the pace, the held-out line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+from minirl import status
+
+
+def make_run(root, *, proc=None, summary=None, rows=3, steps=10):
+    run = root / "runs" / "20261123-010203"
+    run.mkdir(parents=True)
+    (run / "recipe.toml").write_text(f"[train]\nsteps = {steps}\n")
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "rollout/reward_mean": 0.1 * s, "timing/elapsed_s": 10.0 + 2 * s}) + "\n"
+        for s in range(1, rows + 1)))
+    if proc is not None:
+        (run / "process.json").write_text(json.dumps(proc))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_a_live_minirl_process_is_running_with_pace_and_eta(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "cli.main"])  # "cli.main" in its cmdline
+    try:
+        run = make_run(tmp_path, proc={"pid": p.pid, "host": socket.gethostname(), "started": time.time()})
+        st = status.read(run)
+        assert (st.state, st.step, st.total_steps) == ("running", 3, 10)
+        assert st.steps_per_s == 0.5 and st.eta_s == 14.0  # 2 s a step; 7 steps left
+    finally:
+        p.kill()
+        p.wait()
+    assert status.read(run).state == "killed"  # the process is gone, and no summary came
+
+
+def test_a_reused_pid_is_not_the_run_and_summaries_are_read_by_age(tmp_path):
+    p = subprocess.Popen(["sleep", "60"])  # alive, but not minirl: a pid the run's could have been reused for
+    try:
+        started = time.time()
+        run = make_run(tmp_path, proc={"pid": p.pid, "host": socket.gethostname(), "started": started},
+                       summary={"status": "interrupted", "written_at": started - 100})  # an earlier attempt's
+        assert status.read(run).state == "killed"
+        (run / "summary.json").write_text(json.dumps({"status": "collapsed", "written_at": started + 5}))
+        assert status.read(run).state == "collapsed"
+        (run / "process.json").write_text(json.dumps({"pid": 1, "host": "node-17", "started": started + 10}))
+        assert status.read(run).state == "running on node-17?"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_rollbacks_and_skips_are_listed(tmp_path):
+    run = make_run(tmp_path, summary={"status": "finished", "heldout": {"metric": "avg@4", "start": {"avg@4": 0.3},
+                                                                       "end": {"avg@4": 0.6}}})
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 4, "guard/action": "skip", "guard/reason": "loss not finite"}) + "\n")
+        f.write(json.dumps({"step": 5, "guard/action": "rollback", "guard/reason": "KL 0.2 > 0.1",
+                            "guard/rollback_to_step": 2}) + "\n")
+    st = status.read(run)
+    assert st.state == "finished" and st.eta_s is None
+    assert st.skipped == [4] and st.rollbacks == [{"step": 5, "reason": "KL 0.2 > 0.1", "back_to": 2}]
+    assert st.heldout["end"] == {"avg@4": 0.6}
