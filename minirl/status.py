@@ -48,8 +48,10 @@ class RunStatus:
 
 
 def latest_run(ws_root: Path) -> Path:
-    runs = sorted((p for p in (Path(ws_root) / "runs").glob("*") if p.is_dir()), reverse=True)
-    if not (Path(ws_root) / "runs").is_dir() or not runs:
+    from minirl.workspace import Workspace
+
+    runs = Workspace(Path(ws_root)).runs_newest_first()
+    if not runs:
         raise UsageError(f"no runs in {ws_root}: start one with `minirl run {ws_root}`")
     return runs[0]
 

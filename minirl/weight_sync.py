@@ -60,7 +60,7 @@ def hf_buckets(
         layer = to_hf({name: gather(state[name]).to(dtype) for name in group})
         if transform is not None:
             layer = transform(layer)
-        nbytes = sum(t.numel() * t.element_size() for t in layer.values())
+        nbytes = bucket_nbytes(list(layer.items()))
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
