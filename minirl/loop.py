@@ -2,11 +2,13 @@
 
     prompts (datasets) ──▶ VLLMEngine.generate ──▶ completions + log μ_θold
         ──▶ grader ──▶ rewards R [B, G] ──▶ group advantages A
-        ──▶ Trainer.logprobs ──▶ log π_θold, entropy          (KL(μ‖π_old) measured here)
+        ──▶ Trainer.logprobs ──▶ log π_θold, entropy          (KL(μ‖π_old) measured here; on-policy,
+                                                               N = 1, the update's own forward gives them)
         ──▶ N × (forward_backward(MiniRL loss) ──▶ Guard.decide ──▶ optimizer step)
                                                               (π_θold fixed for the step)
-        ──▶ VLLMEngine.load_weights (in place)                (parity check on a fixed batch)
+        ──▶ VLLMEngine.load_weights (in place)                (parity check on a fixed batch, on a schedule)
         ──▶ metrics.jsonl ──▶ checkpoint every k steps       (or rollback, when the guard says so)
+                          ──▶ held-out avg@k every eval.every steps (off the RL clock)
 
 Deliberately simple: rollouts and training alternate (no async, no overlap), so on-policy N = 1
 is exactly on-policy and every number in the log has one meaning. Under torchrun every rank runs
@@ -109,6 +111,7 @@ class RLRun:
                                              max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
                                              capture_routes=rec.train.replay == "r3")
         self.tp = rec.rollout.tensor_parallel  # ranks per vLLM engine
+        self.first_step = self.state.step  # of this process (a resumed run checks its first sync again)
         self.sync()  # resumed weights, or FP8-emulated ones; a no-op in effect otherwise (~30 ms)
         self._parity_pairs = self._fixed_parity_pairs()
 
@@ -145,6 +148,13 @@ class RLRun:
                         max_tokens=self.rec.rollout.max_tokens, decode=self.decode, eos_id=self.eos,
                         gather=lambda rows: world.gather(world.member_share(rows, tp)))
 
+    def _guard_view(self, batch: Batch, old_logp: torch.Tensor, ent: torch.Tensor) -> tuple[float, float]:
+        """KL(μ_old ‖ π_old) and the entropy of π_old, over all ranks (token-weighted; every rank has
+        B·G rows): what the guard decides on."""
+        kl = objective.train_inference_kl(batch.rollout_logp_BT, old_logp, batch.mask_BT)
+        entropy = objective.masked_mean(ent, batch.mask_BT)
+        return tuple(self.world.mean({"kl": kl, "entropy": entropy}, weight=float(batch.mask_BT.sum())).values())
+
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> dict:
         r, t, world = self.rec, self.state.timing, self.world
@@ -172,12 +182,16 @@ class RLRun:
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad)
         t0 = _timed(t, "grade", t0)
 
-        replay_metrics = {}
+        # π_θold. On-policy (N = 1) the one update's forward is at θ_old: it yields log π_θold itself
+        # (`fused`), identical to a forward of its own, which would cost 10-15% of a step.
+        fused = N == 1 and not (r.train.replay == "r3" and r.train.replay_diagnostics)
+        replay_metrics, routes, old_logp = {}, None, None
         if r.train.replay == "r3":  # π_old under the rollout engine's routes; the trainer's own for metrics
             routes = rollout_routes(comps, batch, self.trainer.replay.num_layers, self.shape.top_k,
                                     self.shape.num_experts)
-            old_logp, ent, _ = self.trainer.logprobs(batch, routes=routes)
             replay_metrics = {"replay/coverage": 1.0}  # every fed position has a captured route (checked when built)
+            if not fused:
+                old_logp, ent, _ = self.trainer.logprobs(batch, routes=routes)
             if r.train.replay_diagnostics:
                 own_logp, _, own_routes = self.trainer.logprobs(batch, record_routes=True)
                 agree = route_agreement(routes, own_routes, batch.mask_BT)
@@ -187,23 +201,24 @@ class RLRun:
                     "train/kl_mu_pi_old_noreplay": objective.train_inference_kl(
                         batch.rollout_logp_BT, own_logp, batch.mask_BT),
                 })
-        else:  # R2 records the trainer's own routes under π_old and replays them in every mini-batch
+        elif not fused:  # R2 records the trainer's own routes under π_old and replays them in every mini-batch
             old_logp, ent, routes = self.trainer.logprobs(batch, record_routes=r.train.replay == "r2")
-        kl = objective.train_inference_kl(batch.rollout_logp_BT, old_logp, batch.mask_BT)
-        batch = batch.with_old_logp(old_logp)  # π_θold, fixed for every mini-batch of this step
+        reward, lr = world.mean({"reward": float(rewards_PG.mean())})["reward"], self.lr
+        if not fused:
+            batch = batch.with_old_logp(old_logp)  # π_θold, fixed for every mini-batch of this step
+            kl, entropy = self._guard_view(batch, old_logp, ent)
         t0 = _timed(t, "old_logp", t0)
 
-        entropy, reward, lr = objective.masked_mean(ent, batch.mask_BT), float(rewards_PG.mean()), self.lr
-        # what the guard decides on, over all ranks (token-weighted; every rank has B·G rows)
-        kl, entropy = world.mean({"kl": kl, "entropy": entropy}, weight=float(batch.mask_BT.sum())).values()
-        reward = world.mean({"reward": reward})["reward"]
         mb_metrics, losses, grad_norms, verdict = [], [], [], Verdict("step")
         inject = injected_nan(step)
         for j, idx in enumerate(minibatch_indices(B, G, N, seed=step)):
             mb = batch.select(idx)
             loss_fn = loss_for(r, poison=inject == "loss")
-            loss, m = self.trainer.forward_backward(mb, loss_fn, routes=routes[:, idx] if routes is not None else None,
-                                                    micro_batch_tokens=r.train.micro_batch_tokens)
+            loss, m, *own = self.trainer.forward_backward(
+                mb, loss_fn, routes=routes[:, idx] if routes is not None else None,
+                micro_batch_tokens=r.train.micro_batch_tokens, with_logp=fused)
+            if fused:  # the one mini-batch is the whole batch, its forward π_θold
+                kl, entropy = self._guard_view(mb, *own)
             if inject == "grad":
                 self.trainer.fill_grads(math.nan)
             norm = self.trainer.clip_grads()
@@ -232,7 +247,9 @@ class RLRun:
         else:
             self.sync()
         t0 = _timed(t, "sync", t0)
-        parity = self.parity() if r.rollout.parity_every and step % r.rollout.parity_every == 0 else float("nan")
+        every = r.rollout.parity_every  # after the run's first sync, every k-th, and every rollback
+        due = every and (step == self.first_step + 1 or step % every == 0 or rollback_to)
+        parity = self.parity() if due else float("nan")
         _timed(t, "parity", t0)
 
         self.state.step = step
@@ -319,7 +336,9 @@ def loss_for(r: Recipe, *, poison: bool = False) -> Callable[[torch.Tensor, Batc
               length_norm=r.loss.length_norm)
 
     def fn(logp_BT: torch.Tensor, b: Batch):
-        loss, m = objective.policy_loss(r.loss.name, logp_BT, b.old_logp_BT, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+        # on-policy (N = 1) the batch has no π_θold yet: it is this forward's π_θ, held fixed
+        old = b.old_logp_BT if b.old_logp_BT is not None else logp_BT.detach()
+        loss, m = objective.policy_loss(r.loss.name, logp_BT, old, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
         return (loss * math.nan, m) if poison else (loss, m)
 
     return fn
@@ -428,6 +447,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     if world.main:
         _truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
     status = "finished"
+    last_eval = (None, {})  # (step, held-out result) of the newest periodic eval (eval.every)
     t_rl = time.time()
     sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
                   resumed_at=rl.state.step if rl.state.step else None) if world.main else None
@@ -439,7 +459,20 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             if world.any(rec.train.time_limit_s and time.time() - t_rl > rec.train.time_limit_s):
                 status = "time_limit"
                 break
+            t_iter = time.perf_counter()
             m = rl.step()
+            timing = rl.state.timing  # "loop": the RL clock, every step's wall, held-out evals left out
+            _timed(timing, "loop", t_iter)
+            m["timing/loop_s"] = round(timing["loop"], 4)
+            if rec.eval.every and rl.state.step % rec.eval.every == 0:
+                t0 = time.time()
+                heldout = rl.heldout_eval()  # of this step's weights, off the RL clock
+                last_eval = (rl.state.step, heldout)
+                m.update({f"heldout/{k}": v for k, v in heldout.items() if "@" in k})
+                on_event("eval", {"which": f"step {rl.state.step}", **heldout})
+                eval_s += time.time() - t0
+                timing["heldout"] = timing.get("heldout", 0.0) + time.time() - t0
+            t_iter = time.perf_counter()
             mf.write(json.dumps(m) + "\n")  # one write per row; a kill can tear only the last line
             mf.flush()
             if sinks:
@@ -452,16 +485,19 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 status = "collapsed"
                 break
             if rl.state.step % rec.checkpoint.every == 0 and rl.state.step < rec.train.steps:
+                t0 = time.perf_counter()
                 path = rl.save(f"step_{rl.state.step:06d}")
                 rl.prune(rec.checkpoint.keep)
+                _timed(timing, "checkpoint", t0)
                 on_event("checkpoint", {"path": str(path), "step": rl.state.step})
+            _timed(timing, "loop", t_iter)  # writing the row, the sinks and the checkpoint are RL time too
     rl_s = time.time() - t_rl
 
     final = rl.save(f"step_{rl.state.step:06d}")
     rl.prune(rec.checkpoint.keep)
     on_event("checkpoint", {"path": str(final), "step": rl.state.step})
     t0 = time.time()
-    heldout_end = rl.heldout_eval()
+    heldout_end = last_eval[1] if last_eval[0] == rl.state.step else rl.heldout_eval()  # the same weights: once
     on_event("eval", {"which": "end", **heldout_end})
     eval_s += time.time() - t0
 

@@ -33,6 +33,11 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
         if pts:
             ax.plot(*zip(*pts), lw=1.2)
+        if key == "rollout/reward_mean":  # held-out scores of eval.every, on the same scale
+            for hk in sorted({k for r in rows for k in r if k.startswith("heldout/avg@")}):
+                hpts = [(r["step"], r[hk]) for r in rows if isinstance(r.get(hk), (int, float))]
+                ax.plot(*zip(*hpts), "o-", color="tab:green", ms=3, lw=1.0, label=f"held-out {hk.split('/')[1]}")
+                ax.legend(fontsize=8)
         for step, color, style, label in marks:
             ax.axvline(step, color=color, ls=style, lw=1.0, label=label)
         ax.set_title(title, fontsize=10)

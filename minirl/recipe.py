@@ -53,7 +53,9 @@ class RolloutConfig:
     # the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost)
     sleep_level: int = 2
     sync_bucket_mib: int = 1024  # weight sync: whole decoder layers gathered and loaded at most this much at a time
-    parity_every: int = 1  # check vLLM vs trainer log-probs on a fixed batch every k syncs (0 = never)
+    # check vLLM vs trainer log-probs on a fixed batch after the first sync, every k-th and every
+    # rollback (0 = never); each check costs about a π_old forward of 16 responses
+    parity_every: int = 10
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,6 +105,7 @@ class EvalConfig:
     k: int = 4  # samples per held-out problem
     temperature: float = 1.0
     max_problems: int = 500
+    every: int = 0  # also score the held-out set every k steps during `run` (0 = at the start and end only)
     max_tokens: int = 0  # response limit for `minirl eval` (0 = rollout.max_tokens)
     prompt_template: str = ""  # benchmark prompt, with {problem}; "" = the benchmark's own (boxed-answer)
     grader_workers: int = 2  # grader processes for `minirl eval`
@@ -303,6 +306,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "reward.workers": (0, 256, True),
     "reward.timeout_s": (0, math.inf, False),
     "eval.k": (1, math.inf, True),
+    "eval.every": (0, math.inf, True),
     "eval.temperature": (0, math.inf, True),
     "eval.max_problems": (1, math.inf, True),
     "eval.max_tokens": (0, math.inf, True),

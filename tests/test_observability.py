@@ -95,6 +95,8 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3, 4, 5]
     assert [m["step"] for m in rows if m.get("guard/action") == "rollback"] == [2, 4]
+    # parity (every 10th sync by default) also checks the run's first sync and every rollback's
+    assert [not math.isnan(m["sync/parity_abs_dlogp"]) for m in rows] == [True, True, False, True, False]
     r = minirl("status", str(ws))
     assert r.returncode == 0, r.stderr
     assert f"{run_dir.name}  finished  step 5/5" in r.stdout

@@ -94,7 +94,8 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
     ws = data_workspace(tmp_path / "ws")
     args = ["run", str(ws), "--model", str(tiny_dir), "--replay", "r3", "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=2",
             # a random policy earns no exact sums; a number within 500 of the sum gives a signal
-            "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}']
+            "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}',
+            "--set", "rollout.parity_every=1"]
     env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
@@ -159,7 +160,8 @@ def test_a_killed_rank_restarts_across_nodes_and_resumes_from_the_newest_checkpo
            "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--resume", "auto", "--steps", "4",
            "--set", "rollout.tensor_parallel=2",
            "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=1",
-           "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}']
+           "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}',
+           "--set", "rollout.parity_every=1"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     out = "\n".join(p.communicate(timeout=900)[0] for p in procs)

@@ -89,6 +89,36 @@ def test_micro_batches_give_the_whole_batch_gradient():
         torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("micro", [0, 2])
+def test_on_policy_update_gives_pi_old_itself(micro):
+    """N = 1: the update's own forward is at θ_old, so the loop takes log π_θold and H from it
+    (loop.loss_for holds it fixed) instead of a second forward: same values, same gradient."""
+    from minirl import recipe
+    from minirl.loop import loss_for
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [[4, 5, 16]] * 6
+    resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] + [2] for n in (1, 3, 2, 4, 1, 2)]
+    b = build_batch(prompts, resps, [[-1.0 - 0.1 * i for i in range(len(r))] for r in resps],
+                    [0.5, -0.5, 1.0, -1.0, 0.2, -0.2], pad_id=0)
+    fn = loss_for(recipe.load(None))
+    micro_tokens = micro * b.tokens_BL.shape[1]
+
+    separate = Trainer(TINY, lr=1e-3, seed=0)
+    old, ent, _ = separate.logprobs(b)
+    loss1, m1 = separate.forward_backward(b.with_old_logp(old), fn, micro_batch_tokens=micro_tokens)
+    fused = Trainer(TINY, lr=1e-3, seed=0)
+    loss2, m2, own_logp, own_ent = fused.forward_backward(b, fn, micro_batch_tokens=micro_tokens, with_logp=True)
+
+    torch.testing.assert_close(own_logp, old, rtol=0, atol=1e-6)  # eval and train mode: no dropout, same π
+    torch.testing.assert_close(own_ent, ent, rtol=0, atol=1e-6)
+    assert loss2 == pytest.approx(loss1, rel=1e-6) and m2["loss/is_weight_mean"] == pytest.approx(m1["loss/is_weight_mean"])
+    assert m2["loss/clip_frac"] == 0.0  # ratio π/π_old is exactly 1 on-policy
+    for (n, p1), (_, p2) in zip(separate.model.named_parameters(), fused.model.named_parameters()):
+        if p1.grad is not None:
+            torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
 def test_bf16_compute_keeps_fp32_master_weights():
     """train.param_dtype = bfloat16 (the CUDA default): the forward computes in bfloat16, while
     weights, gradients and Adam's moments stay float32."""
