@@ -68,9 +68,13 @@ def cli(verbose: bool) -> None:
 @click.option("--recipe", "recipe_name", default=None,
               help="Shipped recipe (a file stem in recipes/) to start from [default: tiny; with --model, the "
                    "model's own recipe if one is shipped, else qwen3].")
+@click.option("--task", type=click.Choice(["addition", "scratchpad"]), default=None,
+              help="Embedded task for the tiny model: addition (the default; 3-digit sums, 4-5 response tokens) or "
+                   "scratchpad (3-5-digit sums written out column by column, 20-46 tokens; recipe tiny-scratchpad, "
+                   "the stage of `minirl lab`).")
 @click.option("--force", is_flag=True, help="Rebuild an existing workspace (deletes its data, model and runs).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-def init(workspace: Path, model_id: str | None, recipe_name: str | None, force: bool,
+def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: str | None, force: bool,
          overrides: tuple[str, ...]) -> None:
     """Create a workspace in WORKSPACE (default ./minirl-ws).
 
@@ -96,7 +100,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, force: 
             prog.update(tasks[stage], completed=done, total=total, info=text)
 
         try:
-            report = init_workspace(workspace, recipe_name=recipe_name, model=model_id, force=force,
+            report = init_workspace(workspace, recipe_name=recipe_name, model=model_id, task=task, force=force,
                                     overrides=list(overrides),
                                     progress=progress)
         except FileExistsError:
@@ -105,9 +109,11 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, force: 
             return
     console.print(f"[green]workspace ready:[/] {report['workspace']}")
     if "cold_start_steps" in report:
-        console.print(f"  tiny-qwen3-moe: {report['params']:,} params; cold start: {report['cold_start_steps']} SFT steps "
-                      f"in {report['cold_start_s']} s, dev accuracy {report['cold_start_dev_acc']:.2f} "
-                      f"(target {report['cold_start_target_acc']})")
+        lens = report["response_tokens"]
+        console.print(f"  tiny-qwen3-moe on {report['task']}: {report['params']:,} params; cold start: "
+                      f"{report['cold_start_steps']} SFT steps in {report['cold_start_s']} s, dev accuracy "
+                      f"{report['cold_start_dev_acc']:.2f} (target {report['cold_start_target_acc']}); responses "
+                      f"{lens['min']}-{lens['max']} tokens (mean {lens['mean']:.1f})")
     if "moe" in report:
         kind = f"Qwen3-MoE, {report['active'] / 1e9:.2f}B active" if report["moe"] else "dense Qwen3"
         console.print(f"  model {report['model']}: {report['params'] / 1e9:.2f}B params ({kind}); recipe from "

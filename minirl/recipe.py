@@ -147,9 +147,12 @@ class GuardConfig:
 class ColdStartConfig:
     """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
 
+    task: str = "addition"  # the embedded task init builds (minirl/task.py): addition | scratchpad
+
     max_steps: int = 1000
     target_acc: float = 0.3  # stop once sampled (T=1) accuracy on the dev split reaches this
     dev_size: int = 256  # carved from the train split for the stopping rule; never the held-out split
+    check_every: int = 25  # SFT steps between dev-accuracy checks (accuracy can jump within a few dozen)
     batch_size: int = 128
     lr: float = 3e-3
     seed: int = 0
@@ -319,6 +322,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "guard.max_rollbacks": (0, math.inf, True),
     "guard.lr_factor": (0, 1, False),
     "cold_start.max_steps": (1, math.inf, True),
+    "cold_start.check_every": (1, math.inf, True),
     "cold_start.target_acc": (0, 1, True),
     "cold_start.dev_size": (1, math.inf, True),
     "cold_start.batch_size": (1, math.inf, True),
@@ -362,6 +366,7 @@ def validate(r: Recipe) -> None:
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
         "rollout.precision": (r.rollout.precision, ("fp32", "bf16", "fp8")),
+        "cold_start.task": (r.cold_start.task, ("addition", "scratchpad")),  # minirl/task.py TASKS
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

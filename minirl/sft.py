@@ -33,8 +33,10 @@ def sampled_accuracy(
     max_tokens: int,
     temperature: float = 1.0,
     seed: int = 0,
+    is_correct: Callable[[int, list[int]], bool] | None = None,
 ) -> float:
-    """Share of prompts whose sampled response (T=temperature) equals the target token ids.
+    """Share of prompts whose sampled response (T=temperature) equals the target token ids, or,
+    given `is_correct(i, response ids up to EOS)`, that it accepts (a grader of the final answer).
 
     Plain full-recompute decoding with the TorchTitan model (no KV cache: the tiny model is cheap),
     prompts grouped by length so no padding is needed."""
@@ -56,7 +58,7 @@ def sampled_accuracy(
         for i, row in zip(idx, x[:, n_p:].tolist()):
             if eos_id in row:
                 row = row[: row.index(eos_id) + 1]
-            correct += row == list(examples[i][1])
+            correct += is_correct(i, row) if is_correct is not None else row == list(examples[i][1])
     return correct / len(examples)
 
 

@@ -1,31 +1,86 @@
-"""The embedded synthetic task: 3-digit addition with an exactly verifiable answer.
+"""The embedded synthetic tasks, each with an exactly verifiable answer (`minirl init --task NAME`).
 
-"123+456=" -> "579<eos>": 3–4 answer digits plus EOS, each digit depending on a carry from the
-digit to its right, so the policy has several tokens of dependent work per response. Train and
-held-out splits are disjoint in (a, b). Graded by `rewards.builtin.ArithGrader`.
+- `addition` (the default): 3-digit addition, "123+456=" -> "579<eos>". 3–4 answer digits plus
+  EOS, each digit depending on a carry from the digit to its right. Graded by
+  `rewards.builtin.ArithGrader`. Calibrated on the 2-core CPU (PLATFORM.md): ~1,000 cold-start SFT
+  steps leave a 1M-param MoE at ~45–65% held-out accuracy, which RL lifts by 25+ points within
+  minutes.
+- `scratchpad`: 3–5-digit addition written out column by column, right to left, then the sum:
+  "4827+3956=" -> "7+6=13,2+5+1=8,8+9=17,4+3+1=8;8783<eos>". 20–46 tokens of dependent steps (a
+  carry is written as "+1" in the next column), so one early slip ruins the answer. Only the
+  final answer counts (the regex grader reads what follows the last ";"): the reward stays
+  binary and exactly verifiable, and RL is free to change how the steps are written. This is the
+  stage for per-token effects (IS weights, clipping, length normalisation, routing drift) that
+  4-token answers leave no room for (`minirl lab`).
 
-Calibrated on the 2-core CPU (PLATFORM.md): ~1,000 cold-start SFT steps leave a 1M-param MoE at
-~45–65% held-out accuracy, which RL lifts by 25+ points within minutes.
+Train and held-out splits are disjoint in (a, b).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 LO, HI = 100, 999
 
 
-def make_splits(train_size: int, heldout_size: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+@dataclass(frozen=True)
+class Task:
+    name: str
+    recipe: str  # the shipped recipe (recipes/<stem>.toml) a workspace of this task starts from
+    problem: Callable[[random.Random], tuple[int, int]]  # draws one (a, b)
+    answer: Callable[[int, int], str]  # the SFT target (the grader checks the sum)
+
+
+def _addition(rng: random.Random) -> tuple[int, int]:
+    return rng.randint(LO, HI), rng.randint(LO, HI)
+
+
+def _scratchpad_problem(rng: random.Random) -> tuple[int, int]:
+    d = rng.randint(3, 5)
+    return rng.randint(10 ** (d - 1), 10 ** d - 1), rng.randint(10 ** (d - 1), 10 ** d - 1)
+
+
+def scratchpad(a: int, b: int) -> str:
+    """The written-out column addition of a + b, then ";" and the sum.
+
+    >>> scratchpad(4827, 3956)
+    '7+6=13,2+5+1=8,8+9=17,4+3+1=8;8783'
+    >>> scratchpad(999, 1)
+    '9+1=10,9+0+1=10,9+0+1=10;1000'
+    """
+    da, db = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        steps.append(f"{x}+{y}{'+1' if carry else ''}={s}")
+        carry = s // 10
+    return ",".join(steps) + f";{a + b}"
+
+
+TASKS = {
+    "addition": Task("addition", "tiny", _addition, lambda a, b: str(a + b)),
+    "scratchpad": Task("scratchpad", "tiny-scratchpad", _scratchpad_problem, scratchpad),
+}
+
+
+def make_splits(train_size: int, heldout_size: int, seed: int = 0, task: str = "addition") -> tuple[list[dict], list[dict]]:
+    """Disjoint train and held-out rows {"prompt", "answer", "target"}: `answer` is what the
+    grader checks (the sum), `target` the full response the cold start imitates."""
+    t = TASKS[task]
     rng = random.Random(seed)
     pairs: set[tuple[int, int]] = set()
     total = train_size + heldout_size
     while len(pairs) < total:
-        pairs.add((rng.randint(LO, HI), rng.randint(LO, HI)))
+        pairs.add(t.problem(rng))
     ordered = sorted(pairs)
     rng.shuffle(ordered)
-    recs = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ordered]
+    recs = [{"prompt": f"{a}+{b}=", "answer": str(a + b), **({"target": t.answer(a, b)} if task != "addition" else {})}
+            for a, b in ordered]
     return recs[:train_size], recs[train_size:]
 
 

@@ -12,6 +12,7 @@ Layout:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -58,6 +59,7 @@ def init_workspace(
     *,
     recipe_name: str | None = None,
     model: str | None = None,
+    task: str | None = None,
     force: bool = False,
     overrides: list[str] = (),
     progress: Callable[[str, int, int, dict], None] | None = None,
@@ -67,6 +69,7 @@ def init_workspace(
     model: a Qwen3 / Qwen3-MoE to train instead (short name, Hub repo id or local HF folder): its
     shipped recipe (else recipes/qwen3.toml) suited to its architecture, no cold start. Only its
     config is read (nothing of a known short name), never its weights.
+    task: an embedded task of minirl/task.py (its shipped recipe unless `recipe_name` is given).
     Returns a report dict. Refuses to touch an existing workspace unless `force`.
     `progress(stage, done, total, info)` is called as work advances.
     """
@@ -76,6 +79,16 @@ def init_workspace(
     if (root / RECIPE_NAME).exists() and not force:
         raise FileExistsError(str(root))
     model_report: dict = {}
+    if task is not None:
+        from minirl.task import TASKS
+
+        if model is not None:
+            raise UsageError("--task builds an embedded task for the tiny model; it does not go with --model")
+        if task not in TASKS:
+            raise UsageError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
+        recipe_name = recipe_name or TASKS[task].recipe
+        if recipe_mod.load(recipe_mod.shipped(recipe_name)).cold_start.task != task:
+            overrides = [*overrides, f"cold_start.task={task}"]
     if model is not None:
         recipe_name, overrides, model_report = _for_model(model, recipe_name, list(overrides))
     src = recipe_mod.shipped(recipe_name or "tiny")
@@ -134,27 +147,37 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
             progress(stage, done, total, info)
 
     cs = rec.cold_start
+    # the tiny model, with a context that fits the recipe's prompts and responses (a multiple of 32)
+    need = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
+    shape = dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32))
     t0 = time.time()
     tell("data", 0, 1)
-    train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed)
+    train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed, task=cs.task)
     write_jsonl(ws.path(rec.data.train), train)
     write_jsonl(ws.path(rec.data.heldout), heldout)
     tell("data", 1, 1)
 
     tell("model", 0, 1)
-    tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", TINY.vocab_size)
+    tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", shape.vocab_size)
     from transformers import AutoTokenizer
+
+    from rewards import load_grader
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     eos = tok.eos_token_id
-    examples = [
-        (tok(r["prompt"], add_special_tokens=False)["input_ids"], tok(r["answer"], add_special_tokens=False)["input_ids"] + [eos])
+    examples = [  # the SFT target: the whole written-out response where the task has one, else the answer
+        (tok(r["prompt"], add_special_tokens=False)["input_ids"],
+         tok(r.get("target", r["answer"]), add_special_tokens=False)["input_ids"] + [eos])
         for r in train
     ]
-    trainer = Trainer(TINY, lr=cs.lr, seed=cs.seed)
+    trainer = Trainer(shape, lr=cs.lr, seed=cs.seed)
     tell("model", 1, 1)
 
     dev, sft_examples = examples[: cs.dev_size], examples[cs.dev_size :]
+    grader = load_grader(rec.reward.grader, rec.reward.params)  # dev accuracy as RL will count it
+
+    def is_correct(i: int, ids: list[int]) -> bool:
+        return grader(train[i], tok.decode([t for t in ids if t != eos])).score >= 1.0
     losses: list[float] = []
     dev_acc: list[float] = []
 
@@ -165,23 +188,25 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
                  dev_acc=dev_acc[-1] if dev_acc else 0.0)
 
     def reached_target(step: int) -> bool:
-        dev_acc.append(sampled_accuracy(trainer, dev, eos_id=eos, max_tokens=rec.rollout.max_tokens, seed=step))
+        dev_acc.append(sampled_accuracy(trainer, dev, eos_id=eos, max_tokens=rec.rollout.max_tokens, seed=step,
+                                        is_correct=is_correct))
         return dev_acc[-1] >= cs.target_acc
 
     t_sft = time.time()
     steps_run, final_loss = cold_start(
         trainer, sft_examples, max_steps=cs.max_steps, batch_size=cs.batch_size, lr=cs.lr,
-        pad_id=tok.pad_token_id, seed=cs.seed, stop_when=reached_target, on_step=on_step,
+        pad_id=tok.pad_token_id, seed=cs.seed, stop_when=reached_target, on_step=on_step, check_every=cs.check_every,
     )
     tell("cold-start", cs.max_steps, cs.max_steps, loss=final_loss, dev_acc=dev_acc[-1] if dev_acc else 0.0)
     sft_s = time.time() - t_sft
     tell("save", 0, 1)
     out = ws.path(rec.model.path)
-    save_hf_folder(out, TINY, trainer.model.state_dict(), tokenizer_dir=tok_dir, dtype=torch.float32)
+    save_hf_folder(out, shape, trainer.model.state_dict(), tokenizer_dir=tok_dir, dtype=torch.float32)
     trainer.save(ws.root / "model" / "coldstart-dcp", {"step": 0, "kind": "cold-start"})
     info = {
         "model": "tiny-qwen3-moe",
-        "params": param_count(TINY),
+        "task": cs.task,
+        "params": param_count(shape),
         "train_rows": len(train),
         "heldout_rows": len(heldout),
         "cold_start_steps": steps_run,
@@ -189,8 +214,16 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
         "cold_start_dev_acc": dev_acc[-1] if dev_acc else None,
         "cold_start_target_acc": cs.target_acc,
         "cold_start_s": round(sft_s, 1),
+        "response_tokens": _length_stats([len(t) for _, t in examples]),  # of the SFT targets, EOS included
         "build_s": round(time.time() - t0, 1),
     }
     (out / "minirl_coldstart.json").write_text(json.dumps(info, indent=2))
     tell("save", 1, 1)
     return info
+
+
+def _length_stats(lengths: list[int]) -> dict:
+    ordered = sorted(lengths)
+    q = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]  # noqa: E731
+    return {"min": ordered[0], "p10": q(0.1), "median": q(0.5), "p90": q(0.9), "max": ordered[-1],
+            "mean": round(sum(ordered) / len(ordered), 2)}

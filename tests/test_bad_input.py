@@ -147,6 +147,9 @@ CASES = [
     ("init-dev-too-big", ["init", "{new}", "--set", "cold_start.dev_size=50000"], None, "cold_start.dev_size (50000)"),
     ("init-target-acc", ["init", "{new}", "--set", "cold_start.target_acc=2"], None, "cold_start.target_acc = 2.0"),
     ("init-onto-a-file", ["init", "{afile}", *INIT_SMALL], a_file_where_the_workspace_goes, "is a file"),
+    ("init-task-with-model", ["init", "{new}", "--task", "scratchpad", "--model", "Qwen3-8B"], None,
+     "--task builds an embedded task for the tiny model; it does not go with --model"),
+    ("init-task-unknown", ["init", "{new}", "--set", "cold_start.task=sudoku"], None, "cold_start.task"),
     # --- run: recipe values and --set forms -------------------------------------------------------
     ("G=1", ["run", "{ws}", "--set", "train.group_size=1"], None, "with one response per prompt every advantage is 0"),
     ("lr-nan", ["run", "{ws}", "--set", "train.lr=nan"], None, "train.lr = nan; it must be a finite number"),

@@ -1,5 +1,6 @@
 """The CLI's contract: every option documented; bad input is one line on stderr and exit code 2."""
 
+import json
 import os
 import subprocess
 import sys
@@ -80,3 +81,24 @@ def test_malformed_recipe(bare_ws):
 )
 def test_bad_input_in_a_workspace(bare_ws, args, needle):
     one_line_error(minirl(*[a.format(ws=bare_ws) for a in args]), needle)
+
+
+def test_init_task_scratchpad_builds_the_long_response_workspace(tmp_path):
+    """--task picks the task's recipe; the data carries the written-out targets, the model's
+    context fits prompts plus 56-token responses, and the report gives the response lengths."""
+    from minirl import recipe
+    from minirl.workspace import Workspace, init_workspace
+
+    small = ["cold_start.max_steps=2", "cold_start.train_size=300", "cold_start.heldout_size=20",
+             "cold_start.dev_size=4", "cold_start.check_every=1"]
+    report = init_workspace(tmp_path / "ws", task="scratchpad", overrides=small)
+    ws = Workspace.open(tmp_path / "ws")
+    rec = recipe.load(ws.recipe_path)
+    assert report["recipe"] == "tiny-scratchpad" and report["task"] == rec.cold_start.task == "scratchpad"
+    assert rec.reward.grader == "regex" and rec.rollout.max_tokens == 56
+    row = json.loads(ws.path(rec.data.train).read_text().splitlines()[0])
+    assert row["target"].endswith(";" + row["answer"])
+    config = json.loads((ws.path(rec.model.path) / "config.json").read_text())
+    assert config["max_position_embeddings"] == 96  # 12 prompt + 56 response + 1, rounded up to 32
+    lens = report["response_tokens"]
+    assert 20 <= lens["min"] <= lens["median"] <= lens["max"] <= 56 and report["cold_start_steps"] <= 2

@@ -71,6 +71,40 @@ def test_task_splits_are_disjoint_and_correct():
         assert int(a) + int(b) == int(r["answer"]) and 100 <= int(a) <= 999
 
 
+def test_scratchpad_traces_add_up_and_only_the_final_sum_is_graded():
+    import re
+
+    from minirl import recipe
+    from minirl.task import scratchpad
+    from rewards import load_grader
+
+    train, held = make_splits(2000, 200, seed=3, task="scratchpad")
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    rec = recipe.load(recipe.shipped("tiny-scratchpad"))
+    grade = load_grader(rec.reward.grader, rec.reward.params)
+    lengths = []
+    for r in train + held:
+        a, b = map(int, r["prompt"].rstrip("=").split("+"))
+        assert r["answer"] == str(a + b) and 3 <= len(str(a)) == len(str(b)) <= 5
+        steps, _, total = r["target"].partition(";")
+        assert total == r["answer"]
+        carry, digits = 0, []  # replay the written columns: each one's digits, carry and sum are right
+        for i, step in enumerate(steps.split(",")):
+            x, y, *c, s = map(int, re.split(r"[+=]", step))
+            assert (x, y) == (a // 10**i % 10, b // 10**i % 10) and c == ([1] if carry else [])
+            assert s == x + y + carry
+            carry, digits = s // 10, [s % 10, *digits]
+        assert int("".join(map(str, [carry] if carry else [])) + "".join(map(str, digits))) == a + b
+        assert grade(r, r["target"]).score == 1.0
+        lengths.append(len(r["target"]) + 1)  # characters are tokens; + EOS
+    assert 20 <= min(lengths) and max(lengths) <= rec.rollout.max_tokens and 30 < sum(lengths) / len(lengths) < 40
+    r = train[0]
+    wrong_sum = r["target"].rsplit(";", 1)[0] + ";" + str(int(r["answer"]) + 1)
+    assert grade(r, wrong_sum).score == 0.0 and grade(r, r["target"] + "1").score == 0.0
+    assert grade(r, r["answer"]).score == 0.0  # no ";": no final answer
+    assert scratchpad(95, 7) == "5+7=12,9+0+1=10;102"  # operands of different lengths pad with 0
+
+
 def test_sampler_is_deterministic_and_restorable(tmp_path):
     train, _ = make_splits(50, 1)
     p = write(tmp_path / "t.jsonl", train)

@@ -71,7 +71,8 @@ def workspace_copy(ws: Path, into: Path) -> Path:
 
 def minirl_once(ws: Path, tmp: Path, a, sets: list[str], tag: str) -> dict:
     w = workspace_copy(ws, tmp / tag)
-    cmd = [MINIRL, "run", str(w), "--steps", "100000", "--set", f"train.time_limit_s={a.seconds}",
+    # time_limit_s is wall time (held-out evals included): give it room, then cut at the RL clock
+    cmd = [MINIRL, "run", str(w), "--steps", "100000", "--set", f"train.time_limit_s={1.6 * a.seconds + 10:.0f}",
            "--set", f"eval.every={a.eval_every}", "--set", f"eval.max_problems={a.eval_problems}",
            "--set", f"train.seed={a.seed}"]
     for s in sets:
@@ -82,8 +83,9 @@ def minirl_once(ws: Path, tmp: Path, a, sets: list[str], tag: str) -> dict:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     key = summary["heldout"]["metric"]
     curve = [[0, 0.0, summary["heldout"]["start"][key]]]
-    curve += [[r["step"], r["timing/loop_s"], r[f"heldout/{key}"]] for r in rows if f"heldout/{key}" in r]
-    ph = summary["phases"]
+    curve += [[r["step"], r["timing/loop_s"], r[f"heldout/{key}"]] for r in rows
+              if f"heldout/{key}" in r and r["timing/loop_s"] <= a.seconds]
+    ph = summary["phases_s"]
     shutil.rmtree(w, ignore_errors=True)
     return {"side": "minirl", "startup_s": ph["startup"], "curve": curve, "steps": summary["steps"],
             "rl_s": ph["loop"], "wall_s": wall, "rss_gb": rss, "phases": ph}
