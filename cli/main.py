@@ -402,6 +402,55 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     console.print(f"report: {js}  plot: {png}", soft_wrap=True)
 
 
+@cli.command()
+@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-lab")
+@click.option("--quick", is_flag=True, help="The reduced grid: off-policy N = 4 only, one extra cold start, 40 steps.")
+@click.option("--seeds", type=int, default=1, show_default=True, help="Runs per cell (figures: mean and min-max band).")
+@click.option("--report-only", is_flag=True, help="Write the report and figures from the runs done so far; run nothing.")
+def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
+    """Reproduce the paper's stability findings (F1-F6) in miniature.
+
+    On a workspace of the long-response task (built with `minirl init --task scratchpad` if
+    WORKSPACE does not exist), runs the grid with FP8-emulated rollouts and the guard observing
+    only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without IS; off-policy
+    N = 2, 4, 8 without clipping or replay, with clipping, + R2, + R3; MiniRL from other cold
+    starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
+    WORKSPACE/lab/report.md (the F1-F6 table, computed from the runs) and one PNG per regime.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from minirl import lab as lab_mod
+    from minirl import recipe as recipe_mod
+    from minirl.errors import UsageError
+    from minirl.workspace import Workspace, init_workspace
+
+    if seeds < 1:
+        raise UsageError(f"--seeds {seeds}: at least 1")
+    if not (workspace / "minirl.toml").exists():
+        if report_only:
+            raise UsageError(f"no lab workspace at {workspace}: run `minirl lab {workspace}` first")
+        with console.status(f"building {workspace} (minirl init --task scratchpad; a few minutes)..."):
+            init_workspace(workspace, task="scratchpad")
+    ws = Workspace.open(workspace)
+    if recipe_mod.load(ws.recipe_path).cold_start.task != "scratchpad":
+        raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
+                         f"(`minirl init DIR --task scratchpad`)")
+    plan = lab_mod.plan(quick=quick, seeds=seeds)
+    lab_ = lab_mod.Lab(ws.root, ws.root / "lab")
+    if not report_only:
+        with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console) as prog:
+            bar = prog.add_task("lab", total=len(plan.cells) * plan.seeds)
+            lab_.sweep(plan, on_cell=lambda what, i, n: prog.update(bar, description=what, completed=i),
+                       progress=lambda what: prog.update(bar, description=what))
+    path, pngs, found = lab_mod.report(lab_, plan)
+    for fid, claim, verdict, numbers in found:
+        console.print(f"[bold]{fid}[/] {verdict}: {claim}  ({numbers})", soft_wrap=True)
+    console.print(f"report: {path}", soft_wrap=True)
+    for png in pngs:
+        console.print(f"figure: {png}", soft_wrap=True)
+
+
 @cli.command("export")
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[RUN_OR_CHECKPOINT] OUT")
 @click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",

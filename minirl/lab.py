@@ -1,0 +1,333 @@
+"""`minirl lab`: the paper's stability grid (F1–F6 of arXiv 2512.01374) in miniature.
+
+On a workspace of the long-response task (`minirl init --task scratchpad`), with FP8-emulated
+rollouts (the paper's stress test) and the guard observing only (`guard.enabled = false`), so a
+collapse runs its course. Cells:
+
+- on-policy (N = 1): MiniRL; without IS correction; + length normalisation; + R3; R3 without IS;
+- off-policy (N = 2, 4, 8, mini-batches of 8 prompts; --quick: N = 4 of 4 prompts): no clipping
+  and no replay; clipping only; clipping + R2; clipping + R3;
+- cold starts (F6): MiniRL from the workspace's cold start and from others stopped at other
+  dev accuracies (built once, into the lab folder).
+
+Each (cell, seed) is one `minirl run` in its own process, one at a time; the lab's state file
+records every finished one, so an interrupted sweep resumes where it stopped and the cold starts
+are reused. The report (report.md, one PNG per regime) is computed from the runs' metrics by code:
+collapse by the guard's own criteria applied offline, peak and final held-out accuracy, and the
+trajectories; the findings table F1–F6 follows from those numbers by the rules in `findings`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minirl import atomic
+from minirl.guard import Guard
+
+NO_IS = ("loss.is_mode=off", "loss.allow_uncorrected=true")
+NO_CLIP = ("loss.eps_low=1", "loss.eps_high=1e9")  # M_t ≡ 1: r_t never falls below 0 nor above 1e9
+
+
+@dataclass(frozen=True)
+class Cell:
+    regime: str  # "on-policy" | "off-policy N=4" | "cold starts"
+    variant: str
+    sets: tuple[str, ...] = ()
+    cold_start: str = ""  # "" = the workspace's own; else a name of `cold_starts()`
+
+    @property
+    def id(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", f"{self.regime}-{self.variant}".lower()).strip("-")
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: int
+    eval_every: int
+    seeds: int
+    offpolicy_n: tuple[int, ...]
+    cold_start_targets: tuple[float, ...]  # dev accuracies of the extra cold starts (F6)
+    mb_prompts: int = 8  # prompts per off-policy mini-batch (× G = 8 responses); N of them per step
+    cells: list[Cell] = field(default_factory=list)
+
+
+def plan(*, quick: bool, seeds: int | None = None) -> Plan:
+    ns = (4,) if quick else (2, 4, 8)
+    targets = (0.1,) if quick else (0.1, 0.4)
+    mb = 4 if quick else 8  # quick: an N = 4 step costs what an on-policy one does (16 prompts)
+    cells = [
+        Cell("on-policy", "MiniRL"),
+        Cell("on-policy", "MiniRL w/o IS", NO_IS),
+        Cell("on-policy", "MiniRL + length norm", ("loss.length_norm=true",)),
+        Cell("on-policy", "MiniRL + R3", ("train.replay=r3",)),
+        Cell("on-policy", "MiniRL + R3 w/o IS", ("train.replay=r3", *NO_IS)),
+    ]
+    for n in ns:
+        off = (f"train.minibatches={n}", f"train.prompts_per_step={mb * n}")
+        cells += [
+            Cell(f"off-policy N={n}", "no clip, no replay", (*off, *NO_CLIP)),
+            Cell(f"off-policy N={n}", "clip", off),
+            Cell(f"off-policy N={n}", "clip + R2", (*off, "train.replay=r2")),
+            Cell(f"off-policy N={n}", "clip + R3", (*off, "train.replay=r3")),
+        ]
+    cells += [Cell("cold starts", f"cold start @{t:.0%}", cold_start=f"acc{round(100 * t)}") for t in targets]
+    return Plan(steps=40 if quick else 150, eval_every=10 if quick else 25, seeds=seeds or 1,
+                offpolicy_n=ns, cold_start_targets=targets, mb_prompts=mb, cells=cells)
+
+
+# ----- running -----------------------------------------------------------------------------------
+def common_sets(p: Plan, seed: int) -> list[str]:
+    """What every cell shares: the stress test (FP8 rollouts), the guard observing only, the
+    schedule, and no checkpoints beyond the run's own first and last."""
+    return ["rollout.precision=fp8", "guard.enabled=false", f"train.steps={p.steps}", f"eval.every={p.eval_every}",
+            f"train.seed={seed}", f"checkpoint.every={p.steps + 1}", "checkpoint.keep=1"]
+
+
+class Lab:
+    def __init__(self, ws_root: Path, out: Path):
+        self.ws_root, self.out = Path(ws_root), Path(out)
+        self.state_path = self.out / "state.json"
+        self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {"runs": {}}
+
+    def _save(self) -> None:
+        atomic.write_text(self.state_path, json.dumps(self.state, indent=1))
+
+    def cold_start_model(self, name: str, target: float, progress) -> Path:
+        """A second cold start of the same task and data, stopped at another dev accuracy (F6);
+        built once into the lab folder and reused by every later sweep."""
+        from minirl.workspace import init_workspace
+
+        root = self.out / "coldstarts" / name
+        if not (root / "minirl.toml").exists():
+            progress(f"cold start {name} (dev accuracy {target:.0%})")
+            init_workspace(root, task="scratchpad", force=True, overrides=[f"cold_start.target_acc={target}"])
+        return root / "model" / "coldstart"
+
+    def run_cell(self, cell: Cell, seed: int, p: Plan, *, progress) -> Path:
+        """One (cell, seed): a `minirl run` of its own; returns its run folder."""
+        key = f"{cell.id}/s{seed}"
+        done = self.state["runs"].get(key)
+        if done and (Path(done) / "summary.json").exists():
+            return Path(done)
+        sets = [*common_sets(p, seed), *cell.sets]
+        if cell.cold_start:
+            target = p.cold_start_targets[[f"acc{round(100 * t)}" for t in p.cold_start_targets].index(cell.cold_start)]
+            sets.append(f"model.path={self.cold_start_model(cell.cold_start, target, progress)}")
+        before = set((self.ws_root / "runs").iterdir()) if (self.ws_root / "runs").exists() else set()
+        cmd = [sys.executable, "-m", "cli.main", "run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]]
+        log = self.out / "logs" / f"{cell.id}-s{seed}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+                                env={**os.environ, "COLUMNS": "160"}).returncode
+        new = sorted(set((self.ws_root / "runs").iterdir()) - before)
+        if rc != 0 or not new or not (new[-1] / "summary.json").exists():
+            raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")
+        self.state["runs"][key] = str(new[-1])
+        self._save()
+        return new[-1]
+
+    def sweep(self, p: Plan, *, on_cell: Callable[[str, int, int], None] = lambda *a: None,
+              progress: Callable[[str], None] = lambda s: None) -> dict[str, list[Path]]:
+        todo = [(c, s) for c in p.cells for s in range(p.seeds)]
+        runs: dict[str, list[Path]] = {}
+        for i, (cell, seed) in enumerate(todo):
+            on_cell(f"{cell.regime}: {cell.variant} (seed {seed})", i, len(todo))
+            runs.setdefault(cell.id, []).append(self.run_cell(cell, seed, p, progress=progress))
+        on_cell("done", len(todo), len(todo))
+        return runs
+
+
+# ----- reading the runs ----------------------------------------------------------------------------
+def rows_of(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def collapse_step(rows: list[dict], recipe_guard: dict) -> int | None:
+    """The step at which the guard, had it been active, would have acted: its own criteria
+    (KL above max_kl, or entropy below a fraction of the start with reward down from its best, for
+    `patience` steps), applied offline to the logged signals."""
+    g = Guard(max_kl=recipe_guard["max_kl"], min_entropy_frac=recipe_guard["min_entropy_frac"],
+              reward_drop=recipe_guard["reward_drop"], patience=recipe_guard["patience"], max_rollbacks=0)
+    for r in rows:
+        v = g.decide(kl=r["train/kl_mu_pi_old"], entropy=r["train/entropy"], reward=r["rollout/reward_mean"],
+                     loss=0.0, grad_norm=0.0)
+        if v.action in ("rollback", "stop"):
+            return r["step"]
+    return None
+
+
+def cell_result(runs: list[Path]) -> dict:
+    """Per cell, over seeds: collapse (how many seeds, first step), held-out peak and final."""
+    per_seed = []
+    for run in runs:
+        rows = rows_of(run)
+        summary = json.loads((run / "summary.json").read_text())
+        key = summary["heldout"]["metric"]
+        curve = [summary["heldout"]["start"][key]] + [r[f"heldout/{key}"] for r in rows if f"heldout/{key}" in r]
+        per_seed.append({
+            "collapse": collapse_step(rows, summary["recipe"]["guard"]),
+            "start": curve[0], "peak": max(curve), "final": summary["heldout"]["end"][key],
+            "kl": statistics.mean(r["train/kl_mu_pi_old"] for r in rows),
+            "clip": statistics.mean(r["loss/clip_frac"] for r in rows),
+            "is_max": max(r["loss/is_weight_max"] for r in rows),
+            "entropy_end": rows[-1]["train/entropy"], "rows": rows,
+        })
+    collapses = [s["collapse"] for s in per_seed if s["collapse"] is not None]
+    mean = lambda k: statistics.mean(s[k] for s in per_seed)  # noqa: E731
+    return {"seeds": len(per_seed), "collapsed": len(collapses), "first_collapse": min(collapses, default=None),
+            "start": mean("start"), "peak": mean("peak"), "final": mean("final"), "kl": mean("kl"),
+            "clip": mean("clip"), "is_max": max(s["is_max"] for s in per_seed), "per_seed": per_seed}
+
+
+# ----- findings ----------------------------------------------------------------------------------
+MARGIN = 0.03  # held-out differences below this are noise at 256 problems × 4 samples (±0.015 s.e.)
+
+
+def findings(res: dict[str, dict], cells: list[Cell], ns: tuple[int, ...]) -> list[tuple[str, str, str, str]]:
+    """F1–F6 as (id, the paper's claim, verdict, the numbers that decide it), from the results."""
+    by = {(c.regime, c.variant): res.get(c.id) for c in cells}
+
+    def r(regime, variant):
+        return by.get((regime, variant))
+
+    def fmt(x):
+        return "n/a" if x is None else (f"collapsed {x['collapsed']}/{x['seeds']} (first at step {x['first_collapse']})"
+                                        if x["collapsed"] else f"stable {x['seeds']}/{x['seeds']}") + \
+            f", final {x['final']:.3f}, peak {x['peak']:.3f}"
+
+    def collapsed(x):
+        return x is not None and x["collapsed"] * 2 > x["seeds"]
+
+    def stable(x):
+        return x is not None and x["collapsed"] == 0
+
+    out = []
+    on, no_is, ln = r("on-policy", "MiniRL"), r("on-policy", "MiniRL w/o IS"), r("on-policy", "MiniRL + length norm")
+    r3, r3_no_is = r("on-policy", "MiniRL + R3"), r("on-policy", "MiniRL + R3 w/o IS")
+    others = [x for x in (no_is, ln, r3, r3_no_is) if x]
+    if on and no_is:
+        best = all(on["final"] >= x["final"] - MARGIN for x in others)
+        v = "reproduced" if stable(on) and collapsed(no_is) and best else \
+            "not reproduced" if stable(no_is) and no_is["final"] >= on["final"] - MARGIN else "inconclusive"
+        out.append(("F1", "on-policy MiniRL is stable and best; without IS it collapses", v,
+                    f"MiniRL: {fmt(on)}; w/o IS: {fmt(no_is)}"))
+    if on and ln:
+        v = "reproduced" if stable(ln) and ln["final"] < on["final"] - MARGIN else \
+            "not reproduced" if collapsed(ln) or ln["final"] > on["final"] + MARGIN else "inconclusive"
+        out.append(("F2", "length normalisation stays stable but scores lower", v,
+                    f"MiniRL: {fmt(on)}; + length norm: {fmt(ln)}"))
+    if on and r3 and r3_no_is:
+        no_gain = r3["final"] <= on["final"] + MARGIN
+        v = "reproduced" if no_gain and r3["kl"] < on["kl"] and collapsed(r3_no_is) else \
+            "not reproduced" if not no_gain or stable(r3_no_is) else "inconclusive"
+        out.append(("F3", "on-policy R3 gives no gain (lower KL); R3 without IS still collapses", v,
+                    f"MiniRL: {fmt(on)}, KL {on['kl']:.2e}; + R3: {fmt(r3)}, KL {r3['kl']:.2e}; R3 w/o IS: {fmt(r3_no_is)}"))
+    f4, f5 = [], []
+    for n in ns:
+        reg = f"off-policy N={n}"
+        none, clip, r2_, r3_ = (r(reg, v) for v in ("no clip, no replay", "clip", "clip + R2", "clip + R3"))
+        if none and clip and r2_ and r3_:
+            both = stable(r2_) or stable(r3_)
+            dropped = collapsed(none) and collapsed(clip)
+            f4.append(("reproduced" if both and dropped else "not reproduced" if not both or stable(none) else
+                       "inconclusive", f"N={n}: none {fmt(none)}; clip {fmt(clip)}; clip+R2 {fmt(r2_)}; clip+R3 {fmt(r3_)}"))
+            want_r2 = n == 2
+            diff = r2_["final"] - r3_["final"]
+            ok = (diff >= -MARGIN) if want_r2 else (diff < -MARGIN or (collapsed(r2_) and not collapsed(r3_)))
+            f5.append(("reproduced" if ok else "not reproduced" if abs(diff) > MARGIN else "inconclusive",
+                       f"N={n}: R2 final {r2_['final']:.3f} vs R3 {r3_['final']:.3f}"))
+    for fid, claim, parts in (("F4", "off-policy needs both clipping and Routing Replay; dropping either collapses", f4),
+                              ("F5", "N = 2: R2 ≥ R3; N ≥ 4: R3 > R2", f5)):
+        if parts:
+            verdicts = {v for v, _ in parts}
+            v = verdicts.pop() if len(verdicts) == 1 else "inconclusive"
+            out.append((fid, claim, v, "; ".join(t for _, t in parts)))
+    starts = [x for c in cells if c.regime == "cold starts" and (x := res.get(c.id))] + ([on] if on else [])
+    if len(starts) >= 2:
+        finals = [x["final"] for x in starts]
+        spread = max(finals) - min(finals)
+        v = "reproduced" if all(stable(x) for x in starts) and spread <= 2 * MARGIN else \
+            "not reproduced" if spread > 4 * MARGIN else "inconclusive"
+        out.append(("F6", "once stable, different cold starts end at comparable scores", v,
+                    "starts " + ", ".join(f"{x['start']:.3f}" for x in starts) + " → finals "
+                    + ", ".join(f"{f:.3f}" for f in finals) + f" (spread {spread:.3f})"))
+    return out
+
+
+# ----- output --------------------------------------------------------------------------------------
+def plot_regimes(res: dict[str, dict], cells: list[Cell], out: Path) -> list[Path]:
+    """One PNG per regime, as the paper lays its figures out: reward, entropy and KL(μ‖π_old) over
+    steps, one line per variant (mean over seeds, min–max band), collapse steps marked ×."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for regime in dict.fromkeys(c.regime for c in cells):
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
+        for c in (c for c in cells if c.regime == regime and c.id in res):
+            seeds = [s["rows"] for s in res[c.id]["per_seed"]]
+            n = min(len(s) for s in seeds)
+            steps = [r["step"] for r in seeds[0][:n]]
+            for ax, key in zip(axes, ("rollout/reward_mean", "train/entropy", "train/kl_mu_pi_old")):
+                vals = [[s[i][key] for s in seeds] for i in range(n)]
+                line, = ax.plot(steps, [statistics.mean(v) for v in vals], lw=1.3, label=c.variant)
+                if len(seeds) > 1:
+                    ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
+                for s in res[c.id]["per_seed"]:
+                    if s["collapse"] is not None:
+                        row = next(r for r in s["rows"] if r["step"] == s["collapse"])
+                        ax.plot([s["collapse"]], [row[key]], "x", color=line.get_color(), ms=8)
+        for ax, title in zip(axes, ("reward", "token entropy", "KL(μ_old ‖ π_old)")):
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"minirl lab: {regime} (FP8 rollouts; × = the guard's criteria met)")
+        path = out / f"lab-{regime.replace(' ', '-').replace('=', '')}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(res: dict[str, dict], p: Plan, out: Path, pngs: list[Path]) -> Path:
+    lines = ["# minirl lab", "",
+             f"{len(p.cells)} cells × {p.seeds} seed(s), {p.steps} steps each, FP8-emulated rollouts, guard observing "
+             f"only; held-out avg@k every {p.eval_every} steps. Collapse = the guard's criteria met (applied offline).", "",
+             "## Findings", "", "| | the paper | here | the numbers |", "|---|---|---|---|"]
+    for fid, claim, verdict, numbers in findings(res, p.cells, p.offpolicy_n):
+        lines.append(f"| {fid} | {claim} | **{verdict}** | {numbers} |")
+    lines += ["", "## Cells", "",
+              "| regime | variant | collapsed | first collapse | held-out start | peak | final | mean KL | mean clip | max IS |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in p.cells:
+        x = res.get(c.id)
+        if x:
+            lines.append(f"| {c.regime} | {c.variant} | {x['collapsed']}/{x['seeds']} | {x['first_collapse'] or '-'} | "
+                         f"{x['start']:.3f} | {x['peak']:.3f} | {x['final']:.3f} | {x['kl']:.2e} | {x['clip']:.3f} | "
+                         f"{x['is_max']:.2f} |")
+    lines += ["", "## Figures", "", *[f"- `{png.name}`" for png in pngs], ""]
+    path = out / "report.md"
+    atomic.write_text(path, "\n".join(lines))
+    return path
+
+
+def report(lab: Lab, p: Plan) -> tuple[Path, list[Path], list[tuple]]:
+    res = {}
+    for c in p.cells:
+        runs = [Path(lab.state["runs"][k]) for s in range(p.seeds) if (k := f"{c.id}/s{s}") in lab.state["runs"]]
+        if runs:
+            res[c.id] = cell_result(runs)
+    pngs = plot_regimes(res, p.cells, lab.out)
+    return write_report(res, p, lab.out, pngs), pngs, findings(res, p.cells, p.offpolicy_n)

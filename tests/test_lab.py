@@ -1,0 +1,101 @@
+"""`minirl lab`: the grid's recipes, the offline collapse rule, the findings rules, and one real
+micro sweep (two cells of two steps) that resumes without redoing a finished cell."""
+
+import json
+
+import pytest
+
+from minirl import lab, recipe
+
+
+def test_every_cell_of_both_grids_is_a_valid_recipe():
+    for quick in (True, False):
+        p = lab.plan(quick=quick)
+        ids = [c.id for c in p.cells]
+        assert len(set(ids)) == len(ids)
+        for c in p.cells:
+            rec = recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(p, 0), *c.sets])
+            assert rec.rollout.precision == "fp8" and not rec.guard.enabled  # the stress test, collapses run on
+            if c.regime.startswith("off-policy"):
+                n = rec.train.minibatches
+                assert n > 1 and rec.train.prompts_per_step == p.mb_prompts * n
+    full = lab.plan(quick=False)
+    assert full.offpolicy_n == (2, 4, 8) and len(full.cells) == 5 + 3 * 4 + 2
+
+
+def rows(entropy, kl=1e-4, reward=0.5):
+    return [{"step": i + 1, "train/entropy": e, "train/kl_mu_pi_old": kl, "rollout/reward_mean": r}
+            for i, (e, r) in enumerate(zip(entropy, reward if isinstance(reward, list) else [reward] * len(entropy)))]
+
+
+def test_collapse_is_the_guards_own_rule_applied_offline():
+    g = {"max_kl": 0.05, "min_entropy_frac": 0.05, "reward_drop": 0.2, "patience": 3}
+    assert lab.collapse_step(rows([0.3] * 10), g) is None
+    # entropy below 5% of its start with reward 0.2 below its best, for 3 steps: acts on the 3rd
+    ent = [0.3, 0.3, 0.01, 0.01, 0.01, 0.01]
+    assert lab.collapse_step(rows(ent, reward=[0.6, 0.6, 0.3, 0.3, 0.3, 0.3]), g) == 5
+    assert lab.collapse_step(rows(ent, reward=[0.6] * 6), g) is None  # low entropy alone is sharpening
+    assert lab.collapse_step(rows([0.3] * 6, kl=0.1), g) == 3
+
+
+def result(final, collapsed=0, seeds=1, kl=1e-3, start=0.25):
+    return {"seeds": seeds, "collapsed": collapsed, "first_collapse": 7 if collapsed else None, "start": start,
+            "peak": max(final, start), "final": final, "kl": kl, "clip": 0.0, "is_max": 1.5, "per_seed": []}
+
+
+def test_findings_follow_from_the_numbers():
+    p = lab.plan(quick=True)
+    ids = {(c.regime, c.variant): c.id for c in p.cells}
+    res = {
+        ids["on-policy", "MiniRL"]: result(0.60),
+        ids["on-policy", "MiniRL w/o IS"]: result(0.05, collapsed=1),
+        ids["on-policy", "MiniRL + length norm"]: result(0.50),
+        ids["on-policy", "MiniRL + R3"]: result(0.59, kl=5e-4),
+        ids["on-policy", "MiniRL + R3 w/o IS"]: result(0.61),  # stable: F3's second half fails
+        ids["off-policy N=4", "no clip, no replay"]: result(0.1, collapsed=1),
+        ids["off-policy N=4", "clip"]: result(0.1, collapsed=1),
+        ids["off-policy N=4", "clip + R2"]: result(0.40),
+        ids["off-policy N=4", "clip + R3"]: result(0.55),
+        ids["cold starts", "cold start @10%"]: result(0.58, start=0.1),
+    }
+    got = {fid: (verdict, numbers) for fid, _, verdict, numbers in lab.findings(res, p.cells, p.offpolicy_n)}
+    assert got["F1"][0] == "reproduced" and "w/o IS: collapsed 1/1 (first at step 7)" in got["F1"][1]
+    assert got["F2"][0] == "reproduced"
+    assert got["F3"][0] == "not reproduced"
+    assert got["F4"][0] == "reproduced" and got["F5"][0] == "reproduced"  # N = 4: R3 0.55 > R2 0.40
+    assert got["F6"][0] == "reproduced" and "spread 0.020" in got["F6"][1]
+    res[ids["on-policy", "MiniRL w/o IS"]] = result(0.62)  # no collapse and no worse: F1 not reproduced
+    assert dict((f, v) for f, _, v, _ in lab.findings(res, p.cells, p.offpolicy_n))["F1"] == "not reproduced"
+
+
+@pytest.mark.slow
+def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
+    from minirl.workspace import init_workspace
+
+    ws = tmp_path / "ws"
+    init_workspace(ws, task="scratchpad", overrides=[
+        "cold_start.max_steps=30", "cold_start.train_size=400", "cold_start.heldout_size=8", "cold_start.dev_size=4",
+        "cold_start.check_every=30", "train.prompts_per_step=4", "eval.k=1", "rollout.max_tokens=40"])
+    full = lab.plan(quick=True)
+    cells = [c for c in full.cells if c.variant in ("MiniRL", "MiniRL w/o IS")]
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=cells)
+    L = lab.Lab(ws, ws / "lab")
+    seen = []
+    runs = L.sweep(p, on_cell=lambda what, i, n: seen.append((what, i, n)))
+    assert [s[1:] for s in seen] == [(0, 2), (1, 2), (2, 2)] and len(runs) == 2
+    state = json.loads((ws / "lab" / "state.json").read_text())
+    assert set(state["runs"]) == {f"{c.id}/s0" for c in cells}
+    for run in state["runs"].values():
+        rec = json.loads((tmp_path / run / "summary.json").read_text())["recipe"]
+        assert rec["rollout"]["precision"] == "fp8" and rec["guard"]["enabled"] is False
+    modes = [json.loads((tmp_path / state["runs"][f"{c.id}/s0"] / "summary.json").read_text())["recipe"]["loss"]["is_mode"]
+             for c in cells]
+    assert modes == ["truncate", "off"]  # each cell's own change on top
+    n_runs = len(list((ws / "runs").iterdir()))
+    L2 = lab.Lab(ws, ws / "lab")  # a new sweep (an interrupted one resumed): finished cells are not redone
+    L2.sweep(p)
+    assert len(list((ws / "runs").iterdir())) == n_runs
+    path, pngs, found = lab.report(L2, p)
+    text = path.read_text()
+    assert "| F1 |" in text and "| on-policy | MiniRL w/o IS |" in text
+    assert [f[0] for f in found] == ["F1"] and pngs[0].stat().st_size > 10_000
