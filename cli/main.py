@@ -404,7 +404,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
 
 @cli.command()
 @click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-lab")
-@click.option("--quick", is_flag=True, help="The reduced grid: off-policy N = 4 only, one extra cold start, 40 steps.")
+@click.option("--quick", is_flag=True, help="The reduced grid: off-policy N = 4 only, one extra cold start, 30 steps.")
 @click.option("--seeds", type=int, default=1, show_default=True, help="Runs per cell (figures: mean and min-max band).")
 @click.option("--report-only", is_flag=True, help="Write the report and figures from the runs done so far; run nothing.")
 def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:

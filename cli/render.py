@@ -57,6 +57,9 @@ class RunView:
             self.console.print(f"held-out {data['which']}: {self.eval_key} = [bold]{data[self.eval_key]:.3f}[/] "
                                f"over {data['problems']} problems (T={data['temperature']})")
         elif kind == "step":
+            parity = data.get("sync/parity_abs_dlogp")
+            if isinstance(parity, float) and math.isnan(parity):  # not checked this step: show the last check
+                data = {**data, "sync/parity_abs_dlogp": self.last.get("sync/parity_abs_dlogp")}
             self.last = data
             self.progress.update(self.task, completed=data["step"])
         elif kind == "guard":
