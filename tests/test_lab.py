@@ -38,8 +38,29 @@ def test_collapse_is_the_guards_own_rule_applied_offline():
     assert lab.collapse_step(rows([0.3] * 6, kl=0.1), g) == 3
 
 
+def test_a_run_whose_held_out_score_falls_apart_counts_as_collapsed(tmp_path):
+    """Off-policy runs here fell to reward 0 with entropy rising, which the guard's criteria miss."""
+    guard = {"max_kl": 0.05, "min_entropy_frac": 0.05, "reward_drop": 0.2, "patience": 3}
+    runs = []
+    for name, end in (("ok", 0.30), ("fell", 0.05)):
+        run = tmp_path / name
+        run.mkdir()
+        ent = [0.1 + 0.01 * i for i in range(6)]  # rising: no guard trip
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({**r, "loss/clip_frac": 0.0, "loss/is_weight_max": 1.2, "heldout/avg@4": 0.2}) + "\n"
+            for r in rows(ent)))
+        (run / "summary.json").write_text(json.dumps({"recipe": {"guard": guard}, "heldout": {
+            "metric": "avg@4", "start": {"avg@4": 0.25}, "end": {"avg@4": end}}}))
+        runs.append(run)
+    ok, fell = lab.cell_result(runs[:1]), lab.cell_result(runs[1:])
+    assert (ok["collapsed"], ok["fell"]) == (0, 0) and (fell["collapsed"], fell["fell"]) == (1, 1)
+    assert fell["first_collapse"] is None and fell["final"] == 0.05 and fell["peak"] == 0.25
+    both = lab.cell_result(runs)
+    assert both["collapsed"] == 1 and both["seeds"] == 2 and both["final"] == pytest.approx(0.175)
+
+
 def result(final, collapsed=0, seeds=1, kl=1e-3, start=0.25):
-    return {"seeds": seeds, "collapsed": collapsed, "first_collapse": 7 if collapsed else None, "start": start,
+    return {"seeds": seeds, "collapsed": collapsed, "fell": 0, "first_collapse": 7 if collapsed else None, "start": start,
             "peak": max(final, start), "final": final, "kl": kl, "clip": 0.0, "is_max": 1.5, "per_seed": []}
 
 
@@ -59,7 +80,7 @@ def test_findings_follow_from_the_numbers():
         ids["cold starts", "cold start @10%"]: result(0.58, start=0.1),
     }
     got = {fid: (verdict, numbers) for fid, _, verdict, numbers in lab.findings(res, p.cells, p.offpolicy_n)}
-    assert got["F1"][0] == "reproduced" and "w/o IS: collapsed 1/1 (first at step 7)" in got["F1"][1]
+    assert got["F1"][0] == "reproduced" and "w/o IS: collapsed 1/1 (guard at step 7)" in got["F1"][1]
     assert got["F2"][0] == "reproduced"
     assert got["F3"][0] == "not reproduced"
     assert got["F4"][0] == "reproduced" and got["F5"][0] == "reproduced"  # N = 4: R3 0.55 > R2 0.40
