@@ -412,9 +412,10 @@ def _os_error(e: BaseException) -> OSError | None:
     while e is not None and seen < 10:
         if isinstance(e, OSError):
             return e
-        failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, stack summary)}
         if isinstance(failures, dict):
             for f in failures.values():
+                f = f[0] if isinstance(f, tuple) and f else f  # torch wraps each failure with its stack
                 inner = _os_error(f) if isinstance(f, BaseException) else None
                 if inner is not None:
                     return inner

@@ -133,3 +133,22 @@ def test_bf16_compute_keeps_fp32_master_weights():
     bf16.optim_step()
     assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
     assert {v.dtype for s in bf16.optim.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+
+
+def test_a_full_disk_inside_a_dcp_save_is_found_in_torchs_wrapped_failures():
+    """DCP reports a failed write as CheckpointException({rank: (exception, stack)}). When the disk
+    fills while it writes the metadata, the freed temp folder leaves room again, so the OSError
+    itself must be found in the wrapped failures (it once surfaced as a traceback, exit 1)."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from minirl.train import _os_error
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as e:
+        wrapped = _wrap_exception(e)
+    found = _os_error(CheckpointException("write", {0: wrapped}))
+    assert isinstance(found, OSError) and found.errno == errno.ENOSPC
+    assert _os_error(CheckpointException("write", {0: _wrap_exception(ValueError("x"))})) is None
