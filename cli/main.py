@@ -13,6 +13,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from minirl.task import TASKS
+
 console = Console(stderr=False, highlight=False)
 
 SET_HELP = "Override a recipe value, e.g. --set train.lr=1e-4 (repeatable). Keys are [section].key of the TOML recipe."
@@ -68,7 +70,7 @@ def cli(verbose: bool) -> None:
 @click.option("--recipe", "recipe_name", default=None,
               help="Shipped recipe (a file stem in recipes/) to start from [default: tiny; with --model, the "
                    "model's own recipe if one is shipped, else qwen3].")
-@click.option("--task", type=click.Choice(["addition", "scratchpad"]), default=None,
+@click.option("--task", type=click.Choice(list(TASKS)), default=None,
               help="Embedded task for the tiny model: addition (the default; 3-digit sums, 4-5 response tokens) or "
                    "scratchpad (3-5-digit sums written out column by column, 20-46 tokens; recipe tiny-scratchpad, "
                    "the stage of `minirl lab`).")

@@ -41,7 +41,7 @@ class Cell:
     regime: str  # "on-policy" | "off-policy N=4" | "cold starts"
     variant: str
     sets: tuple[str, ...] = ()
-    cold_start: str = ""  # "" = the workspace's own; else a name of `cold_starts()`
+    cold_start: float = 0.0  # dev accuracy an extra cold start stops at (F6); 0 = the workspace's own
 
     @property
     def id(self) -> str:
@@ -80,7 +80,7 @@ def plan(*, quick: bool, seeds: int | None = None) -> Plan:
             Cell(f"off-policy N={n}", "clip + R2", (*off, "train.replay=r2")),
             Cell(f"off-policy N={n}", "clip + R3", (*off, "train.replay=r3")),
         ]
-    cells += [Cell("cold starts", f"cold start @{t:.0%}", cold_start=f"acc{round(100 * t)}") for t in targets]
+    cells += [Cell("cold starts", f"cold start @{t:.0%}", cold_start=t) for t in targets]
     return Plan(steps=30 if quick else 150, eval_every=10 if quick else 25, seeds=seeds or 1,
                 offpolicy_n=ns, cold_start_targets=targets, mb_prompts=mb, cells=cells)
 
@@ -102,11 +102,12 @@ class Lab:
     def _save(self) -> None:
         atomic.write_text(self.state_path, json.dumps(self.state, indent=1))
 
-    def cold_start_model(self, name: str, target: float, progress) -> Path:
+    def cold_start_model(self, target: float, progress) -> Path:
         """A second cold start of the same task and data, stopped at another dev accuracy (F6);
         built once into the lab folder and reused by every later sweep."""
         from minirl.workspace import init_workspace
 
+        name = f"acc{round(100 * target)}"
         root = self.out / "coldstarts" / name
         if not (root / "minirl.toml").exists():
             progress(f"cold start {name} (dev accuracy {target:.0%})")
@@ -121,8 +122,7 @@ class Lab:
         if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == sets:
             return Path(done)  # the same cell with the same settings: reused
         if cell.cold_start:
-            target = p.cold_start_targets[[f"acc{round(100 * t)}" for t in p.cold_start_targets].index(cell.cold_start)]
-            sets.append(f"model.path={self.cold_start_model(cell.cold_start, target, progress)}")
+            sets.append(f"model.path={self.cold_start_model(cell.cold_start, progress)}")
         before = set((self.ws_root / "runs").iterdir()) if (self.ws_root / "runs").exists() else set()
         cmd = [sys.executable, "-m", "cli.main", "run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]]
         log = self.out / "logs" / f"{cell.id}-s{seed}.log"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from minirl.errors import UsageError
+from minirl.task import TASKS
 
 
 @dataclass(kw_only=True, slots=True)
@@ -366,7 +367,7 @@ def validate(r: Recipe) -> None:
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
         "rollout.precision": (r.rollout.precision, ("fp32", "bf16", "fp8")),
-        "cold_start.task": (r.cold_start.task, ("addition", "scratchpad")),  # minirl/task.py TASKS
+        "cold_start.task": (r.cold_start.task, tuple(TASKS)),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

@@ -297,7 +297,9 @@ class Trainer:
             (loss * scale).backward()
         finally:
             self.replay.set_replay(None)
-        return float(loss.detach()), metrics, logp.detach().cpu(), None if ent is None else ent.cpu()
+        if not with_entropy:  # no device-to-host copy unless the caller keeps π_old from this forward
+            return float(loss.detach()), metrics, None, None
+        return float(loss.detach()), metrics, logp.detach().cpu(), ent.cpu()
 
     def clip_grads(self) -> float:
         """Clip accumulated gradients in place; returns their norm before clipping (of the whole

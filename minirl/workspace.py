@@ -161,6 +161,7 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", shape.vocab_size)
     from transformers import AutoTokenizer
 
+    from minirl.evaluate import response_text
     from rewards import load_grader
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -177,7 +178,7 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     grader = load_grader(rec.reward.grader, rec.reward.params)  # dev accuracy as RL will count it
 
     def is_correct(i: int, ids: list[int]) -> bool:
-        return grader(train[i], tok.decode([t for t in ids if t != eos])).score >= 1.0
+        return grader(train[i], response_text(ids, tok.decode, eos)).score >= 1.0
     losses: list[float] = []
     dev_acc: list[float] = []
 
