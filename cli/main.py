@@ -417,7 +417,9 @@ def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
     only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without IS; off-policy
     N = 2, 4, 8 without clipping or replay, with clipping, + R2, + R3; MiniRL from other cold
     starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
-    WORKSPACE/lab/report.md (the F1-F6 table, computed from the runs) and one PNG per regime.
+    WORKSPACE/lab/{quick,full}/report.md (the F1-F6 table, computed from the runs) and one PNG per regime.
+    Last, the cell that collapsed most reliably runs again with the guard acting (its rollbacks,
+    how it ended, and lab-guard-check.png in the report).
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -438,13 +440,15 @@ def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad`)")
     plan = lab_mod.plan(quick=quick, seeds=seeds)
-    lab_ = lab_mod.Lab(ws.root, ws.root / "lab")
+    lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
     if not report_only:
         with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console) as prog:
-            bar = prog.add_task("lab", total=len(plan.cells) * plan.seeds)
+            bar = prog.add_task("lab", total=len(plan.cells) * plan.seeds + 1)
             lab_.sweep(plan, on_cell=lambda what, i, n: prog.update(bar, description=what, completed=i),
                        progress=lambda what: prog.update(bar, description=what))
+            lab_.guard_check(plan, progress=lambda what: prog.update(bar, description=what))
+            prog.update(bar, description="done", completed=len(plan.cells) * plan.seeds + 1)
     path, pngs, found = lab_mod.report(lab_, plan)
     for fid, claim, verdict, numbers in found:
         console.print(f"[bold]{fid}[/] {verdict}: {claim}  ({numbers})", soft_wrap=True)

@@ -10,16 +10,24 @@ reads both, plus the update itself (a non-finite loss or gradient), and answers:
     "stop"      `max_rollbacks` used up: end the run as "collapsed"
 
 Thresholds are deliberately loose: a healthy run sharpens its policy (on the embedded default the
-entropy falls from 0.32 to 0.07 in 300 steps, and KL stays ~1e-3), so "collapse" means entropy
-below `min_entropy_frac` of the run's starting entropy *and* reward below its best so far, or KL
-above `max_kl`. What was left out: no automatic learning-rate or clip retuning beyond the
-`lr_factor` applied at each rollback.
+entropy falls from 0.32 to 0.07 in 300 steps, and KL stays ~1e-3), so "collapse" means KL above
+`max_kl`, or the reward down from its best while the entropy has left its band either way:
+
+    below `min_entropy_frac` × H_0   the paper's collapse: the policy freezes onto wrong answers;
+    above `max_entropy_factor` × H_0 the other shape, seen in `minirl lab` off-policy without
+                                     clipping: the policy dissolves into noise, entropy rising;
+
+where H_0 is the run's first step's entropy, and "down" means below best − `reward_drop` or below
+(1 − `reward_drop_frac`) × best (the relative test catches a run that starts and collapses at low
+reward, where an absolute drop of 0.2 cannot happen). What was left out: no automatic
+learning-rate or clip retuning beyond the `lr_factor` applied at each rollback.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +40,9 @@ class Verdict:
 class Guard:
     max_kl: float = 0.05
     min_entropy_frac: float = 0.05
-    reward_drop: float = 0.2  # with low entropy, reward must also be this far below its best
+    max_entropy_factor: float = 1.25
+    reward_drop: float = 0.2  # with entropy out of its band, reward must also be this far below its best ...
+    reward_drop_frac: float = 0.5  # ... or below (1 − this) × its best
     patience: int = 3
     max_rollbacks: int = 3
     enabled: bool = True
@@ -40,9 +50,21 @@ class Guard:
     entropy0: float | None = None
     best_reward: float = -math.inf
     bad_streak: int = 0
+    reward_down: bool = False  # the last judged step's reward was down from its best
     rollbacks: int = 0
     skipped: int = 0
     reasons: list[str] = field(default_factory=list)
+
+    SETTINGS = ("max_kl", "min_entropy_frac", "max_entropy_factor", "reward_drop", "reward_drop_frac", "patience",
+                "max_rollbacks", "enabled")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping, **over) -> Guard:
+        """A fresh guard from the recipe's [guard] section (a dict or GuardConfig); keys a recorded
+        recipe predates take their defaults."""
+        get = settings.get if isinstance(settings, Mapping) else lambda k, d: getattr(settings, k, d)
+        defaults = {f.name: f.default for f in fields(cls)}
+        return cls(**{**{k: get(k, defaults[k]) for k in cls.SETTINGS}, **over})
 
     def decide(
         self, *, kl: float, entropy: float, reward: float, loss: float, grad_norm: float, new_step: bool = True
@@ -61,10 +83,15 @@ class Guard:
             self.entropy0 = entropy
         self.best_reward = max(self.best_reward, reward)
         reason = ""
+        down = reward < self.best_reward - self.reward_drop or reward < (1 - self.reward_drop_frac) * self.best_reward
+        self.reward_down = down
         if kl > self.max_kl:
             reason = f"KL(μ‖π_old) {kl:.3g} > {self.max_kl}"
-        elif entropy < self.min_entropy_frac * self.entropy0 and reward < self.best_reward - self.reward_drop:
+        elif down and entropy < self.min_entropy_frac * self.entropy0:
             reason = (f"entropy {entropy:.3g} < {self.min_entropy_frac} × {self.entropy0:.3g} with reward "
+                      f"{reward:.3g} down from {self.best_reward:.3g}")
+        elif down and entropy > self.max_entropy_factor * self.entropy0:
+            reason = (f"entropy {entropy:.3g} > {self.max_entropy_factor} × {self.entropy0:.3g} with reward "
                       f"{reward:.3g} down from {self.best_reward:.3g}")
         self.bad_streak = self.bad_streak + 1 if reason else 0
         if self.bad_streak < self.patience:
@@ -78,8 +105,11 @@ class Guard:
 
     @property
     def healthy(self) -> bool:
-        """No bad signal pending: a checkpoint saved now is a 'good' one."""
-        return self.bad_streak == 0
+        """No bad signal pending and the reward not down from its best: a checkpoint saved now is a
+        'good' one, a rollback target. The reward counts because a collapse can run for a few steps
+        before its entropy leaves the band (seen in `minirl lab`: reward 0.23 → 0.02 in 2 steps, the
+        entropy past 1.25 × H_0 only 3 steps later); a checkpoint in that stretch is no target."""
+        return self.bad_streak == 0 and not self.reward_down
 
     def state_dict(self) -> dict:
         return {"entropy0": self.entropy0, "best_reward": self.best_reward if math.isfinite(self.best_reward) else None,

@@ -93,6 +93,14 @@ def common_sets(p: Plan, seed: int) -> list[str]:
             f"train.seed={seed}", f"checkpoint.every={p.steps + 1}", "checkpoint.keep=1"]
 
 
+GUARD_CHECKPOINT_EVERY = 5  # the guard check's checkpoints: the rollback target is at most this many steps back
+
+
+def guarded_sets(p: Plan) -> tuple[str, ...]:
+    """The guard check: the recipe's guard, acting, with checkpoints close enough to roll back to."""
+    return ("guard.enabled=true", f"checkpoint.every={GUARD_CHECKPOINT_EVERY}", "checkpoint.keep=2")
+
+
 class Lab:
     def __init__(self, ws_root: Path, out: Path):
         self.ws_root, self.out = Path(ws_root), Path(out)
@@ -104,20 +112,22 @@ class Lab:
 
     def cold_start_model(self, target: float, progress) -> Path:
         """A second cold start of the same task and data, stopped at another dev accuracy (F6);
-        built once into the lab folder and reused by every later sweep."""
+        built once, beside the grids' folders, and reused by both grids and every later sweep."""
         from minirl.workspace import init_workspace
 
         name = f"acc{round(100 * target)}"
-        root = self.out / "coldstarts" / name
+        root = self.out.parent / "coldstarts" / name
         if not (root / "minirl.toml").exists():
             progress(f"cold start {name} (dev accuracy {target:.0%})")
             init_workspace(root, task="scratchpad", force=True, overrides=[f"cold_start.target_acc={target}"])
         return root / "model" / "coldstart"
 
-    def run_cell(self, cell: Cell, seed: int, p: Plan, *, progress) -> Path:
-        """One (cell, seed): a `minirl run` of its own; returns its run folder."""
-        sets = [*common_sets(p, seed), *cell.sets]
-        key = f"{cell.id}/s{seed}"
+    def run_cell(self, cell: Cell, seed: int, p: Plan, *, progress, guarded: bool = False) -> Path:
+        """One (cell, seed): a `minirl run` of its own; returns its run folder. `guarded`: the same
+        run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
+        may end as `collapsed` (exit 3), which is then its result."""
+        sets = [*common_sets(p, seed), *cell.sets, *(guarded_sets(p) if guarded else ())]
+        key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
         done = self.state["runs"].get(key)
         if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == sets:
             return Path(done)  # the same cell with the same settings: reused
@@ -125,18 +135,32 @@ class Lab:
             sets.append(f"model.path={self.cold_start_model(cell.cold_start, progress)}")
         before = set((self.ws_root / "runs").iterdir()) if (self.ws_root / "runs").exists() else set()
         cmd = [sys.executable, "-m", "cli.main", "run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]]
-        log = self.out / "logs" / f"{cell.id}-s{seed}.log"
+        log = self.out / "logs" / f"{key.replace('/', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as f:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
                                 env={**os.environ, "COLUMNS": "160"}).returncode
         new = sorted(set((self.ws_root / "runs").iterdir()) - before)
-        if rc != 0 or not new or not (new[-1] / "summary.json").exists():
+        if rc not in ((0, 3) if guarded else (0,)) or not new or not (new[-1] / "summary.json").exists():
             raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")
         self.state["runs"][key] = str(new[-1])
         self.state.setdefault("sets", {})[key] = sets
         self._save()
         return new[-1]
+
+    def guard_check(self, p: Plan, *, progress: Callable[[str], None] = lambda s: None) -> dict | None:
+        """Issue #9's point 5: the cell that collapsed most reliably under the guard's criteria (as
+        observed), run again from the same seed with the guard acting. None when no cell collapsed."""
+        res = results(self, p)
+        cell = most_reliable_collapse(res, p.cells)
+        if cell is None:
+            return None
+        progress(f"guard check: {cell.regime}: {cell.variant}, guard acting")
+        guarded = self.run_cell(cell, 0, p, progress=progress, guarded=True)
+        self.state["guard_check"] = {"cell": cell.id, "observed": self.state["runs"][f"{cell.id}/s0"],
+                                     "guarded": str(guarded)}
+        self._save()
+        return self.state["guard_check"]
 
     def sweep(self, p: Plan, *, on_cell: Callable[[str, int, int], None] = lambda *a: None,
               progress: Callable[[str], None] = lambda s: None) -> dict[str, list[Path]]:
@@ -154,18 +178,22 @@ def rows_of(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def collapse_step(rows: list[dict], recipe_guard: dict) -> int | None:
-    """The step at which the guard, had it been active, would have acted: its own criteria
-    (KL above max_kl, or entropy below a fraction of the start with reward down from its best, for
+def collapse(rows: list[dict], recipe_guard: dict) -> tuple[int, str] | None:
+    """The step at which the guard, had it been active, would have acted, and why: its own
+    criteria (KL above max_kl, or reward down from its best with entropy out of its band, for
     `patience` steps), applied offline to the logged signals."""
-    g = Guard(max_kl=recipe_guard["max_kl"], min_entropy_frac=recipe_guard["min_entropy_frac"],
-              reward_drop=recipe_guard["reward_drop"], patience=recipe_guard["patience"], max_rollbacks=0)
+    g = Guard.from_settings(recipe_guard, enabled=True, max_rollbacks=0)
     for r in rows:
         v = g.decide(kl=r["train/kl_mu_pi_old"], entropy=r["train/entropy"], reward=r["rollout/reward_mean"],
                      loss=0.0, grad_norm=0.0)
         if v.action in ("rollback", "stop"):
-            return r["step"]
+            return r["step"], v.reason.split("; ")[0]
     return None
+
+
+def collapse_step(rows: list[dict], recipe_guard: dict) -> int | None:
+    found = collapse(rows, recipe_guard)
+    return found[0] if found else None
 
 
 def cell_result(runs: list[Path]) -> dict:
@@ -275,6 +303,92 @@ def findings(res: dict[str, dict], cells: list[Cell], ns: tuple[int, ...]) -> li
     return out
 
 
+# ----- the guard against a real collapse (issue #9, point 5) ------------------------------------
+def most_reliable_collapse(res: dict[str, dict], cells: list[Cell]) -> Cell | None:
+    """The cell whose seeds met the guard's criteria most often (seed 0 among them: the guard check
+    reruns it), the earliest first; None when no cell's seed 0 did."""
+    ranked = [(sum(s["collapse"] is not None for s in x["per_seed"]), -x["per_seed"][0]["collapse"], -i, c)
+              for i, c in enumerate(cells) if (x := res.get(c.id)) and x["per_seed"][0]["collapse"] is not None]
+    return max(ranked, key=lambda t: t[:3])[3] if ranked else None
+
+
+def guard_check_result(info: dict | None) -> dict | None:
+    """The guard check's figures: where the observed run met the criteria, and what the guarded
+    run did about it (rollbacks, their targets and reasons, how it ended, held-out scores)."""
+    if not info or not all((Path(info[k]) / "summary.json").exists() for k in ("observed", "guarded")):
+        return None
+    out = {"cell": info["cell"]}
+    for which in ("observed", "guarded"):
+        run = Path(info[which])
+        summary, rows = json.loads((run / "summary.json").read_text()), rows_of(run)
+        key = summary["heldout"]["metric"]
+        tail = rows[-5:]
+        out[which] = {
+            "run": str(run), "rows": rows, "status": summary["status"], "steps": summary["steps"],
+            "heldout_start": summary["heldout"]["start"][key], "heldout_end": summary["heldout"]["end"][key],
+            "reward_end": statistics.mean(r["rollout/reward_mean"] for r in tail),
+            "entropy_end": statistics.mean(r["train/entropy"] for r in tail),
+            "collapse": collapse(rows, summary["recipe"]["guard"]),
+            "rollbacks": [{"step": r["step"], "action": r["guard/action"], "reason": r.get("guard/reason", ""),
+                           "to": r.get("guard/rollback_to_step")}
+                          for r in rows if r.get("guard/action") in ("rollback", "stop")],
+            "patience": summary["recipe"]["guard"]["patience"],
+        }
+    return out
+
+
+def plot_guard_check(check: dict, path: Path) -> Path:
+    """Reward, entropy and KL of the collapsing cell observed (grey) and with the guard acting
+    (blue), rollbacks as red dashed lines, the observed run's trip as ×."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
+    obs, grd = check["observed"], check["guarded"]
+    for ax, key, title in zip(axes, ("rollout/reward_mean", "train/entropy", "train/kl_mu_pi_old"),
+                              ("reward", "token entropy", "KL(μ_old ‖ π_old)")):
+        for run, color, label in ((obs, "0.55", "guard observing only"), (grd, "tab:blue", "guard acting")):
+            ax.plot([r["step"] for r in run["rows"]], [r[key] for r in run["rows"]], color=color, lw=1.3, label=label)
+        if obs["collapse"]:
+            row = next(r for r in obs["rows"] if r["step"] == obs["collapse"][0])
+            ax.plot([row["step"]], [row[key]], "x", color="0.3", ms=9, label="criteria met (observed)")
+        for i, rb in enumerate(grd["rollbacks"]):
+            ax.axvline(rb["step"], color="tab:red", ls="--", lw=1.0,
+                       label=None if i else f"{rb['action']} (guard)" if len(grd["rollbacks"]) == 1 else "rollback / stop")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"minirl lab: the guard against a real collapse ({check['cell']}; status {grd['status']})")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def guard_check_lines(check: dict | None, *, any_collapse: bool) -> list[str]:
+    if check is None:
+        why = ("Not run yet: it is the sweep's last stage." if any_collapse else
+               "No cell's seed 0 met the guard's criteria: there was no real collapse to run the guard against.")
+        return ["## The guard against a real collapse", "", why, ""]
+    obs, grd = check["observed"], check["guarded"]
+    seen = (f"met the guard's criteria at step {obs['collapse'][0]} ({obs['collapse'][1]}; patience "
+            f"{obs['patience']})")
+    acts = "; ".join(f"step {r['step']}: {r['action']} to step {r['to']} ({r['reason']})" for r in grd["rollbacks"])
+    return ["## The guard against a real collapse", "",
+            f"The cell that collapsed most reliably, `{check['cell']}` (seed 0), run again with the guard acting "
+            f"(checkpoints every {GUARD_CHECKPOINT_EVERY} steps). Observing only, it {seen}.", "",
+            "| | guard observing only | guard acting |", "|---|---|---|",
+            f"| status | {obs['status']} after {obs['steps']} steps | {grd['status']} after {grd['steps']} steps |",
+            f"| guard actions | - | {len(grd['rollbacks'])}: {acts or 'none'} |",
+            f"| reward, last 5 steps | {obs['reward_end']:.3f} | {grd['reward_end']:.3f} |",
+            f"| entropy, last 5 steps | {obs['entropy_end']:.3f} | {grd['entropy_end']:.3f} |",
+            f"| held-out start → end | {obs['heldout_start']:.3f} → {obs['heldout_end']:.3f} | "
+            f"{grd['heldout_start']:.3f} → {grd['heldout_end']:.3f} |", "",
+            f"Runs: `{obs['run']}` (observing), `{grd['run']}` (acting). Figure: `lab-guard-check.png`.", ""]
+
+
 # ----- output --------------------------------------------------------------------------------------
 def plot_regimes(res: dict[str, dict], cells: list[Cell], out: Path) -> list[Path]:
     """One PNG per regime, as the paper lays its figures out: reward, entropy and KL(μ‖π_old) over
@@ -313,7 +427,7 @@ def plot_regimes(res: dict[str, dict], cells: list[Cell], out: Path) -> list[Pat
     return paths
 
 
-def write_report(res: dict[str, dict], p: Plan, out: Path, pngs: list[Path]) -> Path:
+def write_report(res: dict[str, dict], p: Plan, out: Path, pngs: list[Path], check: dict | None = None) -> Path:
     lines = ["# minirl lab", "",
              f"{len(p.cells)} cells × {p.seeds} seed(s), {p.steps} steps each, FP8-emulated rollouts, guard observing "
              f"only; held-out avg@k every {p.eval_every} steps. Collapsed = the guard's criteria met (applied offline "
@@ -330,17 +444,27 @@ def write_report(res: dict[str, dict], p: Plan, out: Path, pngs: list[Path]) -> 
             lines.append(f"| {c.regime} | {c.variant} | {x['collapsed']}/{x['seeds']} | {x['first_collapse'] or '-'} | "
                          f"{x['start']:.3f} | {x['peak']:.3f} | {x['final']:.3f} | {x['kl']:.2e} | {x['clip']:.3f} | "
                          f"{x['is_max']:.2f} |")
-    lines += ["", "## Figures", "", *[f"- `{png.name}`" for png in pngs], ""]
+    any_collapse = most_reliable_collapse(res, p.cells) is not None
+    lines += ["", *guard_check_lines(check, any_collapse=any_collapse), "## Figures", "", *[f"- `{png.name}`" for png in pngs], ""]
     path = out / "report.md"
     atomic.write_text(path, "\n".join(lines))
     return path
 
 
-def report(lab: Lab, p: Plan) -> tuple[Path, list[Path], list[tuple]]:
+def results(lab: Lab, p: Plan) -> dict[str, dict]:
+    """Per cell id, its result over the seeds run so far."""
     res = {}
     for c in p.cells:
         runs = [Path(lab.state["runs"][k]) for s in range(p.seeds) if (k := f"{c.id}/s{s}") in lab.state["runs"]]
         if runs:
             res[c.id] = cell_result(runs)
+    return res
+
+
+def report(lab: Lab, p: Plan) -> tuple[Path, list[Path], list[tuple]]:
+    res = results(lab, p)
     pngs = plot_regimes(res, p.cells, lab.out)
-    return write_report(res, p, lab.out, pngs), pngs, findings(res, p.cells, p.offpolicy_n)
+    check = guard_check_result(lab.state.get("guard_check"))
+    if check:
+        pngs.append(plot_guard_check(check, lab.out / "lab-guard-check.png"))
+    return write_report(res, p, lab.out, pngs, check), pngs, findings(res, p.cells, p.offpolicy_n)

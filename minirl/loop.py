@@ -89,9 +89,7 @@ class RLRun:
                                ep=rec.parallel.ep, param_dtype=rec.train.param_dtype)
         self.state = RunState(run_dir=run_dir)
         self.sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
-        g = rec.guard
-        self.guard = Guard(max_kl=g.max_kl, min_entropy_frac=g.min_entropy_frac, reward_drop=g.reward_drop,
-                           patience=g.patience, max_rollbacks=g.max_rollbacks, enabled=g.enabled)
+        self.guard = Guard.from_settings(rec.guard)
         self.lr = rec.train.lr
         self.last_good: Path | None = resume_from
         self.rolled_back_to: list[str] = []

@@ -138,7 +138,9 @@ class GuardConfig:
     enabled: bool = True
     max_kl: float = 0.05  # KL(μ_old‖π_old) above this is a bad step
     min_entropy_frac: float = 0.05  # entropy below this share of the first step's ...
-    reward_drop: float = 0.2  # ... with reward this far below its best is a bad step
+    max_entropy_factor: float = 1.25  # ... or above this multiple of it ...
+    reward_drop: float = 0.2  # ... with reward this far below its best ...
+    reward_drop_frac: float = 0.5  # ... or below (1 − this) × its best, is a bad step
     patience: int = 3  # consecutive bad steps before a rollback
     max_rollbacks: int = 3  # then the run stops as "collapsed"
     lr_factor: float = 0.5  # learning rate multiplier applied at each rollback
@@ -318,7 +320,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "checkpoint.every": (1, math.inf, True),
     "checkpoint.keep": (0, math.inf, True),
     "guard.min_entropy_frac": (0, 1, True),
+    "guard.max_entropy_factor": (1, math.inf, False),
     "guard.reward_drop": (0, math.inf, True),
+    "guard.reward_drop_frac": (0, 1, True),
     "guard.patience": (1, math.inf, True),
     "guard.max_rollbacks": (0, math.inf, True),
     "guard.lr_factor": (0, 1, False),

@@ -57,3 +57,46 @@ def test_state_round_trip():
     h = Guard()
     h.load_state_dict(g.state_dict())
     assert (h.entropy0, h.best_reward, h.rollbacks, h.reasons) == (g.entropy0, g.best_reward, 1, g.reasons)
+
+
+def test_entropy_rising_out_of_its_band_with_the_reward_gone_rolls_back():
+    """The other collapse shape (seen off-policy without clipping in `minirl lab`): the policy
+    dissolves, entropy rising, and the reward falls from a low start, where an absolute drop of
+    0.2 cannot happen; the relative test (below half of its best) sees it."""
+    g = Guard(max_entropy_factor=2.0, reward_drop=0.2, reward_drop_frac=0.5, patience=2)
+    g.decide(**{**OK, "entropy": 0.12, "reward": 0.22})  # H_0 = 0.12, best 0.22
+    assert g.decide(**{**OK, "entropy": 0.30, "reward": 0.15}).reason == ""  # noisy, but not down by half
+    assert g.decide(**{**OK, "entropy": 0.20, "reward": 0.01}).reason == ""  # down, entropy still in its band
+    v = g.decide(**{**OK, "entropy": 0.26, "reward": 0.02})
+    assert v.action == "step" and v.reason.startswith("entropy 0.26 > 2.0 × 0.12 with reward 0.02 down from 0.22")
+    assert g.decide(**{**OK, "entropy": 0.31, "reward": 0.0}).action == "rollback"
+
+
+def test_high_entropy_alone_and_a_reward_dip_alone_are_not_collapse():
+    g = Guard(patience=1)
+    g.decide(**{**OK, "entropy": 0.1, "reward": 0.8})
+    assert g.decide(**{**OK, "entropy": 0.5, "reward": 0.75}).action == "step"  # exploring, reward held
+    assert g.decide(**{**OK, "entropy": 0.1, "reward": 0.1}).action == "step"  # a bad batch, entropy as before
+
+
+def test_from_settings_takes_the_recipe_section_and_defaults_what_an_old_recipe_lacks():
+    from minirl.recipe import GuardConfig
+
+    cfg = GuardConfig(max_entropy_factor=3.0, patience=5, enabled=False)
+    g = Guard.from_settings(cfg)
+    assert (g.max_entropy_factor, g.patience, g.enabled, g.reward_drop_frac) == (3.0, 5, False, 0.5)
+    old = {"max_kl": 0.1, "min_entropy_frac": 0.05, "reward_drop": 0.2, "patience": 3}  # a summary from before
+    g = Guard.from_settings(old, enabled=True, max_rollbacks=0)
+    assert (g.max_kl, g.max_entropy_factor, g.reward_drop_frac, g.max_rollbacks) == (0.1, 1.25, 0.5, 0)
+
+
+def test_a_checkpoint_saved_while_the_reward_is_down_is_no_rollback_target():
+    """A collapse can run for steps before the entropy leaves its band; the weights of those steps
+    must not become the place a rollback returns to."""
+    g = Guard(patience=3)
+    g.decide(**{**OK, "entropy": 0.12, "reward": 0.23})
+    assert g.healthy
+    g.decide(**{**OK, "entropy": 0.12, "reward": 0.02})  # down by more than half, entropy still in band
+    assert g.decide(**{**OK, "entropy": 0.12, "reward": 0.02}).reason == "" and not g.healthy
+    g.decide(**{**OK, "entropy": 0.12, "reward": 0.2})
+    assert g.healthy

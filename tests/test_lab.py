@@ -2,6 +2,7 @@
 micro sweep (two cells of two steps) that resumes without redoing a finished cell."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -89,8 +90,28 @@ def test_findings_follow_from_the_numbers():
     assert dict((f, v) for f, _, v, _ in lab.findings(res, p.cells, p.offpolicy_n))["F1"] == "not reproduced"
 
 
+def test_the_guard_check_reruns_the_cell_that_collapsed_most_reliably():
+    p = lab.plan(quick=True)
+    ids = {(c.regime, c.variant): c for c in p.cells}
+
+    def res(*collapse_steps):
+        return {"per_seed": [{"collapse": s} for s in collapse_steps]}
+
+    none_, clip = ids["off-policy N=4", "no clip, no replay"], ids["off-policy N=4", "clip"]
+    r = {c.id: res(None, None) for c in p.cells}
+    assert lab.most_reliable_collapse(r, p.cells) is None
+    r[clip.id] = res(9, None)
+    r[none_.id] = res(12, 4)  # both seeds: more reliable than clip's one, though later on seed 0
+    assert lab.most_reliable_collapse(r, p.cells) is none_
+    r[none_.id] = res(None, 4)  # seed 0 did not collapse: the check reruns seed 0, so it cannot show it
+    assert lab.most_reliable_collapse(r, p.cells) is clip
+
+
 @pytest.mark.slow
 def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
+    """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
+    above a max_kl of -1), so the guard check reruns it with the guard acting: it rolls back,
+    then stops as collapsed (exit 3), and the report and figure say so."""
     from minirl.workspace import init_workspace
 
     ws = tmp_path / "ws"
@@ -98,13 +119,14 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
         "cold_start.max_steps=30", "cold_start.train_size=400", "cold_start.heldout_size=8", "cold_start.dev_size=4",
         "cold_start.check_every=30", "train.prompts_per_step=4", "eval.k=1", "rollout.max_tokens=40"])
     full = lab.plan(quick=True)
-    cells = [c for c in full.cells if c.variant in ("MiniRL", "MiniRL w/o IS")]
+    trips = ("guard.max_kl=-1", "guard.patience=1", "guard.max_rollbacks=1")
+    cells = [lab.Cell("on-policy", "MiniRL", trips), next(c for c in full.cells if c.variant == "MiniRL w/o IS")]
     p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=cells)
-    L = lab.Lab(ws, ws / "lab")
+    L = lab.Lab(ws, ws / "lab" / "micro")
     seen = []
     runs = L.sweep(p, on_cell=lambda what, i, n: seen.append((what, i, n)))
     assert [s[1:] for s in seen] == [(0, 2), (1, 2), (2, 2)] and len(runs) == 2
-    state = json.loads((ws / "lab" / "state.json").read_text())
+    state = json.loads((ws / "lab" / "micro" / "state.json").read_text())
     assert set(state["runs"]) == {f"{c.id}/s0" for c in cells}
     for run in state["runs"].values():
         rec = json.loads((tmp_path / run / "summary.json").read_text())["recipe"]
@@ -113,10 +135,23 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
              for c in cells]
     assert modes == ["truncate", "off"]  # each cell's own change on top
     n_runs = len(list((ws / "runs").iterdir()))
-    L2 = lab.Lab(ws, ws / "lab")  # a new sweep (an interrupted one resumed): finished cells are not redone
+    L2 = lab.Lab(ws, ws / "lab" / "micro")  # a new sweep (an interrupted one resumed): finished cells are not redone
     L2.sweep(p)
     assert len(list((ws / "runs").iterdir())) == n_runs
+
+    info = L2.guard_check(p)
+    assert info["cell"] == cells[0].id and len(list((ws / "runs").iterdir())) == n_runs + 1
+    guarded = json.loads((Path(info["guarded"]) / "summary.json").read_text())
+    assert guarded["recipe"]["guard"]["enabled"] is True and guarded["recipe"]["checkpoint"]["every"] == 5
+    assert guarded["status"] == "collapsed" and guarded["guard"]["rollbacks"] == 1  # exit 3 is its result
+    check = lab.guard_check_result(L2.state["guard_check"])
+    assert check["observed"]["collapse"][0] == 1 and check["observed"]["collapse"][1].startswith("KL(μ‖π_old)")
+    assert [(r["step"], r["action"], r["to"]) for r in check["guarded"]["rollbacks"]] == [(1, "rollback", 0), (2, "stop", 0)]
+
     path, pngs, found = lab.report(L2, p)
     text = path.read_text()
     assert "| F1 |" in text and "| on-policy | MiniRL w/o IS |" in text
+    assert "| status | finished after 2 steps | collapsed after 2 steps |" in text
+    assert "step 1: rollback to step 0 (KL(μ‖π_old)" in text
     assert [f[0] for f in found] == ["F1"] and pngs[0].stat().st_size > 10_000
+    assert pngs[-1].name == "lab-guard-check.png" and pngs[-1].stat().st_size > 10_000
