@@ -50,7 +50,8 @@ class Guard:
     entropy0: float | None = None
     best_reward: float = -math.inf
     bad_streak: int = 0
-    reward_down: bool = False  # the last judged step's reward was down from its best
+    recent: list[float] = field(default_factory=list)  # the last `patience` steps' rewards
+    reward_down: bool = False  # their mean is down from the best: no checkpoint is good now
     rollbacks: int = 0
     skipped: int = 0
     reasons: list[str] = field(default_factory=list)
@@ -83,8 +84,9 @@ class Guard:
             self.entropy0 = entropy
         self.best_reward = max(self.best_reward, reward)
         reason = ""
-        down = reward < self.best_reward - self.reward_drop or reward < (1 - self.reward_drop_frac) * self.best_reward
-        self.reward_down = down
+        down = self._down(reward)
+        self.recent = [*self.recent, reward][-self.patience:]
+        self.reward_down = self._down(sum(self.recent) / len(self.recent))  # one noisy step is not a trend
         if kl > self.max_kl:
             reason = f"KL(μ‖π_old) {kl:.3g} > {self.max_kl}"
         elif down and entropy < self.min_entropy_frac * self.entropy0:
@@ -103,12 +105,16 @@ class Guard:
         self.rollbacks += 1
         return Verdict("rollback", reason)
 
+    def _down(self, reward: float) -> bool:
+        return reward < self.best_reward - self.reward_drop or reward < (1 - self.reward_drop_frac) * self.best_reward
+
     @property
     def healthy(self) -> bool:
-        """No bad signal pending and the reward not down from its best: a checkpoint saved now is a
-        'good' one, a rollback target. The reward counts because a collapse can run for a few steps
-        before its entropy leaves the band (seen in `minirl lab`: reward 0.23 → 0.02 in 2 steps, the
-        entropy past 1.25 × H_0 only 3 steps later); a checkpoint in that stretch is no target."""
+        """No bad signal pending and the reward of the last `patience` steps, on average, not down
+        from its best: a checkpoint saved now is a 'good' one, a rollback target. The reward counts
+        because a collapse can run for a few steps before its entropy leaves the band (seen in
+        `minirl lab`: reward 0.23 → 0.02 in 2 steps, the entropy past 1.25 × H_0 only 3 steps
+        later); a checkpoint in that stretch is no target."""
         return self.bad_streak == 0 and not self.reward_down
 
     def state_dict(self) -> dict:

@@ -94,11 +94,8 @@ def common_sets(p: Plan, seed: int) -> list[str]:
 
 
 GUARD_CHECKPOINT_EVERY = 5  # the guard check's checkpoints: the rollback target is at most this many steps back
-
-
-def guarded_sets(p: Plan) -> tuple[str, ...]:
-    """The guard check: the recipe's guard, acting, with checkpoints close enough to roll back to."""
-    return ("guard.enabled=true", f"checkpoint.every={GUARD_CHECKPOINT_EVERY}", "checkpoint.keep=2")
+# the guard check: the recipe's guard, acting, with checkpoints close enough to roll back to
+GUARDED = ("guard.enabled=true", f"checkpoint.every={GUARD_CHECKPOINT_EVERY}", "checkpoint.keep=2")
 
 
 class Lab:
@@ -126,7 +123,7 @@ class Lab:
         """One (cell, seed): a `minirl run` of its own; returns its run folder. `guarded`: the same
         run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
         may end as `collapsed` (exit 3), which is then its result."""
-        sets = [*common_sets(p, seed), *cell.sets, *(guarded_sets(p) if guarded else ())]
+        sets = [*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())]
         key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
         done = self.state["runs"].get(key)
         if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == sets:
@@ -191,11 +188,6 @@ def collapse(rows: list[dict], recipe_guard: dict) -> tuple[int, str] | None:
     return None
 
 
-def collapse_step(rows: list[dict], recipe_guard: dict) -> int | None:
-    found = collapse(rows, recipe_guard)
-    return found[0] if found else None
-
-
 def cell_result(runs: list[Path]) -> dict:
     """Per cell, over seeds: collapse (how many seeds, first step), held-out peak and final."""
     per_seed = []
@@ -205,7 +197,7 @@ def cell_result(runs: list[Path]) -> dict:
         key = summary["heldout"]["metric"]
         curve = [summary["heldout"]["start"][key]] + [r[f"heldout/{key}"] for r in rows if f"heldout/{key}" in r]
         per_seed.append({
-            "collapse": collapse_step(rows, summary["recipe"]["guard"]),
+            "collapse": (collapse(rows, summary["recipe"]["guard"]) or (None,))[0],
             "start": curve[0], "peak": max(curve), "final": summary["heldout"]["end"][key],
             "kl": statistics.mean(r["train/kl_mu_pi_old"] for r in rows),
             "clip": statistics.mean(r["loss/clip_frac"] for r in rows),
@@ -354,9 +346,10 @@ def plot_guard_check(check: dict, path: Path) -> Path:
         if obs["collapse"]:
             row = next(r for r in obs["rows"] if r["step"] == obs["collapse"][0])
             ax.plot([row["step"]], [row[key]], "x", color="0.3", ms=9, label="criteria met (observed)")
-        for i, rb in enumerate(grd["rollbacks"]):
-            ax.axvline(rb["step"], color="tab:red", ls="--", lw=1.0,
-                       label=None if i else f"{rb['action']} (guard)" if len(grd["rollbacks"]) == 1 else "rollback / stop")
+        for rb in grd["rollbacks"]:  # labelled once per action
+            ax.axvline(rb["step"], color="tab:red" if rb["action"] == "rollback" else "black", ls="--", lw=1.0,
+                       label=f"{rb['action']} (guard)" if rb is next(x for x in grd["rollbacks"]
+                                                                 if x["action"] == rb["action"]) else None)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -31,12 +31,17 @@ def rows(entropy, kl=1e-4, reward=0.5):
 
 def test_collapse_is_the_guards_own_rule_applied_offline():
     g = {"max_kl": 0.05, "min_entropy_frac": 0.05, "reward_drop": 0.2, "patience": 3}
-    assert lab.collapse_step(rows([0.3] * 10), g) is None
+    assert lab.collapse(rows([0.3] * 10), g) is None
     # entropy below 5% of its start with reward 0.2 below its best, for 3 steps: acts on the 3rd
     ent = [0.3, 0.3, 0.01, 0.01, 0.01, 0.01]
-    assert lab.collapse_step(rows(ent, reward=[0.6, 0.6, 0.3, 0.3, 0.3, 0.3]), g) == 5
-    assert lab.collapse_step(rows(ent, reward=[0.6] * 6), g) is None  # low entropy alone is sharpening
-    assert lab.collapse_step(rows([0.3] * 6, kl=0.1), g) == 3
+    assert lab.collapse(rows(ent, reward=[0.6, 0.6, 0.3, 0.3, 0.3, 0.3]), g) == (
+        5, "entropy 0.01 < 0.05 × 0.3 with reward 0.3 down from 0.6")
+    assert lab.collapse(rows(ent, reward=[0.6] * 6), g) is None  # low entropy alone is sharpening
+    assert lab.collapse(rows([0.3] * 6, kl=0.1), g)[0] == 3
+    # entropy rising past 1.25 × its start (a key the recorded recipe predates: the default) with
+    # the reward below half its best: the off-policy collapse of `minirl lab`
+    ent = [0.12, 0.12, 0.14, 0.16, 0.17, 0.18]
+    assert lab.collapse(rows(ent, reward=[0.23, 0.14, 0.02, 0.02, 0.02, 0.0]), g)[0] == 6
 
 
 def test_a_run_whose_held_out_score_falls_apart_counts_as_collapsed(tmp_path):
