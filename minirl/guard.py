@@ -50,8 +50,7 @@ class Guard:
     entropy0: float | None = None
     best_reward: float = -math.inf
     bad_streak: int = 0
-    recent: list[float] = field(default_factory=list)  # the last `patience` steps' rewards
-    reward_down: bool = False  # their mean is down from the best: no checkpoint is good now
+    recent: list[float] = field(default_factory=list)  # the last `patience` judged steps' rewards
     rollbacks: int = 0
     skipped: int = 0
     reasons: list[str] = field(default_factory=list)
@@ -86,7 +85,6 @@ class Guard:
         reason = ""
         down = self._down(reward)
         self.recent = [*self.recent, reward][-self.patience:]
-        self.reward_down = self._down(sum(self.recent) / len(self.recent))  # one noisy step is not a trend
         if kl > self.max_kl:
             reason = f"KL(μ‖π_old) {kl:.3g} > {self.max_kl}"
         elif down and entropy < self.min_entropy_frac * self.entropy0:
@@ -115,7 +113,8 @@ class Guard:
         because a collapse can run for a few steps before its entropy leaves the band (seen in
         `minirl lab`: reward 0.23 → 0.02 in 2 steps, the entropy past 1.25 × H_0 only 3 steps
         later); a checkpoint in that stretch is no target."""
-        return self.bad_streak == 0 and not self.reward_down
+        down = bool(self.recent) and self._down(sum(self.recent) / len(self.recent))  # one noisy step is no trend
+        return self.bad_streak == 0 and not down
 
     def state_dict(self) -> dict:
         return {"entropy0": self.entropy0, "best_reward": self.best_reward if math.isfinite(self.best_reward) else None,
