@@ -25,6 +25,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,20 +131,21 @@ class Lab:
             return Path(done)  # the same cell with the same settings: reused
         if cell.cold_start:
             sets.append(f"model.path={self.cold_start_model(cell.cold_start, progress)}")
-        before = set((self.ws_root / "runs").iterdir()) if (self.ws_root / "runs").exists() else set()
         cmd = [sys.executable, "-m", "cli.main", "run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]]
         log = self.out / "logs" / f"{key.replace('/', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
         with log.open("w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
-                                env={**os.environ, "COLUMNS": "160"}).returncode
-        new = sorted(set((self.ws_root / "runs").iterdir()) - before)
-        if rc not in ((0, 3) if guarded else (0,)) or not new or not (new[-1] / "summary.json").exists():
+            child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+                                     env={**os.environ, "COLUMNS": "160"})
+            rc = child.wait()
+        run = run_of_process(self.ws_root, child.pid, since=t0)
+        if rc not in ((0, 3) if guarded else (0,)) or run is None or not (run / "summary.json").exists():
             raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")
-        self.state["runs"][key] = str(new[-1])
+        self.state["runs"][key] = str(run)
         self.state.setdefault("sets", {})[key] = sets
         self._save()
-        return new[-1]
+        return run
 
     def guard_check(self, p: Plan, *, progress: Callable[[str], None] = lambda s: None) -> dict | None:
         """Issue #9's point 5: the cell that collapsed most reliably under the guard's criteria (as
@@ -171,6 +173,21 @@ class Lab:
 
 
 # ----- reading the runs ----------------------------------------------------------------------------
+def run_of_process(ws_root: Path, pid: int, *, since: float) -> Path | None:
+    """The run folder that process `pid` started after `since` (its process.json says so). Not "the
+    newest folder": another lab or run in the same workspace may have started one meanwhile."""
+    from minirl.status import PROCESS_FILE
+
+    for run in sorted((Path(ws_root) / "runs").glob("*/" + PROCESS_FILE), reverse=True):
+        try:
+            rec = json.loads(run.read_text())
+            if rec.get("pid") == pid and rec.get("started", 0) >= since:
+                return run.parent
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
 def rows_of(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
@@ -202,7 +219,7 @@ def cell_result(runs: list[Path]) -> dict:
             "kl": statistics.mean(r["train/kl_mu_pi_old"] for r in rows),
             "clip": statistics.mean(r["loss/clip_frac"] for r in rows),
             "is_max": max(r["loss/is_weight_max"] for r in rows),
-            "entropy_end": rows[-1]["train/entropy"], "rows": rows,
+            "entropy_end": rows[-1]["train/entropy"], "wall_s": summary.get("wall_s", 0.0), "rows": rows,
         })
     collapses = [s["collapse"] for s in per_seed if s["collapse"] is not None]
     # the guard watches KL and falling entropy; a policy can also fall apart with entropy rising
@@ -212,7 +229,8 @@ def cell_result(runs: list[Path]) -> dict:
     return {"seeds": len(per_seed), "collapsed": len(collapses) + fell, "fell": fell,
             "first_collapse": min(collapses, default=None),
             "start": mean("start"), "peak": mean("peak"), "final": mean("final"), "kl": mean("kl"),
-            "clip": mean("clip"), "is_max": max(s["is_max"] for s in per_seed), "per_seed": per_seed}
+            "clip": mean("clip"), "is_max": max(s["is_max"] for s in per_seed),
+            "wall_s": sum(s["wall_s"] for s in per_seed), "per_seed": per_seed}
 
 
 # ----- findings ----------------------------------------------------------------------------------
@@ -324,7 +342,7 @@ def guard_check_result(info: dict | None) -> dict | None:
             "rollbacks": [{"step": r["step"], "action": r["guard/action"], "reason": r.get("guard/reason", ""),
                            "to": r.get("guard/rollback_to_step")}
                           for r in rows if r.get("guard/action") in ("rollback", "stop")],
-            "patience": summary["recipe"]["guard"]["patience"],
+            "patience": summary["recipe"]["guard"]["patience"], "wall_s": summary.get("wall_s", 0.0),
         }
     return out
 
@@ -378,7 +396,8 @@ def guard_check_lines(check: dict | None, *, any_collapse: bool) -> list[str]:
             f"| reward, last 5 steps | {obs['reward_end']:.3f} | {grd['reward_end']:.3f} |",
             f"| entropy, last 5 steps | {obs['entropy_end']:.3f} | {grd['entropy_end']:.3f} |",
             f"| held-out start → end | {obs['heldout_start']:.3f} → {obs['heldout_end']:.3f} | "
-            f"{grd['heldout_start']:.3f} → {grd['heldout_end']:.3f} |", "",
+            f"{grd['heldout_start']:.3f} → {grd['heldout_end']:.3f} |",
+            f"| wall time | {obs['wall_s'] / 60:.1f} min | {grd['wall_s'] / 60:.1f} min |", "",
             f"Runs: `{obs['run']}` (observing), `{grd['run']}` (acting). Figure: `lab-guard-check.png`.", ""]
 
 
@@ -437,6 +456,10 @@ def write_report(res: dict[str, dict], p: Plan, out: Path, pngs: list[Path], che
             lines.append(f"| {c.regime} | {c.variant} | {x['collapsed']}/{x['seeds']} | {x['first_collapse'] or '-'} | "
                          f"{x['start']:.3f} | {x['peak']:.3f} | {x['final']:.3f} | {x['kl']:.2e} | {x['clip']:.3f} | "
                          f"{x['is_max']:.2f} |")
+    wall = sum(x["wall_s"] for x in res.values())
+    lines += ["", f"The runs above took {wall / 3600:.2f} h of wall time in all ({sum(x['seeds'] for x in res.values())} "
+              f"runs, start-up and held-out evaluations included; the extra cold starts' builds and the guard check "
+              f"not included)."]
     any_collapse = most_reliable_collapse(res, p.cells) is not None
     lines += ["", *guard_check_lines(check, any_collapse=any_collapse), "## Figures", "", *[f"- `{png.name}`" for png in pngs], ""]
     path = out / "report.md"

@@ -112,6 +112,22 @@ def test_the_guard_check_reruns_the_cell_that_collapsed_most_reliably():
     assert lab.most_reliable_collapse(r, p.cells) is clip
 
 
+def test_a_cell_is_the_run_its_own_process_started_not_the_newest(tmp_path):
+    # a quick grid's run started in the same workspace while a full-grid cell ran: the newest
+    # folder then belongs to the other process (this mislabelled a full-grid cell once)
+    def run(name, pid, started):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "process.json").write_text(json.dumps({"pid": pid, "started": started}))
+
+    run("20261123-100000", 41, 50.0)   # an old run by a process that had the same pid
+    run("20261123-130535", 41, 100.0)  # the cell's own run
+    run("20261123-130733", 97, 101.0)  # another process's, newer
+    (tmp_path / "runs" / "20261123-130800").mkdir()  # a run folder without process.json yet
+    assert lab.run_of_process(tmp_path, 41, since=99.0) == tmp_path / "runs" / "20261123-130535"
+    assert lab.run_of_process(tmp_path, 41, since=120.0) is None
+    assert lab.run_of_process(tmp_path, 5, since=0.0) is None
+
+
 @pytest.mark.slow
 def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
