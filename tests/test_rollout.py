@@ -100,6 +100,41 @@ def test_bf16_sync_parity_within_precision(engine, tiny_dir, fixed):
     assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
 
 
+def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
+    """The CPU fast path (cpu_weights.py) against vLLM's own `reload_weights`, the same updated
+    weights through each: identical log-probs. And it refuses a stream that would leave weights
+    stale or that names a weight the engine lacks."""
+    prompts, responses, _ = fixed
+    assert engine.direct_sync  # the tiny default takes the fast path
+    tr = Trainer(TINY, lr=1e-2, seed=0)
+    tr.load_hf(tiny_dir)
+    original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
+    fresh = engine.score(prompts, responses)
+    try:
+        one_update(tr, prompts, responses)
+        updated = {k: v.to(torch.bfloat16) for k, v in tr.hf_state_dict().items()}
+        engine.direct_sync = False
+        engine.load_weights(updated.items())
+        via_reload = engine.score(prompts, responses)
+        engine.load_weights(original.items())
+        engine.direct_sync = True
+        engine.load_weights(updated.items())
+        direct = engine.score(prompts, responses)
+        assert mean_abs_diff(direct, fresh) > 0.05
+        assert mean_abs_diff(direct, via_reload) < 1e-6
+
+        with pytest.raises(KeyError, match="no weight 'model.layers.0.bogus.weight'"):
+            engine.load_weights([("model.layers.0.bogus.weight", torch.zeros(1))])
+        with pytest.raises(KeyError, match="left 1 rollout weights stale"):
+            engine.load_weights([(k, v) for k, v in updated.items() if k != "model.norm.weight"])
+        with pytest.raises(ValueError, match="shape"):
+            engine.load_weights([("model.norm.weight", torch.zeros(3))])
+    finally:
+        engine.direct_sync = True
+        engine.load_weights(original.items())
+    assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
+
+
 @pytest.fixture(scope="module")
 def engine_r3(tiny_dir):
     from minirl.rollout import VLLMEngine
