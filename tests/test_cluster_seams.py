@@ -55,6 +55,7 @@ class _RecordingLLM:
 def _engine(level):
     e = object.__new__(VLLMEngine)
     e._llm, e.on_cpu, e.sleep_level, e._asleep, e._stale = _RecordingLLM(), False, level, 0, False
+    e.direct_sync = False  # a CUDA engine: vLLM's reload_weights
     return e
 
 
