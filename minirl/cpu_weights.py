@@ -26,27 +26,21 @@ one missing, is an error, never a silently stale weight. tests/test_rollout.py h
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
-
-
-@dataclass(slots=True)
-class Target:
-    dest: torch.Tensor  # a view of the live parameter, or of a linear layer's staging weight
-    shape: tuple[int, ...]
 
 
 class Writer:
     """Built once per engine (in its worker); `write` is one sync."""
 
-    def __init__(self, targets: dict[str, Target], relink: list[tuple[torch.nn.Module, torch.Tensor, bool]],
+    def __init__(self, targets: dict[str, torch.Tensor], relink: list[tuple[torch.nn.Module, torch.Tensor, bool]],
                  experts: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor, object]]):
+        # HF name -> where it goes: a view of the live parameter, or of a linear layer's staging weight
         self.targets, self.relink, self.experts = targets, relink, experts
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> "Writer | None":
-        targets: dict[str, Target] = {}
+        targets: dict[str, torch.Tensor] = {}
         relink = []
         experts = []
         owned: set[int] = set()  # parameters covered by a module-level rule
@@ -66,7 +60,7 @@ class Writer:
                 for e in range(n_exp):
                     for proj, dest in (("gate_proj", w13[e, :inter]), ("up_proj", w13[e, inter:]),
                                        ("down_proj", w2[e])):
-                        targets[f"{hf}.{e}.{proj}.weight"] = Target(dest, tuple(dest.shape))
+                        targets[f"{hf}.{e}.{proj}.weight"] = dest
                 owned.update({id(mod.w13_weight), id(mod.w2_weight)})
                 experts.append((mod, w13, w2, kernel))
             elif hasattr(mod, "cpu_linear"):  # a linear layer with a CPU kernel handle
@@ -91,8 +85,7 @@ class Writer:
                     return None
                 start = 0
                 for hf_name, n in rows:
-                    dest = staging[start:start + n]
-                    targets[hf_name] = Target(dest, tuple(dest.shape))
+                    targets[hf_name] = staging[start:start + n]
                     start += n
                 # an embedding's vocabulary is padded (to a multiple of 64): the pad rows stay as loaded
                 if start != staging.shape[0] and not hasattr(mod, "org_vocab_size"):
@@ -104,7 +97,7 @@ class Writer:
                 continue
             if p.numel() == 0:  # an emptied weight of a kind not handled above
                 return None
-            targets[name] = Target(p.data, tuple(p.shape))
+            targets[name] = p.data
         return cls(targets, relink, experts)
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -115,12 +108,12 @@ class Writer:
         seen = set()
         with torch.no_grad():
             for name, t in weights:
-                target = self.targets.get(name)
-                if target is None:
+                dest = self.targets.get(name)
+                if dest is None:
                     raise KeyError(f"the rollout engine has no weight {name!r}")
-                if tuple(t.shape) != target.shape:
-                    raise ValueError(f"{name}: shape {tuple(t.shape)}, the rollout engine's is {target.shape}")
-                target.dest.copy_(t)
+                if t.shape != dest.shape:
+                    raise ValueError(f"{name}: shape {tuple(t.shape)}, the rollout engine's is {tuple(dest.shape)}")
+                dest.copy_(t)
                 seen.add(name)
             if missing := self.targets.keys() - seen:
                 raise KeyError(f"the sync left {len(missing)} rollout weights stale, e.g. {sorted(missing)[:3]}")

