@@ -2,15 +2,21 @@
 
 vLLM's `reload_weights` is general: it restores every layer's checkpoint-format parameters,
 loads them through the model's `load_weights` and re-runs each layer's post-processing. On the
-CPU backend that costs 25-45 ms a sync for the tiny default's 135 tensors; writing them here
-takes 0.7 ms (median of 15, bf16 engine, measured alone). The CPU backend's kernel format is
-simple, so this module writes it directly:
+CPU backend that costs 25-45 ms a sync for the tiny default's 135 tensors. The CPU backend's
+kernel format is simple, so this module writes it directly. Measured alone on the tiny default
+(bf16 engine, median of 15): copying the 135 tensors 0.4-0.5 ms, rebuilding the 14 oneDNN
+handles 2.9-3.1 ms (~0.19 ms each whatever the size: the handle's own set-up), the experts'
+prepack 0.3-0.4 ms; a whole sync from bound views 4.7 ms, streamed by name 5.9 ms.
+
+Two ways in: `write` takes an HF-named stream (checked name by name at every sync); `bind` keeps
+HF-named views of the trainer's own parameters (one process: `Trainer.hf_views`), checked once,
+and `write_bound` then copies from them with nothing renamed or allocated. What goes where:
 
 - a linear layer (`cpu_linear` set by `dispatch_cpu_unquantized_gemm`) computes with a oneDNN
   handle that holds its own reordered copy of the weight, and its `weight` parameter is usually
   emptied. We keep one weight tensor of the vLLM layout per such layer ("staging": stacked q/k/v
   rows for `qkv_proj`, gate/up rows for merged projections), copy the new rows into it and
-  let vLLM's own dispatch build the layer's handle again (fourteen handles: well under 1 ms);
+  let vLLM's own dispatch build the layer's handle again (the bulk of a sync, above);
 - routed experts: the CPU MoE kernel pads and prepacks `w13_weight` / `w2_weight` into new
   tensors, so we keep both in the checkpoint layout too (gate_proj / up_proj as the two halves
   of `w13[e]`, down_proj as `w2[e]`), and hand them to the kernel's own post-processing again;
@@ -18,7 +24,7 @@ simple, so this module writes it directly:
 
 `Writer.build` returns None for what it does not know (biases, quantized layers, tensor or expert
 parallel shards, a module kind not listed above); the engine then keeps `reload_weights`.
-The names it accepts are exactly the model's, checked at every sync: a name it does not know, or
+The names it accepts are exactly the model's, checked at every streamed sync and at `bind`: a name it does not know, or
 one missing, is an error, never a silently stale weight. tests/test_rollout.py holds it to
 `reload_weights` (equal log-probs after the same update).
 """
@@ -100,23 +106,35 @@ class Writer:
             targets[name] = p.data
         return cls(targets, relink, experts)
 
+    def pairs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) for every weight, checked: a name the engine does not have, a
+        shape that differs or a weight left out is an error, never a silently stale weight."""
+        out, seen = [], set()
+        for name, t in weights:
+            dest = self.targets.get(name)
+            if dest is None:
+                raise KeyError(f"the rollout engine has no weight {name!r}")
+            if t.shape != dest.shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, the rollout engine's is {tuple(dest.shape)}")
+            out.append((dest, t))
+            seen.add(name)
+        if missing := self.targets.keys() - seen:
+            raise KeyError(f"the sync left {len(missing)} rollout weights stale, e.g. {sorted(missing)[:3]}")
+        return out
+
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy every weight into place and rebuild the kernels' packed copies. Returns how many."""
+        return self.copy(self.pairs(weights))
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """One sync from checked pairs: each source copied (and cast) into its destination, then
+        the kernels' packed copies rebuilt. Returns how many."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         from vllm.model_executor.utils import replace_parameter
 
-        seen = set()
         with torch.no_grad():
-            for name, t in weights:
-                dest = self.targets.get(name)
-                if dest is None:
-                    raise KeyError(f"the rollout engine has no weight {name!r}")
-                if t.shape != dest.shape:
-                    raise ValueError(f"{name}: shape {tuple(t.shape)}, the rollout engine's is {tuple(dest.shape)}")
-                dest.copy_(t)
-                seen.add(name)
-            if missing := self.targets.keys() - seen:
-                raise KeyError(f"the sync left {len(missing)} rollout weights stale, e.g. {sorted(missing)[:3]}")
+            for dest, src in pairs:
+                dest.copy_(src)
             for mod, staging, removed in self.relink:  # vLLM's own dispatch builds the handle again
                 if removed:
                     mod.weight = torch.nn.Parameter(staging, requires_grad=False)
@@ -125,7 +143,7 @@ class Writer:
                 replace_parameter(mod, "w13_weight", w13)
                 replace_parameter(mod, "w2_weight", w2)
                 kernel.process_weights_after_loading(mod)
-        return len(seen)
+        return len(pairs)
 
 
 def _row_split(name: str, mod: torch.nn.Module) -> list[tuple[str, int]] | None:
@@ -154,3 +172,16 @@ def install(worker) -> bool:
 def write(worker, weights_iterator) -> int:
     """collective_rpc target: one sync through the worker's writer."""
     return worker._minirl_writer.write(weights_iterator)
+
+
+def bind(worker, views: dict[str, torch.Tensor]) -> int:
+    """collective_rpc target: keep `views` (HF-named tensors that follow the trainer's weights in
+    place, one process only) as the sources of every later `write_bound`; checked once, here."""
+    worker._minirl_bound = worker._minirl_writer.pairs(views.items())
+    return len(worker._minirl_bound)
+
+
+def write_bound(worker) -> int:
+    """collective_rpc target: one sync from the bound views: copies and the kernels' repack, no
+    renaming, no intermediate tensors."""
+    return worker._minirl_writer.copy(worker._minirl_bound)

@@ -125,6 +125,7 @@ class VLLMEngine:
         self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
         self.direct_sync = False  # the CPU fast path (cpu_weights.py), where it knows every module
+        self._bound = None  # the live views `load_live_weights` copies from
         if self.on_cpu:
             from minirl import cpu_weights
 
@@ -224,6 +225,22 @@ class VLLMEngine:
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = 0
         self._llm.reset_prefix_cache()
+
+    def load_live_weights(self, views: dict[str, torch.Tensor]) -> bool:
+        """Sync from HF-named tensors that stay live (views of the trainer's parameters, one
+        process): bound once, names and shapes checked then, and every later call with the same
+        dict copies them in place, with no renaming and no intermediate tensors. False where the
+        engine has no direct path (CUDA, quantized or sharded engines): stream `load_weights`."""
+        if not self.direct_sync:
+            return False
+        from minirl import cpu_weights
+
+        if views is not self._bound:
+            self._llm.collective_rpc(cpu_weights.bind, args=(views,))
+            self._bound = views
+        self._llm.collective_rpc(cpu_weights.write_bound)
+        self._llm.reset_prefix_cache()
+        return True
 
     def sleep(self) -> None:
         """Free the engine's memory for training (CUDA): level 1 offloads the weights to host

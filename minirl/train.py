@@ -150,6 +150,7 @@ class Trainer:
         else:
             self.model = titan_config(shape).build().to(self.device)
             self._init_weights()
+        self._views = None  # (parameter storages, HF-named views of them): `hf_views`
         from minirl.replay import RoutingReplay
 
         self.replay = RoutingReplay(self.model)
@@ -194,6 +195,25 @@ class Trainer:
 
         return hf_buckets(self.model, adapter(self.shape).to_hf, dtype=dtype, bucket_bytes=bucket_bytes,
                           transform=transform)
+
+    def hf_views(self) -> dict[str, torch.Tensor] | None:
+        """The weights under HF names as views of the live parameters (one process): they follow
+        every in-place update (optimizer steps, checkpoint loads), so a rollout engine may keep
+        them and re-read them at each sync. The same dict until a parameter's storage changes.
+        None under torchrun (whole tensors exist only after a gather) or where the adapter would
+        copy a tensor instead of viewing it."""
+        if self.world > 1:
+            return None
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        key = tuple(t.data_ptr() for t in state.values())
+        if self._views is None or self._views[0] != key:
+            from minirl.hf_io import titan_to_hf
+
+            views = titan_to_hf(self.shape, state)
+            live = {t.untyped_storage().data_ptr() for t in state.values()}
+            ok = all(t.untyped_storage().data_ptr() in live for t in views.values())
+            self._views = (key, views if ok else None)
+        return self._views[1]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """TorchTitan names to whole tensors (shards gathered: a collective under torchrun)."""

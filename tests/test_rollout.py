@@ -135,6 +135,37 @@ def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
     assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
 
 
+def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_path):
+    """The loop's sync on one process binds views of the trainer's parameters once and copies
+    from them at every sync: after a real update, and after a checkpoint load, the engine has
+    exactly what the streamed path would give it, and the views are bound once, not rebuilt."""
+    from minirl import weight_sync
+
+    prompts, responses, _ = fixed
+    tr = Trainer(TINY, lr=1e-2, seed=0)
+    tr.load_hf(tiny_dir)
+    fresh = engine.score(prompts, responses)
+    views = tr.hf_views()
+    assert views is not None and set(views) == set(tr.hf_state_dict())
+    original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
+    try:
+        tr.save(tmp_path / "ckpt")
+        weight_sync.sync(tr, engine, bucket_bytes=2**20)
+        assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
+        one_update(tr, prompts, responses)
+        weight_sync.sync(tr, engine, bucket_bytes=2**20)
+        assert tr.hf_views() is views  # the optimizer stepped in place: the same views, still bound
+        live = engine.score(prompts, responses)
+        engine.load_weights({k: v.to(torch.bfloat16) for k, v in tr.hf_state_dict().items()}.items())
+        assert mean_abs_diff(live, fresh) > 0.05
+        assert mean_abs_diff(live, engine.score(prompts, responses)) < 1e-6
+        tr.load(tmp_path / "ckpt")  # a rollback: back to the saved weights, in place
+        weight_sync.sync(tr, engine, bucket_bytes=2**20)
+        assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
+    finally:
+        engine.load_weights(original.items())
+
+
 @pytest.fixture(scope="module")
 def engine_r3(tiny_dir):
     from minirl.rollout import VLLMEngine
