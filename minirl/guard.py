@@ -29,6 +29,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from minirl.recipe import GuardConfig
+
+_SET = GuardConfig()  # the thresholds' defaults, written once: the recipe's [guard] section
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -38,14 +42,14 @@ class Verdict:
 
 @dataclass
 class Guard:
-    max_kl: float = 0.05
-    min_entropy_frac: float = 0.05
-    max_entropy_factor: float = 1.25
-    reward_drop: float = 0.2  # with entropy out of its band, reward must also be this far below its best ...
-    reward_drop_frac: float = 0.5  # ... or below (1 − this) × its best
-    patience: int = 3
-    max_rollbacks: int = 3
-    enabled: bool = True
+    max_kl: float = _SET.max_kl
+    min_entropy_frac: float = _SET.min_entropy_frac
+    max_entropy_factor: float = _SET.max_entropy_factor
+    reward_drop: float = _SET.reward_drop  # with entropy out of its band, reward must also be this far below its best ...
+    reward_drop_frac: float = _SET.reward_drop_frac  # ... or below (1 − this) × its best
+    patience: int = _SET.patience
+    max_rollbacks: int = _SET.max_rollbacks
+    enabled: bool = _SET.enabled
     # state (saved with checkpoints)
     entropy0: float | None = None
     best_reward: float = -math.inf

@@ -378,7 +378,10 @@ class Trainer:
         needed = _nbytes(state)
         try:
             _check_room(path.parent, needed)  # a full disk fails before a byte is written
-            dcp.save(state, checkpoint_id=str(tmp))  # a collective: every rank's shards are written after it
+            # a collective under torchrun: every rank's shards are written after it. One process
+            # stays off collectives (`no_dist`): vLLM's in-process engine starts a one-rank gloo
+            # group, and a DCP save through it left every later update ~1.4x slower (gloo; measured)
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=self.world == 1)
             # minirl.json last: a folder without it was never finished
             if main:
                 atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
@@ -419,7 +422,7 @@ class Trainer:
         state = {"model": get_model_state_dict(self.model)}
         if load_optim:
             state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), no_dist=self.world == 1)  # see `save`
         set_model_state_dict(self.model, state["model"])
         if load_optim:
             set_optimizer_state_dict(self.model, self.optim, state["optim"])
