@@ -69,12 +69,12 @@ def workspace_copy(ws: Path, into: Path) -> Path:
     return dst
 
 
-def minirl_once(ws: Path, tmp: Path, a, sets: list[str], tag: str) -> dict:
+def minirl_once(ws: Path, tmp: Path, a, sets: list[str], tag: str, seed: int) -> dict:
     w = workspace_copy(ws, tmp / tag)
     # time_limit_s is wall time (held-out evals included): give it room, then cut at the RL clock
     cmd = [MINIRL, "run", str(w), "--steps", "100000", "--set", f"train.time_limit_s={1.6 * a.seconds + 10:.0f}",
            "--set", f"eval.every={a.eval_every}", "--set", f"eval.max_problems={a.eval_problems}",
-           "--set", f"train.seed={a.seed}"]
+           "--set", f"train.seed={seed}"]
     for s in sets:
         cmd += ["--set", s]
     wall, rss = timed_process(cmd, env=QUIET, log=tmp / f"{tag}.log")
@@ -91,11 +91,11 @@ def minirl_once(ws: Path, tmp: Path, a, sets: list[str], tag: str) -> dict:
             "rl_s": ph["loop"], "wall_s": wall, "rss_gb": rss, "phases": ph}
 
 
-def trl_once(ws: Path, tmp: Path, a, tag: str) -> dict:
+def trl_once(ws: Path, tmp: Path, a, tag: str, seed: int) -> dict:
     out = tmp / f"{tag}.json"
     env = {**QUIET, "PYTHONPATH": str(ensure_trl())}
     cmd = [PY, str(ROOT / "tests/bench/trl_grpo.py"), str(ws), "--seconds", str(a.seconds), "--eval-every",
-           str(a.eval_every), "--eval-problems", str(a.eval_problems), "--seed", str(a.seed), "--out", str(out)]
+           str(a.eval_every), "--eval-problems", str(a.eval_problems), "--seed", str(seed), "--out", str(out)]
     wall, rss = timed_process(cmd, env=env, log=tmp / f"{tag}.log")
     return {**json.loads(out.read_text()), "wall_s": wall, "rss_gb": rss}
 
@@ -142,11 +142,12 @@ def race(ws: Path, tmp: Path, a) -> list[dict]:
           f"budget {a.seconds:.0f} s of RL, held-out scored every {a.eval_every} steps on {a.eval_problems} problems")
     mine, theirs = [], []
     for i in range(a.runs):
-        mine.append(minirl_once(ws, tmp, a, a.minirl_set, f"minirl{i}"))
+        seed = a.seed + i if a.vary_seed else a.seed  # run i of each side: the same seed
+        mine.append(minirl_once(ws, tmp, a, a.minirl_set, f"minirl{i}", seed))
         print(f"  minirl run {i + 1}: {mine[-1]['steps']} steps, to target {to_target(mine[-1], a.target)} s, "
               f"curve {[(s, round(v, 3)) for s, _, v in mine[-1]['curve']]}", flush=True)
         if not a.skip_trl:
-            theirs.append(trl_once(ws, tmp, a, f"trl{i}"))
+            theirs.append(trl_once(ws, tmp, a, f"trl{i}", seed))
             print(f"  TRL run {i + 1}: {theirs[-1]['steps']} steps, to target {to_target(theirs[-1], a.target)} s, "
                   f"curve {[(s, round(v, 3)) for s, _, v in theirs[-1]['curve']]}", flush=True)
     print(f"\n{'min / median / max':38s} {'minirl':>26s} {'TRL GRPOTrainer':>26s}")
@@ -224,6 +225,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-problems", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vary-seed", action="store_true",
+                    help="run i of each side uses seed + i: the spread then covers the trajectories too, "
+                         "not only timing (the threshold crossing of one seeded trajectory is one draw)")
     ap.add_argument("--minirl-set", action="append", default=[], help="recipe override for minirl's side")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-scaling", action="store_true")
