@@ -45,8 +45,10 @@ class Guard:
     max_kl: float = _SET.max_kl
     min_entropy_frac: float = _SET.min_entropy_frac
     max_entropy_factor: float = _SET.max_entropy_factor
-    reward_drop: float = _SET.reward_drop  # with entropy out of its band, reward must also be this far below its best ...
-    reward_drop_frac: float = _SET.reward_drop_frac  # ... or below (1 − this) × its best
+    # with the entropy out of its band, the reward must also be `reward_drop` below its best, or
+    # below (1 − `reward_drop_frac`) × its best
+    reward_drop: float = _SET.reward_drop
+    reward_drop_frac: float = _SET.reward_drop_frac
     patience: int = _SET.patience
     max_rollbacks: int = _SET.max_rollbacks
     enabled: bool = _SET.enabled
