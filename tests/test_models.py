@@ -55,6 +55,45 @@ def test_transformers_parity_on_converted_folder(tiny_dir):
     assert all(torch.equal(exported[k], on_disk[k]) for k in on_disk)
 
 
+def test_the_trainers_policy_gradient_equals_transformers(tiny_dir):
+    """The update is the reference implementation's: one REINFORCE-style loss on the same batch
+    through the trainer and through transformers' Qwen3MoeForCausalLM gives the same gradient for
+    every parameter, router and experts included (transformers keeps experts stacked)."""
+    from transformers import AutoModelForCausalLM
+
+    from minirl.train import build_batch
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    tr = Trainer(TINY, lr=1e-3)
+    tr.load_hf(tiny_dir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 20, (8,), generator=g).tolist() for _ in range(16)]
+    responses = [torch.randint(3, 20, (3,), generator=g).tolist() + [2] for _ in range(16)]
+    batch = build_batch(prompts, responses, None, torch.randn(16, generator=g).tolist(), pad_id=0)
+
+    def loss(lp, b):
+        return -(lp * b.mask_BT).sum(-1).mul(b.adv_B).mean()
+
+    tr.forward_backward(batch, lambda lp, b: (loss(lp, b), {}))
+    ours = titan_to_hf(TINY, {k: p.grad for k, p in tr.model.named_parameters()})
+    tokens = batch.tokens_BL
+    lp = torch.log_softmax(hf(input_ids=tokens[:, :-1]).logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    loss(lp, batch).backward()
+    theirs = {k: p.grad for k, p in hf.named_parameters()}
+    assert theirs["model.layers.0.mlp.gate.weight"].norm() > 0  # the router learns in both
+    for k, want in theirs.items():
+        if k.endswith("experts.gate_up_proj"):  # [E, 2I, D]: gate rows, then up rows
+            pre, n = k.rsplit(".", 1)[0], want.shape[0]
+            got = torch.stack([torch.cat([ours[f"{pre}.{e}.gate_proj.weight"], ours[f"{pre}.{e}.up_proj.weight"]])
+                               for e in range(n)])
+        elif k.endswith("experts.down_proj"):  # [E, D, I]
+            pre, n = k.rsplit(".", 1)[0], want.shape[0]
+            got = torch.stack([ours[f"{pre}.{e}.down_proj.weight"] for e in range(n)])
+        else:
+            got = ours[k]
+        assert (got - want).norm() <= 1e-4 * want.norm() + 1e-7, k
+
+
 def test_a_model_too_large_for_one_process_is_refused_before_any_download():
     from minirl.errors import UsageError
     from minirl.preflight import check_fits
