@@ -24,9 +24,9 @@ and `write_bound` then copies from them with nothing renamed or allocated. What 
 
 `Writer.build` returns None for what it does not know (biases, quantized layers, tensor or expert
 parallel shards, a module kind not listed above); the engine then keeps `reload_weights`.
-The names it accepts are exactly the model's, checked at every streamed sync and at `bind`: a name it does not know, or
-one missing, is an error, never a silently stale weight. tests/test_rollout.py holds it to
-`reload_weights` (equal log-probs after the same update).
+The names it accepts are exactly the model's, checked at every streamed sync and at `bind`: a
+name it does not know, or one missing, is an error, never a silently stale weight.
+tests/test_rollout.py holds it to `reload_weights` (equal log-probs after the same update).
 """
 
 from __future__ import annotations
