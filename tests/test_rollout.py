@@ -40,6 +40,17 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
     assert mean_abs_diff(scored, sampled) < 1e-4
 
 
+def test_each_prompt_of_a_seeded_call_draws_its_own_noise(engine):
+    """vLLM seeds child i of a request `seed + i`: one seed for every prompt of a call handed child
+    i of each prompt the same noise, so identical prompts sampled identical responses and a batch's
+    samples were correlated. Each prompt gets its own seed now; the call still repeats exactly."""
+    same = [PROMPTS[0]] * 16
+    a = engine.generate(same, n=2, temperature=1.0, max_tokens=6, seed=11)
+    assert len({g[0].token_ids for g in a}) > 8
+    b = engine.generate(same, n=2, temperature=1.0, max_tokens=6, seed=11)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+
+
 def one_update(tr, prompts, responses):
     """A real optimizer step of the trainer (REINFORCE-style loss on the fixed batch)."""
     adv = [1.0 if i % 2 else -1.0 for i in range(len(prompts))]

@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--eval-problems", type=int, default=500)
     ap.add_argument("--target", type=float, default=None, help="stop once held-out avg@k reaches it")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-steps", type=int, default=100_000, help="stop after this many steps (a curve per step)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
 
@@ -80,7 +81,7 @@ def main() -> None:
         max_completion_length=ro["max_tokens"], temperature=ro["temperature"], top_k=0, top_p=1.0,
         learning_rate=tr["lr"], lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
         weight_decay=0.0, max_grad_norm=tr.get("grad_clip", 1.0), beta=0.0, loss_type="dr_grpo",
-        scale_rewards="none", num_iterations=1, max_steps=100_000, logging_steps=10_000, save_strategy="no",
+        scale_rewards="none", num_iterations=1, max_steps=a.max_steps, logging_steps=10_000, save_strategy="no",
         report_to=[], disable_tqdm=True, shuffle_dataset=True, dataloader_num_workers=0,
     )
 
@@ -101,7 +102,8 @@ def main() -> None:
 
         def on_step_end(self, args, state, control, **kw):
             self.rl_s += time.perf_counter() - self.t0
-            if state.global_step % a.eval_every == 0 or self.rl_s >= a.seconds:
+            last = self.rl_s >= a.seconds or state.global_step >= a.max_steps
+            if state.global_step % a.eval_every == 0 or last:
                 self._eval(state.global_step)
                 reached = a.target is not None and self.curve[-1][2] >= a.target
                 if reached or self.rl_s >= a.seconds:
