@@ -32,6 +32,7 @@ from pathlib import Path
 
 from minirl import atomic
 from minirl.guard import Guard
+from minirl.rollout import SAMPLING
 
 NO_IS = ("loss.is_mode=off", "loss.allow_uncorrected=true")
 NO_CLIP = ("loss.eps_low=1", "loss.eps_high=1e9")  # M_t ≡ 1: r_t never falls below 0 nor above 1e9
@@ -125,9 +126,10 @@ class Lab:
         run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
         may end as `collapsed` (exit 3), which is then its result."""
         sets = [*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())]
+        recorded = [*sets, f"#sampling={SAMPLING}"]  # a run sampled another way is not this cell's
         key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
         done = self.state["runs"].get(key)
-        if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == sets:
+        if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == recorded:
             return Path(done)  # the same cell with the same settings: reused
         if cell.cold_start:
             sets.append(f"model.path={self.cold_start_model(cell.cold_start, progress)}")
@@ -143,7 +145,7 @@ class Lab:
         if rc not in ((0, 3) if guarded else (0,)) or run is None or not (run / "summary.json").exists():
             raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")
         self.state["runs"][key] = str(run)
-        self.state.setdefault("sets", {})[key] = sets
+        self.state.setdefault("sets", {})[key] = recorded
         self._save()
         return run
 

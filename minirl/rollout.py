@@ -264,6 +264,11 @@ class VLLMEngine:
             self._asleep = 0
 
 
+# How `generate` seeds its samples; runs recorded under another scheme (the lab's cells) are not
+# reused. 1: one seed per call (every prompt drew the same noise); 2: one seed per prompt.
+SAMPLING = 2
+
+
 def request_seeds(seed: int | None, count: int, *, stream: int = 0) -> list[int | None]:
     """One sampling seed per prompt of a `generate` call, a pure function of the call's seed.
 

@@ -133,6 +133,7 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
     above a max_kl of -1), so the guard check reruns it with the guard acting: it rolls back,
     then stops as collapsed (exit 3), and the report and figure say so."""
+    from minirl.rollout import SAMPLING
     from minirl.workspace import init_workspace
 
     ws = tmp_path / "ws"
@@ -176,3 +177,11 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
     assert "step 1: rollback to step 0 (KL(μ‖π_old)" in text
     assert [f[0] for f in found] == ["F1"] and pngs[0].stat().st_size > 10_000
     assert pngs[-1].name == "lab-guard-check.png" and pngs[-1].stat().st_size > 10_000
+
+    # a cell recorded under another sampling scheme (rollout.SAMPLING) runs again; the other is reused
+    key = f"{cells[1].id}/s0"
+    L2.state["sets"][key] = [x for x in L2.state["sets"][key] if not x.startswith("#sampling=")] + ["#sampling=1"]
+    before = len(list((ws / "runs").iterdir()))
+    L2.sweep(p)
+    assert len(list((ws / "runs").iterdir())) == before + 1
+    assert L2.state["sets"][key][-1] == f"#sampling={SAMPLING}"
