@@ -208,7 +208,10 @@ def eval_benchmark(
                 for s in range(0, len(todo), chunk):
                     idx = todo[s : s + chunk]
                     groups = engine.generate([prompts[i] for i in idx], n=rec.eval.k, temperature=rec.eval.temperature,
-                                             max_tokens=max_tokens, seed=rec.train.seed + 1234)
+                                             max_tokens=max_tokens,
+                                             # a seed per chunk (keyed by its first problem): chunks sharing one
+                                             # would give the j-th problem of every chunk the same noise
+                                             seed=(rec.train.seed + 1234) * 1_000_003 + idx[0])
                     items = [(records[i], response_text(c.token_ids, tok.decode, eos)) for i, g in zip(idx, groups) for c in g]
                     scores = pool.grade(items)
                     for j, i in enumerate(idx):

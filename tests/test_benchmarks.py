@@ -80,3 +80,17 @@ def test_prompt_uses_the_chat_template_when_the_tokenizer_has_one(tokenizer):
     finally:
         tokenizer.chat_template = None
     assert tokenizer.decode(chat) == "(1+2?)="
+
+
+def test_eval_chunks_draw_their_own_noise(tiny_dir, tmp_path):
+    """`minirl eval` generates chunk by chunk; one seed for every chunk gave the j-th problem of
+    each chunk the same noise. 32 copies of one problem in chunks of 16, k = 1: problem j and
+    problem j + 16 must not all answer alike (with a shared seed all 16 pairs were equal)."""
+    rows = tmp_path / "same.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "12+34=", "answer": "46"}) + "\n" for _ in range(32)))
+    rec = Recipe()
+    rec.eval.k, rec.eval.grader_workers, rec.rollout.kv_cache_gib = 1, 0, 0.25
+    res = eval_benchmark(bench_name="heldout", model_dir=tiny_dir, out_dir=tmp_path / "evals", rec=rec,
+                         heldout_path=rows, chunk=16)
+    said = [r["extracted"][0] for r in res["per_problem"]]
+    assert sum(a == b for a, b in zip(said[:16], said[16:])) < 8
