@@ -106,7 +106,7 @@ def main() -> None:
             if state.global_step % a.eval_every == 0 or last:
                 self._eval(state.global_step)
                 reached = a.target is not None and self.curve[-1][2] >= a.target
-                if reached or self.rl_s >= a.seconds:
+                if reached or last:
                     control.should_training_stop = True
             self.t0 = time.perf_counter()
 
