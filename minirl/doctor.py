@@ -45,7 +45,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     inputs = prepare_run(ws, rec, resume=False)
     shape = check_model_folder(folder)
     moe = shape.is_moe
-    trainer = Trainer(shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay, grad_clip=rec.train.grad_clip)
+    trainer = Trainer(shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay, grad_clip=rec.train.grad_clip,
+                      pack_prompts=rec.train.pack_prompts)
     trainer.load_hf(folder)
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     weights = trainer.hf_state_dict()

@@ -148,6 +148,33 @@ def _fp32_grouped_experts_cls():
     return FP32GroupedExperts
 
 
+@functools.cache
+def _masked_sdpa_cls():
+    """TorchTitan's SDPA inner attention, plus an explicit boolean mask when one is passed (a
+    [B, 1, L, L] tensor as `attention_masks`): the shared-prompt packing of `packing.py`. Without
+    one it is the stock causal SDPA."""
+    import torch.nn.functional as F
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    class MaskedSDPA(ScaledDotProductAttention):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ScaledDotProductAttention.Config):
+            pass
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
+                    is_causal=True, **kwargs):
+            if attention_masks is None:
+                return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa,
+                                       is_causal=is_causal, **kwargs)
+            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+            # any backend that takes a mask (CPU flash, CUDA memory-efficient)
+            out_BNLH = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale,
+                                                      enable_gqa=enable_gqa)
+            return out_BNLH.transpose(1, 2)
+
+    return MaskedSDPA
+
+
 def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype: str = "float32"):
     """The TorchTitan `Qwen3Model.Config` for `shape`.
 
@@ -155,10 +182,9 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype:
     bf16 grouped GEMM (CUDA).
     attn_backend "sdpa" swaps each layer's inner attention for plain causal SDPA: TorchTitan's LM
     backends (flex, varlen) have no backward on CPU (PLATFORM.md). Batches are right-padded and
-    causal, so padding never leaks into real positions.
+    causal, so padding never leaks into real positions; packed batches (packing.py) pass their mask.
     """
     from torchtitan.models.common import CosSinRoPE
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers
 
     common = dict(
@@ -170,7 +196,7 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype:
         layers = _build_qwen3_layers(hidden_dim=shape.hidden_dim, **common)
         for layer in layers:
             if attn_backend == "sdpa":
-                layer.attention.inner_attention = ScaledDotProductAttention.Config()
+                layer.attention.inner_attention = _masked_sdpa_cls().Config()
         return _model_config(shape, layers)
     layers = _build_qwen3_moe_layers(moe_hidden_dim=shape.moe_hidden_dim, num_experts=shape.num_experts,
                                      top_k=shape.top_k, moe_comm_backend="standard", **common)
@@ -182,7 +208,7 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype:
                 **{f.name: getattr(old, f.name) for f in dataclasses.fields(old)}
             )
         if attn_backend == "sdpa":
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+            layer.attention.inner_attention = _masked_sdpa_cls().Config()
         # HF/vLLM Qwen3-MoE has no aux-free expert bias; keep routing identical across engines.
         layer.moe.load_balance_coeff = None
     return _model_config(shape, layers)

@@ -91,6 +91,9 @@ class TrainConfig:
     # compute dtype of the trainer's parameters; the weights, gradients and Adam state stay float32
     # (master weights). "auto": bfloat16 on CUDA (TorchTitan's mixed precision), float32 on CPU.
     param_dtype: str = "auto"
+    # forward each prompt once for its G responses, which attend to it through a mask (packing.py);
+    # the same log-probs to float rounding. Off: every response row carries a copy of its prompt.
+    pack_prompts: bool = True
 
 
 @dataclass(kw_only=True, slots=True)

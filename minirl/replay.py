@@ -40,6 +40,11 @@ class RoutingReplay:
             router.forward = functools.partial(self._forward, i, router, router.forward)
 
     @property
+    def active(self) -> bool:
+        """Replaying or recording: routes are in the batch's [B, T] layout now."""
+        return self.recording or self._replay is not None
+
+    @property
     def num_layers(self) -> int:
         return len(self.routers)
 

@@ -39,6 +39,8 @@ class Batch:
     rollout_logp_BT:  float [B, L-1]  log μ_θold(tokens[:, t+1]) at those positions, 0 elsewhere
     adv_B:            float [B]       A(x, y) per response
     old_logp_BT:      float [B, L-1]  log π_θold at those positions, once the trainer computed it (else None)
+    prompt_len_B:     int64 [B]       tokens of each row's prompt  } what shared-prompt packing needs
+    seq_len_B:        int64 [B]       tokens of prompt + response   } (packing.py); None: never packed
 
     Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
         tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
@@ -49,6 +51,8 @@ class Batch:
     rollout_logp_BT: torch.Tensor
     adv_B: torch.Tensor
     old_logp_BT: torch.Tensor | None = None
+    prompt_len_B: torch.Tensor | None = None
+    seq_len_B: torch.Tensor | None = None
 
     def select(self, idx: torch.Tensor | slice) -> "Batch":
         return Batch(*(None if t is None else t[idx] for t in self._tensors()))
@@ -61,7 +65,8 @@ class Batch:
         return dataclasses.replace(self, old_logp_BT=old_logp_BT)
 
     def _tensors(self) -> tuple:
-        return (self.tokens_BL, self.mask_BT, self.rollout_logp_BT, self.adv_B, self.old_logp_BT)
+        return (self.tokens_BL, self.mask_BT, self.rollout_logp_BT, self.adv_B, self.old_logp_BT, self.prompt_len_B,
+                self.seq_len_B)
 
     def __len__(self) -> int:
         return self.tokens_BL.shape[0]
@@ -87,7 +92,9 @@ def build_batch(
         if rollout_logps is not None:
             rlp[i, n_p - 1 : n_p - 1 + n_r] = torch.tensor(rollout_logps[i], dtype=torch.float32)
     adv_t = torch.tensor(list(adv), dtype=torch.float32) if adv is not None else torch.zeros(B)
-    return Batch(tokens, mask, rlp, adv_t)
+    n_p = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    n = n_p + torch.tensor([len(r) for r in responses], dtype=torch.long)
+    return Batch(tokens, mask, rlp, adv_t, prompt_len_B=n_p, seq_len_B=n)
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -124,6 +131,7 @@ class Trainer:
         device: str | torch.device = "cpu",
         ep: int = 1,
         param_dtype: str = "auto",
+        pack_prompts: bool = True,
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
@@ -132,11 +140,14 @@ class Trainer:
         param_dtype: what the parameters compute in ("auto": bfloat16 on CUDA, float32 on CPU).
         Weights, gradients and Adam state stay float32 (master weights): FSDP2 gathers the
         shards in bfloat16 under torchrun; one process computes under bfloat16 autocast, as
-        TorchTitan does without FSDP."""
+        TorchTitan does without FSDP.
+
+        pack_prompts: forward each prompt once for all the rows that share it (packing.py)."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
         self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
+        self.pack_prompts = pack_prompts
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.param_dtype = param_dtype
@@ -225,13 +236,36 @@ class Trainer:
 
     # ----- compute -----------------------------------------------------------------------------
     def _forward_logp(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens = batch.tokens_BL.to(self.device)
+        """log π(y_t) [B, L-1] (and H_t): at every position, or, packed, at response positions
+        only (0 elsewhere; every consumer masks to the response)."""
         autocast = self.world == 1 and self.param_dtype == "bfloat16"  # under FSDP2 its policy casts
+        packed = self._packed(batch)
+        if packed is not None:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = self.model(packed.tokens_CS, positions=packed.positions_CS,
+                                    attention_masks=packed.attend_C1SS)
+            x_NV = logits.flatten(0, 1)[packed.src_N]
+            logp = packed.unpack(token_logprobs(x_NV[None], packed.target_N[None])[0])
+            ent = packed.unpack(entropy_from_logits(x_NV.detach()[None])[0]) if with_entropy else None
+            return logp, ent
+        tokens = batch.tokens_BL.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = self.model(tokens[:, :-1])
         logp = token_logprobs(logits, tokens[:, 1:])
         ent = entropy_from_logits(logits.detach()) if with_entropy else None
         return logp, ent
+
+    def _packed(self, batch: Batch):
+        """The batch with each prompt forwarded once for all its responses (packing.py), or None:
+        packing off, a batch without lengths, or routes replayed or recorded (their [B, L-1]
+        layout is the unpacked one)."""
+        if not self.pack_prompts or batch.prompt_len_B is None or self.replay.active:
+            return None
+        from minirl.packing import pack_shared_prompts
+
+        packed = pack_shared_prompts(batch.tokens_BL.cpu(), batch.prompt_len_B.cpu(), batch.seq_len_B.cpu(),
+                                     pad_id=0)
+        return packed.to(self.device) if packed is not None else None
 
     @torch.no_grad()
     def logprobs(

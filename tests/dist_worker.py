@@ -13,12 +13,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def fixed_batch():
+def fixed_batch(shared: bool = False):
+    """8 rows; shared: two prompts of 4 responses each (one group per rank: packed, packing.py)."""
     from minirl.train import build_batch
 
     g = torch.Generator().manual_seed(7)
     B = 8
     prompts = [[int(x) for x in torch.randint(3, 30, (3,), generator=g)] + [16] for _ in range(B)]
+    if shared:
+        prompts = [prompts[i // 4 * 4] for i in range(B)]
     resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] + [2] for n in (1, 3, 2, 4, 1, 2, 3, 2)]
     mu = [[float(-torch.rand(1, generator=g)) - 1.0 for _ in r] for r in resps]
     adv = [0.5, -0.5, 1.0, -1.0, 0.25, -0.25, 0.75, -0.75]
@@ -75,13 +78,14 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--replay", default="off")
     ap.add_argument("--param-dtype", default="float32")
+    ap.add_argument("--shared-prompts", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype)
     set_model_state_dict(trainer.model, one_process_init(), options=StateDictOptions(full_state_dict=True))
-    batch = fixed_batch()
+    batch = fixed_batch(a.shared_prompts)
     routes = fixed_routes(batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
     rows = torch.arange(len(batch)).chunk(world)[rank]
     loss, grads = one_update(trainer, batch.select(rows), a.replay, routes[:, rows])

@@ -1,0 +1,131 @@
+"""Shared-prompt packing: a group's prompt is forwarded once, and its responses attend to it.
+
+A GRPO batch repeats every prompt x for its G responses y_1..y_G. Attention being causal, the
+hidden states of x do not depend on what follows it, so the G copies compute the same thing.
+Packed, one row holds x once and then several responses, each without its last token (a last
+token predicts nothing):
+
+    tokens     x_0 x_1 x_2 | a_0 a_1 | b_0 b_1 b_2        (responses a = a_0..a_2, b = b_0..b_3)
+    positions   0   1   2  |  3   4  |  3   4   5         (every response restarts after x)
+    attends    causal over x; a_k sees x and a_<=k; b_k sees x and b_<=k, never a
+
+so every response token gets the logits it gets in its own right-padded row (to float rounding;
+tests/test_train.py). The logits of x's last token predict the first token of every response in
+the row. The idea is "Prefix Grouper" (Liu et al., 2025) on minirl's right-padded batches.
+
+On the embedded default (32 prompts × 8 responses, 9-token prompts, ~5-token responses) the model
+sees 1,312 positions instead of 3,584; forward + backward take 2.3× less time on CPU.
+
+Rows that would be longer than `max_len` are not packed (the dense [S, S] mask grows with S², and
+long responses gain little from sharing a prompt), nor is a batch whose packed form would not be
+at least 10% smaller (no shared prompts, as in the parity batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LEN = 1024  # positions per packed row
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A batch of B right-padded rows of length L (T = L - 1 fed positions), packed into C rows of S.
+
+    tokens_CS:     int64 [C, S]        the packed rows, padded with the pad id
+    positions_CS:  int64 [C, S]        RoPE position of each token in its own sequence
+    attend_C1SS:   bool  [C, 1, S, S]  attend_C1SS[c, 0, a, b]: position a may attend to position b
+    src_N:         int64 [N]           flat index into C·S of the position whose logits predict target n
+    dst_N:         int64 [N]           flat index into B·T of target n in the batch's own layout
+    target_N:      int64 [N]           the token predicted
+    """
+
+    tokens_CS: torch.Tensor
+    positions_CS: torch.Tensor
+    attend_C1SS: torch.Tensor
+    src_N: torch.Tensor
+    dst_N: torch.Tensor
+    target_N: torch.Tensor
+    B: int
+    T: int
+
+    def unpack(self, values_N: torch.Tensor) -> torch.Tensor:
+        """Per-target values laid out like the batch, [B, T], zero where nothing is predicted
+        (prompt and padding positions). Differentiable."""
+        out = values_N.new_zeros(self.B * self.T)
+        return out.index_put((self.dst_N,), values_N).view(self.B, self.T)
+
+    def to(self, device: torch.device) -> "Packed":
+        moved = {f: getattr(self, f).to(device, non_blocking=True)
+                 for f in ("tokens_CS", "positions_CS", "attend_C1SS", "src_N", "dst_N", "target_N")}
+        return Packed(**moved, B=self.B, T=self.T)
+
+
+def pack_shared_prompts(
+    tokens_BL: torch.Tensor,
+    prompt_len_B: torch.Tensor,
+    seq_len_B: torch.Tensor,
+    *,
+    pad_id: int = 0,
+    max_len: int = MAX_LEN,
+) -> Packed | None:
+    """Rows with the same prompt (anywhere in the batch) share one copy of it per packed row, as
+    many responses to a row as fit in `max_len` positions. None where packing does not pay (see
+    the module docstring): the caller forwards the batch as it is."""
+    B, L = tokens_BL.shape
+    T = L - 1
+    rows = tokens_BL.tolist()
+    n_p_B, n_B = prompt_len_B.tolist(), seq_len_B.tolist()
+    if T > max_len or B == 0 or min(n_p_B) < 1:
+        return None
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in range(B):
+        groups.setdefault(tuple(rows[i][: n_p_B[i]]), []).append(i)
+
+    chunks: list[tuple[tuple[int, ...], list[int]]] = []  # (prompt, its rows) per packed row
+    for prompt, members in groups.items():
+        length, current = len(prompt), []
+        for i in members:
+            cost = max(n_B[i] - len(prompt) - 1, 0)  # the response's tokens but its last
+            if current and length + cost > max_len:
+                chunks.append((prompt, current))
+                length, current = len(prompt), []
+            current.append(i)
+            length += cost
+        chunks.append((prompt, current))
+    S = max(len(p) + sum(max(n_B[i] - len(p) - 1, 0) for i in members) for p, members in chunks)
+    C = len(chunks)
+    if C * S > 0.9 * B * T:
+        return None
+
+    tokens = torch.full((C, S), pad_id, dtype=torch.long)
+    positions = torch.zeros(C, S, dtype=torch.long)
+    segment = torch.full((C, S), -2, dtype=torch.long)  # -1: the prompt, j: response j, -2: padding
+    src, dst, target = [], [], []
+    for c, (prompt, members) in enumerate(chunks):
+        n_p = len(prompt)
+        tokens[c, :n_p] = torch.tensor(prompt, dtype=torch.long)
+        positions[c, :n_p] = torch.arange(n_p)
+        segment[c, :n_p] = -1
+        o = n_p
+        for j, i in enumerate(members):
+            resp = rows[i][n_p : n_B[i]]
+            m = len(resp)
+            if m == 0:
+                continue
+            tokens[c, o : o + m - 1] = torch.tensor(resp[:-1], dtype=torch.long)
+            positions[c, o : o + m - 1] = torch.arange(n_p, n_p + m - 1)
+            segment[c, o : o + m - 1] = j
+            # response token k is predicted by the prompt's last token (k = 0) or by token k - 1
+            src += [c * S + n_p - 1] + [c * S + o + k for k in range(m - 1)]
+            dst += [i * T + n_p - 1 + k for k in range(m)]
+            target += resp
+            o += m - 1
+    idx = torch.arange(S)
+    causal_SS = idx[None, :] <= idx[:, None]
+    seg_a, seg_b = segment[:, :, None], segment[:, None, :]
+    attend = causal_SS[None] & ((seg_b == -1) | (seg_b == seg_a))  # padding sees the prompt and itself
+    as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    return Packed(tokens, positions, attend[:, None], as_long(src), as_long(dst), as_long(target), B=B, T=T)

@@ -1,0 +1,104 @@
+"""Shared-prompt packing (minirl/packing.py): its layout, and the trainer's log-probs, entropies,
+loss and gradients equal to the unpacked batch's on the tiny model."""
+
+import pytest
+import torch
+
+from minirl.models import TINY
+from minirl.packing import pack_shared_prompts
+from minirl.train import Trainer, build_batch
+
+
+def _pack(prompts, resps, **kw):
+    b = build_batch(prompts, resps, None, None, pad_id=0)
+    return b, pack_shared_prompts(b.tokens_BL, b.prompt_len_B, b.seq_len_B, pad_id=0, **kw)
+
+
+def test_layout_of_two_groups():
+    # rows 0 and 2 share the prompt [4, 5, 6]; row 1 has its own; row 3 a one-token response
+    prompts = [[4, 5, 6], [7, 8], [4, 5, 6], [7, 8]]
+    resps = [[10, 11, 2], [12, 2], [13, 14, 15, 2], [2]]
+    b, p = _pack(prompts * 2, resps * 2)  # 8 rows, so packing pays (the 10% rule)
+    B, T = b.mask_BT.shape
+    assert (p.B, p.T) == (8, T) == (8, 6)
+    assert p.tokens_CS.shape[0] == 2  # one packed row per prompt
+    S = p.tokens_CS.shape[1]
+    # prompt once, then each response without its last token; positions restart after the prompt
+    assert p.tokens_CS[0].tolist()[:13] == [4, 5, 6, 10, 11, 13, 14, 15, 10, 11, 13, 14, 15]
+    assert p.positions_CS[0].tolist()[:13] == [0, 1, 2, 3, 4, 3, 4, 5, 3, 4, 3, 4, 5]
+    assert p.tokens_CS[1].tolist()[:5] == [7, 8, 12, 12, 0] and p.positions_CS[1].tolist()[:4] == [0, 1, 2, 2]
+    a = p.attend_C1SS[0, 0]
+    assert a[4].tolist()[:6] == [True, True, True, True, True, False]  # 11 sees the prompt and 10
+    assert a[5].tolist()[:6] == [True, True, True, False, False, True]  # 13 sees the prompt, never 10, 11
+    assert not a[2, 3]  # causal: the prompt never sees a response
+    # targets: every response token, predicted by the prompt's last token or its own previous token
+    got = {(int(d) // T, int(d) % T): (int(s) // S, int(s) % S, int(t))
+           for s, d, t in zip(p.src_N, p.dst_N, p.target_N)}
+    assert got[(0, 2)] == (0, 2, 10) and got[(0, 3)] == (0, 3, 11) and got[(0, 4)] == (0, 4, 2)
+    assert got[(2, 2)] == (0, 2, 13) and got[(2, 3)] == (0, 5, 14) and got[(2, 5)] == (0, 7, 2)
+    assert got[(3, 1)] == (1, 1, 2)  # a one-token response: predicted by the prompt alone
+    assert len(got) == int(b.mask_BT.sum())
+    assert {k for k, v in got.items()} == {tuple(x) for x in b.mask_BT.nonzero().tolist()}
+
+
+def test_rows_split_at_max_len_and_unshared_batches_stay_unpacked():
+    prompts, resps = [[4, 5, 6]] * 8, [[10, 11, 12, 2]] * 8  # each response adds 3 positions
+    _, p = _pack(prompts, resps, max_len=3 + 3 * 3)
+    assert p.tokens_CS.shape == (3, 12)  # 3 + 3 + 2 responses: each row holds its prompt once
+    assert _pack([[4, i] for i in range(8)], [[10, 2]] * 8)[1] is None  # no prompt shared: nothing saved
+    assert _pack(prompts, resps, max_len=5)[1] is None  # rows longer than max_len: not packed
+
+
+def _grouped_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    prompts, resps = [], []
+    for n_p in (5, 9, 7):  # three prompts of different lengths, 5 responses each, 1-6 tokens
+        p = torch.randint(3, 32, (n_p,), generator=g).tolist()
+        for _ in range(5):
+            prompts.append(p)
+            resps.append(torch.randint(3, 32, (int(torch.randint(1, 7, (), generator=g)),), generator=g).tolist())
+    order = torch.randperm(len(prompts), generator=g).tolist()  # groups need not be contiguous
+    prompts, resps = [prompts[i] for i in order], [resps[i] for i in order]
+    rlp = [(-torch.rand(len(r), generator=g) - 0.1).tolist() for r in resps]
+    return build_batch(prompts, resps, rlp, torch.randn(len(prompts), generator=g).tolist(), pad_id=0)
+
+
+@pytest.mark.parametrize("micro", [0, 4])
+def test_packed_trainer_equals_unpacked_in_logprobs_entropy_loss_and_gradient(micro):
+    from minirl import recipe
+    from minirl.loop import loss_for
+
+    batch = _grouped_batch(0)
+    fn = loss_for(recipe.load(None))
+    out = {}
+    for pack in (False, True):
+        tr = Trainer(TINY, lr=1e-3, seed=0, pack_prompts=pack)
+        with torch.no_grad():  # a random model, far from uniform, so a wrong mask shows
+            for p in tr.model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.1)
+        assert (tr._packed(batch) is not None) == pack
+        old, ent, _ = tr.logprobs(batch)
+        loss, m = tr.forward_backward(batch.with_old_logp(old), fn, micro_batch_tokens=micro * batch.tokens_BL.shape[1])
+        grads = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+        out[pack] = old, ent, loss, m, grads
+    m_ = batch.mask_BT.bool()
+    (lp0, e0, l0, m0, g0), (lp1, e1, l1, m1, g1) = out[False], out[True]
+    torch.testing.assert_close(lp1[m_], lp0[m_], rtol=0, atol=1e-5)
+    torch.testing.assert_close(e1[m_], e0[m_], rtol=0, atol=1e-5)
+    assert float(lp0[m_].std()) > 0.3  # the check has teeth: log-probs differ across tokens
+    assert l1 == pytest.approx(l0, rel=1e-4, abs=1e-7) and m1["loss/tokens"] == m0["loss/tokens"]
+    assert g1.keys() == g0.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_replayed_routes_keep_the_unpacked_layout():
+    batch = _grouped_batch(1)
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    assert tr._packed(batch) is not None
+    _, _, routes = tr.logprobs(batch, record_routes=True)  # R2 records in the batch's own [B, L-1] layout
+    assert routes.shape[1:3] == batch.mask_BT.shape
+    tr.replay.set_replay(routes)
+    assert tr._packed(batch) is None
+    tr.replay.set_replay(None)
