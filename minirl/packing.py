@@ -100,32 +100,32 @@ def pack_shared_prompts(
     if C * S > 0.9 * B * T:
         return None
 
-    tokens = torch.full((C, S), pad_id, dtype=torch.long)
-    positions = torch.zeros(C, S, dtype=torch.long)
-    segment = torch.full((C, S), -2, dtype=torch.long)  # -1: the prompt, j: response j, -2: padding
+    tokens, positions, segment = [], [], []  # segment -1: the prompt, j: response j, -2: padding
     src, dst, target = [], [], []
     for c, (prompt, members) in enumerate(chunks):
-        n_p = len(prompt)
-        tokens[c, :n_p] = torch.tensor(prompt, dtype=torch.long)
-        positions[c, :n_p] = torch.arange(n_p)
-        segment[c, :n_p] = -1
-        o = n_p
+        n_p, base = len(prompt), c * S
+        tok, pos, seg = list(prompt), list(range(n_p)), [-1] * n_p
         for j, i in enumerate(members):
             resp = rows[i][n_p : n_B[i]]
             m = len(resp)
             if m == 0:
                 continue
-            tokens[c, o : o + m - 1] = torch.tensor(resp[:-1], dtype=torch.long)
-            positions[c, o : o + m - 1] = torch.arange(n_p, n_p + m - 1)
-            segment[c, o : o + m - 1] = j
+            o = len(tok)
+            tok += resp[:-1]
+            pos += range(n_p, n_p + m - 1)
+            seg += [j] * (m - 1)
             # response token k is predicted by the prompt's last token (k = 0) or by token k - 1
-            src += [c * S + n_p - 1] + [c * S + o + k for k in range(m - 1)]
-            dst += [i * T + n_p - 1 + k for k in range(m)]
+            src += [base + n_p - 1, *range(base + o, base + o + m - 1)]
+            dst += range(i * T + n_p - 1, i * T + n_p - 1 + m)
             target += resp
-            o += m - 1
+        pad = S - len(tok)
+        tokens.append(tok + [pad_id] * pad)
+        positions.append(pos + [0] * pad)
+        segment.append(seg + [-2] * pad)
+    as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    tokens, positions, segment = as_long(tokens), as_long(positions), as_long(segment)
     idx = torch.arange(S)
     causal_SS = idx[None, :] <= idx[:, None]
     seg_a, seg_b = segment[:, :, None], segment[:, None, :]
     attend = causal_SS[None] & ((seg_b == -1) | (seg_b == seg_a))  # padding sees the prompt and itself
-    as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
     return Packed(tokens, positions, attend[:, None], as_long(src), as_long(dst), as_long(target), B=B, T=T)

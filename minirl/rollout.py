@@ -165,9 +165,11 @@ class VLLMEngine:
 
         self.wake()
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost ~15% of a
-        # short rollout (graders decode what they need themselves)
+        # short rollout (graders decode what they need themselves), and its per-token Logprob
+        # dicts ~5% more than flat lists (`flat_logprobs`)
         sps = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=s,
-                              detokenize=False) for s in request_seeds(seed, len(prompts), stream=self.stream)]
+                              detokenize=False, flat_logprobs=True)
+               for s in request_seeds(seed, len(prompts), stream=self.stream)]
         cpu_capture = self.capture_routes and self.on_cpu
         if cpu_capture:
             from minirl import capture
@@ -181,7 +183,7 @@ class VLLMEngine:
         for prompt, out in zip(prompts, outs):
             group = []
             for c in out.outputs:
-                lps = tuple(lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs))
+                lps = _sampled_logprobs(c.token_ids, c.logprobs)
                 r = None
                 if self.capture_routes:
                     r = routes.get((out.request_id, c.index)) if cpu_capture else \
@@ -286,6 +288,16 @@ def request_seeds(seed: int | None, count: int, *, stream: int = 0) -> list[int 
         return [None] * count
     rng = random.Random(f"minirl/{seed}/{stream}")  # str seeds hash with sha512: the same in every process
     return [rng.getrandbits(62) for _ in range(count)]
+
+
+def _sampled_logprobs(token_ids: Sequence[int], flat) -> tuple[float, ...]:
+    """log μ of each sampled token from vLLM's `FlatLogprobs` (asked with logprobs=0: the sampled
+    token alone at each position, first in its range)."""
+    starts = flat.start_indices
+    if len(starts) != len(token_ids) or any(flat.token_ids[s] != t for s, t in zip(starts, token_ids)):
+        raise RuntimeError(f"vLLM returned log-probs for {len(starts)} positions that are not the "
+                           f"{len(token_ids)} sampled tokens")
+    return tuple(flat.logprobs[s] for s in starts)
 
 
 def _clear_stale_cpu_shm(shm: Path = Path("/dev/shm")) -> list[Path]:

@@ -82,19 +82,19 @@ def build_batch(
 ) -> Batch:
     B = len(prompts)
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    tokens = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, L - 1)
-    rlp = torch.zeros(B, L - 1)
+    tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a row at a time is ~5x slower)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         n_p, n_r = len(p), len(r)
-        tokens[i, : n_p + n_r] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        mask[i, n_p - 1 : n_p - 1 + n_r] = 1.0
+        tokens.append([*p, *r] + [pad_id] * (L - n_p - n_r))
+        mask.append([0.0] * (n_p - 1) + [1.0] * n_r + [0.0] * (L - n_p - n_r))
         if rollout_logps is not None:
-            rlp[i, n_p - 1 : n_p - 1 + n_r] = torch.tensor(rollout_logps[i], dtype=torch.float32)
+            rlp.append([0.0] * (n_p - 1) + [float(x) for x in rollout_logps[i]] + [0.0] * (L - n_p - n_r))
     adv_t = torch.tensor(list(adv), dtype=torch.float32) if adv is not None else torch.zeros(B)
     n_p = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     n = n_p + torch.tensor([len(r) for r in responses], dtype=torch.long)
-    return Batch(tokens, mask, rlp, adv_t, prompt_len_B=n_p, seq_len_B=n)
+    mask_t = torch.tensor(mask, dtype=torch.float32)
+    rlp_t = torch.tensor(rlp, dtype=torch.float32) if rollout_logps is not None else torch.zeros(B, L - 1)
+    return Batch(torch.tensor(tokens, dtype=torch.long), mask_t, rlp_t, adv_t, prompt_len_B=n_p, seq_len_B=n)
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
