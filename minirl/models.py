@@ -285,6 +285,20 @@ def read_shape(folder) -> ModelShape:
     return ModelShape.from_hf_config(read_json(path, "model config"), source=str(path))
 
 
+def attention_pair_cost(shape: ModelShape) -> float:
+    """Attention's multiply-adds for one (query, key) pair (QKᵀ and PV over every head and layer)
+    over one position's matmul multiply-adds (projections, the top-k experts or the MLP, the LM
+    head): how `packing.py` weighs a packed row's dense S × S attention against the positions it
+    saves. ~3e-3 for the tiny default, ~1e-4 for Qwen3-30B-A3B."""
+    attn = shape.dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
+    if shape.is_moe:
+        ffn = shape.top_k * 3 * shape.dim * shape.moe_hidden_dim + shape.dim * shape.num_experts
+    else:
+        ffn = 3 * shape.dim * shape.hidden_dim
+    per_position = shape.n_layers * (attn + ffn) + shape.dim * shape.vocab_size
+    return shape.n_layers * 2 * shape.n_heads * shape.head_dim / per_position
+
+
 def param_count(shape: ModelShape) -> int:
     """Total parameters, for plans and model cards (no build needed)."""
     attn = shape.dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 2 * shape.head_dim

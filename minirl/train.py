@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from minirl import atomic
-from minirl.models import ModelShape, titan_config
+from minirl.models import ModelShape, attention_pair_cost, titan_config
 from minirl.objective import entropy_from_logits
 
 
@@ -148,6 +148,7 @@ class Trainer:
         torch.manual_seed(seed)
         self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
         self.pack_prompts = pack_prompts
+        self._pair_cost = attention_pair_cost(shape)  # what packing weighs its dense attention by
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.param_dtype = param_dtype
@@ -264,7 +265,7 @@ class Trainer:
         from minirl.packing import pack_shared_prompts
 
         packed = pack_shared_prompts(batch.tokens_BL.cpu(), batch.prompt_len_B.cpu(), batch.seq_len_B.cpu(),
-                                     pad_id=0)
+                                     pair_cost=self._pair_cost)
         return packed.to(self.device) if packed is not None else None
 
     @torch.no_grad()

@@ -49,6 +49,25 @@ def test_rows_split_at_max_len_and_unshared_batches_stay_unpacked():
     assert _pack(prompts, resps, max_len=5)[1] is None  # rows longer than max_len: not packed
 
 
+def test_long_responses_stay_unpacked_where_the_dense_attention_would_cost_more():
+    """The tiny model's attention weighs a pair at ~3e-3 of a position: the default task's short
+    responses pack, the long-response task's do not (measured: 11% slower packed)."""
+    from minirl.models import attention_pair_cost
+
+    g = torch.Generator().manual_seed(3)
+    cost = attention_pair_cost(TINY)
+
+    def batch(n_prompt: int, n_resp: int):
+        prompts = [torch.randint(3, 30, (n_prompt,), generator=g).tolist() for _ in range(32) for _ in range(8)]
+        prompts = [prompts[i // 8 * 8] for i in range(256)]
+        return prompts, [torch.randint(3, 30, (n_resp,), generator=g).tolist() for _ in range(256)]
+
+    short, long = batch(8, 5), batch(12, 35)
+    assert _pack(*short, pair_cost=cost)[1] is not None
+    assert _pack(*long, pair_cost=0.0)[1] is not None  # fewer positions...
+    assert _pack(*long, pair_cost=cost)[1] is None  # ...but 32 rows of 284² pairs outweigh them
+
+
 def _grouped_batch(seed: int):
     g = torch.Generator().manual_seed(seed)
     prompts, resps = [], []
