@@ -148,6 +148,12 @@ def _fp32_grouped_experts_cls():
     return FP32GroupedExperts
 
 
+def repeat_kv_heads(k_BNLH, v_BNLH, n_heads: int):
+    """K and V with each KV head repeated for its query heads (head h reads KV head h // (n_heads /
+    n_kv_heads)), as SDPA's `enable_gqa` reads them."""
+    return tuple(t.repeat_interleave(n_heads // t.shape[1], dim=1) for t in (k_BNLH, v_BNLH))
+
+
 @functools.cache
 def _masked_sdpa_cls():
     """TorchTitan's SDPA inner attention, plus an explicit boolean mask when one is passed (a
@@ -167,7 +173,11 @@ def _masked_sdpa_cls():
                 return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa,
                                        is_causal=is_causal, **kwargs)
             q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-            # any backend that takes a mask (CPU flash, CUDA memory-efficient)
+            if enable_gqa and q.device.type != "cpu":
+                # CUDA's kernel for masks (memory-efficient) takes no GQA; the math fallback would
+                # keep every S × S score for backward. Repeat the KV heads instead (CPU flash
+                # takes both)
+                k, v, enable_gqa = *repeat_kv_heads(k, v, q.shape[1]), False
             out_BNLH = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale,
                                                       enable_gqa=enable_gqa)
             return out_BNLH.transpose(1, 2)

@@ -121,3 +121,19 @@ def test_replayed_routes_keep_the_unpacked_layout():
     tr.replay.set_replay(routes)
     assert tr._packed(batch) is None
     tr.replay.set_replay(None)
+
+
+def test_repeated_kv_heads_attend_as_sdpas_own_gqa():
+    """The CUDA branch of the masked attention repeats KV heads instead of `enable_gqa`."""
+    import torch.nn.functional as F
+
+    from minirl.models import repeat_kv_heads
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+    mask |= torch.eye(6, dtype=torch.bool)
+    gqa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, *repeat_kv_heads(k, v, 4), attn_mask=mask), gqa)
+    swapped = F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=mask)
+    assert not torch.allclose(swapped, gqa)  # the other head order is a different model
