@@ -98,25 +98,30 @@ def build_batch(
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
-    """log π(target_t) = logit_t[target] − logsumexp_v logit_t[v], in float32, a chunk of positions
-    at a time: a whole fp32 log-softmax over Qwen3's 151,936-token vocabulary is ~37 GiB at
-    64×1024 tokens. Under autograd each chunk is recomputed in backward (checkpointed), so the
-    float copies never pile up; only the model's own logits are kept."""
+    """log π(target_t) = logit_t[target] − logsumexp_v logit_t[v], in float32."""
     B, T, V = logits_BTV.shape
     x_NV, t_N = logits_BTV.reshape(B * T, V), targets_BT.reshape(B * T)
+    picked = x_NV.gather(-1, t_N[:, None]).squeeze(-1).float()
+    return (picked - logsumexp_positions(x_NV, chunk_tokens=chunk_tokens)).view(B, T)
 
-    def chunk_logp(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+def logsumexp_positions(x_NV: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
+    """logsumexp_v x[n, v] in float32, [N], a chunk of positions at a time: a whole fp32
+    log-softmax over Qwen3's 151,936-token vocabulary is ~37 GiB at 64×1024 tokens. Under
+    autograd each chunk is recomputed in backward (checkpointed), so the float copies never pile
+    up; only the model's own logits are kept."""
+
+    def chunk_lse(x: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(x.float(), dim=-1)
 
     out = []
-    for s in range(0, B * T, chunk_tokens):
-        x, t = x_NV[s : s + chunk_tokens], t_N[s : s + chunk_tokens]
+    for s in range(0, x_NV.shape[0], chunk_tokens):
+        x = x_NV[s : s + chunk_tokens]
         if torch.is_grad_enabled() and x.requires_grad:
-            out.append(torch.utils.checkpoint.checkpoint(chunk_logp, x, t, use_reentrant=False))
+            out.append(torch.utils.checkpoint.checkpoint(chunk_lse, x, use_reentrant=False))
         else:
-            out.append(chunk_logp(x, t))
-    return torch.cat(out).view(B, T)
+            out.append(chunk_lse(x))
+    return torch.cat(out)
 
 
 class Trainer:
@@ -245,9 +250,13 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
                 logits = self.model(packed.tokens_CS, positions=packed.positions_CS,
                                     attention_masks=packed.attend_C1SS)
-            x_NV = logits.flatten(0, 1)[packed.src_N]
-            logp = packed.unpack(token_logprobs(x_NV[None], packed.target_N[None])[0])
-            ent = packed.unpack(entropy_from_logits(x_NV.detach()[None])[0]) if with_entropy else None
+            # per packed position, then picked per target: no [targets, vocab] copy of the logits
+            x_MV = logits.flatten(0, 1)
+            lse_M = logsumexp_positions(x_MV)
+            logp = packed.unpack(x_MV[packed.src_N, packed.target_N].float() - lse_M[packed.src_N])
+            ent = None
+            if with_entropy:
+                ent = packed.unpack(entropy_from_logits(logits.detach()).flatten()[packed.src_N])
             return logp, ent
         tokens = batch.tokens_BL.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
