@@ -14,7 +14,7 @@ tests/test_packing.py). The logits of x's last token predict the first token of 
 the row. The idea is "Prefix Grouper" (Liu et al., 2025) on minirl's right-padded batches.
 
 On the embedded default (32 prompts × 8 responses, 8-token prompts, ~5-token responses) the model
-sees ~1,200 positions instead of ~3,300; forward, backward and AdamW take 65 instead of 147 ms.
+sees ~1,300 positions instead of ~3,300; forward, backward and AdamW take 65 instead of 147 ms.
 The logits of a packed batch are read per target (`Trainer._forward_logp`): one logsumexp per
 packed position, picked by index, so no [targets, vocab] copy of them is made.
 
