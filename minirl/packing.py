@@ -94,17 +94,18 @@ def pack_shared_prompts(
         groups.setdefault(tuple(rows[i][: n_p_B[i]]), []).append(i)
 
     chunks: list[tuple[tuple[int, ...], list[int]]] = []  # (prompt, its rows) per packed row
+    S = 0  # the longest packed row
     for prompt, members in groups.items():
         length, current = len(prompt), []
         for i in members:
             cost = max(n_B[i] - len(prompt) - 1, 0)  # the response's tokens but its last
             if current and length + cost > max_len:
                 chunks.append((prompt, current))
-                length, current = len(prompt), []
+                S, length, current = max(S, length), len(prompt), []
             current.append(i)
             length += cost
         chunks.append((prompt, current))
-    S = max(len(p) + sum(max(n_B[i] - len(p) - 1, 0) for i in members) for p, members in chunks)
+        S = max(S, length)
     C = len(chunks)
     if C * S + pair_cost * C * S * S > 0.9 * (B * T + pair_cost * B * T * T / 2):
         return None

@@ -273,8 +273,7 @@ class Trainer:
             return None
         from minirl.packing import pack_shared_prompts
 
-        packed = pack_shared_prompts(batch.tokens_BL.cpu(), batch.prompt_len_B.cpu(), batch.seq_len_B.cpu(),
-                                     pair_cost=self._pair_cost)
+        packed = pack_shared_prompts(batch.tokens_BL, batch.prompt_len_B, batch.seq_len_B, pair_cost=self._pair_cost)
         return packed.to(self.device) if packed is not None else None
 
     @torch.no_grad()
@@ -354,10 +353,10 @@ class Trainer:
     def _forward_backward_one(self, batch: Batch, loss_fn, scale: float, routes, *, with_entropy: bool):
         self.model.train()
         self.replay.set_replay(routes)
-        batch = batch.to(self.device)
         try:
+            # the forward reads the batch where it is (packing works on the host); the loss on the device
             logp, ent = self._forward_logp(batch, with_entropy=with_entropy)
-            loss, metrics = loss_fn(logp, batch)
+            loss, metrics = loss_fn(logp, batch.to(self.device))
             (loss * scale).backward()
         finally:
             self.replay.set_replay(None)
