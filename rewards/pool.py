@@ -36,10 +36,26 @@ def _alarm(signum, frame):
 
 def call_with_limit(grader, record: dict, response: str, timeout_s: float) -> Score:
     """grader(record, response) with a SIGALRM time limit (main thread only; elsewhere no limit)."""
-    response = response[-MAX_RESPONSE_CHARS:]
+    return grade_with_limit(grader, [(record, response)], timeout_s)[0]
+
+
+def grade_with_limit(grader, items: Sequence[tuple[dict, str]], timeout_s: float) -> list[Score]:
+    """`call_with_limit` for each item, in order. The SIGALRM handler is installed once for the
+    batch and each call only arms the timer: a handler swap costs ~5 µs, 1.3 ms of a 256-response
+    batch whose grading itself (`arith`) takes 0.15 ms."""
     use_alarm = timeout_s > 0 and threading.current_thread() is threading.main_thread()
-    if use_alarm:
-        old = signal.signal(signal.SIGALRM, _alarm)
+    old = signal.signal(signal.SIGALRM, _alarm) if use_alarm else None
+    try:
+        return [_limited(grader, rec, resp[-MAX_RESPONSE_CHARS:], timeout_s if use_alarm else 0) for rec, resp in items]
+    finally:
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+def _limited(grader, record: dict, response: str, timeout_s: float) -> Score:
+    """One call under an armed timer (0: none); the SIGALRM handler is the caller's business."""
+    if timeout_s:
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         return grader(record, response)
@@ -48,9 +64,8 @@ def call_with_limit(grader, record: dict, response: str, timeout_s: float) -> Sc
     except Exception as e:  # noqa: BLE001 - a grader bug must never kill a run
         return Score(0.0, {"error": f"{type(e).__name__}: {e}"})
     finally:
-        if use_alarm:
+        if timeout_s:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
 
 
 _WORKER_GRADER = None
@@ -91,7 +106,7 @@ class GradingPool:
     def grade(self, items: Sequence[tuple[dict, str]]) -> list[Score]:
         """Scores in input order; never raises on model output."""
         if self.workers <= 0:
-            return [call_with_limit(self.grader, rec, resp, self.timeout_s) for rec, resp in items]
+            return grade_with_limit(self.grader, items, self.timeout_s)
         pool = self._executor()
         futures = [pool.submit(_worker_call, rec, resp, self.timeout_s) for rec, resp in items]
         # Each worker enforces timeout_s per call; this outer deadline only catches C-level hangs.

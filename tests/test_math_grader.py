@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from rewards.base import Score
 from rewards.math import MathGrader
 from rewards.pool import GradingPool
 from tests.conftest import SHARED
@@ -114,6 +115,21 @@ def test_the_inline_limit_interrupts_a_python_loop():
 
     s = call_with_limit(_Spin(), {}, "x", timeout_s=0.2)
     assert s.score == 0.0 and s.info == {"timeout": True}
+
+
+@pytest.mark.timeout(120)
+def test_one_handler_for_a_batch_limits_every_call_and_is_given_back():
+    import signal
+
+    from rewards.pool import grade_with_limit
+
+    spin = _Spin()
+    grader = lambda rec, resp: spin(rec, resp) if resp == "spin" else Score(float(resp == rec["answer"]), {})  # noqa: E731
+    before = signal.getsignal(signal.SIGALRM)
+    scores = grade_with_limit(grader, [({"answer": "1"}, "spin"), ({"answer": "1"}, "1"), ({"answer": "1"}, "spin"),
+                                       ({"answer": "1"}, "2")], timeout_s=0.2)
+    assert [(s.score, s.info) for s in scores] == [(0.0, {"timeout": True}), (1.0, {}), (0.0, {"timeout": True}), (0.0, {})]
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 HANG_PKG = {

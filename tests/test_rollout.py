@@ -43,12 +43,20 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
 def test_each_prompt_of_a_seeded_call_draws_its_own_noise(engine):
     """vLLM seeds child i of a request `seed + i`: one seed for every prompt of a call handed child
     i of each prompt the same noise, so identical prompts sampled identical responses and a batch's
-    samples were correlated. Each prompt gets its own seed now; the call still repeats exactly."""
+    samples were correlated. Requests are unseeded now and draw from the process's generator,
+    seeded per call: every sample gets its own noise, the call still repeats exactly, another seed
+    samples otherwise, and the caller's own random stream is left where it was."""
     same = [PROMPTS[0]] * 16
+    torch.manual_seed(5)
     a = engine.generate(same, n=2, temperature=1.0, max_tokens=6, seed=11)
+    after = torch.rand(4)
     assert len({g[0].token_ids for g in a}) > 8
     b = engine.generate(same, n=2, temperature=1.0, max_tokens=6, seed=11)
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+    other = engine.generate(same, n=2, temperature=1.0, max_tokens=6, seed=12)
+    assert [[c.token_ids for c in g] for g in a] != [[c.token_ids for c in g] for g in other]
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(4), after)
 
 
 def one_update(tr, prompts, responses):
