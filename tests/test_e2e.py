@@ -56,6 +56,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def same_step(m: dict) -> tuple:
+    """What a step sampled and learned: equal between two steps only if their samples and updates were."""
+    return (m["step"], m["rollout/reward_mean"], m["rollout/resp_len"], m["train/loss"], m["train/grad_norm"])
+
+
 def run_in_background(ws: Path, out) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=ENV,
                             stdout=out, stderr=out, text=True)
@@ -142,6 +147,9 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {k}" in r.stdout
     assert [m["step"] for m in metrics(run2)][-2:] == [k, k + 1]
+    # a seeded run repeats exactly: run 2's first steps are run 1's (its held-out evals and parity
+    # checks, off the training path, change nothing)
+    assert [same_step(m) for m in metrics(run2)[:3]] == [same_step(m) for m in metrics(run_dir)]
 
     # --- a hard crash (SIGKILL) loses at most the steps since the last checkpoint -------------------
     proc = run_in_background(ws, subprocess.DEVNULL)
@@ -152,10 +160,13 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     logged = [m["step"] for m in metrics(run3)]
     ckpt_steps = sorted(int(c.name.split("_")[1]) for c in (run3 / "checkpoints").glob("step_*") if "." not in c.name)
     assert ckpt_steps and ckpt_steps[-1] <= logged[-1]
+    before_kill = metrics(run3)
     r = minirl("run", str(ws), "--resume", "--steps", str(logged[-1] + 1))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {ckpt_steps[-1]}" in r.stdout
     assert [m["step"] for m in metrics(run3)] == list(range(1, logged[-1] + 2))  # redone steps replace, not repeat
+    # and the steps redone after the crash are the ones it lost, sample for sample and update for update
+    assert [same_step(m) for m in metrics(run3)[:len(before_kill)]] == [same_step(m) for m in before_kill]
 
     # --- guardrails: a forced "collapse" rolls back, then ends the run on the last good weights -----
     r = minirl("run", str(ws), "--steps", "10", "--set", "guard.max_kl=-1", "--set", "guard.patience=1",
