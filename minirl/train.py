@@ -221,11 +221,13 @@ class Trainer:
         copy a tensor instead of viewing it."""
         if self.world > 1:
             return None
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
-        key = tuple(t.data_ptr() for t in state.values())
+        # the weights are parameters (buffers are RoPE tables and MoE counters, never synced);
+        # their pointers cost half a state_dict()
+        key = tuple(p.data_ptr() for p in self.model.parameters())
         if self._views is None or self._views[0] != key:
             from minirl.hf_io import titan_to_hf
 
+            state = {k: v.detach() for k, v in self.model.state_dict().items()}
             views = titan_to_hf(self.shape, state)
             live = {t.untyped_storage().data_ptr() for t in state.values()}
             ok = all(t.untyped_storage().data_ptr() in live for t in views.values())
