@@ -29,6 +29,14 @@ import torch
 _REQ_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$")
 
 
+def split_request_id(rid: str) -> tuple[str, int]:
+    """A runner request id as (external request id, completion index)."""
+    m = _REQ_ID.match(rid)
+    if m is None:
+        raise RuntimeError(f"capture: unexpected request id {rid!r}")
+    return m.group(2), int(m.group(1) or 0)
+
+
 class RouteRecorder:
     """Lives in the worker. Collects routes while enabled, with O(1) numpy work per forward and
     layer; the per-request split happens once, in stop()."""
@@ -101,10 +109,7 @@ class RouteRecorder:
             raise RuntimeError("route capture: a request has gaps or repeats in its positions")
         out = {}
         for rid, part in zip(self.req_index, np.split(ids, np.cumsum(counts)[:-1])):
-            m = _REQ_ID.match(rid)
-            if m is None:
-                raise RuntimeError(f"route capture: unexpected request id {rid!r}")
-            out[(m.group(2), int(m.group(1) or 0))] = part
+            out[split_request_id(rid)] = part
         self._reset()
         return out
 

@@ -141,6 +141,13 @@ class VLLMEngine:
             from minirl import capture
 
             self._llm.collective_rpc(capture.install)
+        # CPU: the sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py),
+        # ~10% of a short rollout less than vLLM's per-request log-prob lists
+        self.capture_logprobs = self.on_cpu
+        if self.capture_logprobs:
+            from minirl import logprob_capture
+
+            self._llm.collective_rpc(logprob_capture.install)
 
     @classmethod
     def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
@@ -170,23 +177,32 @@ class VLLMEngine:
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost ~15% of a
         # short rollout (graders decode what they need themselves), and its per-token Logprob
         # dicts ~5% more than flat lists (`flat_logprobs`)
-        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, detokenize=False,
-                            flat_logprobs=True)
+        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False,
+                            logprobs=None if self.capture_logprobs else 0, flat_logprobs=True)
         cpu_capture = self.capture_routes and self.on_cpu
-        if cpu_capture:
-            from minirl import capture
+        from minirl import capture, logprob_capture
 
+        if cpu_capture:
             self._llm.collective_rpc(capture.start)
+        if self.capture_logprobs:
+            self._llm.collective_rpc(logprob_capture.start)
         try:
             with seeded_sampling(seed, stream=self.stream):
                 outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         finally:
             routes = self._llm.collective_rpc(capture.stop)[0] if cpu_capture else {}
+            logps = self._llm.collective_rpc(logprob_capture.stop)[0] if self.capture_logprobs else {}
         result = []
         for prompt, out in zip(prompts, outs):
             group = []
             for c in out.outputs:
-                lps = _sampled_logprobs(c.token_ids, c.logprobs)
+                if self.capture_logprobs:
+                    lps = tuple(logps.get((out.request_id, c.index), ()))
+                    if len(lps) != len(c.token_ids):
+                        raise RuntimeError(f"log-prob capture for request {out.request_id}/{c.index}: {len(lps)} "
+                                           f"log-probs for {len(c.token_ids)} sampled tokens")
+                else:
+                    lps = _sampled_logprobs(c.token_ids, c.logprobs)
                 r = None
                 if self.capture_routes:
                     r = routes.get((out.request_id, c.index)) if cpu_capture else \

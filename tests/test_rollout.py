@@ -40,6 +40,27 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
     assert mean_abs_diff(scored, sampled) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_captured_logprobs_equal_vllms_own(dtype, request):
+    """On CPU the sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py),
+    not from vLLM's per-request lists: the same call through both gives the same tokens and
+    exactly the same log-probs (prompts of several lengths, early stops and length cuts; at
+    T = 0.7, where an fp32 engine's sampler scales the logits in place after the capture)."""
+    engine = request.getfixturevalue("engine" if dtype == "bfloat16" else "engine32")
+    assert engine.capture_logprobs
+    prompts = [PROMPTS[i % 3][: 4 + i % 5] for i in range(12)]
+    try:
+        engine.capture_logprobs = False
+        own = engine.generate(prompts, n=4, temperature=0.7, max_tokens=6, seed=3)
+    finally:
+        engine.capture_logprobs = True
+    captured = engine.generate(prompts, n=4, temperature=0.7, max_tokens=6, seed=3)
+    assert [[c.token_ids for c in g] for g in captured] == [[c.token_ids for c in g] for g in own]
+    assert [[c.logprobs for c in g] for g in captured] == [[c.logprobs for c in g] for g in own]
+    finishes = {c.finish for g in own for c in g}
+    assert finishes == {"stop", "length"}, finishes
+
+
 def test_each_prompt_of_a_seeded_call_draws_its_own_noise(engine):
     """vLLM seeds child i of a request `seed + i`: one seed for every prompt of a call handed child
     i of each prompt the same noise, so identical prompts sampled identical responses and a batch's
