@@ -40,6 +40,18 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
     assert mean_abs_diff(scored, sampled) < 1e-4
 
 
+def test_scoring_on_cpu_compiles_nothing(engine, fixed):
+    """vLLM ranks log-probs with an inductor-compiled function, compiled at its first call in a
+    process (1.8 s here, on the RL clock at the first parity check); the CPU engine scores eagerly."""
+    from torch._dynamo.utils import counters
+
+    prompts, responses, _ = fixed
+    torch._dynamo.reset()  # forget what earlier tests compiled
+    before = sum(counters["frames"].values())
+    engine.score(prompts, responses)
+    assert sum(counters["frames"].values()) == before
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_captured_logprobs_equal_vllms_own(dtype, request):
     """On CPU the sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py),
