@@ -9,9 +9,9 @@ log-probs, median of 16, alternating). The log-probs themselves are one `log_sof
 
 So the engine asks for none, and this recorder, inside the worker, wraps the model runner's
 `_sample`:
-- before the sampler runs (it scales the logits in place by temperature), the raw log-probs with
-  vLLM's own `Sampler.compute_logprobs`: exactly what `logprobs=0` returns (its default
-  `raw_logprobs` mode);
+- before the sampler runs (an fp32 engine's sampler scales the logits in place by temperature),
+  the raw log-probs with vLLM's own `Sampler.compute_logprobs`: exactly what `logprobs=0`
+  returns (its default `raw_logprobs` mode);
 - after it, the log-prob of each row's sampled token, kept with the step's request ids (the rows
   are the runner's batch, in order).
 `stop` cuts them per request. Each request must have exactly one per token it sampled
@@ -24,7 +24,6 @@ Runs inside the engine's worker (installed through `collective_rpc`); the CPU en
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from minirl.capture import split_request_id
@@ -44,7 +43,7 @@ class LogprobRecorder:
                 return original(logits, spec_decode_metadata)
             if spec_decode_metadata is not None:
                 raise RuntimeError("log-prob capture: speculative decoding is not supported")
-            raw = Sampler.compute_logprobs(logits)  # before the sampler scales the logits in place
+            raw = Sampler.compute_logprobs(logits)  # before the sampler: fp32 logits are scaled in place
             out = original(logits, spec_decode_metadata)
             n = out.sampled_token_ids.shape[0]
             self.steps.append((runner.input_batch.req_ids[:n],
