@@ -149,8 +149,8 @@ class Writer:
 
 def _reading(weight: torch.Tensor) -> Callable:
     """A linear layer's `cpu_linear` that computes with `weight` as it is at each call (vLLM
-    passes the layer's own, emptied, weight parameter; it is not read)."""
-    def linear(x: torch.Tensor, _emptied: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    passes the layer's own weight parameter, emptied where a handle held it; it is not read)."""
+    def linear(x: torch.Tensor, _own: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
     return linear

@@ -33,7 +33,7 @@ class LogprobRecorder:
     def __init__(self, worker):
         from vllm.v1.sample.sampler import Sampler
 
-        self.runner = runner = worker.model_runner
+        runner = worker.model_runner
         self.enabled = False
         self._reset()
         original = runner._sample
