@@ -54,9 +54,9 @@ def test_scoring_on_cpu_compiles_nothing(engine, fixed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_rms_norms_round_once_like_an_fp32_reference(dtype):
-    """cpu_norms' providers (vLLM's C kernels): normalised and weighted in fp32 (bf16: rounded once), on a
-    strided q-heads view (the kernel alone reads a strided view's rows from the wrong place) and
-    in the in-place fused add."""
+    """cpu_norms' providers (vLLM's C kernels): normalised and weighted in fp32 (bf16: rounded
+    once), on a strided q-heads view (the kernel alone reads a strided view's rows from the wrong
+    place) and in the in-place fused add."""
     from minirl import cpu_norms
 
     def ref(x, w, eps=1e-6):
