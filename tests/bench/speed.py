@@ -1,12 +1,13 @@
 """Benchmark: where minirl's step goes, and minirl against TRL's GRPOTrainer to the same accuracy.
 
-    .venv/bin/python tests/bench/speed.py demo [--runs 3] [--target 0.65] [--seconds 120]
+    .venv/bin/python tests/bench/speed.py demo [--runs 6] [--target 0.65] [--seconds 120]
 
 One command, four parts; it prints figures and asserts nothing (speed belongs here, never in a
 timed test):
 1. time to target: `minirl run` and TRL's GRPOTrainer (tests/bench/trl_grpo.py), alternately,
    `--runs` times each, on copies of the workspace (its runs/ stays untouched). Same cold start,
-   data, reward, G, prompts per step, lr, max tokens and T. Both score the held-out set avg@k
+   data, reward, G, prompts per step, lr, max tokens and T. Run i of each side uses seed i
+   (`--same-seed`: every run seed `--seed`): the spread then covers trajectories, not only timing. Both score the held-out set avg@k
    every `--eval-every` steps with the training clock stopped; the RL wall time to the first
    score ≥ `--target` is reported min / median / max, with engine start-up apart and included.
 2. minirl's step-time breakdown (rollout, grading, π_old, update, sync, parity, checkpoints and
@@ -104,6 +105,14 @@ def to_target(res: dict, target: float) -> float | None:
     return next((rl_s for _, rl_s, v in res["curve"] if v >= target), None)
 
 
+def steps_to_target(res: dict, target: float) -> int | None:
+    return next((step for step, _, v in res["curve"] if v >= target), None)
+
+
+def step_ms(res: dict) -> float | None:
+    return 1000 * res["rl_s"] / res["steps"] if res["steps"] else None
+
+
 def mmm(xs: list[float], fmt: str = "{:.1f}") -> str:
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -142,7 +151,7 @@ def race(ws: Path, tmp: Path, a) -> list[dict]:
           f"budget {a.seconds:.0f} s of RL, held-out scored every {a.eval_every} steps on {a.eval_problems} problems")
     mine, theirs = [], []
     for i in range(a.runs):
-        seed = a.seed + i if a.vary_seed else a.seed  # run i of each side: the same seed
+        seed = a.seed if a.same_seed else a.seed + i  # run i of each side: the same seed
         mine.append(minirl_once(ws, tmp, a, a.minirl_set, f"minirl{i}", seed))
         print(f"  minirl run {i + 1}: {mine[-1]['steps']} steps, to target {to_target(mine[-1], a.target)} s, "
               f"curve {[(s, round(v, 3)) for s, _, v in mine[-1]['curve']]}", flush=True)
@@ -160,6 +169,7 @@ def race(ws: Path, tmp: Path, a) -> list[dict]:
     row("  + engine start-up (s)", lambda r: None if to_target(r, a.target) is None else
         to_target(r, a.target) + r["startup_s"])
     row("start-up before the first step (s)", lambda r: r["startup_s"])
+    row("steps to target", lambda r: steps_to_target(r, a.target), "{:.0f}")
     row("steps per second", lambda r: r["steps"] / r["rl_s"] if r["rl_s"] else None, "{:.2f}")
     row("held-out at the end of the budget", lambda r: r["curve"][-1][2], "{:.3f}")
     row("whole process, wall (s)", lambda r: r["wall_s"])
@@ -172,6 +182,11 @@ def race(ws: Path, tmp: Path, a) -> list[dict]:
         s_t = med([to_target(r, a.target) + r["startup_s"] for r in theirs])
         print(f"ratio minirl / TRL, median RL wall time to target: {med(t_m) / med(t_t):.2f} "
               f"(with start-up: {s_m / s_t:.2f})")
+        # the ratio is (time a step) x (steps to the target): which of the two moved it
+        ms = [med([step_ms(r) for r in rs]) for rs in (mine, theirs)]
+        st = [med([steps_to_target(r, a.target) for r in rs]) for rs in (mine, theirs)]
+        print(f"  time a step, median: {ms[0]:.0f} against {ms[1]:.0f} ms ({ms[0] / ms[1]:.2f}); "
+              f"steps to target, median: {st[0]:.0f} against {st[1]:.0f} ({st[0] / st[1]:.2f})")
     return mine
 
 
@@ -219,15 +234,18 @@ def scaling(ws: Path, tmp: Path, a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workspace", type=Path)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=6,
+                    help="alternating runs a side; threshold crossings come in steps of --eval-every, "
+                         "so a ratio near a bound needs six or more")
     ap.add_argument("--target", type=float, default=0.65)
     ap.add_argument("--seconds", type=float, default=120.0, help="RL budget per run")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-problems", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vary-seed", action="store_true",
-                    help="run i of each side uses seed + i: the spread then covers the trajectories too, "
-                         "not only timing (the threshold crossing of one seeded trajectory is one draw)")
+    ap.add_argument("--same-seed", action="store_true",
+                    help="every run uses --seed (by default run i of each side uses seed + i: the spread "
+                         "then covers the trajectories too, not only timing; one seeded trajectory's "
+                         "threshold crossing is one draw)")
     ap.add_argument("--minirl-set", action="append", default=[], help="recipe override for minirl's side")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-scaling", action="store_true")
