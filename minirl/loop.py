@@ -33,7 +33,8 @@ import torch
 from minirl import atomic, objective, weight_sync
 from minirl import status as status_mod
 from minirl.data import PromptSampler
-from minirl.errors import RunIOError
+from minirl.engine_process import start_overlapped
+from minirl.errors import RunIOError, UsageError
 from minirl.evaluate import evaluate, response_text
 from minirl.guard import Guard, Verdict
 from minirl.launch import World
@@ -106,9 +107,18 @@ class RLRun:
         else:
             self.trainer.load_hf(model_dir)
         max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
-        self.engine = VLLMEngine.from_config(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=max_len,
-                                             max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
-                                             capture_routes=rec.train.replay == "r3")
+        engine_kw = dict(seed=rec.train.seed, max_model_len=max_len, capture_routes=rec.train.replay == "r3",
+                         max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size))
+        self.overlap = rec.rollout.overlap
+        self._pending = None  # overlapped: (prompts, answer handle) of the next step's rollout, under way
+        if self.overlap:
+            if world.size > 1 or world.device.type != "cpu":
+                raise UsageError("rollout.overlap runs one process on CPU (an engine process beside the trainer); "
+                                 "set rollout.overlap = false under torchrun or on GPUs")
+            self.engine = start_overlapped(model_dir, rec.rollout, **engine_kw)
+            self.trainer.share_memory()  # the engine's process copies the weights from here at each sync
+        else:
+            self.engine = VLLMEngine.from_config(model_dir, rec.rollout, **engine_kw)
         self.tp = rec.rollout.tensor_parallel  # ranks per vLLM engine
         self.first_step = self.state.step  # of this process (a resumed run checks its first sync again)
         self.sync()  # resumed weights, or FP8-emulated ones; a no-op in effect otherwise (~30 ms)
@@ -154,6 +164,30 @@ class RLRun:
         entropy = objective.masked_mean(ent, batch.mask_BT)
         return tuple(self.world.mean({"kl": kl, "entropy": entropy}, weight=float(batch.mask_BT.sum())).values())
 
+    def _rollout(self, step: int) -> tuple[list, list]:
+        """This step's problems and their G completions each. Overlapped (`rollout.overlap`), they
+        were sampled while the step before trained, from the weights before its update (one step
+        off-policy), and the next step's rollout starts here, before this step trains."""
+        if self._pending is None:
+            self._pending = self._sample(step)
+        (asked, handle), self._pending = self._pending, None
+        groups = self.engine.result(handle) if self.overlap else handle
+        if self.overlap:
+            self._sampler_at_step = self.sampler.state()  # what a checkpoint of this step records
+            self._pending = self._sample(step + 1)
+        return asked, groups
+
+    def _sample(self, step: int) -> tuple[list, list]:
+        """Draw a step's prompts and sample G responses to each: the same draw on every rank; each
+        rollout (TP) group generates its share, each rank keeps its part. Overlapped, the answer is
+        a handle the engine's process fills in while this process goes on."""
+        r = self.rec
+        asked = self.world.group_share(self.sampler.next_batch(r.train.prompts_per_step), self.tp)
+        call = ([p.prompt_ids for p in asked],)
+        kw = dict(n=r.train.group_size, temperature=r.rollout.temperature, max_tokens=r.rollout.max_tokens,
+                  seed=r.train.seed * 1_000_003 + step)
+        return asked, self.engine.submit("generate", *call, **kw) if self.overlap else self.engine.generate(*call, **kw)
+
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> dict:
         r, t, world = self.rec, self.state.timing, self.world
@@ -162,10 +196,7 @@ class RLRun:
         injected_kill(step, world.rank)
         t0 = time.perf_counter()
 
-        # the same draw on every rank; each rollout (TP) group generates its share, each rank keeps its part
-        asked = world.group_share(self.sampler.next_batch(r.train.prompts_per_step), self.tp)
-        groups = self.engine.generate([p.prompt_ids for p in asked], n=G, temperature=r.rollout.temperature,
-                                      max_tokens=r.rollout.max_tokens, seed=r.train.seed * 1_000_003 + step)
+        asked, groups = self._rollout(step)
         self.engine.sleep()  # frees its memory for training (CUDA); the sync wakes it
         problems, groups = world.member_share(asked, self.tp), world.member_share(groups, self.tp)
         B = len(problems)
@@ -238,6 +269,9 @@ class RLRun:
                 verdict = v
         t0 = _timed(t, "update", t0)
 
+        if self._pending is not None:  # overlapped: what of the next rollout this step's update did not hide
+            self.engine.result(self._pending[1])
+            t0 = _timed(t, "rollout", t0)
         rollback_to = {}
         if verdict.action in ("rollback", "stop"):  # a stopped run also ends on its last good weights
             self.rollback()
@@ -290,7 +324,9 @@ class RLRun:
         """A checkpoint; it becomes the rollback target if the guard sees nothing pending."""
         path = self.state.run_dir / "checkpoints" / name
         self.trainer.save(path, {
-            "step": self.state.step, "sampler": self.sampler.state(), "heldout_start": self.state.heldout_start,
+            # overlapped, the next step's prompts are drawn already: a resumed run draws them again
+            "step": self.state.step, "heldout_start": self.state.heldout_start,
+            "sampler": self._sampler_at_step if self._pending is not None else self.sampler.state(),
             "timing": self.state.timing, "recipe": self.rec.to_dict(), "guard": self.guard.state_dict(),
             "lr": self.lr, "good": self.guard.healthy,  # `export --best` picks only among good ones
         })
@@ -305,9 +341,17 @@ class RLRun:
             if old != self.last_good:
                 atomic.remove_dir(old)
 
+    def close(self) -> None:
+        """Stop the engine's process (overlapped; an in-process engine ends with this process)."""
+        if self.overlap:
+            self.engine.close()
+
     def rollback(self) -> None:
         """Back to the last good weights and optimizer state, at a lower learning rate. The data
         position and the sampling seeds keep moving, so the same collapse is not replayed."""
+        if self._pending is not None:  # sampled from the weights being undone: dropped, the data moves on
+            self.engine.result(self._pending[1])
+            self._pending = None
         self.trainer.load(self.last_good)
         self.rolled_back_to.append(str(self.last_good))
         self.lr *= self.rec.guard.lr_factor
@@ -429,12 +473,15 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
                        "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
                        "resumed_from": str(resume_from) if resume_from else None})
 
-    t0 = time.time()
-    if not rl.state.heldout_start:
-        rl.state.heldout_start = rl.heldout_eval()
-        on_event("eval", {"which": "start", **rl.state.heldout_start})
-    eval_s = time.time() - t0
-    return _train(rl, on_event, t_start=t_start, startup_s=startup_s, eval_s=eval_s)
+    try:
+        t0 = time.time()
+        if not rl.state.heldout_start:
+            rl.state.heldout_start = rl.heldout_eval()
+            on_event("eval", {"which": "start", **rl.state.heldout_start})
+        eval_s = time.time() - t0
+        return _train(rl, on_event, t_start=t_start, startup_s=startup_s, eval_s=eval_s)
+    finally:
+        rl.close()
 
 
 def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float) -> dict:

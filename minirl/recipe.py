@@ -57,6 +57,10 @@ class RolloutConfig:
     # check vLLM vs trainer log-probs on a fixed batch after the first sync, every k-th and every
     # rollback (0 = never); each check costs about a π_old forward of 16 responses
     parity_every: int = 10
+    # sample the next step's batch in the engine's own process while this step trains (one step
+    # off-policy: each batch comes from the weights before the last update; engine_process.py).
+    # One process on CPU, 2+ cores: the trainer takes half of them, the engine the rest
+    overlap: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

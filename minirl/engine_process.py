@@ -1,0 +1,183 @@
+"""The rollout engine in a process of its own (`rollout.overlap`): the next step's rollout runs
+on its cores while the trainer's process trains on this step's batch.
+
+`EngineProcess` has the engine's interface (`generate`, `score`, `load_live_weights`,
+`load_weights`, `sleep`, `wake`); each call is a message to the engine's process, answered in
+order. `submit` sends a call without waiting; later calls return only after it has (the engine
+runs one call at a time, in the order sent), so a weight sync sent after a submitted rollout
+waits for that rollout and never writes weights it is reading.
+
+Weights pass by reference: the trainer's parameters live in shared memory
+(`Trainer.share_memory`), the engine's process keeps the HF-named views it was sent once and
+copies from them at each sync (`cpu_weights`), so a sync sends no tensor. Cores are split: the
+trainer keeps the first half of this process's cores, the engine takes the rest, each with one
+intra-op thread per core (two OpenMP pools spinning on the same cores cost more than either
+gains).
+
+One process, CPU only: under torchrun every rank would need an engine of its own on cores of
+its own, and on CUDA the two processes would share one GPU; neither is built.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
+
+from minirl.errors import UsageError
+
+
+def split_cores(cores: set[int]) -> tuple[list[int], list[int]]:
+    """(the trainer's cores, the engine's cores): the first half and the rest, in core order.
+
+    >>> split_cores({0, 1})
+    ([0], [1])
+    >>> split_cores({4, 5, 6, 7, 8})
+    ([4, 5], [6, 7, 8])
+    """
+    if len(cores) < 2:
+        raise UsageError(f"rollout.overlap needs at least 2 cores for a trainer and an engine; this process has "
+                         f"{len(cores)}: set rollout.overlap = false")
+    ordered = sorted(cores)
+    half = len(ordered) // 2
+    return ordered[:half], ordered[half:]
+
+
+def start_overlapped(model_dir: Path, rollout, **kw: Any) -> "EngineProcess":
+    """The engine on the second half of this process's cores; this process (the trainer) keeps
+    the first half, one intra-op thread each."""
+    import torch
+
+    mine, theirs = split_cores(os.sched_getaffinity(0))
+    engine = EngineProcess(model_dir, rollout, cores=theirs, **kw)
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return engine
+
+
+def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
+    """The engine's process: build the engine, then answer calls in order until told to stop."""
+    os.sched_setaffinity(0, cores)
+    try:
+        from minirl.rollout import VLLMEngine
+
+        engine = VLLMEngine.from_config(Path(model_dir), rollout, **kw)
+        conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8}))
+    except BaseException as e:  # noqa: BLE001 - the parent raises it
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    views = None  # the trainer's shared parameters under HF names, once sent
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:  # the trainer's process is gone
+            return
+        if method == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            if method == "bind_views":
+                views, out = args[0], None
+            elif method == "sync_views":
+                out = engine.load_live_weights(views)
+            else:
+                out = getattr(engine, method)(*args, **kwargs)
+            conn.send(("ok", out))
+        except Exception as e:  # noqa: BLE001 - the parent raises it
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class EngineProcess:
+    """A `VLLMEngine` built and run in a child process on `cores` (`VLLMEngine.from_config`'s
+    arguments). One intra-op thread per core, set before the child starts (OpenMP reads its
+    settings once, when it loads)."""
+
+    def __init__(self, model_dir: Path, rollout, *, cores: list[int], **kw: Any):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        env = {"OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cores)))}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the spawned interpreter inherits the environment as it is at start()
+        try:
+            self._proc = ctx.Process(target=_serve, args=(child, str(model_dir), rollout, kw, cores), daemon=True,
+                                     name="minirl-engine")
+            self._proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()
+        self._pending: collections.deque[list] = collections.deque()  # answers not yet read, oldest first
+        self._views = None  # the views the engine's process holds
+        info = self._answer()
+        self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
+
+    # ----- calls --------------------------------------------------------------------------------
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """Send a call and return at once; `result(handle)` waits for its answer."""
+        handle: list = []
+        self._conn.send((method, args, kwargs))
+        self._pending.append(handle)
+        return handle
+
+    def result(self, handle: list):
+        """The answer of a submitted call (answers before it are read and kept for their callers)."""
+        while not handle:
+            self._pending.popleft().append(self._answer())
+        return handle[0]
+
+    def call(self, method: str, *args, **kwargs):
+        return self.result(self.submit(method, *args, **kwargs))
+
+    def _answer(self):
+        try:
+            status, out = self._conn.recv()
+        except (EOFError, ConnectionError):
+            raise RuntimeError(f"the rollout engine's process died (exit code {self._proc.exitcode})") from None
+        if status == "error":
+            raise RuntimeError(f"in the rollout engine's process: {out}")
+        return out
+
+    # ----- the engine's interface ---------------------------------------------------------------
+    def generate(self, *args, **kwargs):
+        return self.call("generate", *args, **kwargs)
+
+    def score(self, *args, **kwargs):
+        return self.call("score", *args, **kwargs)
+
+    def sleep(self) -> None:  # CPU engines have no sleep mode
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def load_live_weights(self, views: dict) -> bool:
+        """Copy the trainer's weights from shared memory; False when they are not shared (the
+        caller then sends them: `load_weights`)."""
+        if views is not self._views:
+            if not all(t.is_shared() for t in views.values()):
+                return False
+            self.call("bind_views", views)
+            self._views = views
+        return self.call("sync_views")
+
+    def load_weights(self, hf_named_tensors) -> None:
+        self.call("load_weights", list(hf_named_tensors))
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self.call("stop")
+            except RuntimeError:
+                pass
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._conn.close()
