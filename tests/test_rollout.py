@@ -159,7 +159,9 @@ def one_update(tr, prompts, responses):
     tr.optim_step()
 
 
-@pytest.fixture(scope="module")
+# Engines live for the session: an in-process vLLM engine torn down mid-session takes vLLM's global
+# process groups with it, and every engine still alive (conftest's `engine`) stops working.
+@pytest.fixture(scope="session")
 def engine32(tiny_dir):
     from minirl.rollout import VLLMEngine
 
@@ -285,7 +287,7 @@ def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_pat
         engine.load_weights(original.items())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine_r3(tiny_dir):
     from minirl.rollout import VLLMEngine
 
