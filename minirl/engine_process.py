@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
 from minirl.errors import UsageError
@@ -51,8 +52,6 @@ def split_cores(cores: set[int]) -> tuple[list[int], list[int]]:
 def start_overlapped(model_dir: Path, rollout, **kw: Any) -> "EngineProcess":
     """The engine on the second half of this process's cores; this process (the trainer) keeps
     the first half, one intra-op thread each."""
-    import torch
-
     mine, theirs = split_cores(os.sched_getaffinity(0))
     engine = EngineProcess(model_dir, rollout, cores=theirs, **kw)
     os.sched_setaffinity(0, mine)

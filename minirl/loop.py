@@ -168,13 +168,12 @@ class RLRun:
         """This step's problems and their G completions each. Overlapped (`rollout.overlap`), they
         were sampled while the step before trained, from the weights before its update (one step
         off-policy), and the next step's rollout starts here, before this step trains."""
-        if self._pending is None:
-            self._pending = self._sample(step)
-        (asked, handle), self._pending = self._pending, None
-        groups = self.engine.result(handle) if self.overlap else handle
-        if self.overlap:
-            self._sampler_at_step = self.sampler.state()  # what a checkpoint of this step records
-            self._pending = self._sample(step + 1)
+        (asked, answer), self._pending = self._pending or self._sample(step), None
+        if not self.overlap:
+            return asked, answer
+        groups = self.engine.result(answer)
+        self._sampler_at_step = self.sampler.state()  # what a checkpoint of this step records
+        self._pending = self._sample(step + 1)
         return asked, groups
 
     def _sample(self, step: int) -> tuple[list, list]:

@@ -92,7 +92,7 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     assert tokens(proc.generate(PROMPTS, **SAMPLE)) == before
 
 
-def test_answers_keep_their_callers_and_errors_come_back_as_one_line(proc):
+def test_answers_keep_their_callers_and_errors_come_back_named(proc):
     first = proc.submit("generate", PROMPTS[:1], **SAMPLE)
     second = proc.submit("generate", PROMPTS[1:], **SAMPLE)
     alone = tokens(proc.generate(PROMPTS[1:], **SAMPLE))  # answered after both submitted ones
