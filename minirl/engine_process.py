@@ -7,9 +7,11 @@ order. `submit` sends a call without waiting; later calls return only after it h
 runs one call at a time, in the order sent), so a weight sync sent after a submitted rollout
 waits for that rollout and never writes weights it is reading.
 
-Weights pass by reference: the trainer's parameters live in shared memory
-(`Trainer.share_memory`), the engine's process keeps the HF-named views it was sent once and
-copies from them at each sync (`cpu_weights`), so a sync sends no tensor. Cores are split: the
+Weights pass by reference, and no tensor is sent at a sync: the engine's weights move into
+shared memory once (`VLLMEngine.share_weights`) and this process writes them in place, casting
+and prepacking from its own parameters, while the engine runs no call (`cpu_weights.SharedWeights`).
+Where an engine's weights cannot be shared, the trainer's parameters are (`Trainer.share_memory`)
+and the engine's process copies from them at each sync. Cores are split: the
 trainer keeps the first half of this process's cores, the engine takes the rest, each with one
 intra-op thread per core (two OpenMP pools spinning on the same cores cost more than either
 gains).
@@ -114,7 +116,8 @@ class EngineProcess:
                     os.environ[k] = v
         child.close()
         self._pending: collections.deque[list] = collections.deque()  # answers not yet read, oldest first
-        self._views = None  # the views the engine's process holds
+        self._views = None  # the trainer's HF-named views last synced from
+        self._shared = self._sources = None  # the engine's weights in shared memory; views' tensors in their order
         info = self._answer()
         self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
 
@@ -134,6 +137,11 @@ class EngineProcess:
 
     def call(self, method: str, *args, **kwargs):
         return self.result(self.submit(method, *args, **kwargs))
+
+    def _idle(self) -> None:
+        """Wait until every call sent has been answered (answers kept for their callers)."""
+        while self._pending:
+            self._pending.popleft().append(self._answer())
 
     def _answer(self):
         try:
@@ -158,14 +166,23 @@ class EngineProcess:
         pass
 
     def load_live_weights(self, views: dict) -> bool:
-        """Copy the trainer's weights from shared memory; False when they are not shared (the
-        caller then sends them: `load_weights`)."""
+        """Write the trainer's weights into the engine's, which live in shared memory
+        (`VLLMEngine.share_weights`), from this process once the engine is idle; where the engine
+        cannot share them, its process copies from `views` (shared parameters) instead. False
+        when `views` are not shared (the caller then sends the weights: `load_weights`)."""
         if views is not self._views:
             if not all(t.is_shared() for t in views.values()):
                 return False
-            self.call("bind_views", views)
-            self._views = views
-        return self.call("sync_views")
+            self._idle()
+            self._shared = self.call("share_weights", views)
+            if self._shared is None:
+                self.call("bind_views", views)
+            self._views, self._sources = views, list(views.values())
+        if self._shared is None:
+            return self.call("sync_views")
+        self._idle()  # the engine computes with the tensors written next: no call of its may be running
+        self._shared.write(self._sources)
+        return True
 
     def load_weights(self, hf_named_tensors) -> None:
         self.call("load_weights", list(hf_named_tensors))

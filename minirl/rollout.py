@@ -289,6 +289,18 @@ class VLLMEngine:
         self._reset_prefix_cache()
         return True
 
+    def share_weights(self, views: dict[str, torch.Tensor]) -> "cpu_weights.SharedWeights | None":
+        """The engine's weights in shared memory for the trainer's process to write
+        (`rollout.overlap`; cpu_weights.SharedWeights), their order that of `views` (checked by
+        name and shape). None where the engine has no direct path or its experts cannot be
+        prepacked in place: the caller then binds `views` here (`load_live_weights`)."""
+        if not self.direct_sync or self._prefix_caching or self._asleep:
+            return None
+        from minirl import cpu_weights
+
+        (shared,) = self._llm.collective_rpc(cpu_weights.share, args=(views,))
+        return shared
+
     def _reset_prefix_cache(self) -> None:
         """Cached prompt KV was computed with the old weights (a no-op call without the cache
         still costs ~0.1 ms, ~0.06% of the tiny default's step)."""

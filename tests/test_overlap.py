@@ -56,9 +56,11 @@ def test_engine_process_samples_as_the_engine_in_this_process(proc, engine):
 
 
 def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
-    """A rollout submitted before a sync samples from the weights before it. The sync copies the
-    trainer's shared parameters in place (no tensor sent), after which the engine's process
-    scores exactly as an engine in this process given the same weights."""
+    """A rollout submitted before a sync samples from the weights before it. The sync writes the
+    engine's weights, which live in shared memory, from this process (no tensor sent), after
+    which the engine's process scores exactly as an engine in this process given the same
+    weights; so it does when its process copies from the trainer's shared parameters instead
+    (the path for engines whose weights cannot be shared)."""
     from minirl import weight_sync
     from minirl.models import TINY
     from minirl.train import Trainer
@@ -69,12 +71,12 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     weight_sync.sync(tr, proc, bucket_bytes=2**30)
     before = tokens(proc.generate(PROMPTS, **SAMPLE))
 
-    handle = proc.submit("generate", PROMPTS, **SAMPLE)
     with torch.no_grad():
-        for p in tr.model.parameters():  # in place: the engine's process reads these very storages
+        for p in tr.model.parameters():  # in place: the views synced from follow
             p.mul_(1.5)
-    weight_sync.sync(tr, proc, bucket_bytes=2**30)
-    assert proc._views is tr.hf_views()  # bound once, copied from shared memory at every sync
+    handle = proc.submit("generate", PROMPTS, **SAMPLE)
+    weight_sync.sync(tr, proc, bucket_bytes=2**30)  # sent while the rollout runs
+    assert proc._views is tr.hf_views() and proc._shared is not None  # bound once, written from here
     assert tokens(proc.result(handle)) == before  # sampled before the new weights were written
     after = proc.generate(PROMPTS, **SAMPLE)
     assert tokens(after) != before
@@ -83,8 +85,14 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     try:
         resp = [list(c.token_ids) for g in after for c in g]
         prompts = [p for p, g in zip(PROMPTS, after) for _ in g]
-        torch.testing.assert_close(torch.tensor(sum(proc.score(prompts, resp), [])),
-                                   torch.tensor(sum(engine.score(prompts, resp), [])), rtol=0, atol=0)
+        ours = torch.tensor(sum(engine.score(prompts, resp), []))
+        torch.testing.assert_close(torch.tensor(sum(proc.score(prompts, resp), [])), ours, rtol=0, atol=0)
+        with torch.no_grad():
+            for d in proc._shared.dests:  # the engine's weights, wrong
+                d.zero_()
+        proc.call("bind_views", tr.hf_views())
+        proc.call("sync_views")  # the engine's process copies from the trainer's shared parameters
+        torch.testing.assert_close(torch.tensor(sum(proc.score(prompts, resp), [])), ours, rtol=0, atol=0)
     finally:  # leave both engines as the module found them
         tr.load_hf(tiny_dir)  # in place, into the shared storages
         weight_sync.sync(tr, engine, bucket_bytes=2**30)
