@@ -8,8 +8,11 @@ runs one call at a time, in the order sent), so a weight sync sent after a submi
 waits for that rollout and never writes weights it is reading.
 
 Weights pass by reference, and no tensor is sent at a sync: the engine's weights move into
-shared memory once (`VLLMEngine.share_weights`) and this process writes them in place, casting
-and prepacking from its own parameters, while the engine runs no call (`cpu_weights.SharedWeights`).
+shared memory once (`VLLMEngine.share_weights`). At each sync, once the engine runs no other
+call, both processes write them in place, casting and prepacking from the trainer's parameters
+(also shared): the engine's process most of the expert layers, while the trainer writes the rest
+and ends its step; the next step starts by waiting for it (`settle`), before anything changes the
+parameters it reads (cpu_weights.Writer.share).
 Where an engine's weights cannot be shared, the trainer's parameters are (`Trainer.share_memory`)
 and the engine's process copies from them at each sync. Cores are split: the
 trainer keeps the first half of this process's cores, the engine takes the rest, each with one
@@ -117,7 +120,7 @@ class EngineProcess:
         child.close()
         self._pending: collections.deque[list] = collections.deque()  # answers not yet read, oldest first
         self._views = None  # the trainer's HF-named views last synced from
-        self._shared = self._sources = None  # the engine's weights in shared memory; views' tensors in their order
+        self._shared = None  # this process's share of the engine's weights, in shared memory
         info = self._answer()
         self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
 
@@ -167,9 +170,11 @@ class EngineProcess:
 
     def load_live_weights(self, views: dict) -> bool:
         """Write the trainer's weights into the engine's, which live in shared memory
-        (`VLLMEngine.share_weights`), from this process once the engine is idle; where the engine
-        cannot share them, its process copies from `views` (shared parameters) instead. False
-        when `views` are not shared (the caller then sends the weights: `load_weights`)."""
+        (`VLLMEngine.share_weights`), once the engine is idle: this process writes its share and
+        returns while the engine's process writes the rest (`settle` waits for it); where the
+        engine cannot share its weights, its process copies them all from `views` (shared
+        parameters). False when `views` are not shared (the caller then sends the weights:
+        `load_weights`). The trainer's parameters must not change until `settle`."""
         if views is not self._views:
             if not all(t.is_shared() for t in views.values()):
                 return False
@@ -177,12 +182,19 @@ class EngineProcess:
             self._shared = self.call("share_weights", views)
             if self._shared is None:
                 self.call("bind_views", views)
-            self._views, self._sources = views, list(views.values())
-        if self._shared is None:
-            return self.call("sync_views")
+            self._views = views
         self._idle()  # the engine computes with the tensors written next: no call of its may be running
-        self._shared.write(self._sources)
+        if self._shared is None:
+            self.submit("sync_views")
+            return True
+        self.submit("write_own_share")  # under way while this process writes its share and goes on
+        self._shared.write(views)
         return True
+
+    def settle(self) -> None:
+        """Return once the last sync is written whole (the engine's share finishes after
+        `load_live_weights` returns; its next call would wait for it anyway)."""
+        self._idle()
 
     def load_weights(self, hf_named_tensors) -> None:
         self.call("load_weights", list(hf_named_tensors))

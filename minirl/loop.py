@@ -194,6 +194,8 @@ class RLRun:
         step = self.state.step + 1
         injected_kill(step, world.rank)
         t0 = time.perf_counter()
+        self.engine.settle()  # overlapped: the engine's share of the last sync, written while the step before ended
+        t0 = _timed(t, "sync", t0)
 
         asked, groups = self._rollout(step)
         self.engine.sleep()  # frees its memory for training (CUDA); the sync wakes it
@@ -278,9 +280,11 @@ class RLRun:
             rollback_to = {"guard/rollback_to_step": json.loads((self.last_good / "minirl.json").read_text())["step"]}
         else:
             self.sync()
-        t0 = _timed(t, "sync", t0)
         every = r.rollout.parity_every  # after the run's first sync, every k-th, and every rollback
         due = every and (step == self.first_step + 1 or step % every == 0 or rollback_to)
+        if due:
+            self.engine.settle()  # the parity check scores the weights just synced
+        t0 = _timed(t, "sync", t0)
         parity = self.parity() if due else float("nan")
         _timed(t, "parity", t0)
 

@@ -291,8 +291,8 @@ class VLLMEngine:
 
     def share_weights(self, views: dict[str, torch.Tensor]) -> "cpu_weights.SharedWeights | None":
         """The engine's weights in shared memory for the trainer's process to write
-        (`rollout.overlap`; cpu_weights.SharedWeights), their order that of `views` (checked by
-        name and shape). None where the engine has no direct path or its experts cannot be
+        (`rollout.overlap`; cpu_weights.SharedWeights), checked against `views` by name and
+        shape; the engine writes the rest of each sync itself (`write_own_share`). None where the engine has no direct path or its experts cannot be
         prepacked in place: the caller then binds `views` here (`load_live_weights`)."""
         if not self.direct_sync or self._prefix_caching or self._asleep:
             return None
@@ -300,6 +300,15 @@ class VLLMEngine:
 
         (shared,) = self._llm.collective_rpc(cpu_weights.share, args=(views,))
         return shared
+
+    def settle(self) -> None:
+        """A sync here is whole when it returns (an engine in its own process: engine_process)."""
+
+    def write_own_share(self) -> None:
+        """The engine's share of a sync split with the trainer's process (`share_weights`)."""
+        from minirl import cpu_weights
+
+        self._llm.collective_rpc(cpu_weights.write_own_share)
 
     def _reset_prefix_cache(self) -> None:
         """Cached prompt KV was computed with the old weights (a no-op call without the cache

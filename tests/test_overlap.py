@@ -57,10 +57,10 @@ def test_engine_process_samples_as_the_engine_in_this_process(proc, engine):
 
 def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     """A rollout submitted before a sync samples from the weights before it. The sync writes the
-    engine's weights, which live in shared memory, from this process (no tensor sent), after
+    engine's weights, which live in shared memory, from both processes (no tensor sent), after
     which the engine's process scores exactly as an engine in this process given the same
-    weights; so it does when its process copies from the trainer's shared parameters instead
-    (the path for engines whose weights cannot be shared)."""
+    weights; so it does when its process copies everything from the trainer's shared
+    parameters instead (the path for engines whose weights cannot be shared)."""
     from minirl import weight_sync
     from minirl.models import TINY
     from minirl.train import Trainer
@@ -77,6 +77,9 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     handle = proc.submit("generate", PROMPTS, **SAMPLE)
     weight_sync.sync(tr, proc, bucket_bytes=2**30)  # sent while the rollout runs
     assert proc._views is tr.hf_views() and proc._shared is not None  # bound once, written from here
+    assert len(proc._pending) == 1  # the engine's share of the sync: under way after the call returns
+    proc.settle()
+    assert not proc._pending
     assert tokens(proc.result(handle)) == before  # sampled before the new weights were written
     after = proc.generate(PROMPTS, **SAMPLE)
     assert tokens(after) != before
@@ -88,7 +91,7 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
         ours = torch.tensor(sum(engine.score(prompts, resp), []))
         torch.testing.assert_close(torch.tensor(sum(proc.score(prompts, resp), [])), ours, rtol=0, atol=0)
         with torch.no_grad():
-            for d in proc._shared.dests:  # the engine's weights, wrong
+            for d in proc._shared.dests.values():  # its share of the engine's weights, wrong
                 d.zero_()
         proc.call("bind_views", tr.hf_views())
         proc.call("sync_views")  # the engine's process copies from the trainer's shared parameters
