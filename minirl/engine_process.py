@@ -12,12 +12,12 @@ shared memory once (`VLLMEngine.share_weights`). At each sync, once the engine r
 call, both processes write them in place, casting and prepacking from the trainer's parameters
 (also shared): the engine's process most of the expert layers, while the trainer writes the rest
 and ends its step; the next step starts by waiting for it (`settle`), before anything changes the
-parameters it reads (cpu_weights.Writer.share).
-Where an engine's weights cannot be shared, the trainer's parameters are (`Trainer.share_memory`)
-and the engine's process copies from them at each sync. Cores are split: the
-trainer keeps the first half of this process's cores, the engine takes the rest, each with one
-intra-op thread per core (two OpenMP pools spinning on the same cores cost more than either
-gains).
+parameters it reads (cpu_weights.Writer.share). Where an engine's weights cannot be shared,
+its process copies them all from the trainer's shared parameters (`Trainer.share_memory`).
+
+Cores are split: the trainer keeps the first half of this process's cores, the engine takes the
+rest, each with one intra-op thread per core (two OpenMP pools spinning on the same cores cost
+more than either gains).
 
 One process, CPU only: under torchrun every rank would need an engine of its own on cores of
 its own, and on CUDA the two processes would share one GPU; neither is built.

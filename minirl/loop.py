@@ -355,6 +355,7 @@ class RLRun:
         if self._pending is not None:  # sampled from the weights being undone: dropped, the data moves on
             self.engine.result(self._pending[1])
             self._pending = None
+        self.engine.settle()  # overlapped: nothing of the last sync still reads the parameters loaded over
         self.trainer.load(self.last_good)
         self.rolled_back_to.append(str(self.last_good))
         self.lr *= self.rec.guard.lr_factor

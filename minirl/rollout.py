@@ -292,8 +292,9 @@ class VLLMEngine:
     def share_weights(self, views: dict[str, torch.Tensor]) -> "cpu_weights.SharedWeights | None":
         """The engine's weights in shared memory for the trainer's process to write
         (`rollout.overlap`; cpu_weights.SharedWeights), checked against `views` by name and
-        shape; the engine writes the rest of each sync itself (`write_own_share`). None where the engine has no direct path or its experts cannot be
-        prepacked in place: the caller then binds `views` here (`load_live_weights`)."""
+        shape; the engine writes the rest of each sync itself (`write_own_share`). None where
+        the engine has no direct path or its experts cannot be prepacked in place: the caller
+        then binds `views` here (`load_live_weights`)."""
         if not self.direct_sync or self._prefix_caching or self._asleep:
             return None
         from minirl import cpu_weights
