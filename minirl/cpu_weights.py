@@ -175,7 +175,7 @@ class Writer:
         their_packs, mine, my_packs, my_n = [], [], [], 0
         for hf, mod, w13, w2, kernel in self.experts:
             names = [n for n in dests if n.startswith(hf + ".")]
-            packs = _packs(mod, w13, w2, kernel)
+            packs = _layer_packs(mod, w13, w2, kernel)
             layer = sum(views[n].numel() for n in names)
             if my_n + layer <= budget:
                 mine += [(dests.pop(n), views[n]) for n in names]
@@ -202,14 +202,14 @@ class Writer:
                 mod.cpu_linear = linear
 
     def _packs(self) -> list[tuple[torch.Tensor, torch.Tensor, str]] | None:
-        """Every expert layer's in-place prepacks (`_packs`), or None where one layer's
+        """Every expert layer's in-place prepacks (`_layer_packs`), or None where one layer's
         post-processing would also pad."""
         if not all(_prepacks_in_place(*e[1:]) for e in self.experts):
             return None
-        return [pack for _, *layer in self.experts for pack in _packs(*layer)]
+        return [pack for _, *layer in self.experts for pack in _layer_packs(*layer)]
 
 
-def _packs(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, kernel) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+def _layer_packs(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, kernel) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
     """(checkpoint-layout weight, the packed weight the kernel computes with, its ISA) for one
     expert layer's in-place prepack."""
     return [(w13, mod.w13_weight.data, kernel.isa), (w2, mod.w2_weight.data, kernel.isa)]

@@ -2,7 +2,7 @@
 on its cores while the trainer's process trains on this step's batch.
 
 `EngineProcess` has the engine's interface (`generate`, `score`, `load_live_weights`,
-`load_weights`, `sleep`, `wake`); each call is a message to the engine's process, answered in
+`load_weights`, `settle`, `sleep`, `wake`); each call is a message to the engine's process, answered in
 order. `submit` sends a call without waiting; later calls return only after it has (the engine
 runs one call at a time, in the order sent), so a weight sync sent after a submitted rollout
 waits for that rollout and never writes weights it is reading.
@@ -178,8 +178,7 @@ class EngineProcess:
         if views is not self._views:
             if not all(t.is_shared() for t in views.values()):
                 return False
-            self._idle()
-            self._shared = self.call("share_weights", views)
+            self._shared = self.call("share_weights", views)  # answered after every call sent before it
             if self._shared is None:
                 self.call("bind_views", views)
             self._views = views
