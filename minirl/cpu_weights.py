@@ -209,7 +209,8 @@ class Writer:
         return [pack for _, *layer in self.experts for pack in _layer_packs(*layer)]
 
 
-def _layer_packs(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, kernel) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+def _layer_packs(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor,
+                 kernel) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
     """(checkpoint-layout weight, the packed weight the kernel computes with, its ISA) for one
     expert layer's in-place prepack."""
     return [(w13, mod.w13_weight.data, kernel.isa), (w2, mod.w2_weight.data, kernel.isa)]
@@ -227,9 +228,9 @@ class SharedWeights:
         self._views = self._pairs = None
 
     def write(self, views: dict[str, torch.Tensor]) -> int:
-        import vllm._custom_ops  # noqa: F401 - registers the CPU kernels' ops (prepack) in this process
+        if views is not self._views:  # once per set of views: nothing of this on the sync's hot path
+            import vllm._custom_ops  # noqa: F401 - registers the CPU kernels' ops (prepack) in this process
 
-        if views is not self._views:
             self._views, self._pairs = views, coalesced([(d, views[n]) for n, d in self.dests.items()])
         with torch.no_grad():
             _copy_and_pack(self._pairs, self.packs)

@@ -2,10 +2,10 @@
 on its cores while the trainer's process trains on this step's batch.
 
 `EngineProcess` has the engine's interface (`generate`, `score`, `load_live_weights`,
-`load_weights`, `settle`, `sleep`, `wake`); each call is a message to the engine's process, answered in
-order. `submit` sends a call without waiting; later calls return only after it has (the engine
-runs one call at a time, in the order sent), so a weight sync sent after a submitted rollout
-waits for that rollout and never writes weights it is reading.
+`load_weights`, `settle`, `sleep`, `wake`); each call is a message to the engine's process,
+answered in order. `submit` sends a call without waiting; later calls return only after it has
+(the engine runs one call at a time, in the order sent), so a weight sync sent after a submitted
+rollout waits for that rollout and never writes weights it is reading.
 
 Weights pass by reference, and no tensor is sent at a sync: the engine's weights move into
 shared memory once (`VLLMEngine.share_weights`). At each sync, once the engine runs no other
