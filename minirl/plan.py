@@ -12,7 +12,8 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      2022, 34·T·d bytes a dense layer; an MoE layer's FFN part scales with top-k ×
                      its expert width); with activation checkpointing only each layer's input
                      (2·T·d bytes) is kept, plus one layer in full
-    logits           T × vocab in bf16, plus one fp32 chunk of 4,096 positions (minirl.train.token_logprobs)
+    logits           T × vocab in bf16 and their gradient, plus one fp32 chunk of 4,096 positions and
+                     its softmax (minirl.train.target_logprobs)
     vLLM weights     colocated, one engine per tensor-parallel group: P × 2 B (bf16) or 1 B (fp8) / TP
     KV cache         what the rollout phase leaves free (vLLM schedules what fits): at 2 (K, V) ×
                      layers × KV heads × head dim × 2 B per token, how many full-length sequences
@@ -121,7 +122,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         "activations (no AC)": L * per_layer_act,
         "activations (full AC)": L * 2 * micro * d + per_layer_act,
     }
-    logits = micro * shape.vocab_size * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2
+    logits = micro * shape.vocab_size * 2 * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2
     weight_bytes = {"fp32": 4, "bf16": 2, "fp8": 1}[r.precision]
     engines = max(1, world // tp_vllm)
     kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2

@@ -3,10 +3,11 @@
 Interface: `logprobs`, `forward_backward`, `optim_step`, `hf_buckets` (the weight sync), `hf_state_dict`, `save`, `load`.
 TorchTitan imports stay here and in `models.py`.
 
-Precision (`train.param_dtype`): on CPU parameters and attention compute in float32; TorchTitan's
-`GroupedExperts` runs its grouped matmuls in bfloat16 whatever the parameter dtype (its CUDA
-grouped-GEMM constraint, kept on CPU), so the trainer's π is "fp32 with bf16 experts". On CUDA
-they compute in bfloat16 while weights, gradients and Adam state stay float32 (master weights).
+Precision (`train.param_dtype`; "auto": bfloat16 on CUDA, float32 on CPU). float32 computes
+everything in fp32, the routed experts included (models.py). bfloat16 computes under autocast in
+one process, or under FSDP2's mixed-precision policy when sharded, with TorchTitan's own bf16
+grouped-GEMM experts, while weights, gradients and Adam state stay float32 (master weights).
+Forced on a CPU, bfloat16 runs the same dtype code as CUDA (tests/test_train.py, test_parallel.py).
 vLLM rolls out in bf16 (or FP8 weights).
 
 Checkpoints are torch.distributed.checkpoint (DCP) folders, the format TorchTitan itself writes,
@@ -100,28 +101,50 @@ def build_batch(
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
     """log π(target_t) = logit_t[target] − logsumexp_v logit_t[v], in float32."""
     B, T, V = logits_BTV.shape
-    x_NV, t_N = logits_BTV.reshape(B * T, V), targets_BT.reshape(B * T)
-    picked = x_NV.gather(-1, t_N[:, None]).squeeze(-1).float()
-    return (picked - logsumexp_positions(x_NV, chunk_tokens=chunk_tokens)).view(B, T)
+    rows = torch.arange(B * T, device=logits_BTV.device)
+    return target_logprobs(logits_BTV.reshape(B * T, V), rows, targets_BT.reshape(B * T),
+                           chunk_tokens=chunk_tokens).view(B, T)
 
 
-def logsumexp_positions(x_NV: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
-    """logsumexp_v x[n, v] in float32, [N], a chunk of positions at a time: a whole fp32
-    log-softmax over Qwen3's 151,936-token vocabulary is ~37 GiB at 64×1024 tokens. Under
-    autograd each chunk is recomputed in backward (checkpointed), so the float copies never pile
-    up; only the model's own logits are kept."""
+def target_logprobs(x_NV: torch.Tensor, rows_K: torch.Tensor, targets_K: torch.Tensor, *,
+                    chunk_tokens: int = 4096) -> torch.Tensor:
+    """log softmax(x[rows_K])[targets_K], [K] in float32: the log-prob of target k read from
+    position rows_K[k] (a packed prompt position may predict several responses' first tokens)."""
+    return _TargetLogProbs.apply(x_NV, rows_K, targets_K, chunk_tokens)
 
-    def chunk_lse(x: torch.Tensor) -> torch.Tensor:
-        return torch.logsumexp(x.float(), dim=-1)
 
-    out = []
-    for s in range(0, x_NV.shape[0], chunk_tokens):
-        x = x_NV[s : s + chunk_tokens]
-        if torch.is_grad_enabled() and x.requires_grad:
-            out.append(torch.utils.checkpoint.checkpoint(chunk_lse, x, use_reentrant=False))
-        else:
-            out.append(chunk_lse(x))
-    return torch.cat(out)
+class _TargetLogProbs(torch.autograd.Function):
+    """`target_logprobs`, a chunk of positions at a time both ways, so float32 exists for one chunk
+    only: a whole fp32 log-softmax over Qwen3's 151,936-token vocabulary is ~37 GiB at 64×1024
+    tokens. The gradient, ∂ log p_k / ∂x_n = 1[n = row_k]·(onehot(target_k) − softmax(x_n)),
+    is formed per chunk in float32 (1 − p cancels in bf16 for confident tokens) and written into
+    one [N, V] buffer of x's dtype: slicing under autograd instead adds a zero-filled [N, V]
+    gradient per chunk, which on an H100 (0.76B MoE, 16k tokens) dominated the step's kernels."""
+
+    @staticmethod
+    def forward(ctx, x_NV, rows_K, targets_K, chunk):
+        N = x_NV.shape[0]
+        lse_N = torch.empty(N, dtype=torch.float32, device=x_NV.device)
+        for s in range(0, N, chunk):
+            lse_N[s : s + chunk] = torch.logsumexp(x_NV[s : s + chunk].float(), dim=-1)
+        ctx.save_for_backward(x_NV, rows_K, targets_K, lse_N)
+        ctx.chunk = chunk
+        return x_NV[rows_K, targets_K].float() - lse_N[rows_K]
+
+    @staticmethod
+    def backward(ctx, g_K):
+        x_NV, rows_K, targets_K, lse_N = ctx.saved_tensors
+        N, chunk = x_NV.shape[0], ctx.chunk
+        g_K = g_K.float()
+        g_N = torch.zeros(N, dtype=torch.float32, device=x_NV.device).index_add_(0, rows_K, g_K)
+        grad_NV = torch.empty_like(x_NV)
+        for s in range(0, N, chunk):
+            e = min(s + chunk, N)
+            p = torch.exp(x_NV[s:e].float() - lse_N[s:e, None]).mul_(-g_N[s:e, None])  # −softmax · Σ_k g_k
+            here = (rows_K >= s) & (rows_K < e)
+            p.index_put_((rows_K[here] - s, targets_K[here]), g_K[here], accumulate=True)
+            grad_NV[s:e] = p
+        return grad_NV, None, None, None
 
 
 class Trainer:
@@ -137,6 +160,7 @@ class Trainer:
         ep: int = 1,
         param_dtype: str = "auto",
         pack_prompts: bool = True,
+        shard: bool | None = None,
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
@@ -147,7 +171,11 @@ class Trainer:
         shards in bfloat16 under torchrun; one process computes under bfloat16 autocast, as
         TorchTitan does without FSDP.
 
-        pack_prompts: forward each prompt once for all the rows that share it (packing.py)."""
+        pack_prompts: forward each prompt once for all the rows that share it (packing.py).
+
+        shard: build through TorchTitan's `parallelize` (FSDP2) over the initialised process group
+        whatever its size; None does so under torchrun of more than one rank. True at one rank is
+        the cluster's code path on a single GPU (tests/gpu)."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
@@ -158,14 +186,20 @@ class Trainer:
             param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.param_dtype = param_dtype
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world > 1 else 0
-        if self.world > 1:
+        self.sharded = self.world > 1 if shard is None else shard
+        if self.sharded and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("Trainer(shard=True) needs an initialised process group")
+        self.rank = dist.get_rank() if self.sharded else 0
+        # bf16 compute runs TorchTitan's own grouped experts (its bf16 grouped GEMM, CUDA's only
+        # kernel); fp32 compute keeps the experts in fp32 (models.py)
+        cfg = titan_config(shape, expert_dtype="bfloat16" if param_dtype == "bfloat16" else "float32")
+        if self.sharded:
             from minirl.parallel import parallelize
 
-            self.model = parallelize(titan_config(shape), ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
+            self.model = parallelize(cfg, ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
                                      param_dtype=param_dtype)
         else:
-            self.model = titan_config(shape).build().to(self.device)
+            self.model = cfg.build().to(self.device)
             self._init_weights()
         self._views = None  # (parameter storages, HF-named views of them): `hf_views`
         self._params = list(self.model.parameters())  # walking the module tree costs ~60 µs a sync
@@ -176,7 +210,7 @@ class Trainer:
         # on CPU); sharded DTensor parameters keep the default implementation
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
-            fused=self.world == 1 or None,
+            fused=not self.sharded or None,
         )
 
     def _init_weights(self) -> None:
@@ -187,8 +221,11 @@ class Trainer:
     def load_hf(self, folder: Path) -> None:
         from minirl.hf_io import hf_to_titan, load_hf_weights
 
-        sd = hf_to_titan(self.shape, load_hf_weights(folder))
-        if self.world > 1:  # whole tensors in, each rank keeps its shard
+        self.load_weights(hf_to_titan(self.shape, load_hf_weights(folder)))
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Whole TorchTitan-named tensors in (any device); sharded, each rank keeps its shard."""
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             own = self.model.state_dict()
@@ -198,7 +235,7 @@ class Trainer:
             missing, unexpected = self.model.load_state_dict(sd, strict=False)
         missing = [k for k in missing if "expert_bias" not in k and "tokens_per_expert" not in k]
         if missing or unexpected:
-            raise RuntimeError(f"HF weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise RuntimeError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         from minirl.hf_io import titan_to_hf
@@ -218,9 +255,9 @@ class Trainer:
         """The weights under HF names as views of the live parameters (one process): they follow
         every in-place update (optimizer steps, checkpoint loads), so a rollout engine may keep
         them and re-read them at each sync. The same dict until a parameter's storage changes.
-        None under torchrun (whole tensors exist only after a gather) or where the adapter would
+        None when sharded (whole tensors exist only after a gather) or where the adapter would
         copy a tensor instead of viewing it."""
-        if self.world > 1:
+        if self.sharded:
             return None
         # the weights are parameters (buffers are RoPE tables and MoE counters, never synced);
         # their pointers cost half a state_dict()
@@ -242,8 +279,8 @@ class Trainer:
             p.data.share_memory_()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """TorchTitan names to whole tensors (shards gathered: a collective under torchrun)."""
-        if self.world > 1:
+        """TorchTitan names to whole tensors (shards gathered: a collective when sharded)."""
+        if self.sharded:
             from minirl.parallel import full_state_dict
 
             return full_state_dict(self.model)
@@ -253,7 +290,7 @@ class Trainer:
     def _forward_logp(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(y_t) [B, L-1] (and H_t): at every position, or, packed, at response positions
         only (0 elsewhere; every consumer masks to the response)."""
-        autocast = self.world == 1 and self.param_dtype == "bfloat16"  # under FSDP2 its policy casts
+        autocast = not self.sharded and self.param_dtype == "bfloat16"  # under FSDP2 its policy casts
         packed = self._packed(batch)
         if packed is not None:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -261,8 +298,7 @@ class Trainer:
                                     attention_masks=packed.attend_C1SS)
             # per packed position, then picked per target: no [targets, vocab] copy of the logits
             x_MV = logits.flatten(0, 1)
-            lse_M = logsumexp_positions(x_MV)
-            logp = packed.unpack(x_MV[packed.src_N, packed.target_N].float() - lse_M[packed.src_N])
+            logp = packed.unpack(target_logprobs(x_MV, packed.src_N, packed.target_N))
             ent = None
             if with_entropy:
                 ent = packed.unpack(entropy_from_logits(logits.detach()).flatten()[packed.src_N])
@@ -330,7 +366,7 @@ class Trainer:
         combined weighted by their token counts (maxima by max)."""
         rows, length = batch.tokens_BL.shape
         n_micro = -(-rows // max(1, micro_batch_tokens // length)) if micro_batch_tokens else 1
-        if self.world > 1:  # gradients are summed over ranks: weigh this rank's mean by its share
+        if self.sharded:  # gradients are summed over ranks: weigh this rank's mean by its share
             from minirl.parallel import global_count, global_max
 
             share = rows / global_count(rows)
@@ -348,7 +384,7 @@ class Trainer:
             parts.append(m)
             lps.append(lp)
             ents.append(ent)
-        if self.world > 1:  # the loss of the global batch, on every rank
+        if self.sharded:  # the loss of the global batch, on every rank
             import torch.distributed as dist
 
             t = torch.tensor([total * share])
@@ -376,7 +412,7 @@ class Trainer:
     def clip_grads(self) -> float:
         """Clip accumulated gradients in place; returns their norm before clipping (of the whole
         model: under EP, TorchTitan's clip reduces over the expert and the dense meshes)."""
-        if self.world == 1:
+        if not self.sharded:
             return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         from torch.distributed.tensor import DTensor
         from torchtitan.distributed.utils import clip_grad_norm_
@@ -433,7 +469,7 @@ class Trainer:
             # a collective under torchrun: every rank's shards are written after it. One process
             # stays off collectives (`no_dist`): vLLM's in-process engine starts a one-rank gloo
             # group, and a DCP save through it left every later update ~1.4x slower (gloo; measured)
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=self.world == 1)
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.sharded)
             # minirl.json last: a folder without it was never finished
             if main:
                 atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
@@ -454,7 +490,7 @@ class Trainer:
         return path
 
     def _barrier(self) -> None:
-        if self.world > 1:
+        if self.sharded:
             import torch.distributed as dist
 
             dist.barrier()
@@ -474,7 +510,7 @@ class Trainer:
         state = {"model": get_model_state_dict(self.model)}
         if load_optim:
             state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-        dcp.load(state, checkpoint_id=str(path), no_dist=self.world == 1)  # see `save`
+        dcp.load(state, checkpoint_id=str(path), no_dist=not self.sharded)  # see `save`
         set_model_state_dict(self.model, state["model"])
         if load_optim:
             set_optimizer_state_dict(self.model, self.optim, state["optim"])

@@ -71,8 +71,11 @@ def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep):
 def test_sleeping_engines_leave_training_the_gpu_and_awake_ones_share_it():
     """rollout.sleep_level 2 (the default): vLLM's weights and KV cache are gone while the trainer
     works; level 1 keeps the weights in host memory; level 0 keeps both on the GPU, so the KV cache
-    gets only what training leaves. The weight sync holds at least one whole layer."""
-    asleep, host, awake = (plan_30b(2, 8, f"rollout.sleep_level={n}") for n in (2, 1, 0))
+    gets only what training leaves (in micro-batches of 16k tokens: the whole 32k-token share's
+    logits and their gradient, 23 GiB, would leave an awake engine no room). The weight sync holds
+    at least one whole layer."""
+    asleep, host, awake = (plan_30b(2, 8, f"rollout.sleep_level={n}", "train.micro_batch_tokens=16384")
+                           for n in (2, 1, 0))
     vllm_w = asleep.memory_gib["vLLM weights (fp8, TP 2)"]
     assert vllm_w == pytest.approx(asleep.params / 2 / GiB)  # fp8: a byte a parameter, over TP 2
     assert asleep.phases_gib["training (full AC)"] == pytest.approx(host.phases_gib["training (full AC)"])
@@ -108,7 +111,7 @@ def test_the_shipped_30b_recipes_follow_the_paper_and_fit_on_two_h100_nodes(name
 def test_one_80gb_gpu_is_refused_with_the_component_that_overflows():
     plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
     assert not plan.fits
-    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 480.3 GiB per GPU")
+    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 489.6 GiB per GPU")
     assert "the largest part is Adam moments (sharded) (227.5 GiB)" in plan.problems[0]
 
 
@@ -130,7 +133,7 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
-        "minirl: error: the plan does not fit: training needs 480.3 GiB per GPU, over 90% of 80 GiB; the largest "
+        "minirl: error: the plan does not fit: training needs 489.6 GiB per GPU, over 90% of 80 GiB; the largest "
         "part is Adam moments (sharded) (227.5 GiB)"]
     assert not list(tmp_path.iterdir())  # a plan writes nothing
 

@@ -57,6 +57,31 @@ def test_chunked_logprobs_equal_the_whole_softmax_in_value_and_gradient():
         torch.testing.assert_close(entropy_from_logits(logits, chunk_tokens=4), -(p * p.log()).sum(-1))
 
 
+def test_target_logprobs_read_several_targets_from_one_position_in_value_and_gradient():
+    """Packed prompts: one position predicts the first token of each of its responses. The
+    gradient sums over them; formed in fp32 before the cast, it keeps 1 − p where bf16 would not."""
+    from minirl.train import target_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, 40, generator=g) * 4).requires_grad_()
+    rows = torch.tensor([0, 2, 2, 2, 5, 8, 8])
+    targets = torch.randint(0, 40, (7,), generator=g)
+    w = torch.randn(7, generator=g)
+    whole = torch.log_softmax(x, -1)[rows, targets]
+    (gw,) = torch.autograd.grad((whole * w).sum(), x)
+    chunked = target_logprobs(x, rows, targets, chunk_tokens=2)
+    (gc,) = torch.autograd.grad((chunked * w).sum(), x)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gc, gw, rtol=0, atol=1e-6)
+
+    confident = torch.zeros(1, 40)
+    confident[0, 3] = 12.0  # p ≈ 0.99998: ∂ log p / ∂x[3] = 1 − p ≈ 2.5e-4
+    xb = confident.bfloat16().requires_grad_()
+    (gb,) = torch.autograd.grad(target_logprobs(xb, torch.tensor([0]), torch.tensor([3])).sum(), xb)
+    exact = 1 - torch.softmax(xb.detach().float(), -1)[0, 3]
+    assert float(gb[0, 3]) == pytest.approx(float(exact), rel=0.01)
+
+
 def test_a_batch_moves_and_splits_whole():
     b = BATCH.with_old_logp(torch.full(BATCH.mask_BT.shape, -0.5))
     mb = b.select(torch.tensor([1, 3])).to(torch.device("cpu"))
@@ -120,17 +145,29 @@ def test_on_policy_update_gives_pi_old_itself(micro):
 
 
 def test_bf16_compute_keeps_fp32_master_weights():
-    """train.param_dtype = bfloat16 (the CUDA default): the forward computes in bfloat16, while
-    weights, gradients and Adam's moments stay float32."""
+    """train.param_dtype = bfloat16 forced on the CPU runs CUDA's dtype code in one process
+    (autocast, TorchTitan's bf16 grouped experts): over five updates the loss follows the fp32
+    trainer's within 2% (bf16's 8 mantissa bits; not equal, so bf16 really ran), while weights,
+    gradients and Adam's moments stay float32."""
     fp32, bf16 = Trainer(TINY, lr=1e-3, seed=0), Trainer(TINY, lr=1e-3, seed=0, param_dtype="bfloat16")
     assert fp32.param_dtype == "float32"  # "auto" on the CPU
+    bf16.load_weights(fp32.model.state_dict())
     lp32, _, _ = fp32.logprobs(BATCH)
     lp16, _, _ = bf16.logprobs(BATCH)
     m = BATCH.mask_BT.bool()
     assert lp16.dtype == torch.float32 and not torch.equal(lp16[m], lp32[m])  # another rounding...
     torch.testing.assert_close(lp16[m], lp32[m], rtol=0, atol=0.05)  # ...of the same model
-    bf16.forward_backward(BATCH, sft_loss)
-    bf16.optim_step()
+    experts = type(bf16.model.layers["0"].moe.routed_experts.inner_experts)
+    assert experts.__name__ == "GroupedExperts"  # TorchTitan's own, as on CUDA (fp32: models.py's)
+    losses = []
+    for _ in range(5):
+        loss32, _ = fp32.forward_backward(BATCH, sft_loss)
+        loss16, _ = bf16.forward_backward(BATCH, sft_loss)
+        fp32.optim_step()
+        bf16.optim_step()
+        assert loss16 == pytest.approx(loss32, rel=0.02) and loss16 != loss32
+        losses.append(loss16)
+    assert losses[-1] < 0.9 * losses[0]  # it trains
     assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
     assert {v.dtype for s in bf16.optim.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Fill .gpu/ (git-ignored) with what run-on-device.sh installs on the GPU machine's fixed image
+# (Python 3.12, torch 2.11 + CUDA, no network, none of minirl's dependencies but torch and
+# transformers): TorchTitan, torchao and their pure-Python needs as py3.12 x86-64 wheels, at the
+# versions of .ci/constraints-cpu.txt (what CI tested), and the torch 2.11 stand-in from
+# ../shared/tools/gpu. Run it here (it needs a package registry), then carry .gpu to the device.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+kit=.gpu
+shim=${MINIRL_GPU_SHIM:-../shared/tools/gpu/torch211_shim.py}
+wheels=(torchtitan torchao spmd_types torch_checkpointing tyro docstring_parser typeguard torchdata)
+mkdir -p "$kit"
+specs=()
+for w in "${wheels[@]}"; do
+  pin=$(grep -i -E "^${w//_/[-_]}==" .ci/constraints-cpu.txt || true)
+  [ -n "$pin" ] || { echo "prepare: $w is not in .ci/constraints-cpu.txt" >&2; exit 2; }
+  specs+=("$pin")
+done
+py=.venv/bin/python
+[ -x "$py" ] || py=python3
+plats=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+  plats+=(--platform "$p")
+done
+"$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${plats[@]}" -d "$kit" "${specs[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
+[ -f "$shim" ] || { echo "prepare: no $shim (the torch 2.11 stand-in); set MINIRL_GPU_SHIM" >&2; exit 2; }
+cp "$shim" "$kit/"
+echo "prepare: $(ls "$kit"/*.whl | wc -l) wheels and $(basename "$shim") in $kit/ ($(du -sh "$kit" | cut -f1))"

@@ -1,0 +1,55 @@
+"""Peak GPU memory of a training step against what `minirl run --dry-run` plans for the same model
+and batch at world size 1 (plan.py). The plan may overestimate; it must not underestimate by
+more than PLAN_MARGIN, or a run it calls fitting would run out of memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu import kit
+
+pytestmark = pytest.mark.gpu
+
+PLAN_MARGIN = 0.2  # the plan may be at most 20% below the measured peak
+PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 4, 8, 64, 448  # 32 rows of up to 512 tokens
+
+
+def test_peak_memory_of_a_step_is_within_the_plan(device, one_rank_group):
+    from minirl import recipe
+    from minirl.plan import GiB, make_plan
+    from minirl.train import Trainer
+
+    if device.type != "cuda":
+        pytest.skip("peak memory is read from the CUDA allocator")
+    shape = kit.moe_shape()
+    rec = recipe.load(None, [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}",
+                             f"data.max_prompt_tokens={PROMPT_LEN}", f"rollout.max_tokens={RESPONSE_LEN}"])
+    plan = make_plan(rec, shape, model="tests/gpu moe",
+                     gpu_gib=torch.cuda.get_device_properties(0).total_memory / GiB)
+    batch = kit.rl_batch(shape, prompts=PROMPTS, group=GROUP, prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN)
+    batch = kit.with_rollout_logp(batch, torch.zeros(batch.mask_BT.shape) - 12.0)
+    loss_fn = kit.minirl_loss()
+    tr = Trainer(shape, lr=1e-6, seed=0, device=device, param_dtype="bfloat16", shard=True)
+
+    def step():
+        old, _, _ = tr.logprobs(batch)
+        tr.forward_backward(batch.with_old_logp(old), loss_fn)
+        tr.optim_step()
+
+    step()  # the first step allocates Adam's moments; the plan is of the steady state
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = torch.cuda.max_memory_allocated() / GiB
+    mem = plan.memory_gib
+    state = sum(v for k, v in mem.items() if "(sharded)" in k)
+    trainer_part = state + mem["gathered bf16 layers"] + mem["logits"]
+    planned = {ac: trainer_part + mem[f"activations ({ac})"] for ac in ("no AC", "full AC")}
+    figures = {"peak_gib": peak, "reserved_peak_gib": torch.cuda.max_memory_reserved() / GiB,
+               "plan_no_ac_gib": planned["no AC"], "plan_full_ac_gib": planned["full AC"],
+               "plan_over_peak_no_ac": planned["no AC"] / peak, "plan_over_peak_full_ac": planned["full AC"] / peak,
+               "tokens": int(batch.tokens_BL.numel()), "plan_components_gib": mem}
+    kit.record("peak memory vs plan [moe, fsdp2, world 1]", figures)
+    # the trainer checkpoints no activations, so the plan's no-AC figure is the one to hold it to
+    assert planned["no AC"] >= (1 - PLAN_MARGIN) * peak, figures
