@@ -88,6 +88,7 @@ class RLRun:
         self.trainer = Trainer(self.shape, lr=rec.train.lr, weight_decay=rec.train.weight_decay,
                                grad_clip=rec.train.grad_clip, seed=rec.train.seed, device=world.device,
                                ep=rec.parallel.ep, param_dtype=rec.train.param_dtype,
+                               activation_checkpoint=rec.train.activation_checkpoint,
                                pack_prompts=rec.train.pack_prompts)
         self.state = RunState(run_dir=run_dir)
         self.sampler = PromptSampler(self.train_problems, seed=rec.train.seed)

@@ -18,14 +18,25 @@ from __future__ import annotations
 import torch
 
 
-def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dtype: str = "float32"):
+def full_ac(model) -> None:
+    """TorchTitan's full activation checkpointing, applied in place to every decoder layer."""
+    import tempfile
+
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    FullAC.Config().build(dump_folder=tempfile.gettempdir()).apply(model)
+
+
+def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dtype: str = "float32",
+                activation_checkpoint: str = "none"):
     """Build `model_cfg` on the meta device, shard it (FSDP2 over the world, experts over `ep`
     ranks), then allocate each rank's shards on `device` and initialise them (TorchTitan's own
     order: no rank ever holds the whole model). Returns the model (an FSDP module).
 
     device "meta" stops before allocating: the sharded layout of any model under a fake process
     group (tests/fake_mesh_worker.py). param_dtype: the dtype FSDP2 gathers parameters in for
-    compute; the sharded parameters, gradients and optimizer state stay float32 (master weights)."""
+    compute; the sharded parameters, gradients and optimizer state stay float32 (master weights).
+    activation_checkpoint "full": every decoder layer recomputed in backward (TorchTitan's FullAC)."""
     import tempfile
 
     import torch.distributed as dist
@@ -34,6 +45,7 @@ def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dt
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.activation_checkpoint import FullAC
     from torchtitan.models.qwen3 import parallelize_qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
@@ -56,8 +68,10 @@ def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dt
     parallelism.spmd_backend = backend
     parallelism.data_parallel_shard_degree = world
     parallelism.expert_parallel_degree = ep
+    # TorchTitan wraps the layers for AC after EP and before FSDP2
+    ac = FullAC.Config() if activation_checkpoint == "full" else None
     model = parallelize_qwen3(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.gettempdir())
+                              compile_config=CompileConfig(), ac_config=ac, dump_folder=tempfile.gettempdir())
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)

@@ -10,7 +10,8 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      of an MoE layer's experts only this rank's EP share
     activations      per micro-batch of T tokens on this GPU, bf16, flash attention (Korthikanti et al.
                      2022, 34·T·d bytes a dense layer; an MoE layer's FFN part scales with top-k ×
-                     its expert width); with activation checkpointing only each layer's input
+                     its expert width); with activation checkpointing (train.activation_checkpoint
+                     = "full"; the row that counts follows it) only each layer's input
                      (2·T·d bytes) is kept, plus one layer in full
     logits           T × vocab in bf16 and their gradient, plus one fp32 chunk of 4,096 positions and
                      its softmax (minirl.train.target_logprobs)
@@ -138,7 +139,8 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     state = mem["fp32 weights (sharded)"] + mem["fp32 gradients (sharded)"] + mem["Adam moments (sharded)"]
     vllm_w = next(v for k, v in mem.items() if k.startswith("vLLM weights"))
     budget = HEADROOM * gpu_gib * GiB
-    train_only = mem["gathered bf16 layers"] + acts["activations (full AC)"] + logits
+    ac = "full AC" if t.activation_checkpoint == "full" else "no AC"  # what the trainer will keep
+    train_only = mem["gathered bf16 layers"] + acts[f"activations ({ac})"] + logits
     # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
     # while the trainer works; at 0 both stay, and the KV cache gets what training leaves
     awake = r.sleep_level == 0
@@ -155,9 +157,10 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
                   d * (shape.hidden_dim if not shape.is_moe else 0))
     mem["weight sync bucket"] = bucket = max(r.sync_bucket_mib * 2**20, full_layer * min(weight_bytes * 2, 4))
     in_flight = int(kv * tp_vllm // (seq * kv_per_token))
-    phases = {"training (full AC)": training, "weight sync": state + vllm_w + bucket + 4 * largest,
+    phases = {f"training ({ac})": training, "weight sync": state + vllm_w + bucket + 4 * largest,
               "rollout": state + vllm_w + kv}
-    over = {k: v for k, v in mem.items() if not k.startswith(("activations (no AC)", "vLLM KV", "host"))}
+    unused = "activations (no AC)" if ac == "full AC" else "activations (full AC)"
+    over = {k: v for k, v in mem.items() if not k.startswith((unused, "vLLM KV", "host"))}
     top = max(over.items(), key=lambda kv_: kv_[1])
     if training > budget:
         problems.insert(0, f"training needs {training / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of {gpu_gib:g} GiB; "

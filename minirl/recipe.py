@@ -95,6 +95,9 @@ class TrainConfig:
     # compute dtype of the trainer's parameters; the weights, gradients and Adam state stay float32
     # (master weights). "auto": bfloat16 on CUDA (TorchTitan's mixed precision), float32 on CPU.
     param_dtype: str = "auto"
+    # "full": each decoder layer's activations are recomputed in backward (TorchTitan's FullAC), so
+    # only layer inputs are kept; "none" keeps them all. The plan (--dry-run) counts activations by it
+    activation_checkpoint: str = "none"
     # forward each prompt once for its G responses, which attend to it through a mask (packing.py);
     # the same log-probs to float rounding. Off: every response row carries a copy of its prompt.
     pack_prompts: bool = True
@@ -376,6 +379,7 @@ def validate(r: Recipe) -> None:
         "loss.truncated_reward": (r.loss.truncated_reward, ("grade", "zero")),
         "train.replay": (r.train.replay, ("off", "r2", "r3")),
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
+        "train.activation_checkpoint": (r.train.activation_checkpoint, ("none", "full")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
         "rollout.precision": (r.rollout.precision, ("fp32", "bf16", "fp8")),
         "cold_start.task": (r.cold_start.task, tuple(TASKS)),

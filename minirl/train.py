@@ -161,6 +161,7 @@ class Trainer:
         param_dtype: str = "auto",
         pack_prompts: bool = True,
         shard: bool | None = None,
+        activation_checkpoint: str = "none",
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
@@ -175,7 +176,10 @@ class Trainer:
 
         shard: build through TorchTitan's `parallelize` (FSDP2) over the initialised process group
         whatever its size; None does so under torchrun of more than one rank. True at one rank is
-        the cluster's code path on a single GPU (tests/gpu)."""
+        the cluster's code path on a single GPU (tests/gpu).
+
+        activation_checkpoint "full": TorchTitan's FullAC around every decoder layer (its
+        activations recomputed in backward; state-dict names are unchanged)."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
@@ -197,10 +201,14 @@ class Trainer:
             from minirl.parallel import parallelize
 
             self.model = parallelize(cfg, ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
-                                     param_dtype=param_dtype)
+                                     param_dtype=param_dtype, activation_checkpoint=activation_checkpoint)
         else:
             self.model = cfg.build().to(self.device)
             self._init_weights()
+            if activation_checkpoint == "full":
+                from minirl.parallel import full_ac
+
+                full_ac(self.model)
         self._views = None  # (parameter storages, HF-named views of them): `hf_views`
         self._params = list(self.model.parameters())  # walking the module tree costs ~60 µs a sync
         from minirl.replay import RoutingReplay

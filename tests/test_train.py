@@ -172,6 +172,21 @@ def test_bf16_compute_keeps_fp32_master_weights():
     assert {v.dtype for s in bf16.optim.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
 
 
+def test_activation_checkpointing_keeps_the_gradients_and_the_names():
+    """train.activation_checkpoint = full (TorchTitan's FullAC on every decoder layer): the same
+    loss and gradients as without, and the same state-dict names (checkpoints, HF export, sync)."""
+    plain, ac = Trainer(TINY, lr=1e-3, seed=0), Trainer(TINY, lr=1e-3, seed=0, activation_checkpoint="full")
+    assert "CheckpointWrapper" in type(ac.model.layers["0"]).__name__
+    assert ac.model.state_dict().keys() == plain.model.state_dict().keys()
+    ac.load_weights(plain.model.state_dict())
+    loss1, _ = plain.forward_backward(BATCH, sft_loss)
+    loss2, _ = ac.forward_backward(BATCH, sft_loss)
+    assert loss2 == pytest.approx(loss1, rel=1e-6)
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in ac.model.named_parameters()}
+    for n, p in plain.model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
 def test_a_full_disk_inside_a_dcp_save_is_found_in_torchs_wrapped_failures():
     """DCP reports a failed write as CheckpointException({rank: (exception, stack)}). When the disk
     fills while it writes the metadata, the freed temp folder leaves room again, so the OSError

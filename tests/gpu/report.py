@@ -7,6 +7,7 @@ bench.json (bench.py) in DIR become DIR/report.json and DIR/report.md.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,10 @@ def _fmt(v) -> str:
 
 def main(folder: Path) -> int:
     root = Path(__file__).resolve().parents[2]
+    commit = os.environ.get("MINIRL_GPU_COMMIT", "")  # a copied checkout's git may not be the one run
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
+        commit = commit or subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                          capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     outcomes = _jsonl(folder / "outcomes.jsonl")
