@@ -37,20 +37,20 @@ def shape(request):
     return kit.shapes()[request.param]
 
 
-@pytest.fixture(scope="session")
-def one_rank_group():
+@pytest.fixture
+def one_rank_group(device):
     """A process group of this one process, so the trainer can take the cluster's FSDP2 path
-    (`Trainer(shard=True)`) at world size 1."""
+    (`Trainer(shard=True)`) at world size 1. After `device`, so that without a GPU the test skips
+    before any group exists; left in place for the rest of the session (tests/gpu run in a process
+    of their own: run-on-device.sh)."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if kit.device().type == "cuda" else "gloo"
-        if kit.device().type == "cuda":
+        if device.type == "cuda":
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
 
 
 def pytest_runtest_logreport(report):
