@@ -37,7 +37,7 @@ def _prepare_env(verbose: bool) -> None:
         import warnings
 
         warnings.filterwarnings("ignore")
-        for name in ("torchao", "torch", "transformers", "datasets", "torchtitan", "root"):
+        for name in ("torchao", "torch", "transformers", "datasets", "torchtitan", "huggingface_hub", "root"):
             logging.getLogger(name).setLevel(logging.ERROR)
         logging.getLogger().setLevel(logging.ERROR)
 
@@ -199,7 +199,11 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         print_plan(console, plan, recipe=str(recipe_path or "defaults"),
                    launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args))
         if not plan.fits:
-            raise UsageError(f"the plan does not fit: {plan.problems[0]}")
+            shipped = recipe_mod.for_model(model_id) if model_id else None
+            own = recipe_mod.load(recipe_path).model.id if recipe_path else None
+            hint = (f"; this recipe is {own}'s: {model_id}'s own is recipes/{shipped.name} (`minirl init WS --model "
+                    f"{model_id}`)" if shipped and own != model_id else "")
+            raise UsageError(f"the plan does not fit: {plan.problems[0]}{hint}")
         return
     ws = Workspace.open(workspace)
     rec = recipe_mod.load(ws.recipe_path, extra)
@@ -258,7 +262,7 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
 
     from minirl import recipe as recipe_mod
     from minirl.benchmarks import get as get_bench
-    from minirl.evaluate import eval_benchmark, resolve_checkpoint
+    from minirl.evaluate import bench_records, eval_benchmark, resolve_checkpoint
     from minirl.workspace import RECIPE_NAME, Workspace
 
     get_bench(bench)  # an unknown name fails before anything loads
@@ -270,15 +274,16 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
         if value is not None:
             extra.append(f"{key}={value}")
     rec = recipe_mod.load(ws.recipe_path if ws else None, extra)
+    # the problems before the model: a missing benchmark, or a Hub out of reach, fails at once
+    records = bench_records(bench, rec, heldout_path=ws.path(rec.data.heldout) if ws else None, data=data,
+                            data_dir=Path(rec.eval.data_dir) if rec.eval.data_dir else None)
     model_dir = resolve_checkpoint(ws, rec, checkpoint)
     out_dir = ws.root / "evals" if ws else Path("minirl-evals")
     with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as prog:
         task = prog.add_task("eval", total=None)
         result = eval_benchmark(
-            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec,
-            heldout_path=ws.path(rec.data.heldout) if ws else None, data=data,
-            data_dir=Path(rec.eval.data_dir) if rec.eval.data_dir else None,
+            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records,
             on_progress=lambda done, total: prog.update(task, completed=done, total=total),
         )
     from rich.table import Table
@@ -442,6 +447,7 @@ def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
     plan = lab_mod.plan(quick=quick, seeds=seeds)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
     if not report_only:
+        lab_.hold()
         with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console) as prog:
             bar = prog.add_task("lab", total=len(plan.cells) * plan.seeds + 1)

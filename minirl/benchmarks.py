@@ -64,7 +64,9 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
             raise UsageError(f"benchmark data not found: {data}")
         rows = load_rows(str(data))
     else:
-        rows = load_rows(bench.hub_id, split=bench.split, config=bench.config)
+        rows = load_rows(bench.hub_id, split=bench.split, config=bench.config,
+                         instead=f"pass a local copy with --data PATH (.jsonl with {bench.problem_field!r} and "
+                                 f"{bench.answer_field!r})")
     fields = rows.column_names
     pf = bench.problem_field if bench.problem_field in fields else next((f for f in PROBLEM_FIELD_ALIASES if f in fields), None)
     if pf is None or bench.answer_field not in fields:

@@ -23,9 +23,13 @@ class Problem:
     record: dict[str, Any]
 
 
-def load_rows(spec: str, *, base: Path | None = None, split: str = "train", config: str | None = None):
-    """A `datasets.Dataset` from a local file/folder (resolved against `base`) or a Hub dataset id."""
+def load_rows(spec: str, *, base: Path | None = None, split: str = "train", config: str | None = None,
+              instead: str | None = None):
+    """A `datasets.Dataset` from a local file/folder (resolved against `base`) or a Hub dataset id.
+    instead: what to pass rather than a Hub id when the Hub cannot be had (one line, hub.need_hub)."""
     import datasets
+
+    from minirl import hub
 
     datasets.disable_progress_bars()
     local = Path(spec) if Path(spec).is_absolute() or base is None else base / spec
@@ -41,7 +45,15 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train", conf
             return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
         if local.suffix in (".jsonl", ".json", ".parquet", ".csv") or spec.startswith((".", "/")):
             raise UsageError(f"dataset file {local} not found")  # a path, not a Hub id: never ask the Hub
-        return datasets.load_dataset(spec, config, split=split)
+        instead = instead or f"give a local copy of {spec!r} (a .jsonl or .parquet path) instead"
+        hub.need_hub(f"dataset {spec!r}", instead=instead, datasets=True)
+        try:
+            return datasets.load_dataset(spec, config, split=split)
+        except Exception as e:  # noqa: BLE001
+            if hub.offline(datasets=True):  # the cache did not have it
+                raise UsageError(f"dataset {spec!r} is not in the local cache and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE "
+                                 f"is set; {instead}") from None
+            raise
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - turn any loader failure into one line

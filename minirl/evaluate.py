@@ -134,6 +134,20 @@ def _format_prompt(tok, template: str, problem: str) -> list[int]:
     return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)))
 
 
+def bench_records(bench_name: str, rec, *, heldout_path=None, data=None, data_dir=None) -> list[dict]:
+    """The benchmark's problems ({"index", "problem", "answer"}), at most eval.max_problems: the
+    embedded task's from the workspace's held-out split, the others from --data, --data-dir or the
+    Hub. Cheap, so `minirl eval` asks first: a missing or unreachable benchmark fails at once."""
+    from minirl import benchmarks
+
+    bench = benchmarks.get(bench_name)
+    if bench.hub_id is None:
+        records = benchmarks.load_records(bench, data=data or heldout_path)
+    else:
+        records = benchmarks.load_records(bench, data=data, data_dir=data_dir)
+    return records[: rec.eval.max_problems]
+
+
 def eval_benchmark(
     *,
     bench_name: str,
@@ -143,13 +157,15 @@ def eval_benchmark(
     heldout_path=None,
     data=None,
     data_dir=None,
+    records: list[dict] | None = None,
     chunk: int = 16,
     on_progress=lambda done, total: None,
 ) -> dict:
     """`minirl eval`: k samples per problem with vLLM, graded with the benchmark's grader.
 
-    Resumable: finished problems are appended to `<results>.partial.jsonl` chunk by chunk and are
-    not generated again; the final JSON holds the summary and a per-problem breakdown.
+    records: `bench_records`' answer, if the caller has it already. Resumable: finished problems
+    are appended to `<results>.partial.jsonl` chunk by chunk and are not generated again; the
+    final JSON holds the summary and a per-problem breakdown.
     """
     import json
     import time
@@ -162,13 +178,10 @@ def eval_benchmark(
     from rewards.pool import GradingPool
 
     bench = benchmarks.get(bench_name)
-    if bench.hub_id is None:  # the embedded task: the workspace's held-out split, graded by the recipe's grader
-        records = benchmarks.load_records(bench, data=data or heldout_path)
-        grader_name, params = rec.reward.grader, rec.reward.params
-    else:
-        records = benchmarks.load_records(bench, data=data, data_dir=data_dir)
-        grader_name, params = bench.grader, {}
-    records = records[: rec.eval.max_problems]
+    if records is None:
+        records = bench_records(bench_name, rec, heldout_path=heldout_path, data=data, data_dir=data_dir)
+    # the embedded task is graded by the recipe's grader, the benchmarks by their own
+    grader_name, params = (rec.reward.grader, rec.reward.params) if bench.hub_id is None else (bench.grader, {})
     model_dir = Path(model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ctx = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 4096))

@@ -5,7 +5,7 @@ the training–inference KL D_KL(μ_old ‖ π_old) climbs, and token entropy fa
 reads both, plus the update itself (a non-finite loss or gradient), and answers:
 
     "step"      apply the optimizer step
-    "skip"      drop this update (non-finite loss/grad), nothing else changes
+    "skip"      drop this update (non-finite loss/grad), nothing else changes; also when disabled
     "rollback"  a signal stayed bad for `patience` steps: restore the last good checkpoint
     "stop"      `max_rollbacks` used up: end the run as "collapsed"
 
@@ -77,13 +77,13 @@ class Guard:
     ) -> Verdict:
         """The one decision point. Call after backward, before optimizer.step(). The step's signals
         (KL, entropy, reward) are judged once, on its first mini-batch (new_step); every mini-batch's
-        update is checked for non-finite values."""
-        if not self.enabled:
-            return Verdict("step")
+        update is checked for non-finite values, and skipped when it has any, whether the guard is
+        enabled or only observing (`enabled = false`, every lab cell): a NaN in the weights is no
+        outcome to observe."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.skipped += 1
             return Verdict("skip", f"non-finite update (loss {loss}, grad norm {grad_norm})")
-        if not new_step:
+        if not self.enabled or not new_step:
             return Verdict("step")
         if self.entropy0 is None:
             self.entropy0 = entropy

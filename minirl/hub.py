@@ -9,10 +9,18 @@ apply), and `push` of an exported folder.
 
 The config is fetched first and the weights only once the model is known to be one minirl can
 train here, so a wrong id or a model too large for the machine costs no download.
+
+Offline (air-gapped clusters): before anything asks the Hub, `need_hub` sends one HEAD request to
+the endpoint (3 s at most, no retries) and an unreachable Hub is refused at once in one line with
+what to do instead; the Hub client's own path retried for ~25 s first, printing a line per retry.
+With `HF_HUB_OFFLINE` (or, for datasets, `HF_DATASETS_OFFLINE`) set nothing is probed: the
+libraries answer from their caches.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
 from minirl.errors import UsageError
@@ -38,10 +46,45 @@ def repo_id(model_id: str) -> str | None:
     raise UsageError(f"model.id = {model_id!r} is neither a short name ({known}), a Hub repo id (owner/name) nor a folder")
 
 
+def offline(*, datasets: bool = False) -> bool:
+    """HF_HUB_OFFLINE is set (for datasets, HF_DATASETS_OFFLINE counts too)."""
+    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if datasets else ("HF_HUB_OFFLINE",)
+    return any(os.environ.get(n, "").strip().upper() in ("1", "ON", "YES", "TRUE") for n in names)
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+@functools.cache
+def reachable() -> bool:
+    """One HEAD request to the Hub's endpoint through huggingface_hub's own HTTP client (its
+    proxies and HF_ENDPOINT), 3 s at most: any answer means reachable. Asked once per process."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint(), timeout=3.0)
+    except Exception:  # noqa: BLE001 - DNS, refused, timeout, TLS: the Hub cannot be had
+        return False
+    return True
+
+
+def need_hub(what: str, *, instead: str, datasets: bool = False) -> None:
+    """Before `what` asks the Hub: unreachable, refuse in one line naming `instead` (a local path
+    to pass) and the offline variable; offline, nothing to check (the caches answer at once)."""
+    if offline(datasets=datasets) or reachable():
+        return
+    raise UsageError(f"{what}: the Hugging Face Hub ({endpoint()}) cannot be reached; {instead}, or with a cache "
+                     f"filled elsewhere set HF_HUB_OFFLINE=1")
+
+
 def fetch(repo: str, *, weights: bool, revision: str | None = None) -> Path:
     """A local snapshot of `repo`: config, tokenizer and (with `weights`) the safetensors."""
     from huggingface_hub import snapshot_download
 
+    need_hub(f"model {repo!r}", instead="pass a local HF model folder")
     patterns = OTHER_FILES + (WEIGHT_FILES if weights else [])
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
@@ -97,6 +140,9 @@ def push(folder: Path, repo: str, *, private: bool = False, revision: str | None
     files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
     if dry_run:
         return {"files": files}
+    if offline():
+        raise UsageError("HF_HUB_OFFLINE is set: a push needs the Hub (unset it, or push from a machine with network)")
+    need_hub(f"push to {repo}", instead="push from a machine with network")
     token = hf.get_token()
     if not token:
         raise UsageError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")

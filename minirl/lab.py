@@ -109,6 +109,13 @@ class Lab:
     def _save(self) -> None:
         atomic.write_text(self.state_path, json.dumps(self.state, indent=1))
 
+    def hold(self) -> None:
+        """Be this grid's one writer until the process ends (runlock.py): a second `minirl lab` on
+        it is refused in one line. The report alone (`--report-only`) needs no lock."""
+        from minirl.runlock import RunLock
+
+        self._lock = RunLock(self.out, what="lab grid")
+
     def cold_start_model(self, target: float, progress) -> Path:
         """A second cold start of the same task and data, stopped at another dev accuracy (F6);
         built once, beside the grids' folders, and reused by both grids and every later sweep."""

@@ -41,6 +41,7 @@ from minirl.launch import World
 from minirl.preflight import RunInputs, complete_checkpoints, prepare_run
 from minirl.recipe import Recipe
 from minirl.replay import rollout_routes, route_agreement
+from minirl.runlock import RunLock
 from minirl.rollout import VLLMEngine
 from minirl.sinks import Sinks
 from minirl.summary import write_summary
@@ -459,6 +460,31 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
         run_dir = resume_from.parent.parent
     else:  # rank 0 names the folder, every rank uses it
         run_dir = world.broadcast(_new_run_dir(ws.runs) if world.main else None)
+    lock = _writer_lock(run_dir, world)  # before anything in the folder changes; refused: nothing did
+    try:
+        return _locked_start_and_train(ws, rec, inputs, on_event, t_start=t_start, world=world, run_dir=run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _writer_lock(run_dir: Path, world: World) -> RunLock | None:
+    """Rank 0 locks the run folder for the job (runlock.py); every rank gets its answer."""
+    lock, refused = None, None
+    if world.main:
+        try:
+            lock = RunLock(run_dir)
+        except UsageError as e:
+            refused = str(e)
+    refused = world.broadcast(refused)
+    if refused:
+        raise UsageError(refused)
+    return lock
+
+
+def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float,
+                            world: World, run_dir: Path) -> dict:
+    resume_from = inputs.resume_from
     try:
         if world.main:
             atomic.sweep(run_dir / "checkpoints")  # what a killed writer or deleter left behind

@@ -88,6 +88,32 @@ def launch_commands(nodes: int, gpus_per_node: int, args: str) -> list[str]:
             f"   # on each of the {nodes} nodes"]
 
 
+# what shrinks each part of a phase (the refusal's advice)
+_REMEDY = {
+    "fp32 weights (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
+    "fp32 gradients (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
+    "Adam moments (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
+    "gathered bf16 layers": "raise parallel.ep (a GPU gathers only its share of the experts)",
+    "activations (no AC)": 'set train.activation_checkpoint = "full", or lower train.micro_batch_tokens',
+    "activations (full AC)": "lower train.micro_batch_tokens",
+    "logits": "lower train.micro_batch_tokens",
+    "weight sync bucket": "lower rollout.sync_bucket_mib",
+    "largest parameter gathered in fp32": "a GPU with more memory (it is gathered whole)",
+}
+
+
+def _largest(parts: dict[str, float], r) -> str:
+    """'the largest part is NAME (X GiB): what shrinks it'."""
+    name, size = max(parts.items(), key=lambda kv: kv[1])
+    if name.startswith("vLLM weights"):
+        fixes = [f"raise rollout.tensor_parallel ({r.tensor_parallel})"] if r.tensor_parallel < 8 else []
+        fixes += ['set rollout.precision = "fp8"'] if r.precision != "fp8" else []
+        remedy = " or ".join(fixes) or "more GPUs per engine"
+    else:
+        remedy = _REMEDY.get(name, "more GPUs")
+    return f"the largest part is {name} ({size / GiB:.1f} GiB): {remedy}"
+
+
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
     p, t, r = rec.parallel, rec.train, rec.rollout
     world = p.nodes * p.gpus_per_node
@@ -159,19 +185,27 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     in_flight = int(kv * tp_vllm // (seq * kv_per_token))
     phases = {f"training ({ac})": training, "weight sync": state + vllm_w + bucket + 4 * largest,
               "rollout": state + vllm_w + kv}
-    unused = "activations (no AC)" if ac == "full AC" else "activations (full AC)"
-    over = {k: v for k, v in mem.items() if not k.startswith((unused, "vLLM KV", "host"))}
-    top = max(over.items(), key=lambda kv_: kv_[1])
-    if training > budget:
-        problems.insert(0, f"training needs {training / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of {gpu_gib:g} GiB; "
-                        f"the largest part is {top[0]} ({top[1] / GiB:.1f} GiB)")
-    elif phases["weight sync"] > budget:
-        problems.insert(0, f"the weight sync needs {phases['weight sync'] / GiB:.1f} GiB per GPU; lower "
-                        f"rollout.sync_bucket_mib ({r.sync_bucket_mib})")
-    elif in_flight < 1:
-        problems.insert(0, f"rollouts: after the training state and vLLM's weights ({(state + vllm_w) / GiB:.1f} GiB) "
-                        f"no KV cache is left for one {seq}-token sequence; the largest part is {top[0]} "
-                        f"({top[1] / GiB:.1f} GiB)")
+    # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
+    # setting that shrinks it (`_REMEDY`)
+    trainer_parts = {k: mem[k] for k in ("fp32 weights (sharded)", "fp32 gradients (sharded)", "Adam moments (sharded)")}
+    engine = next(k for k in mem if k.startswith("vLLM weights"))
+    parts = {
+        f"training ({ac})": {**trainer_parts, "gathered bf16 layers": mem["gathered bf16 layers"],
+                             f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits,
+                             **({engine: vllm_w} if awake else {})},
+        "weight sync": {**trainer_parts, engine: vllm_w, "weight sync bucket": bucket,
+                        "largest parameter gathered in fp32": 4 * largest},
+        "rollout": {**trainer_parts, engine: vllm_w},
+    }
+    for phase, need in ((f"training ({ac})", training), ("weight sync", phases["weight sync"])):
+        if need > budget:
+            problems.insert(0, f"{phase.split(' (')[0]} needs {need / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
+                            f"{gpu_gib:g} GiB; {_largest(parts[phase], r)}")
+            break
+    else:
+        if in_flight < 1:
+            problems.insert(0, f"rollouts: after the training state and vLLM's weights ({(state + vllm_w) / GiB:.1f} "
+                            f"GiB) no KV cache is left for one {seq}-token sequence; {_largest(parts['rollout'], r)}")
 
     # FLOPs: 2·active per token forward, 4·active backward; causal attention 2·2·L·(seq/2)·heads·head_dim
     # per token forward (scores and values over the mean context)

@@ -74,6 +74,37 @@ def truncate(rel: str, keep: float):
     return f
 
 
+_HOLDERS: list = []  # processes that hold a run's writer lock for a row; ended after it
+
+
+def live_writer(rel: str):
+    """Another process writing the run `rel`: it holds the run's lock (runlock.py) until the row ends."""
+    def f(ws: Path):
+        import os
+        import subprocess
+
+        script = "import sys; from minirl.runlock import RunLock; l = RunLock(sys.argv[1]); print('locked', flush=True); sys.stdin.read()"
+        p = subprocess.Popen([sys.executable, "-c", script, str(ws / rel)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert p.stdout.readline().strip() == "locked"
+        _HOLDERS.append(p)
+    return f
+
+
+_SITUATION: dict = {}  # what a row sets outside the workspace: environment variables, a Hub out of reach
+
+
+def hub_down(ws: Path):
+    """No route to the Hub (the real thing: tests/test_offline.py, in a network namespace)."""
+    _SITUATION["hub_down"] = True
+
+
+def env(**variables):
+    def f(ws: Path):
+        _SITUATION.setdefault("env", {}).update(variables)
+    return f
+
+
 def edit_json(rel: str, change):
     def f(ws: Path):
         p = ws / rel
@@ -218,6 +249,8 @@ CASES = [
     ("resume-other-model", ["run", "{ws}", "--resume"], other_model_checkpoint, "does not hold this model"),
     ("resume-other-recipe", ["run", "{ws}", "--resume"], other_recipe_checkpoint, "is of model 'Qwen3-30B-A3B'"),
     ("resume-nothing", ["run", "{ws}", "--resume"], no_runs, "nothing to resume"),
+    ("resume-live-writer", ["run", "{ws}", "--resume"], live_writer(RUN), "is being written by pid"),
+    ("resume-auto-live-writer", ["run", "{ws}", "--resume", "auto"], live_writer(RUN), "is being written by pid"),
     # --- eval ---------------------------------------------------------------------------------------
     ("eval-unknown-bench", ["eval", "aime99", "-w", "{ws}"], None, "unknown benchmark 'aime99'"),
     ("eval-no-checkpoint", ["eval", "-w", "{ws}", "--checkpoint", "/nonexistent/ckpt"], None, "checkpoint not found"),
@@ -229,6 +262,10 @@ CASES = [
     ("eval-negative-T", ["eval", "-w", "{ws}", "--temperature", "-1"], None, "eval.temperature = -1.0"),
     ("eval-garbage-data", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart", "--data", "{ws}/garbage.jsonl"],
      write("garbage.jsonl", b"\x00\xff" * 1000), "cannot load dataset"),
+    ("eval-hub-unreachable", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart"], hub_down,
+     "the Hugging Face Hub (https://huggingface.co) cannot be reached; pass a local copy with --data PATH"),
+    ("eval-offline-not-cached", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart"], env(HF_HUB_OFFLINE="1"),
+     "is not in the local cache and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set"),
     ("eval-neither", ["eval", "-w", "{ws}", "--checkpoint", "{ws}/data"], None, "neither an HF model folder"),
     ("eval-truncated-coldstart", ["eval", "-w", "{ws}", "--checkpoint", "coldstart"],
      truncate("model/coldstart/model.safetensors", 0.9), "model.safetensors are"),
@@ -246,8 +283,15 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
 
     ws = tmp_path / "ws"
     shutil.copytree(ws_template, ws)
+    _SITUATION.clear()
     if mutate is not None:
         mutate(ws)
+    for k, v in _SITUATION.get("env", {}).items():
+        monkeypatch.setenv(k, v)
+    if _SITUATION.get("hub_down"):
+        from minirl import hub
+
+        monkeypatch.setattr(hub, "reachable", lambda: False)
     before = snapshot(tmp_path)
     argv = [a.format(ws=ws, new=tmp_path / "new", afile=tmp_path / "afile") for a in args]
     monkeypatch.setattr(sys, "argv", ["minirl", *argv])
@@ -261,3 +305,7 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
     assert needle in lines[0], lines[0]
     assert "Traceback" not in out + err
     assert snapshot(tmp_path) == before  # nothing written, nothing created, nothing deleted
+    while _HOLDERS:
+        holder = _HOLDERS.pop()
+        holder.stdin.close()  # its signal to end
+        holder.wait(timeout=60)

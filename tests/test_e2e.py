@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minirl.summary import metric_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "--set", "cold_start.max_steps=30", "--set", "cold_start.train_size=2000",
@@ -71,7 +73,9 @@ def wait_for_steps(ws: Path, *, run_number: int, steps: int, timeout_s: float = 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         runs = sorted((ws / "runs").iterdir())
-        if len(runs) == run_number and (runs[-1] / "metrics.jsonl").exists() and len(metrics(runs[-1])) >= steps:
+        # the run appends as this reads: a last line may be half written (a race, not an error)
+        if (len(runs) == run_number and (runs[-1] / "metrics.jsonl").exists()
+                and len(metric_rows(runs[-1] / "metrics.jsonl")) >= steps):
             return
         time.sleep(0.2)
     raise AssertionError(f"run {run_number} did not reach {steps} steps in {timeout_s} s")

@@ -45,9 +45,14 @@ def test_entropy_collapse_needs_a_reward_drop_too():
     assert v.action == "rollback" and "entropy" in v.reason
 
 
-def test_disabled_guard_always_steps():
+def test_a_disabled_guard_observes_signals_but_still_skips_non_finite_updates():
+    """enabled = false (the lab's cells observe collapses): a collapse signal is let through, a
+    NaN or inf update is not, and it is counted."""
     g = Guard(enabled=False, patience=1)
-    assert g.decide(**{**OK, "kl": 9.0, "loss": math.nan}).action == "step"
+    assert [g.decide(**{**OK, "kl": 9.0}).action for _ in range(3)] == ["step"] * 3
+    assert g.decide(**{**OK, "kl": 9.0, "loss": math.nan}).action == "skip"
+    assert g.decide(**{**OK, "grad_norm": math.inf}, new_step=False).action == "skip"
+    assert g.skipped == 2 and g.rollbacks == 0
 
 
 def test_state_round_trip():

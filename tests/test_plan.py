@@ -134,8 +134,36 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         "minirl: error: the plan does not fit: training needs 489.6 GiB per GPU, over 90% of 80 GiB; the largest "
-        "part is Adam moments (sharded) (227.5 GiB)"]
+        "part is Adam moments (sharded) (227.5 GiB): more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all "
+        "of them"]
     assert not list(tmp_path.iterdir())  # a plan writes nothing
+
+
+def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_shrinks_it(tmp_path):
+    """The tiny workspace's recipe with --model Qwen3-30B-A3B on 2 × 8 GPUs: the weight sync
+    overflows because of vLLM's bf16 weights at TP 1 (its sync bucket is 2.3 GiB of 88.8), so the
+    advice is tensor parallel or FP8 (not the bucket), and the model's own recipe."""
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", "Qwen3-30B-A3B", "--replay", "r3",
+                        "--dry-run", "--nodes", "2", "--gpus-per-node", "8"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1",
+                                         "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "minirl: error: the plan does not fit: weight sync needs 88.8 GiB per GPU, over 90% of 80 GiB; the largest "
+        "part is vLLM weights (bf16, TP 1) (56.9 GiB): raise rollout.tensor_parallel (1) or set rollout.precision = "
+        "\"fp8\"; this recipe is tiny-qwen3-moe's: Qwen3-30B-A3B's own is recipes/qwen3-30b-a3b.toml "
+        "(`minirl init WS --model Qwen3-30B-A3B`)"]
+    # its own recipe on one 80 GB GPU: the training state, which only more GPUs shard
+    plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
+    assert plan.problems[0].endswith("the largest part is Adam moments (sharded) (227.5 GiB): more GPUs (--nodes, "
+                                     "--gpus-per-node): FSDP2 shards it over all of them")
+    # activations, when checkpointing is off, point at it
+    plan = plan_30b(1, 8, "train.activation_checkpoint=none")
+    assert "the largest part is activations (no AC)" in plan.problems[0]
+    assert plan.problems[0].endswith('set train.activation_checkpoint = "full", or lower train.micro_batch_tokens')
 
 
 def test_the_slurm_example_launches_what_the_plan_says():

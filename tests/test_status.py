@@ -25,8 +25,17 @@ def make_run(root, *, proc=None, summary=None, rows=3, steps=10):
     return run
 
 
+def exec_child(*cmd: str) -> subprocess.Popen:
+    """A child that has exec'd: until then its /proc cmdline is this process's (pytest's), and a
+    state read from it would race the exec. It says so on stdout once it runs its own program."""
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)", *cmd],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
 def test_a_live_minirl_process_is_running_with_pace_and_eta(tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "cli.main"])  # "cli.main" in its cmdline
+    p = exec_child("cli.main")  # "cli.main" in its cmdline
     try:
         run = make_run(tmp_path, proc={"pid": p.pid, "host": socket.gethostname(), "started": time.time()})
         st = status.read(run)
@@ -39,7 +48,7 @@ def test_a_live_minirl_process_is_running_with_pace_and_eta(tmp_path):
 
 
 def test_a_reused_pid_is_not_the_run_and_summaries_are_read_by_age(tmp_path):
-    p = subprocess.Popen(["sleep", "60"])  # alive, but not minirl: a pid the run's could have been reused for
+    p = exec_child("sleeper")  # alive, but not minirl: a pid the run's could have been reused for
     try:
         started = time.time()
         run = make_run(tmp_path, proc={"pid": p.pid, "host": socket.gethostname(), "started": started},
