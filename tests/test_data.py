@@ -50,12 +50,17 @@ def test_a_missing_file_is_one_line_without_asking_the_hub(tmp_path):
     assert str(e.value) == f"dataset file {tmp_path / 'nope.jsonl'} not found"
 
 
-def test_an_unreachable_hub_id_is_one_line(monkeypatch):
+def test_a_hub_id_the_loader_fails_on_is_one_line(monkeypatch):
+    """The Hub answers the probe (hub.need_hub), then the loader fails (the unreachable Hub itself:
+    tests/test_offline.py)."""
     import datasets
+
+    from minirl import hub
 
     def no_network(*a, **k):  # the Hub's servers: the one thing that cannot exist here
         raise ConnectionError("Couldn't reach 'nobody-minirl/no-such-dataset' on the Hub (LocalEntryNotFoundError)\nmore")
 
+    monkeypatch.setattr(hub, "reachable", lambda: True)
     monkeypatch.setattr(datasets, "load_dataset", no_network)
     with pytest.raises(UsageError) as e:
         load_problems("nobody-minirl/no-such-dataset", encode=enc, prompt_field="p", answer_field="a", max_prompt_tokens=8)
