@@ -47,10 +47,8 @@ import torch.nn.functional as F
 
 # The engine's process's share of a sync split with the trainer's (`Writer.share`): it finishes
 # while the trainer ends its step, and the trainer's share is the part its step waits for.
-# Measured on the tiny default overlapped (200 steps, 2 cores): the sync 0.58-0.60 ms a step with
-# three of four expert layers here (0.7), 0.71-0.77 with two (the halves written side by side),
-# 0.71-0.75 with all four (longer than the end of a step), against 1.52-1.55 with the engine's
-# process writing everything and 1.08-1.15 with the trainer's.
+# 0.7 (three of four expert layers here) gave the shortest sync of the shares tried on the tiny
+# default overlapped; the figures of each are in README "Speed" (the split-sync round).
 ENGINE_SHARE = 0.7
 
 
