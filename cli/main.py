@@ -11,13 +11,12 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
+from cli.publish import export_cmd, push_cmd
+from cli.render import SET_HELP, console
+from cli.study import doctor, lab
 from minirl.task import TASKS
 
-console = Console(stderr=False, highlight=False)
-
-SET_HELP = "Override a recipe value, e.g. --set train.lr=1e-4 (repeatable). Keys are [section].key of the TOML recipe."
 
 
 def _prepare_env(verbose: bool) -> None:
@@ -209,14 +208,14 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     rec = recipe_mod.load(ws.recipe_path, extra)
 
     from cli.render import RunView
-    from minirl import launch, loop
+    from minirl import launch, lifecycle
 
     world = launch.start()  # the whole job, or one rank of a torchrun job (rank 0 prints)
 
     def on_stop_signal(signum, frame):
-        if loop.Stop.requested:
+        if lifecycle.Stop.requested:
             raise KeyboardInterrupt
-        loop.Stop.requested, loop.Stop.signal = True, signum
+        lifecycle.Stop.requested, lifecycle.Stop.signal = True, signum
         if world.main:
             console.print(f"[yellow]{signal.Signals(signum).name}: stopping after this step (again to abort)...[/]")
 
@@ -226,11 +225,11 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     if not world.main:
         console.quiet = True
     with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
-        summary = loop.run(ws, rec, resume=resume, on_event=view.on_event, world=world)
+        summary = lifecycle.run(ws, rec, resume=resume, on_event=view.on_event, world=world)
     if world.main:
         view.print_summary(summary)
     if summary["status"] == "interrupted":
-        sys.exit(128 + loop.Stop.signal)  # 130 (SIGINT) or 143 (SIGTERM); `--resume` continues
+        sys.exit(128 + lifecycle.Stop.signal)  # 130 (SIGINT) or 143 (SIGTERM); `--resume` continues
     if summary["status"] == "collapsed":
         sys.exit(3)  # the guard used up its rollbacks; the final checkpoint holds the last good weights
 
@@ -343,225 +342,8 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
             live.update(status_view(st))
 
 
-@cli.command()
-@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose recipe and data to use.")
-@click.option("--checkpoint", default="latest", show_default=True,
-              help="'latest' (newest run checkpoint, else the cold start), 'coldstart', a run checkpoint or an HF folder.")
-@click.option("--seeds", type=int, default=3, show_default=True, help="Fixed batches to draw (figures: mean ± spread).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, ...]) -> None:
-    """Say where the training–inference mismatch KL(μ‖π) comes from.
-
-    On one fixed batch of rollouts (the recipe's B × G, --seeds times): rollout precision (fp32,
-    bf16, fp8, and weights alone), engine and kernels at equal precision, MoE routing (per-layer
-    disagreement, KL with and without R3) and staleness (KL(π_θ‖π_θold) after 1, 2, 4, 8
-    mini-batch updates without replay, with R2 and with R3). Prints a table and advice; writes
-    doctor-<time>.json and .png in the workspace's doctor/ folder.
-    """
-    from rich.table import Table
-
-    from minirl import doctor as doc
-    from minirl import recipe as recipe_mod
-    from minirl.errors import UsageError
-    from minirl.evaluate import resolve_checkpoint
-    from minirl.workspace import Workspace
-
-    if seeds < 1:
-        raise UsageError(f"--seeds {seeds}: at least 1")
-    ws = Workspace.open(workspace)
-    rec = recipe_mod.load(ws.recipe_path, list(overrides))
-    try:
-        folder = resolve_checkpoint(ws, rec, checkpoint)
-    except UsageError:
-        if checkpoint != "latest":
-            raise
-        folder = resolve_checkpoint(ws, rec, "coldstart")  # no run yet: the starting policy
-    with console.status("doctor...") as status:
-        report = doc.diagnose(ws, rec, folder, seeds=seeds, progress=lambda what: status.update(f"doctor: {what}"))
-    f = report["figures"]
-    pm = lambda k: f"{f[k]['mean']:.2e} ± {f[k]['spread']:.1e}"  # noqa: E731
-    table = Table(title=f"KL(μ‖π) and its sources ({report['batch']}, {seeds} seed(s), checkpoint {folder})")
-    table.add_column("source")
-    table.add_column("what is compared")
-    table.add_column("KL", justify="right")
-    rows = [("precision", "fp32 rollouts (vLLM fp32 vs TorchTitan fp32: engine and kernels alone)", "kl/fp32"),
-            ("precision", "bf16 rollouts (vLLM bf16)", "kl/bf16"),
-            ("precision", "fp8 rollouts (vLLM bf16, torchao FP8 weights)", "kl/fp8"),
-            ("weights", "bf16-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_bf16"),
-            ("weights", "fp8-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_fp8")]
-    if report["moe"]:
-        rows[3:3] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
-        rows += [("routing", f"{rec.rollout.precision} rollouts, trainer's own routes", "kl/run_no_replay"),
-                 ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
-    for src, what, k in rows:
-        table.add_row(src, what, pm(k))
-    if report["moe"]:
-        per_layer = ", ".join(f"{x['mean']:.1%}" for x in f["routing/disagree_per_layer"])
-        table.add_row("routing", "tokens whose top-k differ, per layer", per_layer)
-    for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
-        table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
-                      " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))
-    console.print(table)
-    js, png = doc.write(report, ws.root / "doctor")
-    for line in report["advice"]:
-        console.print(f"[bold]advice:[/] {line}", soft_wrap=True)
-    console.print(f"report: {js}  plot: {png}", soft_wrap=True)
-
-
-@cli.command()
-@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-lab")
-@click.option("--quick", is_flag=True, help="The reduced grid: off-policy N = 4 only, one extra cold start, 30 steps.")
-@click.option("--seeds", type=int, default=1, show_default=True, help="Runs per cell (figures: mean and min-max band).")
-@click.option("--report-only", is_flag=True, help="Write the report and figures from the runs done so far; run nothing.")
-def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
-    """Reproduce the paper's stability findings (F1-F6) in miniature.
-
-    On a workspace of the long-response task (built with `minirl init --task scratchpad` if
-    WORKSPACE does not exist), runs the grid with FP8-emulated rollouts and the guard observing
-    only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without IS; off-policy
-    N = 2, 4, 8 without clipping or replay, with clipping, + R2, + R3; MiniRL from other cold
-    starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
-    WORKSPACE/lab/{quick,full}/report.md (the F1-F6 table, computed from the runs) and one PNG per regime.
-    Last, the cell that collapsed most reliably runs again with the guard acting (its rollbacks,
-    how it ended, and lab-guard-check.png in the report).
-    """
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from minirl import lab as lab_mod
-    from minirl import recipe as recipe_mod
-    from minirl.errors import UsageError
-    from minirl.workspace import Workspace, init_workspace
-
-    if seeds < 1:
-        raise UsageError(f"--seeds {seeds}: at least 1")
-    if not (workspace / "minirl.toml").exists():
-        if report_only:
-            raise UsageError(f"no lab workspace at {workspace}: run `minirl lab {workspace}` first")
-        with console.status(f"building {workspace} (minirl init --task scratchpad; a few minutes)..."):
-            init_workspace(workspace, task="scratchpad")
-    ws = Workspace.open(workspace)
-    if recipe_mod.load(ws.recipe_path).cold_start.task != "scratchpad":
-        raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
-                         f"(`minirl init DIR --task scratchpad`)")
-    plan = lab_mod.plan(quick=quick, seeds=seeds)
-    lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
-    if not report_only:
-        lab_.hold()
-        with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as prog:
-            bar = prog.add_task("lab", total=len(plan.cells) * plan.seeds + 1)
-            lab_.sweep(plan, on_cell=lambda what, i, n: prog.update(bar, description=what, completed=i),
-                       progress=lambda what: prog.update(bar, description=what))
-            lab_.guard_check(plan, progress=lambda what: prog.update(bar, description=what))
-            prog.update(bar, description="done", completed=len(plan.cells) * plan.seeds + 1)
-    path, pngs, found = lab_mod.report(lab_, plan)
-    for fid, claim, verdict, numbers in found:
-        console.print(f"[bold]{fid}[/] {verdict}: {claim}  ({numbers})", soft_wrap=True)
-    console.print(f"report: {path}", soft_wrap=True)
-    for png in pngs:
-        console.print(f"figure: {png}", soft_wrap=True)
-
-
-@cli.command("export")
-@click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[RUN_OR_CHECKPOINT] OUT")
-@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose latest run to export when no run or checkpoint is given.")
-@click.option("--best", is_flag=True, help="The good checkpoint (never one a rollback undid) with the best held-out "
-                                           "score; checkpoints without a score are evaluated first.")
-@click.option("--step", type=int, default=None, help="The checkpoint of this step.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Safetensors shard size (an index above it).")
-def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int | None, max_shard_size: str) -> None:
-    """Export a run's checkpoint as a Hugging Face model folder OUT with a model card.
-
-    RUN_OR_CHECKPOINT: a run folder (runs/<id>) or one of its checkpoints; default: the workspace's
-    latest run. The checkpoint: the run's newest (default), --step N, or --best. OUT gets
-    safetensors (sharded with an index above --max-shard-size), config, generation config,
-    tokenizer, README.md (model card with the recipe, the run's figures and how to load it) and
-    training_curves.png.
-    """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from minirl import export as ex
-    from minirl.errors import UsageError
-
-    if len(paths) not in (1, 2):
-        raise UsageError("minirl export [RUN_OR_CHECKPOINT] OUT: give the output folder (and optionally the run)")
-    out = paths[-1]
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out} exists and is not an empty folder; choose another one")
-    with Progress(TextColumn("held-out eval of checkpoints"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as prog:
-        task = prog.add_task("eval", total=None)
-        run_dir, ckpt, why = ex.pick(paths[0] if len(paths) == 2 else None, workspace, step=step, best=best,
-                                     progress=lambda d, t: prog.update(task, completed=d, total=t))
-    with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
-        folder = ex.export(run_dir, out, ckpt, why=why, max_shard_size=max_shard_size,
-                           eval_results=ex.eval_results_for(run_dir.parent.parent, ckpt))
-    size = sum(f.stat().st_size for f in folder.iterdir())
-    console.print(f"[green]exported[/] step {ckpt.step} of run {run_dir.name} ({why}) to {folder} "
-                  f"({size / 2**20:.1f} MiB, {len(list(folder.iterdir()))} files)", soft_wrap=True)
-    console.print(f"  next: [bold]minirl push {folder} --repo OWNER/NAME[/]")
-
-
-@cli.command("push")
-@click.argument("source", type=click.Path(path_type=Path), required=False, metavar="[FOLDER_OR_RUN]")
-@click.option("--repo", required=True, metavar="OWNER/NAME", help="The Hub model repo (created when missing).")
-@click.option("--private", is_flag=True, help="Create the repo private.")
-@click.option("--revision", default=None, metavar="BRANCH", help="Branch to commit to (created from main).")
-@click.option("--force", is_flag=True, help="Replace what the branch already holds.")
-@click.option("--dry-run", is_flag=True, help="List the files and sizes that would be uploaded; touch nothing.")
-@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose latest run to push when no folder or run is given.")
-@click.option("--best", is_flag=True, help="With a run: export its best good checkpoint (see `minirl export`).")
-@click.option("--step", type=int, default=None, help="With a run: export the checkpoint of this step.")
-def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None, force: bool, dry_run: bool,
-             workspace: Path, best: bool, step: int | None) -> None:
-    """Push an exported model folder to the Hugging Face Hub as one commit.
-
-    FOLDER_OR_RUN: a folder `minirl export` wrote, or a run / checkpoint (exported first); default:
-    the workspace's latest run. The token comes from HF_TOKEN or a saved login (`hf auth login`)
-    and is never printed or written. A branch that already holds files is refused without --force.
-    """
-    import json
-    import tempfile
-
-    from rich.table import Table
-
-    from minirl import export as ex
-    from minirl import hub
-
-    hub.check_repo_name(repo)  # before any export
-    with tempfile.TemporaryDirectory(prefix="minirl-push-") as tmp:
-        if source is not None and (source / "config.json").exists():
-            folder = source
-        else:
-            run_dir, ckpt, why = ex.pick(source, workspace, step=step, best=best)
-            with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
-                folder = ex.export(run_dir, Path(tmp) / repo.split("/")[-1], ckpt, why=why, repo_id=repo,
-                                   eval_results=ex.eval_results_for(run_dir.parent.parent, ckpt))
-        meta = folder / "minirl_export.json"
-        origin = json.loads(meta.read_text()) if meta.exists() else {}
-        message = (f"minirl: run {origin['run']}, step {origin['step']}" if origin else f"minirl: {folder.name}")
-        if dry_run:
-            files = hub.push(folder, repo, dry_run=True)["files"]
-            console.print(f"would upload to {repo}@{revision or 'main'} ({message}):", soft_wrap=True)
-            table = Table(box=None)
-            table.add_column("file")
-            table.add_column("bytes", justify="right")
-            for rel, size in files:
-                table.add_row(rel, f"{size:,}")
-            table.add_row("[bold]total[/]", f"[bold]{sum(s for _, s in files):,}[/]")
-            console.print(table)
-            return
-        from huggingface_hub.utils import enable_progress_bars
-
-        enable_progress_bars()  # large files go through huggingface_hub's own upload bars
-        total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-        with console.status(f"uploading {folder} ({total / 2**20:.1f} MiB) to {repo}@{revision or 'main'}..."):
-            done = hub.push(folder, repo, private=private, revision=revision, force=force, message=message)
-    console.print(f"[green]pushed[/] {len(done['files'])} files to {done['url']} ({message}; commit "
-                  f"{done['commit'][:10]})", soft_wrap=True)
+for command in (doctor, lab, export_cmd, push_cmd):
+    cli.add_command(command)
 
 
 def main() -> None:

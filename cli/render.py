@@ -9,6 +9,10 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+console = Console(stderr=False, highlight=False)
+
+SET_HELP = "Override a recipe value, e.g. --set train.lr=1e-4 (repeatable). Keys are [section].key of the TOML recipe."
+
 LIVE_KEYS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("rollout/acc", "acc", "{:.3f}"),

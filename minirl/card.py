@@ -102,10 +102,9 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
     unless `repo_id` is given)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    from minirl.export import known_score
     from minirl.hub import repo_id as hub_repo
     from minirl.models import TINY_ID
-    from minirl.summary import metric_rows
+    from minirl.metrics_file import metric_rows
 
     summary = _read(run_dir / "summary.json")
     rows = metric_rows(run_dir / "metrics.jsonl", upto=ckpt.step)
@@ -211,3 +210,21 @@ def _sample_prompt(run_dir: Path, rec) -> str:
     except Exception:  # noqa: BLE001 - a card without the data at hand still gets a snippet
         text = "What is 1 + 1?"
     return rec.data.prompt_template.format(problem=text)
+
+
+def known_score(run_dir: Path, ckpt: Checkpoint, metric: str) -> tuple[float, str] | None:
+    """A held-out score this checkpoint already has, and where it comes from."""
+    cached = ckpt.path / "heldout.json"
+    if cached.exists():
+        got = json.loads(cached.read_text())
+        if metric in got:
+            return float(got[metric]), f"{cached.name} (measured by an earlier export)"
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        held = summary.get("heldout", {})
+        if ckpt.step == 0 and metric in held.get("start", {}):
+            return float(held["start"][metric]), "the run's held-out evaluation at its start"
+        if Path(summary.get("checkpoint", "")).name == ckpt.path.name and metric in held.get("end", {}):
+            return float(held["end"][metric]), "the run's held-out evaluation at its end"
+    return None

@@ -36,10 +36,10 @@ STALENESS_UPDATES = (1, 2, 4, 8)
 def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
              progress: Callable[[str], None] = lambda what: None) -> dict:
     """Every figure of the doctor, per seed and aggregated, plus the advice lines."""
-    from minirl.fp8 import fp8_roundtrip
-    from minirl.loop import loss_for, minibatch_indices
+    from minirl.rollout.fp8 import fp8_roundtrip
+    from minirl.objective import loss_for, minibatch_indices
     from minirl.preflight import check_model_folder, prepare_run
-    from minirl.rollout import VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
     from minirl.train import Trainer
 
     inputs = prepare_run(ws, rec, resume=False)
@@ -55,7 +55,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     progress("starting vLLM (fp32 and bf16)")
     engines = {dtype: VLLMEngine(folder, dtype=dtype, seed=rec.train.seed, max_model_len=max_len,
                                  max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
-                                 capture_routes=moe)
+                                 kv_cache_gib=rec.rollout.kv_cache_gib, capture_routes=moe)
                for dtype in ("float32", "bfloat16")}
     B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
     pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
@@ -119,7 +119,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
         adv = objective.group_advantages(torch.tensor([s.score for s in scores], dtype=torch.float32).view(-1, G),
                                          std_scale=rec.loss.adv_std).flatten()
         batch = _with_adv(batch, adv)
-        loss_fn = loss_for(rec)
+        loss_fn = loss_for(rec.loss)
         for mode in ("off", "r2", "r3") if moe else ("off",):
             trainer.model.load_state_dict(start)
             trainer.optim.state.clear()
@@ -146,7 +146,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
 
 
 def _batch(prompts, groups, G: int, pad: int):
-    from minirl.train import build_batch
+    from minirl.batch import build_batch
 
     comps = [c for g in groups for c in g]
     return build_batch([p for p in prompts for _ in range(G)], [c.token_ids for c in comps],
@@ -154,7 +154,7 @@ def _batch(prompts, groups, G: int, pad: int):
 
 
 def _as_batch(prompts, resps, logps, pad: int):
-    from minirl.train import build_batch
+    from minirl.batch import build_batch
 
     return build_batch(prompts, resps, logps, None, pad_id=pad)
 

@@ -174,7 +174,7 @@ def eval_benchmark(
     from transformers import AutoConfig, AutoTokenizer
 
     from minirl import benchmarks
-    from minirl.rollout import VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
     from rewards.pool import GradingPool
 
     bench = benchmarks.get(bench_name)
@@ -214,7 +214,8 @@ def eval_benchmark(
     t0 = time.time()
     if todo:
         eos = tok.eos_token_id
-        engine = VLLMEngine.from_config(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=ctx)
+        # an evaluation never sleeps between rollouts: the engine holds its memory throughout
+        engine = VLLMEngine.from_config(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=ctx, sleep_level=0)
         pool = GradingPool(grader_name, params, workers=rec.eval.grader_workers, timeout_s=rec.reward.timeout_s)
         try:
             with partial.open("a") as f:

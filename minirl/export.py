@@ -70,7 +70,8 @@ def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
 
 def checkpoints(run_dir: Path) -> list[Checkpoint]:
     """The run's complete checkpoints, oldest first, each marked good or not."""
-    from minirl.preflight import complete_checkpoints, read_json
+    from minirl.files import read_json
+    from minirl.preflight import complete_checkpoints
 
     undone = undone_stretches(run_dir)
     out = []
@@ -84,28 +85,10 @@ def checkpoints(run_dir: Path) -> list[Checkpoint]:
 
 def undone_stretches(run_dir: Path) -> list[tuple[int, int]]:
     """(t, s) for each rollback: at step s, back to the checkpoint of step t."""
-    from minirl.summary import metric_rows
+    from minirl.metrics_file import metric_rows
 
     rows = metric_rows(run_dir / "metrics.jsonl")
     return [(int(r["guard/rollback_to_step"]), int(r["step"])) for r in rows if "guard/rollback_to_step" in r]
-
-
-def known_score(run_dir: Path, ckpt: Checkpoint, metric: str) -> tuple[float, str] | None:
-    """A held-out score this checkpoint already has, and where it comes from."""
-    cached = ckpt.path / "heldout.json"
-    if cached.exists():
-        got = json.loads(cached.read_text())
-        if metric in got:
-            return float(got[metric]), f"{cached.name} (measured by an earlier export)"
-    summary_path = run_dir / "summary.json"
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        held = summary.get("heldout", {})
-        if ckpt.step == 0 and metric in held.get("start", {}):
-            return float(held["start"][metric]), "the run's held-out evaluation at its start"
-        if Path(summary.get("checkpoint", "")).name == ckpt.path.name and metric in held.get("end", {}):
-            return float(held["end"][metric]), "the run's held-out evaluation at its end"
-    return None
 
 
 def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
@@ -199,9 +182,9 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     from minirl import recipe as recipe_mod
     from minirl.evaluate import evaluate
     from minirl.preflight import prepare_run
-    from minirl.rollout import VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
     from minirl.train import Trainer
-    from minirl.weight_sync import sync
+    from minirl.rollout.sync import sync
     from minirl.workspace import Workspace
 
     rec = recipe_mod.load(run_dir / "recipe.toml", [])

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from minirl import atomic
 from minirl.guard import Guard
-from minirl.rollout import SAMPLING
+from minirl.rollout.seeding import SAMPLING
 
 NO_IS = ("loss.is_mode=off", "loss.allow_uncorrected=true")
 NO_CLIP = ("loss.eps_low=1", "loss.eps_high=1e9")  # M_t ≡ 1: r_t never falls below 0 nor above 1e9

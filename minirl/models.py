@@ -289,7 +289,7 @@ def read_shape(folder) -> ModelShape:
     """The shape of the HF model folder's config.json."""
     from pathlib import Path
 
-    from minirl.preflight import read_json
+    from minirl.files import read_json
 
     path = Path(folder) / "config.json"
     return ModelShape.from_hf_config(read_json(path, "model config"), source=str(path))

@@ -19,9 +19,14 @@ Deliberately left out, as in the paper: no KL penalty, no entropy bonus.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:  # for annotations only: the batch module needs nothing from here
+    from minirl.batch import Batch
 
 ISMode = Literal["truncate", "mask", "off"]
 LossName = Literal["minirl", "grpo", "cispo"]
@@ -275,3 +280,32 @@ __all__ = [
     "valid_mask",
 ]
 
+
+def sequence_rewards(scores: list[float], truncated: list[bool], truncated_reward: str) -> torch.Tensor:
+    """R(x, y) per response. A response cut at the length limit is graded as written ("grade") or
+    scores 0 whatever it says ("zero"); the recipe declares which (`loss.truncated_reward`)."""
+    if truncated_reward == "zero":
+        return torch.tensor([0.0 if cut else s for s, cut in zip(scores, truncated)])
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def minibatch_indices(B: int, G: int, N: int, *, seed: int) -> list[torch.Tensor]:
+    """Split B prompts × G responses (rows grouped by prompt) into N mini-batches of whole groups,
+    in a seeded random order. Every row lands in exactly one mini-batch."""
+    order = torch.randperm(B, generator=torch.Generator().manual_seed(seed)).view(N, B // N)
+    return [(prompts[:, None] * G + torch.arange(G)[None, :]).flatten() for prompts in order]
+
+
+def loss_for(loss, *, poison: bool = False) -> Callable[[torch.Tensor, "Batch"], tuple[torch.Tensor, dict]]:
+    """The recipe's policy loss (a `LossConfig`) as the trainer calls it: (log π_θ [B, T], batch)
+    → (loss, metrics). `poison`: the loss comes out NaN (fault injection, faults.py)."""
+    kw = dict(eps_low=loss.eps_low, eps_high=loss.eps_high, tis_cap=loss.tis_cap, is_mode=loss.is_mode,
+              length_norm=loss.length_norm)
+
+    def fn(logp_BT: torch.Tensor, b: "Batch"):
+        # on-policy (N = 1) the batch has no π_θold yet: it is this forward's π_θ, held fixed
+        old = b.old_logp_BT if b.old_logp_BT is not None else logp_BT.detach()
+        value, m = policy_loss(loss.name, logp_BT, old, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+        return (value * math.nan, m) if poison else (value, m)
+
+    return fn

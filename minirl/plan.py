@@ -176,7 +176,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     training = state + train_only + (vllm_w + kv if awake else 0.0)
     if r.sleep_level == 1:
         mem["host memory: vLLM weights asleep"] = vllm_w
-    # weight sync (weight_sync.py): vLLM's weights awake, its KV cache not yet; one bucket of whole
+    # weight sync (rollout/sync.py): vLLM's weights awake, its KV cache not yet; one bucket of whole
     # layers in the engine's dtype (at least one layer) and the largest parameter gathered in fp32
     full_layer = (P - shape.vocab_size * d * (1 if shape.tie_embeddings else 2)) // L
     largest = max(shape.vocab_size * d, shape.num_experts * d * shape.moe_hidden_dim if shape.is_moe else 0,

@@ -23,7 +23,7 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minirl.summary import metric_rows
+    from minirl.metrics_file import metric_rows
 
     rows = metric_rows(metrics_jsonl, upto=upto)
     marks = [(r["step"], "tab:red", "--", "rollback") for r in rows if r.get("guard/action") in ("rollback", "stop")]

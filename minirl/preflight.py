@@ -16,20 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from minirl.errors import UsageError
+from minirl.files import read_json
 from minirl.models import ModelShape
-
-def read_json(path: Path, what: str) -> dict:
-    """A JSON object from `path`; anything else is one UsageError line naming the file."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{what}: {path} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{what}: {path} is not readable JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{what}: {path} must hold a JSON object, not {type(data).__name__}")
-    return data
-
+from minirl.recipe import Platform, validate
 
 @functools.cache
 def _meta_state_dict(shape: ModelShape) -> dict:
@@ -210,6 +199,7 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
 def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
+    validate(rec, Platform.here(world_size))  # what this machine cannot do, before anything is read
     from minirl.data import load_problems, prompt_ids
     from minirl.hub import model_dir as resolve_model_dir
     from minirl.models import read_shape

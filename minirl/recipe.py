@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -48,17 +49,17 @@ class RolloutConfig:
     temperature: float = 1.0
     max_tokens: int = 8  # response length limit
     memory_fraction: float = 0.1  # vLLM gpu_memory_utilization (CPU: fraction of NUMA-node RAM)
-    kv_cache_gib: float = 0.0  # explicit KV-cache size; 0 = auto (CUDA: from memory_fraction; CPU: 0.5 GiB)
+    kv_cache_gib: float = 0.0  # explicit KV-cache size; 0 = sized by vLLM from memory_fraction (CUDA only)
     tensor_parallel: int = 1  # GPUs per vLLM engine; under torchrun every tensor_parallel consecutive ranks share one
     # between rollouts (CUDA; CPU has no sleep mode): 0 stay awake, 1 offload weights to host and drop
     # the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost)
-    sleep_level: int = 2
+    sleep_level: int = 0
     sync_bucket_mib: int = 1024  # weight sync: whole decoder layers gathered and loaded at most this much at a time
     # check vLLM vs trainer log-probs on a fixed batch after the first sync, every k-th and every
     # rollback (0 = never); each check costs about a π_old forward of 16 responses
     parity_every: int = 10
     # sample the next step's batch in the engine's own process while this step trains (one step
-    # off-policy: each batch comes from the weights before the last update; engine_process.py).
+    # off-policy: each batch comes from the weights before the last update; rollout/process.py).
     # One process on CPU, 2+ cores: the trainer takes half of them, the engine the rest
     overlap: bool = False
 
@@ -370,9 +371,25 @@ def _check_numbers(r: Recipe) -> None:
                 raise UsageError(f"{key} = {value}; it must be {lower}{upper}")
 
 
-def validate(r: Recipe) -> None:
-    """Every field's range and the rules that span fields. Fails with the key to change; never
-    rewrites. Runs before anything is built, so a bad recipe costs no engine start."""
+@dataclass(frozen=True, slots=True)
+class Platform:
+    """Where a recipe is about to run: what the rules that depend on the machine check."""
+
+    device: str  # "cpu" or "cuda"
+    world_size: int = 1  # ranks of the job
+    cores: int = 2  # CPU cores this process may use
+
+    @classmethod
+    def here(cls, world_size: int = 1) -> "Platform":
+        import torch
+
+        return cls("cuda" if torch.cuda.is_available() else "cpu", world_size, len(os.sched_getaffinity(0)))
+
+
+def validate(r: Recipe, platform: Platform | None = None) -> None:
+    """Every field's range and the rules that span fields, and with `platform` the rules of the
+    machine it runs on. Fails with the key to change; never rewrites. Runs before anything is
+    built, so a bad recipe costs no engine start."""
     choices = {
         "loss.name": (r.loss.name, ("minirl", "grpo", "cispo")),
         "loss.is_mode": (r.loss.is_mode, ("truncate", "mask", "off")),
@@ -427,6 +444,25 @@ def validate(r: Recipe) -> None:
                          f"({r.cold_start.train_size}): the dev split is carved from the train split")
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")
+    if platform is not None:
+        _check_platform(r.rollout, platform)
+
+
+def _check_platform(ro: RolloutConfig, p: Platform) -> None:
+    """What the machine cannot do: refused, never quietly changed."""
+    if ro.overlap and (p.world_size > 1 or p.device != "cpu"):
+        raise UsageError("rollout.overlap = true runs one process on CPU (an engine process beside the trainer); "
+                         "set rollout.overlap = false under torchrun or on GPUs")
+    if ro.overlap and p.cores < 2:
+        raise UsageError(f"rollout.overlap = true needs at least 2 cores for a trainer and an engine; this process "
+                         f"has {p.cores}: set rollout.overlap = false")
+    if p.device == "cpu" and ro.sleep_level:
+        raise UsageError(f"rollout.sleep_level = {ro.sleep_level}: vLLM's CPU backend has no sleep mode; set "
+                         "rollout.sleep_level = 0 on a machine without a GPU")
+    if p.device == "cpu" and ro.kv_cache_gib <= 0:
+        raise UsageError("rollout.kv_cache_gib = 0 asks vLLM to size its KV cache from rollout.memory_fraction, which "
+                         "its CPU backend counts this process's whole memory against and refuses; set "
+                         "rollout.kv_cache_gib (e.g. 0.5) on a machine without a GPU")
 
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from minirl.train import Trainer, build_batch
+from minirl.batch import build_batch
+from minirl.train import Trainer
 
 
 def sft_loss(logp_BT: torch.Tensor, batch) -> tuple[torch.Tensor, dict]:

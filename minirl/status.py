@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minirl.errors import UsageError
-from minirl.summary import metric_rows
+from minirl.metrics_file import metric_rows
 
 PROCESS_FILE = "process.json"
 

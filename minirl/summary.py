@@ -93,14 +93,3 @@ def _last_metrics(path: Path) -> dict:
     return {k: v for k, v in m.items() if isinstance(v, float) and not math.isnan(v)}
 
 
-def metric_rows(path: Path, *, upto: int | None = None) -> list[dict]:
-    """The rows of a run's metrics.jsonl (steps ≤ `upto` if given); a line a kill cut short is skipped."""
-    rows = []
-    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and (upto is None or row["step"] <= upto):
-            rows.append(row)
-    return rows

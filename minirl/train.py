@@ -16,86 +16,15 @@ with model and optimizer state; they load under any later parallel layout.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import shutil
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from minirl import atomic
+from minirl import checkpoint
+from minirl.batch import Batch
 from minirl.models import ModelShape, attention_pair_cost, titan_config
 from minirl.objective import entropy_from_logits
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """A right-padded token batch for the trainer.
-
-    tokens_BL:        int64 [B, L]    prompt + response token ids, padded with pad id
-    mask_BT:          float [B, L-1]  1.0 where position t predicts a response token tokens[:, t+1]
-    rollout_logp_BT:  float [B, L-1]  log μ_θold(tokens[:, t+1]) at those positions, 0 elsewhere
-    adv_B:            float [B]       A(x, y) per response
-    old_logp_BT:      float [B, L-1]  log π_θold at those positions, once the trainer computed it (else None)
-    prompt_len_B:     int64 [B]       tokens of each row's prompt  } what shared-prompt packing needs
-    seq_len_B:        int64 [B]       tokens of prompt + response   } (packing.py); None: never packed
-
-    Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
-        tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
-    """
-
-    tokens_BL: torch.Tensor
-    mask_BT: torch.Tensor
-    rollout_logp_BT: torch.Tensor
-    adv_B: torch.Tensor
-    old_logp_BT: torch.Tensor | None = None
-    prompt_len_B: torch.Tensor | None = None
-    seq_len_B: torch.Tensor | None = None
-
-    def select(self, idx: torch.Tensor | slice) -> "Batch":
-        return Batch(*(None if t is None else t[idx] for t in self._tensors()))
-
-    def to(self, device: torch.device) -> "Batch":
-        """The whole batch on `device` (the trainer's): masks, advantages and log-probs included."""
-        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()))
-
-    def with_old_logp(self, old_logp_BT: torch.Tensor) -> "Batch":
-        return dataclasses.replace(self, old_logp_BT=old_logp_BT)
-
-    def _tensors(self) -> tuple:
-        return (self.tokens_BL, self.mask_BT, self.rollout_logp_BT, self.adv_B, self.old_logp_BT, self.prompt_len_B,
-                self.seq_len_B)
-
-    def __len__(self) -> int:
-        return self.tokens_BL.shape[0]
-
-
-def build_batch(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    rollout_logps: Sequence[Sequence[float]] | None,
-    adv: Sequence[float] | None,
-    *,
-    pad_id: int,
-) -> Batch:
-    B = len(prompts)
-    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a row at a time is ~5x slower)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        n_p, n_r = len(p), len(r)
-        tokens.append([*p, *r] + [pad_id] * (L - n_p - n_r))
-        mask.append([0.0] * (n_p - 1) + [1.0] * n_r + [0.0] * (L - n_p - n_r))
-        if rollout_logps is not None:
-            rlp.append([0.0] * (n_p - 1) + [float(x) for x in rollout_logps[i]] + [0.0] * (L - n_p - n_r))
-    adv_t = torch.tensor(list(adv), dtype=torch.float32) if adv is not None else torch.zeros(B)
-    n_p = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    n = n_p + torch.tensor([len(r) for r in responses], dtype=torch.long)
-    mask_t = torch.tensor(mask, dtype=torch.float32)
-    rlp_t = torch.tensor(rlp, dtype=torch.float32) if rollout_logps is not None else torch.zeros(B, L - 1)
-    return Batch(torch.tensor(tokens, dtype=torch.long), mask_t, rlp_t, adv_t, prompt_len_B=n_p, seq_len_B=n)
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -221,6 +150,14 @@ class Trainer:
             fused=not self.sharded or None,
         )
 
+    @classmethod
+    def from_recipe(cls, rec, shape: ModelShape, *, device: str | torch.device) -> "Trainer":
+        """The trainer a recipe's [train] and [parallel] sections ask for."""
+        t = rec.train
+        return cls(shape, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed, device=device,
+                   ep=rec.parallel.ep, param_dtype=t.param_dtype, activation_checkpoint=t.activation_checkpoint,
+                   pack_prompts=t.pack_prompts)
+
     def _init_weights(self) -> None:
         """TorchTitan configs carry per-parameter init functions; apply them to the fresh model."""
         self.model.init_states()
@@ -251,10 +188,10 @@ class Trainer:
         return titan_to_hf(self.shape, self.full_state_dict())
 
     def hf_buckets(self, *, dtype: torch.dtype, bucket_bytes: int, transform=None):
-        """The weights in HF names, whole, a few decoder layers at a time (weight_sync.py); a
+        """The weights in HF names, whole, a few decoder layers at a time (rollout/sync.py); a
         collective under torchrun: every rank iterates it to the end."""
         from minirl.hf_io import adapter
-        from minirl.weight_sync import hf_buckets
+        from minirl.rollout.sync import hf_buckets
 
         return hf_buckets(self.model, adapter(self.shape).to_hf, dtype=dtype, bucket_bytes=bucket_bytes,
                           transform=transform)
@@ -282,7 +219,7 @@ class Trainer:
 
     def share_memory(self) -> None:
         """Parameters into shared memory (one process), where another process reads them in
-        place: the overlapped engine's (engine_process.py). Views made before are stale after."""
+        place: the overlapped engine's (rollout/process.py). Views made before are stale after."""
         for p in self.model.parameters():
             p.data.share_memory_()
 
@@ -453,129 +390,13 @@ class Trainer:
 
     # ----- checkpoints -------------------------------------------------------------------------
     def save(self, path: Path, extra: dict | None = None) -> Path:
-        """DCP checkpoint of model + optimizer, plus `extra` (step, sampler, ...) as JSON. Atomic:
-        written to a temp folder and renamed, so a crash mid-save never leaves a half checkpoint.
-
-        An optimizer that has not stepped yet is not saved: DCP would first materialise its state
-        with a zero step, which advances Adam's step count and changes every later update."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        main = self.rank == 0  # every rank writes its shards; rank 0 alone handles the folder and the JSON
-        if main and tmp.exists():
-            shutil.rmtree(tmp)
-        self._barrier()
-        has_optim = bool(self.optim.state)
-        state = {"model": get_model_state_dict(self.model)}
-        if has_optim:
-            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-        needed = _nbytes(state)
-        try:
-            _check_room(path.parent, needed)  # a full disk fails before a byte is written
-            # a collective under torchrun: every rank's shards are written after it. One process
-            # stays off collectives (`no_dist`): vLLM's in-process engine starts a one-rank gloo
-            # group, and a DCP save through it left every later update ~1.4x slower (gloo; measured)
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.sharded)
-            # minirl.json last: a folder without it was never finished
-            if main:
-                atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
-        except BaseException as e:
-            if main:
-                shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
-            cause = _os_error(e)
-            if cause is None and not isinstance(e, KeyboardInterrupt):
-                cause = _why_write_failed(path.parent, needed)
-            if cause is not None:
-                raise cause from None
-            raise
-        if main and path.exists():  # the same step saved twice (a final save right after a periodic one): same state
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif main:
-            os.replace(tmp, path)
-        self._barrier()  # no rank reads the checkpoint before it is in place
-        return path
-
-    def _barrier(self) -> None:
-        if self.sharded:
-            import torch.distributed as dist
-
-            dist.barrier()
+        """A DCP checkpoint of model and optimizer, plus `extra` (step, sampler, ...) as JSON,
+        written aside and renamed into place (checkpoint.py)."""
+        return checkpoint.save(self.model, self.optim, Path(path), extra, sharded=self.sharded, main=self.rank == 0)
 
     def load(self, path: Path, *, with_optim: bool = True) -> dict:
         """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        extra = json.loads((Path(path) / "minirl.json").read_text())
-        load_optim = with_optim and extra.get("has_optim", True)
-        state = {"model": get_model_state_dict(self.model)}
-        if load_optim:
-            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not self.sharded)  # see `save`
-        set_model_state_dict(self.model, state["model"])
-        if load_optim:
-            set_optimizer_state_dict(self.model, self.optim, state["optim"])
-        elif with_optim:
-            self.optim.state.clear()
-        return extra
-
-
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError (ENOSPC, EROFS, ...) behind a failed DCP save, which wraps it in CheckpointException."""
-    seen = 0
-    while e is not None and seen < 10:
-        if isinstance(e, OSError):
-            return e
-        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, stack summary)}
-        if isinstance(failures, dict):
-            for f in failures.values():
-                f = f[0] if isinstance(f, tuple) and f else f  # torch wraps each failure with its stack
-                inner = _os_error(f) if isinstance(f, BaseException) else None
-                if inner is not None:
-                    return inner
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return None
-
-
-def _nbytes(state) -> int:
-    """Bytes of all tensors in a (nested) state dict: what a checkpoint of it needs on disk."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_nbytes(v) for v in state)
-    return 0
-
-
-def _check_room(folder: Path, needed: int) -> None:
-    import errno
-
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free, a checkpoint needs "
-                                    f"{needed / 2**20:.1f} MiB)", str(folder))
-
-
-def _why_write_failed(folder: Path, needed: int) -> OSError | None:
-    """torch's writer reports a short write as "unexpected pos vs ..." and drops the errno: look
-    for the cause ourselves (a full disk, a folder that stopped being writable)."""
-    try:
-        _check_room(folder, needed)
-        probe = folder / ".minirl-write-probe"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as e:
-        return e
-    return None
+        return checkpoint.load(self.model, self.optim, Path(path), with_optim=with_optim, sharded=self.sharded)
 
 
 def _merge_metrics(parts: list[dict]) -> dict:

@@ -116,6 +116,8 @@ def init_workspace(
 def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tuple[str, list[str], dict]:
     """The recipe, the overrides and the report lines for `init --model`: the architecture comes
     from the model's config (one line, exit 2, when it cannot be read or is not supported)."""
+    import torch  # deferred: `minirl init` of the embedded default and the CLI's help start without it
+
     from minirl import hub
     from minirl.plan import active_params
     from minirl.models import param_count
@@ -127,6 +129,8 @@ def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tup
     suited = [f"model.id={model}", "model.path="]
     if not shape.is_moe:  # routing replay and expert parallel have nothing to act on
         suited += ["train.replay=off", "parallel.ep=1"]
+    if not torch.cuda.is_available():  # written into the recipe, where recipe.validate would refuse the GPU values
+        suited += ["rollout.sleep_level=0", "rollout.kv_cache_gib=0.5"]
     report = {"model": model, "moe": shape.is_moe, "params": param_count(shape), "active": active_params(shape)}
     return name, suited + overrides, report
 

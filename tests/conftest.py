@@ -56,7 +56,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_dir):
-    from minirl.rollout import VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
 
     return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25)
 

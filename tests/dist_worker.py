@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def fixed_batch(shared: bool = False):
     """8 rows; shared: two prompts of 4 responses each (one group per rank: packed, packing.py)."""
-    from minirl.train import build_batch
+    from minirl.batch import build_batch
 
     g = torch.Generator().manual_seed(7)
     B = 8

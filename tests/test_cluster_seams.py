@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from minirl.rollout import CPU_WORKAROUNDS, EngineSettings, VLLMEngine, engine_args
+from minirl.rollout.vllm import CPU_WORKAROUNDS, EngineSettings, VLLMEngine, engine_args
 
 
 def test_cpu_and_cuda_engines_differ_only_by_the_documented_workarounds():
@@ -92,7 +92,7 @@ def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bo
     from minirl.hf_io import adapter, titan_to_hf
     from minirl.models import TINY
     from minirl.train import Trainer
-    from minirl.weight_sync import bucket_nbytes, hf_buckets, layer_groups
+    from minirl.rollout.sync import bucket_nbytes, hf_buckets, layer_groups
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     expected = {k: v.to(torch.bfloat16) for k, v in titan_to_hf(TINY, tr.full_state_dict()).items()}
@@ -127,7 +127,7 @@ def test_a_layer_larger_than_the_bound_is_a_bucket_of_its_own():
     from minirl.hf_io import adapter
     from minirl.models import TINY
     from minirl.train import Trainer
-    from minirl.weight_sync import hf_buckets, layer_groups
+    from minirl.rollout.sync import hf_buckets, layer_groups
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     buckets = list(hf_buckets(tr.model, adapter(TINY).to_hf, dtype=torch.float32, bucket_bytes=1))
@@ -174,7 +174,7 @@ def test_stale_cpu_tp_shared_memory_of_a_killed_attempt_is_cleared_and_live_segm
     behind and the restarted rank's create fails (EEXIST). The engine clears unmapped ones first."""
     import mmap
 
-    from minirl.rollout import _clear_stale_cpu_shm
+    from minirl.rollout.vllm import _clear_stale_cpu_shm
 
     stale, live, other = (tmp_path / n for n in ("-tp:0-[0-1]-cpushm_1", "-tp:0-[0-1]-cpushm_0", "psm_1234"))
     for f in (stale, live, other):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.summary import metric_rows
+from minirl.metrics_file import metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [

@@ -77,8 +77,9 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     from transformers import AutoModelForCausalLM
 
     from minirl.models import TINY
-    from minirl.rollout import VLLMEngine
-    from minirl.train import Trainer, build_batch
+    from minirl.rollout.vllm import VLLMEngine
+    from minirl.batch import build_batch
+    from minirl.train import Trainer
 
     ws = run_dir.parent.parent
     r = minirl("eval", "-w", str(ws), "--checkpoint", str(run_dir / "checkpoints" / "step_000003"), "--k", "2")

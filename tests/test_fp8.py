@@ -2,7 +2,7 @@
 
 import torch
 
-from minirl.fp8 import fp8_roundtrip
+from minirl.rollout.fp8 import fp8_roundtrip
 from minirl.models import TINY
 from minirl.train import Trainer
 
@@ -57,7 +57,7 @@ def test_vllm_holds_fp8_rounded_weights_and_an_fp32_sync_restores_them(tiny_dir)
     """rollout.precision = fp8 on CPU: the weights vLLM computes with differ from the trainer's by
     FP8's rounding (e4m3: within 2^-4 of each row's largest weight), and the next sync at full
     precision puts the trainer's weights back bit for bit."""
-    from minirl.rollout import VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     tr.load_hf(tiny_dir)

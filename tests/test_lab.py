@@ -133,7 +133,7 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
     above a max_kl of -1), so the guard check reruns it with the guard acting: it rolls back,
     then stops as collapsed (exit 3), and the report and figure say so."""
-    from minirl.rollout import SAMPLING
+    from minirl.rollout.seeding import SAMPLING
     from minirl.workspace import init_workspace
 
     ws = tmp_path / "ws"

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minirl.loop import _new_run_dir, minibatch_indices, sequence_rewards
+from minirl.lifecycle import _new_run_dir
+from minirl.objective import minibatch_indices, sequence_rewards
 from minirl.workspace import Workspace
 
 
@@ -32,7 +33,7 @@ def test_truncated_reward_semantics():
 
 
 def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
-    from minirl.loop import _truncate_metrics
+    from minirl.metrics_file import truncate as _truncate_metrics
 
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rollout/rew')  # killed mid-write

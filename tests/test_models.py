@@ -61,7 +61,7 @@ def test_the_trainers_policy_gradient_equals_transformers(tiny_dir):
     every parameter, router and experts included (transformers keeps experts stacked)."""
     from transformers import AutoModelForCausalLM
 
-    from minirl.train import build_batch
+    from minirl.batch import build_batch
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
     tr = Trainer(TINY, lr=1e-3)

@@ -1,4 +1,4 @@
-"""`rollout.overlap`: the engine in a process of its own (engine_process.py), and an overlapped run.
+"""`rollout.overlap`: the engine in a process of its own (rollout/process.py), and an overlapped run.
 
 The engine's process runs the real vLLM engine on the tiny model; the trainer's weights reach it
 through shared memory."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.engine_process import EngineProcess, split_cores
+from minirl.rollout.process import EngineProcess, split_cores
 from minirl.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     which the engine's process scores exactly as an engine in this process given the same
     weights; so it does when its process copies everything from the trainer's shared
     parameters instead (the path for engines whose weights cannot be shared)."""
-    from minirl import weight_sync
+    from minirl.rollout import sync as weight_sync
     from minirl.models import TINY
     from minirl.train import Trainer
 

@@ -6,7 +6,8 @@ import torch
 
 from minirl.models import TINY
 from minirl.packing import pack_shared_prompts
-from minirl.train import Trainer, build_batch
+from minirl.batch import build_batch
+from minirl.train import Trainer
 
 
 def _pack(prompts, resps, **kw):
@@ -85,10 +86,10 @@ def _grouped_batch(seed: int):
 @pytest.mark.parametrize("micro", [0, 4])
 def test_packed_trainer_equals_unpacked_in_logprobs_entropy_loss_and_gradient(micro):
     from minirl import recipe
-    from minirl.loop import loss_for
+    from minirl.objective import loss_for
 
     batch = _grouped_batch(0)
-    fn = loss_for(recipe.load(None))
+    fn = loss_for(recipe.load(None).loss)
     out = {}
     for pack in (False, True):
         tr = Trainer(TINY, lr=1e-3, seed=0, pack_prompts=pack)

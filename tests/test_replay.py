@@ -6,7 +6,8 @@ import torch
 from minirl import objective as O
 from minirl.models import TINY
 from minirl.replay import route_agreement, route_dtype
-from minirl.train import Trainer, build_batch
+from minirl.batch import build_batch
+from minirl.train import Trainer
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from minirl.models import TINY
-from minirl.train import Trainer, build_batch
+from minirl.batch import build_batch
+from minirl.train import Trainer
 
 PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 4, 4, 4, 16], [12, 11, 10, 13, 3, 3, 3, 16]]
 
@@ -57,7 +58,7 @@ def test_cpu_rms_norms_round_once_like_an_fp32_reference(dtype):
     """cpu_norms' providers (vLLM's C kernels): normalised and weighted in fp32 (bf16: rounded
     once), on a strided q-heads view (the kernel alone reads a strided view's rows from the wrong
     place) and in the in-place fused add."""
-    from minirl import cpu_norms
+    from minirl.rollout.cpu import norms as cpu_norms
 
     def ref(x, w, eps=1e-6):
         x = x.double()
@@ -85,7 +86,7 @@ def test_cpu_engine_norms_run_vllms_c_kernels_closer_to_the_trainer(engine, tiny
     fallback), and that brings its log-probs closer to the fp32 trainer's than the native op."""
     from vllm import ir
 
-    from minirl import cpu_norms
+    from minirl.rollout.cpu import norms as cpu_norms
 
     prompts, responses, _ = fixed
     calls = dict.fromkeys(cpu_norms.PRIORITY, 0)
@@ -113,7 +114,7 @@ def test_cpu_engine_norms_run_vllms_c_kernels_closer_to_the_trainer(engine, tiny
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_captured_logprobs_equal_vllms_own(dtype, request):
-    """On CPU the sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py),
+    """On CPU the sampled tokens' log-probs come from the sampler's tensors (rollout/cpu/logprobs.py),
     not from vLLM's per-request lists: the same call through both gives the same tokens and
     exactly the same log-probs (prompts of several lengths, early stops and length cuts; at
     T = 0.7, where an fp32 engine's sampler scales the logits in place after the capture)."""
@@ -163,7 +164,7 @@ def one_update(tr, prompts, responses):
 # process groups with it, and every engine still alive (conftest's `engine`) stops working.
 @pytest.fixture(scope="session")
 def engine32(tiny_dir):
-    from minirl.rollout import VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
 
     return VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.25)
 
@@ -214,7 +215,7 @@ def test_bf16_sync_parity_within_precision(engine, tiny_dir, fixed):
 
 
 def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
-    """The CPU fast path (cpu_weights.py) against vLLM's own `reload_weights`, the same updated
+    """The CPU fast path (rollout/cpu/weights.py) against vLLM's own `reload_weights`, the same updated
     weights through each: identical log-probs. And it refuses a stream that would leave weights
     stale or that names a weight the engine lacks."""
     prompts, responses, _ = fixed
@@ -256,7 +257,7 @@ def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_pat
     copied weights themselves."""
     from vllm import _custom_ops
 
-    from minirl import weight_sync
+    from minirl.rollout import sync as weight_sync
 
     built = []
     create = _custom_ops.create_onednn_mm
@@ -289,7 +290,7 @@ def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_pat
 
 @pytest.fixture(scope="session")
 def engine_r3(tiny_dir):
-    from minirl.rollout import VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
 
     return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25, capture_routes=True)
 
@@ -316,7 +317,7 @@ def fed_positions(comps, batch):
 def test_route_capture_is_aligned_with_the_trainer_in_fp32(engine32, tiny_dir):
     """fp32 engines route identically, so a capture that is cut per request and position correctly
     agrees 100% with the trainer's own routing; an off-by-one or a request mix-up would not."""
-    from minirl import capture
+    from minirl.rollout.cpu import routes as capture
     from minirl.replay import route_agreement
 
     engine32._llm.collective_rpc(capture.install)
@@ -393,7 +394,7 @@ def test_cuda_routed_experts_become_the_same_routes_as_the_cpu_capture(engine_r3
     import numpy as np
 
     from minirl.replay import rollout_routes
-    from minirl.rollout import routes_from_vllm
+    from minirl.rollout.vllm import routes_from_vllm
 
     comps, batch, routes = capture_batch(engine_r3, n_prompts=6)
     cfg = engine_r3._llm.llm_engine.vllm_config

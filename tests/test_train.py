@@ -5,7 +5,8 @@ import torch
 
 from minirl.models import TINY
 from minirl.sft import sft_loss
-from minirl.train import Trainer, build_batch
+from minirl.batch import build_batch
+from minirl.train import Trainer
 
 BATCH = build_batch([[4, 5, 16]] * 4, [[6, 2]] * 4, None, None, pad_id=0)
 
@@ -119,14 +120,14 @@ def test_on_policy_update_gives_pi_old_itself(micro):
     """N = 1: the update's own forward is at θ_old, so the loop takes log π_θold and H from it
     (loop.loss_for holds it fixed) instead of a second forward: same values, same gradient."""
     from minirl import recipe
-    from minirl.loop import loss_for
+    from minirl.objective import loss_for
 
     g = torch.Generator().manual_seed(2)
     prompts = [[4, 5, 16]] * 6
     resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] + [2] for n in (1, 3, 2, 4, 1, 2)]
     b = build_batch(prompts, resps, [[-1.0 - 0.1 * i for i in range(len(r))] for r in resps],
                     [0.5, -0.5, 1.0, -1.0, 0.2, -0.2], pad_id=0)
-    fn = loss_for(recipe.load(None))
+    fn = loss_for(recipe.load(None).loss)
     micro_tokens = micro * b.tokens_BL.shape[1]
 
     separate = Trainer(TINY, lr=1e-3, seed=0)

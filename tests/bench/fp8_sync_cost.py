@@ -36,7 +36,7 @@ def main() -> None:
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
     from minirl import recipe
-    from minirl.fp8 import fp8_roundtrip, is_fp8_target
+    from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target
     from minirl.models import KNOWN_SHAPES, TINY
     from minirl.plan import make_plan
     from minirl.train import Trainer

@@ -32,7 +32,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def run(ws_src: Path, steps: int, sets: list[str]) -> list[dict]:
-    from minirl import loop, recipe
+    from minirl import lifecycle, recipe
     from minirl.workspace import Workspace
 
     tmp = Path(tempfile.mkdtemp(prefix="minirl-bench-"))
@@ -40,7 +40,7 @@ def run(ws_src: Path, steps: int, sets: list[str]) -> list[dict]:
     ws = Workspace.open(tmp / "ws")
     rec = recipe.load(ws.recipe_path, [f"train.steps={steps}", "checkpoint.every=100000", "eval.max_problems=16",
                                        "rollout.parity_every=0", *sets])
-    summary = loop.run(ws, rec)
+    summary = lifecycle.run(ws, rec)
     rows = [json.loads(x) for x in Path(summary["metrics"]).read_text().splitlines()]
     shutil.rmtree(tmp, ignore_errors=True)
     return rows
@@ -65,10 +65,11 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     import time
 
     from minirl import recipe
-    from minirl.loop import RLRun, loss_for
+    from minirl.loop import RLRun
+    from minirl.objective import loss_for
     from minirl.preflight import prepare_run
     from minirl.replay import rollout_routes
-    from minirl.train import build_batch
+    from minirl.batch import build_batch
     from minirl.workspace import Workspace
 
     ws = Workspace.open(ws_src)
@@ -99,7 +100,7 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
         old, _, _ = timed("old", lambda: tr.logprobs(batch))
         timed("old_r3", lambda: tr.logprobs(batch, routes=routes))
         batch = batch.with_old_logp(old)
-        fn = loss_for(rec)
+        fn = loss_for(rec.loss)
         timed("upd", lambda: tr.forward_backward(batch, fn))
         tr.optim.zero_grad()
         timed("upd_r3", lambda: tr.forward_backward(batch, fn, routes=routes))

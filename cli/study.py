@@ -1,0 +1,130 @@
+"""`minirl doctor` and `minirl lab`: what the training–inference gap is made of, and the paper's
+findings reproduced on the embedded default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli.render import SET_HELP, console
+
+
+@click.command()
+@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
+              show_default=True, help="Workspace whose recipe and data to use.")
+@click.option("--checkpoint", default="latest", show_default=True,
+              help="'latest' (newest run checkpoint, else the cold start), 'coldstart', a run checkpoint or an HF folder.")
+@click.option("--seeds", type=int, default=3, show_default=True, help="Fixed batches to draw (figures: mean ± spread).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, ...]) -> None:
+    """Say where the training–inference mismatch KL(μ‖π) comes from.
+
+    On one fixed batch of rollouts (the recipe's B × G, --seeds times): rollout precision (fp32,
+    bf16, fp8, and weights alone), engine and kernels at equal precision, MoE routing (per-layer
+    disagreement, KL with and without R3) and staleness (KL(π_θ‖π_θold) after 1, 2, 4, 8
+    mini-batch updates without replay, with R2 and with R3). Prints a table and advice; writes
+    doctor-<time>.json and .png in the workspace's doctor/ folder.
+    """
+    from rich.table import Table
+
+    from minirl import doctor as doc
+    from minirl import recipe as recipe_mod
+    from minirl.errors import UsageError
+    from minirl.evaluate import resolve_checkpoint
+    from minirl.workspace import Workspace
+
+    if seeds < 1:
+        raise UsageError(f"--seeds {seeds}: at least 1")
+    ws = Workspace.open(workspace)
+    rec = recipe_mod.load(ws.recipe_path, list(overrides))
+    try:
+        folder = resolve_checkpoint(ws, rec, checkpoint)
+    except UsageError:
+        if checkpoint != "latest":
+            raise
+        folder = resolve_checkpoint(ws, rec, "coldstart")  # no run yet: the starting policy
+    with console.status("doctor...") as status:
+        report = doc.diagnose(ws, rec, folder, seeds=seeds, progress=lambda what: status.update(f"doctor: {what}"))
+    f = report["figures"]
+    pm = lambda k: f"{f[k]['mean']:.2e} ± {f[k]['spread']:.1e}"  # noqa: E731
+    table = Table(title=f"KL(μ‖π) and its sources ({report['batch']}, {seeds} seed(s), checkpoint {folder})")
+    table.add_column("source")
+    table.add_column("what is compared")
+    table.add_column("KL", justify="right")
+    rows = [("precision", "fp32 rollouts (vLLM fp32 vs TorchTitan fp32: engine and kernels alone)", "kl/fp32"),
+            ("precision", "bf16 rollouts (vLLM bf16)", "kl/bf16"),
+            ("precision", "fp8 rollouts (vLLM bf16, torchao FP8 weights)", "kl/fp8"),
+            ("weights", "bf16-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_bf16"),
+            ("weights", "fp8-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_fp8")]
+    if report["moe"]:
+        rows[3:3] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
+        rows += [("routing", f"{rec.rollout.precision} rollouts, trainer's own routes", "kl/run_no_replay"),
+                 ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
+    for src, what, k in rows:
+        table.add_row(src, what, pm(k))
+    if report["moe"]:
+        per_layer = ", ".join(f"{x['mean']:.1%}" for x in f["routing/disagree_per_layer"])
+        table.add_row("routing", "tokens whose top-k differ, per layer", per_layer)
+    for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
+        table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
+                      " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))
+    console.print(table)
+    js, png = doc.write(report, ws.root / "doctor")
+    for line in report["advice"]:
+        console.print(f"[bold]advice:[/] {line}", soft_wrap=True)
+    console.print(f"report: {js}  plot: {png}", soft_wrap=True)
+
+
+@click.command()
+@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-lab")
+@click.option("--quick", is_flag=True, help="The reduced grid: off-policy N = 4 only, one extra cold start, 30 steps.")
+@click.option("--seeds", type=int, default=1, show_default=True, help="Runs per cell (figures: mean and min-max band).")
+@click.option("--report-only", is_flag=True, help="Write the report and figures from the runs done so far; run nothing.")
+def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
+    """Reproduce the paper's stability findings (F1-F6) in miniature.
+
+    On a workspace of the long-response task (built with `minirl init --task scratchpad` if
+    WORKSPACE does not exist), runs the grid with FP8-emulated rollouts and the guard observing
+    only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without IS; off-policy
+    N = 2, 4, 8 without clipping or replay, with clipping, + R2, + R3; MiniRL from other cold
+    starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
+    WORKSPACE/lab/{quick,full}/report.md (the F1-F6 table, computed from the runs) and one PNG per regime.
+    Last, the cell that collapsed most reliably runs again with the guard acting (its rollbacks,
+    how it ended, and lab-guard-check.png in the report).
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from minirl import lab as lab_mod
+    from minirl import recipe as recipe_mod
+    from minirl.errors import UsageError
+    from minirl.workspace import Workspace, init_workspace
+
+    if seeds < 1:
+        raise UsageError(f"--seeds {seeds}: at least 1")
+    if not (workspace / "minirl.toml").exists():
+        if report_only:
+            raise UsageError(f"no lab workspace at {workspace}: run `minirl lab {workspace}` first")
+        with console.status(f"building {workspace} (minirl init --task scratchpad; a few minutes)..."):
+            init_workspace(workspace, task="scratchpad")
+    ws = Workspace.open(workspace)
+    if recipe_mod.load(ws.recipe_path).cold_start.task != "scratchpad":
+        raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
+                         f"(`minirl init DIR --task scratchpad`)")
+    plan = lab_mod.plan(quick=quick, seeds=seeds)
+    lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
+    if not report_only:
+        lab_.hold()
+        with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console) as prog:
+            bar = prog.add_task("lab", total=len(plan.cells) * plan.seeds + 1)
+            lab_.sweep(plan, on_cell=lambda what, i, n: prog.update(bar, description=what, completed=i),
+                       progress=lambda what: prog.update(bar, description=what))
+            lab_.guard_check(plan, progress=lambda what: prog.update(bar, description=what))
+            prog.update(bar, description="done", completed=len(plan.cells) * plan.seeds + 1)
+    path, pngs, found = lab_mod.report(lab_, plan)
+    for fid, claim, verdict, numbers in found:
+        console.print(f"[bold]{fid}[/] {verdict}: {claim}  ({numbers})", soft_wrap=True)
+    console.print(f"report: {path}", soft_wrap=True)
+    for png in pngs:
+        console.print(f"figure: {png}", soft_wrap=True)

@@ -1,0 +1,77 @@
+"""The stage record between rollouts and the trainer: one right-padded token batch (`Batch`), and
+how completions become one (`build_batch`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A right-padded token batch for the trainer.
+
+    tokens_BL:        int64 [B, L]    prompt + response token ids, padded with pad id
+    mask_BT:          float [B, L-1]  1.0 where position t predicts a response token tokens[:, t+1]
+    rollout_logp_BT:  float [B, L-1]  log μ_θold(tokens[:, t+1]) at those positions, 0 elsewhere
+    adv_B:            float [B]       A(x, y) per response
+    old_logp_BT:      float [B, L-1]  log π_θold at those positions, once the trainer computed it (else None)
+    prompt_len_B:     int64 [B]       tokens of each row's prompt  } what shared-prompt packing needs
+    seq_len_B:        int64 [B]       tokens of prompt + response   } (packing.py); None: never packed
+
+    Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
+        tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
+    """
+
+    tokens_BL: torch.Tensor
+    mask_BT: torch.Tensor
+    rollout_logp_BT: torch.Tensor
+    adv_B: torch.Tensor
+    old_logp_BT: torch.Tensor | None = None
+    prompt_len_B: torch.Tensor | None = None
+    seq_len_B: torch.Tensor | None = None
+
+    def select(self, idx: torch.Tensor | slice) -> "Batch":
+        return Batch(*(None if t is None else t[idx] for t in self._tensors()))
+
+    def to(self, device: torch.device) -> "Batch":
+        """The whole batch on `device` (the trainer's): masks, advantages and log-probs included."""
+        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()))
+
+    def with_old_logp(self, old_logp_BT: torch.Tensor) -> "Batch":
+        return dataclasses.replace(self, old_logp_BT=old_logp_BT)
+
+    def _tensors(self) -> tuple:
+        return (self.tokens_BL, self.mask_BT, self.rollout_logp_BT, self.adv_B, self.old_logp_BT, self.prompt_len_B,
+                self.seq_len_B)
+
+    def __len__(self) -> int:
+        return self.tokens_BL.shape[0]
+
+
+def build_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    rollout_logps: Sequence[Sequence[float]] | None,
+    adv: Sequence[float] | None,
+    *,
+    pad_id: int,
+) -> Batch:
+    B = len(prompts)
+    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a row at a time is ~5x slower)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        n_p, n_r = len(p), len(r)
+        tokens.append([*p, *r] + [pad_id] * (L - n_p - n_r))
+        mask.append([0.0] * (n_p - 1) + [1.0] * n_r + [0.0] * (L - n_p - n_r))
+        if rollout_logps is not None:
+            rlp.append([0.0] * (n_p - 1) + [float(x) for x in rollout_logps[i]] + [0.0] * (L - n_p - n_r))
+    adv_t = torch.tensor(list(adv), dtype=torch.float32) if adv is not None else torch.zeros(B)
+    n_p = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    n = n_p + torch.tensor([len(r) for r in responses], dtype=torch.long)
+    mask_t = torch.tensor(mask, dtype=torch.float32)
+    rlp_t = torch.tensor(rlp, dtype=torch.float32) if rollout_logps is not None else torch.zeros(B, L - 1)
+    return Batch(torch.tensor(tokens, dtype=torch.long), mask_t, rlp_t, adv_t, prompt_len_B=n_p, seq_len_B=n)

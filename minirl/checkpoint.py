@@ -1,0 +1,135 @@
+"""Trainer checkpoints: torch.distributed.checkpoint (DCP) folders, the format TorchTitan itself
+writes, with model and optimizer state, loadable under any later parallel layout; each written
+aside and renamed into place, and a failed write explained (a full disk, a read-only folder).
+`main`: the rank that handles the folder and the JSON (every rank writes its own shards)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from minirl import atomic
+
+
+def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: bool) -> Path:
+    """DCP checkpoint of model + optimizer, plus `extra` (step, sampler, ...) as JSON. Atomic:
+    written to a temp folder and renamed, so a crash mid-save never leaves a half checkpoint.
+
+    An optimizer that has not stepped yet is not saved: DCP would first materialise its state
+    with a zero step, which advances Adam's step count and changes every later update."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if main and tmp.exists():
+        shutil.rmtree(tmp)
+    _barrier(sharded)
+    has_optim = bool(optim.state)
+    state = {"model": get_model_state_dict(model)}
+    if has_optim:
+        state["optim"] = get_optimizer_state_dict(model, optim)
+    needed = _nbytes(state)
+    try:
+        _check_room(path.parent, needed)  # a full disk fails before a byte is written
+        # a collective under torchrun: every rank's shards are written after it. One process
+        # stays off collectives (`no_dist`): vLLM's in-process engine starts a one-rank gloo
+        # group, and a DCP save through it left every later update slower
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not sharded)
+        # minirl.json last: a folder without it was never finished
+        if main:
+            atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
+    except BaseException as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+        cause = _os_error(e)
+        if cause is None and not isinstance(e, KeyboardInterrupt):
+            cause = _why_write_failed(path.parent, needed)
+        if cause is not None:
+            raise cause from None
+        raise
+    if main and path.exists():  # the same step saved twice (a final save right after a periodic one): same state
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif main:
+        os.replace(tmp, path)
+    _barrier(sharded)  # no rank reads the checkpoint before it is in place
+    return path
+
+def _barrier(sharded: bool) -> None:
+    if sharded:
+        dist.barrier()
+
+
+def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:
+    """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""
+    extra = json.loads((Path(path) / "minirl.json").read_text())
+    load_optim = with_optim and extra.get("has_optim", True)
+    state = {"model": get_model_state_dict(model)}
+    if load_optim:
+        state["optim"] = get_optimizer_state_dict(model, optim)
+    dcp.load(state, checkpoint_id=str(path), no_dist=not sharded)  # see `save`
+    set_model_state_dict(model, state["model"])
+    if load_optim:
+        set_optimizer_state_dict(model, optim, state["optim"])
+    elif with_optim:
+        optim.state.clear()
+    return extra
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError (ENOSPC, EROFS, ...) behind a failed DCP save, which wraps it in CheckpointException."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, stack summary)}
+        if isinstance(failures, dict):
+            for f in failures.values():
+                f = f[0] if isinstance(f, tuple) and f else f  # torch wraps each failure with its stack
+                inner = _os_error(f) if isinstance(f, BaseException) else None
+                if inner is not None:
+                    return inner
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _nbytes(state) -> int:
+    """Bytes of all tensors in a (nested) state dict: what a checkpoint of it needs on disk."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    return 0
+
+
+def _check_room(folder: Path, needed: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free, a checkpoint needs "
+                                    f"{needed / 2**20:.1f} MiB)", str(folder))
+
+
+def _why_write_failed(folder: Path, needed: int) -> OSError | None:
+    """torch's writer reports a short write as "unexpected pos vs ..." and drops the errno: look
+    for the cause ourselves (a full disk, a folder that stopped being writable)."""
+    try:
+        _check_room(folder, needed)
+        probe = folder / ".minirl-write-probe"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        return e
+    return None

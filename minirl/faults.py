@@ -1,0 +1,25 @@
+"""Fault injection for tests, read here and nowhere else. The step calls `at_step` once, as it begins.
+
+MINIRL_INJECT_KILL="1@3" SIGKILLs rank 1 as step 3 begins (as an OOM killer or a lost node
+would), on a job's first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT), so that
+`torchrun --max-restarts` has something to restart.
+
+MINIRL_INJECT_NAN="loss@3,grad@5" makes step 3's loss and step 5's gradients NaN, to show that the
+guard keeps them out of the weights: `at_step` returns what to poison ("loss", "grad" or None).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def at_step(step: int, rank: int) -> str | None:
+    kill = os.environ.get("MINIRL_INJECT_KILL", "")
+    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and kill == f"{rank}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+    for item in os.environ.get("MINIRL_INJECT_NAN", "").split(","):
+        what, _, at = item.strip().partition("@")
+        if what in ("loss", "grad") and at.isdigit() and int(at) == step:
+            return what
+    return None

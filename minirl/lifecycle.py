@@ -1,0 +1,227 @@
+"""The life of a run around its steps: the run folder and its writer's lock, the metrics file, the
+held-out evaluations, checkpoints on a schedule, and the end (final checkpoint, HF folder,
+summary). A full disk or a read-only folder ends a run with one line; every complete checkpoint
+stays whole. The steps themselves are loop.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from minirl import atomic, metrics_file
+from minirl import status as status_mod
+from minirl.errors import RunIOError, UsageError
+from minirl.hf_io import save_hf_folder
+from minirl.launch import World
+from minirl.loop import RLRun
+from minirl.preflight import RunInputs, prepare_run
+from minirl.recipe import Recipe
+from minirl.runlock import RunLock
+from minirl.sinks import Sinks
+from minirl.stopwatch import Stopwatch
+from minirl.summary import write_summary
+from minirl.workspace import Workspace
+
+
+class Stop:
+    """Set by the CLI's SIGINT/SIGTERM handler; the run checks it between steps."""
+
+    requested = False
+    signal = 2  # which signal asked (the exit code is 128 + it)
+
+
+def run(
+    ws: Workspace,
+    rec: Recipe,
+    *,
+    resume: str | None = None,
+    on_event: Callable[[str, dict], None] = lambda kind, data: None,
+    world: World | None = None,
+) -> dict:
+    """Run (or resume) RL in `ws`; returns the summary dict (also written to summary.json).
+
+    resume: None (a new run), "latest" (the newest checkpoint of the newest run; an error when
+    there is none) or "auto" (that, when the newest run has not ended; else a new run: the form a
+    job that restarts itself uses).
+
+    on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done"; called on
+    the main rank only. world: this process's place in a torchrun job (default: the whole job).
+    """
+    t_start = time.time()
+    world = world or World()
+    inputs = prepare_run(ws, rec, resume=resume, world_size=world.size)  # every check that can fail on input
+    try:
+        return _start_and_train(ws, rec, inputs, on_event if world.main else _quiet, t_start=t_start, world=world)
+    except OSError as e:
+        if e.errno not in _DISK_ERRORS:
+            raise
+        # A full disk or a read-only folder: one line. Checkpoints are written aside and renamed
+        # into place, so every complete one on disk is still whole.
+        where = e.filename or ws.runs
+        raise RunIOError(f"cannot write {where}: {e.strerror}; every complete checkpoint is intact (free space, "
+                         f"then `minirl run {ws.root} --resume`)") from None
+
+
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def _quiet(kind: str, data: dict) -> None:
+    """on_event of the ranks that do not print."""
+
+
+def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float,
+                     world: World) -> dict:
+    resume_from = inputs.resume_from
+    if resume_from:
+        run_dir = resume_from.parent.parent
+    else:  # rank 0 names the folder, every rank uses it
+        run_dir = world.broadcast(_new_run_dir(ws.runs) if world.main else None)
+    lock = _writer_lock(run_dir, world)  # before anything in the folder changes; refused: nothing did
+    try:
+        return _locked_start_and_train(ws, rec, inputs, on_event, t_start=t_start, world=world, run_dir=run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _writer_lock(run_dir: Path, world: World) -> RunLock | None:
+    """Rank 0 locks the run folder for the job (runlock.py); every rank gets its answer."""
+    lock, refused = None, None
+    if world.main:
+        try:
+            lock = RunLock(run_dir)
+        except UsageError as e:
+            refused = str(e)
+    refused = world.broadcast(refused)
+    if refused:
+        raise UsageError(refused)
+    return lock
+
+
+def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float,
+                            world: World, run_dir: Path) -> dict:
+    resume_from = inputs.resume_from
+    try:
+        if world.main:
+            atomic.sweep(run_dir / "checkpoints")  # what a killed writer or deleter left behind
+            atomic.write_text(run_dir / "recipe.toml", rec.to_toml())
+            atomic.write_text(run_dir / status_mod.PROCESS_FILE,  # who runs it, for `minirl status`
+                              json.dumps(status_mod.process_record(str(resume_from) if resume_from else None)))
+        rl = RLRun(ws, rec, inputs, run_dir=run_dir, world=world)
+    except BaseException:
+        if resume_from is None and world.main:  # a run that never started leaves no folder for --resume to pick
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    startup_s = time.time() - t_start  # input checks, data, trainer and vLLM
+    if rec.loss.is_mode == "off":  # allowed explicitly (recipe.validate); said once, recorded in the summary
+        on_event("warning", {"text": f"IS correction is off: the gap between vLLM ({rec.rollout.precision}) and the "
+                                     "trainer is left uncorrected (loss.allow_uncorrected = true)"})
+    on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
+                       "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
+                       "resumed_from": str(resume_from) if resume_from else None})
+
+    try:
+        t0 = time.time()
+        if not rl.state.heldout_start:
+            rl.state.heldout_start = rl.heldout_eval()
+            on_event("eval", {"which": "start", **rl.state.heldout_start})
+        eval_s = time.time() - t0
+        return _train(rl, on_event, t_start=t_start, startup_s=startup_s, eval_s=eval_s)
+    finally:
+        rl.close()
+
+
+def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float) -> dict:
+    """The steps, the checkpoints and the end of a run (final checkpoint, held-out eval, summary)."""
+    rec, run_dir, world = rl.rec, rl.state.run_dir, rl.world
+    if rl.last_good is None:  # a fresh run: its starting point is the first rollback target
+        rl.save("step_000000")
+    metrics_path = run_dir / "metrics.jsonl"
+    if world.main:
+        metrics_file.truncate(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
+    status = "finished"
+    last_eval = (None, {})  # (step, held-out result) of the newest periodic eval (eval.every)
+    t_rl = time.time()
+    timing = rl.state.timing
+    rl_clock = Stopwatch(timing)
+    sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
+                  resumed_at=rl.state.step if rl.state.step else None) if world.main else None
+    with metrics_path.open("a") if world.main else open(os.devnull, "w") as mf:
+        while rl.state.step < rec.train.steps:
+            if world.any(Stop.requested):  # every rank stops after the same step
+                status = "interrupted"
+                break
+            if world.any(rec.train.time_limit_s and time.time() - t_rl > rec.train.time_limit_s):
+                status = "time_limit"
+                break
+            rl_clock.start()
+            m = rl.step()
+            rl_clock.lap("loop")  # "loop": the RL clock, every step's wall, held-out evals left out
+            m["timing/loop_s"] = round(timing["loop"], 4)
+            if rec.eval.every and rl.state.step % rec.eval.every == 0:
+                t0 = time.time()
+                heldout = rl.heldout_eval()  # of this step's weights, off the RL clock
+                last_eval = (rl.state.step, heldout)
+                m.update({f"heldout/{k}": v for k, v in heldout.items() if "@" in k})
+                on_event("eval", {"which": f"step {rl.state.step}", **heldout})
+                eval_s += time.time() - t0
+                timing["heldout"] = timing.get("heldout", 0.0) + time.time() - t0
+            rl_clock.start()
+            mf.write(json.dumps(m) + "\n")  # one write per row; a kill can tear only the last line
+            mf.flush()
+            if sinks:
+                sinks.log(m)  # TensorBoard / W&B, as enabled in [metrics]
+            on_event("step", m)
+            if m.get("guard/action") in ("rollback", "stop", "skip"):
+                on_event("guard", {"step": m["step"], "action": m["guard/action"], "reason": m["guard/reason"],
+                                   "to": str(rl.last_good), "lr": rl.lr})
+            if m.get("guard/action") == "stop":
+                status = "collapsed"
+                break
+            if rl.state.step % rec.checkpoint.every == 0 and rl.state.step < rec.train.steps:
+                saving = Stopwatch(timing)
+                path = rl.save(f"step_{rl.state.step:06d}")
+                rl.prune(rec.checkpoint.keep)
+                saving.lap("checkpoint")
+                on_event("checkpoint", {"path": str(path), "step": rl.state.step})
+            rl_clock.lap("loop")  # writing the row, the sinks and the checkpoint are RL time too
+    rl_s = time.time() - t_rl
+
+    final = rl.save(f"step_{rl.state.step:06d}")
+    rl.prune(rec.checkpoint.keep)
+    on_event("checkpoint", {"path": str(final), "step": rl.state.step})
+    t0 = time.time()
+    heldout_end = last_eval[1] if last_eval[0] == rl.state.step else rl.heldout_eval()  # the same weights: once
+    on_event("eval", {"which": "end", **heldout_end})
+    eval_s += time.time() - t0
+
+    weights = rl.trainer.full_state_dict()  # a collective: every rank takes part, rank 0 writes
+    if not world.main:
+        return {"status": status}
+    hf_dir = save_hf_folder(final / "hf", rl.shape, weights, tokenizer_dir=rl.model_dir)
+    phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
+    summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
+                            heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
+    sinks.close(summary)
+    on_event("done", summary)
+    return summary
+
+
+def _new_run_dir(runs: Path) -> Path:
+    """runs/<YYYYmmdd-HHMMSS>, with a suffix if another run started in the same second."""
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        path = runs / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a run folder in {runs}")
