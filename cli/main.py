@@ -13,10 +13,19 @@ from pathlib import Path
 import click
 
 from cli.publish import export_cmd, push_cmd
-from cli.render import SET_HELP, console
+from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
+from minirl import recipe as recipe_mod
+from minirl import status as status_mod
+from minirl.benchmarks import get as get_bench
+from minirl.errors import RunIOError, UsageError
+from minirl.evaluate import bench_records, eval_benchmark, resolve_checkpoint
+from minirl.hub import model_shape
+from minirl.models import TINY_ID
+from minirl.plan import launch_commands, make_plan
+from minirl.plots import plot_metrics
 from minirl.task import TASKS
-
+from minirl.workspace import RECIPE_NAME, Workspace, init_workspace
 
 
 def _prepare_env(verbose: bool) -> None:
@@ -86,7 +95,6 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl.workspace import init_workspace
 
     labels = {"data": "task splits", "model": "tiny Qwen3-MoE + tokenizer", "cold-start": "cold-start SFT",
               "save": "save HF + DCP"}
@@ -162,13 +170,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     watch KL(μ‖π_old) and entropy and roll back to the last good checkpoint on collapse; when
     their rollbacks are used up the run ends as "collapsed" (exit code 3).
     """
-    from minirl import recipe as recipe_mod
-    from minirl.workspace import RECIPE_NAME, Workspace
-
     extra = list(overrides)
     if model_id is not None:
-        from minirl.models import TINY_ID
-
         extra += [f"model.id={model_id}"] + ([] if model_id == TINY_ID else ["model.path="])
     for key, value in (("train.replay", replay), ("train.steps", steps), ("rollout.precision", rollout_precision),
                        ("parallel.nodes", nodes),
@@ -176,11 +179,6 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if value is not None:
             extra.append(f"{key}={value}")
     if dry_run:
-        from cli.render import print_plan
-        from minirl.errors import UsageError
-        from minirl.hub import model_shape
-        from minirl.plan import launch_commands, make_plan
-
         if (workspace / RECIPE_NAME).exists():
             base, recipe_path = workspace.resolve(), workspace / RECIPE_NAME
         else:  # no workspace: the named or the model's shipped recipe, else the defaults
@@ -195,7 +193,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         init = " ".join(["minirl init WORKSPACE", f"--model {model_id or rec.model.id}",
                          *([f"--recipe {recipe_name}"] if recipe_name else [])])
         first = [] if has_ws or not (model_id or recipe_name) else [init]
-        print_plan(console, plan, recipe=str(recipe_path or "defaults"),
+        print_plan(console, plan, recipe=str(recipe_path or "defaults"), resolved=rec.to_toml(),
                    launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args))
         if not plan.fits:
             shipped = recipe_mod.for_model(model_id) if model_id else None
@@ -207,8 +205,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     ws = Workspace.open(workspace)
     rec = recipe_mod.load(ws.recipe_path, extra)
 
-    from cli.render import RunView
-    from minirl import launch, lifecycle
+    from minirl import launch, lifecycle  # deferred: torch, after _prepare_env set the engines' environment
 
     world = launch.start()  # the whole job, or one rank of a torchrun job (rank 0 prints)
 
@@ -259,10 +256,6 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl import recipe as recipe_mod
-    from minirl.benchmarks import get as get_bench
-    from minirl.evaluate import bench_records, eval_benchmark, resolve_checkpoint
-    from minirl.workspace import RECIPE_NAME, Workspace
 
     get_bench(bench)  # an unknown name fails before anything loads
     ws = Workspace.open(workspace) if (workspace / RECIPE_NAME).exists() else None
@@ -316,9 +309,6 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
 
     from rich.live import Live
 
-    from cli.render import status_view
-    from minirl import status as status_mod
-    from minirl.errors import UsageError
 
     if run_name is not None:
         run_dir = workspace / "runs" / run_name
@@ -327,8 +317,6 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
     else:
         run_dir = status_mod.latest_run(workspace)
     if plot_png is not None:
-        from minirl.plots import plot_metrics
-
         out = run_dir / plot_png.name if plot_png == Path("metrics.png") else plot_png
         console.print(f"plot: {plot_metrics(run_dir / 'metrics.jsonl', out)}")
     st = status_mod.read(run_dir)
@@ -347,8 +335,6 @@ for command in (doctor, lab, export_cmd, push_cmd):
 
 
 def main() -> None:
-    from minirl.errors import RunIOError, UsageError
-
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as e:

@@ -8,6 +8,9 @@ from pathlib import Path
 import click
 
 from cli.render import console
+from minirl import export as ex
+from minirl import hub
+from minirl.errors import UsageError
 
 
 @click.command("export")
@@ -29,8 +32,6 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl import export as ex
-    from minirl.errors import UsageError
 
     if len(paths) not in (1, 2):
         raise UsageError("minirl export [RUN_OR_CHECKPOINT] OUT: give the output folder (and optionally the run)")
@@ -75,8 +76,6 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
 
     from rich.table import Table
 
-    from minirl import export as ex
-    from minirl import hub
 
     hub.check_repo_name(repo)  # before any export
     with tempfile.TemporaryDirectory(prefix="minirl-push-") as tmp:

@@ -103,8 +103,11 @@ def _fmt(v, f: str) -> str:
     return f.format(v)
 
 
-def print_plan(console: Console, plan, *, recipe: str, launch: list[str]) -> None:
-    """`minirl run --dry-run`: the plan as tables (figures per GPU)."""
+def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: list[str]) -> None:
+    """`minirl run --dry-run`: the resolved recipe (defaults < recipe < flags) as the TOML a run
+    would record, then the plan as tables (figures per GPU)."""
+    console.print(f"[bold]resolved recipe[/] (defaults < {recipe} < flags; what runs/<id>/recipe.toml would hold)")
+    console.print(resolved, markup=False, highlight=False, soft_wrap=True)
     s = plan.shape
     kind = f"MoE, {s.num_experts} experts, top-{s.top_k}" if s.is_moe else "dense"
     console.print(f"[bold]plan[/] for {plan.model} ({kind}; recipe: {recipe})")

@@ -8,6 +8,10 @@ from pathlib import Path
 import click
 
 from cli.render import SET_HELP, console
+from minirl import recipe as recipe_mod
+from minirl.errors import UsageError
+from minirl.evaluate import resolve_checkpoint
+from minirl.workspace import Workspace, init_workspace
 
 
 @click.command()
@@ -28,11 +32,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     """
     from rich.table import Table
 
-    from minirl import doctor as doc
-    from minirl import recipe as recipe_mod
-    from minirl.errors import UsageError
-    from minirl.evaluate import resolve_checkpoint
-    from minirl.workspace import Workspace
+    from minirl import doctor as doc  # deferred: torch, after _prepare_env set the engines' environment
 
     if seeds < 1:
         raise UsageError(f"--seeds {seeds}: at least 1")
@@ -95,10 +95,7 @@ def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl import lab as lab_mod
-    from minirl import recipe as recipe_mod
-    from minirl.errors import UsageError
-    from minirl.workspace import Workspace, init_workspace
+    from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
 
     if seeds < 1:
         raise UsageError(f"--seeds {seeds}: at least 1")

@@ -62,7 +62,7 @@ def build_batch(
 ) -> Batch:
     B = len(prompts)
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a row at a time is ~5x slower)
+    tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a tensor per row is slower)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         n_p, n_r = len(p), len(r)
         tokens.append([*p, *r] + [pad_id] * (L - n_p - n_r))

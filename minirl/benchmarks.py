@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from minirl.data import load_rows
 from minirl.errors import UsageError
 
 BOXED_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -55,8 +56,6 @@ def get(name: str) -> Benchmark:
 
 def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path | None = None) -> list[dict]:
     """Rows as {"problem", "answer", "index"} from a local file/folder or the Hub."""
-    from minirl.data import load_rows
-
     if data is None and data_dir is not None:
         data = Path(data_dir) / f"{bench.name}.jsonl"
     if data is not None:

@@ -7,6 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from minirl.data import load_rows
+from minirl.hub import repo_id as hub_repo
+from minirl.metrics_file import metric_rows
+from minirl.models import TINY_ID
+
 TEMPLATE = """---
 {{ card_data }}
 ---
@@ -102,9 +107,6 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
     unless `repo_id` is given)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    from minirl.hub import repo_id as hub_repo
-    from minirl.models import TINY_ID
-    from minirl.metrics_file import metric_rows
 
     summary = _read(run_dir / "summary.json")
     rows = metric_rows(run_dir / "metrics.jsonl", upto=ckpt.step)
@@ -202,8 +204,6 @@ def _arch(folder: Path) -> str:
 
 def _sample_prompt(run_dir: Path, rec) -> str:
     """A prompt as the model saw it in training (the recipe's template, without the chat wrapper)."""
-    from minirl.data import load_rows
-
     try:
         rows = load_rows(rec.data.heldout, base=run_dir.parent.parent, split=rec.data.heldout_split)
         text = str(rows[0][rec.data.prompt_field])

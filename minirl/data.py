@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minirl import hub
 from minirl.errors import UsageError
 
 
@@ -29,7 +30,6 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train", conf
     instead: what to pass rather than a Hub id when the Hub cannot be had (one line, hub.need_hub)."""
     import datasets
 
-    from minirl import hub
 
     datasets.disable_progress_bars()
     local = Path(spec) if Path(spec).is_absolute() or base is None else base / spec
@@ -90,7 +90,7 @@ def load_problems(
             skipped["missing_answer"] += 1
             continue
         # No tokenizer's tokens average 1,000 characters: a longer prompt is too long without the
-        # cost of tokenizing it (a 10 MB line takes ~20 s).
+        # cost of tokenizing it (a many-megabyte line takes seconds).
         ids = encode(prompt) if len(prompt) <= 1000 * max_prompt_tokens else None
         if ids is None or len(ids) > max_prompt_tokens:
             skipped["too_long"] += 1

@@ -28,7 +28,15 @@ from pathlib import Path
 
 import torch
 
-from minirl import objective
+from minirl import atomic, objective
+from minirl.batch import build_batch
+from minirl.evaluate import response_text
+from minirl.objective import loss_for, minibatch_indices
+from minirl.preflight import check_model_folder, prepare_run
+from minirl.replay import rollout_routes, route_agreement
+from minirl.rollout.fp8 import fp8_roundtrip
+from minirl.rollout.vllm import VLLMEngine
+from minirl.train import Trainer
 
 STALENESS_UPDATES = (1, 2, 4, 8)
 
@@ -36,12 +44,6 @@ STALENESS_UPDATES = (1, 2, 4, 8)
 def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
              progress: Callable[[str], None] = lambda what: None) -> dict:
     """Every figure of the doctor, per seed and aggregated, plus the advice lines."""
-    from minirl.rollout.fp8 import fp8_roundtrip
-    from minirl.objective import loss_for, minibatch_indices
-    from minirl.preflight import check_model_folder, prepare_run
-    from minirl.rollout.vllm import VLLMEngine
-    from minirl.train import Trainer
-
     inputs = prepare_run(ws, rec, resume=False)
     shape = check_model_folder(folder)
     moe = shape.is_moe
@@ -81,7 +83,6 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             fig[f"kl/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
             fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
             if moe:  # the same with the engine's routes replayed: precision without route flips
-                from minirl.replay import rollout_routes
 
                 rr = rollout_routes([c for g in groups for c in g], batch, trainer.replay.num_layers, shape.top_k,
                                     shape.num_experts)
@@ -103,8 +104,6 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
         comps = [c for g in groups for c in g]
         routes = None
         if moe:
-            from minirl.replay import rollout_routes, route_agreement
-
             routes = rollout_routes(comps, batch, trainer.replay.num_layers, shape.top_k, shape.num_experts)
             own_lp, _, own = trainer.logprobs(batch, record_routes=True)
             agree = route_agreement(routes, own, batch.mask_BT)
@@ -146,16 +145,12 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
 
 
 def _batch(prompts, groups, G: int, pad: int):
-    from minirl.batch import build_batch
-
     comps = [c for g in groups for c in g]
     return build_batch([p for p in prompts for _ in range(G)], [c.token_ids for c in comps],
                        [c.logprobs for c in comps], None, pad_id=pad)
 
 
 def _as_batch(prompts, resps, logps, pad: int):
-    from minirl.batch import build_batch
-
     return build_batch(prompts, resps, logps, None, pad_id=pad)
 
 
@@ -166,8 +161,6 @@ def _with_adv(batch, adv: torch.Tensor):
 
 
 def _text(ids, tok, eos: int) -> str:
-    from minirl.evaluate import response_text
-
     return response_text(ids, lambda x: tok.decode(x, skip_special_tokens=False), eos)
 
 
@@ -228,8 +221,6 @@ def advice(f: dict, *, moe: bool, rec) -> list[str]:
 
 def write(report: dict, out_dir: Path) -> tuple[Path, Path]:
     """doctor-<time>.json and .png in `out_dir`."""
-    from minirl import atomic
-
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / time.strftime("doctor-%Y%m%d-%H%M%S")
     atomic.write_text(stem.with_suffix(".json"), json.dumps(report, indent=2))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from minirl.data import Problem
+from minirl import benchmarks, hub
+from minirl.data import Problem, prompt_ids
+from minirl.errors import UsageError
+from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints
 from rewards.pool import GradingPool
 
 
@@ -85,9 +88,6 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
     folder vLLM can load."""
     from pathlib import Path
 
-    from minirl import hub
-    from minirl.errors import UsageError
-    from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints
 
     def start_dir() -> Path:  # the model the workspace's runs start from
         if ws is None:
@@ -117,7 +117,7 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
             check_model_folder(folder)
             return folder
     if (path / "minirl.json").exists():  # a DCP step checkpoint: export its weights once
-        from minirl.hf_io import save_hf_folder
+        from minirl.hf_io import save_hf_folder  # deferred: torch (the CLI imports this module at start)
         from minirl.train import Trainer
 
         shape = check_model_folder(start_dir())
@@ -129,8 +129,6 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
 
 
 def _format_prompt(tok, template: str, problem: str) -> list[int]:
-    from minirl.data import prompt_ids
-
     return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)))
 
 
@@ -138,8 +136,6 @@ def bench_records(bench_name: str, rec, *, heldout_path=None, data=None, data_di
     """The benchmark's problems ({"index", "problem", "answer"}), at most eval.max_problems: the
     embedded task's from the workspace's held-out split, the others from --data, --data-dir or the
     Hub. Cheap, so `minirl eval` asks first: a missing or unreachable benchmark fails at once."""
-    from minirl import benchmarks
-
     bench = benchmarks.get(bench_name)
     if bench.hub_id is None:
         records = benchmarks.load_records(bench, data=data or heldout_path)
@@ -173,9 +169,7 @@ def eval_benchmark(
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from minirl import benchmarks
-    from minirl.rollout.vllm import VLLMEngine
-    from rewards.pool import GradingPool
+    from minirl.rollout.vllm import VLLMEngine  # deferred: torch and vLLM (the CLI imports this module at start)
 
     bench = benchmarks.get(bench_name)
     if records is None:

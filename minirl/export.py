@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minirl import atomic
+from minirl import recipe as recipe_mod
+from minirl.card import model_card
 from minirl.errors import UsageError
+from minirl.evaluate import evaluate
+from minirl.files import read_json
+from minirl.hub import model_dir
+from minirl.metrics_file import metric_rows
+from minirl.plots import plot_metrics
+from minirl.preflight import check_model_folder, complete_checkpoints, prepare_run
+from minirl.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -46,9 +55,6 @@ def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
          progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[Path, Checkpoint, str]:
     """(run folder, checkpoint, why) for a run or checkpoint folder, else the workspace's latest
     run with a checkpoint; the run's checkpoint by `choose`."""
-    from minirl import recipe as recipe_mod
-    from minirl.workspace import Workspace
-
     if best and step is not None:
         raise UsageError("--best and --step choose the checkpoint two ways; give one")
     if source is not None:
@@ -70,9 +76,6 @@ def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
 
 def checkpoints(run_dir: Path) -> list[Checkpoint]:
     """The run's complete checkpoints, oldest first, each marked good or not."""
-    from minirl.files import read_json
-    from minirl.preflight import complete_checkpoints
-
     undone = undone_stretches(run_dir)
     out = []
     for path in complete_checkpoints(run_dir):
@@ -85,8 +88,6 @@ def checkpoints(run_dir: Path) -> list[Checkpoint]:
 
 def undone_stretches(run_dir: Path) -> list[tuple[int, int]]:
     """(t, s) for each rollback: at step s, back to the checkpoint of step t."""
-    from minirl.metrics_file import metric_rows
-
     rows = metric_rows(run_dir / "metrics.jsonl")
     return [(int(r["guard/rollback_to_step"]), int(r["step"])) for r in rows if "guard/rollback_to_step" in r]
 
@@ -128,11 +129,7 @@ def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
 def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_size: int | str = "5GB",
            eval_results: list[dict] | None = None, repo_id: str | None = None) -> Path:
     """Write the HF folder of `ckpt` with its card and curves into `out` (aside, then renamed)."""
-    from minirl import recipe as recipe_mod
-    from minirl.hf_io import save_hf_folder
-    from minirl.hub import model_dir
-    from minirl.plots import plot_metrics
-    from minirl.preflight import check_model_folder
+    from minirl.hf_io import save_hf_folder  # deferred, as below: torch (the CLI imports this module at start)
     from minirl.train import Trainer
 
     out = Path(out)
@@ -149,7 +146,6 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     save_hf_folder(tmp, shape, trainer.full_state_dict(), tokenizer_dir=base, max_shard_size=max_shard_size)
     if (run_dir / "metrics.jsonl").exists():
         plot_metrics(run_dir / "metrics.jsonl", tmp / "training_curves.png", upto=ckpt.step)
-    from minirl.card import model_card
 
     card = model_card(run_dir, rec, ckpt, why=why, folder=out, eval_results=eval_results or [], repo_id=repo_id)
     card.save(tmp / "README.md")
@@ -179,13 +175,9 @@ def eval_results_for(ws_root: Path, ckpt: Checkpoint) -> list[dict]:
 def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
                     progress: Callable[[int, int], None] = lambda done, total: None) -> dict[Path, float]:
     """The run's own held-out evaluation of each checkpoint: one vLLM engine, weights loaded in place."""
-    from minirl import recipe as recipe_mod
-    from minirl.evaluate import evaluate
-    from minirl.preflight import prepare_run
+    from minirl.rollout.sync import sync  # deferred: torch and vLLM (the CLI imports this module at start)
     from minirl.rollout.vllm import VLLMEngine
     from minirl.train import Trainer
-    from minirl.rollout.sync import sync
-    from minirl.workspace import Workspace
 
     rec = recipe_mod.load(run_dir / "recipe.toml", [])
     ws = Workspace.open(run_dir.parent.parent)

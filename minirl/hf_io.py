@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from minirl import atomic
+from minirl.errors import UsageError
 from minirl.models import ModelShape, hf_config_dict, titan_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -48,7 +50,6 @@ def save_hf_folder(
     crash never leaves a half folder that looks whole."""
     from huggingface_hub import save_torch_state_dict
 
-    from minirl import atomic
 
     final, out = Path(out), Path(out).with_name(Path(out).name + ".tmp")
     atomic.remove_dir(out)
@@ -88,8 +89,6 @@ def load_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        from minirl.errors import UsageError
-
         raise UsageError(f"no *.safetensors in {folder}")
     sd: dict[str, torch.Tensor] = {}
     for f in files:

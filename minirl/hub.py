@@ -12,7 +12,7 @@ train here, so a wrong id or a model too large for the machine costs no download
 
 Offline (air-gapped clusters): before anything asks the Hub, `need_hub` sends one HEAD request to
 the endpoint (3 s at most, no retries) and an unreachable Hub is refused at once in one line with
-what to do instead; the Hub client's own path retried for ~25 s first, printing a line per retry.
+what to do instead; the Hub client's own path retried for a long while first, printing a line per retry.
 With `HF_HUB_OFFLINE` (or, for datasets, `HF_DATASETS_OFFLINE`) set nothing is probed: the
 libraries answer from their caches.
 """
@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from minirl.errors import UsageError
-from minirl.models import HUB_IDS, TINY_ID
+from minirl.models import HUB_IDS, KNOWN_SHAPES, TINY, TINY_ID, read_shape
 
 WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
 OTHER_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
@@ -115,8 +115,6 @@ def model_dir(model_id: str, path: str, base: Path, *, weights: bool = True, bef
 def model_shape(model_id: str, path: str, base: Path):
     """The model's shape with as little as possible fetched: the known short names and the tiny
     default need nothing, a folder its config.json, a repo id its config alone (no weights)."""
-    from minirl.models import KNOWN_SHAPES, TINY, read_shape
-
     if not path and model_id in KNOWN_SHAPES:
         return KNOWN_SHAPES[model_id]
     if model_id == TINY_ID and not (path and (base / path / "config.json").exists()):

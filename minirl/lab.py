@@ -33,6 +33,9 @@ from pathlib import Path
 from minirl import atomic
 from minirl.guard import Guard
 from minirl.rollout.seeding import SAMPLING
+from minirl.runlock import RunLock
+from minirl.status import PROCESS_FILE
+from minirl.workspace import init_workspace
 
 NO_IS = ("loss.is_mode=off", "loss.allow_uncorrected=true")
 NO_CLIP = ("loss.eps_low=1", "loss.eps_high=1e9")  # M_t ≡ 1: r_t never falls below 0 nor above 1e9
@@ -112,15 +115,11 @@ class Lab:
     def hold(self) -> None:
         """Be this grid's one writer until the process ends (runlock.py): a second `minirl lab` on
         it is refused in one line. The report alone (`--report-only`) needs no lock."""
-        from minirl.runlock import RunLock
-
         self._lock = RunLock(self.out, what="lab grid")
 
     def cold_start_model(self, target: float, progress) -> Path:
         """A second cold start of the same task and data, stopped at another dev accuracy (F6);
         built once, beside the grids' folders, and reused by both grids and every later sweep."""
-        from minirl.workspace import init_workspace
-
         name = f"acc{round(100 * target)}"
         root = self.out.parent / "coldstarts" / name
         if not (root / "minirl.toml").exists():
@@ -185,8 +184,6 @@ class Lab:
 def run_of_process(ws_root: Path, pid: int, *, since: float) -> Path | None:
     """The run folder that process `pid` started after `since` (its process.json says so). Not "the
     newest folder": another lab or run in the same workspace may have started one meanwhile."""
-    from minirl.status import PROCESS_FILE
-
     for run in sorted((Path(ws_root) / "runs").glob("*/" + PROCESS_FILE), reverse=True):
         try:
             rec = json.loads(run.read_text())

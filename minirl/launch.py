@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from minirl.errors import UsageError
+
 T = TypeVar("T")
 
 
@@ -160,10 +162,8 @@ def _fresh_store_after_restart() -> dict:
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-        from minirl.errors import UsageError
-
         raise UsageError("restarted across nodes with a shared rendezvous store: launch with "
-                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and torchrun --rdzv-backend c10d (README: Running on a "
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and torchrun --rdzv-backend c10d (docs/cluster.md: Running on a "
                          "cluster)")
     from datetime import timedelta
 

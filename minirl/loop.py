@@ -10,8 +10,8 @@
         ──▶ metrics row ──▶ checkpoint every k steps          (or rollback, when the guard says so)
 
 By default rollouts and training alternate, so on-policy N = 1 is exactly on-policy and every
-number in the log has one meaning; `rollout.overlap` samples each batch while the step before
-trains (one step off-policy), and only `Rollouts` knows it. Under torchrun every rank runs this
+number in the log has one meaning. A recipe may have the engine sample each batch while the step
+before trains (one step off-policy); only `Rollouts` knows whether it does. Under torchrun every rank runs this
 same step on its share of the prompts (`World`, launch.py); what the guard decides on is reduced
 over ranks first, so every rank takes the same decision. The run around the steps (its folder,
 metrics file, evaluations and summary) is lifecycle.py.
@@ -275,7 +275,7 @@ class RLRun:
     def rollback(self) -> None:
         """Back to the last good weights and optimizer state, at a lower learning rate. The data
         position and the sampling seeds keep moving, so the same collapse is not replayed."""
-        self.rollouts.drop_pending()  # nothing sampled from, or reading, the weights being undone
+        self.rollouts.discard()  # nothing sampled from, or reading, the weights being undone
         self.trainer.load(self.last_good)
         self.rolled_back_to.append(str(self.last_good))
         self.lr *= self.rec.guard.lr_factor

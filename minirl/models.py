@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minirl.errors import UsageError
+from minirl.files import read_json
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
 
@@ -226,8 +227,7 @@ def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype:
 
 def _model_config(shape: ModelShape, layers: list):
     from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.qwen3 import Qwen3Model
-    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _qwen3_norm
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _qwen3_norm
 
     return Qwen3Model.Config(
         vocab_size=shape.vocab_size,
@@ -289,7 +289,6 @@ def read_shape(folder) -> ModelShape:
     """The shape of the HF model folder's config.json."""
     from pathlib import Path
 
-    from minirl.files import read_json
 
     path = Path(folder) / "config.json"
     return ModelShape.from_hf_config(read_json(path, "model config"), source=str(path))

@@ -14,7 +14,7 @@ tests/test_packing.py). The logits of x's last token predict the first token of 
 the row. The idea is "Prefix Grouper" (Liu et al., 2025) on minirl's right-padded batches.
 
 On the embedded default (32 prompts × 8 responses, 8-token prompts, ~5-token responses) the model
-sees ~1,300 positions instead of ~3,300; forward, backward and AdamW take 65 instead of 147 ms.
+sees ~1,300 positions instead of ~3,300 (timings: docs/results/cpu-path.md).
 The logits of a packed batch are read per target (`Trainer._forward_logp`): one logsumexp per
 packed position, picked by index, so no [targets, vocab] copy of them is made.
 
@@ -23,8 +23,8 @@ mask, where an unpacked row's causal attention skips half of its T². A batch is
 its estimated cost, positions + `pair_cost` × attention pairs, is at least 10% below the unpacked
 one (`pair_cost`: one pair's attention work over one position's matmuls, from the model's shape,
 `models.attention_pair_cost`). For the tiny model that packs the default task (cost 0.41 of
-unpacked) and not the long-response one (1.3: 12-token prompts, ~35-token responses; measured
-11% slower packed), nor a batch without shared prompts. For a 30B-A3B the attention of a pair
+unpacked) and not the long-response one (1.3: 12-token prompts, ~35-token responses; slower
+packed), nor a batch without shared prompts. For a 30B-A3B the attention of a pair
 weighs ~1e-4 of a position, so rows up to `max_len` pack wherever prompts are shared. Rows longer
 than `max_len` are never packed: the mask is dense.
 """

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from minirl.metrics_file import metric_rows
+
 PANELS = [
     ("rollout/reward_mean", "reward (mean over responses)"),
     ("train/entropy", "token entropy H(π_old)"),
@@ -23,7 +25,6 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minirl.metrics_file import metric_rows
 
     rows = metric_rows(metrics_jsonl, upto=upto)
     marks = [(r["step"], "tab:red", "--", "rollback") for r in rows if r.get("guard/action") in ("rollback", "stop")]

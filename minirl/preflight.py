@@ -15,17 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minirl.data import load_problems, prompt_ids
 from minirl.errors import UsageError
 from minirl.files import read_json
-from minirl.models import ModelShape
+from minirl.hub import model_dir as resolve_model_dir
+from minirl.models import ModelShape, param_count, read_shape, titan_config
 from minirl.recipe import Platform, validate
+from rewards.pool import GradingPool
+
 
 @functools.cache
 def _meta_state_dict(shape: ModelShape) -> dict:
     """The TorchTitan model's state dict on the meta device: every name and shape, no memory."""
     import torch
 
-    from minirl.models import titan_config
 
     with torch.device("meta"):
         return dict(titan_config(shape).build().state_dict())
@@ -37,7 +40,7 @@ def expected_titan_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 
 def expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, through the same state-dict adapter the real load uses."""
-    from minirl.hf_io import titan_to_hf
+    from minirl.hf_io import titan_to_hf  # deferred: torch (the CLI imports this module at start)
 
     sd = {k: v for k, v in _meta_state_dict(shape).items() if "expert_bias" not in k and "tokens_per_expert" not in k}
     return {k: tuple(v.shape) for k, v in titan_to_hf(shape, sd).items()}
@@ -49,7 +52,6 @@ def check_model_folder(folder: Path) -> ModelShape:
     file checks its header and that the file holds every byte the header promises. Returns the shape."""
     from safetensors import safe_open
 
-    from minirl.models import read_shape
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -87,7 +89,6 @@ def check_fits(shape: ModelShape, model_id: str) -> None:
     beside a bf16 vLLM copy; refuse what cannot fit in this machine's memory."""
     import os
 
-    from minirl.models import param_count
 
     need = param_count(shape) * 18
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -200,10 +201,6 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
     validate(rec, Platform.here(world_size))  # what this machine cannot do, before anything is read
-    from minirl.data import load_problems, prompt_ids
-    from minirl.hub import model_dir as resolve_model_dir
-    from minirl.models import read_shape
-    from rewards.pool import GradingPool
 
     model_dir = resolve_model_dir(rec.model.id, rec.model.path, ws.root,
                                   before_weights=lambda d: check_fits(read_shape(d), rec.model.id))

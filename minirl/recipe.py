@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from minirl.errors import UsageError
+from minirl.hub import repo_id
 from minirl.task import TASKS
 
 
@@ -418,7 +419,6 @@ def validate(r: Recipe, platform: Platform | None = None) -> None:
         raise UsageError("rollout.temperature = 0 (greedy) samples the same response G times, so every group-mean "
                          "advantage is 0; use a temperature > 0")
     _check_numbers(r)
-    from minirl.hub import repo_id
 
     repo_id(r.model.id)  # a short name, a repo id or a folder; anything else fails naming the forms
     for key, value in (("model.id", r.model.id), ("data.train", r.data.train), ("data.heldout", r.data.heldout),

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from minirl.errors import UsageError
 from minirl.metrics_file import metric_rows
+from minirl.preflight import complete_checkpoints
+from minirl.workspace import Workspace
 
 PROCESS_FILE = "process.json"
 
@@ -48,8 +50,6 @@ class RunStatus:
 
 
 def latest_run(ws_root: Path) -> Path:
-    from minirl.workspace import Workspace
-
     runs = Workspace(Path(ws_root)).runs_newest_first()
     if not runs:
         raise UsageError(f"no runs in {ws_root}: start one with `minirl run {ws_root}`")
@@ -57,8 +57,6 @@ def latest_run(ws_root: Path) -> Path:
 
 
 def read(run_dir: Path) -> RunStatus:
-    from minirl.preflight import complete_checkpoints
-
     run_dir = Path(run_dir)
     rows = metric_rows(run_dir / "metrics.jsonl")
     summary = _json(run_dir / "summary.json")

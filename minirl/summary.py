@@ -1,4 +1,4 @@
-"""The end of a run: runs/<id>/summary.json (fields documented in the README) and the plot."""
+"""The end of a run: runs/<id>/summary.json (fields documented in docs/runs.md) and the plot."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from minirl import atomic
+from minirl.plots import plot_metrics
 
 
 def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path) -> dict:
-    """runs/<id>/summary.json (fields documented in the README) plus the metrics plot."""
+    """runs/<id>/summary.json (fields documented in docs/runs.md) plus the metrics plot."""
     key = f"avg@{rl.rec.eval.k}"
     run_dir = rl.state.run_dir
     summary = {
@@ -37,8 +38,6 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
         **({"signal": signal.Signals(stop_signal).name} if status == "interrupted" else {}),
     }
     try:
-        from minirl.plots import plot_metrics
-
         summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))
     except Exception as e:  # noqa: BLE001 - a plot must never cost the run its summary
         summary["plot_error"] = str(e)

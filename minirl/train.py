@@ -1,7 +1,9 @@
 """Trainer: the TorchTitan Qwen3(-MoE) model, its log-probs/entropy, updates and checkpoints.
 
-Interface: `logprobs`, `forward_backward`, `optim_step`, `hf_buckets` (the weight sync), `hf_state_dict`, `save`, `load`.
-TorchTitan imports stay here and in `models.py`.
+Interface: `logprobs`, `forward_backward`, `optim_step`, `hf_state_dict` / `hf_views` (what the weight
+sync reads: rollout/sync.py), `save`, `load`.
+TorchTitan is imported only on this side: here, `models`, `parallel`, `replay` and `hf_io`
+(tests/test_imports.py).
 
 Precision (`train.param_dtype`; "auto": bfloat16 on CUDA, float32 on CPU). float32 computes
 everything in fp32, the routed experts included (models.py). bfloat16 computes under autocast in
@@ -11,7 +13,7 @@ Forced on a CPU, bfloat16 runs the same dtype code as CUDA (tests/test_train.py,
 vLLM rolls out in bf16 (or FP8 weights).
 
 Checkpoints are torch.distributed.checkpoint (DCP) folders, the format TorchTitan itself writes,
-with model and optimizer state; they load under any later parallel layout.
+with model and optimizer state; they load under any later parallel layout (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ import torch
 
 from minirl import checkpoint
 from minirl.batch import Batch
+from minirl.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.models import ModelShape, attention_pair_cost, titan_config
 from minirl.objective import entropy_from_logits
+from minirl.packing import pack_shared_prompts
+from minirl.parallel import full_ac, full_state_dict, global_count, global_max, parallelize
+from minirl.replay import RoutingReplay
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -127,23 +133,18 @@ class Trainer:
         # kernel); fp32 compute keeps the experts in fp32 (models.py)
         cfg = titan_config(shape, expert_dtype="bfloat16" if param_dtype == "bfloat16" else "float32")
         if self.sharded:
-            from minirl.parallel import parallelize
-
             self.model = parallelize(cfg, ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
                                      param_dtype=param_dtype, activation_checkpoint=activation_checkpoint)
         else:
             self.model = cfg.build().to(self.device)
             self._init_weights()
             if activation_checkpoint == "full":
-                from minirl.parallel import full_ac
-
                 full_ac(self.model)
         self._views = None  # (parameter storages, HF-named views of them): `hf_views`
         self._params = list(self.model.parameters())  # kept: a sync must not walk the module tree again
-        from minirl.replay import RoutingReplay
 
         self.replay = RoutingReplay(self.model)
-        # one fused kernel for all parameters (one process; ~7x faster than the per-parameter loop
+        # one fused kernel for all parameters (one process; much faster than the per-parameter loop
         # on CPU); sharded DTensor parameters keep the default implementation
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
@@ -164,8 +165,6 @@ class Trainer:
 
     # ----- weights in / out --------------------------------------------------------------------
     def load_hf(self, folder: Path) -> None:
-        from minirl.hf_io import hf_to_titan, load_hf_weights
-
         self.load_weights(hf_to_titan(self.shape, load_hf_weights(folder)))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
@@ -183,18 +182,7 @@ class Trainer:
             raise RuntimeError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        from minirl.hf_io import titan_to_hf
-
         return titan_to_hf(self.shape, self.full_state_dict())
-
-    def hf_buckets(self, *, dtype: torch.dtype, bucket_bytes: int, transform=None):
-        """The weights in HF names, whole, a few decoder layers at a time (rollout/sync.py); a
-        collective under torchrun: every rank iterates it to the end."""
-        from minirl.hf_io import adapter
-        from minirl.rollout.sync import hf_buckets
-
-        return hf_buckets(self.model, adapter(self.shape).to_hf, dtype=dtype, bucket_bytes=bucket_bytes,
-                          transform=transform)
 
     def hf_views(self) -> dict[str, torch.Tensor] | None:
         """The weights under HF names as views of the live parameters (one process): they follow
@@ -208,8 +196,6 @@ class Trainer:
         # their pointers cost half a state_dict()
         key = tuple(p.data_ptr() for p in self._params)
         if self._views is None or self._views[0] != key:
-            from minirl.hf_io import titan_to_hf
-
             state = {k: v.detach() for k, v in self.model.state_dict().items()}
             views = titan_to_hf(self.shape, state)
             live = {t.untyped_storage().data_ptr() for t in state.values()}
@@ -226,8 +212,6 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """TorchTitan names to whole tensors (shards gathered: a collective when sharded)."""
         if self.sharded:
-            from minirl.parallel import full_state_dict
-
             return full_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
@@ -261,7 +245,6 @@ class Trainer:
         layout is the unpacked one)."""
         if not self.pack_prompts or batch.prompt_len_B is None or self.replay.active:
             return None
-        from minirl.packing import pack_shared_prompts
 
         packed = pack_shared_prompts(batch.tokens_BL, batch.prompt_len_B, batch.seq_len_B, pair_cost=self._pair_cost)
         return packed.to(self.device) if packed is not None else None
@@ -312,7 +295,6 @@ class Trainer:
         rows, length = batch.tokens_BL.shape
         n_micro = -(-rows // max(1, micro_batch_tokens // length)) if micro_batch_tokens else 1
         if self.sharded:  # gradients are summed over ranks: weigh this rank's mean by its share
-            from minirl.parallel import global_count, global_max
 
             share = rows / global_count(rows)
             scale *= share

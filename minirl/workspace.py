@@ -20,8 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from minirl import hub
 from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
+from minirl.evaluate import response_text
+from minirl.models import TINY, TINY_ID, param_count
+from minirl.plan import active_params
+from minirl.task import TASKS, make_splits, write_jsonl
+from minirl.tokenizer import build_tokenizer
+from rewards import load_grader
 
 RECIPE_NAME = "minirl.toml"
 
@@ -80,8 +87,6 @@ def init_workspace(
         raise FileExistsError(str(root))
     model_report: dict = {}
     if task is not None:
-        from minirl.task import TASKS
-
         if model is not None:
             raise UsageError("--task builds an embedded task for the tiny model; it does not go with --model")
         if task not in TASKS:
@@ -99,7 +104,6 @@ def init_workspace(
     root.mkdir(parents=True, exist_ok=True)
     ws = Workspace(root.resolve())
     report: dict = {"workspace": str(ws.root), "recipe": src.stem, **model_report}
-    from minirl.models import TINY_ID
 
     if rec.model.id == TINY_ID:
         report.update(build_embedded_default(ws, rec, progress=progress))
@@ -118,9 +122,6 @@ def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tup
     from the model's config (one line, exit 2, when it cannot be read or is not supported)."""
     import torch  # deferred: `minirl init` of the embedded default and the CLI's help start without it
 
-    from minirl import hub
-    from minirl.plan import active_params
-    from minirl.models import param_count
 
     if Path(model).exists():
         model = str(Path(model).resolve())  # the workspace works from any folder
@@ -137,13 +138,10 @@ def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tup
 
 def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     """Tokenizer, tiny Qwen3-MoE, task splits and the cold-start SFT, all through the real engines."""
-    import torch
+    import torch  # deferred, with the three below: the CLI imports this module at start
 
-    from minirl.hf_io import save_hf_folder
-    from minirl.models import TINY, param_count
+    from minirl.hf_io import save_hf_folder  # deferred: torch
     from minirl.sft import cold_start, sampled_accuracy
-    from minirl.task import make_splits, write_jsonl
-    from minirl.tokenizer import build_tokenizer
     from minirl.train import Trainer
 
     def tell(stage: str, done: int, total: int, **info) -> None:
@@ -165,8 +163,6 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", shape.vocab_size)
     from transformers import AutoTokenizer
 
-    from minirl.evaluate import response_text
-    from rewards import load_grader
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     eos = tok.eos_token_id

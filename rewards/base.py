@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from minirl.errors import UsageError
+
 GROUP = "minirl.graders"
 
 
@@ -29,8 +31,6 @@ def available() -> dict[str, Any]:
 
 def load_grader(name: str, params: dict[str, Any] | None = None) -> Grader:
     """Instantiate the grader registered as `name` with the recipe's `reward.params`."""
-    from minirl.errors import UsageError
-
     eps = available()
     if name not in eps:
         raise UsageError(f"unknown grader {name!r}; installed: {', '.join(sorted(eps)) or 'none'}")

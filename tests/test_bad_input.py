@@ -25,11 +25,10 @@ CKPT = f"{RUN}/checkpoints/step_000002"
 @pytest.fixture(scope="session")
 def ws_template(tiny_dir, tmp_path_factory) -> Path:
     """A complete small workspace: recipe, data, model, and a run with a checkpoint at step 2."""
-    from tests.conftest import data_workspace
-
     from minirl import recipe
-    from minirl.train import Trainer
     from minirl.models import TINY
+    from minirl.train import Trainer
+    from tests.conftest import data_workspace
 
     root = data_workspace(tmp_path_factory.mktemp("badinput") / "ws", train=200, heldout=40)
     shutil.copytree(tiny_dir, root / "model/coldstart")
@@ -97,6 +96,13 @@ _SITUATION: dict = {}  # what a row sets outside the workspace: environment vari
 def hub_down(ws: Path):
     """No route to the Hub (the real thing: tests/test_offline.py, in a network namespace)."""
     _SITUATION["hub_down"] = True
+
+
+def platform(**fields):
+    """The machine `recipe.validate` checks a run against (a GPU, or fewer cores, cannot exist here)."""
+    def f(ws: Path):
+        _SITUATION["platform"] = fields
+    return f
 
 
 def env(**variables):
@@ -206,6 +212,16 @@ CASES = [
     ("is-off-uncorrected", ["run", "{ws}", "--set", "loss.is_mode=off"], None,
      "loss.is_mode = 'off' leaves the gap between the rollout engine (vLLM, bf16) and the trainer uncorrected"),
     ("replay-choice", ["run", "{ws}", "--replay", "r5"], None, "Invalid value for '--replay'"),
+    ("sleep-on-cpu", ["run", "{ws}", "--set", "rollout.sleep_level=2"], None,
+     "rollout.sleep_level = 2: vLLM's CPU backend has no sleep mode; set rollout.sleep_level = 0"),
+    ("kv-auto-on-cpu", ["run", "{ws}", "--set", "rollout.kv_cache_gib=0"], None,
+     "rollout.kv_cache_gib = 0 asks vLLM to size its KV cache from rollout.memory_fraction"),
+    ("overlap-on-gpu", ["run", "{ws}", "--set", "rollout.overlap=true"], platform(device="cuda"),
+     "rollout.overlap = true runs one process on CPU"),
+    ("overlap-under-torchrun", ["run", "{ws}", "--set", "rollout.overlap=true"], platform(world_size=2),
+     "set rollout.overlap = false under torchrun or on GPUs"),
+    ("overlap-one-core", ["run", "{ws}", "--set", "rollout.overlap=true"], platform(cores=1),
+     "rollout.overlap = true needs at least 2 cores for a trainer and an engine; this process has 1"),
     ("unknown-model", ["run", "{ws}", "--model", "gpt-5"], None, "model.id = 'gpt-5'"),
     ("lr-factor-zero", ["run", "{ws}", "--set", "guard.lr_factor=0"], None, "guard.lr_factor = 0.0"),
     ("ckpt-every-zero", ["run", "{ws}", "--set", "checkpoint.every=0"], None, "checkpoint.every = 0; it must be ≥ 1"),
@@ -288,6 +304,12 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
         mutate(ws)
     for k, v in _SITUATION.get("env", {}).items():
         monkeypatch.setenv(k, v)
+    if "platform" in _SITUATION:
+        from minirl import recipe
+
+        here = recipe.Platform.here
+        monkeypatch.setattr(recipe.Platform, "here", classmethod(
+            lambda cls, world_size=1: dataclasses.replace(here(world_size), **_SITUATION["platform"])))
     if _SITUATION.get("hub_down"):
         from minirl import hub
 

@@ -91,8 +91,8 @@ def test_level_1_sleep_keeps_weights_and_level_0_never_sleeps():
 def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bound():
     from minirl.hf_io import adapter, titan_to_hf
     from minirl.models import TINY
-    from minirl.train import Trainer
     from minirl.rollout.sync import bucket_nbytes, hf_buckets, layer_groups
+    from minirl.train import Trainer
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     expected = {k: v.to(torch.bfloat16) for k, v in titan_to_hf(TINY, tr.full_state_dict()).items()}
@@ -126,8 +126,8 @@ def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bo
 def test_a_layer_larger_than_the_bound_is_a_bucket_of_its_own():
     from minirl.hf_io import adapter
     from minirl.models import TINY
-    from minirl.train import Trainer
     from minirl.rollout.sync import hf_buckets, layer_groups
+    from minirl.train import Trainer
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     buckets = list(hf_buckets(tr.model, adapter(TINY).to_hf, dtype=torch.float32, bucket_bytes=1))

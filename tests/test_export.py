@@ -76,9 +76,9 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM
 
+    from minirl.batch import build_batch
     from minirl.models import TINY
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.batch import build_batch
     from minirl.train import Trainer
 
     ws = run_dir.parent.parent

@@ -168,8 +168,8 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
         rows = metric_rows(run_dir, allow_torn_last=True)
         steps = [r["step"] for r in rows]
         assert steps == list(range(1, len(steps) + 1))  # one row per step, in order
-        from minirl.preflight import check_checkpoint, complete_checkpoints
         from minirl.models import TINY
+        from minirl.preflight import check_checkpoint, complete_checkpoints
 
         complete = complete_checkpoints(run_dir)
         for c in complete:

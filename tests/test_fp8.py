@@ -2,8 +2,8 @@
 
 import torch
 
-from minirl.rollout.fp8 import fp8_roundtrip
 from minirl.models import TINY
+from minirl.rollout.fp8 import fp8_roundtrip
 from minirl.train import Trainer
 
 

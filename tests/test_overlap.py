@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.rollout.process import EngineProcess, split_cores
 from minirl.errors import UsageError
+from minirl.rollout.process import EngineProcess, split_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 3, 3, 3, 16], [9, 9, 9, 13, 9, 9, 9, 16]]
@@ -61,8 +61,8 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     which the engine's process scores exactly as an engine in this process given the same
     weights; so it does when its process copies everything from the trainer's shared
     parameters instead (the path for engines whose weights cannot be shared)."""
-    from minirl.rollout import sync as weight_sync
     from minirl.models import TINY
+    from minirl.rollout import sync as weight_sync
     from minirl.train import Trainer
 
     tr = Trainer(TINY, lr=0.0)

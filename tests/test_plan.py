@@ -69,7 +69,7 @@ def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep):
 
 
 def test_sleeping_engines_leave_training_the_gpu_and_awake_ones_share_it():
-    """rollout.sleep_level 2 (the default): vLLM's weights and KV cache are gone while the trainer
+    """rollout.sleep_level 2 (the 30B recipes' own): vLLM's weights and KV cache are gone while the trainer
     works; level 1 keeps the weights in host memory; level 0 keeps both on the GPU, so the KV cache
     gets only what training leaves (in micro-batches of 16k tokens: the whole 32k-token share's
     logits and their gradient, 23 GiB, would leave an awake engine no room). The weight sync holds
@@ -122,13 +122,25 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
                               env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1",
                                    "PATH": "/usr/bin:/bin"})
 
-    ok = dry("--replay", "r3", "--nodes", "2", "--gpus-per-node", "8")
+    ok = dry("--replay", "r3", "--nodes", "2", "--gpus-per-node", "8", "--set", "train.lr=2e-6")
     assert ok.returncode == 0, ok.stderr[-2000:]
+    # the resolved recipe comes first, as TOML that loads back to what the flags made of the model's recipe
+    from minirl import recipe
+
+    toml = ok.stdout.split("would hold)\n", 1)[1].split("\nplan for ", 1)[0]
+    (tmp_path / "resolved").mkdir()
+    (tmp_path / "resolved" / "r.toml").write_text(toml)
+    flags = ["train.replay=r3", "parallel.nodes=2", "parallel.gpus_per_node=8", "train.lr=2e-6"]
+    want = recipe.load(recipe.shipped("qwen3-30b-a3b"), flags)
+    assert recipe.load(tmp_path / "resolved" / "r.toml", []) == want and want.train.lr == 2e-6
+    (tmp_path / "resolved" / "r.toml").unlink()
+    (tmp_path / "resolved").rmdir()
     assert "30.53B total, 3.35B active" in ok.stdout and "world 16, dp_shard (FSDP2) 16, ep 8" in ok.stdout
     assert "launch: minirl init WORKSPACE --model Qwen3-30B-A3B\n" in ok.stdout
     assert ("launch: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 "
             "--rdzv-backend c10d --rdzv-endpoint "
-            "$HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main run WORKSPACE --model Qwen3-30B-A3B --replay r3 --resume auto"
+            "$HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main run WORKSPACE --model Qwen3-30B-A3B --replay r3 --set "
+            "train.lr=2e-6 --resume auto"
             "   # on each of the 2 nodes") in ok.stdout
     refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
     assert refused.returncode == 2

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from minirl import objective as O
+from minirl.batch import build_batch
 from minirl.models import TINY
 from minirl.replay import route_agreement, route_dtype
-from minirl.batch import build_batch
 from minirl.train import Trainer
 
 

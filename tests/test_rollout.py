@@ -5,8 +5,9 @@ import itertools
 import pytest
 import torch
 
-from minirl.models import TINY
 from minirl.batch import build_batch
+from minirl.models import TINY
+from minirl.rollout import sync as weight_sync
 from minirl.train import Trainer
 
 PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 4, 4, 4, 16], [12, 11, 10, 13, 3, 3, 3, 16]]
@@ -181,7 +182,8 @@ def test_fp32_rollouts_match_the_trainer_before_and_after_sync(engine32, tiny_di
     try:
         one_update(tr, prompts, responses)
         # the loop's sync: whole decoder layers, one per bucket here, streamed into vLLM's reload
-        engine32.load_weights(itertools.chain.from_iterable(tr.hf_buckets(dtype=torch.float32, bucket_bytes=1)))
+        buckets = weight_sync.trainer_buckets(tr, dtype=torch.float32, bucket_bytes=1)
+        engine32.load_weights(itertools.chain.from_iterable(buckets))
         after = engine32.score(prompts, responses)
         assert mean_abs_diff(after, before) > 0.05  # the sync really changed vLLM's outputs
         assert mean_abs_diff(after, trainer_logprobs(tr, prompts, responses)) < 1e-5
@@ -205,7 +207,8 @@ def test_bf16_sync_parity_within_precision(engine, tiny_dir, fixed):
     original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
     try:
         one_update(tr, prompts, responses)
-        engine.load_weights(itertools.chain.from_iterable(tr.hf_buckets(dtype=torch.bfloat16, bucket_bytes=2**16)))
+        buckets = weight_sync.trainer_buckets(tr, dtype=torch.bfloat16, bucket_bytes=2**16)
+        engine.load_weights(itertools.chain.from_iterable(buckets))
         after = engine.score(prompts, responses)
         assert mean_abs_diff(after, fresh) > 0.05
         assert mean_abs_diff(after, trainer_logprobs(tr, prompts, responses)) < 2e-2
@@ -257,7 +260,6 @@ def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_pat
     copied weights themselves."""
     from vllm import _custom_ops
 
-    from minirl.rollout import sync as weight_sync
 
     built = []
     create = _custom_ops.create_onednn_mm
@@ -317,8 +319,8 @@ def fed_positions(comps, batch):
 def test_route_capture_is_aligned_with_the_trainer_in_fp32(engine32, tiny_dir):
     """fp32 engines route identically, so a capture that is cut per request and position correctly
     agrees 100% with the trainer's own routing; an off-by-one or a request mix-up would not."""
-    from minirl.rollout.cpu import routes as capture
     from minirl.replay import route_agreement
+    from minirl.rollout.cpu import routes as capture
 
     engine32._llm.collective_rpc(capture.install)
     engine32.capture_routes = True
@@ -359,7 +361,11 @@ def vllm_cuda_routed_experts(vllm_config, routes, prompt_len: int, moe_layers):
     blocks, the block store they are published to, and the concatenation of full blocks and tail."""
     import numpy as np
     from vllm.distributed.aux_output_connector.routed_experts import (
-        RoutedExpertsBuffer, materialize_routed_experts, publish_routed_experts, routed_experts_keys)
+        RoutedExpertsBuffer,
+        materialize_routed_experts,
+        publish_routed_experts,
+        routed_experts_keys,
+    )
     from vllm.distributed.aux_output_connector.store import BlockObjectStore
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from minirl.batch import build_batch
 from minirl.models import TINY
 from minirl.sft import sft_loss
-from minirl.batch import build_batch
 from minirl.train import Trainer
 
 BATCH = build_batch([[4, 5, 16]] * 4, [[6, 2]] * 4, None, None, pad_id=0)

@@ -93,7 +93,7 @@ class Rollouts:
         self._finish_pending()
         weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20)
 
-    def drop_pending(self) -> None:
+    def discard(self) -> None:
         """Forget the batch sampled ahead (from weights a rollback undoes; the prompts are not
         drawn again) and wait until the engine reads nothing of the trainer's parameters."""
         self._finish_pending()

@@ -11,8 +11,8 @@ enter vLLM: the rollout policy then carries exactly FP8's rounding error.
 
 Cost: weights of one shape are stacked and quantized in one call (all experts of a layer's
 projection at once, and every layer's alike), not one call per matrix: on Qwen3-30B-A3B a
-`quantize_` per expert matrix measured ≈ 45 s per sync on an H100, a batched cast ≈ 0.4 s
-(PLATFORM.md). `tests/bench/fp8_sync_cost.py` prints the cost here.
+`quantize_` per expert matrix costs a sync orders of magnitude more than one batched cast
+(docs/results/cpu-path.md). `tests/bench/fp8_sync_cost.py` prints the cost here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def fp8_roundtrip(weights: dict[str, torch.Tensor], *, chunk_bytes: int | None =
     """HF-named weights with every projection weight FP8-quantized and dequantized (same dtype
     as given). Weights of one shape go through torchao together, `chunk_bytes` of bf16 at a time:
     by default 1 GiB on a GPU (fewer, larger kernels), 8 MiB on a CPU, where stacks that fit in
-    cache measured 5.6x faster than 1 GiB ones (3.1 s vs 17.5 s for one Qwen3-30B-A3B layer's experts)."""
+    cache are much faster than large ones (docs/results/cpu-path.md)."""
     if chunk_bytes is None:
         on_gpu = any(w.is_cuda for w in weights.values())
         chunk_bytes = 2**30 if on_gpu else 2**23

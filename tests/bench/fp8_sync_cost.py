@@ -36,9 +36,9 @@ def main() -> None:
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
     from minirl import recipe
-    from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target
     from minirl.models import KNOWN_SHAPES, TINY
     from minirl.plan import make_plan
+    from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target
     from minirl.train import Trainer
 
     torch.manual_seed(0)

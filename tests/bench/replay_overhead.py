@@ -65,19 +65,25 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     import time
 
     from minirl import recipe
-    from minirl.loop import RLRun
+    from minirl.batch import build_batch
+    from minirl.data import PromptSampler
     from minirl.objective import loss_for
     from minirl.preflight import prepare_run
     from minirl.replay import rollout_routes
-    from minirl.batch import build_batch
+    from minirl.rollout.vllm import VLLMEngine
+    from minirl.train import Trainer
     from minirl.workspace import Workspace
 
     ws = Workspace.open(ws_src)
     rec = recipe.load(ws.recipe_path, ["train.replay=r3", "rollout.parity_every=0"])
-    rl = RLRun(ws, rec, prepare_run(ws, rec, resume=False), run_dir=Path(tempfile.mkdtemp(prefix="minirl-bench-")))
+    inputs = prepare_run(ws, rec, resume=None)
     B, G = rec.train.prompts_per_step, rec.train.group_size
-    prompts = [p.prompt_ids for p in rl.sampler.next_batch(B)]
-    eng, tr = rl.engine, rl.trainer
+    tr = Trainer.from_recipe(rec, inputs.shape, device="cpu")
+    tr.load_hf(inputs.model_dir)
+    eng = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed, capture_routes=True,
+                                 max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1)
+    prompts = [p.prompt_ids for p in PromptSampler(inputs.train, seed=0).next_batch(B)]
+    pad, shape = inputs.tokenizer.pad_token_id, inputs.shape
     t = {k: [] for k in ("gen", "gen_r3", "old", "old_r3", "upd", "upd_r3", "routes")}
 
     def timed(key, fn):
@@ -94,9 +100,9 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
         groups = timed("gen_r3", gen)
         comps = [c for g in groups for c in g]
         batch = build_batch([p for p in prompts for _ in range(G)], [c.token_ids for c in comps],
-                            [c.logprobs for c in comps], [0.1] * len(comps), pad_id=rl.pad)
-        routes = timed("routes", lambda: rollout_routes(comps, batch, tr.replay.num_layers, rl.shape.top_k,
-                                                        rl.shape.num_experts))
+                            [c.logprobs for c in comps], [0.1] * len(comps), pad_id=pad)
+        routes = timed("routes", lambda: rollout_routes(comps, batch, tr.replay.num_layers, shape.top_k,
+                                                        shape.num_experts))
         old, _, _ = timed("old", lambda: tr.logprobs(batch))
         timed("old_r3", lambda: tr.logprobs(batch, routes=routes))
         batch = batch.with_old_logp(old)

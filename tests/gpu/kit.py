@@ -45,8 +45,8 @@ def rl_batch(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, re
     """A batch as a step of `minirl run` builds it: `prompts` prompts of `prompt_len` tokens, each
     with `group` responses of response_len/2..response_len tokens, group-mean advantages of random
     0/1 rewards, and rollout log-probs filled in later (`with_rollout_logp`)."""
-    from minirl.objective import group_advantages
     from minirl.batch import build_batch
+    from minirl.objective import group_advantages
 
     g = torch.Generator().manual_seed(seed)
     hi = shape.vocab_size

@@ -2,10 +2,9 @@
 
 Asked for `logprobs=0`, vLLM returns the sampled token's log-prob through per-request Python at
 every engine step: the worker turns the step's tensors into lists, the scheduler slices them per
-request, and the output processor appends them to each request's `FlatLogprobs`. For the tiny
-default's 256 short responses a rollout that is ~10% of its time (94 against 84 ms without
-log-probs, median of 16, alternating). The log-probs themselves are one `log_softmax` and one
-`gather` over the step's logits.
+request, and the output processor appends them to each request's `FlatLogprobs`: a visible share
+of a short rollout (docs/results/cpu-path.md). The log-probs themselves are one `log_softmax` and
+one `gather` over the step's logits.
 
 So the engine asks for none, and this recorder, inside the worker, wraps the model runner's
 `_sample`:

@@ -6,13 +6,9 @@ multiplications and two casts back, ~8 small ops where the CPU build ships one k
 has four norms (input, post-attention, q and k), so the tiny default runs ~17 a forward.
 
 Registering the same kernels for the CPU ("minirl_cpu", put first by `PRIORITY`, vLLM's own
-`kernel_config.ir_op_priority`) changes two things, measured on the tiny default (bf16 engine,
-32 prompts × 8, medians of 20 alternating in one process):
-- a rollout takes 80.4 against 88.4 ms (in the loop less: 1-5 ms a step over two alternating
-  pairs of 300-step default runs);
-- the engine is closer to the fp32 trainer: over 4,765 sampled tokens, mean |log μ − log π|
-  0.0077 against 0.0091. The kernel rounds once, after the weight; the native op rounds the
-  normalised activations to bf16 before multiplying by the weight.
+`kernel_config.ir_op_priority`) makes a rollout faster, and the engine closer to the fp32 trainer
+(docs/results/cpu-path.md): the kernel rounds once, after the weight; the native op rounds the
+normalised activations to bf16 before multiplying by the weight.
 
 The CPU kernels index rows as if contiguous: a strided view (Qwen3's q/k heads, split out of the
 fused qkv projection) is copied first, or its rows are read from the wrong place. The in-place

@@ -15,7 +15,7 @@ A response's last sampled token is never fed back, so it has no route; the train
 one (it predicts tokens[t+1] from tokens[:t+1]). Per completion the routes cover positions
 0 .. len(prompt) + len(response) − 2, exactly the positions the trainer forwards.
 
-Runs inside the engine's worker; installed through `VLLMEngine.call_on_worker`.
+Runs inside the engine's worker; installed by the engine (rollout/vllm.py) through vLLM's `collective_rpc`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """HF-named weights written straight into a CPU vLLM model's live tensors (the sync's fast path).
 
 vLLM's `reload_weights` is general: it restores every layer's checkpoint-format parameters,
-loads them through the model's `load_weights` and re-runs each layer's post-processing. On the
-CPU backend that costs 25-45 ms a sync for the tiny default's 135 tensors. The CPU backend's
-kernel format is simple, so this module writes it directly.
+loads them through the model's `load_weights` and re-runs each layer's post-processing, most of a
+small model's sync. The CPU backend's kernel format is simple, so this module writes it directly.
 
 Three ways in: `write` takes an HF-named stream (checked name by name at every sync); `bind` keeps
 HF-named views of the trainer's own parameters (one process: `Trainer.hf_views`), checked once,
@@ -17,11 +16,8 @@ each sync between the trainer's process (`SharedWeights.write`) and the engine's
   the `weight` parameter. We keep one weight tensor of the vLLM layout per such layer ("staging":
   stacked q/k/v rows for `qkv_proj`, gate/up rows for merged projections) and copy the new rows
   into it. A write relinks the layer to compute with `F.linear` over that tensor where it does
-  not yet, so every later sync is the copy alone. A handle costs ~0.2 ms to build whatever the
-  layer's size and saves ~15 µs a call over `F.linear`. Measured on the tiny default (AVX-512
-  BF16 CPU, bf16 engine, medians of 16-20, alternating): a sync from bound views 4.1 ms
-  rebuilding the 14 handles (2.9 ms of it), 1.7 ms without; a rollout 100.1 ms with handles
-  against 102.2 ms with `F.linear`, the same tokens;
+  not yet, so every later sync is the copy alone: rebuilding a handle at every sync costs more
+  than computing without one saves (docs/results/cpu-path.md);
 - routed experts: the CPU MoE kernel pads and prepacks `w13_weight` / `w2_weight` into new
   tensors, so we keep both in the checkpoint layout too (gate_proj / up_proj as the two halves
   of `w13[e]`, down_proj as `w2[e]`), and prepack them with the kernel's own op straight into
@@ -44,11 +40,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-
 # The engine's process's share of a sync split with the trainer's (`Writer.share`): it finishes
 # while the trainer ends its step, and the trainer's share is the part its step waits for.
 # 0.7 (three of four expert layers here) gave the shortest sync of the shares tried on the tiny
-# default overlapped; the figures of each are in README "Speed" (the split-sync round).
+# default overlapped; the figures of each are in docs/results/speed.md (the split-sync round).
 ENGINE_SHARE = 0.7
 
 
@@ -239,7 +234,7 @@ def coalesced(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torc
     """(destination, source) pairs with every run of consecutive ones that step through both
     storages by fixed strides (one expert after the next: gate_proj of experts 0..E-1 into the
     gate halves of `w13`) merged into one strided pair. Each element is copied exactly as before;
-    a copy's fixed cost (~1-2 µs on CPU) is paid once a run: 24 copies a layer become 3.
+    a copy's fixed cost is paid once a run: 24 copies a layer become 3.
 
     >>> w = torch.zeros(4, 6); src = torch.arange(12.).view(4, 3)
     >>> merged = coalesced([(w[i, :3], src[i]) for i in range(4)])
@@ -273,8 +268,8 @@ def coalesced(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torc
 
 def _copy_and_pack(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                    packs: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
-    """Each source copied (and cast) into its destination, in one call (0.16 against 0.22 ms for
-    a loop), then each expert weight prepacked straight into the packed tensor the kernel reads."""
+    """Each source copied (and cast) into its destination, in one call (cheaper than a loop), then
+    each expert weight prepacked straight into the packed tensor the kernel reads."""
     torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     for weight, packed, isa in packs:
         torch.ops._C.prepack_moe_weight(weight, packed, isa)
@@ -283,7 +278,7 @@ def _copy_and_pack(pairs: list[tuple[torch.Tensor, torch.Tensor]],
 def _prepacks_in_place(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, kernel) -> bool:
     """Whether the MoE kernel's post-processing is its prepack alone (no padding of the
     intermediate size, no zentorch), so the prepack can write straight into the packed weights
-    it computes with: 0.27 against 0.40 ms a sync for the default's 4 layers (one thread)."""
+    it computes with, instead of into new tensors."""
     cfg = getattr(kernel, "moe_config", None)
     return (hasattr(kernel, "isa") and hasattr(kernel, "_padded_intermediate_size") and cfg is not None
             and not getattr(kernel, "_use_zentorch", False)

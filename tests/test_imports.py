@@ -1,0 +1,138 @@
+"""The package's import graph, read from the source: no cycles, engines imported only where they
+belong, and every import deferred into a function says why."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("minirl", "cli", "rewards")
+# where each engine may be imported: vLLM in the rollout package, TorchTitan on the trainer's side
+ENGINE_HOMES = {
+    "vllm": ("minirl.rollout",),
+    "torchtitan": ("minirl.models", "minirl.parallel", "minirl.replay", "minirl.hf_io", "minirl.train"),
+}
+
+
+def modules(root: Path = ROOT, packages=PACKAGES) -> dict[str, Path]:
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(path: Path, known: dict[str, Path]):
+    """(line, imported module names, in a function?, the source line) of every import that runs:
+    imports under `if TYPE_CHECKING:` never do."""
+    tree = ast.parse(path.read_text())
+    lines = path.read_text().splitlines()
+
+    def walk(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                yield child.lineno, [a.name for a in child.names], in_function, lines[child.lineno - 1]
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                names = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+                yield child.lineno, [n for n in names if n in known or n == child.module], in_function, \
+                    lines[child.lineno - 1]
+            yield from walk(child, nested)
+
+    yield from walk(tree, False)
+
+
+def graph(known: dict[str, Path]) -> dict[str, set[str]]:
+    """module → the package's modules it imports (a submodule's import runs its package's too)."""
+    edges: dict[str, set[str]] = {m: set() for m in known}
+    for name, path in known.items():
+        for _, names, _, _ in imports(path, known):
+            for n in names:
+                parts = n.split(".")
+                for i in range(1, len(parts) + 1):
+                    target = ".".join(parts[:i])
+                    if target in known and target != name and not name.startswith(target + "."):
+                        edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(graph(modules())) == []
+
+
+def test_a_planted_cycle_is_found(tmp_path):
+    pkg = tmp_path / "minirl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from minirl import b\n")
+    (pkg / "b.py").write_text("def f():\n    from minirl.c import x  # deferred\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minirl import b\n"
+                              "import minirl.a\nx = 1\n")
+    known = modules(tmp_path, ("minirl",))
+    assert cycles(graph(known)) == [["minirl.a", "minirl.b", "minirl.c"]]  # the function's import counts too
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minirl import a\nx = 1\n")
+    assert cycles(graph(modules(tmp_path, ("minirl",)))) == []  # an annotation-only import does not
+
+
+def test_engines_are_imported_only_in_their_homes():
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        for line, names, _, _ in imports(path, known):
+            for engine, homes in ENGINE_HOMES.items():
+                if any(n == engine or n.startswith(engine + ".") for n in names) and not name.startswith(homes):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {engine}")
+    assert wrong == []
+
+
+def test_every_deferred_import_of_our_own_says_why():
+    """An import inside a function stays only where it defers a heavy one (torch, an engine); the
+    comment on its line, or on the first line of its group, says which."""
+    known = modules()
+    silent = []
+    for name, path in known.items():
+        lines = path.read_text().splitlines()
+        for line, names, in_function, text in imports(path, known):
+            if not in_function or not any(n.split(".")[0] in PACKAGES for n in names):
+                continue
+            i = line - 1
+            while i > 0 and "# deferred" not in lines[i] and lines[i - 1].strip().startswith(("from ", "import ")):
+                i -= 1
+            if "# deferred" not in lines[i]:
+                silent.append(f"{path.relative_to(ROOT)}:{line}: {text.strip()}")
+    assert silent == []
