@@ -23,7 +23,7 @@ from pathlib import Path
 
 from minirl import atomic
 from minirl import recipe as recipe_mod
-from minirl.card import model_card
+from minirl.card import known_score, model_card
 from minirl.errors import UsageError
 from minirl.evaluate import evaluate
 from minirl.files import read_json

@@ -4,25 +4,36 @@ under `torchrun --max-restarts`: test_faults.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
+from minirl.errors import UsageError
 from minirl.rollout.vllm import CPU_WORKAROUNDS, EngineSettings, VLLMEngine, engine_args
 
 
 def test_cpu_and_cuda_engines_differ_only_by_the_documented_workarounds():
-    s = EngineSettings("/models/qwen3", dtype="bfloat16", tensor_parallel=2, sleep_level=2, capture_routes=True,
-                       memory_fraction=0.85, kv_cache_gib=0.0, fp8=True)
-    cuda, cpu = engine_args(s, cuda=True, spmd=True), engine_args(s, cuda=False, spmd=True)
+    both = EngineSettings("/models/qwen3", dtype="bfloat16", tensor_parallel=2, capture_routes=True,
+                          memory_fraction=0.85, kv_cache_gib=0.5, fp8=True)
+    cuda, cpu = engine_args(both, cuda=True, spmd=True), engine_args(both, cuda=False, spmd=True)
     differ = {k for k in cuda.keys() | cpu.keys() if cuda.get(k) != cpu.get(k)}
     assert differ == set(CPU_WORKAROUNDS)
+    assert cpu["kv_cache_memory_bytes"] == 2**29 and cpu["quantization"] is None  # CPU: FP8 emulated by the sync
     # the cluster engine: one per TP group of a torchrun job, sleeping between rollouts, routes from vLLM
+    s = dataclasses.replace(both, sleep_level=2, kv_cache_gib=0.0)
+    cuda = engine_args(s, cuda=True, spmd=True)
     assert cuda["distributed_executor_backend"] == "external_launcher"
     assert cuda["tensor_parallel_size"] == 2
     assert cuda["enable_sleep_mode"] is True and cuda["enable_return_routed_experts"] is True
     assert cuda["kv_cache_memory_bytes"] is None and cuda["gpu_memory_utilization"] == 0.85  # vLLM sizes the KV cache
     assert cuda["quantization"] == "fp8_per_channel"  # vLLM's online FP8, re-quantized at every in-place reload
     assert cuda["enable_prefix_caching"] is False  # prompt KV would outlive a sync
-    assert cpu["kv_cache_memory_bytes"] == 2**29 and cpu["quantization"] is None  # CPU: FP8 emulated by the sync
+    # what the CPU backend cannot do is refused in one line naming the key, never quietly changed
+    for change, key in (({"sleep_level": 2}, "rollout.sleep_level = 2"),
+                        ({"kv_cache_gib": 0.0}, "rollout.kv_cache_gib = 0")):
+        with pytest.raises(UsageError, match=key):
+            engine_args(dataclasses.replace(both, **change), cuda=False, spmd=False)
 
 
 def test_engine_args_alone_and_without_sleep():

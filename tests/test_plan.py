@@ -152,9 +152,9 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
 
 
 def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_shrinks_it(tmp_path):
-    """The tiny workspace's recipe with --model Qwen3-30B-A3B on 2 × 8 GPUs: the weight sync
-    overflows because of vLLM's bf16 weights at TP 1 (its sync bucket is 2.3 GiB of 88.8), so the
-    advice is tensor parallel or FP8 (not the bucket), and the model's own recipe."""
+    """The tiny workspace's recipe with --model Qwen3-30B-A3B on 2 × 8 GPUs: its engine stays awake
+    (sleep_level 0), so training overflows because of vLLM's bf16 weights at TP 1 beside it, and
+    the advice is tensor parallel or FP8, and the model's own recipe."""
     from tests.conftest import data_workspace
 
     ws = data_workspace(tmp_path / "ws")
@@ -164,7 +164,7 @@ def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_s
                                          "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "minirl: error: the plan does not fit: weight sync needs 88.8 GiB per GPU, over 90% of 80 GiB; the largest "
+        "minirl: error: the plan does not fit: training needs 89.8 GiB per GPU, over 90% of 80 GiB; the largest "
         "part is vLLM weights (bf16, TP 1) (56.9 GiB): raise rollout.tensor_parallel (1) or set rollout.precision = "
         "\"fp8\"; this recipe is tiny-qwen3-moe's: Qwen3-30B-A3B's own is recipes/qwen3-30b-a3b.toml "
         "(`minirl init WS --model Qwen3-30B-A3B`)"]

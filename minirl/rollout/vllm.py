@@ -92,7 +92,10 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
     as one rank of a torchrun job (`spmd`: every rank holds an engine; ranks in one TP group run
     the same requests in lockstep, vLLM's `external_launcher` executor for SPMD launchers)."""
     kv_gib = s.kv_cache_gib
-    if not cuda and kv_gib <= 0:  # recipe.validate refuses it first for a run; an engine built elsewhere too
+    # recipe.validate refuses both first for a run on a CPU; an engine built elsewhere is refused here
+    if not cuda and s.sleep_level:
+        raise UsageError(f"rollout.sleep_level = {s.sleep_level}: vLLM's CPU backend has no sleep mode; set 0")
+    if not cuda and kv_gib <= 0:
         raise UsageError("rollout.kv_cache_gib = 0 asks vLLM to size its KV cache from rollout.memory_fraction, "
                          "which its CPU backend refuses; set rollout.kv_cache_gib (e.g. 0.5)")
     args = dict(
@@ -146,9 +149,7 @@ class VLLMEngine:
         self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
         self._prefix_caching = self._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-        if self.on_cpu and s.sleep_level:  # recipe.validate refuses it first for a run
-            raise UsageError(f"rollout.sleep_level = {s.sleep_level}: vLLM's CPU backend has no sleep mode; set 0")
-        self.sleep_level = s.sleep_level
+        self.sleep_level = s.sleep_level  # 0 on a CPU: engine_args refuses more
         self._asleep = 0  # the level it sleeps at now
         self._stale = False  # level 2 dropped the weights; only a full sync brings them back
         self.capture_routes = s.capture_routes
