@@ -247,15 +247,16 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, data_dir: Path | None, k: int | None,
              temperature: float | None, overrides: tuple[str, ...]) -> None:
-    """Evaluate a checkpoint on BENCH and report avg@k, pass@k and maj@k.
+    """Evaluate a checkpoint on BENCH and report avg@k, pass@k (and the unbiased pass@1, @5, @10
+    below k) and maj@k.
 
-    BENCH is one of aime24, aime25, hmmt25, amc23, math500, gsm8k (Hugging Face datasets, or a
-    local copy with --data / --data-dir) or heldout (the workspace's held-out split, the default).
+    BENCH is one of aime24, aime25, hmmt25, amc23, math500, gsm8k, humaneval (Hugging Face
+    datasets, or a local copy with --data / --data-dir) or heldout (the workspace's held-out split,
+    the default). humaneval runs each answer's program against the problem's tests in a sandbox.
     Results go to <workspace>/evals/ (or ./minirl-evals/ without a workspace) as JSON with a
     per-problem breakdown. An interrupted eval resumes where it stopped.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 
     get_bench(bench)  # an unknown name fails before anything loads
     ws = Workspace.open(workspace) if (workspace / RECIPE_NAME).exists() else None
@@ -281,12 +282,12 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     from rich.table import Table
 
     kk = result["k"]
+    scores = [f"avg@{kk}", *(f"pass@{j}" for j in (1, 5, 10, 100) if j < kk), f"pass@{kk}", f"maj@{kk}"]
     table = Table(title=f"{bench}: {result['checkpoint']}")
-    for col in ("problems", f"avg@{kk}", f"pass@{kk}", f"maj@{kk}", "T", "truncated prompts", "grader timeouts"):
+    for col in ("problems", *scores, "T", "truncated prompts", "grader timeouts"):
         table.add_column(col, justify="right")
-    table.add_row(str(result["problems"]), f"{result[f'avg@{kk}']:.3f}", f"{result[f'pass@{kk}']:.3f}",
-                  f"{result[f'maj@{kk}']:.3f}", str(result["temperature"]), str(result["truncated_prompts"]),
-                  str(result["grader_timeouts"]))
+    table.add_row(str(result["problems"]), *(f"{result[c]:.3f}" for c in scores), str(result["temperature"]),
+                  str(result["truncated_prompts"]), str(result["grader_timeouts"]))
     console.print(table)
     if result["resumed_problems"]:
         console.print(f"resumed: {result['resumed_problems']} problems were already done")

@@ -15,6 +15,8 @@ from minirl.data import load_rows
 from minirl.errors import UsageError
 
 BOXED_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+CODE_CHAT_PROMPT = ("Complete the following Python function. Answer with the whole function, imports included, in one "
+                    "```python code block.\n\n```python\n{problem}```")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +30,8 @@ class Benchmark:
     answer_after: str | None = None  # keep only the text after this marker (GSM8K: "#### ")
     grader: str = "math"
     prompt_template: str = BOXED_PROMPT
+    chat_prompt_template: str | None = None  # instead of prompt_template where the model has a chat template
+    row_fields: tuple[str, ...] = ()  # fields the grader reads besides the answer (code: tests, entry point)
 
 
 REGISTRY: dict[str, Benchmark] = {
@@ -40,6 +44,10 @@ REGISTRY: dict[str, Benchmark] = {
         Benchmark(name="math500", hub_id="HuggingFaceH4/MATH-500", split="test"),
         Benchmark(name="gsm8k", hub_id="openai/gsm8k", config="main", split="test", problem_field="question",
                   answer_after="#### "),
+        # HumanEval: a base model completes the function; a chat model is asked for the whole of it
+        Benchmark(name="humaneval", hub_id="openai/openai_humaneval", split="test", problem_field="prompt",
+                  answer_field="entry_point", grader="code", prompt_template="{problem}",
+                  chat_prompt_template=CODE_CHAT_PROMPT, row_fields=("prompt", "test", "entry_point")),
         Benchmark(name="heldout", hub_id=None, grader="", prompt_template="{problem}"),
     ]
 }
@@ -71,12 +79,15 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
     if pf is None or bench.answer_field not in fields:
         raise UsageError(f"{bench.name}: need a problem field ({'/'.join(PROBLEM_FIELD_ALIASES)}) and "
                          f"{bench.answer_field!r}; the data has {', '.join(fields)}")
+    missing = [f for f in bench.row_fields if f not in fields]
+    if missing:
+        raise UsageError(f"{bench.name}: the data has no {', '.join(map(repr, missing))} field; it has {', '.join(fields)}")
     out = []
     for i, row in enumerate(rows):
         answer = str(row[bench.answer_field])
         if bench.answer_after and bench.answer_after in answer:
             answer = answer.rsplit(bench.answer_after, 1)[1].strip()
-        out.append({"index": i, "problem": str(row[pf]), "answer": answer})
+        out.append({**{f: row[f] for f in bench.row_fields}, "index": i, "problem": str(row[pf]), "answer": answer})
     if not out:
         raise UsageError(f"{bench.name}: no rows")
     return out

@@ -53,6 +53,21 @@ def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]
     }
 
 
+def pass_at(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code"): 1 − C(n−c, k) / C(n, k), as a product.
+
+    >>> pass_at(4, 1, 1), pass_at(4, 0, 2), round(pass_at(4, 1, 2), 3)
+    (0.25, 0.0, 0.5)
+    """
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
 def evaluate(
     engine,
     problems: Sequence[Problem],
@@ -184,6 +199,8 @@ def eval_benchmark(
     budget = ctx - max_tokens
     prompts, truncated = [], 0
     template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template
+    if bench.chat_prompt_template and not rec.eval.prompt_template and getattr(tok, "chat_template", None):
+        template = bench.chat_prompt_template
     for r in records:
         ids = _format_prompt(tok, template, r["problem"])
         if len(ids) > budget:  # keep the end, where the question is
@@ -235,10 +252,16 @@ def eval_benchmark(
         finally:
             pool.close()
     rows = [done[i] for i in range(len(records))]
+    correct = [r["correct"] for r in rows]
+    k = rec.eval.k
     result = {
         "benchmark": bench.name,
         "checkpoint": str(model_dir),
-        **summarize([r["correct"] for r in rows], [r["extracted"] for r in rows]),
+        **summarize(correct, [r["extracted"] for r in rows]),
+        # pass@j for j < k, unbiased from the k samples of each problem (Chen et al. 2021); pass@k
+        # is the share of problems with a correct one among all k
+        **{f"pass@{j}": sum(pass_at(k, sum(c), j) for c in correct) / max(1, len(correct))
+           for j in (1, 5, 10, 100) if j < k},
         "temperature": rec.eval.temperature,
         "max_tokens": max_tokens,
         "truncated_prompts": truncated,

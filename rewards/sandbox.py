@@ -1,0 +1,288 @@
+"""A sandbox for running untrusted programs (the code grader's), from what Linux gives.
+
+Each run is a process tree of its own:
+
+    prlimit (resource limits) ─▶ unshare (user, mount, PID, network, IPC namespaces) ─▶ harness.py
+
+- limits (`prlimit`, inherited by everything below): CPU seconds, address space, file size, open
+  files, processes, no core files; a wall-clock limit kills the whole tree;
+- a new session, an empty environment (no tokens, no paths of ours), a fresh temporary working
+  folder, removed afterwards;
+- namespaces (`unshare`): no network (a network namespace with nothing up), its own PID namespace
+  (it sees and can signal only its own processes; when its first process ends the kernel kills
+  the rest), and a mount namespace where the harness makes everything read-only but its working
+  folder and mounts a fresh /proc before dropping every capability;
+- the process limit: RLIMIT_NPROC counts every process of the user, and root is exempt from it,
+  so run as root (containers, CI) each run gets a `pids` cgroup of its own with `pids.max` instead.
+
+What is unavailable on a machine (no `unshare`, user namespaces switched off, a mount that
+cannot be made read-only) is said once, loudly, on stderr, and the run goes on with what is
+left; `protections()` says what holds here. docs/graders.md lists the protections, the attacks
+each stops, and what was verified on which machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HARNESS = Path(__file__).with_name("harness.py")
+ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+MAX_REPORT = 2**20  # bytes of report lines read from one run
+_runs = itertools.count()
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    wall_s: float = 10.0  # the whole run, start-up included
+    cpu_s: int = 10
+    memory_mib: int = 1024  # address space of each process
+    file_mib: int = 16  # largest file it may write
+    open_files: int = 64
+    processes: int = 32
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What came back from one run: the harness's report lines that carried the run's secret
+    (kind, test index, reason), how the tree ended, and what the harness said it could confine."""
+
+    reports: list[tuple[str, int, str]] = field(default_factory=list)
+    returncode: int | None = None
+    timed_out: bool = False
+    hello: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def protections() -> dict[str, bool]:
+    """What holds on this machine (probed once per process)."""
+    p = _probe()
+    return {"limits": p["prlimit"], "namespaces": p["namespaces"],
+            "process_limit": p["cgroup"] is not None or os.geteuid() != 0}
+
+
+def run(job: dict, limits: Limits = Limits()) -> Outcome:
+    """Run the harness on `job` ({"program", "tests"}) in a fresh sandbox; never raises on what
+    the program does."""
+    probe = _probe()
+    t0 = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="minirl-code-"))
+    cgroup = _new_cgroup(probe, limits)
+    secret = secrets.token_hex(16)
+    out = Outcome()
+    fds: list[int] = []
+    try:
+        secret_r, secret_w = os.pipe()
+        report_r, report_w = os.pipe()
+        fds += [secret_r, report_r, report_w]
+        os.write(secret_w, secret.encode())
+        os.close(secret_w)
+        cmd = [shutil.which("prlimit") or "prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_mib * 2**20}",
+               f"--fsize={limits.file_mib * 2**20}", f"--nofile={limits.open_files}",
+               f"--nproc={_process_limit(limits)}", "--core=0", "--"]
+        if cgroup is not None:  # the shell joins the run's cgroup, then becomes prlimit: nothing forks before
+            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *cmd]
+        if probe["namespaces"]:
+            cmd += [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork",
+                    "--net", "--ipc", "--kill-child", "--"]
+        cmd += [sys.executable, "-I", str(HARNESS), str(secret_r), str(report_w)]
+        body = json.dumps({**job, "workdir": str(workdir), "confine": probe["namespaces"]}).encode()
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                cwd=workdir, env=ENV, pass_fds=(secret_r, report_w), start_new_session=True)
+        for fd in (secret_r, report_w):
+            os.close(fd)
+            fds.remove(fd)
+        chunks: list[bytes] = []
+        reader = threading.Thread(target=_read_capped, args=(report_r, chunks), daemon=True)
+        reader.start()
+        try:
+            proc.stdin.write(body)
+            proc.stdin.close()
+        except OSError:
+            pass  # it ended before reading its job: the report says nothing, the run fails
+        try:
+            out.returncode = proc.wait(timeout=max(0.1, limits.wall_s - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            out.timed_out = True
+        finally:  # also when interrupted (a caller's own time limit): nothing of the run outlives it
+            if proc.returncode is None:
+                _kill(proc)
+                out.returncode = proc.wait()
+        reader.join(timeout=2.0)  # everything that held the pipe is gone with the namespace
+        out.reports, out.hello = _parse(b"".join(chunks), secret)
+        _check_hello(out.hello, probe)
+        return out
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
+        out.seconds = time.monotonic() - t0
+
+
+def _read_capped(fd: int, chunks: list[bytes]) -> None:
+    got = 0
+    while True:
+        data = os.read(fd, 65536)
+        if not data:
+            return
+        if got < MAX_REPORT:
+            chunks.append(data[: MAX_REPORT - got])
+            got += len(data)
+
+
+def _parse(raw: bytes, secret: str) -> tuple[list[tuple[str, int, str]], dict]:
+    """Report lines that carry the secret; anything else (forged, garbled, cut) is ignored."""
+    reports, hello = [], {}
+    for line in raw.decode(errors="replace").splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) != 4 or parts[0] != secret:
+            continue
+        try:
+            kind, index, why = parts[1], int(parts[2]), json.loads(parts[3])
+        except ValueError:
+            continue
+        if kind == "hello":
+            try:
+                hello = json.loads(why)
+            except ValueError:
+                pass
+        else:
+            reports.append((kind, index, why))
+    return reports, hello
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The whole tree: its session's process group (prlimit, unshare and, without namespaces,
+    whatever stayed in the group); with namespaces, unshare's end takes the PID namespace down."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _process_limit(limits: Limits) -> int:
+    """RLIMIT_NPROC counts every process of the user (and never binds root): set above the
+    user's other processes, it stops a fork bomb at about `limits.processes` more."""
+    mine = sum(1 for p in Path("/proc").glob("[0-9]*") if _owner(p) == os.getuid())
+    return mine + limits.processes + 64
+
+
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1's pids hierarchy, or v2
+
+
+def _new_cgroup(probe: dict, limits: Limits) -> Path | None:
+    """A `pids` cgroup for one run (root only: the kernel's RLIMIT_NPROC exempts root)."""
+    if probe["cgroup"] is None:
+        return None
+    path = probe["cgroup"] / f"run-{os.getpid()}-{next(_runs)}"
+    try:
+        path.mkdir()
+        (path / "pids.max").write_text(str(limits.processes))
+        return path
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+
+
+def _remove_cgroup(path: Path) -> None:
+    """Kill what is left in it (nothing, with namespaces), then remove it."""
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+def _owner(p: Path) -> int | None:
+    try:
+        return p.stat().st_uid
+    except OSError:
+        return None
+
+
+_PROBED: dict | None = None
+
+
+def _probe() -> dict:
+    """Which protections this machine gives, tried once: namespaces through `unshare` (as the
+    sandbox's own user when running as root)."""
+    global _PROBED
+    with _lock:
+        if _PROBED is not None:
+            return _PROBED
+        root = os.geteuid() == 0
+        found = {"prlimit": shutil.which("prlimit") is not None, "namespaces": False, "cgroup": None}
+        unshare = shutil.which("unshare")
+        if unshare:
+            try:
+                r = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "--pid", "--fork", "--net", "--ipc",
+                                    "--kill-child", "--", "/bin/true"], env=ENV, capture_output=True, timeout=30, cwd="/")
+                found["namespaces"] = r.returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                pass
+        if root:
+            for base in CGROUP_ROOTS:
+                parent = base / "minirl-sandbox"
+                try:
+                    parent.mkdir(exist_ok=True)
+                    probe_dir = parent / f"probe-{os.getpid()}"
+                    probe_dir.mkdir(exist_ok=True)
+                    ok = (probe_dir / "pids.max").exists()
+                    probe_dir.rmdir()
+                    if ok:
+                        found["cgroup"] = parent
+                        break
+                except OSError:
+                    continue
+        if not found["prlimit"]:
+            _warn_once("prlimit", "`prlimit` (util-linux) is missing: sandboxed programs run without CPU, memory, "
+                                  "file-size, open-file or process limits; only the wall-clock limit stops them")
+        if root and found["cgroup"] is None:
+            _warn_once("cgroup", "running as root without a writable `pids` cgroup: the kernel exempts root from "
+                                 "the process limit, so nothing stops a fork bomb inside the code sandbox but the "
+                                 "wall-clock limit")
+        if not found["namespaces"]:
+            _warn_once("namespaces", "Linux user namespaces are unavailable here (`unshare --user` failed): sandboxed "
+                                     "programs run WITHOUT network isolation, a read-only filesystem or a private "
+                                     "process table; only resource limits, a session of their own, an empty "
+                                     "environment and a temporary folder protect this machine")
+        _PROBED = found
+        return found
+
+
+def _check_hello(hello: dict, probe: dict) -> None:
+    if probe["namespaces"] and hello and (hello.get("confine_error") or not hello.get("read_only", True)):
+        _warn_once("read_only", "the code sandbox could not make the filesystem read-only "
+                                f"({hello.get('confine_error') or ', '.join(hello.get('writable', []))} stayed "
+                                "writable): sandboxed programs can write there")
+
+
+def _warn_once(key: str, text: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        print(f"minirl: WARNING: {text}", file=sys.stderr, flush=True)
