@@ -1,0 +1,177 @@
+"""The lab's rules, fixed before any run: when a run has collapsed, and how two arms' seeds become
+a verdict. Statistics come from scipy.stats; nothing here reads a run folder.
+
+A study compares two arms over K paired seeds (seed i of both arms draws the same prompts and
+sampling noise). Three kinds of evidence, each with its test:
+
+- collapse rates: Fisher's exact test on the 2 × 2 table (collapsed or not, per arm);
+- time to collapse: the log-rank test, runs that never collapsed censored at their last step;
+- final held-out scores: the mean paired difference, a bootstrap interval and a paired
+  permutation test's p-value.
+
+A verdict says "reproduced (effect, interval, p)" when the effect the paper claims is there at
+α = 0.05, "contradicted (…)" when the opposite effect is, and otherwise "not observed (n, power
+for the stated effect)": how likely this many seeds were to see the paper's effect had it been
+there. Never a bare "inconclusive".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+ALPHA = 0.05
+
+# Collapse, independent of the guard's thresholds (which were shaped on this lab's own runs):
+# a run has collapsed at the first step where, over a window of COLLAPSE_WINDOW steps, the mean
+# reward is below COLLAPSE_REWARD_FRAC of the best window mean so far and the mean entropy has left
+# [ENTROPY_LOW, ENTROPY_HIGH] × the first window's, or where a held-out score falls below
+# COLLAPSE_HELDOUT_FRAC of the run's starting score.
+COLLAPSE_WINDOW = 5
+COLLAPSE_REWARD_FRAC = 0.25
+ENTROPY_LOW, ENTROPY_HIGH = 0.25, 3.0
+COLLAPSE_HELDOUT_FRAC = 0.5
+
+
+def collapse_step(rows: Sequence[dict], heldout_start: float | None = None) -> int | None:
+    """The step at which a run collapsed by the rule above, or None. `rows` are metrics.jsonl rows
+    (`step`, `rollout/reward_mean`, `train/entropy`, and `heldout/avg@k` where evaluated).
+
+    >>> healthy = [{"step": s, "rollout/reward_mean": 0.5, "train/entropy": 1.0} for s in range(1, 21)]
+    >>> collapse_step(healthy) is None
+    True
+    >>> frozen = healthy[:10] + [{"step": s, "rollout/reward_mean": 0.01, "train/entropy": 0.1} for s in range(11, 21)]
+    >>> collapse_step(frozen)
+    15
+    """
+    rewards = [float(r.get("rollout/reward_mean", math.nan)) for r in rows]
+    entropies = [float(r.get("train/entropy", math.nan)) for r in rows]
+    w = COLLAPSE_WINDOW
+    best = -math.inf
+    h0 = float(np.mean(entropies[:w])) if len(entropies) >= w else math.nan
+    for i, row in enumerate(rows):
+        held = next((v for k, v in row.items() if k.startswith("heldout/avg@")), None)
+        if heldout_start and held is not None and held < COLLAPSE_HELDOUT_FRAC * heldout_start:
+            return int(row["step"])
+        if i + 1 < w:
+            continue
+        reward, entropy = float(np.mean(rewards[i + 1 - w:i + 1])), float(np.mean(entropies[i + 1 - w:i + 1]))
+        best = max(best, reward)
+        out_of_band = not (ENTROPY_LOW * h0 <= entropy <= ENTROPY_HIGH * h0)
+        if best > 0 and reward < COLLAPSE_REWARD_FRAC * best and out_of_band:
+            return int(row["step"])
+    return None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One test's outcome: the effect (B − A), its 95% interval where there is one, the p-value."""
+
+    effect: float
+    low: float
+    high: float
+    p: float
+    n: int
+    what: str
+
+    def text(self) -> str:
+        interval = "" if math.isnan(self.low) else f", 95% CI [{self.low:+.3f}, {self.high:+.3f}]"
+        return f"{self.what} {self.effect:+.3f}{interval}, p = {self.p:.3g}, n = {self.n}"
+
+
+def collapse_rates(a: Sequence[bool], b: Sequence[bool]) -> Evidence:
+    """Fisher's exact test, two-sided, on collapsed / not per arm; effect: rate(B) − rate(A).
+
+    >>> round(collapse_rates([False] * 5, [True] * 5).p, 4)
+    0.0079
+    """
+    table = [[sum(b), len(b) - sum(b)], [sum(a), len(a) - sum(a)]]
+    p = stats.fisher_exact(table).pvalue
+    return Evidence(sum(b) / len(b) - sum(a) / len(a), math.nan, math.nan, float(p), len(a) + len(b),
+                    "collapse rate difference")
+
+
+def time_to_collapse(a: Sequence[int | None], b: Sequence[int | None], *, steps: int) -> Evidence:
+    """The log-rank test on time to collapse, runs that never collapsed censored at `steps`;
+    effect: the difference in median collapse-free steps (B − A, `steps` where more than half never fell)."""
+
+    def data(times):
+        x = stats.CensoredData(uncensored=[t for t in times if t is not None],
+                               right=[steps for t in times if t is None])
+        return x
+
+    p = stats.logrank(data(a), data(b)).pvalue
+
+    def median(times):
+        ordered = sorted(steps if t is None else t for t in times)
+        return float(np.median(ordered))
+
+    return Evidence(median(b) - median(a), math.nan, math.nan, float(p), len(a) + len(b),
+                    "median steps to collapse difference")
+
+
+def paired_scores(a: Sequence[float], b: Sequence[float], *, seed: int = 0, resamples: int = 9999) -> Evidence:
+    """Seed i of A against seed i of B: the mean paired difference B − A, its bootstrap 95%
+    interval (BCa) and the two-sided p-value of the paired permutation test (exact for ≤ 12 pairs)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    d = b - a
+    rng = np.random.default_rng(seed)
+    if len(d) >= 2 and np.ptp(d) > 0:
+        ci = stats.bootstrap((d,), np.mean, confidence_level=0.95, n_resamples=resamples, method="BCa",
+                             random_state=rng).confidence_interval
+        low, high = float(ci.low), float(ci.high)
+    else:
+        low = high = float(d.mean()) if len(d) else math.nan
+    p = stats.permutation_test((a, b), lambda x, y: np.mean(y - x), permutation_type="samples",
+                               n_resamples=resamples, random_state=rng).pvalue if len(d) >= 2 else 1.0
+    return Evidence(float(d.mean()), low, high, float(p), len(d), "mean paired held-out difference")
+
+
+def power_collapse(n: int, rate_a: float, rate_b: float) -> float:
+    """The chance that Fisher's test on n seeds an arm finds p < α when the arms' true collapse
+    rates are `rate_a` and `rate_b` (exact: every outcome's probability summed).
+
+    >>> round(power_collapse(5, 0.0, 1.0), 3)
+    1.0
+    """
+    power = 0.0
+    for ka in range(n + 1):
+        for kb in range(n + 1):
+            prob = stats.binom.pmf(ka, n, rate_a) * stats.binom.pmf(kb, n, rate_b)
+            if prob > 0 and stats.fisher_exact([[kb, n - kb], [ka, n - ka]]).pvalue < ALPHA:
+                power += prob
+    return float(power)
+
+
+def power_paired(n: int, effect: float, sd: float) -> float:
+    """Approximate power of a two-sided paired test for a true mean difference `effect` when the
+    paired differences spread with `sd` (normal approximation)."""
+    if n < 2 or sd <= 0:
+        return 0.0
+    z = stats.norm.ppf(1 - ALPHA / 2)
+    shift = abs(effect) / (sd / math.sqrt(n))
+    return float(stats.norm.cdf(shift - z) + stats.norm.cdf(-shift - z))
+
+
+def verdict(evidence: Evidence, *, claim_sign: int, power: float) -> str:
+    """"reproduced" when the effect has the paper's sign (`claim_sign`: +1 or −1) at p < α,
+    "contradicted" when it has the other sign at p < α, else "not observed" with this many seeds'
+    power to see the paper's effect. `claim_sign` 0 is a placebo: the paper expects no difference.
+
+    >>> e = Evidence(0.8, float("nan"), float("nan"), 0.008, 10, "collapse rate difference")
+    >>> verdict(e, claim_sign=1, power=0.9).split(" (")[0]
+    'reproduced'
+    """
+    significant = evidence.p < ALPHA
+    if claim_sign == 0:
+        return (f"difference ({evidence.text()}): the placebo differs, so the lab itself is broken" if significant
+                else f"no difference, as it must be ({evidence.text()})")
+    if significant and np.sign(evidence.effect) == claim_sign:
+        return f"reproduced ({evidence.text()})"
+    if significant:
+        return f"contradicted ({evidence.text()})"
+    return f"not observed ({evidence.text()}; power {power:.2f} to see the paper's effect with these seeds)"

@@ -1,0 +1,80 @@
+"""The lab's rules: the collapse criterion and the statistics behind a verdict, on known inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from minirl import verdicts as v
+
+
+def rows(reward, entropy, start=1):
+    return [{"step": start + i, "rollout/reward_mean": r, "train/entropy": h} for i, (r, h) in enumerate(zip(reward, entropy))]
+
+
+def test_collapse_needs_the_reward_down_and_the_entropy_out_of_its_band():
+    healthy = rows([0.5] * 20, [1.0] * 20)
+    assert v.collapse_step(healthy) is None
+    freezing = rows([0.5] * 10 + [0.01] * 10, [1.0] * 10 + [0.1] * 10)
+    assert v.collapse_step(freezing) == 15  # the first window wholly past the change
+    dissolving = rows([0.5] * 10 + [0.05] * 10, [1.0] * 10 + [4.0] * 10)
+    assert v.collapse_step(dissolving) == 15
+    hard_but_steady = rows([0.5] * 10 + [0.05] * 10, [1.0] * 20)  # the reward fell, the policy did not
+    assert v.collapse_step(hard_but_steady) is None
+    held = healthy[:8] + [{**healthy[8], "heldout/avg@4": 0.1}] + healthy[9:]
+    assert v.collapse_step(held, heldout_start=0.3) == 9  # below half the start
+    assert v.collapse_step(held, heldout_start=0.15) is None
+
+
+def test_fisher_logrank_and_permutation_give_known_p_values():
+    assert v.collapse_rates([False] * 5, [True] * 5).p == pytest.approx(2 / 252)  # C(10, 5) = 252 tables
+    assert v.collapse_rates([False] * 5, [False] * 5).p == 1.0
+    # one event at t = 1 in A, one run censored at 2 in B: chi² = (1 − ½)² / ¼ = 1
+    assert v.time_to_collapse([1], [None], steps=2).p == pytest.approx(0.31731, abs=1e-4)
+    # six pairs all up by 0.1: the exact two-sided permutation p is 2 / 2⁶
+    e = v.paired_scores([0.3] * 6, [0.4] * 6)
+    assert e.effect == pytest.approx(0.1) and e.p == pytest.approx(2 / 64)
+    assert e.low == pytest.approx(0.1) and e.high == pytest.approx(0.1)
+    # five pairs can never reach α two-sided: the smallest p is 2 / 2⁵
+    assert v.paired_scores([0.3] * 5, [0.4] * 5).p == pytest.approx(2 / 32)
+
+
+def test_bootstrap_intervals_cover_the_mean_and_narrow_with_seeds():
+    rng = np.random.default_rng(0)
+    a = rng.normal(0.3, 0.1, 40)
+    b = a + 0.05 + rng.normal(0, 0.05, 40)
+    few, many = v.paired_scores(a[:8], b[:8]), v.paired_scores(a, b)
+    for e in (few, many):
+        assert e.low < e.effect < e.high
+    assert many.high - many.low < few.high - few.low
+    assert many.p < v.ALPHA < few.p or many.p < few.p
+
+
+def test_power_is_alpha_without_an_effect_and_grows_with_it():
+    assert v.power_collapse(5, 0.0, 1.0) == pytest.approx(1.0)
+    assert v.power_collapse(5, 0.5, 0.5) <= v.ALPHA  # Fisher's test is conservative
+    assert v.power_collapse(10, 0.1, 0.8) > v.power_collapse(5, 0.1, 0.8)
+    assert v.power_paired(8, 0.0, 0.1) == pytest.approx(v.ALPHA, abs=1e-9)
+    assert v.power_paired(20, 0.05, 0.1) > v.power_paired(5, 0.05, 0.1)
+
+
+def test_verdicts_say_reproduced_contradicted_or_not_observed_with_power():
+    nan = math.nan
+    assert v.verdict(v.Evidence(0.8, nan, nan, 0.008, 10, "x"), claim_sign=1, power=0.9).startswith("reproduced (x +0.800")
+    assert v.verdict(v.Evidence(-0.8, nan, nan, 0.008, 10, "x"), claim_sign=1, power=0.9).startswith("contradicted")
+    text = v.verdict(v.Evidence(0.2, nan, nan, 0.4, 10, "x"), claim_sign=1, power=0.31)
+    assert text.startswith("not observed") and "power 0.31" in text and "inconclusive" not in text
+
+
+def test_the_placebo_comes_out_no_different_and_a_broken_lab_is_caught():
+    """fp32 rollouts make MiniRL and "without IS" the same algorithm: synthetic runs drawn alike
+    must come out "no difference"; a lab that made them differ says it is broken."""
+    rng = np.random.default_rng(1)
+    same_a, same_b = rng.normal(0.4, 0.08, 8), rng.normal(0.4, 0.08, 8)
+    ok = v.verdict(v.paired_scores(same_a, same_b), claim_sign=0, power=0.0)
+    assert ok.startswith("no difference")
+    broken = v.verdict(v.paired_scores(same_a, same_a + 0.2), claim_sign=0, power=0.0)
+    assert "the lab itself is broken" in broken
+    assert v.verdict(v.collapse_rates([False] * 6, [False] * 6), claim_sign=0, power=0.0).startswith("no difference")
