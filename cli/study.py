@@ -54,15 +54,21 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     table.add_column("KL", justify="right")
     rows = [("precision", "fp32 rollouts (vLLM fp32 vs TorchTitan fp32: engine and kernels alone)", "kl/fp32"),
             ("precision", "bf16 rollouts (vLLM bf16)", "kl/bf16"),
-            ("precision", "fp8 rollouts (vLLM bf16, torchao FP8 weights)", "kl/fp8"),
+            ("precision", "fp8-weights rollouts (vLLM bf16, FP8 weights alone)", "kl/fp8-weights"),
+            ("precision", "fp8 rollouts (W8A8: FP8 weights and per-token activations)", "kl/fp8"),
+            ("precision", "e5m2 rollouts (W8A8 in e5m2: beyond the paper)", "kl/e5m2"),
             ("weights", "bf16-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_bf16"),
             ("weights", "fp8-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_fp8")]
     if report["moe"]:
-        rows[3:3] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
+        rows[5:5] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
         rows += [("routing", f"{rec.rollout.precision} rollouts, trainer's own routes", "kl/run_no_replay"),
                  ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
     for src, what, k in rows:
         table.add_row(src, what, pm(k))
+    for p in ("bf16", "fp8-weights", "fp8", "e5m2"):
+        table.add_row("per response", f"SD of log π(y)/μ(y), {p} (√(2·L·KL) predicts "
+                      f"{f[f'response_sd_predicted/{p}']['mean']:.2f}; L = {f[f'length/{p}']['mean']:.1f})",
+                      f"{f[f'response_sd/{p}']['mean']:.3f} ± {f[f'response_sd/{p}']['spread']:.2f}")
     if report["moe"]:
         per_layer = ", ".join(f"{x['mean']:.1%}" for x in f["routing/disagree_per_layer"])
         table.add_row("routing", "tokens whose top-k differ, per layer", per_layer)

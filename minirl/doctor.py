@@ -1,8 +1,11 @@
 """`minirl doctor`: where a training–inference mismatch comes from, measured source by source on
 one fixed batch of rollouts (the recipe's B prompts × G responses, drawn with fixed seeds).
 
-    precision   KL(μ‖π) with rollouts at fp32, bf16 and fp8 (each engine samples its own batch,
-                as a run would measure it), for an MoE also with the engine's routes replayed (a
+    precision   KL(μ‖π) with rollouts at each precision level: fp32, bf16, fp8 weights alone, fp8
+                W8A8 (weights and per-token activations, as FP8 serving computes) and e5m2 W8A8
+                (beyond the paper); each engine samples its own batch, as a run would measure it;
+                per response, the spread of log π(y)/μ(y), the mechanism that decides whether
+                "without IS" is off-policy at all; for an MoE also with the engine's routes replayed (a
                 route that flips is a precision effect too, but a lumpy one), and with only the
                 *weights* rounded to bf16 / fp8 in an fp32 engine (the same tokens)
     engine      at equal precision (fp32 vLLM vs the fp32 TorchTitan forward): what kernels add
@@ -21,6 +24,7 @@ The trainer is fp32 (the CPU setting); vLLM's bf16 is its compute and weight dty
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -52,13 +56,20 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     trainer.load_hf(folder)
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     weights = trainer.hf_state_dict()
-    rounded = {"bf16": {k: v.to(torch.bfloat16).float() for k, v in weights.items()}, "fp8": fp8_roundtrip(weights)}
+    rounded = {"bf16": {k: v.to(torch.bfloat16).float() for k, v in weights.items()}, "fp8": fp8_roundtrip(weights),
+               "e5m2": fp8_roundtrip(weights, fmt="e5m2")}
     max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
-    progress("starting vLLM (fp32 and bf16)")
-    engines = {dtype: VLLMEngine(folder, dtype=dtype, seed=rec.train.seed, max_model_len=max_len,
-                                 max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size),
-                                 kv_cache_gib=rec.rollout.kv_cache_gib, capture_routes=moe)
-               for dtype in ("float32", "bfloat16")}
+    progress("starting vLLM (fp32, bf16, and bf16 with FP8 activations in e4m3 and e5m2)")
+    kw = dict(seed=rec.train.seed, max_model_len=max_len, kv_cache_gib=rec.rollout.kv_cache_gib, capture_routes=moe,
+              max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size))
+    engines = {"float32": VLLMEngine(folder, dtype="float32", **kw), "bfloat16": VLLMEngine(folder, dtype="bfloat16", **kw),
+               "w8a8": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="w8a8", **kw),
+               "e5m2": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="e5m2", **kw)}
+    # the rollout precision levels (recipe.RolloutConfig.precision), mildest first: the engine that
+    # samples at each and the weights it holds
+    levels = (("fp32", engines["float32"], weights), ("bf16", engines["bfloat16"], weights),
+              ("fp8-weights", engines["bfloat16"], rounded["fp8"]), ("fp8", engines["w8a8"], rounded["fp8"]),
+              ("e5m2", engines["e5m2"], rounded["e5m2"]))
     B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
     pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
     per_seed = []
@@ -76,12 +87,12 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
 
         # precision, as a run measures it: each rollout precision samples its own batch
         batches = {}
-        for name, engine, w in (("fp32", engines["float32"], weights), ("bf16", engines["bfloat16"], weights),
-                                ("fp8", engines["bfloat16"], rounded["fp8"])):
+        for name, engine, w in levels:
             groups, batch = sample(engine, w)
             pi, _, _ = trainer.logprobs(batch)
             fig[f"kl/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
             fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
+            fig.update({f"{k}/{name}": v for k, v in per_response(batch.rollout_logp_BT, pi, batch.mask_BT).items()})
             if moe:  # the same with the engine's routes replayed: precision without route flips
 
                 rr = rollout_routes([c for g in groups for c in g], batch, trainer.replay.num_layers, shape.top_k,
@@ -144,6 +155,23 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             "advice": advice(summary, moe=moe, rec=rec)}
 
 
+def per_response(mu_BT: torch.Tensor, pi_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
+    """The gap over whole responses, what the first-order approximation depends on: the spread
+    (SD over responses) of log π(y)/μ(y) = Σ_t log π/μ, its prediction √(2·L·KL) from the mean
+    length L and the per-token KL, and L itself. The paper's long responses have 4.5–8; at ≥ 1
+    "without IS" is no longer nearly on-policy (docs/lab.md).
+
+    >>> m = torch.ones(2, 3); f = per_response(torch.zeros(2, 3), torch.tensor([[.1, .1, .1], [-.1, -.1, -.1]]), m)
+    >>> round(f["response_sd"], 3), f["length"]
+    (0.424, 3.0)
+    """
+    log_ratio = ((pi_BT - mu_BT) * mask_BT).sum(-1)
+    length = float(mask_BT.sum(-1).mean())
+    kl = objective.train_inference_kl_k3(mu_BT, pi_BT, mask_BT)
+    return {"response_sd": float(log_ratio.std()) if len(log_ratio) > 1 else 0.0, "length": length,
+            "response_sd_predicted": math.sqrt(2 * length * max(kl, 0.0))}
+
+
 def _batch(prompts, groups, G: int, pad: int):
     comps = [c for g in groups for c in g]
     return build_batch([p for p in prompts for _ in range(G)], [c.token_ids for c in comps],
@@ -189,9 +217,16 @@ def advice(f: dict, *, moe: bool, rec) -> list[str]:
     """The paper's rules, each with the figure that triggered it."""
     m = lambda k: f[k]["mean"]  # noqa: E731
     out = []
+    p = rec.rollout.precision
+    sd = m(f"response_sd/{p}")
+    out.append(f"per response, log π(y)/μ(y) spreads by {sd:.2f} at {p} rollouts (L = {m(f'length/{p}'):.0f} tokens; "
+               f"√(2·L·KL) predicts {m(f'response_sd_predicted/{p}'):.2f}): "
+               + ("at ≥ 1 the first-order approximation loosens and the IS correction matters most (the paper's "
+                  "long responses: 4.5–8)." if sd >= 1 else "under 1, rollouts are near-typical samples of the trainer's "
+                  "policy and \"without IS\" is nearly on-policy (the paper's long responses: 4.5–8)."))
     if m("kl/fp8") > m("kl/bf16"):
         on = rec.loss.is_mode != "off"
-        out.append(f"fp8 rollouts raise KL(μ‖π) from {m('kl/bf16'):.2e} (bf16) to {m('kl/fp8'):.2e}: keep the token IS "
+        out.append(f"fp8 rollouts (W8A8) raise KL(μ‖π) from {m('kl/bf16'):.2e} (bf16) to {m('kl/fp8'):.2e}: keep the token IS "
                    f"correction on{' (it is)' if on else ' (it is off: set loss.is_mode = truncate)'}.")
     if m("kl/fp32") < 0.5 * m("kl/bf16"):
         out.append(f"at equal precision vLLM and TorchTitan agree to {m('kl/fp32'):.1e}: the gap is precision, not "
@@ -236,8 +271,8 @@ def plot(report: dict, out_png: Path) -> Path:
     f = report["figures"]
     panels = 3 if report["moe"] else 2
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), constrained_layout=True)
-    names = ["fp32", "bf16", "fp8", "weights_bf16", "weights_fp8"]
-    labels = ["fp32", "bf16", "fp8", "bf16 w.\n(fp32 vLLM)", "fp8 w.\n(fp32 vLLM)"]
+    names = ["fp32", "bf16", "fp8-weights", "fp8", "e5m2", "weights_bf16", "weights_fp8"]
+    labels = ["fp32", "bf16", "fp8\nweights", "fp8\nW8A8", "e5m2\nW8A8", "bf16 w.\n(fp32 vLLM)", "fp8 w.\n(fp32 vLLM)"]
     axes[0].bar(labels, [f[f"kl/{n}"]["mean"] for n in names], yerr=[f[f"kl/{n}"]["spread"] for n in names],
                 color=["tab:green", "tab:blue", "tab:red", "tab:cyan", "tab:pink"])
     axes[0].set_title("KL(μ‖π) by rollout precision", fontsize=10)

@@ -150,7 +150,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         "activations (full AC)": L * 2 * micro * d + per_layer_act,
     }
     logits = micro * shape.vocab_size * 2 * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2
-    weight_bytes = {"fp32": 4, "bf16": 2, "fp8": 1}[r.precision]
+    weight_bytes = {"fp32": 4, "bf16": 2}.get(r.precision, 1)  # the FP8 levels: one byte
     engines = max(1, world // tp_vllm)
     kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2
     mem = {

@@ -43,8 +43,10 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: str = "vllm"
-    # weights and compute of the rollout engine: fp32 | bf16 | fp8 (torchao FP8 weights, per-row
-    # scales; on CPU emulated: quantized and dequantized to bf16 at every sync). Training is fp32 on
+    # weights and compute of the rollout engine: fp32 | bf16 | fp8 (W8A8: FP8 weights with per-row
+    # scales and per-token FP8 activations, vLLM's fp8_per_channel on CUDA; on CPU emulated: weights
+    # rounded at every sync, activations at every linear layer). The lab's CPU-only levels:
+    # fp8-weights (weights alone) and e5m2 (W8A8 in e5m2, beyond the paper). Training is fp32 on
     # CPU, so μ ≠ π even on-policy, and the token IS correction has work to do.
     precision: str = "bf16"
     temperature: float = 1.0
@@ -399,7 +401,7 @@ def validate(r: Recipe, platform: Platform | None = None) -> None:
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "train.activation_checkpoint": (r.train.activation_checkpoint, ("none", "full")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
-        "rollout.precision": (r.rollout.precision, ("fp32", "bf16", "fp8")),
+        "rollout.precision": (r.rollout.precision, ("fp32", "bf16", "fp8", "fp8-weights", "e5m2")),
         "cold_start.task": (r.cold_start.task, tuple(TASKS)),
     }
     for key, (value, allowed) in choices.items():
@@ -450,6 +452,9 @@ def validate(r: Recipe, platform: Platform | None = None) -> None:
 
 def _check_platform(ro: RolloutConfig, p: Platform) -> None:
     """What the machine cannot do: refused, never quietly changed."""
+    if p.device != "cpu" and ro.precision in ("fp8-weights", "e5m2"):
+        raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
+                         "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
     if ro.overlap and (p.world_size > 1 or p.device != "cpu"):
         raise UsageError("rollout.overlap = true runs one process on CPU (an engine process beside the trainer); "
                          "set rollout.overlap = false under torchrun or on GPUs")

@@ -32,15 +32,20 @@ def test_doctor_measures_each_source(tiny_dir, tmp_path):
     assert len(reports) == 1 and reports[0].with_suffix(".png").is_file()
     rep = json.loads(reports[0].read_text())
     f = {k: v["mean"] for k, v in rep["figures"].items() if isinstance(v, dict)}
-    # fp32 vLLM and the fp32 trainer agree to rounding; bf16 compute adds a gap, FP8 weights more
-    assert f["kl/fp32"] < 1e-8 < f["kl/bf16"] < f["kl/fp8"]
+    # fp32 vLLM and the fp32 trainer agree to rounding; bf16 compute adds a gap, FP8 (W8A8) more,
+    # and e5m2 (beyond the paper) most
+    assert f["kl/fp32"] < 1e-8 < f["kl/bf16"] < f["kl/fp8"] < f["kl/e5m2"]
+    # per response: the measured spread of log π(y)/μ(y), and its prediction from L and the KL
+    for level in ("bf16", "fp8-weights", "fp8", "e5m2"):
+        assert f[f"length/{level}"] > 0 and f[f"response_sd/{level}"] > 0 and f[f"response_sd_predicted/{level}"] > 0
+    assert f["response_sd/fp32"] < 1e-3 < f["response_sd/fp8"]
     assert all(rep["per_seed"][s]["kl/fp32"] < rep["per_seed"][s]["kl/bf16"] for s in range(2))
     assert len(rep["figures"]["routing/disagree_per_layer"]) == 4 and 0 <= f["routing/disagree"] < 0.5
     for mode in ("off", "r2", "r3"):  # updates move the policy away from π_θold (a random policy's
         # first mini-batches may all have zero advantage, and no gradient)
         assert 0 <= f[f"staleness/{mode}/1"] <= f[f"staleness/{mode}/8"]
         assert f[f"staleness/{mode}/8"] > 0
-    assert len(rep["advice"]) == 4 and all("e-" in line or "%" in line for line in rep["advice"])
+    assert len(rep["advice"]) == 5 and all("e-" in line or "%" in line or "spreads by" in line for line in rep["advice"])
     assert "advice:" in r.stdout and "staleness" in r.stdout
 
 

@@ -86,3 +86,35 @@ def test_vllm_holds_fp8_rounded_weights_and_an_fp32_sync_restores_them(tiny_dir)
 
     engine.load_weights(hf.items())
     assert torch.equal(held(), w)  # bit-equal again
+
+
+def test_fp8_rollouts_on_cpu_round_activations_per_token_as_fp8_serving_does(tiny_dir, tokenizer):
+    """rollout.precision = fp8 emulates W8A8 (CUDA vLLM's fp8_per_channel): on top of the weights,
+    every decoder linear layer's and experts layer's input is rounded through e4m3 per token. The
+    lab's levels widen the gap in order: fp8-weights < fp8 < e5m2 (beyond the paper)."""
+    from minirl.recipe import RolloutConfig
+    from minirl.rollout import sync as weight_sync
+    from minirl.rollout.cpu.activations import hook_model
+    from minirl.rollout.fp8 import fake_quant_tokens
+    from minirl.rollout.vllm import VLLMEngine
+
+    x = torch.randn(5, 64) * torch.logspace(-2, 2, 5)[:, None]  # tokens of very different scales
+    q = fake_quant_tokens(x)
+    assert ((q - x).abs() <= x.abs().amax(-1, keepdim=True) * 2.0**-4).all() and not torch.equal(q, x)
+    assert hook_model(torch.nn.Linear(4, 4), "e4m3") == 0  # only vLLM's layer kinds are hooked
+
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.load_hf(tiny_dir)
+    prompts = [tokenizer(f"{a}+{a + 7}=", add_special_tokens=False)["input_ids"] for a in range(100, 116)]
+    ref = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.25)
+    responses = [list(g[0].token_ids) for g in ref.generate(prompts, n=1, temperature=1.0, max_tokens=5, seed=3)]
+    fp32 = ref.score(prompts, responses)
+    gaps = {}
+    for level in ("fp8-weights", "fp8", "e5m2"):
+        engine = VLLMEngine.from_config(tiny_dir, RolloutConfig(precision=level, kv_cache_gib=0.25), seed=0,
+                                        max_model_len=32)
+        weight_sync.sync(tr, engine, bucket_bytes=2**30)
+        got = engine.score(prompts, responses)
+        gaps[level] = sum(abs(a - b) for ga, gb in zip(got, fp32) for a, b in zip(ga, gb)) / sum(map(len, got))
+        del engine
+    assert 0 < gaps["fp8-weights"] < gaps["fp8"] < gaps["e5m2"], gaps

