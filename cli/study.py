@@ -83,28 +83,44 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
 
 
 @click.command()
-@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-lab")
-@click.option("--quick", is_flag=True, help="The reduced grid: off-policy N = 4 only, one extra cold start, 30 steps.")
-@click.option("--seeds", type=int, default=1, show_default=True, help="Runs per cell (figures: mean and min-max band).")
+@click.argument("args", nargs=-1, metavar="[STUDY] [WORKSPACE]")
+@click.option("--quick", is_flag=True, help="The reduced grid (off-policy N = 4 only, one extra cold start, 30 steps), "
+                                            "or a study's smoke check (2 seeds, 20 steps).")
+@click.option("--seeds", type=int, default=None, help="Runs per cell [default: 1 for the grid; 5 for a study, 2 with "
+                                                      "--quick]; a study pairs arms by seed.")
 @click.option("--report-only", is_flag=True, help="Write the report and figures from the runs done so far; run nothing.")
-def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
+def lab(args: tuple[str, ...], quick: bool, seeds: int | None, report_only: bool) -> None:
     """Reproduce the paper's stability findings (F1-F6) in miniature.
 
-    On a workspace of the long-response task (built with `minirl init --task scratchpad` if
-    WORKSPACE does not exist), runs the grid with FP8-emulated rollouts and the guard observing
-    only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without IS; off-policy
-    N = 2, 4, 8 without clipping or replay, with clipping, + R2, + R3; MiniRL from other cold
-    starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
-    WORKSPACE/lab/{quick,full}/report.md (the F1-F6 table, computed from the runs) and one PNG per regime.
-    Last, the cell that collapsed most reliably runs again with the guard acting (its rollbacks,
-    how it ended, and lab-guard-check.png in the report).
+    `minirl lab STUDY [WORKSPACE]` runs one study (is: F1, F3 with a placebo; offpolicy: F4, F5;
+    lengthnorm: F2; coldstart: F6) over paired seeds and decides each finding by a statistical
+    test fixed in advance (WORKSPACE/lab/study-STUDY/report.md).
+
+    `minirl lab [WORKSPACE]` runs the first version's grid: with FP8-emulated rollouts and the
+    guard observing only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without
+    IS; off-policy N = 2, 4, 8 without clipping or replay, with clipping, + R2, + R3; MiniRL from
+    other cold starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
+    WORKSPACE/lab/{quick,full}/report.md and one PNG per regime; last, the cell that collapsed most
+    reliably runs again with the guard acting.
+
+    Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
+    does not exist.
     """
+    from minirl.studies import STUDIES
+
+    if len(args) > 2:
+        raise UsageError(f"minirl lab [STUDY] [WORKSPACE]: {len(args)} arguments given")
+    study = args[0] if args and args[0] in STUDIES else None
+    rest = args[1:] if study else args
+    if len(rest) > 1:
+        raise UsageError(f"{rest[0]!r} is not a study ({', '.join(STUDIES)})")
+    workspace = Path(rest[0]) if rest else Path("minirl-lab")
+    if seeds is not None and seeds < 1:
+        raise UsageError(f"--seeds {seeds}: at least 1")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
 
-    if seeds < 1:
-        raise UsageError(f"--seeds {seeds}: at least 1")
     if not (workspace / "minirl.toml").exists():
         if report_only:
             raise UsageError(f"no lab workspace at {workspace}: run `minirl lab {workspace}` first")
@@ -114,7 +130,9 @@ def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
     if recipe_mod.load(ws.recipe_path).cold_start.task != "scratchpad":
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad`)")
-    plan = lab_mod.plan(quick=quick, seeds=seeds)
+    if study is not None:
+        return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), report_only=report_only)
+    plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
     if not report_only:
         lab_.hold()
@@ -131,3 +149,24 @@ def lab(workspace: Path, quick: bool, seeds: int, report_only: bool) -> None:
     console.print(f"report: {path}", soft_wrap=True)
     for png in pngs:
         console.print(f"figure: {png}", soft_wrap=True)
+
+
+def _study(ws, study, *, quick: bool, seeds: int, report_only: bool) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
+    from minirl import studies
+
+    p = studies.plan(study, seeds=seeds, quick=quick)
+    lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
+    if not report_only:
+        lab_.hold()
+        with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console) as prog:
+            bar = prog.add_task(study.name, total=len(p.cells) * p.seeds)
+            studies.run(lab_, study, p, on_run=lambda what, i, n: prog.update(bar, description=what, completed=i),
+                        progress=lambda what: prog.update(bar, description=what))
+    res = studies.arm_results(lab_, p)
+    for cmp, text in studies.decide(study, res):
+        console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
+    console.print(f"report: {studies.write_report(study, p, res, lab_.out)}", soft_wrap=True)

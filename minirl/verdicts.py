@@ -104,7 +104,8 @@ def time_to_collapse(a: Sequence[int | None], b: Sequence[int | None], *, steps:
                                right=[steps for t in times if t is None])
         return x
 
-    p = stats.logrank(data(a), data(b)).pvalue
+    # no collapse in either arm: nothing to compare (the test's statistic would be 0 / 0)
+    p = stats.logrank(data(a), data(b)).pvalue if any(t is not None for t in (*a, *b)) else 1.0
 
     def median(times):
         ordered = sorted(steps if t is None else t for t in times)
