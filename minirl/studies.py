@@ -141,7 +141,8 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
             evidence = v.paired_scores(fa, fb)
             diffs = [y - x for x, y in zip(fa, fb)]
             sd = (sum((d - sum(diffs) / n) ** 2 for d in diffs) / (n - 1)) ** 0.5 if n > 1 else math.inf
-            text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_paired(n, cmp.effect, sd))
+            text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_paired(n, cmp.effect, sd),
+                             placebo=cmp.finding == "placebo")
         out.append((cmp, text))
     return out
 

@@ -25,6 +25,7 @@ import numpy as np
 from scipy import stats
 
 ALPHA = 0.05
+MIN_BOOTSTRAP = 5  # pairs below which no bootstrap interval is given
 
 # Collapse, independent of the guard's thresholds (which were shaped on this lab's own runs):
 # a run has collapsed at the first step where, over a window of COLLAPSE_WINDOW steps, the mean
@@ -117,16 +118,19 @@ def time_to_collapse(a: Sequence[int | None], b: Sequence[int | None], *, steps:
 
 def paired_scores(a: Sequence[float], b: Sequence[float], *, seed: int = 0, resamples: int = 9999) -> Evidence:
     """Seed i of A against seed i of B: the mean paired difference B − A, its bootstrap 95%
-    interval (BCa) and the two-sided p-value of the paired permutation test (exact for ≤ 12 pairs)."""
+    interval (BCa; from MIN_BOOTSTRAP pairs on) and the two-sided p-value of the paired permutation
+    test (exact for ≤ 12 pairs)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     d = b - a
     rng = np.random.default_rng(seed)
-    if len(d) >= 2 and np.ptp(d) > 0:
+    if len(d) >= MIN_BOOTSTRAP and np.ptp(d) > 0:
         ci = stats.bootstrap((d,), np.mean, confidence_level=0.95, n_resamples=resamples, method="BCa",
                              random_state=rng).confidence_interval
         low, high = float(ci.low), float(ci.high)
-    else:
-        low = high = float(d.mean()) if len(d) else math.nan
+    elif len(d) >= MIN_BOOTSTRAP:  # every pair moved alike: the interval is the point
+        low = high = float(d.mean())
+    else:  # too few pairs for a resampled interval to mean anything
+        low = high = math.nan
     p = stats.permutation_test((a, b), lambda x, y: np.mean(y - x), permutation_type="samples",
                                n_resamples=resamples, random_state=rng).pvalue if len(d) >= 2 else 1.0
     return Evidence(float(d.mean()), low, high, float(p), len(d), "mean paired held-out difference")
@@ -158,19 +162,27 @@ def power_paired(n: int, effect: float, sd: float) -> float:
     return float(stats.norm.cdf(shift - z) + stats.norm.cdf(-shift - z))
 
 
-def verdict(evidence: Evidence, *, claim_sign: int, power: float) -> str:
+def verdict(evidence: Evidence, *, claim_sign: int, power: float, placebo: bool = False) -> str:
     """"reproduced" when the effect has the paper's sign (`claim_sign`: +1 or −1) at p < α,
     "contradicted" when it has the other sign at p < α, else "not observed" with this many seeds'
-    power to see the paper's effect. `claim_sign` 0 is a placebo: the paper expects no difference.
+    power to see the paper's effect. `claim_sign` 0: the paper expects no difference; for a
+    `placebo` (an arm pair that is one algorithm) a difference means the lab itself is broken.
 
     >>> e = Evidence(0.8, float("nan"), float("nan"), 0.008, 10, "collapse rate difference")
     >>> verdict(e, claim_sign=1, power=0.9).split(" (")[0]
     'reproduced'
     """
     significant = evidence.p < ALPHA
-    if claim_sign == 0:
+    if claim_sign == 0 and placebo:
         return (f"difference ({evidence.text()}): the placebo differs, so the lab itself is broken" if significant
                 else f"no difference, as it must be ({evidence.text()})")
+    if claim_sign == 0:  # "no difference" is shown only by seeds that would have seen one
+        if significant:
+            return f"contradicted: a difference ({evidence.text()})"
+        if power >= 0.8:
+            return f"reproduced: no difference ({evidence.text()}; power {power:.2f} to see an effect of the stated size)"
+        return (f"not observed: no difference seen, but these seeds had power {power:.2f} to see an effect of the "
+                f"stated size ({evidence.text()})")
     if significant and np.sign(evidence.effect) == claim_sign:
         return f"reproduced ({evidence.text()})"
     if significant:

@@ -73,8 +73,15 @@ def test_the_placebo_comes_out_no_different_and_a_broken_lab_is_caught():
     must come out "no difference"; a lab that made them differ says it is broken."""
     rng = np.random.default_rng(1)
     same_a, same_b = rng.normal(0.4, 0.08, 8), rng.normal(0.4, 0.08, 8)
-    ok = v.verdict(v.paired_scores(same_a, same_b), claim_sign=0, power=0.0)
+    ok = v.verdict(v.paired_scores(same_a, same_b), claim_sign=0, power=0.0, placebo=True)
     assert ok.startswith("no difference")
-    broken = v.verdict(v.paired_scores(same_a, same_a + 0.2), claim_sign=0, power=0.0)
+    broken = v.verdict(v.paired_scores(same_a, same_a + 0.2), claim_sign=0, power=0.0, placebo=True)
     assert "the lab itself is broken" in broken
-    assert v.verdict(v.collapse_rates([False] * 6, [False] * 6), claim_sign=0, power=0.0).startswith("no difference")
+    assert v.verdict(v.collapse_rates([False] * 6, [False] * 6), claim_sign=0, power=0.0,
+                     placebo=True).startswith("no difference")
+    # a finding that claims no difference (F6) is reproduced by none, contradicted by one
+    assert v.verdict(v.paired_scores(same_a, same_b), claim_sign=0, power=0.9).startswith("reproduced: no difference")
+    assert v.verdict(v.paired_scores(same_a, same_b), claim_sign=0, power=0.3).startswith("not observed: no difference seen")
+    assert v.verdict(v.paired_scores(same_a, same_a + 0.2), claim_sign=0, power=0.5).startswith("contradicted")
+    # fewer than MIN_BOOTSTRAP pairs: no interval at all
+    assert math.isnan(v.paired_scores([0.1, 0.2], [0.3, 0.35]).low)
