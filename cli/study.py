@@ -106,7 +106,7 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, report_only: bool
     Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
     does not exist.
     """
-    from minirl.studies import STUDIES
+    from minirl.studies import STUDIES  # deferred: torch and scipy, after _prepare_env set the engines' environment
 
     if len(args) > 2:
         raise UsageError(f"minirl lab [STUDY] [WORKSPACE]: {len(args)} arguments given")
