@@ -147,6 +147,53 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
     return out
 
 
+PANELS = (("rollout/reward_mean", "reward"), ("train/entropy", "token entropy"),
+          ("train/kl_mu_pi_old", "KL(μ_old ‖ π_old)"), ("heldout", "held-out avg@k"))
+
+
+def plot(study: Study, res: dict[str, list[dict]], out: Path) -> Path:
+    """The study at a glance: reward, entropy, KL(μ_old‖π_old) and held-out per arm (mean over
+    seeds, min–max band), and the share of each arm's seeds not yet collapsed (survival)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS) + 1, figsize=(4.2 * (len(PANELS) + 1), 4.0), constrained_layout=True)
+    for arm, runs in res.items():
+        color = None
+        for ax, (key, _) in zip(axes, PANELS):
+            if key == "heldout":
+                series = [[(0, r["start"])] + [(x["step"], x[h]) for x in r["rows"] for h in x if h.startswith("heldout/avg@")]
+                          for r in runs]
+            else:
+                series = [[(x["step"], x[key]) for x in r["rows"]] for r in runs]
+            n = min(len(s) for s in series)
+            if n == 0:
+                continue
+            steps = [t for t, _ in series[0][:n]]
+            vals = [[s[i][1] for s in series] for i in range(n)]
+            line, = ax.plot(steps, [sum(v) / len(v) for v in vals], lw=1.3, label=arm, color=color)
+            color = line.get_color()
+            if len(series) > 1:
+                ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.15)
+        last = max((r["steps"] for r in runs), default=0)
+        grid = range(0, last + 1)
+        alive = [sum(r["collapse"] is None or r["collapse"] > t for r in runs) / len(runs) for t in grid]
+        axes[-1].step(list(grid), alive, where="post", color=color, lw=1.3, label=arm)
+    for ax, title in zip(axes, [t for _, t in PANELS] + ["not collapsed (share of seeds)"]):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[-1].set_ylim(-0.05, 1.05)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"minirl lab {study.name}: {study.question}")
+    path = out / f"study-{study.name}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def write_report(study: Study, p: Plan, res: dict[str, list[dict]], out: Path) -> Path:
     lines = [f"# minirl lab {study.name}", "", f"{study.question}", "",
              f"{len(p.cells)} arms × {p.seeds} paired seed(s), {p.steps} steps each, the guard observing only; "
@@ -163,6 +210,8 @@ def write_report(study: Study, p: Plan, res: dict[str, list[dict]], out: Path) -
             finals = ", ".join(f"{r['final']:.3f}" for r in runs)
             lines.append(f"| {c.variant} | {len(runs)} | {sum(r['collapse'] is not None for r in runs)}/{len(runs)} | "
                          f"{sum(r['start'] for r in runs) / len(runs):.3f} | {finals} |")
+    if res:
+        lines += ["", "## Figure", "", f"![the study]({plot(study, res, out).name})"]
     path = out / "report.md"
     atomic.write_text(path, "\n".join(lines) + "\n")
     return path

@@ -80,3 +80,4 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     assert sorted(res) == ["MiniRL", "length norm"] and all(len(r) == 2 for r in res.values())
     text = studies.write_report(study, p, res, L.out).read_text()
     assert "| F2 | length normalisation ends lower | length norm − MiniRL |" in text and "inconclusive" not in text
+    assert "![the study](study-lengthnorm.png)" in text and (L.out / "study-lengthnorm.png").stat().st_size > 10_000
