@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,8 +140,7 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
         else:
             fa, fb = [a[s]["final"] for s in seeds], [b[s]["final"] for s in seeds]
             evidence = v.paired_scores(fa, fb)
-            diffs = [y - x for x, y in zip(fa, fb)]
-            sd = (sum((d - sum(diffs) / n) ** 2 for d in diffs) / (n - 1)) ** 0.5 if n > 1 else math.inf
+            sd = statistics.stdev(y - x for x, y in zip(fa, fb)) if n > 1 else math.inf
             text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_paired(n, cmp.effect, sd),
                              placebo=cmp.finding == "placebo")
         out.append((cmp, text))

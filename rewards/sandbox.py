@@ -92,7 +92,7 @@ def run(job: dict, limits: Limits = Limits()) -> Outcome:
         os.close(secret_w)
         cmd = [shutil.which("prlimit") or "prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_mib * 2**20}",
                f"--fsize={limits.file_mib * 2**20}", f"--nofile={limits.open_files}",
-               f"--nproc={_process_limit(limits)}", "--core=0", "--"]
+               f"--nproc={probe['other_processes'] + limits.processes}", "--core=0", "--"]
         if cgroup is not None:  # the shell joins the run's cgroup, then becomes prlimit: nothing forks before
             cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *cmd]
         if probe["namespaces"]:
@@ -175,13 +175,6 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-def _process_limit(limits: Limits) -> int:
-    """RLIMIT_NPROC counts every process of the user (and never binds root): set above the
-    user's other processes, it stops a fork bomb at about `limits.processes` more."""
-    mine = sum(1 for p in Path("/proc").glob("[0-9]*") if _owner(p) == os.getuid())
-    return mine + limits.processes + 64
-
-
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1's pids hierarchy, or v2
 
 
@@ -229,14 +222,17 @@ _PROBED: dict | None = None
 
 
 def _probe() -> dict:
-    """Which protections this machine gives, tried once: namespaces through `unshare` (as the
-    sandbox's own user when running as root)."""
+    """Which protections this machine gives, tried once: namespaces through `unshare`, a `pids`
+    cgroup when running as root, and what RLIMIT_NPROC must leave to the user's other processes
+    (it counts every process of the user, and never binds root: counted once, with a margin)."""
     global _PROBED
     with _lock:
         if _PROBED is not None:
             return _PROBED
         root = os.geteuid() == 0
-        found = {"prlimit": shutil.which("prlimit") is not None, "namespaces": False, "cgroup": None}
+        others = 0 if root else sum(1 for p in Path("/proc").glob("[0-9]*") if _owner(p) == os.getuid()) + 64
+        found = {"prlimit": shutil.which("prlimit") is not None, "namespaces": False, "cgroup": None,
+                 "other_processes": others}
         unshare = shutil.which("unshare")
         if unshare:
             try:

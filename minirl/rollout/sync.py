@@ -97,7 +97,7 @@ def sync(trainer, engine, *, bucket_bytes: int) -> None:
     # parameters and copies from them, nothing converted or allocated per sync
     if not engine.emulate_fp8 and (views := trainer.hf_views()) is not None and engine.load_live_weights(views):
         return
-    fmt = getattr(engine, "weight_format", "e4m3")
     buckets = trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
-                              transform=(lambda w: fp8_roundtrip(w, fmt=fmt)) if engine.emulate_fp8 else None)
+                              transform=(lambda w: fp8_roundtrip(w, fmt=engine.weight_format)) if engine.emulate_fp8
+                              else None)
     engine.load_weights(itertools.chain.from_iterable(buckets))
