@@ -10,6 +10,7 @@ import click
 from cli.render import SET_HELP, console
 from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
+from minirl.files import read_json
 from minirl.evaluate import resolve_checkpoint
 from minirl.workspace import Workspace, init_workspace
 
@@ -21,14 +22,16 @@ from minirl.workspace import Workspace, init_workspace
               help="'latest' (newest run checkpoint, else the cold start), 'coldstart', a run checkpoint or an HF folder.")
 @click.option("--seeds", type=int, default=3, show_default=True, help="Fixed batches to draw (figures: mean ± spread).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, ...]) -> None:
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for the report [default: the workspace's doctor/].")
+def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, ...], out: Path | None) -> None:
     """Say where the training–inference mismatch KL(μ‖π) comes from.
 
     On one fixed batch of rollouts (the recipe's B × G, --seeds times): rollout precision (fp32,
     bf16, fp8, and weights alone), engine and kernels at equal precision, MoE routing (per-layer
     disagreement, KL with and without R3) and staleness (KL(π_θ‖π_θold) after 1, 2, 4, 8
     mini-batch updates without replay, with R2 and with R3). Prints a table and advice; writes
-    doctor-<time>.json and .png in the workspace's doctor/ folder.
+    doctor-<time>.json and .png in the workspace's doctor/ folder (or --out).
     """
     from rich.table import Table
 
@@ -76,7 +79,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
         table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
                       " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))
     console.print(table)
-    js, png = doc.write(report, ws.root / "doctor")
+    js, png = doc.write(report, out or ws.root / "doctor")
     for line in report["advice"]:
         console.print(f"[bold]advice:[/] {line}", soft_wrap=True)
     console.print(f"report: {js}  plot: {png}", soft_wrap=True)
@@ -88,8 +91,11 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
                                             "or a study's smoke check (2 seeds, 20 steps).")
 @click.option("--seeds", type=int, default=None, help="Runs per cell [default: 1 for the grid; 5 for a study, 2 with "
                                                       "--quick]; a study pairs arms by seed.")
+@click.option("--dose-seeds", type=int, default=2, show_default=True,
+              help="A study's seeds at each other level of the mismatch dial (the dose–response); 0: the study's "
+                   "level only (as with --quick).")
 @click.option("--report-only", is_flag=True, help="Write the report and figures from the runs done so far; run nothing.")
-def lab(args: tuple[str, ...], quick: bool, seeds: int | None, report_only: bool) -> None:
+def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, report_only: bool) -> None:
     """Reproduce the paper's stability findings (F1-F6) in miniature.
 
     `minirl lab STUDY [WORKSPACE]` runs one study (is: F1, F3 with a placebo; offpolicy: F4, F5;
@@ -117,6 +123,8 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, report_only: bool
     workspace = Path(rest[0]) if rest else Path("minirl-lab")
     if seeds is not None and seeds < 1:
         raise UsageError(f"--seeds {seeds}: at least 1")
+    if dose_seeds < 0:
+        raise UsageError(f"--dose-seeds {dose_seeds}: 0 or more")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
@@ -131,7 +139,8 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, report_only: bool
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad`)")
     if study is not None:
-        return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), report_only=report_only)
+        return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), dose_seeds=dose_seeds,
+                      report_only=report_only)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
     if not report_only:
@@ -151,22 +160,31 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, report_only: bool
         console.print(f"figure: {png}", soft_wrap=True)
 
 
-def _study(ws, study, *, quick: bool, seeds: int, report_only: bool) -> None:
+def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, report_only: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
     from minirl import studies
 
-    p = studies.plan(study, seeds=seeds, quick=quick)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
+    mech_path = lab_.out / "mechanism.json"
+    if report_only and not mech_path.exists():
+        raise UsageError(f"no study at {lab_.out}: run `minirl lab {study.name} {ws.root}` first")
     if not report_only:
         lab_.hold()
+        with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
+            studies.mechanism(lab_, seeds=1 if quick else 3, progress=status.update)
+    mech = read_json(mech_path, "the study's mismatch dial")
+    sp = studies.plan(study, seeds=seeds, quick=quick, level=mech["level"], dose_seeds=0 if quick else dose_seeds)
+    console.print(f"mismatch dial: {mech['level']} ({mech['why']})", soft_wrap=True)
+    if not report_only:
+        todo = sp.todo()
         with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console) as prog:
-            bar = prog.add_task(study.name, total=len(p.cells) * p.seeds)
-            studies.run(lab_, study, p, on_run=lambda what, i, n: prog.update(bar, description=what, completed=i),
+            bar = prog.add_task(study.name, total=len(todo))
+            studies.run(lab_, study, sp, on_run=lambda what, i, n: prog.update(bar, description=what, completed=i),
                         progress=lambda what: prog.update(bar, description=what))
-    res = studies.arm_results(lab_, p)
-    for cmp, text in studies.decide(study, res):
+    res = studies.arm_results(lab_, sp)
+    for cmp, text in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
-    console.print(f"report: {studies.write_report(study, p, res, lab_.out)}", soft_wrap=True)
+    console.print(f"report: {studies.write_report(study, sp, res, mech, lab_.out)}", soft_wrap=True)

@@ -8,6 +8,12 @@ verdicts computed by the rules of verdicts.py, fixed before any run.
     lengthnorm  F2: MiniRL against MiniRL with length normalisation
     coldstart   F6: MiniRL from cold starts stopped at two dev accuracies
 
+The mismatch dial: before any arm runs, `minirl doctor` measures every rollout precision level
+on the cold start, and the study's level is the mildest whose per-response spread of
+log π(y)/μ(y) reaches MECHANISM_TARGET (choose_level): chosen by the mechanism, never by a verdict,
+and kept in the study's mechanism.json. The verdicts are decided at that level; the other levels
+run after it, with fewer seeds, for the dose–response.
+
 Pairing: seed i of every arm uses `train.seed = i`, so it draws the same prompts in the same
 order and the same sampling seeds; arms run seed by seed (every arm's seed 0, then seed 1, …), so
 an interrupted study still holds whole pairs. One run at a time, resumable (lab.Lab's state).
@@ -19,7 +25,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +37,14 @@ from pathlib import Path
 from minirl import atomic
 from minirl import verdicts as v
 from minirl.lab import NO_CLIP, NO_IS, Cell, Lab, Plan, rows_of
+
+# The mismatch dial: rollout.precision levels, mildest first. On the CPU `fp8` is the W8A8
+# emulation (what FP8 vLLM does on CUDA); `fp8-weights` and `e5m2` (beyond the paper) are lab levels.
+DIAL = ("bf16", "fp8-weights", "fp8", "e5m2")
+# What the IS findings need to be visible at all: per response, log π(y)/μ(y) spreading by at
+# least this much. Below it rollouts are near-typical samples of π and "without IS" is nearly
+# on-policy; the paper's long responses spread by 4.5–8 (PAPER.md).
+MECHANISM_TARGET = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +67,7 @@ class Study:
     comparisons: tuple[Comparison, ...]
     steps: int = 150
     quick_steps: int = 20
+    dose: bool = True  # run the other dial levels for the dose–response (F6's cold starts: no)
 
 
 OFF = ("train.minibatches=4", "train.prompts_per_step=64")  # N = 4 mini-batches of 16 prompts
@@ -69,43 +88,137 @@ STUDIES = {s.name: s for s in [
           arms=(("no clip", (*OFF, *NO_CLIP), 0.0), ("clip", OFF, 0.0), ("clip + R2", (*OFF, "train.replay=r2"), 0.0),
                 ("clip + R3", (*OFF, "train.replay=r3"), 0.0), ("R2, no clip", (*OFF, *NO_CLIP, "train.replay=r2"), 0.0),
                 ("R3, no clip", (*OFF, *NO_CLIP, "train.replay=r3"), 0.0)),
+          steps=40, quick_steps=5,  # 4 updates a step: as many updates as the on-policy studies' 150 steps, near enough
           comparisons=(
               Comparison("F4", "without clipping off-policy training collapses", "clip", "no clip", "collapse", 1),
               Comparison("F4", "replay without clipping does not save it", "clip + R3", "R3, no clip", "collapse", 1),
               Comparison("F5", "at N = 4, R3 ends higher than R2", "clip + R2", "clip + R3", "score", 1))),
     Study("lengthnorm", "does length normalisation cost accuracy (F2)?",
           arms=(("MiniRL", (), 0.0), ("length norm", ("loss.length_norm=true",), 0.0)),
-          comparisons=(Comparison("F2", "length normalisation ends lower", "MiniRL", "length norm", "score", -1),)),
+          comparisons=(Comparison("F2", "length normalisation ends lower", "MiniRL", "length norm", "score", -1),),
+          dose=False),
     Study("coldstart", "do different cold starts end alike (F6)?",
           arms=(("cold start @10%", (), 0.1), ("cold start @40%", (), 0.4)),
-          comparisons=(Comparison("F6", "cold starts end alike", "cold start @10%", "cold start @40%", "score", 0),)),
+          comparisons=(Comparison("F6", "cold starts end alike", "cold start @10%", "cold start @40%", "score", 0),),
+          dose=False),
 ]}
 
 
-def plan(study: Study, *, seeds: int, quick: bool) -> Plan:
-    """The study's arms as cells of a lab plan (one folder per study: runs are never shared)."""
-    cells = [Cell(f"study {study.name}", name, sets, cold_start=acc) for name, sets, acc in study.arms]
+def choose_level(measured: dict[str, dict]) -> tuple[str, str]:
+    """The study's dial level from the doctor's figures alone (never from an arm's result): the
+    mildest level whose per-response spread reaches MECHANISM_TARGET, else the widest there is.
+
+    >>> choose_level({"bf16": {"sd": 0.1}, "fp8-weights": {"sd": 0.4}, "fp8": {"sd": 1.2}, "e5m2": {"sd": 2.0}})[0]
+    'fp8'
+    """
+    for level in DIAL:
+        if measured[level]["sd"] >= MECHANISM_TARGET:
+            return level, (f"the mildest level whose per-response spread reaches {MECHANISM_TARGET:g} "
+                           f"({measured[level]['sd']:.2f})")
+    widest = max(DIAL, key=lambda lvl: measured[lvl]["sd"])
+    return widest, (f"no level reaches {MECHANISM_TARGET:g}: the widest ({measured[widest]['sd']:.2f}), at which "
+                    f"the IS findings may not show")
+
+
+def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda s: None) -> dict:
+    """The dial measured once, before any arm runs: `minirl doctor` on the cold start at every
+    level; kept in the study's mechanism.json and never measured again in that folder, so the level
+    is fixed before any verdict exists."""
+    path = lab.out / "mechanism.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    if lab.state["runs"]:
+        raise RuntimeError(f"{lab.out} holds runs but no mechanism.json: start the study in a fresh folder")
+    progress("the mismatch dial: minirl doctor on the cold start")
+    out = lab.out / "doctor"
+    cmd = [sys.executable, "-m", "cli.main", "doctor", "-w", str(lab.ws_root), "--checkpoint", "coldstart",
+           "--seeds", str(seeds), "--out", str(out)]
+    log = lab.out / "logs" / "doctor.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "COLUMNS": "160"}).returncode
+    reports = sorted(out.glob("doctor-*.json"))
+    if rc != 0 or not reports:
+        raise RuntimeError(f"minirl doctor failed (exit {rc}); see {log}")
+    fig = json.loads(reports[-1].read_text())["figures"]
+    measured = {lvl: {"kl": fig[f"kl/{lvl}"]["mean"], "kl_spread": fig[f"kl/{lvl}"]["spread"],
+                      "sd": fig[f"response_sd/{lvl}"]["mean"], "sd_spread": fig[f"response_sd/{lvl}"]["spread"],
+                      "predicted": fig[f"response_sd_predicted/{lvl}"]["mean"], "length": fig[f"length/{lvl}"]["mean"]}
+                for lvl in ("fp32", *DIAL) if f"response_sd/{lvl}" in fig}
+    measured["fp32"].setdefault("kl", fig["kl/fp32"]["mean"])
+    level, why = choose_level(measured)
+    mech = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "doctor": str(reports[-1]), "seeds": seeds,
+            "levels": measured, "level": level, "why": why,
+            "route_flips": fig["routing/disagree"]["mean"] if "routing/disagree" in fig else None}
+    atomic.write_text(path, json.dumps(mech, indent=1))
+    return mech
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the study at one dial level."""
+
+    name: str
+    level: str  # the dial level, or the arm's own precision (the placebo's fp32)
+    cell: Cell
+    seeds: int
+    primary: bool  # at the study's level: the verdicts are decided on these
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    plan: Plan  # the schedule every run shares (lab.run_cell)
+    level: str
+    arms: list[Arm]
+
+    def todo(self) -> list[tuple[Arm, int]]:
+        """The study's level first, seed by seed (every arm's seed 0, then seed 1, …), so pairs
+        complete in order; then each other level, mildest first, seed by seed."""
+        groups = [[a for a in self.arms if a.primary]]
+        groups += [[a for a in self.arms if not a.primary and a.level == lvl] for lvl in DIAL]
+        out = []
+        for arms in groups:
+            for s in range(max((a.seeds for a in arms), default=0)):
+                out += [(a, s) for a in arms if s < a.seeds]
+        return out
+
+
+def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int = 0) -> StudyPlan:
+    """The study's arms as cells of a lab plan: every arm at `level` over `seeds`, and, for a
+    dose–response, at every other dial level over `dose_seeds` (an arm that sets its own precision,
+    the placebo, runs once). One folder per study: runs are never shared."""
     steps = study.quick_steps if quick else study.steps
-    return Plan(steps=steps, eval_every=max(5, steps // 6), seeds=seeds, offpolicy_n=(4,), cold_start_targets=(),
-                cells=cells)
+    arms = []
+    for name, sets, acc in study.arms:
+        own = any(x.startswith("rollout.precision=") for x in sets)
+        levels = [level] if own or not study.dose or dose_seeds == 0 else [level, *(x for x in DIAL if x != level)]
+        for lvl in levels:
+            at = sets if own else (f"rollout.precision={lvl}", *sets)
+            tag = next(x.split("=", 1)[1] for x in at if x.startswith("rollout.precision="))
+            arms.append(Arm(name, tag, Cell(f"{study.name} @ {tag}", name, at, cold_start=acc),
+                            seeds if lvl == level else dose_seeds, lvl == level))
+    p = Plan(steps=steps, eval_every=max(5, steps // 6), seeds=seeds, offpolicy_n=(4,), cold_start_targets=(),
+             cells=[a.cell for a in arms])
+    return StudyPlan(p, level, arms)
 
 
-def run(lab: Lab, study: Study, p: Plan, *, on_run: Callable[[str, int, int], None] = lambda *a: None,
+def run(lab: Lab, study: Study, sp: StudyPlan, *, on_run: Callable[[str, int, int], None] = lambda *a: None,
         progress: Callable[[str], None] = lambda s: None) -> None:
-    """Every arm's seed 0, then every arm's seed 1, …: pairs complete in order."""
-    todo = [(c, s) for s in range(p.seeds) for c in p.cells]
-    for i, (cell, seed) in enumerate(todo):
-        on_run(f"{study.name}: {cell.variant} (seed {seed})", i, len(todo))
-        lab.run_cell(cell, seed, p, progress=progress)
+    todo = sp.todo()
+    for i, (arm, seed) in enumerate(todo):
+        on_run(f"{study.name}: {arm.name} @ {arm.level} (seed {seed})", i, len(todo))
+        lab.run_cell(arm.cell, seed, sp.plan, progress=progress)
     on_run("done", len(todo), len(todo))
 
 
-def arm_results(lab: Lab, p: Plan) -> dict[str, list[dict]]:
-    """Per arm, per seed run so far: collapse step (verdicts.collapse_step), held-out start and end."""
-    out: dict[str, list[dict]] = {}
-    for c in p.cells:
-        for s in range(p.seeds):
-            key = f"{c.id}/s{s}"
+def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
+    """Per dial level, per arm, per seed run so far: collapse step (verdicts.collapse_step),
+    held-out start and end. The study's own level also holds the arms that set their own precision."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for arm in sp.arms:
+        for s in range(arm.seeds):
+            key = f"{arm.cell.id}/s{s}"
             if key not in lab.state["runs"]:
                 continue
             run = Path(lab.state["runs"][key])
@@ -113,9 +226,9 @@ def arm_results(lab: Lab, p: Plan) -> dict[str, list[dict]]:
             metric = summary["heldout"]["metric"]
             start, end = summary["heldout"]["start"][metric], summary["heldout"]["end"][metric]
             rows = rows_of(run)
-            out.setdefault(c.variant, []).append({
+            out.setdefault(sp.level if arm.primary else arm.level, {}).setdefault(arm.name, []).append({
                 "seed": s, "collapse": v.collapse_step(rows, heldout_start=start), "start": start, "final": end,
-                "steps": rows[-1]["step"] if rows else 0, "rows": rows})
+                "steps": rows[-1]["step"] if rows else 0, "rows": rows, "lr": summary["recipe"]["train"]["lr"]})
     return out
 
 
@@ -194,24 +307,111 @@ def plot(study: Study, res: dict[str, list[dict]], out: Path) -> Path:
     return path
 
 
-def write_report(study: Study, p: Plan, res: dict[str, list[dict]], out: Path) -> Path:
+def plot_dose(study: Study, res: dict[str, dict[str, list[dict]]], mech: dict, out: Path) -> Path | None:
+    """Final held-out score and collapse rate per arm against the dial, each level placed at its
+    measured per-response spread of log π(y)/μ(y)."""
+    levels = [lvl for lvl in DIAL if lvl in res]
+    if len(levels) < 2:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = {lvl: mech["levels"][lvl]["sd"] for lvl in levels}
+    fig, (score, fell) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for name in dict.fromkeys(a for lvl in levels for a in res[lvl]):
+        pts = [(x[lvl], res[lvl][name]) for lvl in levels if name in res[lvl]]
+        xs = [px for px, _ in pts]
+        mean = [statistics.fmean(r["final"] for r in runs) for _, runs in pts]
+        low = [m - min(r["final"] for r in runs) for m, (_, runs) in zip(mean, pts)]
+        high = [max(r["final"] for r in runs) - m for m, (_, runs) in zip(mean, pts)]
+        line = score.errorbar(xs, mean, yerr=[low, high], marker="o", capsize=3, lw=1.3, label=name)
+        fell.plot(xs, [sum(r["collapse"] is not None for r in runs) / len(runs) for _, runs in pts], marker="o",
+                  lw=1.3, color=line[0].get_color(), label=name)
+    for ax, title in ((score, "final held-out (mean, min–max over seeds)"), (fell, "collapse rate")):
+        ax.set_xscale("log")
+        ax.set_xticks([x[lvl] for lvl in levels], [f"{lvl}\n{x[lvl]:.2f}" for lvl in levels], fontsize=8)
+        ax.minorticks_off()
+        ax.axvline(MECHANISM_TARGET, color="grey", ls=":", lw=1)
+        ax.set_xlabel("dial level: SD of log π(y)/μ(y) per response at the cold start")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    fell.set_ylim(-0.05, 1.05)
+    score.legend(fontsize=7)
+    fig.suptitle(f"minirl lab {study.name}: dose–response")
+    path = out / f"study-{study.name}-dose.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _summary(runs: list[dict]) -> str:
+    finals = [r["final"] for r in runs]
+    return (f"{statistics.fmean(finals):.3f} [{min(finals):.3f}, {max(finals):.3f}], "
+            f"{sum(r['collapse'] is not None for r in runs)}/{len(runs)} collapsed")
+
+
+def mechanism_lines(mech: dict | None) -> list[str]:
+    """The dial as measured before any arm ran, and how the level was chosen."""
+    if mech is None:
+        return ["## The mismatch dial", "", "Not measured yet: the study measures it before its first run."]
+    lines = ["## The mismatch dial, measured before any arm ran", "",
+             f"`minirl doctor --checkpoint coldstart --seeds {mech['seeds']}` at {mech['measured_at']} "
+             f"(`{Path(mech['doctor']).name}`): per token KL(μ‖π), per response the SD of log π(y)/μ(y) over "
+             f"responses of L tokens, and the √(2·L·KL) a sum of independent tokens predicts.", "",
+             "| rollout precision | KL(μ‖π) per token | SD of log π(y)/μ(y) per response | √(2·L·KL) | L |",
+             "|---|---|---|---|---|"]
+    for lvl, m in mech["levels"].items():
+        mark = " (the study's level)" if lvl == mech["level"] else ""
+        lines.append(f"| {lvl}{mark} | {m['kl']:.2e} ± {m['kl_spread']:.1e} | {m['sd']:.3f} ± {m['sd_spread']:.2f} | "
+                     f"{m['predicted']:.2f} | {m['length']:.1f} |")
+    lines += ["", f"Level: **{mech['level']}**, {mech['why']} (target: {MECHANISM_TARGET:g}; the paper's long "
+              f"responses: 4.5–8)."]
+    if mech.get("route_flips") is not None:
+        lines.append(f"Routes (top-k experts) differ between engine and trainer on {mech['route_flips']:.1%} of "
+                     f"tokens per layer.")
+    return lines
+
+
+def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict]]], mech: dict | None,
+                 out: Path) -> Path:
+    p, here = sp.plan, res.get(sp.level, {})
+    lrs = sorted({r["lr"] for arms in res.values() for runs in arms.values() for r in runs})
     lines = [f"# minirl lab {study.name}", "", f"{study.question}", "",
-             f"{len(p.cells)} arms × {p.seeds} paired seed(s), {p.steps} steps each, the guard observing only; "
-             f"held-out avg@k every {p.eval_every} steps. Collapsed: the rule of `minirl/verdicts.py` (reward under "
+             f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
+             f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; learning "
+             f"rate {', '.join(f'{x:g}' for x in lrs) or 'the recipe'}'s in every arm (set once, no arm sets it). "
+             f"Collapsed: the rule of `minirl/verdicts.py` (reward under "
              f"{v.COLLAPSE_REWARD_FRAC} × its best window with the entropy out of [{v.ENTROPY_LOW}, {v.ENTROPY_HIGH}] × "
              f"its start, or held-out under {v.COLLAPSE_HELDOUT_FRAC} × its start). α = {v.ALPHA}.", "",
-             "## Verdicts", "", "| | the paper | B − A | verdict |", "|---|---|---|---|"]
-    for cmp, text in decide(study, res):
+             *mechanism_lines(mech), "",
+             f"## Verdicts at {sp.level}", "", "| | the paper | B − A | verdict |", "|---|---|---|---|"]
+    for cmp, text in decide(study, here):
         lines.append(f"| {cmp.finding} | {cmp.claim} | {cmp.b} − {cmp.a} | {text} |")
-    lines += ["", "## Arms", "", "| arm | seeds | collapsed | held-out start | final (per seed) |", "|---|---|---|---|---|"]
-    for c in p.cells:
-        runs = res.get(c.variant, [])
-        if runs:
-            finals = ", ".join(f"{r['final']:.3f}" for r in runs)
-            lines.append(f"| {c.variant} | {len(runs)} | {sum(r['collapse'] is not None for r in runs)}/{len(runs)} | "
-                         f"{sum(r['start'] for r in runs) / len(runs):.3f} | {finals} |")
-    if res:
-        lines += ["", "## Figure", "", f"![the study]({plot(study, res, out).name})"]
+    lines += ["", f"## Arms at {sp.level}", "", "| arm | seeds | collapsed | held-out start | final (per seed) |",
+              "|---|---|---|---|---|"]
+    for name, runs in here.items():
+        finals = ", ".join(f"{r['final']:.3f}" for r in runs)
+        lines.append(f"| {name} | {len(runs)} | {sum(r['collapse'] is not None for r in runs)}/{len(runs)} | "
+                     f"{statistics.fmean(r['start'] for r in runs):.3f} | {finals} |")
+    if study.dose:
+        levels = [lvl for lvl in DIAL if lvl in res]
+        names = [a.name for a in sp.arms if not a.primary]
+        lines += ["", "## Dose–response", "", "Final held-out per arm and level: mean [min, max] over seeds, and "
+                  "collapses.", ""]
+        if len(levels) < 2:
+            lines.append("Not run yet: the other levels run after the study's own.")
+        else:
+            lines += ["| arm | " + " | ".join(levels) + " |", "|---" * (len(levels) + 1) + "|"]
+            for name in dict.fromkeys(names):
+                lines.append(f"| {name} | " + " | ".join(_summary(res[lvl][name]) if name in res[lvl] else "—"
+                                                      for lvl in levels) + " |")
+            dose_png = plot_dose(study, res, mech, out) if mech else None
+            if dose_png:
+                lines += ["", f"![dose–response]({dose_png.name})"]
+    if here:
+        lines += ["", "## Figure", "", f"![the study]({plot(study, here, out).name})"]
     path = out / "report.md"
     atomic.write_text(path, "\n".join(lines) + "\n")
     return path

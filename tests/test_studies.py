@@ -3,6 +3,7 @@ rules of verdicts.py on synthetic arms (the placebo included), and a micro study
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,8 +13,10 @@ from minirl import lab, recipe, studies
 
 
 def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
+    base = recipe.load(recipe.shipped("tiny-scratchpad"))
     for study in studies.STUDIES.values():
-        p = studies.plan(study, seeds=3, quick=True)
+        sp = studies.plan(study, seeds=3, quick=True, level="fp8")
+        p = sp.plan
         assert p.steps == study.quick_steps and len({c.id for c in p.cells}) == len(p.cells)
         names = {c.variant for c in p.cells}
         assert all({cmp.a, cmp.b} <= names for cmp in study.comparisons)
@@ -21,11 +24,34 @@ def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
             recs = [recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(p, seed), *c.sets]) for c in p.cells]
             assert {r.train.seed for r in recs} == {seed}  # the same prompts and sampling seeds in every arm
             assert {r.train.prompts_per_step // r.train.minibatches for r in recs} == {16}  # equal mini-batches
-    placebo = [c for c in studies.plan(studies.STUDIES["is"], seeds=1, quick=True).cells if "placebo" in c.variant]
-    recs = [recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(studies.plan(studies.STUDIES["is"], seeds=1,
-                                                                                           quick=True), 0), *c.sets])
-            for c in placebo]
+            assert {(r.train.lr, r.train.weight_decay) for r in recs} == {(base.train.lr, base.train.weight_decay)}
+            assert {r.rollout.precision for r in recs} <= {"fp8", "fp32"}  # the study's level (the placebo: fp32)
+    placebo = [a.cell for a in studies.plan(studies.STUDIES["is"], seeds=1, quick=True, level="fp8").arms
+               if "placebo" in a.name]
+    recs = [recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(studies.plan(
+        studies.STUDIES["is"], seeds=1, quick=True, level="fp8").plan, 0), *c.sets]) for c in placebo]
     assert [r.rollout.precision for r in recs] == ["fp32", "fp32"] and [r.loss.is_mode for r in recs] == ["truncate", "off"]
+
+
+def test_the_dial_level_is_chosen_by_the_mechanism_and_run_first():
+    measured = {"fp32": {"sd": 0.0}, "bf16": {"sd": 0.15}, "fp8-weights": {"sd": 0.37}, "fp8": {"sd": 0.41},
+                "e5m2": {"sd": 1.003}}
+    assert studies.choose_level(measured)[0] == "e5m2"
+    level, why = studies.choose_level({**measured, "e5m2": {"sd": 0.8}})
+    assert level == "e5m2" and why.startswith("no level reaches 1")
+    sp = studies.plan(studies.STUDIES["is"], seeds=5, quick=False, level="e5m2", dose_seeds=2)
+    todo = sp.todo()
+    primary = [(a.name, s) for a, s in todo if a.primary]
+    assert todo[:len(primary)] == [(a, s) for a, s in todo if a.primary]  # the study's level first, whole
+    assert primary[:6] == [(name, 0) for name, _, _ in studies.STUDIES["is"].arms]  # seed by seed
+    assert len(primary) == 6 * 5
+    dose = [(a.level, a.name, s) for a, s in todo if not a.primary]
+    assert [lvl for lvl, _, _ in dose] == sorted((lvl for lvl, _, _ in dose), key=studies.DIAL.index)  # mildest first
+    assert {lvl for lvl, _, _ in dose} == {"bf16", "fp8-weights", "fp8"} and len(dose) == 3 * 4 * 2  # no placebo
+    # a study without a dose–response, or --quick, runs its level only
+    assert all(a.primary for a in studies.plan(studies.STUDIES["coldstart"], seeds=3, quick=False, level="fp8",
+                                               dose_seeds=2).arms)
+    assert all(a.primary for a in studies.plan(studies.STUDIES["is"], seeds=2, quick=True, level="fp8").arms)
 
 
 def _arm(finals, collapses=None):
@@ -61,23 +87,30 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
         "cold_start.max_steps=30", "cold_start.train_size=400", "cold_start.heldout_size=8", "cold_start.dev_size=4",
         "cold_start.check_every=30", "train.prompts_per_step=4", "eval.k=1", "rollout.max_tokens=40"])
     study = studies.STUDIES["lengthnorm"]
-    p = studies.plan(study, seeds=2, quick=True)
-    p = lab.Plan(steps=2, eval_every=1, seeds=2, offpolicy_n=(), cold_start_targets=(), cells=p.cells)
     L = lab.Lab(ws, ws / "lab" / "study-lengthnorm" / "micro")
+    mech = studies.mechanism(L, seeds=1)  # the dial, measured by `minirl doctor` before any run
+    assert set(mech["levels"]) == {"fp32", *studies.DIAL} and mech["level"] in studies.DIAL
+    assert mech["levels"]["fp32"]["kl"] < mech["levels"]["bf16"]["kl"]
+    assert studies.mechanism(L, seeds=1) == mech and len(list((L.out / "doctor").glob("*.json"))) == 1  # once
+    sp = studies.plan(study, seeds=2, quick=True, level=mech["level"])
+    sp = dataclasses.replace(sp, plan=dataclasses.replace(sp.plan, steps=2, eval_every=1))
     seen = []
-    studies.run(L, study, p, on_run=lambda what, i, n: seen.append(what))
-    assert seen[:4] == ["lengthnorm: MiniRL (seed 0)", "lengthnorm: length norm (seed 0)",
-                        "lengthnorm: MiniRL (seed 1)", "lengthnorm: length norm (seed 1)"]  # whole pairs first
+    studies.run(L, study, sp, on_run=lambda what, i, n: seen.append(what))
+    lvl = mech["level"]
+    assert seen[:4] == [f"lengthnorm: MiniRL @ {lvl} (seed 0)", f"lengthnorm: length norm @ {lvl} (seed 0)",
+                        f"lengthnorm: MiniRL @ {lvl} (seed 1)", f"lengthnorm: length norm @ {lvl} (seed 1)"]
     n_runs = len(list((ws / "runs").iterdir()))
-    studies.run(lab.Lab(ws, L.out), study, p)  # resumed: nothing redone
+    studies.run(lab.Lab(ws, L.out), study, sp)  # resumed: nothing redone
     assert len(list((ws / "runs").iterdir())) == n_runs == 4
     seeds = {}
     for key, run in L.state["runs"].items():
         rec = json.loads((Path(run) / "summary.json").read_text())["recipe"]
         seeds.setdefault(key.rsplit("/s", 1)[1], set()).add(rec["train"]["seed"])
     assert seeds == {"0": {0}, "1": {1}}
-    res = studies.arm_results(L, p)
-    assert sorted(res) == ["MiniRL", "length norm"] and all(len(r) == 2 for r in res.values())
-    text = studies.write_report(study, p, res, L.out).read_text()
+    res = studies.arm_results(L, sp)
+    assert sorted(res[lvl]) == ["MiniRL", "length norm"] and all(len(r) == 2 for r in res[lvl].values())
+    text = studies.write_report(study, sp, res, mech, L.out).read_text()
+    assert text.index("## The mismatch dial, measured before any arm ran") < text.index("## Verdicts")
+    assert f"Level: **{lvl}**" in text
     assert "| F2 | length normalisation ends lower | length norm − MiniRL |" in text and "inconclusive" not in text
     assert "![the study](study-lengthnorm.png)" in text and (L.out / "study-lengthnorm.png").stat().st_size > 10_000

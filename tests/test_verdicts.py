@@ -28,17 +28,20 @@ def test_collapse_needs_the_reward_down_and_the_entropy_out_of_its_band():
     assert v.collapse_step(held, heldout_start=0.15) is None
 
 
-def test_fisher_logrank_and_permutation_give_known_p_values():
+def test_fisher_logrank_and_the_paired_t_test_give_known_p_values():
     assert v.collapse_rates([False] * 5, [True] * 5).p == pytest.approx(2 / 252)  # C(10, 5) = 252 tables
     assert v.collapse_rates([False] * 5, [False] * 5).p == 1.0
     # one event at t = 1 in A, one run censored at 2 in B: chi² = (1 − ½)² / ¼ = 1
     assert v.time_to_collapse([1], [None], steps=2).p == pytest.approx(0.31731, abs=1e-4)
-    # six pairs all up by 0.1: the exact two-sided permutation p is 2 / 2⁶
-    e = v.paired_scores([0.3] * 6, [0.4] * 6)
-    assert e.effect == pytest.approx(0.1) and e.p == pytest.approx(2 / 64)
-    assert e.low == pytest.approx(0.1) and e.high == pytest.approx(0.1)
-    # five pairs can never reach α two-sided: the smallest p is 2 / 2⁵
-    assert v.paired_scores([0.3] * 5, [0.4] * 5).p == pytest.approx(2 / 32)
+    # differences 0.1, 0.2, 0.3: mean 0.2, SD 0.1, t = 0.2 / (0.1 / √3) = 2√3 on 2 df: p = 0.0742
+    e = v.paired_scores([0.3, 0.3, 0.3], [0.4, 0.5, 0.6])
+    assert e.effect == pytest.approx(0.2) and e.p == pytest.approx(0.07418, abs=1e-4)
+    # five pairs all up by 0.1: no spread, the interval is the point and the difference certain
+    e = v.paired_scores([0.3] * 5, [0.4] * 5)
+    assert (e.low, e.high, e.p) == (pytest.approx(0.1), pytest.approx(0.1), 0.0)
+    assert v.paired_scores([0.3] * 5, [0.3] * 5).p == 1.0
+    # five pairs can reach α (a permutation test could not: its smallest p is 2 / 2⁵)
+    assert v.paired_scores([0.30, 0.32, 0.28, 0.31, 0.29], [0.36, 0.41, 0.33, 0.40, 0.35]).p < v.ALPHA
 
 
 def test_bootstrap_intervals_cover_the_mean_and_narrow_with_seeds():
@@ -58,6 +61,8 @@ def test_power_is_alpha_without_an_effect_and_grows_with_it():
     assert v.power_collapse(10, 0.1, 0.8) > v.power_collapse(5, 0.1, 0.8)
     assert v.power_paired(8, 0.0, 0.1) == pytest.approx(v.ALPHA, abs=1e-9)
     assert v.power_paired(20, 0.05, 0.1) > v.power_paired(5, 0.05, 0.1)
+    # n = 5, effect = 1 SD: noncentrality √5 on 4 df (G*Power gives 0.4013)
+    assert v.power_paired(5, 0.1, 0.1) == pytest.approx(0.4013, abs=2e-3)
 
 
 def test_verdicts_say_reproduced_contradicted_or_not_observed_with_power():
