@@ -57,6 +57,7 @@ class Comparison:
     sign: int  # the paper's direction of B − A: +1, −1, or 0 for a placebo (no difference expected)
     expect: tuple[float, float] = (0.0, 0.8)  # collapse rates (A, B) the paper's claim implies, for power
     effect: float = 0.1  # the score difference the power is stated for
+    plateau: bool = False  # compare only runs whose held-out score has stopped rising (verdicts.heldout_slope)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Study:
     steps: int = 150
     quick_steps: int = 20
     dose: bool = True  # run the other dial levels for the dose–response (F6's cold starts: no)
+    eval_every: int = 0  # held-out every this many steps; 0: six evaluations a run
 
 
 OFF = ("train.minibatches=4", "train.prompts_per_step=64")  # N = 4 mini-batches of 16 prompts
@@ -99,8 +101,9 @@ STUDIES = {s.name: s for s in [
           dose=False),
     Study("coldstart", "do different cold starts end alike (F6)?",
           arms=(("cold start @10%", (), 0.1), ("cold start @40%", (), 0.4)),
-          comparisons=(Comparison("F6", "cold starts end alike", "cold start @10%", "cold start @40%", "score", 0),),
-          dose=False),
+          comparisons=(Comparison("F6", "cold starts end alike", "cold start @10%", "cold start @40%", "score", 0,
+                                  plateau=True),),
+          steps=400, eval_every=25, dose=False),  # to a plateau: the 150 steps of the first lab were not
 ]}
 
 
@@ -198,7 +201,8 @@ def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int =
             tag = next(x.split("=", 1)[1] for x in at if x.startswith("rollout.precision="))
             arms.append(Arm(name, tag, Cell(f"{study.name} @ {tag}", name, at, cold_start=acc),
                             seeds if lvl == level else dose_seeds, lvl == level))
-    p = Plan(steps=steps, eval_every=max(5, steps // 6), seeds=seeds, offpolicy_n=(4,), cold_start_targets=(),
+    every = study.eval_every if study.eval_every and not quick else max(5, steps // 6)
+    p = Plan(steps=steps, eval_every=every, seeds=seeds, offpolicy_n=(4,), cold_start_targets=(),
              cells=[a.cell for a in arms])
     return StudyPlan(p, level, arms)
 
@@ -228,7 +232,8 @@ def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
             rows = rows_of(run)
             out.setdefault(sp.level if arm.primary else arm.level, {}).setdefault(arm.name, []).append({
                 "seed": s, "collapse": v.collapse_step(rows, heldout_start=start), "start": start, "final": end,
-                "steps": rows[-1]["step"] if rows else 0, "rows": rows, "lr": summary["recipe"]["train"]["lr"]})
+                "steps": rows[-1]["step"] if rows else 0, "rows": rows, "lr": summary["recipe"]["train"]["lr"],
+                "slope": v.heldout_slope(rows)})
     return out
 
 
@@ -250,6 +255,8 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
                                         steps=steps)
             text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_collapse(n, *cmp.expect))
             text += f"; time to collapse: {timing.text()} (log-rank)"
+        elif cmp.plateau and (rising := _still_rising({cmp.a: [a[s] for s in seeds], cmp.b: [b[s] for s in seeds]})):
+            text = f"not yet converged: {rising}"
         else:
             fa, fb = [a[s]["final"] for s in seeds], [b[s]["final"] for s in seeds]
             evidence = v.paired_scores(fa, fb)
@@ -258,6 +265,19 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
                              placebo=cmp.finding == "placebo")
         out.append((cmp, text))
     return out
+
+
+def _still_rising(arms: dict[str, list[dict]]) -> str:
+    """Why the arms have not plateaued ("" when they have): an arm's mean held-out slope over the
+    second half of its runs at or above verdicts.PLATEAU_SLOPE, or too few evaluations to tell."""
+    out = []
+    for name, runs in arms.items():
+        slopes = [r.get("slope") for r in runs]
+        if any(x is None for x in slopes):
+            out.append(f"{name}: fewer than {v.PLATEAU_MIN_EVALS} held-out evaluations in the runs' second half")
+        elif (mean := statistics.fmean(slopes)) >= v.PLATEAU_SLOPE:
+            out.append(f"{name}: held-out still rising by {mean:+.3f} per 100 steps (bound {v.PLATEAU_SLOPE})")
+    return "; ".join(out)
 
 
 PANELS = (("rollout/reward_mean", "reward"), ("train/entropy", "token entropy"),

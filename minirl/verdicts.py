@@ -69,6 +69,31 @@ def collapse_step(rows: Sequence[dict], heldout_start: float | None = None) -> i
     return None
 
 
+# F6 compares cold starts once training has converged: a run has plateaued when its held-out score
+# rises by less than PLATEAU_SLOPE per 100 steps over the second half of the run (least squares
+# over the evaluations there; the score's own noise is 0.016–0.031 at 256 problems × 4 samples).
+PLATEAU_SLOPE = 0.02
+PLATEAU_MIN_EVALS = 3
+
+
+def heldout_slope(rows: Sequence[dict]) -> float | None:
+    """The held-out score's rise per 100 steps over the second half of the run (least squares),
+    or None with fewer than PLATEAU_MIN_EVALS evaluations there.
+
+    >>> rows = [{"step": s, "heldout/avg@4": 0.3 + 0.001 * s} for s in range(25, 201, 25)]
+    >>> round(heldout_slope(rows), 3)
+    0.1
+    """
+    if not rows:
+        return None
+    last = rows[-1]["step"]
+    pts = [(r["step"], x) for r in rows if r["step"] >= last / 2 for k, x in r.items() if k.startswith("heldout/avg@")]
+    if len(pts) < PLATEAU_MIN_EVALS:
+        return None
+    steps, scores = zip(*pts)
+    return 100 * float(stats.linregress(steps, scores).slope)
+
+
 @dataclass(frozen=True)
 class Evidence:
     """One test's outcome: the effect (B − A), its 95% interval where there is one, the p-value."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minirl import lab, recipe, studies
+from minirl import lab, recipe, studies, verdicts
 
 
 def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
@@ -54,9 +54,24 @@ def test_the_dial_level_is_chosen_by_the_mechanism_and_run_first():
     assert all(a.primary for a in studies.plan(studies.STUDIES["is"], seeds=2, quick=True, level="fp8").arms)
 
 
-def _arm(finals, collapses=None):
-    return [{"seed": i, "final": f, "start": 0.3, "collapse": (collapses or [None] * len(finals))[i], "steps": 30}
-            for i, f in enumerate(finals)]
+def _arm(finals, collapses=None, slope=0.0):
+    return [{"seed": i, "final": f, "start": 0.3, "collapse": (collapses or [None] * len(finals))[i], "steps": 30,
+             "slope": slope} for i, f in enumerate(finals)]
+
+
+def test_cold_starts_are_compared_only_once_they_plateau():
+    study = studies.STUDIES["coldstart"]
+    a, b = "cold start @10%", "cold start @40%"
+    rising = studies.decide(study, {a: _arm([0.5, 0.52, 0.49], slope=0.06), b: _arm([0.6, 0.61, 0.63])})[0][1]
+    assert rising.startswith("not yet converged") and "cold start @10%: held-out still rising by +0.060" in rising
+    flat = studies.decide(study, {a: _arm([0.5, 0.52, 0.49], slope=0.01), b: _arm([0.5, 0.51, 0.50], slope=-0.01)})[0][1]
+    assert flat.startswith(("reproduced", "not observed", "contradicted"))
+    # the slope itself: a run still climbing, and one that has flattened out
+    climbing = [{"step": s, "heldout/avg@4": 0.3 + 0.0005 * s} for s in range(25, 401, 25)]
+    flattened = [{"step": s, "heldout/avg@4": min(0.3 + 0.002 * s, 0.6)} for s in range(25, 401, 25)]
+    assert verdicts.heldout_slope(climbing) == pytest.approx(0.05)
+    assert verdicts.heldout_slope(flattened) == pytest.approx(0.0)
+    assert verdicts.heldout_slope(climbing[:3]) is None  # too few evaluations in the second half
 
 
 def test_verdicts_follow_the_rules_on_synthetic_arms():
