@@ -15,6 +15,9 @@ from minirl.evaluate import resolve_checkpoint
 from minirl.workspace import Workspace, init_workspace
 
 
+LEVELS = ("fp32", "bf16", "fp8-weights", "fp8", "e5m2")  # doctor.diagnose's rollout precision levels
+
+
 @click.command()
 @click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
               show_default=True, help="Workspace whose recipe and data to use.")
@@ -68,13 +71,15 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
                  ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
     for src, what, k in rows:
         table.add_row(src, what, pm(k))
-    for p in ("bf16", "fp8-weights", "fp8", "e5m2"):
+    for p in LEVELS[1:]:
         table.add_row("per response", f"SD of log π(y)/μ(y), {p} (√(2·L·KL) predicts "
                       f"{f[f'response_sd_predicted/{p}']['mean']:.2f}; L = {f[f'length/{p}']['mean']:.1f})",
                       f"{f[f'response_sd/{p}']['mean']:.3f} ± {f[f'response_sd/{p}']['spread']:.2f}")
     if report["moe"]:
         per_layer = ", ".join(f"{x['mean']:.1%}" for x in f["routing/disagree_per_layer"])
         table.add_row("routing", "tokens whose top-k differ, per layer", per_layer)
+        table.add_row("routing", "tokens whose top-k differ in any layer: " + ", ".join(p for p in LEVELS),
+                      ", ".join(f"{f[f'routing/tokens_with_a_flip/{p}']['mean']:.1%}" for p in LEVELS))
     for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
         table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
                       " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))

@@ -37,7 +37,7 @@ from minirl.batch import build_batch
 from minirl.evaluate import response_text
 from minirl.objective import loss_for, minibatch_indices
 from minirl.preflight import check_model_folder, prepare_run
-from minirl.replay import rollout_routes, route_agreement
+from minirl.replay import rollout_routes, route_agreement, tokens_with_a_flip
 from minirl.rollout.fp8 import fp8_roundtrip
 from minirl.rollout.vllm import VLLMEngine
 from minirl.train import Trainer
@@ -94,11 +94,12 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
             fig.update({f"{k}/{name}": v for k, v in per_response(batch.rollout_logp_BT, pi, batch.mask_BT).items()})
             if moe:  # the same with the engine's routes replayed: precision without route flips
-
                 rr = rollout_routes([c for g in groups for c in g], batch, trainer.replay.num_layers, shape.top_k,
                                     shape.num_experts)
                 pi_r3, _, _ = trainer.logprobs(batch, routes=rr)
                 fig[f"kl_r3/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi_r3, batch.mask_BT)
+                _, _, own = trainer.logprobs(batch, record_routes=True)
+                fig[f"routing/tokens_with_a_flip/{name}"] = tokens_with_a_flip(rr, own, batch.mask_BT)
             batches[name] = (groups, batch, pi)
         # weights alone: the fp32 sample's tokens, scored by the fp32 engine holding rounded weights
         groups, batch, pi = batches["fp32"]

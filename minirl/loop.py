@@ -35,7 +35,7 @@ from minirl.guard import Guard, Verdict
 from minirl.launch import World
 from minirl.preflight import RunInputs, complete_checkpoints
 from minirl.recipe import Recipe
-from minirl.replay import rollout_routes, route_agreement
+from minirl.replay import rollout_routes, route_agreement, tokens_with_a_flip
 from minirl.rollout import Rollouts
 from minirl.stopwatch import Stopwatch
 from minirl.train import Trainer
@@ -212,6 +212,7 @@ class RLRun:
             agree = route_agreement(routes, own_routes, batch.mask_BT)
             metrics.update({
                 "replay/route_agreement": float(agree.mean()),
+                "replay/tokens_with_a_flip": tokens_with_a_flip(routes, own_routes, batch.mask_BT),
                 **{f"replay/route_agreement_l{i}": float(a) for i, a in enumerate(agree)},
                 "train/kl_mu_pi_old_noreplay": objective.train_inference_kl(
                     batch.rollout_logp_BT, own_logp, batch.mask_BT),

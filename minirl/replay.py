@@ -95,6 +95,15 @@ def route_agreement(a_NBTK: torch.Tensor, b_NBTK: torch.Tensor, mask_BT: torch.T
     return (same_NBT * mask_BT).sum(dim=(1, 2)) / mask_BT.sum().clamp(min=1.0)
 
 
+def tokens_with_a_flip(a_NBTK: torch.Tensor, b_NBTK: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """The share of (masked) tokens whose top-k set differs between a and b in at least one layer:
+    what a route flip does to a response is set by the token's worst layer, not the mean one."""
+    a = torch.sort(a_NBTK.long(), dim=-1).values
+    b = torch.sort(b_NBTK.long(), dim=-1).values
+    flipped_BT = (a != b).any(dim=-1).any(dim=0).float()
+    return float((flipped_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0))
+
+
 def rollout_routes(comps, batch, n_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
     """The rollout engine's routes laid out like the batch, [n_layers, B, L-1, K].
 

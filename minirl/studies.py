@@ -147,9 +147,9 @@ def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda 
     fig = json.loads(reports[-1].read_text())["figures"]
     measured = {lvl: {"kl": fig[f"kl/{lvl}"]["mean"], "kl_spread": fig[f"kl/{lvl}"]["spread"],
                       "sd": fig[f"response_sd/{lvl}"]["mean"], "sd_spread": fig[f"response_sd/{lvl}"]["spread"],
-                      "predicted": fig[f"response_sd_predicted/{lvl}"]["mean"], "length": fig[f"length/{lvl}"]["mean"]}
-                for lvl in ("fp32", *DIAL) if f"response_sd/{lvl}" in fig}
-    measured["fp32"].setdefault("kl", fig["kl/fp32"]["mean"])
+                      "predicted": fig[f"response_sd_predicted/{lvl}"]["mean"], "length": fig[f"length/{lvl}"]["mean"],
+                      "route_flips": fig.get(f"routing/tokens_with_a_flip/{lvl}", {}).get("mean")}
+                for lvl in ("fp32", *DIAL)}
     level, why = choose_level(measured)
     mech = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "doctor": str(reports[-1]), "seeds": seeds,
             "levels": measured, "level": level, "why": why,
@@ -380,17 +380,19 @@ def mechanism_lines(mech: dict | None) -> list[str]:
              f"`minirl doctor --checkpoint coldstart --seeds {mech['seeds']}` at {mech['measured_at']} "
              f"(`{Path(mech['doctor']).name}`): per token KL(μ‖π), per response the SD of log π(y)/μ(y) over "
              f"responses of L tokens, and the √(2·L·KL) a sum of independent tokens predicts.", "",
-             "| rollout precision | KL(μ‖π) per token | SD of log π(y)/μ(y) per response | √(2·L·KL) | L |",
-             "|---|---|---|---|---|"]
+             "| rollout precision | KL(μ‖π) per token | SD of log π(y)/μ(y) per response | √(2·L·KL) | L | "
+             "tokens with a route flip |", "|---|---|---|---|---|---|"]
     for lvl, m in mech["levels"].items():
         mark = " (the study's level)" if lvl == mech["level"] else ""
+        flips = "—" if m.get("route_flips") is None else f"{m['route_flips']:.1%}"
         lines.append(f"| {lvl}{mark} | {m['kl']:.2e} ± {m['kl_spread']:.1e} | {m['sd']:.3f} ± {m['sd_spread']:.2f} | "
-                     f"{m['predicted']:.2f} | {m['length']:.1f} |")
+                     f"{m['predicted']:.2f} | {m['length']:.1f} | {flips} |")
     lines += ["", f"Level: **{mech['level']}**, {mech['why']} (target: {MECHANISM_TARGET:g}; the paper's long "
               f"responses: 4.5–8)."]
     if mech.get("route_flips") is not None:
         lines.append(f"Routes (top-k experts) differ between engine and trainer on {mech['route_flips']:.1%} of "
-                     f"tokens per layer.")
+                     f"tokens per layer at the workspace's own precision; a token has a route flip when its top-k "
+                     f"differs in any layer (the miniature's target: ≥ 30% of response tokens).")
     return lines
 
 

@@ -41,6 +41,11 @@ def test_doctor_measures_each_source(tiny_dir, tmp_path):
     assert f["response_sd/fp32"] < 1e-3 < f["response_sd/fp8"]
     assert all(rep["per_seed"][s]["kl/fp32"] < rep["per_seed"][s]["kl/bf16"] for s in range(2))
     assert len(rep["figures"]["routing/disagree_per_layer"]) == 4 and 0 <= f["routing/disagree"] < 0.5
+    # a token whose routes differ anywhere: at least the per-layer rate, and none at fp32 precision
+    assert f["routing/tokens_with_a_flip/fp32"] <= f["routing/tokens_with_a_flip/e5m2"]
+    # (the run's own precision is one of the levels, on the same batch: any layer ≥ the layers' mean)
+    assert max(f[f"routing/tokens_with_a_flip/{lvl}"] for lvl in ("bf16", "fp8", "e5m2")) >= f["routing/disagree"]
+    assert "in any layer" in r.stdout
     for mode in ("off", "r2", "r3"):  # updates move the policy away from π_θold (a random policy's
         # first mini-batches may all have zero advantage, and no gradient)
         assert 0 <= f[f"staleness/{mode}/1"] <= f[f"staleness/{mode}/8"]

@@ -6,7 +6,7 @@ import torch
 from minirl import objective as O
 from minirl.batch import build_batch
 from minirl.models import TINY
-from minirl.replay import route_agreement, route_dtype
+from minirl.replay import route_agreement, route_dtype, tokens_with_a_flip
 from minirl.train import Trainer
 
 
@@ -94,6 +94,15 @@ def test_route_agreement_by_hand():
     b = torch.tensor([[[[2, 1], [3, 5]]]])  # same set, different order; then a different set
     assert route_agreement(a, b, torch.ones(1, 2)).tolist() == [0.5]
     assert route_agreement(a, b, torch.tensor([[1.0, 0.0]])).tolist() == [1.0]
+
+
+def test_a_token_counts_as_flipped_when_any_layer_flips():
+    # 2 layers × 1 row × 3 tokens, k = 2: token 0 flips in layer 1 only, token 1 nowhere (reordered), token 2 in both
+    a = torch.tensor([[[[0, 1], [2, 3], [4, 5]]], [[[0, 1], [2, 3], [4, 5]]]])
+    b = torch.tensor([[[[0, 1], [3, 2], [4, 6]]], [[[0, 7], [2, 3], [5, 7]]]])
+    assert route_agreement(a, b, torch.ones(1, 3)).tolist() == pytest.approx([2 / 3, 1 / 3])
+    assert tokens_with_a_flip(a, b, torch.ones(1, 3)) == pytest.approx(2 / 3)
+    assert tokens_with_a_flip(a, b, torch.tensor([[0.0, 1.0, 0.0]])) == 0.0
 
 
 def test_token_surrogate_gradient_equals_sequence_reinforce_on_policy(setup):
