@@ -79,9 +79,10 @@ def cli(verbose: bool) -> None:
               help="Shipped recipe (a file stem in recipes/) to start from [default: tiny; with --model, the "
                    "model's own recipe if one is shipped, else qwen3].")
 @click.option("--task", type=click.Choice(list(TASKS)), default=None,
-              help="Embedded task for the tiny model: addition (the default; 3-digit sums, 4-5 response tokens) or "
+              help="Embedded task for the tiny model: addition (the default; 3-digit sums, 4-5 response tokens), "
                    "scratchpad (3-5-digit sums written out column by column, 20-46 tokens; recipe tiny-scratchpad, "
-                   "the stage of `minirl lab`).")
+                   "the stage of `minirl lab`) or scratchpad-long (10-13-digit sums, 71-127 tokens, on a tiny MoE "
+                   "with stressed routing; recipe tiny-scratchpad-long).")
 @click.option("--force", is_flag=True, help="Rebuild an existing workspace (deletes its data, model and runs).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: str | None, force: bool,

@@ -140,9 +140,9 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         with console.status(f"building {workspace} (minirl init --task scratchpad; a few minutes)..."):
             init_workspace(workspace, task="scratchpad")
     ws = Workspace.open(workspace)
-    if recipe_mod.load(ws.recipe_path).cold_start.task != "scratchpad":
+    if recipe_mod.load(ws.recipe_path).cold_start.task not in ("scratchpad", "scratchpad-long"):
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
-                         f"(`minirl init DIR --task scratchpad`)")
+                         f"(`minirl init DIR --task scratchpad` or `--task scratchpad-long`)")
     if study is not None:
         return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), dose_seeds=dose_seeds,
                       report_only=report_only)
@@ -180,7 +180,8 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, report_only: 
         with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
             studies.mechanism(lab_, seeds=1 if quick else 3, progress=status.update)
     mech = read_json(mech_path, "the study's mismatch dial")
-    sp = studies.plan(study, seeds=seeds, quick=quick, level=mech["level"], dose_seeds=0 if quick else dose_seeds)
+    sp = studies.plan(study, seeds=seeds, quick=quick, level=mech["level"], dose_seeds=0 if quick else dose_seeds,
+                      prompts=recipe_mod.load(ws.recipe_path).train.prompts_per_step)
     console.print(f"mismatch dial: {mech['level']} ({mech['why']})", soft_wrap=True)
     if not report_only:
         todo = sp.todo()

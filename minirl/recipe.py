@@ -164,7 +164,12 @@ class GuardConfig:
 class ColdStartConfig:
     """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
 
-    task: str = "addition"  # the embedded task init builds (minirl/task.py): addition | scratchpad
+    task: str = "addition"  # the embedded task init builds (minirl/task.py): addition | scratchpad | scratchpad-long
+    # the tiny model's shape (minirl/models.py TINY): more layers and experts, and more of them
+    # chosen per token, put more routes near a top-k boundary for precision to flip
+    layers: int = 4
+    experts: int = 8
+    top_k: int = 2
 
     max_steps: int = 1000
     target_acc: float = 0.3  # stop once sampled (T=1) accuracy on the dev split reaches this
@@ -349,6 +354,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "cold_start.seed": (0, 2**31 - 1, True),
     "cold_start.train_size": (2, math.inf, True),
     "cold_start.heldout_size": (1, math.inf, True),
+    "cold_start.layers": (1, 64, True),
+    "cold_start.experts": (2, 256, True),
+    "cold_start.top_k": (1, 256, True),
     "parallel.nodes": (1, math.inf, True),
     "parallel.gpus_per_node": (1, math.inf, True),
     "parallel.dp_shard": (-1, math.inf, True),
@@ -441,6 +449,9 @@ def validate(r: Recipe, platform: Platform | None = None) -> None:
     if r.eval.k > 1 and r.eval.temperature == 0:
         raise UsageError(f"eval.temperature = 0 (greedy) gives eval.k = {r.eval.k} identical samples; "
                          "use eval.k = 1 or a temperature > 0")
+    if r.cold_start.top_k >= r.cold_start.experts:
+        raise UsageError(f"cold_start.top_k ({r.cold_start.top_k}) must be below cold_start.experts "
+                         f"({r.cold_start.experts}): a router that picks every expert has no routes to replay")
     if r.cold_start.dev_size >= r.cold_start.train_size:
         raise UsageError(f"cold_start.dev_size ({r.cold_start.dev_size}) must be smaller than cold_start.train_size "
                          f"({r.cold_start.train_size}): the dev split is carved from the train split")

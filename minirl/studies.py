@@ -3,7 +3,7 @@ verdicts computed by the rules of verdicts.py, fixed before any run.
 
     is          F1, F3: MiniRL against "without IS", R3 against R3 without IS; a placebo pair
                 with fp32 rollouts (μ = π up to kernels: the two are one algorithm there)
-    offpolicy   F4, F5: N = 4 mini-batches of 16 prompts (the on-policy batch's size): no clip,
+    offpolicy   F4, F5: N = 4 mini-batches, each the on-policy batch's size: no clip,
                 clip, clip + R2, clip + R3, and R2 / R3 without clipping
     lengthnorm  F2: MiniRL against MiniRL with length normalisation
     coldstart   F6: MiniRL from cold starts stopped at two dev accuracies
@@ -72,7 +72,7 @@ class Study:
     eval_every: int = 0  # held-out every this many steps; 0: six evaluations a run
 
 
-OFF = ("train.minibatches=4", "train.prompts_per_step=64")  # N = 4 mini-batches of 16 prompts
+OFF = ("train.minibatches=4",)  # N = 4 mini-batches, each of the on-policy batch's size (plan adds prompts_per_step)
 STUDIES = {s.name: s for s in [
     Study("is", "does the token IS correction keep on-policy training stable (F1, F3)?",
           arms=(("MiniRL", (), 0.0), ("w/o IS", NO_IS, 0.0), ("R3", ("train.replay=r3",), 0.0),
@@ -187,13 +187,17 @@ class StudyPlan:
         return out
 
 
-def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int = 0) -> StudyPlan:
+def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int = 0, prompts: int = 16) -> StudyPlan:
     """The study's arms as cells of a lab plan: every arm at `level` over `seeds`, and, for a
     dose–response, at every other dial level over `dose_seeds` (an arm that sets its own precision,
-    the placebo, runs once). One folder per study: runs are never shared."""
+    the placebo, runs once). `prompts`: the workspace's prompts per on-policy step; an off-policy
+    arm's N mini-batches are each that size, so every arm updates on equal mini-batches. One
+    folder per study: runs are never shared."""
     steps = study.quick_steps if quick else study.steps
     arms = []
     for name, sets, acc in study.arms:
+        n = next((int(x.split("=", 1)[1]) for x in sets if x.startswith("train.minibatches=")), 1)
+        sets = (*sets, f"train.prompts_per_step={n * prompts}") if n > 1 else sets
         own = any(x.startswith("rollout.precision=") for x in sets)
         levels = [level] if own or not study.dose or dose_seeds == 0 else [level, *(x for x in DIAL if x != level)]
         for lvl in levels:

@@ -12,6 +12,8 @@
   binary and exactly verifiable, and RL is free to change how the steps are written. This is the
   stage for per-token effects (IS weights, clipping, length normalisation, routing drift) that
   4-token answers leave no room for (`minirl lab`).
+- `scratchpad-long`: the same written-out addition on 10–13-digit operands: 71–127 response tokens
+  (mean ~98), where a per-token gap adds up per response the way the paper's long responses do.
 
 Train and held-out splits are disjoint in (a, b).
 """
@@ -44,6 +46,11 @@ def _scratchpad_problem(rng: random.Random) -> tuple[int, int]:
     return rng.randint(10 ** (d - 1), 10 ** d - 1), rng.randint(10 ** (d - 1), 10 ** d - 1)
 
 
+def _long_scratchpad_problem(rng: random.Random) -> tuple[int, int]:
+    d = rng.randint(10, 13)
+    return rng.randint(10 ** (d - 1), 10 ** d - 1), rng.randint(10 ** (d - 1), 10 ** d - 1)
+
+
 def scratchpad(a: int, b: int) -> str:
     """The written-out column addition of a + b, then ";" and the sum.
 
@@ -65,6 +72,7 @@ def scratchpad(a: int, b: int) -> str:
 TASKS = {
     "addition": Task("addition", "tiny", _addition, lambda a, b: str(a + b)),
     "scratchpad": Task("scratchpad", "tiny-scratchpad", _scratchpad_problem, scratchpad),
+    "scratchpad-long": Task("scratchpad-long", "tiny-scratchpad-long", _long_scratchpad_problem, scratchpad),
 }
 
 

@@ -151,7 +151,8 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     cs = rec.cold_start
     # the tiny model, with a context that fits the recipe's prompts and responses (a multiple of 32)
     need = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
-    shape = dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32))
+    shape = dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32), n_layers=cs.layers,
+                                num_experts=cs.experts, top_k=cs.top_k)
     t0 = time.time()
     tell("data", 0, 1)
     train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed, task=cs.task)
@@ -206,6 +207,8 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     trainer.save(ws.root / "model" / "coldstart-dcp", {"step": 0, "kind": "cold-start"})
     info = {
         "model": "tiny-qwen3-moe",
+        "shape": {"layers": shape.n_layers, "experts": shape.num_experts, "top_k": shape.top_k,
+                  "max_seq_len": shape.max_seq_len},
         "task": cs.task,
         "params": param_count(shape),
         "train_rows": len(train),

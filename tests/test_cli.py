@@ -83,22 +83,26 @@ def test_bad_input_in_a_workspace(bare_ws, args, needle):
     one_line_error(minirl(*[a.format(ws=bare_ws) for a in args]), needle)
 
 
-def test_init_task_scratchpad_builds_the_long_response_workspace(tmp_path):
+def test_init_task_builds_the_long_response_workspace_in_the_recipes_shape(tmp_path):
     """--task picks the task's recipe; the data carries the written-out targets, the model's
-    context fits prompts plus 56-token responses, and the report gives the response lengths."""
+    context fits prompts plus responses, it has the recipe's layers and experts, and the report
+    gives the response lengths. (`--task scratchpad` is built by the lab's tests.)"""
     from minirl import recipe
     from minirl.workspace import Workspace, init_workspace
 
-    small = ["cold_start.max_steps=2", "cold_start.train_size=300", "cold_start.heldout_size=20",
-             "cold_start.dev_size=4", "cold_start.check_every=1"]
-    report = init_workspace(tmp_path / "ws", task="scratchpad", overrides=small)
+    small = ["cold_start.max_steps=1", "cold_start.train_size=100", "cold_start.heldout_size=10",
+             "cold_start.dev_size=2", "cold_start.check_every=1"]
+    report = init_workspace(tmp_path / "ws", task="scratchpad-long", overrides=small)
     ws = Workspace.open(tmp_path / "ws")
     rec = recipe.load(ws.recipe_path)
-    assert report["recipe"] == "tiny-scratchpad" and report["task"] == rec.cold_start.task == "scratchpad"
-    assert rec.reward.grader == "regex" and rec.rollout.max_tokens == 56
+    assert report["recipe"] == "tiny-scratchpad-long" and report["task"] == rec.cold_start.task == "scratchpad-long"
+    assert rec.reward.grader == "regex" and rec.rollout.max_tokens == 136
     row = json.loads(ws.path(rec.data.train).read_text().splitlines()[0])
     assert row["target"].endswith(";" + row["answer"])
     config = json.loads((ws.path(rec.model.path) / "config.json").read_text())
-    assert config["max_position_embeddings"] == 96  # 12 prompt + 56 response + 1, rounded up to 32
+    assert config["max_position_embeddings"] == 192  # 28 prompt + 136 response + 1, rounded up to 32
+    shape = (config["num_hidden_layers"], config.get("num_experts", config.get("num_local_experts")),
+             config["num_experts_per_tok"])
+    assert shape == (6, 16, 4) and report["shape"] == {"layers": 6, "experts": 16, "top_k": 4, "max_seq_len": 192}
     lens = report["response_tokens"]
-    assert 20 <= lens["min"] <= lens["median"] <= lens["max"] <= 56 and report["cold_start_steps"] <= 2
+    assert 70 <= lens["min"] <= lens["median"] <= lens["max"] <= 136 and report["cold_start_steps"] <= 1

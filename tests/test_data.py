@@ -76,21 +76,24 @@ def test_task_splits_are_disjoint_and_correct():
         assert int(a) + int(b) == int(r["answer"]) and 100 <= int(a) <= 999
 
 
-def test_scratchpad_traces_add_up_and_only_the_final_sum_is_graded():
+@pytest.mark.parametrize("task, recipe_name, width, mean_len", [
+    ("scratchpad", "tiny-scratchpad", (3, 5), (30, 40)), ("scratchpad-long", "tiny-scratchpad-long", (10, 13), (95, 102))])
+def test_scratchpad_traces_add_up_and_only_the_final_sum_is_graded(task, recipe_name, width, mean_len):
     import re
 
     from minirl import recipe
     from minirl.task import scratchpad
     from rewards import load_grader
 
-    train, held = make_splits(2000, 200, seed=3, task="scratchpad")
+    train, held = make_splits(2000, 200, seed=3, task=task)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
-    rec = recipe.load(recipe.shipped("tiny-scratchpad"))
+    rec = recipe.load(recipe.shipped(recipe_name))
     grade = load_grader(rec.reward.grader, rec.reward.params)
     lengths = []
     for r in train + held:
         a, b = map(int, r["prompt"].rstrip("=").split("+"))
-        assert r["answer"] == str(a + b) and 3 <= len(str(a)) == len(str(b)) <= 5
+        assert r["answer"] == str(a + b) and width[0] <= len(str(a)) == len(str(b)) <= width[1]
+        assert len(r["prompt"]) <= rec.data.max_prompt_tokens
         steps, _, total = r["target"].partition(";")
         assert total == r["answer"]
         carry, digits = 0, []  # replay the written columns: each one's digits, carry and sum are right
@@ -102,7 +105,8 @@ def test_scratchpad_traces_add_up_and_only_the_final_sum_is_graded():
         assert int("".join(map(str, [carry] if carry else [])) + "".join(map(str, digits))) == a + b
         assert grade(r, r["target"]).score == 1.0
         lengths.append(len(r["target"]) + 1)  # characters are tokens; + EOS
-    assert 20 <= min(lengths) and max(lengths) <= rec.rollout.max_tokens and 30 < sum(lengths) / len(lengths) < 40
+    assert 20 <= min(lengths) and max(lengths) <= rec.rollout.max_tokens
+    assert mean_len[0] < sum(lengths) / len(lengths) < mean_len[1]
     r = train[0]
     wrong_sum = r["target"].rsplit(";", 1)[0] + ";" + str(int(r["answer"]) + 1)
     assert grade(r, wrong_sum).score == 0.0 and grade(r, r["target"] + "1").score == 0.0

@@ -26,6 +26,12 @@ def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
             assert {r.train.prompts_per_step // r.train.minibatches for r in recs} == {16}  # equal mini-batches
             assert {(r.train.lr, r.train.weight_decay) for r in recs} == {(base.train.lr, base.train.weight_decay)}
             assert {r.rollout.precision for r in recs} <= {"fp8", "fp32"}  # the study's level (the placebo: fp32)
+    # on the long miniature (8 prompts a step) the off-policy arms' mini-batches shrink with it
+    long = recipe.load(recipe.shipped("tiny-scratchpad-long"))
+    sp = studies.plan(studies.STUDIES["offpolicy"], seeds=1, quick=True, level="fp8", prompts=long.train.prompts_per_step)
+    recs = [recipe.load(recipe.shipped("tiny-scratchpad-long"), [*lab.common_sets(sp.plan, 0), *c.sets])
+            for c in sp.plan.cells]
+    assert {(r.train.prompts_per_step, r.train.minibatches) for r in recs} == {(4 * long.train.prompts_per_step, 4)}
     placebo = [a.cell for a in studies.plan(studies.STUDIES["is"], seeds=1, quick=True, level="fp8").arms
                if "placebo" in a.name]
     recs = [recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(studies.plan(
