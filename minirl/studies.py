@@ -344,7 +344,8 @@ def plot_dose(study: Study, res: dict[str, dict[str, list[dict]]], mech: dict, o
 
     x = {lvl: mech["levels"][lvl]["sd"] for lvl in levels}
     fig, (score, fell) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    for name in dict.fromkeys(a for lvl in levels for a in res[lvl]):
+    names = [a for a in dict.fromkeys(a for lvl in levels for a in res[lvl]) if sum(a in res[lvl] for lvl in levels) > 1]
+    for name in names:  # the arms the dial moves (not the placebo's fixed fp32)
         pts = [(x[lvl], res[lvl][name]) for lvl in levels if name in res[lvl]]
         xs = [px for px, _ in pts]
         mean = [statistics.fmean(r["final"] for r in runs) for _, runs in pts]

@@ -65,6 +65,34 @@ def _arm(finals, collapses=None, slope=0.0):
              "slope": slope} for i, f in enumerate(finals)]
 
 
+def test_the_report_opens_with_the_dial_and_draws_the_dose_response(tmp_path):
+    """Synthetic runs at three levels: the dial's table comes before any result, the verdicts are
+    decided at the study's level, and the dose–response has a row per arm and a figure."""
+    study = studies.STUDIES["is"]
+    sp = studies.plan(study, seeds=2, quick=False, level="e5m2", dose_seeds=2)
+    rows = [{"step": s, "rollout/reward_mean": 0.3, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3,
+             **({"heldout/avg@4": 0.4} if s % 5 == 0 else {})} for s in range(1, 11)]
+
+    def arm(final):
+        return [{**r, "rows": rows, "lr": 3e-4} for r in _arm([final, final + 0.01])]
+
+    res = {"e5m2": {name: arm(0.4) for name, _, _ in study.arms},
+           "bf16": {name: arm(0.45) for name, _, _ in study.arms if "placebo" not in name},
+           "fp8": {name: arm(0.42) for name, _, _ in study.arms if "placebo" not in name}}
+    level = {"kl": 1e-3, "kl_spread": 1e-4, "sd": 0.5, "sd_spread": 0.1, "predicted": 0.4, "length": 32.0,
+             "route_flips": 0.05}
+    mech = {"measured_at": "2026-11-25 04:05:50", "doctor": "/x/doctor-1.json", "seeds": 3, "level": "e5m2",
+            "why": "the mildest level whose per-response spread reaches 1 (1.00)", "route_flips": 0.005,
+            "levels": {lvl: {**level, "sd": sd} for lvl, sd in
+                       (("fp32", 0.0), ("bf16", 0.15), ("fp8-weights", 0.37), ("fp8", 0.41), ("e5m2", 1.0))}}
+    text = studies.write_report(study, sp, res, mech, tmp_path).read_text()
+    assert text.index("| e5m2 (the study's level) |") < text.index("## Verdicts at e5m2") < text.index("## Dose–response")
+    assert "learning rate 0.0003's in every arm" in text and "| fp8 | 1.00e-03 ± 1.0e-04 | 0.410 ± 0.10 | 0.40 | 32.0 | 5.0% |" in text
+    dose = text.split("## Dose–response")[1]
+    assert "| arm | bf16 | fp8 | e5m2 |" in dose and "| MiniRL | 0.455 [0.450, 0.460], 0/2 collapsed |" in dose
+    assert "placebo" not in dose.split("![")[0] and (tmp_path / "study-is-dose.png").stat().st_size > 10_000
+
+
 def test_cold_starts_are_compared_only_once_they_plateau():
     study = studies.STUDIES["coldstart"]
     a, b = "cold start @10%", "cold start @40%"
