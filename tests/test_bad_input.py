@@ -187,6 +187,9 @@ CASES = [
     ("init-task-with-model", ["init", "{new}", "--task", "scratchpad", "--model", "Qwen3-8B"], None,
      "--task builds an embedded task for the tiny model; it does not go with --model"),
     ("init-task-unknown", ["init", "{new}", "--set", "cold_start.task=sudoku"], None, "cold_start.task"),
+    ("init-top-k-all", ["init", "{new}", "--task", "scratchpad-long", "--set", "cold_start.top_k=16"], None,
+     "cold_start.top_k (16) must be below cold_start.experts (16)"),
+    ("lab-dose-seeds", ["lab", "is", "{new}", "--dose-seeds", "-1"], None, "--dose-seeds -1: 0 or more"),
     # --- run: recipe values and --set forms -------------------------------------------------------
     ("G=1", ["run", "{ws}", "--set", "train.group_size=1"], None, "with one response per prompt every advantage is 0"),
     ("lr-nan", ["run", "{ws}", "--set", "train.lr=nan"], None, "train.lr = nan; it must be a finite number"),
