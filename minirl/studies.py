@@ -408,7 +408,8 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
     lines = [f"# minirl lab {study.name}", "", f"{study.question}", "",
              f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
              f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; learning "
-             f"rate {', '.join(f'{x:g}' for x in lrs) or 'the recipe'}'s in every arm (set once, no arm sets it). "
+             f"rate {', '.join(f'{x:g}' for x in lrs) or 'of the recipe'} in every arm (the workspace recipe's, set "
+             f"once; no arm sets it). "
              f"Collapsed: the rule of `minirl/verdicts.py` (reward under "
              f"{v.COLLAPSE_REWARD_FRAC} × its best window with the entropy out of [{v.ENTROPY_LOW}, {v.ENTROPY_HIGH}] × "
              f"its start, or held-out under {v.COLLAPSE_HELDOUT_FRAC} × its start). α = {v.ALPHA}.", "",
