@@ -83,6 +83,8 @@ STUDIES = {s.name: s for s in [
               Comparison("F1", "without IS correction on-policy training collapses", "MiniRL", "w/o IS", "collapse", 1),
               Comparison("F1", "MiniRL ends higher than without IS", "w/o IS", "MiniRL", "score", 1),
               Comparison("F3", "R3 without IS collapses", "R3", "R3 w/o IS", "collapse", 1),
+              # added after the first full study had run (its data suggested it): a test there, not evidence
+              Comparison("F3", "R3 without IS ends lower than R3", "R3", "R3 w/o IS", "score", -1),
               Comparison("F3", "R3 brings no gain on-policy", "MiniRL", "R3", "score", 0),
               Comparison("placebo", "fp32 rollouts: MiniRL and w/o IS are one algorithm",
                          "placebo: MiniRL, fp32 rollouts", "placebo: w/o IS, fp32 rollouts", "score", 0))),
