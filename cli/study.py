@@ -44,6 +44,11 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
         raise UsageError(f"--seeds {seeds}: at least 1")
     ws = Workspace.open(workspace)
     rec = recipe_mod.load(ws.recipe_path, list(overrides))
+    n = max(doc.STALENESS_UPDATES)
+    if rec.train.prompts_per_step % n:
+        raise UsageError(f"train.prompts_per_step = {rec.train.prompts_per_step}: the doctor measures staleness over "
+                         f"{n} mini-batches of one step's prompts, so it needs a multiple of {n} "
+                         f"(--set train.prompts_per_step=…)")
     try:
         folder = resolve_checkpoint(ws, rec, checkpoint)
     except UsageError:

@@ -190,6 +190,8 @@ CASES = [
     ("init-top-k-all", ["init", "{new}", "--task", "scratchpad-long", "--set", "cold_start.top_k=16"], None,
      "cold_start.top_k (16) must be below cold_start.experts (16)"),
     ("lab-dose-seeds", ["lab", "is", "{new}", "--dose-seeds", "-1"], None, "--dose-seeds -1: 0 or more"),
+    ("doctor-small-batch", ["doctor", "-w", "{ws}", "--set", "train.prompts_per_step=4"], None,
+     "train.prompts_per_step = 4: the doctor measures staleness over 8 mini-batches"),
     # --- run: recipe values and --set forms -------------------------------------------------------
     ("G=1", ["run", "{ws}", "--set", "train.group_size=1"], None, "with one response per prompt every advantage is 0"),
     ("lr-nan", ["run", "{ws}", "--set", "train.lr=nan"], None, "train.lr = nan; it must be a finite number"),
