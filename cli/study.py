@@ -15,9 +15,6 @@ from minirl.evaluate import resolve_checkpoint
 from minirl.workspace import Workspace, init_workspace
 
 
-LEVELS = ("fp32", "bf16", "fp8-weights", "fp8", "e5m2")  # doctor.diagnose's rollout precision levels
-
-
 @click.command()
 @click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
               show_default=True, help="Workspace whose recipe and data to use.")
@@ -76,15 +73,15 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
                  ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
     for src, what, k in rows:
         table.add_row(src, what, pm(k))
-    for p in LEVELS[1:]:
+    for p in recipe_mod.PRECISIONS[1:]:
         table.add_row("per response", f"SD of log π(y)/μ(y), {p} (√(2·L·KL) predicts "
                       f"{f[f'response_sd_predicted/{p}']['mean']:.2f}; L = {f[f'length/{p}']['mean']:.1f})",
                       f"{f[f'response_sd/{p}']['mean']:.3f} ± {f[f'response_sd/{p}']['spread']:.2f}")
     if report["moe"]:
         per_layer = ", ".join(f"{x['mean']:.1%}" for x in f["routing/disagree_per_layer"])
         table.add_row("routing", "tokens whose top-k differ, per layer", per_layer)
-        table.add_row("routing", "tokens whose top-k differ in any layer: " + ", ".join(p for p in LEVELS),
-                      ", ".join(f"{f[f'routing/tokens_with_a_flip/{p}']['mean']:.1%}" for p in LEVELS))
+        table.add_row("routing", "tokens whose top-k differ in any layer: " + ", ".join(recipe_mod.PRECISIONS),
+                      ", ".join(f"{f[f'routing/tokens_with_a_flip/{p}']['mean']:.1%}" for p in recipe_mod.PRECISIONS))
     for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
         table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
                       " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))
@@ -145,12 +142,13 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         with console.status(f"building {workspace} (minirl init --task scratchpad; a few minutes)..."):
             init_workspace(workspace, task="scratchpad")
     ws = Workspace.open(workspace)
-    if recipe_mod.load(ws.recipe_path).cold_start.task not in ("scratchpad", "scratchpad-long"):
+    rec = recipe_mod.load(ws.recipe_path)
+    if rec.cold_start.task not in ("scratchpad", "scratchpad-long"):
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad` or `--task scratchpad-long`)")
     if study is not None:
         return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), dose_seeds=dose_seeds,
-                      report_only=report_only)
+                      prompts=rec.train.prompts_per_step, report_only=report_only)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
     if not report_only:
@@ -170,7 +168,7 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         console.print(f"figure: {png}", soft_wrap=True)
 
 
-def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, report_only: bool) -> None:
+def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int, report_only: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
@@ -186,7 +184,7 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, report_only: 
             studies.mechanism(lab_, seeds=1 if quick else 3, progress=status.update)
     mech = read_json(mech_path, "the study's mismatch dial")
     sp = studies.plan(study, seeds=seeds, quick=quick, level=mech["level"], dose_seeds=0 if quick else dose_seeds,
-                      prompts=recipe_mod.load(ws.recipe_path).train.prompts_per_step)
+                      prompts=prompts)
     console.print(f"mismatch dial: {mech['level']} ({mech['why']})", soft_wrap=True)
     if not report_only:
         todo = sp.todo()

@@ -89,7 +89,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
         batches = {}
         for name, engine, w in levels:
             groups, batch = sample(engine, w)
-            pi, _, _ = trainer.logprobs(batch)
+            pi, _, own = trainer.logprobs(batch, record_routes=moe)  # own: the trainer's routes, where they flip
+            rr = pi_r3 = None
             fig[f"kl/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
             fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
             fig.update({f"{k}/{name}": v for k, v in per_response(batch.rollout_logp_BT, pi, batch.mask_BT).items()})
@@ -98,11 +99,10 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
                                     shape.num_experts)
                 pi_r3, _, _ = trainer.logprobs(batch, routes=rr)
                 fig[f"kl_r3/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi_r3, batch.mask_BT)
-                _, _, own = trainer.logprobs(batch, record_routes=True)
                 fig[f"routing/tokens_with_a_flip/{name}"] = tokens_with_a_flip(rr, own, batch.mask_BT)
-            batches[name] = (groups, batch, pi)
+            batches[name] = (groups, batch, pi, rr, own, pi_r3)
         # weights alone: the fp32 sample's tokens, scored by the fp32 engine holding rounded weights
-        groups, batch, pi = batches["fp32"]
+        groups, batch, pi, *_ = batches["fp32"]
         resps = [list(c.token_ids) for g in groups for c in g]
         prompts_flat = [p for p in prompts for _ in range(G)]
         for name in ("bf16", "fp8"):
@@ -111,18 +111,13 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             fig[f"kl/weights_{name}"] = objective.train_inference_kl_k3(mu.rollout_logp_BT, pi, batch.mask_BT)
         engines["float32"].load_weights(weights.items())
 
-        # routing and staleness on the run's own precision
-        groups, batch, pi = batches[r.precision]
-        comps = [c for g in groups for c in g]
-        routes = None
+        # routing and staleness on the run's own precision (its batch's forwards, from above)
+        groups, batch, pi, routes, own, r3_lp = batches[r.precision]
         if moe:
-            routes = rollout_routes(comps, batch, trainer.replay.num_layers, shape.top_k, shape.num_experts)
-            own_lp, _, own = trainer.logprobs(batch, record_routes=True)
             agree = route_agreement(routes, own, batch.mask_BT)
             fig["routing/disagree_per_layer"] = [float(1 - a) for a in agree]
             fig["routing/disagree"] = float(1 - agree.mean())
-            r3_lp, _, _ = trainer.logprobs(batch, routes=routes)
-            fig["kl/run_no_replay"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, own_lp, batch.mask_BT)
+            fig["kl/run_no_replay"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
             fig["kl/run_r3"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, r3_lp, batch.mask_BT)
 
         scores = inputs.grading.grade([(p.record, _text(c.token_ids, inputs.tokenizer, eos))

@@ -127,6 +127,16 @@ class Lab:
             init_workspace(root, task="scratchpad", force=True, overrides=[f"cold_start.target_acc={target}"])
         return root / "model" / "coldstart"
 
+    def minirl(self, args: list[str], log: Path) -> subprocess.Popen:
+        """`minirl ARGS` in a process of its own (an engine's memory and threads end with it), its
+        output to `log`; returned finished."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            child = subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdout=f, stderr=subprocess.STDOUT,
+                                     cwd=Path(__file__).resolve().parents[1], env={**os.environ, "COLUMNS": "160"})
+            child.wait()
+        return child
+
     def run_cell(self, cell: Cell, seed: int, p: Plan, *, progress, guarded: bool = False) -> Path:
         """One (cell, seed): a `minirl run` of its own; returns its run folder. `guarded`: the same
         run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
@@ -139,14 +149,10 @@ class Lab:
             return Path(done)  # the same cell with the same settings: reused
         if cell.cold_start:
             sets.append(f"model.path={self.cold_start_model(cell.cold_start, progress)}")
-        cmd = [sys.executable, "-m", "cli.main", "run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]]
         log = self.out / "logs" / f"{key.replace('/', '-')}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        with log.open("w") as f:
-            child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
-                                     env={**os.environ, "COLUMNS": "160"})
-            rc = child.wait()
+        child = self.minirl(["run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]], log)
+        rc = child.returncode
         run = run_of_process(self.ws_root, child.pid, since=t0)
         if rc not in ((0, 3) if guarded else (0,)) or run is None or not (run / "summary.json").exists():
             raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")

@@ -40,6 +40,10 @@ class DataConfig:
     heldout_split: str = "train"  # the split of a Hub dataset in data.heldout (MATH-500: "test")
 
 
+# rollout.precision's levels, mildest gap first (the doctor and the lab's dial go in this order)
+PRECISIONS = ("fp32", "bf16", "fp8-weights", "fp8", "e5m2")
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: str = "vllm"
@@ -409,7 +413,7 @@ def validate(r: Recipe, platform: Platform | None = None) -> None:
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "train.activation_checkpoint": (r.train.activation_checkpoint, ("none", "full")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
-        "rollout.precision": (r.rollout.precision, ("fp32", "bf16", "fp8", "fp8-weights", "e5m2")),
+        "rollout.precision": (r.rollout.precision, PRECISIONS),
         "cold_start.task": (r.cold_start.task, tuple(TASKS)),
     }
     for key, (value, allowed) in choices.items():

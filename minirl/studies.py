@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +34,11 @@ from pathlib import Path
 from minirl import atomic
 from minirl import verdicts as v
 from minirl.lab import NO_CLIP, NO_IS, Cell, Lab, Plan, rows_of
+from minirl.recipe import PRECISIONS
 
 # The mismatch dial: rollout.precision levels, mildest first. On the CPU `fp8` is the W8A8
 # emulation (what FP8 vLLM does on CUDA); `fp8-weights` and `e5m2` (beyond the paper) are lab levels.
-DIAL = ("bf16", "fp8-weights", "fp8", "e5m2")
+DIAL = PRECISIONS[1:]  # fp32 is the placebo's: the gap is kernels alone
 # What the IS findings need to be visible at all: per response, log π(y)/μ(y) spreading by at
 # least this much. Below it rollouts are near-typical samples of π and "without IS" is nearly
 # on-policy; the paper's long responses spread by 4.5–8 (PAPER.md).
@@ -135,14 +133,9 @@ def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda 
     if lab.state["runs"]:
         raise RuntimeError(f"{lab.out} holds runs but no mechanism.json: start the study in a fresh folder")
     progress("the mismatch dial: minirl doctor on the cold start")
-    out = lab.out / "doctor"
-    cmd = [sys.executable, "-m", "cli.main", "doctor", "-w", str(lab.ws_root), "--checkpoint", "coldstart",
-           "--seeds", str(seeds), "--out", str(out)]
-    log = lab.out / "logs" / "doctor.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
-                            env={**os.environ, "COLUMNS": "160"}).returncode
+    out, log = lab.out / "doctor", lab.out / "logs" / "doctor.log"
+    rc = lab.minirl(["doctor", "-w", str(lab.ws_root), "--checkpoint", "coldstart", "--seeds", str(seeds),
+                     "--out", str(out)], log).returncode
     reports = sorted(out.glob("doctor-*.json"))
     if rc != 0 or not reports:
         raise RuntimeError(f"minirl doctor failed (exit {rc}); see {log}")
@@ -151,7 +144,7 @@ def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda 
                       "sd": fig[f"response_sd/{lvl}"]["mean"], "sd_spread": fig[f"response_sd/{lvl}"]["spread"],
                       "predicted": fig[f"response_sd_predicted/{lvl}"]["mean"], "length": fig[f"length/{lvl}"]["mean"],
                       "route_flips": fig.get(f"routing/tokens_with_a_flip/{lvl}", {}).get("mean")}
-                for lvl in ("fp32", *DIAL)}
+                for lvl in PRECISIONS}
     level, why = choose_level(measured)
     mech = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "doctor": str(reports[-1]), "seeds": seeds,
             "levels": measured, "level": level, "why": why,
