@@ -183,9 +183,10 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
         with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
             studies.mechanism(lab_, seeds=1 if quick else 3, progress=status.update)
     mech = read_json(mech_path, "the study's mismatch dial")
-    sp = studies.plan(study, seeds=seeds, quick=quick, level=mech["level"], dose_seeds=0 if quick else dose_seeds,
+    level, why = studies.study_level(study, mech)
+    sp = studies.plan(study, seeds=seeds, quick=quick, level=level, dose_seeds=0 if quick else dose_seeds,
                       prompts=prompts)
-    console.print(f"mismatch dial: {mech['level']} ({mech['why']})", soft_wrap=True)
+    console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
     if not report_only:
         todo = sp.todo()
         with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -68,6 +68,7 @@ class Study:
     quick_steps: int = 20
     dose: bool = True  # run the other dial levels for the dose–response (F6's cold starts: no)
     eval_every: int = 0  # held-out every this many steps; 0: six evaluations a run
+    level: str = ""  # a fixed rollout precision for a finding that is not about the gap; "": the dial's level
 
 
 OFF = ("train.minibatches=4",)  # N = 4 mini-batches, each of the on-policy batch's size (plan adds prompts_per_step)
@@ -103,7 +104,8 @@ STUDIES = {s.name: s for s in [
           arms=(("cold start @10%", (), 0.1), ("cold start @40%", (), 0.4)),
           comparisons=(Comparison("F6", "cold starts end alike", "cold start @10%", "cold start @40%", "score", 0,
                                   plateau=True),),
-          steps=400, eval_every=25, dose=False),  # to a plateau: the 150 steps of the first lab were not
+          steps=400, eval_every=25, dose=False,  # to a plateau: the 150 steps of the first lab were not
+          level="fp8"),  # "once stable" under the paper's own FP8 rollouts: F6 asks about starts, not the gap
 ]}
 
 
@@ -151,6 +153,14 @@ def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda 
             "route_flips": fig["routing/disagree"]["mean"] if "routing/disagree" in fig else None}
     atomic.write_text(path, json.dumps(mech, indent=1))
     return mech
+
+
+def study_level(study: Study, mech: dict) -> tuple[str, str]:
+    """The level the study's verdicts are decided at, and why: its own where it fixes one, else the
+    dial's (chosen by the mechanism alone, choose_level)."""
+    if study.level:
+        return study.level, f"fixed by the study: the paper's own rollouts (not the dial's {mech['level']})"
+    return mech["level"], mech["why"]
 
 
 @dataclass(frozen=True)
@@ -267,15 +277,18 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
 
 
 def _still_rising(arms: dict[str, list[dict]]) -> str:
-    """Why the arms have not plateaued ("" when they have): an arm's mean held-out slope over the
-    second half of its runs at or above verdicts.PLATEAU_SLOPE, or too few evaluations to tell."""
+    """Why the arms have not plateaued ("" when they have): an arm's held-out slope over the second
+    half of its runs at or above verdicts.PLATEAU_SLOPE on average and above 0 across seeds
+    (verdicts.still_rising), or too few evaluations to tell. A bound alone does not do: one run's
+    slope over 8 evaluations is uncertain by about the bound itself (docs/results/lab.md)."""
     out = []
     for name, runs in arms.items():
         slopes = [r.get("slope") for r in runs]
         if any(x is None for x in slopes):
             out.append(f"{name}: fewer than {v.PLATEAU_MIN_EVALS} held-out evaluations in the runs' second half")
-        elif (mean := statistics.fmean(slopes)) >= v.PLATEAU_SLOPE:
-            out.append(f"{name}: held-out still rising by {mean:+.3f} per 100 steps (bound {v.PLATEAU_SLOPE})")
+        elif (rise := v.still_rising(slopes))[0] >= v.PLATEAU_SLOPE and rise[1] < v.ALPHA:
+            out.append(f"{name}: held-out still rising by {rise[0]:+.3f} per 100 steps (bound {v.PLATEAU_SLOPE}; "
+                       f"p = {rise[1]:.2g} across {len(slopes)} seed(s))")
     return "; ".join(out)
 
 
@@ -372,8 +385,9 @@ def _summary(runs: list[dict]) -> str:
             f"{sum(r['collapse'] is not None for r in runs)}/{len(runs)} collapsed")
 
 
-def mechanism_lines(mech: dict | None) -> list[str]:
-    """The dial as measured before any arm ran, and how the level was chosen."""
+def mechanism_lines(mech: dict | None, level: tuple[str, str] | None = None) -> list[str]:
+    """The dial as measured before any arm ran, and how the study's level (`level`: the level and
+    why, study_level; default the dial's) was chosen."""
     if mech is None:
         return ["## The mismatch dial", "", "Not measured yet: the study measures it before its first run."]
     lines = ["## The mismatch dial, measured before any arm ran", "",
@@ -382,12 +396,13 @@ def mechanism_lines(mech: dict | None) -> list[str]:
              f"responses of L tokens, and the √(2·L·KL) a sum of independent tokens predicts.", "",
              "| rollout precision | KL(μ‖π) per token | SD of log π(y)/μ(y) per response | √(2·L·KL) | L | "
              "tokens with a route flip |", "|---|---|---|---|---|---|"]
+    chosen, why = level or (mech["level"], mech["why"])
     for lvl, m in mech["levels"].items():
-        mark = " (the study's level)" if lvl == mech["level"] else ""
+        mark = " (the study's level)" if lvl == chosen else ""
         flips = "—" if m.get("route_flips") is None else f"{m['route_flips']:.1%}"
         lines.append(f"| {lvl}{mark} | {m['kl']:.2e} ± {m['kl_spread']:.1e} | {m['sd']:.3f} ± {m['sd_spread']:.2f} | "
                      f"{m['predicted']:.2f} | {m['length']:.1f} | {flips} |")
-    lines += ["", f"Level: **{mech['level']}**, {mech['why']} (target: {MECHANISM_TARGET:g}; the paper's long "
+    lines += ["", f"Level: **{chosen}**, {why} (the dial's target: {MECHANISM_TARGET:g}; the paper's long "
               f"responses: 4.5–8)."]
     if mech.get("route_flips") is not None:
         lines.append(f"Routes (top-k experts) differ between engine and trainer on {mech['route_flips']:.1%} of "
@@ -408,7 +423,7 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
              f"Collapsed: the rule of `minirl/verdicts.py` (reward under "
              f"{v.COLLAPSE_REWARD_FRAC} × its best window with the entropy out of [{v.ENTROPY_LOW}, {v.ENTROPY_HIGH}] × "
              f"its start, or held-out under {v.COLLAPSE_HELDOUT_FRAC} × its start). α = {v.ALPHA}.", "",
-             *mechanism_lines(mech), "",
+             *mechanism_lines(mech, study_level(study, mech) if mech else None), "",
              f"## Verdicts at {sp.level}", "", "| | the paper | B − A | verdict |", "|---|---|---|---|"]
     for cmp, text in decide(study, here):
         lines.append(f"| {cmp.finding} | {cmp.claim} | {cmp.b} − {cmp.a} | {text} |")

@@ -18,8 +18,9 @@ def vocab(vocab_size: int) -> dict[str, int]:
     return {tok: i for i, tok in enumerate((*SPECIALS, *chars))}
 
 
-def build_tokenizer(out: Path, vocab_size: int) -> Path:
-    """Write tokenizer.json (+ config files) for a char-level WordLevel tokenizer into `out`."""
+def build_tokenizer(out: Path, vocab_size: int, max_len: int) -> Path:
+    """Write tokenizer.json (+ config files) for a char-level WordLevel tokenizer into `out`, its
+    `model_max_length` the model's context (what `transformers` truncates and warns at)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +31,7 @@ def build_tokenizer(out: Path, vocab_size: int) -> Path:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="#",
     )
-    fast.model_max_length = 64
+    fast.model_max_length = max_len
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     ids = {"pad": v["<pad>"], "bos": v["<bos>"], "eos": v["<eos>"]}

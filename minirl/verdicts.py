@@ -94,6 +94,23 @@ def heldout_slope(rows: Sequence[dict]) -> float | None:
     return 100 * float(stats.linregress(steps, scores).slope)
 
 
+def still_rising(slopes: Sequence[float]) -> tuple[float, float]:
+    """Mean held-out slope over seeds (per 100 steps) and the one-sided p that it is above 0 (one-sample
+    t-test across seeds: the seeds are the independent units; one run's evaluations are not, a
+    policy drifts between them). An arm is still rising while the mean is at or above PLATEAU_SLOPE
+    and p < ALPHA; one seed cannot be tested, and counts as rising at or above the bound.
+
+    >>> mean, p = still_rising([0.031, -0.014, 0.049]); round(mean, 3), round(p, 2)
+    (0.022, 0.18)
+    """
+    mean = float(np.mean(slopes))
+    if len(slopes) < 2:
+        return mean, 0.0
+    if float(np.ptp(slopes)) < 1e-12:
+        return mean, 0.0 if mean > 0 else 1.0
+    return mean, float(stats.ttest_1samp(slopes, 0.0, alternative="greater").pvalue)
+
+
 @dataclass(frozen=True)
 class Evidence:
     """One test's outcome: the effect (B − A), its 95% interval where there is one, the p-value."""

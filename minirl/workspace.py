@@ -161,7 +161,7 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     tell("data", 1, 1)
 
     tell("model", 0, 1)
-    tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", shape.vocab_size)
+    tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", shape.vocab_size, shape.max_seq_len)
     from transformers import AutoTokenizer
 
 

@@ -45,7 +45,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     from minirl.train import Trainer
 
     root = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(root / "tok", TINY.vocab_size)
+    tok = build_tokenizer(root / "tok", TINY.vocab_size, TINY.max_seq_len)
     tr = Trainer(TINY, lr=1e-3, seed=0)
     with torch.no_grad():
         for name, p in tr.model.named_parameters():

@@ -101,6 +101,8 @@ def test_init_task_builds_the_long_response_workspace_in_the_recipes_shape(tmp_p
     assert row["target"].endswith(";" + row["answer"])
     config = json.loads((ws.path(rec.model.path) / "config.json").read_text())
     assert config["max_position_embeddings"] == 192  # 28 prompt + 136 response + 1, rounded up to 32
+    tok_config = json.loads((ws.path(rec.model.path) / "tokenizer_config.json").read_text())
+    assert tok_config["model_max_length"] == 192  # not the default task's 64: transformers truncates there
     shape = (config["num_hidden_layers"], config.get("num_experts", config.get("num_local_experts")),
              config["num_experts_per_tok"])
     assert shape == (6, 16, 4) and report["shape"] == {"layers": 6, "experts": 16, "top_k": 4, "max_seq_len": 192}

@@ -100,6 +100,14 @@ def test_cold_starts_are_compared_only_once_they_plateau():
     assert rising.startswith("not yet converged") and "cold start @10%: held-out still rising by +0.060" in rising
     flat = studies.decide(study, {a: _arm([0.5, 0.52, 0.49], slope=0.01), b: _arm([0.5, 0.51, 0.50], slope=-0.01)})[0][1]
     assert flat.startswith(("reproduced", "not observed", "contradicted"))
+    # a mean above the bound that the seeds do not bear out (the first coldstart study's 40% arm)
+    # is noise, not a rise; the same mean carried by every seed is a rise
+    noisy = _arm([0.77, 0.79, 0.84])
+    for run, slope in zip(noisy, [0.031, -0.014, 0.049]):
+        run["slope"] = slope
+    assert not studies.decide(study, {a: _arm([0.5, 0.5, 0.5]), b: noisy})[0][1].startswith("not yet converged")
+    steady = studies.decide(study, {a: _arm([0.5, 0.5, 0.5]), b: _arm([0.77, 0.79, 0.84], slope=0.022)})[0][1]
+    assert steady.startswith("not yet converged") and "p = 0 across 3 seed(s)" in steady
     # the slope itself: a run still climbing, and one that has flattened out
     climbing = [{"step": s, "heldout/avg@4": 0.3 + 0.0005 * s} for s in range(25, 401, 25)]
     flattened = [{"step": s, "heldout/avg@4": min(0.3 + 0.002 * s, 0.6)} for s in range(25, 401, 25)]
@@ -163,3 +171,16 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     assert f"Level: **{lvl}**" in text
     assert "| F2 | length normalisation ends lower | length norm − MiniRL |" in text and "inconclusive" not in text
     assert "![the study](study-lengthnorm.png)" in text and (L.out / "study-lengthnorm.png").stat().st_size > 10_000
+
+
+def test_a_study_not_about_the_gap_keeps_the_papers_level_whatever_the_dial_chose():
+    """F6 asks whether cold starts end alike under stable training: it runs at the paper's FP8
+    whatever level the mechanism picked for the IS findings, and its report says so."""
+    mech = {"level": "e5m2", "why": "the mildest level whose per-response spread reaches 1 (1.00)"}
+    assert studies.study_level(studies.STUDIES["coldstart"], mech)[0] == "fp8"
+    assert studies.study_level(studies.STUDIES["is"], mech) == ("e5m2", mech["why"])
+    mech.update(seeds=3, measured_at="now", doctor="/x/doctor-1.json", levels={
+        lvl: {"kl": 1e-3, "kl_spread": 0.0, "sd": 0.5, "sd_spread": 0.0, "predicted": 0.4, "length": 32.0}
+        for lvl in ("bf16", "fp8", "e5m2")})
+    text = "\n".join(studies.mechanism_lines(mech, studies.study_level(studies.STUDIES["coldstart"], mech)))
+    assert "| fp8 (the study's level) |" in text and "| e5m2 |" in text and "Level: **fp8**, fixed by the study" in text

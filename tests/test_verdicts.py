@@ -90,3 +90,13 @@ def test_the_placebo_comes_out_no_different_and_a_broken_lab_is_caught():
     assert v.verdict(v.paired_scores(same_a, same_a + 0.2), claim_sign=0, power=0.5).startswith("contradicted")
     # fewer than MIN_BOOTSTRAP pairs: no interval at all
     assert math.isnan(v.paired_scores([0.1, 0.2], [0.3, 0.35]).low)
+
+
+def test_still_rising_tests_the_slopes_across_seeds():
+    """Known values: t = mean / (sd / √n) = 0.022 / (0.0324 / √3) = 1.17 on 2 degrees of freedom,
+    one-sided p = 0.180; one seed cannot be tested; equal slopes are decided by their sign."""
+    mean, p = v.still_rising([0.031, -0.014, 0.049])
+    assert mean == pytest.approx(0.022) and p == pytest.approx(0.1806, abs=1e-3)
+    assert v.still_rising([0.03]) == (pytest.approx(0.03), 0.0)
+    assert v.still_rising([0.02, 0.02]) == (pytest.approx(0.02), 0.0)
+    assert v.still_rising([-0.01, -0.01])[1] == 1.0

@@ -24,7 +24,7 @@ def test_a_cuda_checkpoint_round_trips_and_exports_for_transformers(device, path
     if path == "fsdp2":
         request.getfixturevalue("one_rank_group")
     base = save_hf_folder(tmp_path / "base", TINY, Trainer(TINY, lr=0.0, seed=1).model.state_dict(),
-                          tokenizer_dir=build_tokenizer(tmp_path / "tok", TINY.vocab_size))
+                          tokenizer_dir=build_tokenizer(tmp_path / "tok", TINY.vocab_size, TINY.max_seq_len))
     run = tmp_path / "ws" / "runs" / "r1"
     run.mkdir(parents=True)
     rec = recipe.load(None, [f"model.path={base}"])
