@@ -159,7 +159,7 @@ def study_level(study: Study, mech: dict) -> tuple[str, str]:
     """The level the study's verdicts are decided at, and why: its own where it fixes one, else the
     dial's (chosen by the mechanism alone, choose_level)."""
     if study.level:
-        return study.level, f"fixed by the study: the paper's own rollouts (not the dial's {mech['level']})"
+        return study.level, f"fixed by the study: the paper's own rollouts, not the dial's {mech['level']}"
     return mech["level"], mech["why"]
 
 
