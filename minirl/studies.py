@@ -262,7 +262,8 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
             steps = max(max(a[s]["steps"], b[s]["steps"]) for s in seeds)
             timing = v.time_to_collapse([a[s]["collapse"] for s in seeds], [b[s]["collapse"] for s in seeds],
                                         steps=steps)
-            text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_collapse(n, *cmp.expect))
+            text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_collapse(n, *cmp.expect),
+                             seeds_needed=v.seeds_for_power(lambda k: v.power_collapse(k, *cmp.expect)))
             text += f"; time to collapse: {timing.text()} (log-rank)"
         elif cmp.plateau and (rising := _still_rising({cmp.a: [a[s] for s in seeds], cmp.b: [b[s] for s in seeds]})):
             text = f"not yet converged: {rising}"
@@ -271,7 +272,8 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
             evidence = v.paired_scores(fa, fb)
             sd = statistics.stdev(y - x for x, y in zip(fa, fb)) if n > 1 else math.inf
             text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_paired(n, cmp.effect, sd),
-                             placebo=cmp.finding == "placebo")
+                             placebo=cmp.finding == "placebo",
+                             seeds_needed=v.seeds_for_power(lambda k: v.power_paired(k, cmp.effect, sd)))
         out.append((cmp, text))
     return out
 

@@ -19,7 +19,7 @@ there. Never a bare "inconclusive".
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,11 +213,25 @@ def power_paired(n: int, effect: float, sd: float) -> float:
     return float(stats.nct.sf(t, df, shift) + stats.nct.cdf(-t, df, shift))
 
 
-def verdict(evidence: Evidence, *, claim_sign: int, power: float, placebo: bool = False) -> str:
+SEEDS_MOST = 40  # where seeds_for_power stops looking: beyond it a miniature cannot afford the seeds
+
+
+def seeds_for_power(power: Callable[[int], float], *, target: float = 0.8) -> int:
+    """The fewest seeds per arm at which `power(n)` reaches `target`; SEEDS_MOST + 1 when not by then.
+
+    >>> seeds_for_power(lambda n: power_collapse(n, 0.0, 0.8))
+    7
+    """
+    return next((n for n in range(2, SEEDS_MOST + 1) if power(n) >= target), SEEDS_MOST + 1)
+
+
+def verdict(evidence: Evidence, *, claim_sign: int, power: float, placebo: bool = False,
+            seeds_needed: int | None = None) -> str:
     """"reproduced" when the effect has the paper's sign (`claim_sign`: +1 or −1) at p < α,
     "contradicted" when it has the other sign at p < α, else "not observed" with this many seeds'
-    power to see the paper's effect. `claim_sign` 0: the paper expects no difference; for a
-    `placebo` (an arm pair that is one algorithm) a difference means the lab itself is broken.
+    power to see the paper's effect (and, given `seeds_needed`, how many seeds would have 0.8).
+    `claim_sign` 0: the paper expects no difference; for a `placebo` (an arm pair that is one
+    algorithm) a difference means the lab itself is broken.
 
     >>> e = Evidence(0.8, float("nan"), float("nan"), 0.008, 10, "collapse rate difference")
     >>> verdict(e, claim_sign=1, power=0.9).split(" (")[0]
@@ -227,15 +241,17 @@ def verdict(evidence: Evidence, *, claim_sign: int, power: float, placebo: bool 
     if claim_sign == 0 and placebo:
         return (f"difference ({evidence.text()}): the placebo differs, so the lab itself is broken" if significant
                 else f"no difference, as it must be ({evidence.text()})")
+    need = ("" if power >= 0.8 or seeds_needed is None else f"; power 0.8 needs {seeds_needed} seeds"
+            if seeds_needed <= SEEDS_MOST else f"; power 0.8 needs more than {SEEDS_MOST} seeds")
     if claim_sign == 0:  # "no difference" is shown only by seeds that would have seen one
         if significant:
             return f"contradicted: a difference ({evidence.text()})"
         if power >= 0.8:
             return f"reproduced: no difference ({evidence.text()}; power {power:.2f} to see an effect of the stated size)"
         return (f"not observed: no difference seen, but these seeds had power {power:.2f} to see an effect of the "
-                f"stated size ({evidence.text()})")
+                f"stated size ({evidence.text()}{need})")
     if significant and np.sign(evidence.effect) == claim_sign:
         return f"reproduced ({evidence.text()})"
     if significant:
         return f"contradicted ({evidence.text()})"
-    return f"not observed ({evidence.text()}; power {power:.2f} to see the paper's effect with these seeds)"
+    return f"not observed ({evidence.text()}; power {power:.2f} to see the paper's effect with these seeds{need})"

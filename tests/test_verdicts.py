@@ -100,3 +100,16 @@ def test_still_rising_tests_the_slopes_across_seeds():
     assert v.still_rising([0.03]) == (pytest.approx(0.03), 0.0)
     assert v.still_rising([0.02, 0.02]) == (pytest.approx(0.02), 0.0)
     assert v.still_rising([-0.01, -0.01])[1] == 1.0
+
+
+def test_a_verdict_without_the_power_says_how_many_seeds_would_have_it():
+    """Known values: Fisher at true collapse rates 0 and 0.8 has power 0.74 at 5 seeds, 0.66 at 6
+    (the test's discreteness: power is not monotone in n), 0.85 at 7; the paired t-test for 0.1 with differences spreading by 0.1126 (the lengthnorm
+    study's) reaches 0.8 at 13 pairs. Verdicts that have the power say nothing more."""
+    assert v.seeds_for_power(lambda n: v.power_collapse(n, 0.0, 0.8)) == 7
+    assert v.seeds_for_power(lambda n: v.power_paired(n, 0.1, 0.1126)) == 13
+    assert v.seeds_for_power(lambda n: 0.0) == v.SEEDS_MOST + 1
+    e = v.Evidence(-0.098, -0.185, -0.011, 0.123, 5, "mean paired held-out difference")
+    assert v.verdict(e, claim_sign=-1, power=0.33, seeds_needed=13).endswith("; power 0.8 needs 13 seeds)")
+    assert v.verdict(e, claim_sign=-1, power=0.33, seeds_needed=41).endswith("needs more than 40 seeds)")
+    assert "needs" not in v.verdict(e, claim_sign=-1, power=0.9, seeds_needed=3)
