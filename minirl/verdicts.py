@@ -121,9 +121,10 @@ class Evidence:
     p: float
     n: int
     what: str
+    interval: str = "CI"  # how the interval was had: "CI" (BCa bootstrap), "t-CI" (the t distribution's)
 
     def text(self) -> str:
-        interval = "" if math.isnan(self.low) else f", 95% CI [{self.low:+.3f}, {self.high:+.3f}]"
+        interval = "" if math.isnan(self.low) else f", 95% {self.interval} [{self.low:+.3f}, {self.high:+.3f}]"
         return f"{self.what} {self.effect:+.3f}{interval}, p = {self.p:.3g}, n = {self.n}"
 
 
@@ -161,7 +162,8 @@ def time_to_collapse(a: Sequence[int | None], b: Sequence[int | None], *, steps:
 
 def paired_scores(a: Sequence[float], b: Sequence[float], *, seed: int = 0, resamples: int = 9999) -> Evidence:
     """Seed i of A against seed i of B: the mean paired difference B − A, its bootstrap 95%
-    interval (BCa; from MIN_BOOTSTRAP pairs on) and the two-sided p-value of the paired t-test.
+    interval (BCa; from MIN_BOOTSTRAP pairs on; below that, too few to resample, the paired
+    t-test's own interval, labelled "t-CI") and the two-sided p-value of the paired t-test.
 
     >>> round(paired_scores([0.30, 0.32, 0.28, 0.31, 0.29], [0.40, 0.41, 0.37, 0.42, 0.38]).p, 4)
     0.0
@@ -169,13 +171,17 @@ def paired_scores(a: Sequence[float], b: Sequence[float], *, seed: int = 0, resa
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     d = b - a
     rng = np.random.default_rng(seed)
-    if len(d) >= MIN_BOOTSTRAP and np.ptp(d) >= 1e-12:
+    kind = "CI"
+    if 2 <= len(d) < MIN_BOOTSTRAP and np.ptp(d) >= 1e-12:
+        ci = stats.ttest_rel(b, a).confidence_interval(0.95)
+        low, high, kind = float(ci.low), float(ci.high), "t-CI"
+    elif len(d) >= MIN_BOOTSTRAP and np.ptp(d) >= 1e-12:
         ci = stats.bootstrap((d,), np.mean, confidence_level=0.95, n_resamples=resamples, method="BCa",
                              random_state=rng).confidence_interval
         low, high = float(ci.low), float(ci.high)
     elif len(d) >= MIN_BOOTSTRAP:  # every pair moved alike: the interval is the point
         low = high = float(d.mean())
-    else:  # too few pairs for a resampled interval to mean anything
+    else:  # one pair, or pairs that all moved alike below MIN_BOOTSTRAP: no interval to speak of
         low = high = math.nan
     if len(d) < 2:
         p = 1.0
@@ -183,7 +189,7 @@ def paired_scores(a: Sequence[float], b: Sequence[float], *, seed: int = 0, resa
         p = 1.0 if d[0] == 0 else 0.0
     else:
         p = float(stats.ttest_rel(b, a).pvalue)
-    return Evidence(float(d.mean()), low, high, p, len(d), "mean paired held-out difference")
+    return Evidence(float(d.mean()), low, high, p, len(d), "mean paired held-out difference", kind)
 
 
 def power_collapse(n: int, rate_a: float, rate_b: float) -> float:

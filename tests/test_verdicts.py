@@ -88,8 +88,13 @@ def test_the_placebo_comes_out_no_different_and_a_broken_lab_is_caught():
     assert v.verdict(v.paired_scores(same_a, same_b), claim_sign=0, power=0.9).startswith("reproduced: no difference")
     assert v.verdict(v.paired_scores(same_a, same_b), claim_sign=0, power=0.3).startswith("not observed: no difference seen")
     assert v.verdict(v.paired_scores(same_a, same_a + 0.2), claim_sign=0, power=0.5).startswith("contradicted")
-    # fewer than MIN_BOOTSTRAP pairs: no interval at all
-    assert math.isnan(v.paired_scores([0.1, 0.2], [0.3, 0.35]).low)
+    # fewer than MIN_BOOTSTRAP pairs: the t-test's own interval, named so; known values: differences
+    # 0.5, 0.6, 0.7 have mean 0.6 and standard error 0.1 / √3, and t(0.975, 2) = 4.303, so
+    # 0.6 ± 0.248; one pair has no interval at all
+    few = v.paired_scores([1.0, 1.0, 1.0], [1.5, 1.6, 1.7])
+    assert (few.low, few.high) == (pytest.approx(0.3516, abs=1e-4), pytest.approx(0.8484, abs=1e-4))
+    assert "95% t-CI [+0.352, +0.848]" in few.text()
+    assert math.isnan(v.paired_scores([0.1], [0.3]).low)
 
 
 def test_still_rising_tests_the_slopes_across_seeds():
