@@ -103,11 +103,16 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as prog:
         tasks: dict[str, int] = {}
 
+        plain = not console.is_terminal  # a log: rich draws no live bars there, so say where init is in lines
+
         def progress(stage: str, done: int, total: int, info: dict) -> None:
             if stage not in tasks:
                 tasks[stage] = prog.add_task(labels.get(stage, stage), total=total, info="")
             text = f"loss {info['loss']:.3f}  dev acc {info['dev_acc']:.2f}" if "loss" in info else ""
             prog.update(tasks[stage], completed=done, total=total, info=text)
+            if plain and (done == total or stage == "cold-start" and done % 100 == 1):
+                where = "done" if done == total else f"step {done}/{total}"
+                console.print(f"{labels.get(stage, stage)}: {where}  {text}".rstrip(), soft_wrap=True)
 
         try:
             report = init_workspace(workspace, recipe_name=recipe_name, model=model_id, task=task, force=force,
@@ -120,9 +125,11 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
     console.print(f"[green]workspace ready:[/] {report['workspace']}")
     if "cold_start_steps" in report:
         lens = report["response_tokens"]
+        acc = ("not checked (max_steps below check_every)" if report["cold_start_dev_acc"] is None
+               else f"{report['cold_start_dev_acc']:.2f}")
         console.print(f"  tiny-qwen3-moe on {report['task']}: {report['params']:,} params; cold start: "
                       f"{report['cold_start_steps']} SFT steps in {report['cold_start_s']} s, dev accuracy "
-                      f"{report['cold_start_dev_acc']:.2f} (target {report['cold_start_target_acc']}); responses "
+                      f"{acc} (target {report['cold_start_target_acc']}); responses "
                       f"{lens['min']}-{lens['max']} tokens (mean {lens['mean']:.1f})")
     if "moe" in report:
         kind = f"Qwen3-MoE, {report['active'] / 1e9:.2f}B active" if report["moe"] else "dense Qwen3"

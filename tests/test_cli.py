@@ -83,6 +83,21 @@ def test_bad_input_in_a_workspace(bare_ws, args, needle):
     one_line_error(minirl(*[a.format(ws=bare_ws) for a in args]), needle)
 
 
+def test_init_logs_its_stages_in_lines_when_its_output_is_not_a_terminal(tmp_path):
+    """Piped to a log, rich draws no live bars: init says each stage and the cold start's step
+    in lines, so a long build does not look hung."""
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cli, ["init", str(tmp_path / "ws"), "--set", "cold_start.max_steps=2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for stage in ("task splits: done", "tiny Qwen3-MoE + tokenizer: done", "cold-start SFT: step 1/2",
+                  "cold-start SFT: done  loss", "save HF + DCP: done"):
+        assert any(line.startswith(stage) for line in lines), (stage, result.output)
+    # two SFT steps are below the dev check's interval: the summary says so (it raised a TypeError)
+    assert "dev accuracy not checked" in result.output
+
+
 def test_init_task_builds_the_long_response_workspace_in_the_recipes_shape(tmp_path):
     """--task picks the task's recipe; the data carries the written-out targets, the model's
     context fits prompts plus responses, it has the recipe's layers and experts, and the report
