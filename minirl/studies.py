@@ -366,7 +366,9 @@ def plot_dose(study: Study, res: dict[str, dict[str, list[dict]]], mech: dict, o
                   lw=1.3, color=line[0].get_color(), label=name)
     for ax, title in ((score, "final held-out (mean, min–max over seeds)"), (fell, "collapse rate")):
         ax.set_xscale("log")
-        ax.set_xticks([x[lvl] for lvl in levels], [f"{lvl}\n{x[lvl]:.2f}" for lvl in levels], fontsize=8)
+        # slanted: levels whose spreads lie close (fp8-weights 0.37, fp8 0.41) would print over each other
+        ax.set_xticks([x[lvl] for lvl in levels], [f"{lvl} ({x[lvl]:.2f})" for lvl in levels], fontsize=8,
+                      rotation=30, ha="right")
         ax.minorticks_off()
         ax.axvline(MECHANISM_TARGET, color="grey", ls=":", lw=1)
         ax.set_xlabel("dial level: SD of log π(y)/μ(y) per response at the cold start")
