@@ -170,25 +170,24 @@ def paired_scores(a: Sequence[float], b: Sequence[float], *, seed: int = 0, resa
     """
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     d = b - a
-    rng = np.random.default_rng(seed)
+    spread = len(d) >= 2 and np.ptp(d) >= 1e-12  # else (to rounding) t is 0 / 0 or ±∞
+    test = stats.ttest_rel(b, a) if spread else None
     kind = "CI"
-    if 2 <= len(d) < MIN_BOOTSTRAP and np.ptp(d) >= 1e-12:
-        ci = stats.ttest_rel(b, a).confidence_interval(0.95)
+    if spread and len(d) < MIN_BOOTSTRAP:
+        ci = test.confidence_interval(0.95)
         low, high, kind = float(ci.low), float(ci.high), "t-CI"
-    elif len(d) >= MIN_BOOTSTRAP and np.ptp(d) >= 1e-12:
+    elif spread:
         ci = stats.bootstrap((d,), np.mean, confidence_level=0.95, n_resamples=resamples, method="BCa",
-                             random_state=rng).confidence_interval
+                             random_state=np.random.default_rng(seed)).confidence_interval
         low, high = float(ci.low), float(ci.high)
     elif len(d) >= MIN_BOOTSTRAP:  # every pair moved alike: the interval is the point
         low = high = float(d.mean())
     else:  # one pair, or pairs that all moved alike below MIN_BOOTSTRAP: no interval to speak of
         low = high = math.nan
-    if len(d) < 2:
-        p = 1.0
-    elif np.ptp(d) < 1e-12:  # no spread (to rounding): t is 0 / 0 or ±∞
-        p = 1.0 if d[0] == 0 else 0.0
-    else:
-        p = float(stats.ttest_rel(b, a).pvalue)
+    if spread:
+        p = float(test.pvalue)
+    else:  # one pair tells nothing; pairs that all moved alike differ surely, unless by nothing
+        p = 1.0 if len(d) < 2 or d[0] == 0 else 0.0
     return Evidence(float(d.mean()), low, high, p, len(d), "mean paired held-out difference", kind)
 
 
@@ -247,8 +246,9 @@ def verdict(evidence: Evidence, *, claim_sign: int, power: float, placebo: bool 
     if claim_sign == 0 and placebo:
         return (f"difference ({evidence.text()}): the placebo differs, so the lab itself is broken" if significant
                 else f"no difference, as it must be ({evidence.text()})")
-    need = ("" if power >= 0.8 or seeds_needed is None else f"; power 0.8 needs {seeds_needed} seeds"
-            if seeds_needed <= SEEDS_MOST else f"; power 0.8 needs more than {SEEDS_MOST} seeds")
+    need = ""
+    if power < 0.8 and seeds_needed is not None:
+        need = f"; power 0.8 needs {seeds_needed if seeds_needed <= SEEDS_MOST else f'more than {SEEDS_MOST}'} seeds"
     if claim_sign == 0:  # "no difference" is shown only by seeds that would have seen one
         if significant:
             return f"contradicted: a difference ({evidence.text()})"
