@@ -102,7 +102,11 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
               help="A study's seeds at each other level of the mismatch dial (the dose–response); 0: the study's "
                    "level only (as with --quick).")
 @click.option("--report-only", is_flag=True, help="Write the report and figures from the runs done so far; run nothing.")
-def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, report_only: bool) -> None:
+@click.option("--confirm", is_flag=True,
+              help="A study's confirmation stage: the comparisons its report found short of power, run again on as "
+                   "many fresh seeds as power 0.8 needs and decided on those alone.")
+def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, report_only: bool,
+        confirm: bool) -> None:
     """Reproduce the paper's stability findings (F1-F6) in miniature.
 
     `minirl lab STUDY [WORKSPACE]` runs one study (is: F1, F3 with a placebo; offpolicy: F4, F5;
@@ -115,6 +119,10 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     other cold starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
     WORKSPACE/lab/{quick,full}/report.md and one PNG per regime; last, the cell that collapsed most
     reliably runs again with the guard acting.
+
+    `minirl lab STUDY [WORKSPACE] --confirm`, once the study has run: where its verdicts were
+    "not observed" for want of power, a second stage runs the seeds power 0.8 needs, fresh, and
+    decides those comparisons on them alone (.../study-STUDY/full/confirm/report.md).
 
     Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
     does not exist.
@@ -132,6 +140,10 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         raise UsageError(f"--seeds {seeds}: at least 1")
     if dose_seeds < 0:
         raise UsageError(f"--dose-seeds {dose_seeds}: 0 or more")
+    if confirm and study is None:
+        raise UsageError("--confirm confirms a study: minirl lab STUDY [WORKSPACE] --confirm")
+    if confirm and seeds is not None:
+        raise UsageError("--confirm takes its seeds from the first stage's power, not from --seeds")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
@@ -147,6 +159,9 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad` or `--task scratchpad-long`)")
     if study is not None:
+        if confirm:
+            return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
+                            report_only=report_only)
         return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), dose_seeds=dose_seeds,
                       prompts=rec.train.prompts_per_step, report_only=report_only)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
@@ -169,8 +184,6 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
 
 
 def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int, report_only: bool) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
     from minirl import studies
 
@@ -187,6 +200,14 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
     sp = studies.plan(study, seeds=seeds, quick=quick, level=level, dose_seeds=0 if quick else dose_seeds,
                       prompts=prompts)
     console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
+    _run_and_report(lab_, study, sp, mech, report_only=report_only)
+
+
+def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from minirl import studies
+
     if not report_only:
         todo = sp.todo()
         with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -195,6 +216,47 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
             studies.run(lab_, study, sp, on_run=lambda what, i, n: prog.update(bar, description=what, completed=i),
                         progress=lambda what: prog.update(bar, description=what))
     res = studies.arm_results(lab_, sp)
-    for cmp, text in studies.decide(study, res.get(sp.level, {})):
+    for cmp, text, _ in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
-    console.print(f"report: {studies.write_report(study, sp, res, mech, lab_.out)}", soft_wrap=True)
+    path = studies.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation)
+    console.print(f"report: {path}", soft_wrap=True)
+
+
+def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None:
+    """The study's confirmation stage (studies.declare_confirmation): declared once from the first
+    stage's runs, in confirm/confirm.json, before any of its own; resumable like the first."""
+    import json
+
+    from minirl import atomic, studies
+    from minirl import lab as lab_mod
+    from minirl import verdicts as v
+
+    first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
+    if not (first.out / "mechanism.json").exists():
+        raise UsageError(f"no study at {first.out}: run `minirl lab {study.name} {ws.root}` first")
+    mech = read_json(first.out / "mechanism.json", "the study's mismatch dial")
+    level, _ = studies.study_level(study, mech)
+    lab_ = lab_mod.Lab(ws.root, first.out / "confirm")
+    path = lab_.out / "confirm.json"
+    if report_only and not path.exists():
+        raise UsageError(f"no confirmation stage at {lab_.out}: run `minirl lab {study.name} {ws.root} --confirm`")
+    if not report_only:
+        lab_.hold()  # before the declaration: one writer declares it
+    if not path.exists():
+        sp1 = studies.plan(study, seeds=v.SEEDS_MOST, quick=quick, level=level, prompts=prompts)
+        stage1 = studies.decide(study, studies.arm_results(first, sp1).get(level, {}))
+        if any(d.text == "not run yet" for d in stage1):
+            raise UsageError(f"the study at {first.out} has not run all its arms: finish it before confirming")
+        declared = studies.declare_confirmation(study, stage1, report=str(first.out / "report.md"))
+        if declared is None:
+            console.print("nothing to confirm: every verdict is significant, already powered, or needs more than "
+                          f"{v.SEEDS_MOST} seeds", soft_wrap=True)
+            return
+        atomic.write_text(path, json.dumps(declared, indent=1))
+    declared = read_json(path, "the confirmation stage's declaration")
+    sub = studies.confirmation_study(study, declared)
+    sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
+                      first_seed=declared["first_seed"])
+    console.print(f"confirmation stage: {', '.join(f'{f} ({c})' for f, c in declared['comparisons'])}; "
+                  f"{declared['seeds']} fresh seeds per arm at {level}", soft_wrap=True)
+    _run_and_report(lab_, sub, sp, mech, report_only=report_only, confirmation=declared)

@@ -28,8 +28,9 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from minirl import atomic
 from minirl import verdicts as v
@@ -179,6 +180,7 @@ class StudyPlan:
     plan: Plan  # the schedule every run shares (lab.run_cell)
     level: str
     arms: list[Arm]
+    first_seed: int = 0  # seed i of an arm runs with train.seed = first_seed + i
 
     def todo(self) -> list[tuple[Arm, int]]:
         """The study's level first, seed by seed (every arm's seed 0, then seed 1, …), so pairs
@@ -188,16 +190,18 @@ class StudyPlan:
         out = []
         for arms in groups:
             for s in range(max((a.seeds for a in arms), default=0)):
-                out += [(a, s) for a in arms if s < a.seeds]
+                out += [(a, self.first_seed + s) for a in arms if s < a.seeds]
         return out
 
 
-def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int = 0, prompts: int = 16) -> StudyPlan:
+def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int = 0, prompts: int = 16,
+         first_seed: int = 0) -> StudyPlan:
     """The study's arms as cells of a lab plan: every arm at `level` over `seeds`, and, for a
     dose–response, at every other dial level over `dose_seeds` (an arm that sets its own precision,
     the placebo, runs once). `prompts`: the workspace's prompts per on-policy step; an off-policy
     arm's N mini-batches are each that size, so every arm updates on equal mini-batches. One
-    folder per study: runs are never shared."""
+    folder per study: runs are never shared. `first_seed`: where the seeds start (a confirmation
+    stage's are fresh, CONFIRM_FIRST_SEED on)."""
     steps = study.quick_steps if quick else study.steps
     arms = []
     for name, sets, acc in study.arms:
@@ -213,7 +217,7 @@ def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int =
     every = study.eval_every if study.eval_every and not quick else max(5, steps // 6)
     p = Plan(steps=steps, eval_every=every, seeds=seeds, offpolicy_n=(4,), cold_start_targets=(),
              cells=[a.cell for a in arms])
-    return StudyPlan(p, level, arms)
+    return StudyPlan(p, level, arms, first_seed)
 
 
 def run(lab: Lab, study: Study, sp: StudyPlan, *, on_run: Callable[[str, int, int], None] = lambda *a: None,
@@ -230,7 +234,7 @@ def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
     held-out start and end. The study's own level also holds the arms that set their own precision."""
     out: dict[str, dict[str, list[dict]]] = {}
     for arm in sp.arms:
-        for s in range(arm.seeds):
+        for s in range(sp.first_seed, sp.first_seed + arm.seeds):
             key = f"{arm.cell.id}/s{s}"
             if key not in lab.state["runs"]:
                 continue
@@ -246,14 +250,20 @@ def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
     return out
 
 
-def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, str]]:
+class Decision(NamedTuple):
+    cmp: Comparison
+    text: str
+    needed: int = 0  # seeds per arm for power 0.8, where the verdict is "not observed" for want of them
+
+
+def decide(study: Study, res: dict[str, list[dict]]) -> list[Decision]:
     """Each comparison's verdict on the seeds both arms have (paired by seed)."""
     out = []
     for cmp in study.comparisons:
         a, b = ({r["seed"]: r for r in res.get(arm, [])} for arm in (cmp.a, cmp.b))
         seeds = sorted(a.keys() & b.keys())
         if not seeds:
-            out.append((cmp, "not run yet"))
+            out.append(Decision(cmp, "not run yet"))
             continue
         n = len(seeds)
         if cmp.kind == "collapse":
@@ -262,20 +272,53 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[tuple[Comparison, s
             steps = max(max(a[s]["steps"], b[s]["steps"]) for s in seeds)
             timing = v.time_to_collapse([a[s]["collapse"] for s in seeds], [b[s]["collapse"] for s in seeds],
                                         steps=steps)
-            text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_collapse(n, *cmp.expect),
-                             seeds_needed=v.seeds_for_power(lambda k: v.power_collapse(k, *cmp.expect)))
+            power = v.power_collapse(n, *cmp.expect)
+            needed = v.seeds_for_power(lambda k: v.power_collapse(k, *cmp.expect))
+            text = v.verdict(evidence, claim_sign=cmp.sign, power=power, seeds_needed=needed)
             text += f"; time to collapse: {timing.text()} (log-rank)"
         elif cmp.plateau and (rising := _still_rising({cmp.a: [a[s] for s in seeds], cmp.b: [b[s] for s in seeds]})):
-            text = f"not yet converged: {rising}"
+            out.append(Decision(cmp, f"not yet converged: {rising}"))
+            continue
         else:
             fa, fb = [a[s]["final"] for s in seeds], [b[s]["final"] for s in seeds]
             evidence = v.paired_scores(fa, fb)
             sd = statistics.stdev(y - x for x, y in zip(fa, fb)) if n > 1 else math.inf
-            text = v.verdict(evidence, claim_sign=cmp.sign, power=v.power_paired(n, cmp.effect, sd),
-                             placebo=cmp.finding == "placebo",
-                             seeds_needed=v.seeds_for_power(lambda k: v.power_paired(k, cmp.effect, sd)))
-        out.append((cmp, text))
+            power = v.power_paired(n, cmp.effect, sd)
+            needed = v.seeds_for_power(lambda k: v.power_paired(k, cmp.effect, sd))
+            text = v.verdict(evidence, claim_sign=cmp.sign, power=power, placebo=cmp.finding == "placebo",
+                             seeds_needed=needed)
+        short = evidence.p >= v.ALPHA and power < 0.8 and cmp.finding != "placebo"
+        out.append(Decision(cmp, text, needed if short else 0))
     return out
+
+
+# A confirmation stage: where a study's verdicts were "not observed" for want of power, the seeds
+# power 0.8 needs (verdicts.seeds_for_power, from the first stage's own spread) run again as fresh
+# seeds, and those comparisons are decided on the fresh seeds alone. The first stage sized the
+# second and nothing more: pooling both would give each comparison a second look at α = 0.05, and
+# a test repeated until it passes is not a test at α.
+CONFIRM_FIRST_SEED = 1000  # the fresh seeds' train.seed: far from any first stage's 0, 1, …
+
+
+def declare_confirmation(study: Study, stage1: list[Decision], *, report: str) -> dict | None:
+    """The confirmation stage, declared from the first stage's decisions before any of its runs:
+    the comparisons short of power with a seed count within verdicts.SEEDS_MOST, their arms, and
+    as many seeds as the most demanding of them needs. None when no comparison qualifies."""
+    chosen = [d for d in stage1 if 0 < d.needed <= v.SEEDS_MOST]
+    if not chosen:
+        return None
+    return {"declared_at": time.strftime("%Y-%m-%d %H:%M:%S"), "from": report,
+            "seeds": max(d.needed for d in chosen), "first_seed": CONFIRM_FIRST_SEED,
+            "comparisons": [[d.cmp.finding, d.cmp.claim] for d in chosen],
+            "why": [f"{d.cmp.finding} ({d.cmp.claim}): {d.text}" for d in chosen]}
+
+
+def confirmation_study(study: Study, declared: dict) -> Study:
+    """The study cut down to the declared comparisons and the arms they compare (no dose–response)."""
+    keep = {tuple(c) for c in declared["comparisons"]}
+    comparisons = tuple(c for c in study.comparisons if (c.finding, c.claim) in keep)
+    names = {x for c in comparisons for x in (c.a, c.b)}
+    return replace(study, arms=tuple(a for a in study.arms if a[0] in names), comparisons=comparisons, dose=False)
 
 
 def _still_rising(arms: dict[str, list[dict]]) -> str:
@@ -416,11 +459,20 @@ def mechanism_lines(mech: dict | None, level: tuple[str, str] | None = None) -> 
 
 
 def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict]]], mech: dict | None,
-                 out: Path) -> Path:
+                 out: Path, *, confirmation: dict | None = None) -> Path:
+    """report.md of a study (or of its confirmation stage, `confirmation` its declaration)."""
     p, here = sp.plan, res.get(sp.level, {})
     lrs = sorted({r["lr"] for arms in res.values() for runs in arms.values() for r in runs})
-    lines = [f"# minirl lab {study.name}", "", f"{study.question}", "",
-             f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
+    lines = [f"# minirl lab {study.name}" + (": confirmation stage" if confirmation else ""), "", f"{study.question}", ""]
+    if confirmation:
+        lines += ["## Declared before its first run", "",
+                  f"At {confirmation['declared_at']}, from the first stage's report (`{confirmation['from']}`): "
+                  f"these comparisons were not observed for want of power, and {confirmation['seeds']} fresh seeds "
+                  f"per arm (train.seed {confirmation['first_seed']} on) give the most demanding of them power 0.8 "
+                  f"at the first stage's own spread. They are decided on the fresh seeds alone: the first stage "
+                  f"only sized this one (pooling would look twice at α = {v.ALPHA}).", "",
+                  *(f"- {line}" for line in confirmation["why"]), ""]
+    lines += [f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
              f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; learning "
              f"rate {', '.join(f'{x:g}' for x in lrs) or 'of the recipe'} in every arm (the workspace recipe's, set "
              f"once; no arm sets it). "
@@ -429,7 +481,7 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
              f"its start, or held-out under {v.COLLAPSE_HELDOUT_FRAC} × its start). α = {v.ALPHA}.", "",
              *mechanism_lines(mech, study_level(study, mech) if mech else None), "",
              f"## Verdicts at {sp.level}", "", "| | the paper | B − A | verdict |", "|---|---|---|---|"]
-    for cmp, text in decide(study, here):
+    for cmp, text, _ in decide(study, here):
         lines.append(f"| {cmp.finding} | {cmp.claim} | {cmp.b} − {cmp.a} | {text} |")
     lines += ["", f"## Arms at {sp.level}", "", "| arm | seeds | collapsed | held-out start | final (per seed) |",
               "|---|---|---|---|---|"]

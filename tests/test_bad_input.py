@@ -190,6 +190,9 @@ CASES = [
     ("init-top-k-all", ["init", "{new}", "--task", "scratchpad-long", "--set", "cold_start.top_k=16"], None,
      "cold_start.top_k (16) must be below cold_start.experts (16)"),
     ("lab-dose-seeds", ["lab", "is", "{new}", "--dose-seeds", "-1"], None, "--dose-seeds -1: 0 or more"),
+    ("lab-confirm-grid", ["lab", "{new}", "--confirm"], None, "--confirm confirms a study"),
+    ("lab-confirm-seeds", ["lab", "is", "{new}", "--confirm", "--seeds", "7"], None,
+     "--confirm takes its seeds from the first stage's power"),
     ("doctor-small-batch", ["doctor", "-w", "{ws}", "--set", "train.prompts_per_step=4"], None,
      "train.prompts_per_step = 4: the doctor measures staleness over 8 mini-batches"),
     # --- run: recipe values and --set forms -------------------------------------------------------

@@ -123,16 +123,57 @@ def test_verdicts_follow_the_rules_on_synthetic_arms():
            "w/o IS": _arm([0.05] * 6, collapses=[8, 9, 7, 12, 10, 9]),
            "R3": _arm(same), "R3 w/o IS": _arm(same),
            "placebo: MiniRL, fp32 rollouts": _arm(same), "placebo: w/o IS, fp32 rollouts": _arm(list(reversed(same)))}
-    verdicts = {(c.finding, c.kind): text for c, text in studies.decide(study, res)}
+    verdicts = {(d.cmp.finding, d.cmp.kind): d.text for d in studies.decide(study, res)}
     assert verdicts[("F1", "collapse")].startswith("reproduced (collapse rate difference +1.000")
     assert "log-rank" in verdicts[("F1", "collapse")]
     assert verdicts[("F1", "score")].startswith("reproduced (mean paired held-out difference")
     assert verdicts[("F3", "collapse")].startswith("not observed") and "power" in verdicts[("F3", "collapse")]
     assert verdicts[("placebo", "score")].startswith("no difference")
     res["placebo: w/o IS, fp32 rollouts"] = _arm([x + 0.2 for x in same])
-    broken = dict((c.finding, t) for c, t in studies.decide(study, res))["placebo"]
+    broken = {d.cmp.finding: d.text for d in studies.decide(study, res)}["placebo"]
     assert "the lab itself is broken" in broken
     assert studies.decide(studies.STUDIES["lengthnorm"], {})[0][1] == "not run yet"
+
+
+def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_power(tmp_path):
+    """The offpolicy study's first stage as it came out (no clip 3/5 collapsed, clip 0/5): F4 is
+    not observed at power 0.74, so the second stage runs F4's four arms on the 7 fresh seeds power
+    0.8 needs, and F5 (already powered) not at all; its verdicts see the fresh seeds alone."""
+    study = studies.STUDIES["offpolicy"]
+    fell = [20, None, 15, 18, None]
+    res = {"no clip": _arm([0.1, 0.5, 0.1, 0.1, 0.5], collapses=fell), "clip": _arm([0.5] * 5),
+           "clip + R2": _arm([0.50, 0.52, 0.49, 0.51, 0.50]), "clip + R3": _arm([0.51, 0.53, 0.50, 0.52, 0.51]),
+           "R2, no clip": _arm([0.5] * 5), "R3, no clip": _arm([0.1, 0.5, 0.1, 0.1, 0.5], collapses=fell)}
+    stage1 = studies.decide(study, res)
+    assert [d.needed for d in stage1] == [7, 7, 0]
+    declared = studies.declare_confirmation(study, stage1, report="/x/report.md")
+    assert declared["seeds"] == 7 and declared["first_seed"] == studies.CONFIRM_FIRST_SEED
+    assert [f for f, _ in declared["comparisons"]] == ["F4", "F4"] and "power 0.74" in declared["why"][0]
+    sub = studies.confirmation_study(study, declared)
+    assert [a[0] for a in sub.arms] == ["no clip", "clip", "clip + R3", "R3, no clip"] and not sub.dose
+    sp = studies.plan(sub, seeds=7, quick=False, level="e5m2", dose_seeds=2, first_seed=declared["first_seed"])
+    todo = sp.todo()
+    assert len(todo) == 4 * 7 and todo[:4] == [(a, 1000) for a in sp.arms] and todo[-1][1] == 1006
+    rec = recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(sp.plan, todo[-1][1]), *todo[-1][0].cell.sets])
+    assert rec.train.seed == 1006
+    # the first stage's seeds are not the second's: a verdict pairs only what both arms ran
+    fresh = {name: [{**r, "seed": 1000 + r["seed"]} for r in _arm([0.1] * 7 if "no clip" in name else [0.5] * 7,
+                                                                   collapses=[20] * 7 if "no clip" in name else None)]
+             for name, _, _ in sub.arms}
+    decided = studies.decide(sub, fresh)
+    assert [d.text.split(" (")[0] for d in decided] == ["reproduced", "reproduced"] and "n = 14" in decided[0].text
+    mech = {"measured_at": "2026-11-25 04:05:50", "doctor": "/x/doctor-1.json", "seeds": 3, "level": "e5m2",
+            "why": "w", "route_flips": None, "levels": {}}
+    for r in fresh.values():
+        for x in r:
+            x.update(rows=[{"step": 1, "rollout/reward_mean": 0.3, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3}],
+                     lr=3e-4)
+    text = studies.write_report(sub, sp, {"e5m2": fresh}, mech, tmp_path, confirmation=declared).read_text()
+    assert text.startswith("# minirl lab offpolicy: confirmation stage")
+    assert text.index("## Declared before its first run") < text.index("## Verdicts at e5m2")
+    assert "7 fresh seeds per arm (train.seed 1000 on)" in text and "| F5 |" not in text
+    # nothing short of power: nothing to confirm
+    assert studies.declare_confirmation(study, [d._replace(needed=0) for d in stage1], report="r") is None
 
 
 @pytest.mark.slow
