@@ -14,6 +14,7 @@ TorchTitan imports stay in this module and in `train.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -159,7 +160,9 @@ def repeat_kv_heads(k_BNLH, v_BNLH, n_heads: int):
 def _masked_sdpa_cls():
     """TorchTitan's SDPA inner attention, plus an explicit boolean mask when one is passed (a
     [B, 1, L, L] tensor as `attention_masks`): the shared-prompt packing of `packing.py`. Without
-    one it is the stock causal SDPA."""
+    one it is the stock causal SDPA. Inside `kv_cache(model)` it keeps the keys and values it has
+    seen, for decoding one token at a time."""
+    import torch
     import torch.nn.functional as F
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -168,8 +171,16 @@ def _masked_sdpa_cls():
         class Config(ScaledDotProductAttention.Config):
             pass
 
+        kv: list | None = None  # [k_BLNH, v_BLNH] so far, inside kv_cache(); None: no cache
+
         def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
                     is_causal=True, **kwargs):
+            if self.kv is not None:
+                if self.kv:  # one new token: it sees every cached position (a causal mask would hide them)
+                    assert q_BLNH.shape[1] == 1, "the cache decodes one token per call after the prompt"
+                    k_BLNH, v_BLNH = (torch.cat([old, new], dim=1) for old, new in zip(self.kv, (k_BLNH, v_BLNH)))
+                    is_causal = False
+                self.kv[:] = [k_BLNH, v_BLNH]
             if attention_masks is None:
                 return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa,
                                        is_causal=is_causal, **kwargs)
@@ -184,6 +195,24 @@ def _masked_sdpa_cls():
             return out_BNLH.transpose(1, 2)
 
     return MaskedSDPA
+
+
+@contextlib.contextmanager
+def kv_cache(model):
+    """Decode with a KV cache: inside, the model's first call reads the prompt (causal) and each
+    later call one new token per row at `positions` [[t]], attending to everything before it; the
+    keys and values are dropped on leaving. For sampling outside an engine (the cold start's dev
+    check): vLLM is the engine for rollouts."""
+    inner = [m for m in model.modules() if isinstance(m, _masked_sdpa_cls())]
+    if not inner:
+        raise ValueError("kv_cache needs the model built with attn_backend='sdpa' (MaskedSDPA)")
+    for m in inner:
+        m.kv = []
+    try:
+        yield
+    finally:
+        for m in inner:
+            m.kv = None
 
 
 def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype: str = "float32"):

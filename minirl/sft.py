@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minirl.batch import build_batch
+from minirl.models import kv_cache
 from minirl.train import Trainer
 
 
@@ -39,8 +40,8 @@ def sampled_accuracy(
     """Share of prompts whose sampled response (T=temperature) equals the target token ids, or,
     given `is_correct(i, response ids up to EOS)`, that it accepts (a grader of the final answer).
 
-    Plain full-recompute decoding with the TorchTitan model (no KV cache: the tiny model is cheap),
-    prompts grouped by length so no padding is needed."""
+    Decoding with the TorchTitan model and a KV cache (models.kv_cache), prompts grouped by length
+    so no padding is needed."""
     trainer.model.eval()
     gen = torch.Generator().manual_seed(seed)
     by_len: dict[int, list[int]] = defaultdict(list)
@@ -49,13 +50,17 @@ def sampled_accuracy(
     correct = 0
     for n_p, idx in by_len.items():
         x = torch.tensor([list(examples[i][0]) for i in idx], device=trainer.device)
-        for _ in range(max_tokens):
-            logits = trainer.model(x)[:, -1].float()
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=gen)
-            else:
-                nxt = logits.argmax(-1, keepdim=True).cpu()
-            x = torch.cat([x, nxt.to(x.device)], dim=1)
+        with kv_cache(trainer.model):
+            new = x
+            for t in range(max_tokens):
+                at = None if t == 0 else torch.full((1, 1), x.shape[1] - 1, device=x.device)
+                logits = trainer.model(new, positions=at)[:, -1].float()
+                if temperature > 0:
+                    nxt = torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=gen)
+                else:
+                    nxt = logits.argmax(-1, keepdim=True).cpu()
+                new = nxt.to(x.device)
+                x = torch.cat([x, new], dim=1)
         for i, row in zip(idx, x[:, n_p:].tolist()):
             if eos_id in row:
                 row = row[: row.index(eos_id) + 1]

@@ -126,3 +126,27 @@ def test_unsupported_configs_fail_in_one_line(cfg, message):
 
     with pytest.raises(UsageError, match=message):
         ModelShape.from_hf_config(cfg)
+
+
+def test_decoding_with_the_kv_cache_gives_the_full_recomputes_logits():
+    """The cold start's dev check decodes one token at a time from cached keys and values
+    (models.kv_cache): every step's logits match a full forward over the whole sequence so far,
+    and leaving the cache restores plain causal forwards."""
+    from minirl.models import kv_cache
+
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.model.eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(3, TINY.vocab_size, (3, 7), generator=g)
+    with torch.no_grad():
+        with kv_cache(tr.model):
+            steps, new = [], x
+            for t in range(6):
+                at = None if t == 0 else torch.full((1, 1), x.shape[1] - 1)
+                steps.append(tr.model(new, positions=at)[:, -1])
+                new = torch.randint(3, TINY.vocab_size, (3, 1), generator=g)
+                x = torch.cat([x, new], dim=1)
+        full = tr.model(x)
+    for t, logits in enumerate(steps):
+        torch.testing.assert_close(logits, full[:, 6 + t], rtol=1e-4, atol=1e-4)
+    assert all(m.kv is None for m in tr.model.modules() if hasattr(m, "kv"))

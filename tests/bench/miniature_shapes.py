@@ -5,7 +5,7 @@
 Per shape (the scratchpad workspace's and the long miniature's; `--shape L,E,K` adds one):
 1. one cold-start SFT step (forward, backward, optimizer) on `--rows` rows of the task's prompt
    plus response length, median of `--repeats` after a warm-up;
-2. one dev check (`sft.sampled_accuracy`: full-recompute decoding, no KV cache) on `--dev`
+2. one dev check (`sft.sampled_accuracy`: decoding with a KV cache) on `--dev`
    prompts of one length, to the task's response length, and its cost per decoding forward.
 The tokens are random: the figures are the shape's, not the task's.
 """
