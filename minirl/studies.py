@@ -96,6 +96,10 @@ STUDIES = {s.name: s for s in [
           comparisons=(
               Comparison("F4", "without clipping off-policy training collapses", "clip", "no clip", "collapse", 1),
               Comparison("F4", "replay without clipping does not save it", "clip + R3", "R3, no clip", "collapse", 1),
+              # F4's other half ("dropping either collapses"), missing from the study until both
+              # of its stages had run (where clip never collapsed): recorded, not yet tested on seeds of its own
+              Comparison("F4", "without routing replay clipped off-policy training collapses", "clip + R3", "clip",
+                         "collapse", 1),
               Comparison("F5", "at N = 4, R3 ends higher than R2", "clip + R2", "clip + R3", "score", 1))),
     Study("lengthnorm", "does length normalisation cost accuracy (F2)?",
           arms=(("MiniRL", (), 0.0), ("length norm", ("loss.length_norm=true",), 0.0)),

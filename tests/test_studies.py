@@ -145,10 +145,10 @@ def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_powe
            "clip + R2": _arm([0.50, 0.52, 0.49, 0.51, 0.50]), "clip + R3": _arm([0.51, 0.53, 0.50, 0.52, 0.51]),
            "R2, no clip": _arm([0.5] * 5), "R3, no clip": _arm([0.1, 0.5, 0.1, 0.1, 0.5], collapses=fell)}
     stage1 = studies.decide(study, res)
-    assert [d.needed for d in stage1] == [7, 7, 0]
+    assert [d.needed for d in stage1] == [7, 7, 7, 0]
     declared = studies.declare_confirmation(study, stage1, report="/x/report.md")
     assert declared["seeds"] == 7 and declared["first_seed"] == studies.CONFIRM_FIRST_SEED
-    assert [f for f, _ in declared["comparisons"]] == ["F4", "F4"] and "power 0.74" in declared["why"][0]
+    assert [f for f, _ in declared["comparisons"]] == ["F4"] * 3 and "power 0.74" in declared["why"][0]
     sub = studies.confirmation_study(study, declared)
     assert [a[0] for a in sub.arms] == ["no clip", "clip", "clip + R3", "R3, no clip"] and not sub.dose
     sp = studies.plan(sub, seeds=7, quick=False, level="e5m2", dose_seeds=2, first_seed=declared["first_seed"])
@@ -161,7 +161,8 @@ def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_powe
                                                                    collapses=[20] * 7 if "no clip" in name else None)]
              for name, _, _ in sub.arms}
     decided = studies.decide(sub, fresh)
-    assert [d.text.split(" (")[0] for d in decided] == ["reproduced", "reproduced"] and "n = 14" in decided[0].text
+    assert [d.text.split(" (")[0] for d in decided] == ["reproduced", "reproduced", "not observed"]
+    assert "n = 14" in decided[0].text
     mech = {"measured_at": "2026-11-25 04:05:50", "doctor": "/x/doctor-1.json", "seeds": 3, "level": "e5m2",
             "why": "w", "route_flips": None, "levels": {}}
     for r in fresh.values():
