@@ -474,7 +474,9 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
                   f"these comparisons were not observed for want of power, and {confirmation['seeds']} fresh seeds "
                   f"per arm (train.seed {confirmation['first_seed']} on) give the most demanding of them power 0.8 "
                   f"at the first stage's own spread. They are decided on the fresh seeds alone: the first stage "
-                  f"only sized this one (pooling would look twice at α = {v.ALPHA}).", "",
+                  f"only sized this one (pooling would look twice at α = {v.ALPHA}). A comparison reproduced here "
+                  f"after failing there has had two tries: over both stages its chance of a false positive is at "
+                  f"most {v.ALPHA + (1 - v.ALPHA) * v.ALPHA:.4g}.", "",
                   *(f"- {line}" for line in confirmation["why"]), ""]
     lines += [f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
              f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; learning "

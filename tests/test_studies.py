@@ -173,6 +173,7 @@ def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_powe
     assert text.startswith("# minirl lab offpolicy: confirmation stage")
     assert text.index("## Declared before its first run") < text.index("## Verdicts at e5m2")
     assert "7 fresh seeds per arm (train.seed 1000 on)" in text and "| F5 |" not in text
+    assert "over both stages its chance of a false positive is at most 0.0975" in text
     # nothing short of power: nothing to confirm
     assert studies.declare_confirmation(study, [d._replace(needed=0) for d in stage1], report="r") is None
 
