@@ -206,7 +206,7 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
 def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl import studies
+    from minirl import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
 
     if not report_only:
         todo = sp.todo()
@@ -227,9 +227,9 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None
     stage's runs, in confirm/confirm.json, before any of its own; resumable like the first."""
     import json
 
-    from minirl import atomic, studies
-    from minirl import lab as lab_mod
-    from minirl import verdicts as v
+    from minirl import atomic, studies  # deferred, with the two below: torch and scipy, after _prepare_env
+    from minirl import lab as lab_mod  # deferred: torch
+    from minirl import verdicts as v  # deferred: scipy
 
     first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
     if not (first.out / "mechanism.json").exists():
