@@ -291,7 +291,7 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[Decision]:
             needed = v.seeds_for_power(lambda k: v.power_paired(k, cmp.effect, sd))
             text = v.verdict(evidence, claim_sign=cmp.sign, power=power, placebo=cmp.finding == "placebo",
                              seeds_needed=needed)
-        short = evidence.p >= v.ALPHA and power < 0.8 and cmp.finding != "placebo"
+        short = evidence.p >= v.ALPHA and power < v.POWER and cmp.finding != "placebo"
         out.append(Decision(cmp, text, needed if short else 0))
     return out
 
@@ -472,7 +472,7 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
         lines += ["## Declared before its first run", "",
                   f"At {confirmation['declared_at']}, from the first stage's report (`{confirmation['from']}`): "
                   f"these comparisons were not observed for want of power, and {confirmation['seeds']} fresh seeds "
-                  f"per arm (train.seed {confirmation['first_seed']} on) give the most demanding of them power 0.8 "
+                  f"per arm (train.seed {confirmation['first_seed']} on) give the most demanding of them power {v.POWER:g} "
                   f"at the first stage's own spread. They are decided on the fresh seeds alone: the first stage "
                   f"only sized this one (pooling would look twice at α = {v.ALPHA}). A comparison reproduced here "
                   f"after failing there has had two tries: over both stages its chance of a false positive is at "

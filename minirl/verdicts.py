@@ -218,10 +218,11 @@ def power_paired(n: int, effect: float, sd: float) -> float:
     return float(stats.nct.sf(t, df, shift) + stats.nct.cdf(-t, df, shift))
 
 
+POWER = 0.8  # enough seeds: "no difference" counts as shown at this power; below it a verdict says what would reach it
 SEEDS_MOST = 40  # where seeds_for_power stops looking: beyond it a miniature cannot afford the seeds
 
 
-def seeds_for_power(power: Callable[[int], float], *, target: float = 0.8) -> int:
+def seeds_for_power(power: Callable[[int], float], *, target: float = POWER) -> int:
     """The fewest seeds per arm at which `power(n)` reaches `target`; SEEDS_MOST + 1 when not by then.
 
     >>> seeds_for_power(lambda n: power_collapse(n, 0.0, 0.8))
@@ -247,12 +248,12 @@ def verdict(evidence: Evidence, *, claim_sign: int, power: float, placebo: bool 
         return (f"difference ({evidence.text()}): the placebo differs, so the lab itself is broken" if significant
                 else f"no difference, as it must be ({evidence.text()})")
     need = ""
-    if power < 0.8 and seeds_needed is not None:
-        need = f"; power 0.8 needs {seeds_needed if seeds_needed <= SEEDS_MOST else f'more than {SEEDS_MOST}'} seeds"
+    if power < POWER and seeds_needed is not None:
+        need = f"; power {POWER:g} needs {seeds_needed if seeds_needed <= SEEDS_MOST else f'more than {SEEDS_MOST}'} seeds"
     if claim_sign == 0:  # "no difference" is shown only by seeds that would have seen one
         if significant:
             return f"contradicted: a difference ({evidence.text()})"
-        if power >= 0.8:
+        if power >= POWER:
             return f"reproduced: no difference ({evidence.text()}; power {power:.2f} to see an effect of the stated size)"
         return (f"not observed: no difference seen, but these seeds had power {power:.2f} to see an effect of the "
                 f"stated size ({evidence.text()}{need})")
