@@ -148,9 +148,10 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 @click.option("--replay", type=click.Choice(["off", "r2", "r3"]), default=None,
               help="Routing Replay for MoE (sets train.replay): off, r2 (trainer routes), r3 (rollout routes).")
 @click.option("--steps", type=int, default=None, help="RL steps (sets train.steps).")
-@click.option("--rollout-precision", type=click.Choice(["fp32", "bf16", "fp8", "fp8-weights", "e5m2"]), default=None,
+@click.option("--rollout-precision", type=click.Choice(["fp32", "bf16", "fp8", "fp8-weights", "e5m2", "nvfp4"]),
+              default=None,
               help="Rollout engine precision (sets rollout.precision); fp8: FP8 weights and activations (W8A8; "
-                   "emulated on CPU); fp8-weights, e5m2: the lab's CPU levels.")
+                   "emulated on CPU); fp8-weights, e5m2, nvfp4: the lab's CPU levels.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
               help="Continue the latest run from its newest checkpoint. `--resume auto`: the same when that run has "

@@ -65,10 +65,11 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
             ("precision", "fp8-weights rollouts (vLLM bf16, FP8 weights alone)", "kl/fp8-weights"),
             ("precision", "fp8 rollouts (W8A8: FP8 weights and per-token activations)", "kl/fp8"),
             ("precision", "e5m2 rollouts (W8A8 in e5m2: beyond the paper)", "kl/e5m2"),
+            ("precision", "nvfp4 rollouts (W4A4 in NVFP4: beyond the paper)", "kl/nvfp4"),
             ("weights", "bf16-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_bf16"),
             ("weights", "fp8-rounded weights in fp32 vLLM (same tokens as fp32)", "kl/weights_fp8")]
     if report["moe"]:
-        rows[5:5] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
+        rows[6:6] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
         rows += [("routing", f"{rec.rollout.precision} rollouts, trainer's own routes", "kl/run_no_replay"),
                  ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
     for src, what, k in rows:
@@ -198,7 +199,7 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
     mech = read_json(mech_path, "the study's mismatch dial")
     level, why = studies.study_level(study, mech)
     sp = studies.plan(study, seeds=seeds, quick=quick, level=level, dose_seeds=0 if quick else dose_seeds,
-                      prompts=prompts)
+                      prompts=prompts, dial=tuple(lvl for lvl in studies.DIAL if lvl in mech["levels"]))
     console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
     _run_and_report(lab_, study, sp, mech, report_only=report_only)
 

@@ -2,8 +2,8 @@
 one fixed batch of rollouts (the recipe's B prompts × G responses, drawn with fixed seeds).
 
     precision   KL(μ‖π) with rollouts at each precision level: fp32, bf16, fp8 weights alone, fp8
-                W8A8 (weights and per-token activations, as FP8 serving computes) and e5m2 W8A8
-                (beyond the paper); each engine samples its own batch, as a run would measure it;
+                W8A8 (weights and per-token activations, as FP8 serving computes), and beyond the
+                paper e5m2 W8A8 and NVFP4 W4A4; each engine samples its own batch, as a run would measure it;
                 per response, the spread of log π(y)/μ(y), the mechanism that decides whether
                 "without IS" is off-policy at all; for an MoE also with the engine's routes replayed (a
                 route that flips is a precision effect too, but a lumpy one), and with only the
@@ -57,19 +57,20 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     weights = trainer.hf_state_dict()
     rounded = {"bf16": {k: v.to(torch.bfloat16).float() for k, v in weights.items()}, "fp8": fp8_roundtrip(weights),
-               "e5m2": fp8_roundtrip(weights, fmt="e5m2")}
+               "e5m2": fp8_roundtrip(weights, fmt="e5m2"), "nvfp4": fp8_roundtrip(weights, fmt="nvfp4")}
     max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
-    progress("starting vLLM (fp32, bf16, and bf16 with FP8 activations in e4m3 and e5m2)")
+    progress("starting vLLM (fp32, bf16, and bf16 with activations rounded to e4m3, e5m2 and NVFP4)")
     kw = dict(seed=rec.train.seed, max_model_len=max_len, kv_cache_gib=rec.rollout.kv_cache_gib, capture_routes=moe,
               max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size))
     engines = {"float32": VLLMEngine(folder, dtype="float32", **kw), "bfloat16": VLLMEngine(folder, dtype="bfloat16", **kw),
                "w8a8": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="w8a8", **kw),
-               "e5m2": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="e5m2", **kw)}
+               "e5m2": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="e5m2", **kw),
+               "nvfp4": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="nvfp4", **kw)}
     # the rollout precision levels (recipe.RolloutConfig.precision), mildest first: the engine that
     # samples at each and the weights it holds
     levels = (("fp32", engines["float32"], weights), ("bf16", engines["bfloat16"], weights),
               ("fp8-weights", engines["bfloat16"], rounded["fp8"]), ("fp8", engines["w8a8"], rounded["fp8"]),
-              ("e5m2", engines["e5m2"], rounded["e5m2"]))
+              ("e5m2", engines["e5m2"], rounded["e5m2"]), ("nvfp4", engines["nvfp4"], rounded["nvfp4"]))
     B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
     pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
     per_seed = []
@@ -267,10 +268,11 @@ def plot(report: dict, out_png: Path) -> Path:
     f = report["figures"]
     panels = 3 if report["moe"] else 2
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), constrained_layout=True)
-    names = ["fp32", "bf16", "fp8-weights", "fp8", "e5m2", "weights_bf16", "weights_fp8"]
-    labels = ["fp32", "bf16", "fp8\nweights", "fp8\nW8A8", "e5m2\nW8A8", "bf16 w.\n(fp32 vLLM)", "fp8 w.\n(fp32 vLLM)"]
+    names = ["fp32", "bf16", "fp8-weights", "fp8", "e5m2", "nvfp4", "weights_bf16", "weights_fp8"]
+    labels = ["fp32", "bf16", "fp8\nweights", "fp8\nW8A8", "e5m2\nW8A8", "nvfp4\nW4A4", "bf16 w.\n(fp32 vLLM)",
+              "fp8 w.\n(fp32 vLLM)"]
     axes[0].bar(labels, [f[f"kl/{n}"]["mean"] for n in names], yerr=[f[f"kl/{n}"]["spread"] for n in names],
-                color=["tab:green", "tab:blue", "tab:red", "tab:cyan", "tab:pink"])
+                color=["tab:green", "tab:blue", "tab:red", "tab:cyan", "tab:pink", "tab:purple"])
     axes[0].set_title("KL(μ‖π) by rollout precision", fontsize=10)
     for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
         ys = [f[f"staleness/{mode}/{n}"]["mean"] for n in STALENESS_UPDATES]

@@ -41,7 +41,7 @@ class DataConfig:
 
 
 # rollout.precision's levels, mildest gap first (the doctor and the lab's dial go in this order)
-PRECISIONS = ("fp32", "bf16", "fp8-weights", "fp8", "e5m2")
+PRECISIONS = ("fp32", "bf16", "fp8-weights", "fp8", "e5m2", "nvfp4")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,8 +50,9 @@ class RolloutConfig:
     # weights and compute of the rollout engine: fp32 | bf16 | fp8 (W8A8: FP8 weights with per-row
     # scales and per-token FP8 activations, vLLM's fp8_per_channel on CUDA; on CPU emulated: weights
     # rounded at every sync, activations at every linear layer). The lab's CPU-only levels:
-    # fp8-weights (weights alone) and e5m2 (W8A8 in e5m2, beyond the paper). Training is fp32 on
-    # CPU, so μ ≠ π even on-policy, and the token IS correction has work to do.
+    # fp8-weights (weights alone), and beyond the paper e5m2 (W8A8 in e5m2) and nvfp4 (W4A4 in
+    # NVFP4, FP4 in blocks of 16). Training is fp32 on CPU, so μ ≠ π even on-policy, and the token
+    # IS correction has work to do.
     precision: str = "bf16"
     temperature: float = 1.0
     max_tokens: int = 8  # response length limit
@@ -467,7 +468,7 @@ def validate(r: Recipe, platform: Platform | None = None) -> None:
 
 def _check_platform(ro: RolloutConfig, p: Platform) -> None:
     """What the machine cannot do: refused, never quietly changed."""
-    if p.device != "cpu" and ro.precision in ("fp8-weights", "e5m2"):
+    if p.device != "cpu" and ro.precision in ("fp8-weights", "e5m2", "nvfp4"):
         raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
                          "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
     if ro.overlap and (p.world_size > 1 or p.device != "cpu"):

@@ -121,11 +121,12 @@ def choose_level(measured: dict[str, dict]) -> tuple[str, str]:
     >>> choose_level({"bf16": {"sd": 0.1}, "fp8-weights": {"sd": 0.4}, "fp8": {"sd": 1.2}, "e5m2": {"sd": 2.0}})[0]
     'fp8'
     """
-    for level in DIAL:
+    dial = [lvl for lvl in DIAL if lvl in measured]  # a study measured before a level existed keeps its own dial
+    for level in dial:
         if measured[level]["sd"] >= MECHANISM_TARGET:
             return level, (f"the mildest level whose per-response spread reaches {MECHANISM_TARGET:g} "
                            f"({measured[level]['sd']:.2f})")
-    widest = max(DIAL, key=lambda lvl: measured[lvl]["sd"])
+    widest = max(dial, key=lambda lvl: measured[lvl]["sd"])
     return widest, (f"no level reaches {MECHANISM_TARGET:g}: the widest ({measured[widest]['sd']:.2f}), at which "
                     f"the IS findings may not show")
 
@@ -151,7 +152,7 @@ def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda 
                       "sd": fig[f"response_sd/{lvl}"]["mean"], "sd_spread": fig[f"response_sd/{lvl}"]["spread"],
                       "predicted": fig[f"response_sd_predicted/{lvl}"]["mean"], "length": fig[f"length/{lvl}"]["mean"],
                       "route_flips": fig.get(f"routing/tokens_with_a_flip/{lvl}", {}).get("mean")}
-                for lvl in PRECISIONS}
+                for lvl in PRECISIONS if f"kl/{lvl}" in fig}
     level, why = choose_level(measured)
     mech = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "doctor": str(reports[-1]), "seeds": seeds,
             "levels": measured, "level": level, "why": why,
@@ -199,20 +200,21 @@ class StudyPlan:
 
 
 def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int = 0, prompts: int = 16,
-         first_seed: int = 0) -> StudyPlan:
+         first_seed: int = 0, dial: tuple[str, ...] = DIAL) -> StudyPlan:
     """The study's arms as cells of a lab plan: every arm at `level` over `seeds`, and, for a
     dose–response, at every other dial level over `dose_seeds` (an arm that sets its own precision,
     the placebo, runs once). `prompts`: the workspace's prompts per on-policy step; an off-policy
     arm's N mini-batches are each that size, so every arm updates on equal mini-batches. One
     folder per study: runs are never shared. `first_seed`: where the seeds start (a confirmation
-    stage's are fresh, CONFIRM_FIRST_SEED on)."""
+    stage's are fresh, CONFIRM_FIRST_SEED on). `dial`: the levels the study's doctor measured
+    (a study measured before a level existed does not grow it)."""
     steps = study.quick_steps if quick else study.steps
     arms = []
     for name, sets, acc in study.arms:
         n = next((int(x.split("=", 1)[1]) for x in sets if x.startswith("train.minibatches=")), 1)
         sets = (*sets, f"train.prompts_per_step={n * prompts}") if n > 1 else sets
         own = any(x.startswith("rollout.precision=") for x in sets)
-        levels = [level] if own or not study.dose or dose_seeds == 0 else [level, *(x for x in DIAL if x != level)]
+        levels = [level] if own or not study.dose or dose_seeds == 0 else [level, *(x for x in dial if x != level)]
         for lvl in levels:
             at = sets if own else (f"rollout.precision={lvl}", *sets)
             tag = next(x.split("=", 1)[1] for x in at if x.startswith("rollout.precision="))

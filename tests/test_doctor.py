@@ -33,10 +33,10 @@ def test_doctor_measures_each_source(tiny_dir, tmp_path):
     rep = json.loads(reports[0].read_text())
     f = {k: v["mean"] for k, v in rep["figures"].items() if isinstance(v, dict)}
     # fp32 vLLM and the fp32 trainer agree to rounding; bf16 compute adds a gap, FP8 (W8A8) more,
-    # and e5m2 (beyond the paper) most
-    assert f["kl/fp32"] < 1e-8 < f["kl/bf16"] < f["kl/fp8"] < f["kl/e5m2"]
+    # and beyond the paper e5m2, then NVFP4, most
+    assert f["kl/fp32"] < 1e-8 < f["kl/bf16"] < f["kl/fp8"] < f["kl/e5m2"] < f["kl/nvfp4"]
     # per response: the measured spread of log π(y)/μ(y), and its prediction from L and the KL
-    for level in ("bf16", "fp8-weights", "fp8", "e5m2"):
+    for level in ("bf16", "fp8-weights", "fp8", "e5m2", "nvfp4"):
         assert f[f"length/{level}"] > 0 and f[f"response_sd/{level}"] > 0 and f[f"response_sd_predicted/{level}"] > 0
     assert f["response_sd/fp32"] < 1e-3 < f["response_sd/fp8"]
     assert all(rep["per_seed"][s]["kl/fp32"] < rep["per_seed"][s]["kl/bf16"] for s in range(2))

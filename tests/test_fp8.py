@@ -22,6 +22,27 @@ def test_fp8_roundtrip_rounds_projections_only():
     assert q[k].dtype == sd[k].dtype
 
 
+def test_nvfp4_rounds_projections_in_blocks_of_16_coarser_than_e5m2():
+    """The lab's coarsest level: FP4 (e2m1) values in blocks of 16 along a row, each block scaled
+    to its own amax, so an element's error is at most about a sixth of its block's largest value."""
+    from minirl.rollout.fp8 import fake_quant_tokens, nvfp4_roundtrip
+
+    sd = Trainer(TINY, lr=1e-3, seed=0).hf_state_dict()
+    q = fp8_roundtrip(sd, fmt="nvfp4")
+    assert {k for k in sd if not torch.equal(sd[k], q[k])} == {k for k in sd if k.endswith("proj.weight")}
+    k = "model.layers.1.mlp.experts.5.down_proj.weight"
+    rel = {fmt: float((sd[k] - fp8_roundtrip(sd, fmt=fmt)[k]).norm() / sd[k].norm()) for fmt in ("e4m3", "e5m2", "nvfp4")}
+    assert rel["e4m3"] < rel["e5m2"] < rel["nvfp4"] < 0.2, rel
+    blocks = sd[k].reshape(-1, 16)
+    err = (q[k].reshape(-1, 16) - blocks).abs()
+    assert bool((err <= blocks.abs().amax(-1, keepdim=True) * 0.2).all())
+    x = torch.randn(3, 5, 64) * torch.logspace(-2, 2, 5)[:, None]  # per token: blocks of its own features
+    got = fake_quant_tokens(x, "nvfp4")
+    assert got.shape == x.shape and got.dtype == x.dtype and not torch.equal(got, x)
+    assert torch.equal(fake_quant_tokens(x[:1], "nvfp4"), got[:1])  # a token's rounding is its own, not its batch's
+    assert torch.allclose(nvfp4_roundtrip(q[k]), q[k], rtol=1e-6, atol=0)  # already on the grid
+
+
 def test_fp8_roundtrip_is_idempotent():
     sd = Trainer(TINY, lr=1e-3, seed=1).hf_state_dict()
     once = fp8_roundtrip(sd)
@@ -91,7 +112,7 @@ def test_vllm_holds_fp8_rounded_weights_and_an_fp32_sync_restores_them(tiny_dir)
 def test_fp8_rollouts_on_cpu_round_activations_per_token_as_fp8_serving_does(tiny_dir, tokenizer):
     """rollout.precision = fp8 emulates W8A8 (CUDA vLLM's fp8_per_channel): on top of the weights,
     every decoder linear layer's and experts layer's input is rounded through e4m3 per token. The
-    lab's levels widen the gap in order: fp8-weights < fp8 < e5m2 (beyond the paper)."""
+    lab's levels widen the gap in order: fp8-weights < fp8 < e5m2 < nvfp4 (the last two beyond the paper)."""
     from minirl.recipe import RolloutConfig
     from minirl.rollout import sync as weight_sync
     from minirl.rollout.cpu.activations import hook_model
@@ -110,11 +131,11 @@ def test_fp8_rollouts_on_cpu_round_activations_per_token_as_fp8_serving_does(tin
     responses = [list(g[0].token_ids) for g in ref.generate(prompts, n=1, temperature=1.0, max_tokens=5, seed=3)]
     fp32 = ref.score(prompts, responses)
     gaps = {}
-    for level in ("fp8-weights", "fp8", "e5m2"):
+    for level in ("fp8-weights", "fp8", "e5m2", "nvfp4"):
         engine = VLLMEngine.from_config(tiny_dir, RolloutConfig(precision=level, kv_cache_gib=0.25), seed=0,
                                         max_model_len=32)
         weight_sync.sync(tr, engine, bucket_bytes=2**30)
         got = engine.score(prompts, responses)
         gaps[level] = sum(abs(a - b) for ga, gb in zip(got, fp32) for a, b in zip(ga, gb)) / sum(map(len, got))
         del engine
-    assert 0 < gaps["fp8-weights"] < gaps["fp8"] < gaps["e5m2"], gaps
+    assert 0 < gaps["fp8-weights"] < gaps["fp8"] < gaps["e5m2"] < gaps["nvfp4"], gaps

