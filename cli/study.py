@@ -199,7 +199,7 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
     mech = read_json(mech_path, "the study's mismatch dial")
     level, why = studies.study_level(study, mech)
     sp = studies.plan(study, seeds=seeds, quick=quick, level=level, dose_seeds=0 if quick else dose_seeds,
-                      prompts=prompts, dial=tuple(lvl for lvl in studies.DIAL if lvl in mech["levels"]))
+                      prompts=prompts, dial=studies.measured_dial(mech["levels"]))
     console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
     _run_and_report(lab_, study, sp, mech, report_only=report_only)
 

@@ -114,6 +114,12 @@ STUDIES = {s.name: s for s in [
 ]}
 
 
+def measured_dial(measured: dict[str, dict]) -> tuple[str, ...]:
+    """The dial's levels a study's doctor measured, mildest first: a study measured before a level
+    existed keeps its own dial (its level and dose–response never grow)."""
+    return tuple(lvl for lvl in DIAL if lvl in measured)
+
+
 def choose_level(measured: dict[str, dict]) -> tuple[str, str]:
     """The study's dial level from the doctor's figures alone (never from an arm's result): the
     mildest level whose per-response spread reaches MECHANISM_TARGET, else the widest there is.
@@ -121,7 +127,7 @@ def choose_level(measured: dict[str, dict]) -> tuple[str, str]:
     >>> choose_level({"bf16": {"sd": 0.1}, "fp8-weights": {"sd": 0.4}, "fp8": {"sd": 1.2}, "e5m2": {"sd": 2.0}})[0]
     'fp8'
     """
-    dial = [lvl for lvl in DIAL if lvl in measured]  # a study measured before a level existed keeps its own dial
+    dial = measured_dial(measured)
     for level in dial:
         if measured[level]["sd"] >= MECHANISM_TARGET:
             return level, (f"the mildest level whose per-response spread reaches {MECHANISM_TARGET:g} "

@@ -56,7 +56,7 @@ def test_the_dial_level_is_chosen_by_the_mechanism_and_run_first():
     assert {lvl for lvl, _, _ in dose} == {"bf16", "fp8-weights", "fp8", "nvfp4"} and len(dose) == 4 * 4 * 2  # no placebo
     # a study whose doctor ran before a level existed (measured above: no nvfp4) keeps its own dial
     old = studies.plan(studies.STUDIES["is"], seeds=5, quick=False, level="e5m2", dose_seeds=2,
-                       dial=tuple(lvl for lvl in studies.DIAL if lvl in measured))
+                       dial=studies.measured_dial(measured))
     assert {a.level for a in old.arms if not a.primary} == {"bf16", "fp8-weights", "fp8"}
     # a study without a dose–response, or --quick, runs its level only
     assert all(a.primary for a in studies.plan(studies.STUDIES["coldstart"], seeds=3, quick=False, level="fp8",
