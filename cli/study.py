@@ -245,9 +245,10 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None
         lab_.hold()  # before the declaration: one writer declares it
     if not path.exists():
         sp1 = studies.plan(study, seeds=v.SEEDS_MOST, quick=quick, level=level, prompts=prompts)
-        stage1 = studies.decide(study, studies.arm_results(first, sp1).get(level, {}))
-        if any(d.text == "not run yet" for d in stage1):
-            raise UsageError(f"the study at {first.out} has not run all its arms: finish it before confirming")
+        res1 = studies.arm_results(first, sp1).get(level, {})
+        if why := studies.unpaired(study, res1):
+            raise UsageError(f"the study at {first.out} has not finished ({why}): finish it before confirming")
+        stage1 = studies.decide(study, res1)
         declared = studies.declare_confirmation(study, stage1, report=str(first.out / "report.md"))
         if declared is None:
             console.print("nothing to confirm: every verdict is significant, already powered, or needs more than "

@@ -312,6 +312,20 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[Decision]:
 CONFIRM_FIRST_SEED = 1000  # the fresh seeds' train.seed: far from any first stage's 0, 1, …
 
 
+def unpaired(study: Study, res: dict[str, list[dict]]) -> str:
+    """Why a first stage is not finished ("" when it is): an arm with no runs, or arms with unequal
+    seed counts (a stage stopped mid-seed). A confirmation sized from it would rest on the seeds
+    that happened to finish.
+
+    >>> unpaired(STUDIES["lengthnorm"], {"MiniRL": [{}, {}], "length norm": [{}]})
+    'MiniRL 2, length norm 1 seeds'
+    """
+    counts = {name: len(res.get(name, [])) for name, _, _ in study.arms}
+    if len(set(counts.values())) == 1 and 0 not in counts.values():
+        return ""
+    return ", ".join(f"{name} {n}" for name, n in counts.items()) + " seeds"
+
+
 def declare_confirmation(study: Study, stage1: list[Decision], *, report: str) -> dict | None:
     """The confirmation stage, declared from the first stage's decisions before any of its runs:
     the comparisons short of power with a seed count within verdicts.SEEDS_MOST, their arms, and

@@ -148,6 +148,10 @@ def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_powe
     res = {"no clip": _arm([0.1, 0.5, 0.1, 0.1, 0.5], collapses=fell), "clip": _arm([0.5] * 5),
            "clip + R2": _arm([0.50, 0.52, 0.49, 0.51, 0.50]), "clip + R3": _arm([0.51, 0.53, 0.50, 0.52, 0.51]),
            "R2, no clip": _arm([0.5] * 5), "R3, no clip": _arm([0.1, 0.5, 0.1, 0.1, 0.5], collapses=fell)}
+    assert studies.unpaired(study, res) == ""
+    stopped = {**res, "R3, no clip": res["R3, no clip"][:4]}  # the first stage stopped mid-seed: no declaration
+    assert studies.unpaired(study, stopped).endswith("R2, no clip 5, R3, no clip 4 seeds")
+    assert studies.unpaired(study, {k: r for k, r in res.items() if k != "clip"}).startswith("no clip 5, clip 0,")
     stage1 = studies.decide(study, res)
     assert [d.needed for d in stage1] == [7, 7, 7, 0]
     declared = studies.declare_confirmation(study, stage1, report="/x/report.md")
