@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minirl import atomic
+from minirl import recipe as recipe_mod
 from minirl.guard import Guard
 from minirl.rollout.seeding import SAMPLING
 from minirl.runlock import RunLock
@@ -118,13 +119,14 @@ class Lab:
         self._lock = RunLock(self.out, what="lab grid")
 
     def cold_start_model(self, target: float, progress) -> Path:
-        """A second cold start of the same task and data, stopped at another dev accuracy (F6);
-        built once, beside the grids' folders, and reused by both grids and every later sweep."""
+        """A second cold start of the workspace's own task and data, stopped at another dev accuracy
+        (F6); built once, beside the grids' folders, and reused by both grids and every later sweep."""
         name = f"acc{round(100 * target)}"
         root = self.out.parent / "coldstarts" / name
         if not (root / "minirl.toml").exists():
-            progress(f"cold start {name} (dev accuracy {target:.0%})")
-            init_workspace(root, task="scratchpad", force=True, overrides=[f"cold_start.target_acc={target}"])
+            task = recipe_mod.load(self.ws_root / "minirl.toml").cold_start.task
+            progress(f"cold start {name} (dev accuracy {target:.0%}, {task})")
+            init_workspace(root, task=task, force=True, overrides=[f"cold_start.target_acc={target}"])
         return root / "model" / "coldstart"
 
     def minirl(self, args: list[str], log: Path) -> subprocess.Popen:

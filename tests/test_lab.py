@@ -128,6 +128,17 @@ def test_a_cell_is_the_run_its_own_process_started_not_the_newest(tmp_path):
     assert lab.run_of_process(tmp_path, 5, since=0.0) is None
 
 
+def test_a_cold_start_for_f6_is_built_for_the_workspaces_own_task(tmp_path, monkeypatch):
+    # the long miniature's F6 compares long cold starts; a short scratchpad one would compare another task
+    (tmp_path / "minirl.toml").write_text(recipe.shipped("tiny-scratchpad-long").read_text())
+    built = []
+    monkeypatch.setattr(lab, "init_workspace", lambda root, **kw: built.append((root.name, kw["task"], kw["overrides"])))
+    L = lab.Lab(tmp_path, tmp_path / "lab" / "study-coldstart" / "full")
+    path = L.cold_start_model(0.1, progress=lambda what: None)
+    assert built == [("acc10", "scratchpad-long", ["cold_start.target_acc=0.1"])]
+    assert path == tmp_path / "lab" / "study-coldstart" / "coldstarts" / "acc10" / "model" / "coldstart"
+
+
 @pytest.mark.slow
 def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
