@@ -199,7 +199,8 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
     mech = read_json(mech_path, "the study's mismatch dial")
     level, why = studies.study_level(study, mech)
     sp = studies.plan(study, seeds=seeds, quick=quick, level=level, dose_seeds=0 if quick else dose_seeds,
-                      prompts=prompts, dial=studies.measured_dial(mech["levels"]))
+                      prompts=prompts, dial=studies.measured_dial(mech["levels"]),
+                      endpoint=studies.study_endpoint(mech))
     console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
     _run_and_report(lab_, study, sp, mech, report_only=report_only)
 
@@ -244,7 +245,8 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None
     if not report_only:
         lab_.hold()  # before the declaration: one writer declares it
     if not path.exists():
-        sp1 = studies.plan(study, seeds=v.SEEDS_MOST, quick=quick, level=level, prompts=prompts)
+        sp1 = studies.plan(study, seeds=v.SEEDS_MOST, quick=quick, level=level, prompts=prompts,
+                           endpoint=studies.study_endpoint(mech))
         res1 = studies.arm_results(first, sp1).get(level, {})
         if why := studies.unpaired(study, res1):
             raise UsageError(f"the study at {first.out} has not finished ({why}): finish it before confirming")
@@ -258,7 +260,7 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None
     declared = read_json(path, "the confirmation stage's declaration")
     sub = studies.confirmation_study(study, declared)
     sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
-                      first_seed=declared["first_seed"])
+                      first_seed=declared["first_seed"], endpoint=studies.study_endpoint(mech))
     console.print(f"confirmation stage: {', '.join(f'{f} ({c})' for f, c in declared['comparisons'])}; "
                   f"{declared['seeds']} fresh seeds per arm at {level}", soft_wrap=True)
     _run_and_report(lab_, sub, sp, mech, report_only=report_only, confirmation=declared)

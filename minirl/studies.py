@@ -44,6 +44,7 @@ DIAL = PRECISIONS[1:]  # fp32 is the placebo's: the gap is kernels alone
 # least this much. Below it rollouts are near-typical samples of π and "without IS" is nearly
 # on-policy; the paper's long responses spread by 4.5–8 (PAPER.md).
 MECHANISM_TARGET = 1.0
+ENDPOINT = "late"  # what a study declares from now on (verdicts.ENDPOINTS); recorded in its mechanism.json
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,8 @@ def choose_level(measured: dict[str, dict]) -> tuple[str, str]:
 
 def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda s: None) -> dict:
     """The dial measured once, before any arm runs: `minirl doctor` on the cold start at every
-    level; kept in the study's mechanism.json and never measured again in that folder, so the level
-    is fixed before any verdict exists."""
+    level; kept in the study's mechanism.json, with the endpoint the study is decided on, and never
+    measured again in that folder, so the level and the endpoint are fixed before any verdict exists."""
     path = lab.out / "mechanism.json"
     if path.exists():
         return json.loads(path.read_text())
@@ -160,11 +161,18 @@ def mechanism(lab: Lab, *, seeds: int, progress: Callable[[str], None] = lambda 
                       "route_flips": fig.get(f"routing/tokens_with_a_flip/{lvl}", {}).get("mean")}
                 for lvl in PRECISIONS if f"kl/{lvl}" in fig}
     level, why = choose_level(measured)
-    mech = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "doctor": str(reports[-1]), "seeds": seeds,
+    mech = {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "endpoint": ENDPOINT, "doctor": str(reports[-1]),
+            "seeds": seeds,
             "levels": measured, "level": level, "why": why,
             "route_flips": fig["routing/disagree"]["mean"] if "routing/disagree" in fig else None}
     atomic.write_text(path, json.dumps(mech, indent=1))
     return mech
+
+
+def study_endpoint(mech: dict) -> str:
+    """The final score the study declared with its dial (verdicts.ENDPOINTS); a study declared
+    before the "late" endpoint existed keeps the last evaluation it was declared with."""
+    return mech.get("endpoint", "last")
 
 
 def study_level(study: Study, mech: dict) -> tuple[str, str]:
@@ -192,6 +200,7 @@ class StudyPlan:
     level: str
     arms: list[Arm]
     first_seed: int = 0  # seed i of an arm runs with train.seed = first_seed + i
+    endpoint: str = ENDPOINT  # a run's final score (verdicts.ENDPOINTS), as its study declared it
 
     def todo(self) -> list[tuple[Arm, int]]:
         """The study's level first, seed by seed (every arm's seed 0, then seed 1, …), so pairs
@@ -206,14 +215,15 @@ class StudyPlan:
 
 
 def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int = 0, prompts: int = 16,
-         first_seed: int = 0, dial: tuple[str, ...] = DIAL) -> StudyPlan:
+         first_seed: int = 0, dial: tuple[str, ...] = DIAL, endpoint: str = ENDPOINT) -> StudyPlan:
     """The study's arms as cells of a lab plan: every arm at `level` over `seeds`, and, for a
     dose–response, at every other dial level over `dose_seeds` (an arm that sets its own precision,
     the placebo, runs once). `prompts`: the workspace's prompts per on-policy step; an off-policy
     arm's N mini-batches are each that size, so every arm updates on equal mini-batches. One
     folder per study: runs are never shared. `first_seed`: where the seeds start (a confirmation
     stage's are fresh, CONFIRM_FIRST_SEED on). `dial`: the levels the study's doctor measured
-    (a study measured before a level existed does not grow it)."""
+    (a study measured before a level existed does not grow it). `endpoint`: the final score the
+    study declared (study_endpoint)."""
     steps = study.quick_steps if quick else study.steps
     arms = []
     for name, sets, acc in study.arms:
@@ -229,7 +239,7 @@ def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int =
     every = study.eval_every if study.eval_every and not quick else max(5, steps // 6)
     p = Plan(steps=steps, eval_every=every, seeds=seeds, offpolicy_n=(4,), cold_start_targets=(),
              cells=[a.cell for a in arms])
-    return StudyPlan(p, level, arms, first_seed)
+    return StudyPlan(p, level, arms, first_seed, endpoint)
 
 
 def run(lab: Lab, study: Study, sp: StudyPlan, *, on_run: Callable[[str, int, int], None] = lambda *a: None,
@@ -255,6 +265,8 @@ def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
             metric = summary["heldout"]["metric"]
             start, end = summary["heldout"]["start"][metric], summary["heldout"]["end"][metric]
             rows = rows_of(run)
+            if sp.endpoint == "late" and (late := v.late_score(rows)) is not None:
+                end = late
             out.setdefault(sp.level if arm.primary else arm.level, {}).setdefault(arm.name, []).append({
                 "seed": s, "collapse": v.collapse_step(rows, heldout_start=start), "start": start, "final": end,
                 "steps": rows[-1]["step"] if rows else 0, "rows": rows, "lr": summary["recipe"]["train"]["lr"],
@@ -503,7 +515,8 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
     lines += [f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
              f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; learning "
              f"rate {', '.join(f'{x:g}' for x in lrs) or 'of the recipe'} in every arm (the workspace recipe's, set "
-             f"once; no arm sets it). "
+             f"once; no arm sets it). Final held-out score: {v.ENDPOINTS[sp.endpoint]}"
+             f"{' (declared before the late-third endpoint existed)' if sp.endpoint == 'last' else ''}. "
              f"Collapsed: the rule of `minirl/verdicts.py` (reward under "
              f"{v.COLLAPSE_REWARD_FRAC} × its best window with the entropy out of [{v.ENTROPY_LOW}, {v.ENTROPY_HIGH}] × "
              f"its start, or held-out under {v.COLLAPSE_HELDOUT_FRAC} × its start). α = {v.ALPHA}.", "",

@@ -69,6 +69,31 @@ def collapse_step(rows: Sequence[dict], heldout_start: float | None = None) -> i
     return None
 
 
+# A run's final held-out score, the endpoint every score comparison is decided on. "last": the
+# last evaluation. "late": the mean of the evaluations in the run's last third (steps ≥ 2/3 of
+# its last): a policy swings between evaluations by far more than the evaluation's own noise
+# (docs/results/lab.md, the long miniature's placebo pair), and one evaluation inherits the swing
+# whole. A study records its endpoint before its first run (studies.mechanism); one declared
+# before "late" existed keeps "last".
+ENDPOINTS = {"last": "the last held-out evaluation",
+             "late": "the mean of the held-out evaluations in the run's last third"}
+
+
+def late_score(rows: Sequence[dict]) -> float | None:
+    """The "late" endpoint: the mean held-out score over the evaluations at steps ≥ 2/3 of the
+    run's last, or None where the run logged no evaluation there.
+
+    >>> rows = [{"step": s, "heldout/avg@4": x} for s, x in [(50, 0.2), (75, 0.4), (100, 0.6), (125, 0.9), (150, 0.6)]]
+    >>> round(late_score(rows), 3)
+    0.7
+    """
+    if not rows:
+        return None
+    last = rows[-1]["step"]
+    pts = [x for r in rows if 3 * r["step"] >= 2 * last for k, x in r.items() if k.startswith("heldout/avg@")]
+    return float(np.mean(pts)) if pts else None
+
+
 # F6 compares cold starts once training has converged: a run has plateaued when its held-out score
 # rises by less than PLATEAU_SLOPE per 100 steps over the second half of the run (least squares
 # over the evaluations there; the score's own noise is 0.016–0.031 at 256 problems × 4 samples).

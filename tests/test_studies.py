@@ -200,6 +200,7 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     assert set(mech["levels"]) == {"fp32", *studies.DIAL} and mech["level"] in studies.DIAL
     assert mech["levels"]["fp32"]["kl"] < mech["levels"]["bf16"]["kl"]
     assert studies.mechanism(L, seeds=1) == mech and len(list((L.out / "doctor").glob("*.json"))) == 1  # once
+    assert studies.study_endpoint(mech) == "late"  # declared with the dial, before any run
     sp = studies.plan(study, seeds=2, quick=True, level=mech["level"])
     sp = dataclasses.replace(sp, plan=dataclasses.replace(sp.plan, steps=2, eval_every=1))
     seen = []
@@ -222,6 +223,33 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     assert f"Level: **{lvl}**" in text
     assert "| F2 | length normalisation ends lower | length norm − MiniRL |" in text and "inconclusive" not in text
     assert "![the study](study-lengthnorm.png)" in text and (L.out / "study-lengthnorm.png").stat().st_size > 10_000
+
+
+def test_a_run_is_scored_on_the_endpoint_its_study_declared(tmp_path):
+    """The late third's mean for a study declared with it; the last evaluation for one declared
+    before it existed (its mechanism.json has no endpoint), so no verdict moves after its runs."""
+    study = studies.STUDIES["lengthnorm"]
+    L = lab.Lab(tmp_path, tmp_path / "lab")
+    evals = {25: 0.5, 50: 0.6, 75: 0.7, 100: 0.8, 125: 0.6, 150: 0.7}
+    for name, seed in [("MiniRL", 0), ("length norm", 0)]:
+        run = tmp_path / "runs" / f"{name}-{seed}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({
+            "heldout": {"metric": "avg@4", "start": {"avg@4": 0.4}, "end": {"avg@4": evals[150]}},
+            "recipe": {"train": {"lr": 3e-4}}}))
+        rows = [{"step": s, "rollout/reward_mean": 0.5, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3,
+                 **({"heldout/avg@4": evals[s]} if s in evals else {})} for s in range(1, 151)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    declared = studies.plan(study, seeds=1, quick=False, level="e5m2")
+    for arm in declared.arms:
+        L.state["runs"][f"{arm.cell.id}/s0"] = str(tmp_path / "runs" / f"{arm.name}-0")
+    assert declared.endpoint == "late" == studies.study_endpoint({"endpoint": "late"})
+    late = studies.arm_results(L, declared)["e5m2"]["MiniRL"][0]["final"]
+    assert late == pytest.approx((0.8 + 0.6 + 0.7) / 3)  # steps 100, 125, 150: the last third of 150
+    old = studies.plan(study, seeds=1, quick=False, level="e5m2", endpoint=studies.study_endpoint({}))
+    assert studies.arm_results(L, old)["e5m2"]["MiniRL"][0]["final"] == 0.7
+    text = studies.write_report(study, old, studies.arm_results(L, old), None, tmp_path).read_text()
+    assert "Final held-out score: the last held-out evaluation (declared before the late-third" in text
 
 
 def test_a_study_not_about_the_gap_keeps_the_papers_level_whatever_the_dial_chose():
