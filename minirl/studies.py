@@ -265,7 +265,7 @@ def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
             metric = summary["heldout"]["metric"]
             start, end = summary["heldout"]["start"][metric], summary["heldout"]["end"][metric]
             rows = rows_of(run)
-            if sp.endpoint == "late" and (late := v.late_score(rows)) is not None:
+            if sp.endpoint == "late" and (late := v.late_score(rows, end=end)) is not None:
                 end = late
             out.setdefault(sp.level if arm.primary else arm.level, {}).setdefault(arm.name, []).append({
                 "seed": s, "collapse": v.collapse_step(rows, heldout_start=start), "start": start, "final": end,

@@ -79,18 +79,23 @@ ENDPOINTS = {"last": "the last held-out evaluation",
              "late": "the mean of the held-out evaluations in the run's last third"}
 
 
-def late_score(rows: Sequence[dict]) -> float | None:
+def late_score(rows: Sequence[dict], end: float | None = None) -> float | None:
     """The "late" endpoint: the mean held-out score over the evaluations at steps ≥ 2/3 of the
-    run's last, or None where the run logged no evaluation there.
+    run's last, or None where there was none. `end`: the run's closing evaluation, which its rows
+    hold only where the last step fell on the evaluation schedule.
 
     >>> rows = [{"step": s, "heldout/avg@4": x} for s, x in [(50, 0.2), (75, 0.4), (100, 0.6), (125, 0.9), (150, 0.6)]]
-    >>> round(late_score(rows), 3)
+    >>> round(late_score(rows, end=0.6), 3)
     0.7
+    >>> round(late_score(rows[:-1] + [{"step": 160}], end=0.3), 3)  # 160 is off the schedule: `end` counts
+    0.6
     """
     if not rows:
         return None
     last = rows[-1]["step"]
     pts = [x for r in rows if 3 * r["step"] >= 2 * last for k, x in r.items() if k.startswith("heldout/avg@")]
+    if end is not None and not any(k.startswith("heldout/avg@") for k in rows[-1]):
+        pts.append(end)
     return float(np.mean(pts)) if pts else None
 
 

@@ -246,6 +246,11 @@ def test_a_run_is_scored_on_the_endpoint_its_study_declared(tmp_path):
     assert declared.endpoint == "late" == studies.study_endpoint({"endpoint": "late"})
     late = studies.arm_results(L, declared)["e5m2"]["MiniRL"][0]["final"]
     assert late == pytest.approx((0.8 + 0.6 + 0.7) / 3)  # steps 100, 125, 150: the last third of 150
+    # a run whose last step is off the schedule logs its closing evaluation in summary.json only
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "MiniRL-0" / "metrics.jsonl").read_text().splitlines()]
+    rows[-1].pop("heldout/avg@4")
+    (tmp_path / "runs" / "MiniRL-0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert studies.arm_results(L, declared)["e5m2"]["MiniRL"][0]["final"] == pytest.approx(late)
     old = studies.plan(study, seeds=1, quick=False, level="e5m2", endpoint=studies.study_endpoint({}))
     assert studies.arm_results(L, old)["e5m2"]["MiniRL"][0]["final"] == 0.7
     text = studies.write_report(study, old, studies.arm_results(L, old), None, tmp_path).read_text()
