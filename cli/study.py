@@ -3,6 +3,7 @@ findings reproduced on the embedded default."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
@@ -215,8 +216,15 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
         with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console) as prog:
             bar = prog.add_task(study.name, total=len(todo))
-            studies.run(lab_, study, sp, on_run=lambda what, i, n: prog.update(bar, description=what, completed=i),
-                        progress=lambda what: prog.update(bar, description=what))
+            plain = not console.is_terminal  # a log: rich draws no live bars there, so say where the study is in lines
+
+            def on_run(what: str, i: int, n: int) -> None:
+                prog.update(bar, description=what, completed=i)
+                if plain:
+                    where = f"run {i + 1}/{n}: {what}" if i < n else f"{what}: {n} runs"
+                    console.print(f"{time.strftime('%H:%M:%S')} {where}", soft_wrap=True)
+
+            studies.run(lab_, study, sp, on_run=on_run, progress=lambda what: prog.update(bar, description=what))
     res = studies.arm_results(lab_, sp)
     for cmp, text, _ in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,25 @@ def test_a_study_not_about_the_gap_keeps_the_papers_level_whatever_the_dial_chos
         for lvl in ("bf16", "fp8", "e5m2")})
     text = "\n".join(studies.mechanism_lines(mech, studies.study_level(studies.STUDIES["coldstart"], mech)))
     assert "| fp8 (the study's level) |" in text and "| e5m2 |" in text and "Level: **fp8**, fixed by the study" in text
+
+
+def test_a_study_piped_to_a_log_says_each_run_in_a_line(tmp_path, capsys):
+    """Rich draws no live bars into a log (nohup, CI): the study says each run it starts, with the time."""
+    from cli import study as cli_study
+
+    class Cells:  # the seam: each run is a `minirl run` process of its own (lab.Lab.run_cell)
+        out, state = tmp_path, {"runs": {}}
+
+        def run_cell(self, cell, seed, plan, progress):
+            self.state["runs"][f"{cell.id}/s{seed}"] = None
+            del self.state["runs"][f"{cell.id}/s{seed}"]  # nothing left to read: the report says "not run yet"
+
+    study = studies.STUDIES["lengthnorm"]
+    sp = studies.plan(study, seeds=2, quick=True, level="e5m2")
+    cli_study._run_and_report(Cells(), study, sp, None, report_only=False)
+    lines = [x for x in capsys.readouterr().out.splitlines() if re.match(r"\d\d:\d\d:\d\d ", x)]
+    assert [x.split(" ", 1)[1] for x in lines] == [
+        "run 1/4: lengthnorm: MiniRL @ e5m2 (seed 0)", "run 2/4: lengthnorm: length norm @ e5m2 (seed 0)",
+        "run 3/4: lengthnorm: MiniRL @ e5m2 (seed 1)", "run 4/4: lengthnorm: length norm @ e5m2 (seed 1)",
+        "done: 4 runs"]
+    assert (tmp_path / "report.md").exists()
