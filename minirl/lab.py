@@ -139,6 +139,15 @@ class Lab:
             child.wait()
         return child
 
+    def finished(self, cell: Cell, seed: int, p: Plan, *, guarded: bool = False) -> Path | None:
+        """The run folder of (cell, seed) where it finished with the settings it would run with now."""
+        key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
+        recorded = [*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ()), f"#sampling={SAMPLING}"]
+        done = self.state["runs"].get(key)
+        if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == recorded:
+            return Path(done)
+        return None
+
     def run_cell(self, cell: Cell, seed: int, p: Plan, *, progress, guarded: bool = False) -> Path:
         """One (cell, seed): a `minirl run` of its own; returns its run folder. `guarded`: the same
         run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
@@ -146,9 +155,8 @@ class Lab:
         sets = [*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())]
         recorded = [*sets, f"#sampling={SAMPLING}"]  # a run sampled another way is not this cell's
         key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
-        done = self.state["runs"].get(key)
-        if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == recorded:
-            return Path(done)  # the same cell with the same settings: reused
+        if done := self.finished(cell, seed, p, guarded=guarded):
+            return done  # the same cell with the same settings: reused
         if cell.cold_start:
             sets.append(f"model.path={self.cold_start_model(cell.cold_start, progress)}")
         log = self.out / "logs" / f"{key.replace('/', '-')}.log"

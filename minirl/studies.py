@@ -246,6 +246,8 @@ def run(lab: Lab, study: Study, sp: StudyPlan, *, on_run: Callable[[str, int, in
         progress: Callable[[str], None] = lambda s: None) -> None:
     todo = sp.todo()
     for i, (arm, seed) in enumerate(todo):
+        if lab.finished(arm.cell, seed, sp.plan):
+            continue  # a resumed study: said once, when it ran
         on_run(f"{study.name}: {arm.name} @ {arm.level} (seed {seed})", i, len(todo))
         lab.run_cell(arm.cell, seed, sp.plan, progress=progress)
     on_run("done", len(todo), len(todo))
