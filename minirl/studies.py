@@ -468,7 +468,8 @@ def plot_dose(study: Study, res: dict[str, dict[str, list[dict]]], mech: dict, o
 
 def _summary(runs: list[dict]) -> str:
     finals = [r["final"] for r in runs]
-    return (f"{statistics.fmean(finals):.3f} [{min(finals):.3f}, {max(finals):.3f}], "
+    spread = f" [{min(finals):.3f}, {max(finals):.3f}]" if len(finals) > 1 else ""  # one seed has no range
+    return (f"{statistics.fmean(finals):.3f}{spread}, "
             f"{sum(r['collapse'] is not None for r in runs)}/{len(runs)} collapsed")
 
 
@@ -540,7 +541,9 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
         if len(levels) < 2:
             lines.append("Not run yet: the other levels run after the study's own.")
         else:
-            lines += ["| arm | " + " | ".join(levels) + " |", "|---" * (len(levels) + 1) + "|"]
+            heads = [f"{lvl} (SD {mech['levels'][lvl]['sd']:.2f})" if mech and lvl in mech["levels"] else lvl
+                     for lvl in levels]  # each level's measured per-response spread: the dose
+            lines += ["| arm | " + " | ".join(heads) + " |", "|---" * (len(levels) + 1) + "|"]
             for name in dict.fromkeys(names):
                 lines.append(f"| {name} | " + " | ".join(_summary(res[lvl][name]) if name in res[lvl] else "—"
                                                       for lvl in levels) + " |")

@@ -94,7 +94,11 @@ def test_the_report_opens_with_the_dial_and_draws_the_dose_response(tmp_path):
     assert text.index("| e5m2 (the study's level) |") < text.index("## Verdicts at e5m2") < text.index("## Dose–response")
     assert "learning rate 0.0003 in every arm (the workspace recipe's" in text and "| fp8 | 1.00e-03 ± 1.0e-04 | 0.410 ± 0.10 | 0.40 | 32.0 | 5.0% |" in text
     dose = text.split("## Dose–response")[1]
-    assert "| arm | bf16 | fp8 | e5m2 |" in dose and "| MiniRL | 0.455 [0.450, 0.460], 0/2 collapsed |" in dose
+    assert "| arm | bf16 (SD 0.15) | fp8 (SD 0.41) | e5m2 (SD 1.00) |" in dose
+    assert "| MiniRL | 0.455 [0.450, 0.460], 0/2 collapsed |" in dose
+    res["bf16"]["MiniRL"] = res["bf16"]["MiniRL"][:1]  # one seed: a value, no range
+    dose = studies.write_report(study, sp, res, mech, tmp_path).read_text().split("## Dose–response")[1]
+    assert "| MiniRL | 0.450, 0/1 collapsed | 0.425 [0.420, 0.430], 0/2 collapsed |" in dose
     assert "placebo" not in dose.split("![")[0] and (tmp_path / "study-is-dose.png").stat().st_size > 10_000
 
 
