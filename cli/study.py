@@ -107,8 +107,11 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
 @click.option("--confirm", is_flag=True,
               help="A study's confirmation stage: the comparisons its report found short of power, run again on as "
                    "many fresh seeds as power 0.8 needs and decided on those alone.")
+@click.option("--at", "at", default=None, metavar="LEVEL",
+              help="A study's follow-up at another level of its measured dial, where its dose–response showed "
+                   "something: its arms on fresh seeds (--seeds, default 5) at LEVEL, decided on those alone.")
 def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, report_only: bool,
-        confirm: bool) -> None:
+        confirm: bool, at: str | None) -> None:
     """Reproduce the paper's stability findings (F1-F6) in miniature.
 
     `minirl lab STUDY [WORKSPACE]` runs one study (is: F1, F3 with a placebo; offpolicy: F4, F5;
@@ -125,6 +128,10 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     `minirl lab STUDY [WORKSPACE] --confirm`, once the study has run: where its verdicts were
     "not observed" for want of power, a second stage runs the seeds power 0.8 needs, fresh, and
     decides those comparisons on them alone (.../study-STUDY/full/confirm/report.md).
+
+    `minirl lab STUDY [WORKSPACE] --at LEVEL`, once the study has run: its arms (not the placebo)
+    at another level of the dial it measured, on fresh seeds, decided on those alone
+    (.../study-STUDY/full/at-LEVEL/report.md).
 
     Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
     does not exist.
@@ -146,6 +153,11 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         raise UsageError("--confirm confirms a study: minirl lab STUDY [WORKSPACE] --confirm")
     if confirm and seeds is not None:
         raise UsageError("--confirm takes its seeds from the first stage's power, not from --seeds")
+    if at is not None and (study is None or confirm):
+        raise UsageError("--at follows up a study at another dial level: minirl lab STUDY [WORKSPACE] --at LEVEL "
+                         "(not with --confirm)")
+    if at is not None and at not in recipe_mod.PRECISIONS[1:]:
+        raise UsageError(f"--at {at}: not a level of the mismatch dial ({', '.join(recipe_mod.PRECISIONS[1:])})")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
@@ -164,6 +176,9 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         if confirm:
             return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
                             report_only=report_only)
+        if at is not None:
+            return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds,
+                              prompts=rec.train.prompts_per_step, report_only=report_only)
         return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), dose_seeds=dose_seeds,
                       prompts=rec.train.prompts_per_step, report_only=report_only)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
@@ -206,7 +221,8 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
     _run_and_report(lab_, study, sp, mech, report_only=report_only)
 
 
-def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None) -> None:
+def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None,
+                    follow_up: dict | None = None) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
@@ -228,7 +244,7 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
     res = studies.arm_results(lab_, sp)
     for cmp, text, _ in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
-    path = studies.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation)
+    path = studies.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation, follow_up=follow_up)
     console.print(f"report: {path}", soft_wrap=True)
 
 
@@ -272,3 +288,43 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None
     console.print(f"confirmation stage: {', '.join(f'{f} ({c})' for f, c in declared['comparisons'])}; "
                   f"{declared['seeds']} fresh seeds per arm at {level}", soft_wrap=True)
     _run_and_report(lab_, sub, sp, mech, report_only=report_only, confirmation=declared)
+
+
+def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, prompts: int, report_only: bool) -> None:
+    """A study's follow-up at another level of its measured dial (studies.declare_follow_up):
+    declared once, in at-LEVEL/at.json, before any of its runs; resumable like the study."""
+    import json
+
+    from minirl import atomic, studies  # deferred, with the one below: torch and scipy, after _prepare_env
+    from minirl import lab as lab_mod  # deferred: torch
+
+    first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
+    if not (first.out / "mechanism.json").exists():
+        raise UsageError(f"no study at {first.out}: run `minirl lab {study.name} {ws.root}` first")
+    mech = read_json(first.out / "mechanism.json", "the study's mismatch dial")
+    if level == studies.study_level(study, mech)[0]:
+        raise UsageError(f"{level} is the study's own level: more seeds there are a confirmation stage (--confirm)")
+    lab_ = lab_mod.Lab(ws.root, first.out / f"at-{level}")
+    path = lab_.out / "at.json"
+    if report_only and not path.exists():
+        raise UsageError(f"no follow-up at {lab_.out}: run `minirl lab {study.name} {ws.root} --at {level}`")
+    try:  # refused before anything is written
+        declared = studies.declare_follow_up(study, level, seeds=seeds or (2 if quick else 5),
+                                             report=str(first.out / "report.md"),
+                                             dial=studies.measured_dial(mech["levels"]))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not report_only:
+        lab_.hold()  # before the declaration: one writer declares it
+    if not path.exists():
+        atomic.write_text(path, json.dumps(declared, indent=1))
+    declared = read_json(path, "the follow-up's declaration")
+    if seeds is not None and seeds != declared["seeds"]:
+        raise UsageError(f"the follow-up at {level} was declared with {declared['seeds']} seeds per arm; "
+                         f"its seeds do not change after its first run")
+    sub = studies.follow_up_study(study, declared)
+    sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
+                      first_seed=declared["first_seed"], endpoint=declared["endpoint"])
+    console.print(f"follow-up at {level}: {', '.join(a[0] for a in sub.arms)}; {declared['seeds']} fresh seeds per "
+                  f"arm (train.seed {declared['first_seed']} on)", soft_wrap=True)
+    _run_and_report(lab_, sub, sp, mech, report_only=report_only, follow_up=declared)

@@ -71,6 +71,7 @@ class Study:
     dose: bool = True  # run the other dial levels for the dose–response (F6's cold starts: no)
     eval_every: int = 0  # held-out every this many steps; 0: six evaluations a run
     level: str = ""  # a fixed rollout precision for a finding that is not about the gap; "": the dial's level
+    level_why: str = "the paper's own rollouts"  # why `level` is fixed (the report's words)
 
 
 OFF = ("train.minibatches=4",)  # N = 4 mini-batches, each of the on-policy batch's size (plan adds prompts_per_step)
@@ -179,7 +180,7 @@ def study_level(study: Study, mech: dict) -> tuple[str, str]:
     """The level the study's verdicts are decided at, and why: its own where it fixes one, else the
     dial's (chosen by the mechanism alone, choose_level)."""
     if study.level:
-        return study.level, f"fixed by the study: the paper's own rollouts, not the dial's {mech['level']}"
+        return study.level, f"fixed by the study: {study.level_why}, not the dial's {mech['level']}"
     return mech["level"], mech["why"]
 
 
@@ -361,6 +362,33 @@ def confirmation_study(study: Study, declared: dict) -> Study:
     return replace(study, arms=tuple(a for a in study.arms if a[0] in names), comparisons=comparisons, dose=False)
 
 
+# A follow-up: a study's arms on fresh seeds at another level of its measured dial, where its
+# dose–response (a seed or two per level) showed something worth a test of its own. Declared in
+# the follow-up's at.json before its first run; its verdicts rest on its own seeds alone, so the
+# dose–response seeds that prompted it are not counted twice.
+FOLLOW_UP_FIRST_SEED = 2000  # far from a first stage's 0, 1, … and a confirmation's 1000, …
+
+
+def declare_follow_up(study: Study, level: str, *, seeds: int, report: str, dial: tuple[str, ...]) -> dict:
+    """The follow-up at `level`, declared before any of its runs (at.json)."""
+    if not study.dose:
+        raise ValueError(f"the {study.name} study has no dose–response to follow up")
+    if level not in dial:
+        raise ValueError(f"{level} is not on the study's measured dial ({', '.join(dial)})")
+    return {"declared_at": time.strftime("%Y-%m-%d %H:%M:%S"), "from": report, "level": level, "seeds": seeds,
+            "first_seed": FOLLOW_UP_FIRST_SEED, "endpoint": ENDPOINT}
+
+
+def follow_up_study(study: Study, declared: dict) -> Study:
+    """The study at the declared level: its arms that take the dial's precision (the placebo sets
+    its own and is the same at any level), the comparisons among them, no dose–response."""
+    arms = tuple(a for a in study.arms if not any(x.startswith("rollout.precision=") for x in a[1]))
+    names = {a[0] for a in arms}
+    return replace(study, arms=arms, comparisons=tuple(c for c in study.comparisons if {c.a, c.b} <= names),
+                   dose=False, level=declared["level"],
+                   level_why=f"a follow-up declared at {declared['declared_at']} after the dose–response")
+
+
 def _still_rising(arms: dict[str, list[dict]]) -> str:
     """Why the arms have not plateaued ("" when they have): an arm's held-out slope over the second
     half of its runs at or above verdicts.PLATEAU_SLOPE on average and above 0 across seeds
@@ -500,11 +528,19 @@ def mechanism_lines(mech: dict | None, level: tuple[str, str] | None = None) -> 
 
 
 def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict]]], mech: dict | None,
-                 out: Path, *, confirmation: dict | None = None) -> Path:
-    """report.md of a study (or of its confirmation stage, `confirmation` its declaration)."""
+                 out: Path, *, confirmation: dict | None = None, follow_up: dict | None = None) -> Path:
+    """report.md of a study (or of its confirmation stage or a follow-up, `confirmation` or
+    `follow_up` its declaration)."""
     p, here = sp.plan, res.get(sp.level, {})
     lrs = sorted({r["lr"] for arms in res.values() for runs in arms.values() for r in runs})
-    lines = [f"# minirl lab {study.name}" + (": confirmation stage" if confirmation else ""), "", f"{study.question}", ""]
+    stage = ": confirmation stage" if confirmation else f": follow-up at {follow_up['level']}" if follow_up else ""
+    lines = [f"# minirl lab {study.name}{stage}", "", f"{study.question}", ""]
+    if follow_up:
+        lines += ["## Declared before its first run", "",
+                  f"At {follow_up['declared_at']}, after the first stage's dose–response (`{follow_up['from']}`): "
+                  f"the study's arms at {follow_up['level']} on {follow_up['seeds']} fresh seeds per arm (train.seed "
+                  f"{follow_up['first_seed']} on), decided on those alone: the dose–response's own seeds prompted "
+                  f"the test and are not counted in it.", ""]
     if confirmation:
         lines += ["## Declared before its first run", "",
                   f"At {confirmation['declared_at']}, from the first stage's report (`{confirmation['from']}`): "

@@ -193,6 +193,8 @@ CASES = [
     ("lab-confirm-grid", ["lab", "{new}", "--confirm"], None, "--confirm confirms a study"),
     ("lab-confirm-seeds", ["lab", "is", "{new}", "--confirm", "--seeds", "7"], None,
      "--confirm takes its seeds from the first stage's power"),
+    ("lab-at-grid", ["lab", "{new}", "--at", "nvfp4"], None, "--at follows up a study at another dial level"),
+    ("lab-at-level", ["lab", "is", "{new}", "--at", "fp4"], None, "--at fp4: not a level of the mismatch dial"),
     ("doctor-small-batch", ["doctor", "-w", "{ws}", "--set", "train.prompts_per_step=4"], None,
      "train.prompts_per_step = 4: the doctor measures staleness over 8 mini-batches"),
     # --- run: recipe values and --set forms -------------------------------------------------------

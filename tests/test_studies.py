@@ -298,3 +298,56 @@ def test_a_study_piped_to_a_log_says_each_run_in_a_line(tmp_path, capsys):
         "run 3/4: lengthnorm: MiniRL @ e5m2 (seed 1)", "run 4/4: lengthnorm: length norm @ e5m2 (seed 1)",
         "done: 4 runs"]
     assert (tmp_path / "report.md").exists()
+
+
+def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp_path):
+    """The long miniature's dose–response showed the IS-corrected arms failing at nvfp4 on one seed:
+    `--at nvfp4` declares a test of its own there (fresh seeds, no placebo, the comparisons among
+    the arms it runs) and refuses what would not be one."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from minirl.errors import UsageError
+
+    ws = tmp_path / "ws"
+    (ws / "lab" / "study-is" / "full").mkdir(parents=True)
+    (ws / "minirl.toml").write_text(recipe.shipped("tiny-scratchpad-long").read_text())
+    level = {"kl": 1e-3, "kl_spread": 0.0, "sd_spread": 0.0, "predicted": 0.4, "length": 98.0}
+    mech = {"measured_at": "2026-11-25 13:43:14", "doctor": "/x/doctor-1.json", "seeds": 3, "level": "e5m2",
+            "why": "w", "route_flips": None, "levels": {lvl: {**level, "sd": sd} for lvl, sd in (
+                ("fp32", 0.0), ("bf16", 0.15), ("fp8-weights", 0.37), ("fp8", 0.61), ("e5m2", 1.15))}}
+    (ws / "lab" / "study-is" / "full" / "mechanism.json").write_text(json.dumps(mech))
+
+    def refused(*args) -> str:  # the one line `minirl` prints (exit 2) for a UsageError
+        r = CliRunner().invoke(cli, ["lab", *args])
+        assert isinstance(r.exception, UsageError), r.output
+        return str(r.exception)
+
+    assert "is the study's own level" in refused("is", str(ws), "--at", "e5m2")
+    assert "nvfp4 is not on the study's measured dial" in refused("is", str(ws), "--at", "nvfp4")
+    assert "no study at" in refused("lengthnorm", str(ws), "--at", "bf16")  # lengthnorm never ran here
+    (ws / "lab" / "study-lengthnorm" / "full").mkdir(parents=True)
+    (ws / "lab" / "study-lengthnorm" / "full" / "mechanism.json").write_text(json.dumps(mech))
+    assert "the lengthnorm study has no dose–response to follow up" in refused("lengthnorm", str(ws), "--at", "bf16")
+    assert "no follow-up at" in refused("is", str(ws), "--at", "fp8", "--report-only")
+    assert not (ws / "lab" / "study-is" / "full" / "at-fp8").exists()  # refused before anything was written
+
+    declared = studies.declare_follow_up(studies.STUDIES["is"], "fp8", seeds=5, report="/x/report.md",
+                                         dial=studies.measured_dial(mech["levels"]))
+    sub = studies.follow_up_study(studies.STUDIES["is"], declared)
+    assert [a[0] for a in sub.arms] == ["MiniRL", "w/o IS", "R3", "R3 w/o IS"] and not sub.dose
+    assert [c.finding for c in sub.comparisons] == ["F1", "F1", "F3", "F3", "F3"]  # the placebo's is gone
+    why = f"fixed by the study: a follow-up declared at {declared['declared_at']} after the dose–response"
+    assert studies.study_level(sub, mech) == ("fp8", f"{why}, not the dial's e5m2")
+    sp = studies.plan(sub, seeds=5, quick=False, level="fp8", first_seed=declared["first_seed"],
+                      endpoint=declared["endpoint"])
+    assert {a.cell.sets[0] for a in sp.arms} == {"rollout.precision=fp8"} and sp.todo()[0][1] == 2000
+    text = studies.write_report(sub, sp, {}, mech, tmp_path, follow_up=declared).read_text()
+    assert text.startswith("# minirl lab is: follow-up at fp8") and "train.seed 2000 on" in text
+    # declared once: its seeds do not change after
+    out = ws / "lab" / "study-is" / "full" / "at-fp8"
+    out.mkdir()
+    (out / "at.json").write_text(json.dumps(declared))
+    assert "declared with 5 seeds per arm" in refused("is", str(ws), "--at", "fp8", "--seeds", "7", "--report-only")
+    r = CliRunner().invoke(cli, ["lab", "is", str(ws), "--at", "fp8", "--report-only"])
+    assert r.exit_code == 0 and (out / "report.md").read_text().startswith("# minirl lab is: follow-up at fp8")
