@@ -178,6 +178,7 @@ def eval_benchmark(
     are appended to `<results>.partial.jsonl` chunk by chunk and are not generated again; the
     final JSON holds the summary and a per-problem breakdown.
     """
+    import hashlib
     import json
     import time
     from pathlib import Path
@@ -208,9 +209,16 @@ def eval_benchmark(
         prompts.append(ids)
 
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(model_dir.resolve()).strip("/"))[-80:]
+    # everything besides the checkpoint that decides the samples and their grades: an eval under
+    # other settings (another rollout precision, temperature, seed…) neither resumes this one's
+    # partial results nor overwrites its file
+    settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, "max_tokens": max_tokens,
+                "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
+                "problems": len(records)}
+    tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / f"{bench.name}-k{rec.eval.k}-{slug}.json"
+    final = out_dir / f"{bench.name}-k{rec.eval.k}-{slug}-{tag}.json"
     partial = final.with_suffix(".partial.jsonl")
     done = {}
     if partial.exists():
@@ -263,6 +271,8 @@ def eval_benchmark(
         **{f"pass@{j}": sum(pass_at(k, sum(c), j) for c in correct) / max(1, len(correct))
            for j in (1, 5, 10, 100) if j < k},
         "temperature": rec.eval.temperature,
+        "rollout_precision": rec.rollout.precision,
+        "seed": rec.train.seed,
         "max_tokens": max_tokens,
         "truncated_prompts": truncated,
         "grader": grader_name,

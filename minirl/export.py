@@ -161,7 +161,8 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
 def eval_results_for(ws_root: Path, ckpt: Checkpoint) -> list[dict]:
     """`minirl eval` results of this checkpoint (workspace evals/), newest per benchmark."""
     found: dict[str, dict] = {}
-    for f in sorted((ws_root / "evals").glob("*.json")) if (ws_root / "evals").is_dir() else []:
+    files = (ws_root / "evals").glob("*.json") if (ws_root / "evals").is_dir() else []
+    for f in sorted(files, key=lambda f: f.stat().st_mtime):  # the newest last: it wins (one per settings)
         try:
             r = json.loads(f.read_text())
         except (OSError, ValueError):

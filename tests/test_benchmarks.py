@@ -1,6 +1,7 @@
 """Benchmark registry on the real files, avg/pass/maj@k by hand, and `minirl eval` with resume."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,13 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
                        chunk=8, on_progress=stop_after_first_chunk)
     partial = list(out.glob("*.partial.jsonl"))
     assert len(partial) == 1 and len(partial[0].read_text().splitlines()) == 8
+
+    # the same checkpoint under another rollout precision: its own file, nothing resumed from the other
+    other = Recipe()
+    other.eval.k, other.eval.grader_workers, other.rollout.kv_cache_gib, other.rollout.precision = 2, 0, 0.25, "fp32"
+    res = eval_benchmark(bench_name="aime25", model_dir=tiny_dir, out_dir=out, rec=other, data=BENCH / "aime25.jsonl")
+    assert res["resumed_problems"] == 0 and res["rollout_precision"] == "fp32"
+    assert Path(res["results_file"]).exists() and len(partial[0].read_text().splitlines()) == 8
 
     res = eval_benchmark(bench_name="aime25", model_dir=tiny_dir, out_dir=out, rec=rec, data=BENCH / "aime25.jsonl",
                          chunk=8)
