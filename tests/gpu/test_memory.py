@@ -1,6 +1,8 @@
 """Peak GPU memory of a training step against what `minirl run --dry-run` plans for the same model
-and batch at world size 1 (plan.py). The plan may overestimate; it must not underestimate by
-more than PLAN_MARGIN, or a run it calls fitting would run out of memory."""
+and batch at world size 1 (plan.py). The plan must not underestimate by more than PLAN_MARGIN, or
+a run it calls fitting would run out of memory; nor overestimate by more than PLAN_OVER, or it
+refuses runs that fit (and a plan that counts more than the trainer, such as an engine left
+awake, passes unnoticed)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from tests.gpu import kit
 pytestmark = pytest.mark.gpu
 
 PLAN_MARGIN = 0.2  # the plan may be at most 20% below the measured peak
+PLAN_OVER = 1.5  # and at most 50% above it
 PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 4, 8, 64, 448  # 32 rows of up to 512 tokens
 
 
@@ -26,7 +29,10 @@ def test_peak_memory_of_a_step_is_within_the_plan(device, one_rank_group, ac):
     shape = kit.moe_shape()
     rec = recipe.load(None, [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}",
                              f"data.max_prompt_tokens={PROMPT_LEN}", f"rollout.max_tokens={RESPONSE_LEN}",
-                             f"train.activation_checkpoint={ac}"])
+                             f"train.activation_checkpoint={ac}",
+                             # as the GPU recipes run: the engine asleep while the trainer works (the
+                             # default, 0, is the CPU's, whose engine stays awake and is planned so)
+                             "rollout.sleep_level=2"])
     plan = make_plan(rec, shape, model="tests/gpu moe",
                      gpu_gib=torch.cuda.get_device_properties(0).total_memory / GiB)
     batch = kit.rl_batch(shape, prompts=PROMPTS, group=GROUP, prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN)
@@ -45,9 +51,9 @@ def test_peak_memory_of_a_step_is_within_the_plan(device, one_rank_group, ac):
     step()
     peak = torch.cuda.max_memory_allocated() / GiB
     label = "full AC" if ac == "full" else "no AC"
-    planned = plan.phases_gib[f"training ({label})"]  # sleep_level 2: the engine holds nothing meanwhile
+    planned = plan.phases_gib[f"training ({label})"]  # the engine holds nothing meanwhile
     figures = {"peak_gib": peak, "reserved_peak_gib": torch.cuda.max_memory_reserved() / GiB, "plan_gib": planned,
                "plan_over_peak": planned / peak, "tokens": int(batch.tokens_BL.numel()),
                "plan_components_gib": plan.memory_gib}
     kit.record(f"peak memory vs plan [moe, fsdp2, world 1, AC {ac}]", figures)
-    assert planned >= (1 - PLAN_MARGIN) * peak, figures
+    assert (1 - PLAN_MARGIN) * peak <= planned <= PLAN_OVER * peak, figures
