@@ -98,8 +98,8 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
 @click.argument("args", nargs=-1, metavar="[STUDY] [WORKSPACE]")
 @click.option("--quick", is_flag=True, help="The reduced grid (off-policy N = 4 only, one extra cold start, 30 steps), "
                                             "or a study's smoke check (2 seeds, 20 steps).")
-@click.option("--seeds", type=int, default=None, help="Runs per cell [default: 1 for the grid; 5 for a study, 2 with "
-                                                      "--quick]; a study pairs arms by seed.")
+@click.option("--seeds", type=int, default=None, help="Runs per cell [default: 1 for the grid; 5 for a study, 3 for lr, "
+                                                      "2 with --quick]; a study pairs arms by seed.")
 @click.option("--dose-seeds", type=int, default=2, show_default=True,
               help="A study's seeds at each other level of the mismatch dial (the dose–response); 0: the study's "
                    "level only (as with --quick).")
@@ -116,7 +116,8 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
 
     `minirl lab STUDY [WORKSPACE]` runs one study (is: F1, F3 with a placebo; offpolicy: F4, F5;
     lengthnorm: F2; coldstart: F6) over paired seeds and decides each finding by a statistical
-    test fixed in advance (WORKSPACE/lab/study-STUDY/report.md).
+    test fixed in advance (WORKSPACE/lab/study-STUDY/report.md). `minirl lab lr [WORKSPACE]`
+    first: the learning rate chosen on the MiniRL control arm, then frozen for every other study.
 
     `minirl lab [WORKSPACE]` runs the first version's grid: with FP8-emulated rollouts and the
     guard observing only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without
@@ -136,7 +137,7 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
     does not exist.
     """
-    from minirl.studies import STUDIES  # deferred: torch and scipy, after _prepare_env set the engines' environment
+    from minirl.studies import LR_STUDY, STUDIES  # deferred: torch and scipy, after _prepare_env set the engines' environment
 
     if len(args) > 2:
         raise UsageError(f"minirl lab [STUDY] [WORKSPACE]: {len(args)} arguments given")
@@ -172,6 +173,8 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     if rec.cold_start.task not in ("scratchpad", "scratchpad-long"):
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad` or `--task scratchpad-long`)")
+    if study is not None and study != LR_STUDY and not report_only:
+        _lr_frozen(ws, rec.train.lr)
     if study is not None:
         if confirm:
             return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
@@ -179,7 +182,8 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         if at is not None:
             return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds,
                               prompts=rec.train.prompts_per_step, report_only=report_only)
-        return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else 5), dose_seeds=dose_seeds,
+        return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else STUDIES[study].seeds),
+                      dose_seeds=dose_seeds,
                       prompts=rec.train.prompts_per_step, report_only=report_only)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
@@ -200,6 +204,17 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         console.print(f"figure: {png}", soft_wrap=True)
 
 
+def _lr_frozen(ws, lr: float) -> None:
+    """The learning rate is set once, on the MiniRL control arm (`minirl lab lr`), and then frozen:
+    a study whose workspace recipe has another refuses to start."""
+    from minirl import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
+
+    choice = studies.chosen_lr(ws.root)
+    if choice is not None and choice["lr"] != lr:
+        raise UsageError(f"the lr study chose train.lr = {choice['lr']:g} on the MiniRL control arm; {ws.recipe_path} "
+                         f"has {lr:g}: set it there (every study's arms take the recipe's)")
+
+
 def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int, report_only: bool) -> None:
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
     from minirl import studies
@@ -218,11 +233,16 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
                       prompts=prompts, dial=studies.measured_dial(mech["levels"]),
                       endpoint=studies.study_endpoint(mech))
     console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
-    _run_and_report(lab_, study, sp, mech, report_only=report_only)
+    res, report = _run_and_report(lab_, study, sp, mech, report_only=report_only)
+    if study.name == studies.LR_STUDY and not quick and not report_only:  # every seed has run: the choice stands
+        lr = studies.record_lr_choice(ws.root, res.get(sp.level, {}), report)
+        if lr is not None:
+            console.print(f"learning rate: {lr:g}; every other study in {ws.root} takes the recipe's, so set "
+                          f"train.lr = {lr:g} in {ws.recipe_path}", soft_wrap=True)
 
 
 def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None,
-                    follow_up: dict | None = None) -> None:
+                    follow_up: dict | None = None) -> tuple[dict, Path]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
@@ -244,8 +264,10 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
     res = studies.arm_results(lab_, sp)
     for cmp, text, _ in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
-    path = studies.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation, follow_up=follow_up)
+    path = studies.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation, follow_up=follow_up,
+                                lr_choice=studies.chosen_lr(lab_.ws_root))
     console.print(f"report: {path}", soft_wrap=True)
+    return res, path
 
 
 def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None:

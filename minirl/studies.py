@@ -72,6 +72,15 @@ class Study:
     eval_every: int = 0  # held-out every this many steps; 0: six evaluations a run
     level: str = ""  # a fixed rollout precision for a finding that is not about the gap; "": the dial's level
     level_why: str = "the paper's own rollouts"  # why `level` is fixed (the report's words)
+    seeds: int = 5  # paired seeds per arm unless --seeds says otherwise
+
+
+# The learning rate, set once on the MiniRL control arm (`minirl lab lr`) and then frozen: every
+# other study's arms take the workspace recipe's, and a study refuses to start where the recipe's
+# is not the one the lr study chose (cli/study.py). A factor of 3 each way around the lab
+# miniatures' shipped 3e-4.
+LR_STUDY = "lr"
+LR_GRID = (1e-4, 3e-4, 1e-3)
 
 
 OFF = ("train.minibatches=4",)  # N = 4 mini-batches, each of the on-policy batch's size (plan adds prompts_per_step)
@@ -113,6 +122,10 @@ STUDIES = {s.name: s for s in [
                                   plateau=True),),
           steps=400, eval_every=25, dose=False,  # to a plateau: the 150 steps of the first lab were not
           level="fp8"),  # "once stable" under the paper's own FP8 rollouts: F6 asks about starts, not the gap
+    Study(LR_STUDY, "at which learning rate does the MiniRL control arm learn best? (set once, then frozen for every "
+                    "arm of the other studies)",
+          arms=tuple((f"MiniRL, lr {x:g}", (f"train.lr={x:g}",), 0.0) for x in LR_GRID),
+          comparisons=(), dose=False, seeds=3),  # a choice, not a finding: ranked by choose_lr's rule
 ]}
 
 
@@ -317,6 +330,83 @@ def decide(study: Study, res: dict[str, list[dict]]) -> list[Decision]:
         short = evidence.p >= v.ALPHA and power < v.POWER and cmp.finding != "placebo"
         out.append(Decision(cmp, text, needed if short else 0))
     return out
+
+
+def choose_lr(arms: dict[str, list[dict]], grid: tuple[float, ...] = LR_GRID) -> tuple[float | None, str]:
+    """The lr study's rule, fixed before its first run: the learning rate whose MiniRL arm ends
+    highest (mean final held-out over its seeds) among the arms none of whose seeds collapsed;
+    None until every rate of `grid` has run the same seeds.
+
+    >>> run = lambda lr, *finals: [{"seed": i, "lr": lr, "final": f, "collapse": None} for i, f in enumerate(finals)]
+    >>> choose_lr({"a": run(1e-4, 0.5, 0.6), "b": run(3e-4, 0.7, 0.6), "c": run(1e-3, 0.9, 0.1)})[0]
+    0.0003
+    """
+    if ({runs[0]["lr"] for runs in arms.values()} != set(grid)
+            or len({tuple(r["seed"] for r in runs) for runs in arms.values()}) != 1):
+        return None, "not every learning rate has run the same seeds yet"
+    stable = {runs[0]["lr"]: statistics.fmean(r["final"] for r in runs) for runs in arms.values()
+              if all(r["collapse"] is None for r in runs)}
+    if not stable:
+        return None, "every learning rate collapsed in some seed: widen the grid downwards"
+    best = max(stable, key=stable.get)
+    return best, (f"the highest mean final held-out ({stable[best]:.3f} over {len(next(iter(arms.values())))} seeds) "
+                  f"among the learning rates that never collapsed")
+
+
+def lr_lines(arms: dict[str, list[dict]]) -> list[str]:
+    """The lr study's choice and what it rests on: each rate's finals, and the chosen rate against
+    the next best, paired by seed (how far apart the two are; the rule does not wait on it)."""
+    chosen, why = choose_lr(arms)
+    by_lr = {runs[0]["lr"]: runs for runs in sorted(arms.values(), key=lambda runs: runs[0]["lr"])}
+    lines = ["## The learning rate", "", "| learning rate | final held-out per seed | mean, collapses |", "|---|---|---|"]
+    for lr, runs in by_lr.items():
+        finals = ", ".join(f"{r['final']:.3f}" for r in runs)
+        lines.append(f"| {lr:g}{' (chosen)' if lr == chosen else ''} | {finals} | {_summary(runs)} |")
+    if chosen is None:
+        return [*lines, "", f"No choice yet: {why}."]
+    lines += ["", f"Chosen: **train.lr = {chosen:g}**, {why}. Set it in the workspace's minirl.toml before any "
+              f"other study runs there: they refuse a recipe whose learning rate is not this one."]
+    mean = {lr: statistics.fmean(r["final"] for r in runs) for lr, runs in by_lr.items()
+            if lr != chosen and all(r["collapse"] is None for r in runs)}  # the next best by the same rule
+    if mean and len(by_lr[chosen]) > 1:
+        runner = max(mean, key=mean.get)
+        ev = v.paired_scores([r["final"] for r in by_lr[runner]], [r["final"] for r in by_lr[chosen]])
+        lines.append(f"Against the next best ({runner:g}): {ev.text()}.")
+    return lines
+
+
+def lr_choice_path(ws_root: Path) -> Path:
+    return Path(ws_root) / "lab" / f"study-{LR_STUDY}" / "full" / "chosen.json"
+
+
+def record_lr_choice(ws_root: Path, arms: dict[str, list[dict]], report: Path) -> float | None:
+    """Once the lr study has run every seed: its choice, where the other studies read it (chosen_lr)."""
+    lr, why = choose_lr(arms)
+    if lr is not None:
+        lr_choice_path(ws_root).parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(lr_choice_path(ws_root), json.dumps(
+            {"lr": lr, "why": why, "seeds": len(next(iter(arms.values()))), "report": str(report),
+             "chosen_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    return lr
+
+
+def chosen_lr(ws_root: Path) -> dict | None:
+    """What the workspace's lr study chose (record_lr_choice), or None where it has not finished."""
+    path = lr_choice_path(ws_root)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def lr_source(study: Study, choice: dict | None, lrs: list[float]) -> str:
+    """Where a study's learning rate came from, for its report."""
+    if study.name == LR_STUDY:
+        return "each arm its own, the grid's; the rest of the recipe the workspace's"
+    if choice is None:
+        return ("the workspace recipe's, set once; no arm sets it. Not tuned on this miniature: the workspace has "
+                "no finished lr study (`minirl lab lr`)")
+    if lrs == [choice["lr"]]:
+        return (f"the workspace recipe's, set once; no arm sets it. Chosen on the MiniRL control arm by the lr study "
+                f"({choice['chosen_at']}, {choice['seeds']} seeds)")
+    return f"NOT the lr study's choice, {choice['lr']:g}: these runs predate it or the recipe was changed after"
 
 
 # A confirmation stage: where a study's verdicts were "not observed" for want of power, the seeds
@@ -528,9 +618,10 @@ def mechanism_lines(mech: dict | None, level: tuple[str, str] | None = None) -> 
 
 
 def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict]]], mech: dict | None,
-                 out: Path, *, confirmation: dict | None = None, follow_up: dict | None = None) -> Path:
+                 out: Path, *, confirmation: dict | None = None, follow_up: dict | None = None,
+                 lr_choice: dict | None = None) -> Path:
     """report.md of a study (or of its confirmation stage or a follow-up, `confirmation` or
-    `follow_up` its declaration)."""
+    `follow_up` its declaration); `lr_choice`: the workspace's lr study's (chosen_lr)."""
     p, here = sp.plan, res.get(sp.level, {})
     lrs = sorted({r["lr"] for arms in res.values() for runs in arms.values() for r in runs})
     stage = ": confirmation stage" if confirmation else f": follow-up at {follow_up['level']}" if follow_up else ""
@@ -553,16 +644,18 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
                   *(f"- {line}" for line in confirmation["why"]), ""]
     lines += [f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
              f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; learning "
-             f"rate {', '.join(f'{x:g}' for x in lrs) or 'of the recipe'} in every arm (the workspace recipe's, set "
-             f"once; no arm sets it). Final held-out score: {v.ENDPOINTS[sp.endpoint]}"
+             f"rate {', '.join(f'{x:g}' for x in lrs) or 'of the recipe'} in every arm "
+             f"({lr_source(study, lr_choice, lrs)}). Final held-out score: {v.ENDPOINTS[sp.endpoint]}"
              f"{' (declared before the late-third endpoint existed)' if sp.endpoint == 'last' else ''}. "
              f"Collapsed: the rule of `minirl/verdicts.py` (reward under "
              f"{v.COLLAPSE_REWARD_FRAC} × its best window with the entropy out of [{v.ENTROPY_LOW}, {v.ENTROPY_HIGH}] × "
              f"its start, or held-out under {v.COLLAPSE_HELDOUT_FRAC} × its start). α = {v.ALPHA}.", "",
-             *mechanism_lines(mech, study_level(study, mech) if mech else None), "",
-             f"## Verdicts at {sp.level}", "", "| | the paper | B − A | verdict |", "|---|---|---|---|"]
-    for cmp, text, _ in decide(study, here):
-        lines.append(f"| {cmp.finding} | {cmp.claim} | {cmp.b} − {cmp.a} | {text} |")
+             *mechanism_lines(mech, study_level(study, mech) if mech else None), ""]
+    if study.name == LR_STUDY:  # a choice, not a finding: no comparisons
+        lines += lr_lines(here)
+    else:
+        lines += [f"## Verdicts at {sp.level}", "", "| | the paper | B − A | verdict |", "|---|---|---|---|"]
+        lines += [f"| {cmp.finding} | {cmp.claim} | {cmp.b} − {cmp.a} | {text} |" for cmp, text, _ in decide(study, here)]
     lines += ["", f"## Arms at {sp.level}", "", "| arm | seeds | collapsed | held-out start | final (per seed) |",
               "|---|---|---|---|---|"]
     for name, runs in here.items():

@@ -173,6 +173,13 @@ def a_file_where_the_workspace_goes(ws: Path):
     (ws.parent / "afile").write_text("not a folder")
 
 
+def lr_chosen_elsewhere(ws: Path):
+    """A lab workspace whose lr study chose a learning rate its recipe does not have."""
+    write("minirl.toml", '[cold_start]\ntask = "scratchpad"\n[train]\nlr = 3e-4\n')(ws)
+    write("lab/study-lr/full/chosen.json", json.dumps({"lr": 1e-4, "why": "", "seeds": 3, "report": "",
+                                                        "chosen_at": "2026-11-26 00:00:00"}))(ws)
+
+
 INIT_SMALL = ["--set", "cold_start.max_steps=1"]
 
 # id, arguments ({ws}: the workspace, {new}: a path that does not exist), mutation, what the line says
@@ -195,6 +202,8 @@ CASES = [
      "--confirm takes its seeds from the first stage's power"),
     ("lab-at-grid", ["lab", "{new}", "--at", "nvfp4"], None, "--at follows up a study at another dial level"),
     ("lab-at-level", ["lab", "is", "{new}", "--at", "fp4"], None, "--at fp4: not a level of the mismatch dial"),
+    ("lab-lr-frozen", ["lab", "offpolicy", "{ws}"], lr_chosen_elsewhere,
+     "the lr study chose train.lr = 0.0001 on the MiniRL control arm;"),
     ("doctor-small-batch", ["doctor", "-w", "{ws}", "--set", "train.prompts_per_step=4"], None,
      "train.prompts_per_step = 4: the doctor measures staleness over 8 mini-batches"),
     # --- run: recipe values and --set forms -------------------------------------------------------

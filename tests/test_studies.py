@@ -25,7 +25,12 @@ def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
             recs = [recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(p, seed), *c.sets]) for c in p.cells]
             assert {r.train.seed for r in recs} == {seed}  # the same prompts and sampling seeds in every arm
             assert {r.train.prompts_per_step // r.train.minibatches for r in recs} == {16}  # equal mini-batches
-            assert {(r.train.lr, r.train.weight_decay) for r in recs} == {(base.train.lr, base.train.weight_decay)}
+            if study.name == studies.LR_STUDY:  # the one study whose arms set it: the grid, all else equal
+                assert sorted(r.train.lr for r in recs) == sorted(studies.LR_GRID)
+                assert len({dataclasses.replace(r, train=dataclasses.replace(r.train, lr=0.0)).to_dict().__repr__()
+                            for r in recs}) == 1
+            else:
+                assert {(r.train.lr, r.train.weight_decay) for r in recs} == {(base.train.lr, base.train.weight_decay)}
             assert {r.rollout.precision for r in recs} <= {"fp8", "fp32"}  # the study's level (the placebo: fp32)
     # on the long miniature (8 prompts a step) the off-policy arms' mini-batches shrink with it
     long = recipe.load(recipe.shipped("tiny-scratchpad-long"))
@@ -280,7 +285,7 @@ def test_a_study_piped_to_a_log_says_each_run_in_a_line(tmp_path, capsys):
     from cli import study as cli_study
 
     class Cells:  # the seam: each run is a `minirl run` process of its own (lab.Lab.run_cell)
-        out, state = tmp_path, {"runs": {}}
+        out, ws_root, state = tmp_path, tmp_path, {"runs": {}}
 
         def finished(self, cell, seed, plan):
             return seed == 0 and cell.variant == "MiniRL"  # a resumed study: said once, when it ran
@@ -351,3 +356,42 @@ def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp
     assert "declared with 5 seeds per arm" in refused("is", str(ws), "--at", "fp8", "--seeds", "7", "--report-only")
     r = CliRunner().invoke(cli, ["lab", "is", str(ws), "--at", "fp8", "--report-only"])
     assert r.exit_code == 0 and (out / "report.md").read_text().startswith("# minirl lab is: follow-up at fp8")
+
+
+def _lr_arms(finals: dict[float, list[float]], collapsed: tuple[float, ...] = ()) -> dict[str, list[dict]]:
+    return {f"MiniRL, lr {lr:g}": [{**r, "lr": lr, "collapse": 12 if lr in collapsed and r["seed"] == 0 else None}
+                                   for r in _arm(f)] for lr, f in finals.items()}
+
+
+def test_the_learning_rate_is_the_best_stable_one_once_every_rate_ran_every_seed(tmp_path):
+    """choose_lr: the highest mean final among rates with no collapsed seed; no choice from a grid
+    that has not run whole; the report states it with the runner-up's paired difference, and the
+    other studies' reports say where their rate came from."""
+    arms = _lr_arms({1e-4: [0.50, 0.55, 0.52], 3e-4: [0.60, 0.62, 0.58], 1e-3: [0.70, 0.75, 0.72]}, collapsed=(1e-3,))
+    lr, why = studies.choose_lr(arms)
+    assert lr == 3e-4 and why.startswith("the highest mean final held-out (0.600 over 3 seeds)")  # 1e-3 fell once
+    assert studies.choose_lr(_lr_arms({1e-4: [0.5], 3e-4: [0.6], 1e-3: [0.7]}))[0] == 1e-3
+    assert studies.choose_lr({k: v for k, v in arms.items() if "0.001" not in k})[0] is None  # a rate not run
+    partial = {**arms, "MiniRL, lr 0.0001": arms["MiniRL, lr 0.0001"][:2]}
+    assert studies.choose_lr(partial)[0] is None  # a seed still to run
+    assert studies.choose_lr(_lr_arms({x: [0.5] for x in studies.LR_GRID}, collapsed=studies.LR_GRID))[0] is None
+
+    study = studies.STUDIES[studies.LR_STUDY]
+    sp = studies.plan(study, seeds=3, quick=False, level="e5m2")
+    rows = [{"step": s, "rollout/reward_mean": 0.3, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3,
+             **({"heldout/avg@4": 0.4} if s % 5 == 0 else {})} for s in range(1, 11)]
+    res = {"e5m2": {name: [{**r, "rows": rows} for r in runs] for name, runs in arms.items()}}
+    text = studies.write_report(study, sp, res, None, tmp_path).read_text()
+    assert "## Verdicts" not in text and "| 0.0003 (chosen) | 0.600, 0.620, 0.580 |" in text
+    assert "Chosen: **train.lr = 0.0003**" in text
+    assert "Against the next best (0.0001): mean paired held-out difference +0.077" in text
+    assert studies.record_lr_choice(tmp_path, res["e5m2"], tmp_path / "report.md") == 3e-4
+    choice = studies.chosen_lr(tmp_path)
+    assert choice["lr"] == 3e-4 and choice["seeds"] == 3
+    assert studies.record_lr_choice(tmp_path / "none", partial, tmp_path / "r.md") is None
+    assert studies.chosen_lr(tmp_path / "none") is None  # nothing recorded before the grid ran whole
+
+    is_ = studies.STUDIES["is"]
+    assert "Chosen on the MiniRL control arm by the lr study" in studies.lr_source(is_, choice, [3e-4])
+    assert studies.lr_source(is_, choice, [1e-4]).startswith("NOT the lr study's choice, 0.0003")
+    assert "Not tuned on this miniature" in studies.lr_source(is_, None, [3e-4])
