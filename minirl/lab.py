@@ -19,6 +19,7 @@ trajectories; the findings table F1–F6 follows from those numbers by the rules
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -139,10 +140,17 @@ class Lab:
             child.wait()
         return child
 
+    def _recorded(self, sets: list[str]) -> list[str]:
+        """What makes a run this cell's: its sets on top of the workspace recipe as it reads now (a
+        recipe changed since, say the learning rate the lr study chose, runs the cell again; its
+        comments do not) and the sampling scheme."""
+        resolved = json.dumps(recipe_mod.load(self.ws_root / "minirl.toml").to_dict(), sort_keys=True)
+        return [*sets, f"#recipe={hashlib.sha256(resolved.encode()).hexdigest()[:16]}", f"#sampling={SAMPLING}"]
+
     def finished(self, cell: Cell, seed: int, p: Plan, *, guarded: bool = False) -> Path | None:
         """The run folder of (cell, seed) where it finished with the settings it would run with now."""
         key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
-        recorded = [*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ()), f"#sampling={SAMPLING}"]
+        recorded = self._recorded([*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())])
         done = self.state["runs"].get(key)
         if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == recorded:
             return Path(done)
@@ -153,7 +161,7 @@ class Lab:
         run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
         may end as `collapsed` (exit 3), which is then its result."""
         sets = [*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())]
-        recorded = [*sets, f"#sampling={SAMPLING}"]  # a run sampled another way is not this cell's
+        recorded = self._recorded(sets)
         key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
         if done := self.finished(cell, seed, p, guarded=guarded):
             return done  # the same cell with the same settings: reused

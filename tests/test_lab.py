@@ -139,6 +139,27 @@ def test_a_cold_start_for_f6_is_built_for_the_workspaces_own_task(tmp_path, monk
     assert path == tmp_path / "lab" / "study-coldstart" / "coldstarts" / "acc10" / "model" / "coldstart"
 
 
+def test_a_run_is_reused_only_while_the_workspace_recipe_reads_the_same(tmp_path):
+    """A finished (cell, seed) is the cell's run while its sets, the sampling scheme and the
+    workspace recipe it ran on are today's: a comment changes nothing, a learning rate does."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n")
+    cell = lab.Cell("on-policy", "MiniRL", ("loss.is_mode=off",))
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    L = lab.Lab(ws, ws / "lab" / "x")
+    L.state = {"runs": {f"{cell.id}/s0": str(run)},
+               "sets": {f"{cell.id}/s0": L._recorded([*lab.common_sets(p, 0), *cell.sets])}}
+    assert L.finished(cell, 0, p) == run
+    (ws / "minirl.toml").write_text("# the lr study's choice, below\n[train]\nlr = 0.0003\n")
+    assert L.finished(cell, 0, p) == run
+    (ws / "minirl.toml").write_text("[train]\nlr = 1e-4\n")
+    assert L.finished(cell, 0, p) is None
+
+
 @pytest.mark.slow
 def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
