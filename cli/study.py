@@ -110,8 +110,12 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
 @click.option("--at", "at", default=None, metavar="LEVEL",
               help="A study's follow-up at another level of its measured dial, where its dose–response showed "
                    "something: its arms on fresh seeds (--seeds, default 5) at LEVEL, decided on those alone.")
+@click.option("--arm", "arms", multiple=True, metavar="NAME",
+              help="One of a study's arms, by name (repeat it): those arms only, and the comparisons among them; "
+                   "which to test chosen before the first run where the machine cannot afford every arm at the seeds "
+                   "a verdict needs.")
 def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, report_only: bool,
-        confirm: bool, at: str | None) -> None:
+        confirm: bool, at: str | None, arms: tuple[str, ...]) -> None:
     """Reproduce the paper's stability findings (F1-F6) in miniature.
 
     `minirl lab STUDY [WORKSPACE]` runs one study (is: F1, F3 with a placebo; offpolicy: F4, F5;
@@ -137,7 +141,7 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
     does not exist.
     """
-    from minirl.studies import LR_STUDY, STUDIES  # deferred: torch and scipy, after _prepare_env set the engines' environment
+    from minirl.studies import LR_STUDY, STUDIES, with_arms  # deferred: torch and scipy, after _prepare_env set the engines' environment
 
     if len(args) > 2:
         raise UsageError(f"minirl lab [STUDY] [WORKSPACE]: {len(args)} arguments given")
@@ -159,6 +163,15 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
                          "(not with --confirm)")
     if at is not None and at not in recipe_mod.PRECISIONS[1:]:
         raise UsageError(f"--at {at}: not a level of the mismatch dial ({', '.join(recipe_mod.PRECISIONS[1:])})")
+    if arms and (study is None or confirm):
+        raise UsageError("--arm picks some of a study's arms: minirl lab STUDY [WORKSPACE] --arm A --arm B (not "
+                         "with --confirm, whose arms its declaration names)")
+    arm_names = list(arms) or None
+    if arm_names is not None:
+        try:
+            with_arms(STUDIES[study], arm_names)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
@@ -180,9 +193,10 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
             return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
                             report_only=report_only)
         if at is not None:
-            return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds,
+            return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
                               prompts=rec.train.prompts_per_step, report_only=report_only)
-        return _study(ws, STUDIES[study], quick=quick, seeds=seeds or (2 if quick else STUDIES[study].seeds),
+        chosen = with_arms(STUDIES[study], arm_names) if arm_names else STUDIES[study]
+        return _study(ws, chosen, quick=quick, seeds=seeds or (2 if quick else STUDIES[study].seeds),
                       dose_seeds=dose_seeds,
                       prompts=rec.train.prompts_per_step, report_only=report_only)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
@@ -312,7 +326,8 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None
     _run_and_report(lab_, sub, sp, mech, report_only=report_only, confirmation=declared)
 
 
-def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, prompts: int, report_only: bool) -> None:
+def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: list[str] | None, prompts: int,
+               report_only: bool) -> None:
     """A study's follow-up at another level of its measured dial (studies.declare_follow_up):
     declared once, in at-LEVEL/at.json, before any of its runs; resumable like the study."""
     import json
@@ -333,7 +348,7 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, prompts
     try:  # refused before anything is written
         declared = studies.declare_follow_up(study, level, seeds=seeds or (2 if quick else 5),
                                              report=str(first.out / "report.md"),
-                                             dial=studies.measured_dial(mech["levels"]))
+                                             dial=studies.measured_dial(mech["levels"]), arms=arms)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if not report_only:
@@ -344,6 +359,10 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, prompts
     if seeds is not None and seeds != declared["seeds"]:
         raise UsageError(f"the follow-up at {level} was declared with {declared['seeds']} seeds per arm; "
                          f"its seeds do not change after its first run")
+    if arms is not None and arms != declared.get("arms"):
+        raise UsageError(f"the follow-up at {level} was declared with "
+                         f"{'the arms ' + ','.join(declared['arms']) if declared.get('arms') else 'every arm'}; "
+                         f"its arms do not change after its first run")
     sub = studies.follow_up_study(study, declared)
     sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
                       first_seed=declared["first_seed"], endpoint=declared["endpoint"])

@@ -452,6 +452,21 @@ def confirmation_study(study: Study, declared: dict) -> Study:
     return replace(study, arms=tuple(a for a in study.arms if a[0] in names), comparisons=comparisons, dose=False)
 
 
+def with_arms(study: Study, names: list[str]) -> Study:
+    """The study cut down to some of its arms and the comparisons among them (`--arm`): where a
+    machine affords fewer runs, which comparisons to test is chosen before the first run, rather
+    than every arm cut short of the seeds a verdict needs."""
+    known = [a[0] for a in study.arms]
+    if unknown := [n for n in names if n not in known]:
+        raise ValueError(f"--arm {unknown[0]!r} is not an arm of the {study.name} study "
+                         f"({', '.join(repr(k) for k in known)})")
+    comparisons = tuple(c for c in study.comparisons if {c.a, c.b} <= set(names))
+    if study.comparisons and not comparisons:
+        raise ValueError(f"--arm {' --arm '.join(repr(n) for n in names)}: no comparison of the {study.name} study "
+                         f"has both its arms there")
+    return replace(study, arms=tuple(a for a in study.arms if a[0] in names), comparisons=comparisons)
+
+
 # A follow-up: a study's arms on fresh seeds at another level of its measured dial, where its
 # dose–response (a seed or two per level) showed something worth a test of its own. Declared in
 # the follow-up's at.json before its first run; its verdicts rest on its own seeds alone, so the
@@ -459,19 +474,26 @@ def confirmation_study(study: Study, declared: dict) -> Study:
 FOLLOW_UP_FIRST_SEED = 2000  # far from a first stage's 0, 1, … and a confirmation's 1000, …
 
 
-def declare_follow_up(study: Study, level: str, *, seeds: int, report: str, dial: tuple[str, ...]) -> dict:
-    """The follow-up at `level`, declared before any of its runs (at.json)."""
+def declare_follow_up(study: Study, level: str, *, seeds: int, report: str, dial: tuple[str, ...],
+                      arms: list[str] | None = None) -> dict:
+    """The follow-up at `level`, declared before any of its runs (at.json); `arms`: some of the
+    study's arms (with_arms), else all that take the dial's precision."""
     if not study.dose:
         raise ValueError(f"the {study.name} study has no dose–response to follow up")
     if level not in dial:
         raise ValueError(f"{level} is not on the study's measured dial ({', '.join(dial)})")
+    if arms:
+        with_arms(study, arms)  # refused here, before anything is declared
     return {"declared_at": time.strftime("%Y-%m-%d %H:%M:%S"), "from": report, "level": level, "seeds": seeds,
-            "first_seed": FOLLOW_UP_FIRST_SEED, "endpoint": ENDPOINT}
+            "first_seed": FOLLOW_UP_FIRST_SEED, "endpoint": ENDPOINT, **({"arms": arms} if arms else {})}
 
 
 def follow_up_study(study: Study, declared: dict) -> Study:
     """The study at the declared level: its arms that take the dial's precision (the placebo sets
-    its own and is the same at any level), the comparisons among them, no dose–response."""
+    its own and is the same at any level), or the declared ones, the comparisons among them, no
+    dose–response."""
+    if declared.get("arms"):
+        study = with_arms(study, declared["arms"])
     arms = tuple(a for a in study.arms if not any(x.startswith("rollout.precision=") for x in a[1]))
     names = {a[0] for a in arms}
     return replace(study, arms=arms, comparisons=tuple(c for c in study.comparisons if {c.a, c.b} <= names),
@@ -617,6 +639,10 @@ def mechanism_lines(mech: dict | None, level: tuple[str, str] | None = None) -> 
     return lines
 
 
+def _chosen_arms(declared: dict) -> str:
+    return f" ({', '.join(declared['arms'])}, chosen before its first run)" if declared.get("arms") else ""
+
+
 def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict]]], mech: dict | None,
                  out: Path, *, confirmation: dict | None = None, follow_up: dict | None = None,
                  lr_choice: dict | None = None) -> Path:
@@ -629,7 +655,8 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
     if follow_up:
         lines += ["## Declared before its first run", "",
                   f"At {follow_up['declared_at']}, after the first stage's dose–response (`{follow_up['from']}`): "
-                  f"the study's arms at {follow_up['level']} on {follow_up['seeds']} fresh seeds per arm (train.seed "
+                  f"the study's arms{_chosen_arms(follow_up)} at {follow_up['level']} on {follow_up['seeds']} "
+                  f"fresh seeds per arm (train.seed "
                   f"{follow_up['first_seed']} on), decided on those alone: the dose–response's own seeds prompted "
                   f"the test and are not counted in it.", ""]
     if confirmation:

@@ -395,3 +395,27 @@ def test_the_learning_rate_is_the_best_stable_one_once_every_rate_ran_every_seed
     assert "Chosen on the MiniRL control arm by the lr study" in studies.lr_source(is_, choice, [3e-4])
     assert studies.lr_source(is_, choice, [1e-4]).startswith("NOT the lr study's choice, 0.0003")
     assert "Not tuned on this miniature" in studies.lr_source(is_, None, [3e-4])
+
+
+def test_some_arms_take_the_comparisons_among_them_and_a_follow_up_declares_them():
+    off = studies.STUDIES["offpolicy"]
+    sub = studies.with_arms(off, ["clip + R3", "no clip", "clip"])
+    assert [a[0] for a in sub.arms] == ["no clip", "clip", "clip + R3"]  # the study's order, not the caller's
+    assert [(c.a, c.b) for c in sub.comparisons] == [("clip", "no clip"), ("clip + R3", "clip")]  # F5 needs clip + R2
+    sp = studies.plan(sub, seeds=5, quick=False, level="e5m2", dose_seeds=2)
+    assert {a.name for a in sp.arms} == {"no clip", "clip", "clip + R3"} and len(sp.todo()) == 3 * 5 + 3 * 4 * 2
+    with pytest.raises(ValueError, match=re.escape("'clip+R3' is not an arm of the offpolicy study")):
+        studies.with_arms(off, ["clip", "clip+R3"])
+    with pytest.raises(ValueError, match="no comparison of the offpolicy study has both its arms there"):
+        studies.with_arms(off, ["clip", "clip + R2"])
+    assert [a[0] for a in studies.with_arms(off, ["clip + R3", "R3, no clip"]).arms] == ["clip + R3", "R3, no clip"]
+    is_ = studies.STUDIES["is"]
+    declared = studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL,
+                                         arms=["MiniRL", "w/o IS"])
+    follow = studies.follow_up_study(is_, declared)
+    assert [a[0] for a in follow.arms] == ["MiniRL", "w/o IS"] and follow.level == "nvfp4"
+    assert [c.claim for c in follow.comparisons] == ["without IS correction on-policy training collapses",
+                                                     "MiniRL ends higher than without IS"]
+    assert "arms" not in studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL)
+    with pytest.raises(ValueError, match="not an arm"):
+        studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL, arms=["MiniRL", "IS"])
