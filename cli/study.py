@@ -337,7 +337,17 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: l
 
     first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
     if not (first.out / "mechanism.json").exists():
-        raise UsageError(f"no study at {first.out}: run `minirl lab {study.name} {ws.root}` first")
+        if report_only:
+            raise UsageError(f"no study at {first.out}: run `minirl lab {study.name} {ws.root}` first")
+        try:  # what the dial cannot change is refused before the doctor runs
+            studies.declare_follow_up(study, level, seeds=1, report="", dial=(level,), arms=arms)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        first.hold()
+        with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
+            # no first stage here (a dose–response elsewhere prompted the test): the study's dial,
+            # measured as its first stage would and kept for it
+            studies.mechanism(first, seeds=1 if quick else 3, progress=status.update)
     mech = read_json(first.out / "mechanism.json", "the study's mismatch dial")
     if level == studies.study_level(study, mech)[0]:
         raise UsageError(f"{level} is the study's own level: more seeds there are a confirmation stage (--confirm)")
@@ -347,7 +357,7 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: l
         raise UsageError(f"no follow-up at {lab_.out}: run `minirl lab {study.name} {ws.root} --at {level}`")
     try:  # refused before anything is written
         declared = studies.declare_follow_up(study, level, seeds=seeds or (2 if quick else 5),
-                                             report=str(first.out / "report.md"),
+                                             report=str(first.out / "report.md") if first.state["runs"] else "",
                                              dial=studies.measured_dial(mech["levels"]), arms=arms)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -639,6 +639,13 @@ def mechanism_lines(mech: dict | None, level: tuple[str, str] | None = None) -> 
     return lines
 
 
+def _prompted_by(declared: dict) -> str:
+    if declared["from"]:
+        return f"after the first stage's dose–response (`{declared['from']}`)"
+    return ("with no first stage in this workspace (its dial measured for this follow-up, as a first stage would "
+            "measure it; what prompted the test is on the results page)")
+
+
 def _chosen_arms(declared: dict) -> str:
     return f" ({', '.join(declared['arms'])}, chosen before its first run)" if declared.get("arms") else ""
 
@@ -654,7 +661,7 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
     lines = [f"# minirl lab {study.name}{stage}", "", f"{study.question}", ""]
     if follow_up:
         lines += ["## Declared before its first run", "",
-                  f"At {follow_up['declared_at']}, after the first stage's dose–response (`{follow_up['from']}`): "
+                  f"At {follow_up['declared_at']}, {_prompted_by(follow_up)}: "
                   f"the study's arms{_chosen_arms(follow_up)} at {follow_up['level']} on {follow_up['seeds']} "
                   f"fresh seeds per arm (train.seed "
                   f"{follow_up['first_seed']} on), decided on those alone: the dose–response's own seeds prompted "

@@ -330,7 +330,10 @@ def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp
 
     assert "is the study's own level" in refused("is", str(ws), "--at", "e5m2")
     assert "nvfp4 is not on the study's measured dial" in refused("is", str(ws), "--at", "nvfp4")
-    assert "no study at" in refused("lengthnorm", str(ws), "--at", "bf16")  # lengthnorm never ran here
+    # lengthnorm never ran here: refused before its dial would be measured
+    assert "the lengthnorm study has no dose–response to follow up" in refused("lengthnorm", str(ws), "--at", "bf16")
+    assert "no study at" in refused("lengthnorm", str(ws), "--at", "bf16", "--report-only")
+    assert not (ws / "lab" / "study-lengthnorm").exists()
     (ws / "lab" / "study-lengthnorm" / "full").mkdir(parents=True)
     (ws / "lab" / "study-lengthnorm" / "full" / "mechanism.json").write_text(json.dumps(mech))
     assert "the lengthnorm study has no dose–response to follow up" in refused("lengthnorm", str(ws), "--at", "bf16")
@@ -349,6 +352,9 @@ def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp
     assert {a.cell.sets[0] for a in sp.arms} == {"rollout.precision=fp8"} and sp.todo()[0][1] == 2000
     text = studies.write_report(sub, sp, {}, mech, tmp_path, follow_up=declared).read_text()
     assert text.startswith("# minirl lab is: follow-up at fp8") and "train.seed 2000 on" in text
+    assert "after the first stage's dose–response (`/x/report.md`)" in text
+    alone = studies.write_report(sub, sp, {}, mech, tmp_path, follow_up={**declared, "from": ""}).read_text()
+    assert "with no first stage in this workspace (its dial measured for this follow-up" in alone
     # declared once: its seeds do not change after
     out = ws / "lab" / "study-is" / "full" / "at-fp8"
     out.mkdir()
