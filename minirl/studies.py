@@ -364,8 +364,10 @@ def lr_lines(arms: dict[str, list[dict]]) -> list[str]:
         lines.append(f"| {lr:g}{' (chosen)' if lr == chosen else ''} | {finals} | {_summary(runs)} |")
     if chosen is None:
         return [*lines, "", f"No choice yet: {why}."]
-    lines += ["", f"Chosen: **train.lr = {chosen:g}**, {why}. Set it in the workspace's minirl.toml before any "
-              f"other study runs there: they refuse a recipe whose learning rate is not this one."]
+    edge = (" It is the grid's lowest: a lower rate was not tried." if chosen == min(by_lr) else
+            " It is the grid's highest: a higher rate was not tried." if chosen == max(by_lr) else "")
+    lines += ["", f"Chosen: **train.lr = {chosen:g}**, {why}.{edge} Set it in the workspace's minirl.toml before "
+              f"any other study runs there: they refuse a recipe whose learning rate is not this one."]
     mean = {lr: statistics.fmean(r["final"] for r in runs) for lr, runs in by_lr.items()
             if lr != chosen and all(r["collapse"] is None for r in runs)}  # the next best by the same rule
     if mean and len(by_lr[chosen]) > 1:

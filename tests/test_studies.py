@@ -389,7 +389,9 @@ def test_the_learning_rate_is_the_best_stable_one_once_every_rate_ran_every_seed
     res = {"e5m2": {name: [{**r, "rows": rows} for r in runs] for name, runs in arms.items()}}
     text = studies.write_report(study, sp, res, None, tmp_path).read_text()
     assert "## Verdicts" not in text and "| 0.0003 (chosen) | 0.600, 0.620, 0.580 |" in text
-    assert "Chosen: **train.lr = 0.0003**" in text
+    assert "Chosen: **train.lr = 0.0003**" in text and "grid's" not in text.split("Chosen:")[1].split("\n")[0]
+    edge = "\n".join(studies.lr_lines(_lr_arms({1e-4: [0.6], 3e-4: [0.5], 1e-3: [0.4]})))
+    assert "It is the grid's lowest: a lower rate was not tried." in edge
     assert "Against the next best (0.0001): mean paired held-out difference +0.077" in text
     assert studies.record_lr_choice(tmp_path, res["e5m2"], tmp_path / "report.md") == 3e-4
     choice = studies.chosen_lr(tmp_path)
