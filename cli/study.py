@@ -141,7 +141,7 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
     does not exist.
     """
-    from minirl.studies import LR_STUDY, STUDIES, with_arms  # deferred: torch and scipy, after _prepare_env set the engines' environment
+    from minirl.studies import LR_STUDY, STUDIES, with_arms  # deferred: torch and scipy, after _prepare_env
 
     if len(args) > 2:
         raise UsageError(f"minirl lab [STUDY] [WORKSPACE]: {len(args)} arguments given")
@@ -196,8 +196,7 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
             return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
                               prompts=rec.train.prompts_per_step, report_only=report_only)
         chosen = with_arms(STUDIES[study], arm_names) if arm_names else STUDIES[study]
-        return _study(ws, chosen, quick=quick, seeds=seeds or (2 if quick else STUDIES[study].seeds),
-                      dose_seeds=dose_seeds,
+        return _study(ws, chosen, quick=quick, seeds=seeds or (2 if quick else chosen.seeds), dose_seeds=dose_seeds,
                       prompts=rec.train.prompts_per_step, report_only=report_only)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
