@@ -399,9 +399,14 @@ def chosen_lr(ws_root: Path) -> dict | None:
 
 
 def lr_source(study: Study, choice: dict | None, lrs: list[float]) -> str:
-    """Where a study's learning rate came from, for its report."""
+    """The study's learning rate and where it came from, for its report."""
+    rates = ", ".join(f"{x:g}" for x in lrs) or "of the recipe"
     if study.name == LR_STUDY:
-        return "each arm its own, the grid's; the rest of the recipe the workspace's"
+        return f"learning rates {rates}, one an arm (the grid's; the rest of the recipe the workspace's)"
+    return f"learning rate {rates} in every arm ({_lr_origin(choice, lrs)})"
+
+
+def _lr_origin(choice: dict | None, lrs: list[float]) -> str:
     if choice is None:
         return ("the workspace recipe's, set once; no arm sets it. Not tuned on this miniature: the workspace has "
                 "no finished lr study (`minirl lab lr`)")
@@ -679,9 +684,8 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
                   f"most {v.ALPHA + (1 - v.ALPHA) * v.ALPHA:.4g}.", "",
                   *(f"- {line}" for line in confirmation["why"]), ""]
     lines += [f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
-             f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; learning "
-             f"rate {', '.join(f'{x:g}' for x in lrs) or 'of the recipe'} in every arm "
-             f"({lr_source(study, lr_choice, lrs)}). Final held-out score: {v.ENDPOINTS[sp.endpoint]}"
+             f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; "
+             f"{lr_source(study, lr_choice, lrs)}. Final held-out score: {v.ENDPOINTS[sp.endpoint]}"
              f"{' (declared before the late-third endpoint existed)' if sp.endpoint == 'last' else ''}. "
              f"Collapsed: the rule of `minirl/verdicts.py` (reward under "
              f"{v.COLLAPSE_REWARD_FRAC} × its best window with the entropy out of [{v.ENTROPY_LOW}, {v.ENTROPY_HIGH}] × "

@@ -401,7 +401,9 @@ def test_the_learning_rate_is_the_best_stable_one_once_every_rate_ran_every_seed
 
     is_ = studies.STUDIES["is"]
     assert "Chosen on the MiniRL control arm by the lr study" in studies.lr_source(is_, choice, [3e-4])
-    assert studies.lr_source(is_, choice, [1e-4]).startswith("NOT the lr study's choice, 0.0003")
+    assert studies.lr_source(is_, choice, [1e-4]) == ("learning rate 0.0001 in every arm (NOT the lr study's choice, "
+                                                      "0.0003: these runs predate it or the recipe was changed after)")
+    assert studies.lr_source(study, choice, [1e-4, 3e-4, 1e-3]).startswith("learning rates 0.0001, 0.0003, 0.001, one an")
     assert "Not tuned on this miniature" in studies.lr_source(is_, None, [3e-4])
 
 
