@@ -13,20 +13,36 @@ normalised activations to bf16 before multiplying by the weight.
 The CPU kernels index rows as if contiguous: a strided view (Qwen3's q/k heads, split out of the
 fused qkv projection) is copied first, or its rows are read from the wrong place. The in-place
 fused add takes contiguous operands only; anything else stays with vLLM's native op.
-Importing this module registers the providers (once per process).
+
+Built without AVX-512 (AVX2 only), the kernels convert fp32 to bf16 by truncating, not rounding
+to nearest: every bf16 norm is biased toward zero and the engine ends farther from the trainer than
+with the native op. A probe at import asks the kernel itself, and bf16 stays with the native op
+where it truncates; fp32 is unaffected. Importing this module registers the providers (once per
+process).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 PROVIDER = "minirl_cpu"
 PRIORITY = {"rms_norm": [PROVIDER], "fused_add_rms_norm": [PROVIDER]}  # vLLM appends its native op
-_DTYPES = (torch.bfloat16, torch.float32)
+DTYPES: tuple[torch.dtype, ...] = (torch.float32,)  # and bf16 where the kernels round to nearest (_register)
+
+
+def rounds_to_nearest(fused_add: Callable[..., None]) -> bool:
+    """Whether a fused-add kernel rounds its fp32 sum to bf16 to nearest: 1 + 2⁻⁸·1.5 lies between
+    two bf16 values, nearer the upper; truncation gives the lower."""
+    x = torch.full((1, 8), 2.0**-8 * 1.5, dtype=torch.float32).to(torch.bfloat16)
+    residual = torch.ones(1, 8, dtype=torch.bfloat16)
+    fused_add(x, residual, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    return bool((residual == 1 + 2.0**-7).all())
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor | None, variance_size: int | None) -> bool:
-    return variance_size is None and weight is not None and weight.dtype == x.dtype and x.dtype in _DTYPES
+    return variance_size is None and weight is not None and weight.dtype == x.dtype and x.dtype in DTYPES
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
@@ -49,8 +65,11 @@ def _register() -> None:
     import vllm._custom_ops  # noqa: F401  (loads the `_C` kernels)
     from vllm import ir
 
+    global DTYPES
     if PROVIDER in ir.ops.rms_norm.impls:
         return
+    if rounds_to_nearest(torch.ops._C.fused_add_rms_norm):
+        DTYPES = (torch.bfloat16, torch.float32)
     ir.ops.rms_norm.register_impl(
         PROVIDER, supports_args=lambda x, weight, epsilon, variance_size=None: _fits(x, weight, variance_size),
     )(rms_norm)
