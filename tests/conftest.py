@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+# Every core for one process; pytest-xdist's workers (which inherit the controller's environment)
+# share them instead, unless OMP_NUM_THREADS came from the caller
+if "OMP_NUM_THREADS" not in os.environ or os.environ.get("MINIRL_TEST_THREADS") == os.environ["OMP_NUM_THREADS"]:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MINIRL_TEST_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,6 +23,13 @@ import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist the slow end-to-end tests go first, so the longest start early and the
+    short ones fill in around them; in one process the order stays the files' own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:

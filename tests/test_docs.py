@@ -24,7 +24,7 @@ def test_the_readme_opens_with_the_two_commands_and_stays_short():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
     assert blocks[:2] == ["bash .ci/setup && .venv/bin/minirl init demo && .venv/bin/minirl run demo",
-                          "bash .ci/setup && .venv/bin/python -m pytest"]
+                          "bash .ci/setup && .venv/bin/python -m pytest -n 2"]
     assert text.index("```bash") < text.index("\n## ")  # nothing before them but the title
     assert len(text.splitlines()) <= 250
 
