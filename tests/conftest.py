@@ -25,6 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
+def pytest_configure(config):
+    """pytest-xdist first hands each worker a consecutive quarter of its share, which would give one
+    worker every slow test (sorted first, below); one test at a time, each worker takes the next."""
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist the slow end-to-end tests go first, so the longest start early and the
     short ones fill in around them; in one process the order stays the files' own."""
