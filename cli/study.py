@@ -114,8 +114,12 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
               help="One of a study's arms, by name (repeat it): those arms only, and the comparisons among them; "
                    "which to test chosen before the first run where the machine cannot afford every arm at the seeds "
                    "a verdict needs.")
+@click.option("--rescore", default=None, metavar="PRECISION", type=click.Choice(recipe_mod.PRECISIONS),
+              help="After a study's runs: each run's last checkpoint evaluated again on the held-out split with "
+                   "PRECISION rollouts (fp32: the trainer's policy itself), reported beside its own engine's score "
+                   "as an exploratory section; resumable, never redone.")
 def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, report_only: bool,
-        confirm: bool, at: str | None, arms: tuple[str, ...]) -> None:
+        confirm: bool, at: str | None, arms: tuple[str, ...], rescore: str | None) -> None:
     """Reproduce the paper's stability findings (F1-F6) in miniature.
 
     `minirl lab STUDY [WORKSPACE]` runs one study (is: F1, F3 with a placebo; offpolicy: F4, F5;
@@ -166,6 +170,9 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     if arms and (study is None or confirm):
         raise UsageError("--arm picks some of a study's arms: minirl lab STUDY [WORKSPACE] --arm A --arm B (not "
                          "with --confirm, whose arms its declaration names)")
+    if rescore is not None and (study is None or study == LR_STUDY):
+        raise UsageError("--rescore evaluates a study's runs again to compare its arms: minirl lab STUDY [WORKSPACE] "
+                         "--rescore PRECISION (not the grid or the lr study)")
     arm_names = list(arms) or None
     if arm_names is not None:
         try:
@@ -191,13 +198,13 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     if study is not None:
         if confirm:
             return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
-                            report_only=report_only)
+                            report_only=report_only, rescore=rescore)
         if at is not None:
             return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
-                              prompts=rec.train.prompts_per_step, report_only=report_only)
+                              prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
         chosen = with_arms(STUDIES[study], arm_names) if arm_names else STUDIES[study]
         return _study(ws, chosen, quick=quick, seeds=seeds or (2 if quick else chosen.seeds), dose_seeds=dose_seeds,
-                      prompts=rec.train.prompts_per_step, report_only=report_only)
+                      prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
     if not report_only:
@@ -228,7 +235,8 @@ def _lr_frozen(ws, lr: float) -> None:
                          f"has {lr:g}: set it there (every study's arms take the recipe's)")
 
 
-def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int, report_only: bool) -> None:
+def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int, report_only: bool,
+           rescore: str | None = None) -> None:
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
     from minirl import studies
 
@@ -246,7 +254,7 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
                       prompts=prompts, dial=studies.measured_dial(mech["levels"]),
                       endpoint=studies.study_endpoint(mech))
     console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
-    res, report = _run_and_report(lab_, study, sp, mech, report_only=report_only)
+    res, report = _run_and_report(lab_, study, sp, mech, report_only=report_only, rescore=rescore)
     if study.name == studies.LR_STUDY and not quick and not report_only:  # every seed has run: the choice stands
         lr = studies.record_lr_choice(ws.root, res.get(sp.level, {}), report)
         if lr is not None:
@@ -255,7 +263,7 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
 
 
 def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None,
-                    follow_up: dict | None = None) -> tuple[dict, Path]:
+                    follow_up: dict | None = None, rescore: str | None = None) -> tuple[dict, Path]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minirl import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
@@ -274,16 +282,37 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
                     console.print(f"{time.strftime('%H:%M:%S')} {where}", soft_wrap=True)
 
             studies.run(lab_, study, sp, on_run=on_run, progress=lambda what: prog.update(bar, description=what))
+    rescored = (rescore, _rescore(lab_, studies.primary_runs(lab_, sp), rescore)) if rescore else None
     res = studies.arm_results(lab_, sp)
     for cmp, text, _ in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
     path = studies.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation, follow_up=follow_up,
-                                lr_choice=studies.chosen_lr(lab_.ws_root))
+                                lr_choice=studies.chosen_lr(lab_.ws_root), rescored=rescored)
     console.print(f"report: {path}", soft_wrap=True)
     return res, path
 
 
-def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None:
+def _rescore(lab_, runs: dict, precision: str) -> dict:
+    """The study's runs' last checkpoints scored at `precision` (rescore.py), with a bar; it may run
+    beside the study's own process (its own lock and file), e.g. on the pairs finished so far."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from minirl import rescore as rescore_mod  # deferred: torch, after _prepare_env
+
+    with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as prog:
+        bar = prog.add_task(f"rescore at {precision}", total=None)
+
+        def on_run(what: str, i: int, n: int) -> None:
+            prog.update(bar, description=what, completed=i, total=n)
+            if not console.is_terminal:
+                console.print(f"{time.strftime('%H:%M:%S')} {what}" + (f" ({i + 1}/{n})" if i < n else ""),
+                              soft_wrap=True)
+
+        return rescore_mod.rescore(lab_, runs, precision, on_run=on_run)
+
+
+def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool, rescore: str | None = None) -> None:
     """The study's confirmation stage (studies.declare_confirmation): declared once from the first
     stage's runs, in confirm/confirm.json, before any of its own; resumable like the first."""
     import json
@@ -322,11 +351,11 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool) -> None
                       first_seed=declared["first_seed"], endpoint=studies.study_endpoint(mech))
     console.print(f"confirmation stage: {', '.join(f'{f} ({c})' for f, c in declared['comparisons'])}; "
                   f"{declared['seeds']} fresh seeds per arm at {level}", soft_wrap=True)
-    _run_and_report(lab_, sub, sp, mech, report_only=report_only, confirmation=declared)
+    _run_and_report(lab_, sub, sp, mech, report_only=report_only, confirmation=declared, rescore=rescore)
 
 
 def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: list[str] | None, prompts: int,
-               report_only: bool) -> None:
+               report_only: bool, rescore: str | None = None) -> None:
     """A study's follow-up at another level of its measured dial (studies.declare_follow_up):
     declared once, in at-LEVEL/at.json, before any of its runs; resumable like the study."""
     import json
@@ -377,4 +406,4 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: l
                       first_seed=declared["first_seed"], endpoint=declared["endpoint"])
     console.print(f"follow-up at {level}: {', '.join(a[0] for a in sub.arms)}; {declared['seeds']} fresh seeds per "
                   f"arm (train.seed {declared['first_seed']} on)", soft_wrap=True)
-    _run_and_report(lab_, sub, sp, mech, report_only=report_only, follow_up=declared)
+    _run_and_report(lab_, sub, sp, mech, report_only=report_only, follow_up=declared, rescore=rescore)

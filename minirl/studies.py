@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from minirl import atomic
+from minirl import atomic, rescore
 from minirl import verdicts as v
 from minirl.lab import NO_CLIP, NO_IS, Cell, Lab, Plan, rows_of
 from minirl.recipe import PRECISIONS
@@ -268,8 +268,8 @@ def run(lab: Lab, study: Study, sp: StudyPlan, *, on_run: Callable[[str, int, in
 
 
 def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
-    """Per dial level, per arm, per seed run so far: collapse step (verdicts.collapse_step),
-    held-out start and end. The study's own level also holds the arms that set their own precision."""
+    """Per dial level, per arm, per seed run so far: its key in the lab's state, collapse step
+    (verdicts.collapse_step), held-out start, final score (the study's endpoint) and last evaluation. The study's own level also holds the arms that set their own precision."""
     out: dict[str, dict[str, list[dict]]] = {}
     for arm in sp.arms:
         for s in range(sp.first_seed, sp.first_seed + arm.seeds):
@@ -279,15 +279,24 @@ def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
             run = Path(lab.state["runs"][key])
             summary = json.loads((run / "summary.json").read_text())
             metric = summary["heldout"]["metric"]
-            start, end = summary["heldout"]["start"][metric], summary["heldout"]["end"][metric]
+            start, last = summary["heldout"]["start"][metric], summary["heldout"]["end"][metric]
             rows = rows_of(run)
+            end = last
             if sp.endpoint == "late" and (late := v.late_score(rows, end=end)) is not None:
                 end = late
             out.setdefault(sp.level if arm.primary else arm.level, {}).setdefault(arm.name, []).append({
-                "seed": s, "collapse": v.collapse_step(rows, heldout_start=start), "start": start, "final": end,
+                "key": key, "seed": s, "collapse": v.collapse_step(rows, heldout_start=start), "start": start,
+                "final": end, "last": last,
                 "steps": rows[-1]["step"] if rows else 0, "rows": rows, "lr": summary["recipe"]["train"]["lr"],
                 "slope": v.heldout_slope(rows)})
     return out
+
+
+def primary_runs(lab: Lab, sp: StudyPlan) -> dict[str, Path]:
+    """The study's runs at its own level so far, by their key in the lab's state."""
+    return {key: Path(lab.state["runs"][key]) for arm in sp.arms if arm.primary
+            for s in range(sp.first_seed, sp.first_seed + arm.seeds)
+            if (key := f"{arm.cell.id}/s{s}") in lab.state["runs"]}
 
 
 class Decision(NamedTuple):
@@ -659,9 +668,10 @@ def _chosen_arms(declared: dict) -> str:
 
 def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict]]], mech: dict | None,
                  out: Path, *, confirmation: dict | None = None, follow_up: dict | None = None,
-                 lr_choice: dict | None = None) -> Path:
+                 lr_choice: dict | None = None, rescored: tuple[str, dict[str, dict]] | None = None) -> Path:
     """report.md of a study (or of its confirmation stage or a follow-up, `confirmation` or
-    `follow_up` its declaration); `lr_choice`: the workspace's lr study's (chosen_lr)."""
+    `follow_up` its declaration); `lr_choice`: the workspace's lr study's (chosen_lr); `rescored`:
+    a precision and the runs' last checkpoints scored at it (rescore.rescore), if asked for."""
     p, here = sp.plan, res.get(sp.level, {})
     lrs = sorted({r["lr"] for arms in res.values() for runs in arms.values() for r in runs})
     stage = ": confirmation stage" if confirmation else f": follow-up at {follow_up['level']}" if follow_up else ""
@@ -719,6 +729,8 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
             dose_png = plot_dose(study, res, mech, out) if mech else None
             if dose_png:
                 lines += ["", f"![dose–response]({dose_png.name})"]
+    if rescored and study.name != LR_STUDY:
+        lines += ["", *rescore.report_lines(study.comparisons, sp.level, here, rescored[1], rescored[0])]
     if here:
         lines += ["", "## Figure", "", f"![the study]({plot(study, here, out).name})"]
     path = out / "report.md"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from minirl import lab, recipe, studies, verdicts
+from minirl import lab, recipe, rescore, studies, verdicts
 
 
 def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
@@ -105,6 +105,42 @@ def test_the_report_opens_with_the_dial_and_draws_the_dose_response(tmp_path):
     dose = studies.write_report(study, sp, res, mech, tmp_path).read_text().split("## Dose–response")[1]
     assert "| MiniRL | 0.450, 0/1 collapsed | 0.425 [0.420, 0.430], 0/2 collapsed |" in dose
     assert "placebo" not in dose.split("![")[0] and (tmp_path / "study-is-dose.png").stat().st_size > 10_000
+
+
+def test_a_rescore_reports_each_arm_at_both_engines_and_pairs_the_comparisons(tmp_path):
+    """Synthetic runs, rescored at fp32: per arm the own engine's last evaluation beside the fp32
+    score, per score comparison the paired difference on each, the collapse comparisons left out;
+    a run not rescored yet is left out of its arm, and a study with none says so."""
+    study = studies.STUDIES["is"]
+    sp = studies.plan(study, seeds=3, quick=False, level="nvfp4")
+    own = {"MiniRL": [0.70, 0.75, 0.72], "w/o IS": [0.80, 0.84, 0.83]}
+    fp32 = {"MiniRL": [0.88, 0.90, 0.86], "w/o IS": [0.87, 0.91, 0.86]}
+    here = {name: [{"key": f"{name}/s{i}", "seed": i, "last": x, "final": x} for i, x in enumerate(own[name])]
+            for name in own}
+    scores = {f"{name}/s{i}": {"score": x} for name in fp32 for i, x in enumerate(fp32[name])}
+    lines = rescore.report_lines(study.comparisons, "nvfp4", here, scores, "fp32")
+    text = "\n".join(lines)
+    assert lines[0] == "## Exploratory: the last checkpoints served at fp32" and "never a verdict" in text
+    assert "| MiniRL | 3 | 0.723 (0.700, 0.750, 0.720) | 0.880 (0.880, 0.900, 0.860) | +0.157 |" in text
+    f1 = next(x for x in lines if x.startswith("| F1 | MiniRL − w/o IS |"))
+    own_cell, fp32_cell = f1.split(" | ")[2:4]
+    assert own_cell.startswith("-0.100, 95% t-CI [") and "n = 3" in own_cell  # MiniRL below on its own engine
+    assert fp32_cell.startswith("+0.000, 95% t-CI [")  # and level with it served exactly
+    assert verdicts.paired_scores(own["w/o IS"], own["MiniRL"]).p < 0.05 < verdicts.paired_scores(
+        fp32["w/o IS"], fp32["MiniRL"]).p
+    assert not any(x.startswith("| F1 | w/o IS − MiniRL |") for x in lines)  # collapses are not scores
+    del scores["MiniRL/s2"]
+    assert "| MiniRL | 2 |" in "\n".join(rescore.report_lines(study.comparisons, "nvfp4", here, scores, "fp32"))
+    del scores["MiniRL/s1"]  # one pair: no difference to test
+    assert rescore.report_lines(study.comparisons, "nvfp4", here, scores, "fp32")[-1] == (
+        "Paired differences: from two rescored pairs on.")
+    assert rescore.report_lines(study.comparisons, "nvfp4", here, {}, "fp32")[-1] == "Not rescored yet."
+    # in the study's report, after its own results
+    rows = [{"step": s, "rollout/reward_mean": 0.3, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3} for s in (1, 2)]
+    res = {"nvfp4": {n: [{**r, "start": 0.1, "collapse": None, "steps": 2, "rows": rows, "lr": 1e-4, "slope": 0.0}
+                         for r in runs] for n, runs in here.items()}}
+    report = studies.write_report(study, sp, res, None, tmp_path, rescored=("fp32", scores)).read_text()
+    assert report.index("## Arms at nvfp4") < report.index("## Exploratory: the last checkpoints served at fp32")
 
 
 def test_cold_starts_are_compared_only_once_they_plateau():
@@ -233,6 +269,18 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     assert f"Level: **{lvl}**" in text
     assert "| F2 | length normalisation ends lower | length norm − MiniRL |" in text and "inconclusive" not in text
     assert "![the study](study-lengthnorm.png)" in text and (L.out / "study-lengthnorm.png").stat().st_size > 10_000
+    # --rescore: a run's last checkpoint evaluated again at fp32 by a real `minirl eval`, and only once
+    first = dict(list(studies.primary_runs(L, sp).items())[:1])
+    scores = rescore.rescore(L, first, "fp32")
+    [(key, got)] = scores.items()
+    result = json.loads(Path(got["file"]).read_text())
+    assert result["rollout_precision"] == "fp32" and Path(result["checkpoint"]).is_relative_to(first[key])
+    assert got["score"] == result[got["metric"]] and got["metric"] == "avg@1"
+    evals = sorted((ws / "evals").glob("heldout-*.json"))
+    assert rescore.rescore(lab.Lab(ws, L.out), first, "fp32") == scores  # resumed: not evaluated again
+    assert sorted((ws / "evals").glob("heldout-*.json")) == evals
+    text = studies.write_report(study, sp, studies.arm_results(L, sp), mech, L.out, rescored=("fp32", scores)).read_text()
+    assert "## Exploratory: the last checkpoints served at fp32" in text
 
 
 def test_a_run_is_scored_on_the_endpoint_its_study_declared(tmp_path):
