@@ -76,6 +76,46 @@ def _result(evals: Path, checkpoint: Path, precision: str, *, since: float) -> d
     return max(found, key=lambda x: x[0])[1] if found else None
 
 
+def _pairs(here: dict[str, list[dict]], scores: dict[str, dict]) -> dict[str, dict[int, tuple[float, float]]]:
+    """Per arm, per rescored seed: (the own engine's last evaluation, the rescored score)."""
+    out = {}
+    for name, runs in here.items():
+        if got := {r["seed"]: (r["last"], scores[r["key"]]["score"]) for r in runs if r["key"] in scores}:
+            out[name] = got
+    return out
+
+
+def plot(here: dict[str, list[dict]], scores: dict[str, dict], level: str, precision: str, out: Path,
+         name: str) -> Path | None:
+    """Each rescored run as a line from its own engine's score to the rescored one, per arm, with
+    the arm's mean drawn thick: where arms part on one engine and meet on the other."""
+    pairs = _pairs(here, scores)
+    if not pairs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.6, 4.2), constrained_layout=True)
+    for i, (arm, got) in enumerate(pairs.items()):
+        color, dx = f"C{i}", 0.04 * (i - (len(pairs) - 1) / 2)  # arms side by side, not on top
+        for own, at in got.values():
+            ax.plot([dx, 1 + dx], [own, at], color=color, lw=0.8, alpha=0.5, marker="o", ms=3)
+        means = [statistics.fmean(x[j] for x in got.values()) for j in (0, 1)]
+        ax.plot([dx, 1 + dx], means, color=color, lw=2.5, label=f"{arm} (mean of {len(got)})")
+    ax.set_xticks([0, 1], [f"own engine ({level})", f"served at {precision}"])
+    ax.set_xlim(-0.3, 1.3)
+    ax.set_ylabel("held-out score of the last checkpoint")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("the same checkpoints, two engines", fontsize=10)
+    path = out / f"{name}-rescore-{precision}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def report_lines(comparisons, level: str, here: dict[str, list[dict]], scores: dict[str, dict],
                  precision: str) -> list[str]:
     """The report's exploratory section: per arm the last held-out score its own engine gave and
@@ -88,12 +128,8 @@ def report_lines(comparisons, level: str, here: dict[str, list[dict]], scores: d
              f"step. A run's own score is the policy its engine serves; at fp32 the engine serves the trainer's "
              f"π itself. Chosen after the runs: exploratory, p-values unadjusted, never a verdict.", "",
              f"| arm | seeds | last held-out, own engine | at {precision} | {precision} − own |", "|---|---|---|---|---|"]
-    pairs: dict[str, dict[int, tuple[float, float]]] = {}
-    for name, runs in here.items():
-        got = {r["seed"]: (r["last"], scores[r["key"]]["score"]) for r in runs if r["key"] in scores}
-        if not got:
-            continue
-        pairs[name] = got
+    pairs = _pairs(here, scores)
+    for name, got in pairs.items():
         own, at = [x[0] for x in got.values()], [x[1] for x in got.values()]
         lines.append(f"| {name} | {len(got)} | {statistics.fmean(own):.3f} ({', '.join(f'{x:.3f}' for x in own)}) | "
                      f"{statistics.fmean(at):.3f} ({', '.join(f'{x:.3f}' for x in at)}) | "

@@ -731,6 +731,8 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
                 lines += ["", f"![dose–response]({dose_png.name})"]
     if rescored and study.name != LR_STUDY:
         lines += ["", *rescore.report_lines(study.comparisons, sp.level, here, rescored[1], rescored[0])]
+        if png := rescore.plot(here, rescored[1], sp.level, rescored[0], out, f"study-{study.name}"):
+            lines += ["", f"![served at {rescored[0]}]({png.name})"]
     if here:
         lines += ["", "## Figure", "", f"![the study]({plot(study, here, out).name})"]
     path = out / "report.md"

@@ -141,6 +141,8 @@ def test_a_rescore_reports_each_arm_at_both_engines_and_pairs_the_comparisons(tm
                          for r in runs] for n, runs in here.items()}}
     report = studies.write_report(study, sp, res, None, tmp_path, rescored=("fp32", scores)).read_text()
     assert report.index("## Arms at nvfp4") < report.index("## Exploratory: the last checkpoints served at fp32")
+    assert "![served at fp32](study-is-rescore-fp32.png)" in report
+    assert (tmp_path / "study-is-rescore-fp32.png").stat().st_size > 10_000
 
 
 def test_cold_starts_are_compared_only_once_they_plateau():
