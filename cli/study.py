@@ -202,8 +202,7 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         if at is not None:
             return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
                               prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
-        chosen = with_arms(STUDIES[study], arm_names) if arm_names else STUDIES[study]
-        return _study(ws, chosen, quick=quick, seeds=seeds or (2 if quick else chosen.seeds), dose_seeds=dose_seeds,
+        return _study(ws, STUDIES[study], arm_names, quick=quick, seeds=seeds, dose_seeds=dose_seeds,
                       prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
     plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
@@ -235,8 +234,8 @@ def _lr_frozen(ws, lr: float) -> None:
                          f"has {lr:g}: set it there (every study's arms take the recipe's)")
 
 
-def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int, report_only: bool,
-           rescore: str | None = None) -> None:
+def _study(ws, study, arms: list[str] | None, *, quick: bool, seeds: int | None, dose_seeds: int, prompts: int,
+           report_only: bool, rescore: str | None = None) -> None:
     from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
     from minirl import studies
 
@@ -245,7 +244,11 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
     if report_only and not mech_path.exists():
         raise UsageError(f"no study at {lab_.out}: run `minirl lab {study.name} {ws.root}` first")
     if not report_only:
-        lab_.hold()
+        lab_.hold()  # before the arms' declaration: one writer declares it
+    if declared := _declared_arms(lab_, study, arms, report_only):
+        study = studies.with_arms(study, declared)
+    seeds = seeds or (2 if quick else study.seeds)
+    if not report_only:
         with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
             studies.mechanism(lab_, seeds=1 if quick else 3, progress=status.update)
     mech = read_json(mech_path, "the study's mismatch dial")
@@ -260,6 +263,37 @@ def _study(ws, study, *, quick: bool, seeds: int, dose_seeds: int, prompts: int,
         if lr is not None:
             console.print(f"learning rate: {lr:g}; every other study in {ws.root} takes the recipe's, so set "
                           f"train.lr = {lr:g} in {ws.recipe_path}", soft_wrap=True)
+
+
+def _declared_arms(lab_, study, arms: list[str] | None, report_only: bool) -> list[str] | None:
+    """The study's arms (`--arm`'s names; None: every arm), declared in `arms.json` at its first
+    run. Later runs may add arms (the new ones join the same seeds) but never drop one, so that no
+    session picks arms by how they came out; a resumed study may leave `--arm` out. A study that
+    ran before the declaration existed ran every arm."""
+    import json
+
+    from minirl import atomic
+
+    path = lab_.out / "arms.json"
+    if path.exists():
+        declared = read_json(path, "the study's arms")
+    elif lab_.state["runs"]:
+        declared = {"arms": None}  # begun before arms were declared: every arm
+    elif report_only:
+        return arms  # nothing has run, nothing to declare
+    else:
+        atomic.write_text(path, json.dumps({"arms": arms, "declared_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        return arms
+    if arms is None:
+        return declared["arms"]
+    if not set(declared["arms"] or [a[0] for a in study.arms]) <= set(arms):
+        had = "the arms " + ", ".join(declared["arms"]) if declared["arms"] else "every arm"
+        raise UsageError(f"the {study.name} study in {lab_.out} began with {had}: a later run may add arms but "
+                         f"never drop one (leave --arm out to resume it)")
+    if not report_only and arms != declared["arms"]:
+        widened = {**declared, "arms": arms, "widened_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        atomic.write_text(path, json.dumps(widened))
+    return arms
 
 
 def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None,

@@ -693,7 +693,10 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
                   f"after failing there has had two tries: over both stages its chance of a false positive is at "
                   f"most {v.ALPHA + (1 - v.ALPHA) * v.ALPHA:.4g}.", "",
                   *(f"- {line}" for line in confirmation["why"]), ""]
-    lines += [f"{len(study.arms)} arms × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
+    whole = STUDIES.get(study.name)
+    some = (f" (of its {len(whole.arms)}, chosen with --arm before the first run)"
+            if whole and len(study.arms) < len(whole.arms) and not (follow_up or confirmation) else "")
+    lines += [f"{len(study.arms)} arms{some} × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
              f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; "
              f"{lr_source(study, lr_choice, lrs)}. Final held-out score: {v.ENDPOINTS[sp.endpoint]}"
              f"{' (declared before the late-third endpoint existed)' if sp.endpoint == 'last' else ''}. "

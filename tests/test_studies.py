@@ -479,3 +479,58 @@ def test_some_arms_take_the_comparisons_among_them_and_a_follow_up_declares_them
     assert "arms" not in studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL)
     with pytest.raises(ValueError, match="not an arm"):
         studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL, arms=["MiniRL", "IS"])
+
+
+def test_a_studys_arms_are_declared_at_its_first_run_and_never_dropped(tmp_path):
+    """`--arm` is declared in arms.json before the study's first run: a later session resumes with
+    the same arms without naming them, may add arms, and is refused dropping one; a study begun
+    before the declaration existed ran every arm; a report alone declares nothing."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from cli.study import _declared_arms
+    from minirl.errors import UsageError
+    from minirl.lab import Lab
+
+    off = studies.STUDIES["offpolicy"]
+    out = tmp_path / "ws" / "lab" / "study-offpolicy" / "full"
+    out.mkdir(parents=True)
+
+    def declared(arms, report_only=False, where=out):
+        return _declared_arms(Lab(tmp_path / "ws", where), off, arms, report_only)
+
+    assert declared(["clip", "no clip"], report_only=True) == ["clip", "no clip"]
+    assert not (out / "arms.json").exists()
+    assert declared(["clip", "no clip"]) == ["clip", "no clip"]
+    assert json.loads((out / "arms.json").read_text())["arms"] == ["clip", "no clip"]
+    assert declared(None) == ["clip", "no clip"]  # resumed without naming them
+    with pytest.raises(UsageError, match="began with the arms clip, no clip: a later run may add arms but never drop"):
+        declared(["clip"])
+    assert declared(["no clip", "clip", "clip + R3"], report_only=True) == ["no clip", "clip", "clip + R3"]
+    assert json.loads((out / "arms.json").read_text())["arms"] == ["clip", "no clip"]  # a report declares nothing
+    assert declared(["no clip", "clip", "clip + R3"]) == ["no clip", "clip", "clip + R3"]
+    assert declared(None) == ["no clip", "clip", "clip + R3"]
+    legacy = tmp_path / "old"
+    legacy.mkdir()
+    (legacy / "state.json").write_text(json.dumps({"runs": {"offpolicy-clip/s0": "/x"}}))
+    assert declared(None, where=legacy) is None
+    with pytest.raises(UsageError, match="began with every arm"):
+        declared(["clip"], report_only=True, where=legacy)
+    assert declared([a[0] for a in off.arms], where=legacy) == [a[0] for a in off.arms]
+
+    # through the CLI: the report of a declared study names its arms, and dropping one is refused
+    (out / "arms.json").write_text(json.dumps({"arms": ["clip", "no clip"], "declared_at": "2026-11-26 10:41:00"}))
+    ws = tmp_path / "ws"
+    (ws / "minirl.toml").write_text(recipe.shipped("tiny-scratchpad-long").read_text())
+    level = {"kl": 1e-3, "kl_spread": 0.0, "sd_spread": 0.0, "predicted": 0.4, "length": 98.0, "sd": 1.15}
+    (out / "mechanism.json").write_text(json.dumps({
+        "measured_at": "2026-11-26 10:40:00", "endpoint": "late", "doctor": "/x/doctor-1.json", "seeds": 3,
+        "level": "e5m2", "why": "w",
+        "route_flips": None, "levels": {"e5m2": level}}))
+    r = CliRunner().invoke(cli, ["lab", "offpolicy", str(ws), "--report-only"])
+    assert r.exit_code == 0, r.output
+    text = (out / "report.md").read_text()
+    assert "2 arms (of its 6, chosen with --arm before the first run)" in text
+    assert "without clipping off-policy training collapses | no clip − clip |" in text and "| F5 |" not in text
+    r = CliRunner().invoke(cli, ["lab", "offpolicy", str(ws), "--report-only", "--arm", "clip + R3", "--arm", "clip"])
+    assert isinstance(r.exception, UsageError) and "never drop one" in str(r.exception)
