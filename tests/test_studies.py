@@ -534,3 +534,21 @@ def test_a_studys_arms_are_declared_at_its_first_run_and_never_dropped(tmp_path)
     assert "without clipping off-policy training collapses | no clip − clip |" in text and "| F5 |" not in text
     r = CliRunner().invoke(cli, ["lab", "offpolicy", str(ws), "--report-only", "--arm", "clip + R3", "--arm", "clip"])
     assert isinstance(r.exception, UsageError) and "never drop one" in str(r.exception)
+
+
+def test_the_offpolicy_report_shows_how_often_the_clip_bound_per_mini_batch(tmp_path):
+    """staleness_lines: per arm that clips, the clipped fraction of each mini-batch averaged over
+    steps and seeds; arms without clipping (M_t ≡ 1 by construction) and on-policy runs are left out."""
+    off = studies.STUDIES["offpolicy"]
+
+    def runs(*per_mb):
+        return [{"rows": [{"step": i, "loss/clip_frac_per_mb": mb} for i, mb in enumerate(seed)]} for seed in per_mb]
+
+    arms = {"clip": runs([[0.0, 0.01, 0.03, 0.05], [0.0, 0.03, 0.05, 0.07]], [[0.0, 0.0, 0.01, 0.0]]),
+            "no clip": runs([[0.0, 0.0, 0.0, 0.0]]),
+            "clip + R3": runs([[0.0, 0.0, 0.0, 0.004]])}
+    text = "\n".join(studies.staleness_lines(off, arms))
+    assert "| clip | 0.00e+00 | 1.33e-02 | 3.00e-02 | 4.00e-02 |" in text  # three steps over two seeds
+    assert "| clip + R3 | 0.00e+00 | 0.00e+00 | 0.00e+00 | 4.00e-03 |" in text
+    assert "| no clip |" not in text and "mini-batch 4 |" in text
+    assert studies.staleness_lines(studies.STUDIES["is"], {"MiniRL": runs([[0.01]])}) == []  # one mini-batch
