@@ -245,7 +245,9 @@ def power_paired(n: int, effect: float, sd: float) -> float:
     df = n - 1
     t = stats.t.ppf(1 - ALPHA / 2, df)
     shift = abs(effect) / (sd / math.sqrt(n))
-    return float(stats.nct.sf(t, df, shift) + stats.nct.cdf(-t, df, shift))
+    # scipy's noncentral t returns nan for some far tails (df = 1, shift ≈ 150): a tail that far is 0
+    upper, lower = (float(np.nan_to_num(x)) for x in (stats.nct.sf(t, df, shift), stats.nct.cdf(-t, df, shift)))
+    return min(1.0, upper + lower)
 
 
 POWER = 0.8  # enough seeds: "no difference" counts as shown at this power; below it a verdict says what would reach it

@@ -63,6 +63,8 @@ def test_power_is_alpha_without_an_effect_and_grows_with_it():
     assert v.power_paired(20, 0.05, 0.1) > v.power_paired(5, 0.05, 0.1)
     # n = 5, effect = 1 SD: noncentrality √5 on 4 df (G*Power gives 0.4013)
     assert v.power_paired(5, 0.1, 0.1) == pytest.approx(0.4013, abs=2e-3)
+    # two pairs that barely differ: a noncentrality of 150 on 1 df, where scipy's far tail is nan
+    assert v.power_paired(2, 0.1, 0.1 * 2 ** 0.5 / 150) == pytest.approx(1.0)
 
 
 def test_verdicts_say_reproduced_contradicted_or_not_observed_with_power():
