@@ -3,12 +3,14 @@ findings reproduced on the embedded default."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import click
 
 from cli.render import SET_HELP, console
+from minirl import atomic
 from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
 from minirl.files import read_json
@@ -270,10 +272,6 @@ def _declared_arms(lab_, study, arms: list[str] | None, report_only: bool) -> li
     run. Later runs may add arms (the new ones join the same seeds) but never drop one, so that no
     session picks arms by how they came out; a resumed study may leave `--arm` out. A study that
     ran before the declaration existed ran every arm."""
-    import json
-
-    from minirl import atomic
-
     path = lab_.out / "arms.json"
     if path.exists():
         declared = read_json(path, "the study's arms")
@@ -349,9 +347,7 @@ def _rescore(lab_, runs: dict, precision: str) -> dict:
 def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool, rescore: str | None = None) -> None:
     """The study's confirmation stage (studies.declare_confirmation): declared once from the first
     stage's runs, in confirm/confirm.json, before any of its own; resumable like the first."""
-    import json
-
-    from minirl import atomic, studies  # deferred, with the two below: torch and scipy, after _prepare_env
+    from minirl import studies  # deferred, with the two below: torch and scipy, after _prepare_env
     from minirl import lab as lab_mod  # deferred: torch
     from minirl import verdicts as v  # deferred: scipy
 
@@ -392,9 +388,7 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: l
                report_only: bool, rescore: str | None = None) -> None:
     """A study's follow-up at another level of its measured dial (studies.declare_follow_up):
     declared once, in at-LEVEL/at.json, before any of its runs; resumable like the study."""
-    import json
-
-    from minirl import atomic, studies  # deferred, with the one below: torch and scipy, after _prepare_env
+    from minirl import studies  # deferred, with the one below: torch and scipy, after _prepare_env
     from minirl import lab as lab_mod  # deferred: torch
 
     first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
