@@ -284,11 +284,12 @@ def _declared_arms(lab_, study, arms: list[str] | None, report_only: bool) -> li
         return arms
     if arms is None:
         return declared["arms"]
-    if not set(declared["arms"] or [a[0] for a in study.arms]) <= set(arms):
-        had = "the arms " + ", ".join(declared["arms"]) if declared["arms"] else "every arm"
-        raise UsageError(f"the {study.name} study in {lab_.out} began with {had}: a later run may add arms but "
+    had = set(declared["arms"] or [a[0] for a in study.arms])
+    if not had <= set(arms):
+        what = "the arms " + ", ".join(declared["arms"]) if declared["arms"] else "every arm"
+        raise UsageError(f"the {study.name} study in {lab_.out} began with {what}: a later run may add arms but "
                          f"never drop one (leave --arm out to resume it)")
-    if not report_only and arms != declared["arms"]:
+    if not report_only and had != set(arms):  # widened (the same arms in another order change nothing)
         widened = {**declared, "arms": arms, "widened_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         atomic.write_text(path, json.dumps(widened))
     return arms

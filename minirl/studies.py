@@ -637,9 +637,11 @@ def staleness_lines(study: Study, arms: dict[str, list[dict]]) -> list[str]:
     clips = {name for name, sets, _ in study.arms if not set(NO_CLIP) <= set(sets)}
     table = {}
     for name, runs in arms.items():
+        if name not in clips:
+            continue
         per_mb = [r["loss/clip_frac_per_mb"] for run in runs for r in run["rows"]
                   if len(r.get("loss/clip_frac_per_mb", [])) > 1]
-        if per_mb and name in clips:
+        if per_mb:
             table[name] = [statistics.fmean(x) for x in zip(*per_mb)]
     if not table:
         return []
