@@ -477,3 +477,26 @@ def test_one_process_checkpoints_stay_off_vllms_process_group(engine, tiny_dir, 
     one_update(tr, prompts, responses)
     assert tr.load(tmp_path / "ck")["step"] == 1
     assert all(torch.equal(v, before[k]) for k, v in tr.full_state_dict().items())
+
+
+def test_an_interrupt_mid_forward_reaches_the_caller_not_a_torn_capture(tiny_dir):
+    """A second Ctrl-C lands inside a forward, after the first layer captured its routes and before
+    the last did. What must reach the CLI is the KeyboardInterrupt ("minirl: aborted", exit 130):
+    the captures' own check ("a layer missed a forward") used to replace it with a traceback.
+    An engine of its own: vLLM does not clean up a generate cut short."""
+    from minirl.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25, capture_routes=True)
+
+    def interrupt_in_the_last_layer(worker):
+        def capture(topk_ids):
+            raise KeyboardInterrupt
+
+        worker._minirl_routes.routers[-1].set_capture_fn(capture)
+
+    engine._llm.collective_rpc(interrupt_in_the_last_layer)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=4, seed=3)
+    recorders = engine._llm.collective_rpc(lambda w: (w._minirl_routes.enabled, w._minirl_routes.row_req,
+                                                      w._minirl_logprobs.enabled, w._minirl_logprobs.steps))[0]
+    assert recorders == (False, [], False, [])  # both stopped, nothing torn kept

@@ -232,9 +232,16 @@ class VLLMEngine:
         try:
             with seeded_sampling(seed, stream=self.stream):
                 outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
-        finally:
-            routes = self._llm.collective_rpc(cpu_routes.stop)[0] if cpu_capture else {}
-            logps = self._llm.collective_rpc(cpu_logprobs.stop)[0] if self.capture_logprobs else {}
+        except BaseException:
+            # cut short mid-forward (a second Ctrl-C), the captures are torn: drop them, so what
+            # the caller sees is the interruption itself, not a capture's complaint about it
+            for on, recorder in ((cpu_capture, cpu_routes), (self.capture_logprobs, cpu_logprobs)):
+                if on:
+                    with contextlib.suppress(Exception):
+                        self._llm.collective_rpc(recorder.discard)
+            raise
+        routes = self._llm.collective_rpc(cpu_routes.stop)[0] if cpu_capture else {}
+        logps = self._llm.collective_rpc(cpu_logprobs.stop)[0] if self.capture_logprobs else {}
         result = []
         for prompt, out in zip(prompts, outs):
             group = []

@@ -58,6 +58,11 @@ class LogprobRecorder:
         self.enabled = True
         self._reset()
 
+    def discard(self) -> None:
+        """Stop, keeping nothing: what a forward cut short left is torn."""
+        self.enabled = False
+        self._reset()
+
     def stop(self) -> dict[tuple[str, int], list[float]]:
         """{(external request id, completion index): log μ of its sampled tokens, in order}."""
         self.enabled = False
@@ -85,3 +90,7 @@ def start(worker) -> None:
 
 def stop(worker) -> dict[tuple[str, int], list[float]]:
     return worker._minirl_logprobs.stop()
+
+
+def discard(worker) -> None:
+    worker._minirl_logprobs.discard()

@@ -92,6 +92,11 @@ class RouteRecorder:
         self.enabled = True
         self._reset()
 
+    def discard(self) -> None:
+        """Stop, keeping nothing: what a forward cut short left is torn."""
+        self.enabled = False
+        self._reset()
+
     def stop(self) -> dict[tuple[str, int], np.ndarray]:
         """{(external request id, completion index): [positions, n_layers, K] int16}."""
         self.enabled = False
@@ -127,3 +132,7 @@ def start(worker) -> None:
 
 def stop(worker):
     return worker._minirl_routes.stop()
+
+
+def discard(worker) -> None:
+    worker._minirl_routes.discard()
