@@ -153,10 +153,10 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
               help="Rollout engine precision (sets rollout.precision); fp8: FP8 weights and activations (W8A8; "
                    "emulated on CPU); fp8-weights, e5m2, nvfp4: the lab's CPU levels.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-@click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
+@click.option("--resume", metavar="latest|auto|RUN", is_flag=False, flag_value="latest", default=None,
               help="Continue the latest run from its newest checkpoint. `--resume auto`: the same when that run has "
                    "not ended, else start a new run (for jobs that restart themselves: torchrun --max-restarts, SLURM "
-                   "requeue).")
+                   "requeue). `--resume RUN`: that run (a folder in runs/), from its newest checkpoint.")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (mesh, memory per GPU by component, tokens and FLOPs per step) and stop; needs no "
                    "GPU, no weights and no workspace (the shipped recipe of --model, if any, else the defaults).")

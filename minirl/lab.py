@@ -34,6 +34,7 @@ from pathlib import Path
 from minirl import atomic
 from minirl import recipe as recipe_mod
 from minirl.guard import Guard
+from minirl.preflight import complete_checkpoints
 from minirl.rollout.seeding import SAMPLING
 from minirl.runlock import RunLock
 from minirl.status import PROCESS_FILE
@@ -94,10 +95,22 @@ def plan(*, quick: bool, seeds: int | None = None) -> Plan:
 
 # ----- running -----------------------------------------------------------------------------------
 def common_sets(p: Plan, seed: int) -> list[str]:
-    """What every cell shares: the stress test (FP8 rollouts), the guard observing only, the
-    schedule, and no checkpoints beyond the run's own first and last."""
+    """What every cell shares: the stress test (FP8 rollouts), the guard observing only and the schedule."""
     return ["rollout.precision=fp8", "guard.enabled=false", f"train.steps={p.steps}", f"eval.every={p.eval_every}",
-            f"train.seed={seed}", f"checkpoint.every={p.steps + 1}", "checkpoint.keep=1"]
+            f"train.seed={seed}"]
+
+
+def resumable_sets(p: Plan) -> list[str]:
+    """Checkpoints often enough that a run cut short (a session's end, a kill) loses at most a
+    tenth of itself: the next sweep continues it from the newest (Lab.run_cell), the only one
+    kept. Not part of what makes a run its cell's: where a run saves changes nothing it computes."""
+    return [f"checkpoint.every={max(1, p.steps // 10)}", "checkpoint.keep=1"]
+
+
+def _legacy_free(recorded: list[str], p: Plan) -> list[str]:
+    """A run recorded before resumable_sets carried "no checkpoints but the last" among its cell's
+    settings; it is the same cell's run as one recorded since."""
+    return [x for x in recorded if x not in (f"checkpoint.every={p.steps + 1}", "checkpoint.keep=1")]
 
 
 GUARD_CHECKPOINT_EVERY = 5  # the guard check's checkpoints: the rollback target is at most this many steps back
@@ -130,13 +143,15 @@ class Lab:
             init_workspace(root, task=task, force=True, overrides=[f"cold_start.target_acc={target}"])
         return root / "model" / "coldstart"
 
-    def minirl(self, args: list[str], log: Path) -> subprocess.Popen:
+    def minirl(self, args: list[str], log: Path, *, on_start: Callable[[int], None] = lambda pid: None,
+               append: bool = False) -> subprocess.Popen:
         """`minirl ARGS` in a process of its own (an engine's memory and threads end with it), its
-        output to `log`; returned finished."""
+        output to `log`; on_start(pid) once it runs; returned finished."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as f:
+        with log.open("a" if append else "w") as f:
             child = subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdout=f, stderr=subprocess.STDOUT,
                                      cwd=Path(__file__).resolve().parents[1], env={**os.environ, "COLUMNS": "160"})
+            on_start(child.pid)
             child.wait()
         return child
 
@@ -152,30 +167,51 @@ class Lab:
         key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
         recorded = self._recorded([*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())])
         done = self.state["runs"].get(key)
-        if done and (Path(done) / "summary.json").exists() and self.state.get("sets", {}).get(key) == recorded:
+        if done and (Path(done) / "summary.json").exists() and \
+                _legacy_free(self.state.get("sets", {}).get(key, []), p) == recorded:
             return Path(done)
         return None
+
+    def _cut_short(self, key: str, recorded: list[str]) -> Path | None:
+        """The run of `key` that a sweep began with today's settings and that ended before the
+        sweep could record it (the session's end, a kill, a crash), where it has a checkpoint."""
+        began = self.state.get("in_flight") or {}
+        if began.get("key") != key or began.get("sets") != recorded:
+            return None
+        run = Path(began["run"]) if began.get("run") else run_of_process(self.ws_root, began["pid"], since=began["since"])
+        return run if run is not None and complete_checkpoints(run) else None
 
     def run_cell(self, cell: Cell, seed: int, p: Plan, *, progress, guarded: bool = False) -> Path:
         """One (cell, seed): a `minirl run` of its own; returns its run folder. `guarded`: the same
         run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
         may end as `collapsed` (exit 3), which is then its result."""
-        sets = [*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())]
-        recorded = self._recorded(sets)
+        recorded = self._recorded([*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())])
+        sets = [*common_sets(p, seed), *cell.sets, *resumable_sets(p), *(GUARDED if guarded else ())]
         key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
         if done := self.finished(cell, seed, p, guarded=guarded):
             return done  # the same cell with the same settings: reused
         if cell.cold_start:
             sets.append(f"model.path={self.cold_start_model(cell.cold_start, progress)}")
         log = self.out / "logs" / f"{key.replace('/', '-')}.log"
+        args = ["run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]]
+        if cut_short := self._cut_short(key, recorded):  # same seed, prompts and sampling seeds from its checkpoint on
+            progress(f"{key}: continuing run {cut_short.name} from its newest checkpoint")
+            args += ["--resume", str(cut_short)]
         t0 = time.time()
-        child = self.minirl(["run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]], log)
+
+        def began(pid: int) -> None:
+            self.state["in_flight"] = {"key": key, "sets": recorded, "pid": pid, "since": t0,
+                                       **({"run": str(cut_short)} if cut_short else {})}
+            self._save()
+
+        child = self.minirl(args, log, on_start=began, append=cut_short is not None)
         rc = child.returncode
         run = run_of_process(self.ws_root, child.pid, since=t0)
         if rc not in ((0, 3) if guarded else (0,)) or run is None or not (run / "summary.json").exists():
             raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")
         self.state["runs"][key] = str(run)
         self.state.setdefault("sets", {})[key] = recorded
+        self.state.pop("in_flight", None)
         self._save()
         return run
 

@@ -47,8 +47,8 @@ def run(
     """Run (or resume) RL in `ws`; returns the summary dict (also written to summary.json).
 
     resume: None (a new run), "latest" (the newest checkpoint of the newest run; an error when
-    there is none) or "auto" (that, when the newest run has not ended; else a new run: the form a
-    job that restarts itself uses).
+    there is none), "auto" (that, when the newest run has not ended; else a new run: the form a
+    job that restarts itself uses) or a run folder's name or path (its newest checkpoint).
 
     on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done"; called on
     the main rank only. world: this process's place in a torchrun job (default: the whole job).

@@ -208,7 +208,11 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     check_fits(shape, rec.model.id)
     check_replay(rec.train.replay, shape, rec.model.id)
     check_layout(rec, shape, world_size)
-    resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, auto=resume == "auto") if resume else None
+    resume_from = None
+    if resume in ("latest", "auto"):
+        resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, auto=resume == "auto")
+    elif resume:
+        resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, run=run_folder(ws, resume))
     tok = load_tokenizer(model_dir)
     if rec.data.chat_template and not getattr(tok, "chat_template", None):
         raise UsageError(f"data.chat_template = true, and the tokenizer of {rec.model.id} has no chat template; "
@@ -229,18 +233,29 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
 ENDED = ("finished", "collapsed")  # a run in one of these states is not resumed by `--resume auto`
 
 
-def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool = False) -> Path | None:
-    """The newest complete checkpoint of the newest run that has one, checked. A damaged newest
-    checkpoint is an error, not a silent step back: the user decides what to lose.
+def run_folder(ws, name: str) -> Path:
+    """A run of this workspace named by its folder (a path, or its name under runs/)."""
+    for p in (Path(name), ws.runs / name):
+        if p.is_dir() and p.resolve().parent == ws.runs.resolve():
+            return p
+    raise UsageError(f"--resume {name}: not a run of {ws.root} (one of the folders in {ws.runs}, or "
+                     "'latest' / 'auto')")
+
+
+def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool = False,
+                           run: Path | None = None) -> Path | None:
+    """The newest complete checkpoint of the newest run that has one (of `run`, when given),
+    checked. A damaged newest checkpoint is an error, not a silent step back: the user decides
+    what to lose.
 
     auto: None when there is nothing to continue (no run with a checkpoint, or that run ended as
     finished or collapsed); a killed, interrupted or timed-out run is continued. The checkpoint
     carries the guard's state, so a restarted job decides exactly as the killed one would have."""
-    for run in ws.runs_newest_first():
-        ckpts = complete_checkpoints(run)
+    for folder in [run] if run else ws.runs_newest_first():
+        ckpts = complete_checkpoints(folder)
         if not ckpts:
             continue
-        if auto and _status(run) in ENDED:
+        if auto and _status(folder) in ENDED:
             return None
         steps = {}
         for c in ckpts:
@@ -254,6 +269,8 @@ def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool =
         return newest
     if auto:
         return None
+    if run:
+        raise UsageError(f"nothing to resume in {run}: it has no complete checkpoint")
     raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
 
 

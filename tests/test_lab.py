@@ -154,6 +154,10 @@ def test_a_run_is_reused_only_while_the_workspace_recipe_reads_the_same(tmp_path
     L.state = {"runs": {f"{cell.id}/s0": str(run)},
                "sets": {f"{cell.id}/s0": L._recorded([*lab.common_sets(p, 0), *cell.sets])}}
     assert L.finished(cell, 0, p) == run
+    # recorded before the lab checkpointed its runs to resume them (lab.resumable_sets): the same run
+    legacy = [*lab.common_sets(p, 0), f"checkpoint.every={p.steps + 1}", "checkpoint.keep=1", *cell.sets]
+    L.state["sets"][f"{cell.id}/s0"] = L._recorded(legacy)
+    assert L.finished(cell, 0, p) == run
     (ws / "minirl.toml").write_text("# the lr study's choice, below\n[train]\nlr = 0.0003\n")
     assert L.finished(cell, 0, p) == run
     (ws / "minirl.toml").write_text("[train]\nlr = 1e-4\n")
@@ -161,7 +165,7 @@ def test_a_run_is_reused_only_while_the_workspace_recipe_reads_the_same(tmp_path
 
 
 @pytest.mark.slow
-def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
+def test_a_micro_sweep_runs_resumes_and_reports(tmp_path, monkeypatch):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
     above a max_kl of -1), so the guard check reruns it with the guard acting: it rolls back,
     then stops as collapsed (exit 3), and the report and figure say so."""
@@ -217,3 +221,21 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path):
     L2.sweep(p)
     assert len(list((ws / "runs").iterdir())) == before + 1
     assert L2.state["sets"][key][-1] == f"#sampling={SAMPLING}"
+
+    # a run cut short (SIGKILLed as its step 2 began: a session's end) is continued by the next
+    # sweep from its step-1 checkpoint, in its own folder, its step-1 row kept
+    L2.state["sets"][key] = [*L2.state["sets"][key][:-1], "#sampling=1"]
+    n_runs = len(list((ws / "runs").iterdir()))
+    monkeypatch.setenv("MINIRL_INJECT_KILL", "0@2")
+    with pytest.raises(RuntimeError, match="exit -9"):
+        L2.sweep(p)
+    monkeypatch.delenv("MINIRL_INJECT_KILL")
+    killed = sorted((ws / "runs").iterdir())[-1]
+    assert [r["step"] for r in lab.rows_of(killed)] == [1] and not (killed / "summary.json").exists()
+    L3 = lab.Lab(ws, ws / "lab" / "micro")
+    L3.sweep(p)
+    assert Path(L3.state["runs"][key]) == killed and "in_flight" not in L3.state
+    assert len(list((ws / "runs").iterdir())) == n_runs + 1  # the killed run's, and no other
+    assert [r["step"] for r in lab.rows_of(killed)] == [1, 2]
+    assert json.loads((killed / "process.json").read_text())["resumed_from"].endswith("step_000001")
+    assert json.loads((killed / "summary.json").read_text())["status"] == "finished"
