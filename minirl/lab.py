@@ -208,6 +208,9 @@ class Lab:
         rc = child.returncode
         run = run_of_process(self.ws_root, child.pid, since=t0)
         if rc not in ((0, 3) if guarded else (0,)) or run is None or not (run / "summary.json").exists():
+            if cut_short and rc == 2:  # its checkpoint refused (damaged): the next sweep begins the run again
+                self.state.pop("in_flight", None)
+                self._save()
             raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")
         self.state["runs"][key] = str(run)
         self.state.setdefault("sets", {})[key] = recorded

@@ -164,6 +164,30 @@ def test_a_run_is_reused_only_while_the_workspace_recipe_reads_the_same(tmp_path
     assert L.finished(cell, 0, p) is None
 
 
+def test_a_cut_short_run_whose_checkpoint_is_refused_begins_again_next_time(tmp_path, tiny_dir):
+    """The sweep that would continue a cut-short run and finds its checkpoint refused (damaged:
+    `minirl run --resume RUN` exits 2) forgets it, so the sweep after begins that run again rather
+    than failing on it for ever."""
+    import shutil
+
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    shutil.copytree(tiny_dir, ws / "model" / "coldstart")
+    cell = lab.Cell("on-policy", "MiniRL", ())
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    L = lab.Lab(ws, ws / "lab" / "x")
+    run = ws / "runs" / "20261126-000000"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "checkpoints" / "step_000001" / "minirl.json").write_text('{"step": 1}')  # no DCP files
+    L.state["in_flight"] = {"key": f"{cell.id}/s0", "sets": L._recorded([*lab.common_sets(p, 0), *cell.sets]),
+                            "pid": 1, "since": 0.0, "run": str(run)}
+    with pytest.raises(RuntimeError, match="exit 2"):
+        L.run_cell(cell, 0, p, progress=lambda s: None)
+    assert "DCP metadata missing" in (ws / "lab" / "x" / "logs" / "on-policy-minirl-s0.log").read_text()
+    assert "in_flight" not in lab.Lab(ws, ws / "lab" / "x").state
+
+
 @pytest.mark.slow
 def test_a_micro_sweep_runs_resumes_and_reports(tmp_path, monkeypatch):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
