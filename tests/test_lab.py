@@ -238,28 +238,24 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path, monkeypatch):
     assert [f[0] for f in found] == ["F1"] and pngs[0].stat().st_size > 10_000
     assert pngs[-1].name == "lab-guard-check.png" and pngs[-1].stat().st_size > 10_000
 
-    # a cell recorded under another sampling scheme (rollout.SAMPLING) runs again; the other is reused
+    # a cell recorded under another sampling scheme (rollout.SAMPLING) runs again; the other is
+    # reused. That new run is cut short (SIGKILLed as its step 2 begins: a session's end), and the
+    # next sweep continues it from its step-1 checkpoint, in its own folder, its step-1 row kept
     key = f"{cells[1].id}/s0"
     L2.state["sets"][key] = [x for x in L2.state["sets"][key] if not x.startswith("#sampling=")] + ["#sampling=1"]
     before = len(list((ws / "runs").iterdir()))
-    L2.sweep(p)
-    assert len(list((ws / "runs").iterdir())) == before + 1
-    assert L2.state["sets"][key][-1] == f"#sampling={SAMPLING}"
-
-    # a run cut short (SIGKILLed as its step 2 began: a session's end) is continued by the next
-    # sweep from its step-1 checkpoint, in its own folder, its step-1 row kept
-    L2.state["sets"][key] = [*L2.state["sets"][key][:-1], "#sampling=1"]
-    n_runs = len(list((ws / "runs").iterdir()))
     monkeypatch.setenv("MINIRL_INJECT_KILL", "0@2")
     with pytest.raises(RuntimeError, match="exit -9"):
         L2.sweep(p)
     monkeypatch.delenv("MINIRL_INJECT_KILL")
     killed = sorted((ws / "runs").iterdir())[-1]
+    assert len(list((ws / "runs").iterdir())) == before + 1
     assert [r["step"] for r in lab.rows_of(killed)] == [1] and not (killed / "summary.json").exists()
     L3 = lab.Lab(ws, ws / "lab" / "micro")
     L3.sweep(p)
     assert Path(L3.state["runs"][key]) == killed and "in_flight" not in L3.state
-    assert len(list((ws / "runs").iterdir())) == n_runs + 1  # the killed run's, and no other
+    assert len(list((ws / "runs").iterdir())) == before + 1  # no other folder
     assert [r["step"] for r in lab.rows_of(killed)] == [1, 2]
     assert json.loads((killed / "process.json").read_text())["resumed_from"].endswith("step_000001")
     assert json.loads((killed / "summary.json").read_text())["status"] == "finished"
+    assert L3.state["sets"][key][-1] == f"#sampling={SAMPLING}"
