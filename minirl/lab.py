@@ -162,10 +162,14 @@ class Lab:
         resolved = json.dumps(recipe_mod.load(self.ws_root / "minirl.toml").to_dict(), sort_keys=True)
         return [*sets, f"#recipe={hashlib.sha256(resolved.encode()).hexdigest()[:16]}", f"#sampling={SAMPLING}"]
 
+    def _identity(self, cell: Cell, seed: int, p: Plan, guarded: bool) -> tuple[str, list[str]]:
+        """(key in state.json, settings recorded) of (cell, seed): what makes a run this cell's."""
+        key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
+        return key, self._recorded([*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())])
+
     def finished(self, cell: Cell, seed: int, p: Plan, *, guarded: bool = False) -> Path | None:
         """The run folder of (cell, seed) where it finished with the settings it would run with now."""
-        key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
-        recorded = self._recorded([*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())])
+        key, recorded = self._identity(cell, seed, p, guarded)
         done = self.state["runs"].get(key)
         if done and (Path(done) / "summary.json").exists() and \
                 _legacy_free(self.state.get("sets", {}).get(key, []), p) == recorded:
@@ -185,9 +189,8 @@ class Lab:
         """One (cell, seed): a `minirl run` of its own; returns its run folder. `guarded`: the same
         run with the guard acting (rollbacks to checkpoints every GUARD_CHECKPOINT_EVERY steps); it
         may end as `collapsed` (exit 3), which is then its result."""
-        recorded = self._recorded([*common_sets(p, seed), *cell.sets, *(GUARDED if guarded else ())])
+        key, recorded = self._identity(cell, seed, p, guarded)
         sets = [*common_sets(p, seed), *cell.sets, *resumable_sets(p), *(GUARDED if guarded else ())]
-        key = f"{'guard-check/' if guarded else ''}{cell.id}/s{seed}"
         if done := self.finished(cell, seed, p, guarded=guarded):
             return done  # the same cell with the same settings: reused
         if cell.cold_start:
