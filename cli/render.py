@@ -86,13 +86,17 @@ class RunView:
         table.add_row("steps", str(s["steps"]))
         table.add_row("wall time", f"{s['wall_s']:.0f} s")
         table.add_row(f"held-out {key}, cold start", f"{h['start'][key]:.3f}")
-        table.add_row(f"held-out {key}, after RL", f"{h['end'][key]:.3f}")
-        table.add_row("gain", f"{h['gain_points']:+.1f} points")
+        if h["end"]:
+            table.add_row(f"held-out {key}, after RL", f"{h['end'][key]:.3f}")
+            table.add_row("gain", f"{h['gain_points']:+.1f} points")
+        else:
+            table.add_row(f"held-out {key}, after RL", "at the run's end (--resume)")
         for k, v in s["phases_s"].items():
             table.add_row(f"time: {k}", f"{v:.1f} s")
         self.console.print(table)
         self.console.print(f"summary: {s['run_dir']}/summary.json")
-        self.console.print(f"checkpoint: {s['checkpoint']}  (HF folder: {s['hf_folder']})")
+        hf = f"HF folder: {s['hf_folder']}" if s["hf_folder"] else "HF folder: `minirl export`, or at the run's end"
+        self.console.print(f"checkpoint: {s['checkpoint']}  ({hf})")
         if "plot" in s:
             self.console.print(f"plot: {s['plot']}")
 

@@ -229,6 +229,6 @@ def known_score(run_dir: Path, ckpt: Checkpoint, metric: str) -> tuple[float, st
         held = summary.get("heldout", {})
         if ckpt.step == 0 and metric in held.get("start", {}):
             return float(held["start"][metric]), "the run's held-out evaluation at its start"
-        if Path(summary.get("checkpoint", "")).name == ckpt.path.name and metric in held.get("end", {}):
+        if Path(summary.get("checkpoint", "")).name == ckpt.path.name and metric in (held.get("end") or {}):
             return float(held["end"][metric]), "the run's held-out evaluation at its end"
     return None

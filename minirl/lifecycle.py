@@ -196,15 +196,22 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     final = rl.save(f"step_{rl.state.step:06d}")
     rl.prune(rec.checkpoint.keep)
     on_event("checkpoint", {"path": str(final), "step": rl.state.step})
-    t0 = time.time()
-    heldout_end = last_eval[1] if last_eval[0] == rl.state.step else rl.heldout_eval()  # the same weights: once
-    on_event("eval", {"which": "end", **heldout_end})
-    eval_s += time.time() - t0
+    # A stop signal asks for a prompt exit (a scheduler's grace period is seconds): the checkpoint
+    # above is all `--resume` needs, so the held-out eval and the HF folder, minutes each on a large
+    # model, wait for the run's real end (or `minirl export`); a periodic eval of these weights counts
+    stopping = status == "interrupted"
+    heldout_end = last_eval[1] if last_eval[0] == rl.state.step else None  # the same weights: once
+    if heldout_end is None and not stopping:
+        t0 = time.time()
+        heldout_end = rl.heldout_eval()
+        eval_s += time.time() - t0
+    if heldout_end is not None:
+        on_event("eval", {"which": "end", **heldout_end})
 
-    weights = rl.trainer.full_state_dict()  # a collective: every rank takes part, rank 0 writes
+    weights = None if stopping else rl.trainer.full_state_dict()  # a collective: every rank takes part, rank 0 writes
     if not world.main:
         return {"status": status}
-    hf_dir = save_hf_folder(final / "hf", rl.shape, weights, tokenizer_dir=rl.model_dir)
+    hf_dir = None if stopping else save_hf_folder(final / "hf", rl.shape, weights, tokenizer_dir=rl.model_dir)
     phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)

@@ -25,10 +25,11 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
         "wall_s": round(wall_s, 1),
         "phases_s": {k: round(v, 1) for k, v in phases.items()},
         "heldout": {"metric": key, "start": rl.state.heldout_start, "end": heldout_end,
-                    "gain_points": round(100 * (heldout_end[key] - rl.state.heldout_start[key]), 1)},
+                    "gain_points": round(100 * (heldout_end[key] - rl.state.heldout_start[key]), 1)
+                    if heldout_end else None},
         "last_metrics": _last_metrics(metrics_path),
         "checkpoint": str(checkpoint),
-        "hf_folder": str(hf_dir),
+        "hf_folder": str(hf_dir) if hf_dir else None,
         "metrics": str(metrics_path),
         "run_dir": str(run_dir),
         "guard": {**rl.guard.state_dict(), "rolled_back_to": rl.rolled_back_to},

@@ -125,6 +125,9 @@ def test_sigterm_stops_like_ctrl_c_and_nan_updates_never_reach_the_weights(small
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
     n = summary["steps"]
     assert n >= 6 and Path(summary["checkpoint"]).name == f"step_{n:06d}"
+    # a prompt exit: the checkpoint is what --resume needs; the end's eval and HF folder wait
+    assert summary["heldout"]["end"] is None and summary["heldout"]["gain_points"] is None
+    assert summary["hf_folder"] is None and not (Path(summary["checkpoint"]) / "hf").exists()
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, n + 1))
     actions = {r["step"]: r.get("guard/action") for r in rows}
