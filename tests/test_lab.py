@@ -199,7 +199,8 @@ def test_a_micro_sweep_runs_resumes_and_reports(tmp_path, monkeypatch):
     ws = tmp_path / "ws"
     init_workspace(ws, task="scratchpad", overrides=[
         "cold_start.max_steps=30", "cold_start.train_size=400", "cold_start.heldout_size=8", "cold_start.dev_size=4",
-        "cold_start.check_every=30", "train.prompts_per_step=4", "eval.k=1", "rollout.max_tokens=40"])
+        "cold_start.check_every=30", "cold_start.batch_size=16", "train.group_size=4", "train.prompts_per_step=4",
+        "eval.k=1", "rollout.max_tokens=40"])
     full = lab.plan(quick=True)
     trips = ("guard.max_kl=-1", "guard.patience=1", "guard.max_rollbacks=1")
     cells = [lab.Cell("on-policy", "MiniRL", trips), next(c for c in full.cells if c.variant == "MiniRL w/o IS")]

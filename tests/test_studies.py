@@ -241,7 +241,8 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     ws = tmp_path / "ws"
     init_workspace(ws, task="scratchpad", overrides=[
         "cold_start.max_steps=30", "cold_start.train_size=400", "cold_start.heldout_size=8", "cold_start.dev_size=4",
-        "cold_start.check_every=30", "train.prompts_per_step=8", "eval.k=1", "rollout.max_tokens=40"])
+        "cold_start.check_every=30", "cold_start.batch_size=16", "train.group_size=4", "train.prompts_per_step=8",
+        "eval.k=1", "rollout.max_tokens=40"])
     study = studies.STUDIES["lengthnorm"]
     L = lab.Lab(ws, ws / "lab" / "study-lengthnorm" / "micro")
     mech = studies.mechanism(L, seeds=1)  # the dial, measured by `minirl doctor` before any run
