@@ -198,6 +198,9 @@ class Lab:
         log = self.out / "logs" / f"{key.replace('/', '-')}.log"
         args = ["run", str(self.ws_root), *[x for s in sets for x in ("--set", s)]]
         if cut_short := self._cut_short(key, recorded):  # same seed, prompts and sampling seeds from its checkpoint on
+            if _ended(cut_short, guarded):  # it ended before the sweep could record it: nothing left to run
+                progress(f"{key}: run {cut_short.name} had ended; recorded")
+                return self._record(key, recorded, cut_short)
             progress(f"{key}: continuing run {cut_short.name} from its newest checkpoint")
             args += ["--resume", str(cut_short)]
         t0 = time.time()
@@ -215,6 +218,9 @@ class Lab:
                 self.state.pop("in_flight", None)
                 self._save()
             raise RuntimeError(f"lab cell {key} failed (exit {rc}); see {log}")
+        return self._record(key, recorded, run)
+
+    def _record(self, key: str, recorded: list[str], run: Path) -> Path:
         self.state["runs"][key] = str(run)
         self.state.setdefault("sets", {})[key] = recorded
         self.state.pop("in_flight", None)
@@ -258,6 +264,17 @@ def run_of_process(ws_root: Path, pid: int, *, since: float) -> Path | None:
         except (OSError, json.JSONDecodeError):
             continue
     return None
+
+
+def _ended(run: Path, guarded: bool) -> bool:
+    """Whether `run` wrote the summary of its real end (written last, after the HF folder): a sweep
+    cut short between its run's end and its record has nothing to resume. An interrupted run's
+    summary says "interrupted" and resumes."""
+    try:
+        status = json.loads((run / "summary.json").read_text())["status"]
+    except (OSError, json.JSONDecodeError, KeyError):
+        return False
+    return status == "finished" or (guarded and status == "collapsed")
 
 
 def rows_of(run: Path) -> list[dict]:

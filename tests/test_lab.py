@@ -188,6 +188,36 @@ def test_a_cut_short_run_whose_checkpoint_is_refused_begins_again_next_time(tmp_
     assert "in_flight" not in lab.Lab(ws, ws / "lab" / "x").state
 
 
+def test_a_run_that_ended_before_its_sweep_recorded_it_is_recorded_not_resumed(tmp_path):
+    """A sweep cut short between its run's end (summary written) and its record: the next sweep
+    records that run as it is; resuming it would start an engine only to evaluate again, and its
+    summary would then time only that. An interrupted run's summary still resumes."""
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    cell = lab.Cell("on-policy", "MiniRL", ())
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    (ws / "lab" / "x").mkdir(parents=True)  # a sweep holds its lock there (Lab.hold)
+    L = lab.Lab(ws, ws / "lab" / "x")
+    run = ws / "runs" / "20261126-000000"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "minirl.json").write_text('{"step": 2}')
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 2, "wall_s": 884.5}))
+    sets = L._recorded([*lab.common_sets(p, 0), *cell.sets])
+    L.state["in_flight"] = {"key": f"{cell.id}/s0", "sets": sets, "pid": 1, "since": 0.0, "run": str(run)}
+    said = []
+    assert L.run_cell(cell, 0, p, progress=said.append) == run
+    assert said == [f"{cell.id}/s0: run {run.name} had ended; recorded"]
+    again = lab.Lab(ws, ws / "lab" / "x")
+    assert again.finished(cell, 0, p) == run and "in_flight" not in again.state
+    assert not (ws / "lab" / "x" / "logs").exists()  # no `minirl run` started
+    assert json.loads((run / "summary.json").read_text())["wall_s"] == 884.5
+    (run / "summary.json").write_text(json.dumps({"status": "interrupted", "steps": 1}))
+    assert not lab._ended(run, guarded=False)
+    (run / "summary.json").write_text(json.dumps({"status": "collapsed", "steps": 1}))
+    assert lab._ended(run, guarded=True) and not lab._ended(run, guarded=False)
+
+
 @pytest.mark.slow
 def test_a_micro_sweep_runs_resumes_and_reports(tmp_path, monkeypatch):
     """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
