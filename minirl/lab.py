@@ -38,6 +38,7 @@ from minirl.preflight import complete_checkpoints
 from minirl.rollout.seeding import SAMPLING
 from minirl.runlock import RunLock
 from minirl.status import PROCESS_FILE
+from minirl.status import read as run_status  # a run's state, as `minirl status` reads it
 from minirl.workspace import init_workspace
 
 NO_IS = ("loss.is_mode=off", "loss.allow_uncorrected=true")
@@ -267,14 +268,11 @@ def run_of_process(ws_root: Path, pid: int, *, since: float) -> Path | None:
 
 
 def _ended(run: Path, guarded: bool) -> bool:
-    """Whether `run` wrote the summary of its real end (written last, after the HF folder): a sweep
-    cut short between its run's end and its record has nothing to resume. An interrupted run's
-    summary says "interrupted" and resumes."""
-    try:
-        status = json.loads((run / "summary.json").read_text())["status"]
-    except (OSError, json.JSONDecodeError, KeyError):
-        return False
-    return status == "finished" or (guarded and status == "collapsed")
+    """Whether `run` reached its real end (its summary, written last, is this attempt's, as
+    `minirl status` reads it): a sweep cut short between its run's end and its record has nothing
+    to resume. An interrupted or killed run resumes."""
+    state = run_status(run).state
+    return state == "finished" or (guarded and state == "collapsed")
 
 
 def rows_of(run: Path) -> list[dict]:
