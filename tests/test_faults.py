@@ -194,9 +194,12 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
 
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == 130, err[-3000:]  # Ctrl-C: the step in flight ends, then a checkpoint
     rows = metric_rows(run_dir)  # no torn line left
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT" and summary["steps"] == len(rows)
+    assert Path(summary["checkpoint"]).name == f"step_{len(rows):06d}"
     print("\nSIGKILL figures:", json.dumps(figures, indent=1))
     assert sum(f["in_checkpoint_write"] for f in figures) >= 2
 

@@ -82,8 +82,8 @@ def minirl(*args, **env_extra):
 @pytest.mark.slow
 def test_a_resume_during_a_live_run_is_refused_while_readers_work(tiny_dir, tmp_path):
     """`minirl run` writes; `run --resume` meanwhile exits 2 in one line and changes nothing, while
-    `status` and `export` work; the first run then finishes with one row per step. A SIGKILLed
-    run then resumes with no manual unlock."""
+    `status` and `export` work; the first run then finishes with one row per step. (A SIGKILLed
+    writer's lock is no obstacle: the test above, and every resume of test_faults' SIGKILLs.)"""
     from test_faults import wait_for_rows
 
     from tests.conftest import data_workspace
@@ -119,13 +119,3 @@ def test_a_resume_during_a_live_run_is_refused_while_readers_work(tiny_dir, tmp_
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
 
-    killed = subprocess.Popen([*cmd, "--steps", "6", "--resume"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env=env)
-    wait_for_rows(lambda: run_dir, 5, killed)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
-    assert (run_dir / LOCK_FILE).exists()
-    r = minirl("run", str(ws), *sets, "--steps", "6", "--resume")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
