@@ -63,9 +63,9 @@ def same_step(m: dict) -> tuple:
     return (m["step"], m["rollout/reward_mean"], m["rollout/resp_len"], m["train/loss"], m["train/grad_norm"])
 
 
-def run_in_background(ws: Path, out) -> subprocess.Popen:
+def run_in_background(ws: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "200"], cwd=ROOT, env=ENV,
-                            stdout=out, stderr=out, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
 
 
 def wait_for_steps(ws: Path, *, run_number: int, steps: int, timeout_s: float = 300) -> None:
@@ -136,38 +136,38 @@ def test_init_run_interrupt_resume_eval(tmp_path):
 
     # --- a hard crash (SIGKILL) loses at most the steps since the last checkpoint -------------------
     # (Ctrl-C and SIGTERM, which stop after the current step with a checkpoint: test_faults.py)
-    proc = run_in_background(ws, subprocess.DEVNULL)
+    proc = run_in_background(ws)
     wait_for_steps(ws, run_number=2, steps=5)
     proc.kill()
     proc.wait(timeout=60)
-    run3 = sorted((ws / "runs").iterdir())[-1]
-    logged = [m["step"] for m in metrics(run3)]
-    ckpt_steps = sorted(int(c.name.split("_")[1]) for c in (run3 / "checkpoints").glob("step_*") if "." not in c.name)
+    run2 = sorted((ws / "runs").iterdir())[-1]
+    logged = [m["step"] for m in metrics(run2)]
+    ckpt_steps = sorted(int(c.name.split("_")[1]) for c in (run2 / "checkpoints").glob("step_*") if "." not in c.name)
     assert ckpt_steps and ckpt_steps[-1] <= logged[-1]
-    before_kill = metrics(run3)
+    before_kill = metrics(run2)
     r = minirl("run", str(ws), "--resume", "--steps", str(logged[-1] + 1))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {ckpt_steps[-1]}" in r.stdout
-    assert [m["step"] for m in metrics(run3)] == list(range(1, logged[-1] + 2))  # redone steps replace, not repeat
+    assert [m["step"] for m in metrics(run2)] == list(range(1, logged[-1] + 2))  # redone steps replace, not repeat
     # and the steps redone after the crash are the ones it lost, sample for sample and update for update
-    assert [same_step(m) for m in metrics(run3)[:len(before_kill)]] == [same_step(m) for m in before_kill]
+    assert [same_step(m) for m in metrics(run2)[:len(before_kill)]] == [same_step(m) for m in before_kill]
     # a seeded run repeats exactly: its first steps are the first run's (whose held-out evals and
     # parity checks, off the training path, change nothing)
-    assert [same_step(m) for m in metrics(run3)[:3]] == [same_step(m) for m in metrics(run_dir)]
+    assert [same_step(m) for m in metrics(run2)[:3]] == [same_step(m) for m in metrics(run_dir)]
 
     # --- guardrails: a forced "collapse" rolls back, then ends the run on the last good weights -----
     r = minirl("run", str(ws), "--steps", "10", "--set", "guard.max_kl=-1", "--set", "guard.patience=1",
                "--set", "guard.max_rollbacks=1")
     assert r.returncode == 3, r.stderr[-3000:]
-    run4 = sorted((ws / "runs").iterdir())[-1]
-    rows = metrics(run4)
+    run3 = sorted((ws / "runs").iterdir())[-1]
+    rows = metrics(run3)
     assert [m.get("guard/action") for m in rows] == ["rollback", "stop"]
     assert rows[0]["train/lr"] == pytest.approx(3e-4) and rows[1]["train/lr"] == pytest.approx(1.5e-4)
-    s4 = json.loads((run4 / "summary.json").read_text())
-    assert s4["status"] == "collapsed" and s4["guard"]["rollbacks"] == 1
-    assert [Path(p).name for p in s4["guard"]["rolled_back_to"]] == ["step_000000", "step_000000"]
+    s3 = json.loads((run3 / "summary.json").read_text())
+    assert s3["status"] == "collapsed" and s3["guard"]["rollbacks"] == 1
+    assert [Path(p).name for p in s3["guard"]["rolled_back_to"]] == ["step_000000", "step_000000"]
     start = titan_weights(ws / "model/coldstart-dcp")
-    final = titan_weights(Path(s4["checkpoint"]))
+    final = titan_weights(Path(s3["checkpoint"]))
     assert all(torch.equal(start[k], final[k]) for k in start)  # no update of the bad steps survived
 
     # --- eval of the latest checkpoint -------------------------------------------------------------
