@@ -6,9 +6,10 @@ Two processes, so that the program under test never shares memory with what judg
       └─ runner (untrusted: loads the model's program and answers calls on it)
 
 The tester reads the job (program, tests) from stdin, sets up the sandbox's filesystem when it
-runs as root of a fresh user and mount namespace (everything read-only but the working folder,
-a fresh /proc), drops every capability, marks itself non-dumpable (so the runner can neither
-ptrace it nor read its memory or descriptors through /proc), and forks the runner. Only then does
+runs as root of a fresh user and mount namespace (a root of its own: the standard library
+read-only and a small writable folder, nothing else of the machine), drops every capability,
+marks itself non-dumpable (so the runner can neither ptrace it nor read its memory), and forks
+the runner. Only then does
 it read the secret from its descriptor: the runner's memory never held it, and the runner closes
 the report descriptor before it runs a line of the program.
 
@@ -88,53 +89,86 @@ def decode(x):
 
 # ----- the sandbox's filesystem and privileges (tester, as root of its own namespaces) ---------
 _MS = {"RDONLY": 1, "NOSUID": 2, "NODEV": 4, "NOEXEC": 8, "REMOUNT": 32, "NOATIME": 1024,
-       "NODIRATIME": 2048, "BIND": 4096, "REC": 16384, "PRIVATE": 1 << 18, "RELATIME": 1 << 21,
-       "STRICTATIME": 1 << 24}
-_KEEP = {"nosuid": "NOSUID", "nodev": "NODEV", "noexec": "NOEXEC", "noatime": "NOATIME",
-         "nodiratime": "NODIRATIME", "relatime": "RELATIME", "strictatime": "STRICTATIME"}
+       "NODIRATIME": 2048, "BIND": 4096, "REC": 16384, "PRIVATE": 1 << 18, "RELATIME": 1 << 21}
+# statvfs's flags of a mount -> the mount flags a read-only remount of a bind of it must keep (the
+# kernel locks them on mounts that came from the parent namespace)
+_KEEP = {os.ST_NOSUID: "NOSUID", os.ST_NODEV: "NODEV", os.ST_NOEXEC: "NOEXEC", os.ST_NOATIME: "NOATIME",
+         os.ST_NODIRATIME: "NODIRATIME", os.ST_RELATIME: "RELATIME"}
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}  # syscall numbers; no libc wrapper
+FOLDER = "/sandbox"  # the program's own folder, its working directory
 
 
-def _mount(libc, src, target, fstype, flags) -> None:
+def _mount(libc, src, target, fstype, flags, data=None) -> None:
     enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
-    if libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), None) != 0:
+    if libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), target)
 
 
-def _mount_points() -> list[tuple[str, set[str]]]:
-    out = []
-    for line in open("/proc/self/mountinfo").read().splitlines():
-        fields = line.split(" ")
-        point = fields[4].encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
-        out.append((point, set(fields[5].split(","))))
-    return out
+def _place(root: str, path: str, *, is_dir: bool) -> str:
+    """Make `path` inside the new root (a mount point), its missing parents traverse-only (0111:
+    the program can pass through /root on its way to the standard library but not list it)."""
+    target = root + path
+    parent = os.path.dirname(target)
+    missing = []
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for d in reversed(missing):
+        os.mkdir(d, 0o111)
+    if not os.path.lexists(target):
+        if is_dir:
+            os.mkdir(target, 0o111)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o444))
+    return target
 
 
-def confine(workdir: str) -> dict:
-    """Everything read-only but `workdir`, a /proc of this PID namespace, then no capabilities.
-    Returns what holds, checked, for the grader to report."""
+def confine(mount_point: str, layout: dict) -> dict:
+    """A root of the program's own, then no capabilities: an empty read-only tmpfs holding the
+    standard library and the shared libraries it loads (read-only binds at their own paths, the
+    interpreter's site-packages covered), a few devices, and its folder (a small tmpfs, the one
+    writable place). No /proc, no /sys, no home, no workspace, no project, not the host's /tmp.
+    `layout` comes from rewards/sandbox.py; returns what holds, checked, for the grader to report."""
+    import platform
+
     libc = ctypes.CDLL(None, use_errno=True)
     _mount(libc, None, "/", None, _MS["REC"] | _MS["PRIVATE"])  # nothing we do here leaks out
-    _mount(libc, workdir, workdir, None, _MS["BIND"] | _MS["REC"])  # the one writable place
-    for point, opts in sorted(_mount_points(), key=lambda p: -len(p[0])):
-        if point == workdir or point.startswith(workdir.rstrip("/") + "/"):
-            continue
-        flags = _MS["REMOUNT"] | _MS["BIND"] | _MS["RDONLY"]
-        for opt, name in _KEEP.items():  # flags the kernel locked on this mount must be kept
-            flags |= _MS[name] if opt in opts else 0
-        try:
-            _mount(libc, None, point, None, flags)
-        except OSError:
-            pass  # checked below where it matters
+    root = mount_point.rstrip("/")
+    _mount(libc, "tmpfs", root, "tmpfs", _MS["NOSUID"] | _MS["NODEV"], "size=1m,mode=0111")
     try:
-        _mount(libc, "proc", "/proc", "proc", _MS["NOSUID"] | _MS["NODEV"] | _MS["NOEXEC"])
-        fresh_proc = True
-    except OSError:
-        fresh_proc = False
-    writable = [p for p in ("/", "/tmp", "/dev/shm", "/var/tmp", os.path.expanduser("~"))
-                if os.path.isdir(p) and not os.statvfs(p).f_flag & os.ST_RDONLY]
-    _drop_capabilities(libc)
-    return {"read_only": not writable, "writable": writable, "fresh_proc": fresh_proc}
+        for src in layout["read_only"]:
+            dst = _place(root, src, is_dir=os.path.isdir(src))
+            _mount(libc, src, dst, None, _MS["BIND"] | _MS["REC"])
+            kept = sum(_MS[name] for flag, name in _KEEP.items() if os.statvfs(dst).f_flag & flag)
+            _mount(libc, None, dst, None, _MS["REMOUNT"] | _MS["BIND"] | _MS["RDONLY"] | kept)
+        for path in layout["hidden"]:  # inside a bind above: covered by an empty read-only tmpfs
+            _mount(libc, "tmpfs", root + path, "tmpfs", _MS["RDONLY"] | _MS["NOSUID"] | _MS["NODEV"] | _MS["NOEXEC"],
+                   "size=4k,mode=0111")
+        for dev in layout["devices"]:
+            _mount(libc, dev, _place(root, dev, is_dir=False), None, _MS["BIND"])
+        for path, target in layout["links"].items():
+            _place(root, os.path.dirname(path), is_dir=True)
+            os.symlink(target, root + path)
+        folder = _place(root, FOLDER, is_dir=True)
+        _mount(libc, "tmpfs", folder, "tmpfs", _MS["NOSUID"] | _MS["NODEV"],
+               f"size={layout['folder_mib']}m,mode=0700")
+        number = _PIVOT_ROOT.get(platform.machine())
+        if number is None:
+            raise OSError(38, f"pivot_root's syscall number on {platform.machine()} is not known here")
+        os.chdir(root)
+        if libc.syscall(ctypes.c_long(number), b".", b".") != 0:  # the old root now sits on top of the new one ...
+            raise OSError(ctypes.get_errno(), "pivot_root failed", root)
+        if libc.umount2(b".", 2) != 0:  # ... and is detached (MNT_DETACH): nothing of it stays reachable
+            raise OSError(ctypes.get_errno(), "detaching the old root failed")
+    except BaseException:
+        os.chdir("/")
+        libc.umount2(os.fsencode(root), 2)  # back to the machine's root; the grader warns
+        raise
+    os.chdir("/")
+    _mount(libc, None, "/", None, _MS["REMOUNT"] | _MS["BIND"] | _MS["RDONLY"] | _MS["NOSUID"] | _MS["NODEV"])
+    os.chdir(FOLDER)
+    return {"root": "private", "read_only": bool(os.statvfs("/").f_flag & os.ST_RDONLY)}
 
 
 def _drop_capabilities(libc) -> None:
@@ -223,12 +257,15 @@ def main() -> None:
     secret_fd, report_fd = int(sys.argv[1]), int(sys.argv[2])
     job = json.loads(sys.stdin.read())
     hello = {"pid1": os.getpid() == 1}
-    if job.get("confine"):
+    if job.get("root"):
         try:
-            hello.update(confine(job["workdir"]))
+            hello.update(confine(job["workdir"], job["root"]))
         except OSError as e:
             hello["confine_error"] = f"{e}"
-    os.chdir(job["workdir"])
+            os.chdir(job["workdir"])
+        _drop_capabilities(ctypes.CDLL(None, use_errno=True))  # either way: it cannot remount what it sees
+    else:
+        os.chdir(job["workdir"])
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no ptrace, no /proc/<pid>/mem or fd of this process
     req_r, req_w = os.pipe()  # tester → runner

@@ -6,12 +6,13 @@ Each run is a process tree of its own:
 
 - limits (`prlimit`, inherited by everything below): CPU seconds, address space, file size, open
   files, processes, no core files; a wall-clock limit kills the whole tree;
-- a new session, an empty environment (no tokens, no paths of ours), a fresh temporary working
-  folder, removed afterwards;
+- a new session, an empty environment (no tokens, no paths of ours);
 - namespaces (`unshare`): no network (a network namespace with nothing up), its own PID namespace
   (it sees and can signal only its own processes; when its first process ends the kernel kills
-  the rest), and a mount namespace where the harness makes everything read-only but its working
-  folder and mounts a fresh /proc before dropping every capability;
+  the rest), and a mount namespace in which the harness builds the program a root of its own
+  (`root_layout` says what it holds: the standard library and the shared libraries it loads,
+  read-only, a few devices, and a small tmpfs folder, the one writable place; no /proc, no home,
+  no workspace, no caches, no project, not the host's /tmp) before dropping every capability;
 - the process limit: RLIMIT_NPROC counts every process of the user, and root is exempt from it,
   so run as root (containers, CI) each run gets a `pids` cgroup of its own with `pids.max` instead.
 
@@ -29,8 +30,10 @@ import os
 import secrets
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -51,6 +54,7 @@ class Limits:
     cpu_s: int = 10
     memory_mib: int = 1024  # address space of each process
     file_mib: int = 16  # largest file it may write
+    folder_mib: int = 64  # all it may write: its folder is a tmpfs of this size (memory, never the disk)
     open_files: int = 64
     processes: int = 32
 
@@ -99,7 +103,8 @@ def run(job: dict, limits: Limits = Limits()) -> Outcome:
             cmd += [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork",
                     "--net", "--ipc", "--kill-child", "--"]
         cmd += [sys.executable, "-I", str(HARNESS), str(secret_r), str(report_w)]
-        body = json.dumps({**job, "workdir": str(workdir), "confine": probe["namespaces"]}).encode()
+        root = {**probe["root"], "folder_mib": limits.folder_mib} if probe["namespaces"] else None
+        body = json.dumps({**job, "workdir": str(workdir), "root": root}).encode()
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 cwd=workdir, env=ENV, pass_fds=(secret_r, report_w), start_new_session=True)
         for fd in (secret_r, report_w):
@@ -232,7 +237,7 @@ def _probe() -> dict:
         root = os.geteuid() == 0
         others = 0 if root else sum(1 for p in Path("/proc").glob("[0-9]*") if _owner(p) == os.getuid()) + 64
         found = {"prlimit": shutil.which("prlimit") is not None, "namespaces": False, "cgroup": None,
-                 "other_processes": others}
+                 "other_processes": others, "root": root_layout()}
         unshare = shutil.which("unshare")
         if unshare:
             try:
@@ -271,11 +276,73 @@ def _probe() -> dict:
         return found
 
 
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+
+def root_layout() -> dict:
+    """What the program's root holds besides its own folder, at the paths this interpreter knows
+    them by: the standard library and the shared libraries its extension modules load, read-only;
+    the interpreter's site-packages covered (third-party packages are not part of it); a few
+    devices. The harness builds it (harness.confine); nothing else of the machine is there."""
+    base = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
+                                     "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix})
+    dynload = Path(sysconfig.get_config_var("DESTSHARED") or Path(base["platstdlib"], "lib-dynload"))
+    libraries = _shared_libraries(sorted(dynload.glob("*.so"))) if dynload.is_dir() else []
+    links: dict[str, str] = {}
+    read_only = {_real(base[k], links) for k in ("stdlib", "platstdlib") if os.path.isdir(base[k])}
+    read_only |= {os.path.dirname(_real(lib, links)) for lib in libraries}
+    if os.path.isfile("/etc/ld.so.cache"):  # where the loader finds a library by its name
+        read_only.add(_real("/etc/ld.so.cache", links))
+    read_only = {p for p in read_only if not _inside(p, read_only)}
+    packages = {base["purelib"], base["platlib"], *site.getsitepackages()}
+    hidden = {os.path.realpath(p) for p in packages if os.path.isdir(p)}
+    hidden = {p for p in hidden if _inside(p, read_only)}
+    links = {k: v for k, v in links.items() if not _inside(k, read_only)}  # those inside come with their folder
+    return {"read_only": sorted(read_only), "hidden": sorted(hidden), "links": links,
+            "devices": [d for d in DEVICES if os.path.exists(d)]}
+
+
+def _inside(path: str, folders: set[str]) -> bool:
+    return any(path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def _shared_libraries(modules: list[Path]) -> list[str]:
+    """The shared libraries these extension modules load, as the loader names them (`ldd`); the
+    usual library folders where `ldd` is missing."""
+    ldd = shutil.which("ldd")
+    if ldd and modules:
+        try:
+            out = subprocess.run([ldd, *map(str, modules)], capture_output=True, text=True, timeout=60, env=ENV).stdout
+            found = {line.split("=>")[1].split("(")[0].strip() for line in out.splitlines() if "=> /" in line}
+            if found:
+                return sorted(found)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return [str(Path(d, "x")) for d in ("/lib", "/lib64", "/usr/lib", "/usr/lib64") if os.path.isdir(d)]
+
+
+def _real(path: str, links: dict[str, str]) -> str:
+    """`path` with every symbolic link on its way resolved; each link met is recorded in `links`
+    (its place -> its target), so the sandbox can make the same path lead to the same file."""
+    current = "/"
+    for part in Path(path).parts[1:]:
+        step = os.path.join(current, part)
+        if os.path.islink(step):
+            links[step] = os.readlink(step)
+            current = os.path.realpath(step)
+        else:
+            current = step
+    return current
+
+
 def _check_hello(hello: dict, probe: dict) -> None:
-    if probe["namespaces"] and hello and (hello.get("confine_error") or not hello.get("read_only", True)):
-        _warn_once("read_only", "the code sandbox could not make the filesystem read-only "
-                                f"({hello.get('confine_error') or ', '.join(hello.get('writable', []))} stayed "
-                                "writable): sandboxed programs can write there")
+    if probe["namespaces"] and hello and hello.get("confine_error"):
+        _warn_once("root", f"the code sandbox could not give the program a root of its own "
+                           f"({hello['confine_error']}): sandboxed programs see this machine's files and can "
+                           "write where its user can")
+    elif probe["namespaces"] and hello and not hello.get("read_only", False):
+        _warn_once("read_only", "the code sandbox's root stayed writable: sandboxed programs can write outside "
+                                "their folder (inside the sandbox only)")
 
 
 def _warn_once(key: str, text: str) -> None:
