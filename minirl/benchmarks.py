@@ -84,7 +84,7 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
         raise UsageError(f"{bench.name}: the data has no {', '.join(map(repr, missing))} field; it has {', '.join(fields)}")
     out = []
     for i, row in enumerate(rows):
-        answer = str(row[bench.answer_field])
+        answer = "" if row[bench.answer_field] is None else str(row[bench.answer_field])  # none: not gradable
         if bench.answer_after and bench.answer_after in answer:
             answer = answer.rsplit(bench.answer_after, 1)[1].strip()
         out.append({**{f: row[f] for f in bench.row_fields}, "index": i, "problem": str(row[pf]), "answer": answer})

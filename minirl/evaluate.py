@@ -8,11 +8,12 @@ maj@k  = share of problems whose most frequent extracted answer is a correct one
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from minirl import benchmarks, hub
 from minirl.data import Problem, prompt_ids
 from minirl.errors import UsageError
-from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints
+from minirl.preflight import check_checkpoint, check_gradable, check_model_folder, complete_checkpoints, instead
 from rewards.pool import GradingPool
 
 
@@ -101,8 +102,6 @@ def evaluate(
 def resolve_checkpoint(ws, rec, checkpoint: str):
     """'latest' | 'coldstart' | HF folder | run checkpoint (DCP) folder | Hub id -> a checked HF
     folder vLLM can load."""
-    from pathlib import Path
-
 
     def start_dir() -> Path:  # the model the workspace's runs start from
         if ws is None:
@@ -129,7 +128,12 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
             raise UsageError(f"checkpoint not found: {checkpoint}")
     for folder in (path, path / "hf"):
         if (folder / "config.json").exists():
-            check_model_folder(folder)
+            try:
+                check_model_folder(folder)
+            except UsageError as e:
+                if ws is None or not (path / "minirl.json").exists():
+                    raise
+                raise UsageError(f"{e}; {instead(path, check_model_folder(start_dir()), rec.model.id)}") from None
             return folder
     if (path / "minirl.json").exists():  # a DCP step checkpoint: export its weights once
         from minirl.hf_io import save_hf_folder  # deferred: torch (the CLI imports this module at start)
@@ -147,16 +151,24 @@ def _format_prompt(tok, template: str, problem: str) -> list[int]:
     return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)))
 
 
+def grader_of(bench_name: str, rec) -> tuple[str, dict]:
+    """The grader and its params: the recipe's for the embedded task, a benchmark's own otherwise."""
+    bench = benchmarks.get(bench_name)
+    return (rec.reward.grader, rec.reward.params) if bench.hub_id is None else (bench.grader, {})
+
+
 def bench_records(bench_name: str, rec, *, heldout_path=None, data=None, data_dir=None) -> list[dict]:
     """The benchmark's problems ({"index", "problem", "answer"}), at most eval.max_problems: the
     embedded task's from the workspace's held-out split, the others from --data, --data-dir or the
     Hub. Cheap, so `minirl eval` asks first: a missing or unreachable benchmark fails at once."""
     bench = benchmarks.get(bench_name)
     if bench.hub_id is None:
-        records = benchmarks.load_records(bench, data=data or heldout_path)
-    else:
-        records = benchmarks.load_records(bench, data=data, data_dir=data_dir)
-    return records[: rec.eval.max_problems]
+        data = data or heldout_path
+    elif data is None and data_dir is not None:
+        data = Path(data_dir) / f"{bench.name}.jsonl"
+    records = benchmarks.load_records(bench, data=data)[: rec.eval.max_problems]
+    check_gradable(records, str(data or bench.hub_id), *grader_of(bench_name, rec))
+    return records
 
 
 def eval_benchmark(
@@ -181,7 +193,6 @@ def eval_benchmark(
     import hashlib
     import json
     import time
-    from pathlib import Path
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -190,13 +201,14 @@ def eval_benchmark(
     bench = benchmarks.get(bench_name)
     if records is None:
         records = bench_records(bench_name, rec, heldout_path=heldout_path, data=data, data_dir=data_dir)
-    # the embedded task is graded by the recipe's grader, the benchmarks by their own
-    grader_name, params = (rec.reward.grader, rec.reward.params) if bench.hub_id is None else (bench.grader, {})
+    grader_name, params = grader_of(bench_name, rec)
     model_dir = Path(model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ctx = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 4096))
-    max_tokens = rec.eval.max_tokens or rec.rollout.max_tokens
-    max_tokens = min(max_tokens, ctx - 1)
+    if rec.eval.max_tokens >= ctx:
+        raise UsageError(f"eval.max_tokens = {rec.eval.max_tokens}: the model's context is {ctx} tokens "
+                         f"(max_position_embeddings in its config.json), prompt included; at most {ctx - 1}")
+    max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
     budget = ctx - max_tokens
     prompts, truncated = [], 0
     template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template

@@ -30,7 +30,7 @@ from minirl.files import read_json
 from minirl.hub import model_dir
 from minirl.metrics_file import metric_rows
 from minirl.plots import plot_metrics
-from minirl.preflight import check_model_folder, complete_checkpoints, prepare_run
+from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints, prepare_run
 from minirl.workspace import Workspace
 
 
@@ -139,6 +139,7 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     ws_root = run_dir.parent.parent
     base = model_dir(rec.model.id, rec.model.path, ws_root)
     shape = check_model_folder(base)
+    check_checkpoint(ckpt.path, shape, rec.model.id)  # a damaged one: one line, nothing written
     trainer = Trainer(shape, lr=0.0)
     trainer.load(ckpt.path, with_optim=False)
     tmp = out.with_name(out.name + ".tmp")
@@ -188,6 +189,8 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     trainer = Trainer(inputs.shape, lr=0.0)
     tok = inputs.tokenizer
     out = {}
+    for c in ckpts:  # every one before the first engine step: a damaged one costs no evaluation
+        check_checkpoint(c.path, inputs.shape, rec.model.id)
     for i, c in enumerate(ckpts):
         trainer.load(c.path, with_optim=False)
         sync(trainer, engine, bucket_bytes=rec.rollout.sync_bucket_mib * 2**20)  # as the run's rollouts saw it

@@ -21,6 +21,7 @@ from minirl.files import read_json
 from minirl.hub import model_dir as resolve_model_dir
 from minirl.models import ModelShape, param_count, read_shape, titan_config
 from minirl.recipe import Platform, validate
+from rewards.base import describe, gradable, load_grader
 from rewards.pool import GradingPool
 
 
@@ -107,7 +108,29 @@ def check_replay(replay: str, shape: ModelShape, model_id: str) -> None:
 def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
     """A DCP step checkpoint written by `Trainer.save`: readable minirl.json with a step, DCP
     metadata whose model tensors have this model's shapes, every shard file present and as long as
-    the metadata says. Returns minirl.json's contents."""
+    the metadata says. Returns minirl.json's contents. A damaged one is refused in one line that
+    also names the newest checkpoint of its run that passes these checks, if there is one."""
+    try:
+        return _check_checkpoint(path, shape, model_id)
+    except UsageError as e:
+        raise UsageError(f"{e}; {instead(path, shape, model_id)}") from None
+
+
+def instead(path: Path, shape: ModelShape, model_id: str) -> str:
+    """What to use rather than the damaged run checkpoint `path`: the newest other complete
+    checkpoint of its run that passes `check_checkpoint`, named, or that there is none."""
+    for other in reversed(complete_checkpoints(Path(path).parent.parent)):
+        if other.resolve() == Path(path).resolve():
+            continue
+        try:
+            _check_checkpoint(other, shape, model_id)
+            return f"its run's newest intact checkpoint is {other.name} ({other})"
+        except UsageError:
+            continue
+    return "its run has no other intact checkpoint"
+
+
+def _check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)
@@ -176,6 +199,37 @@ def load_tokenizer(folder: Path):
     return tok
 
 
+def gradable_problems(problems: list, spec: str, grader_name: str, params: dict) -> tuple[list, int]:
+    """A run's problems that its grader can grade (a grader states the fields a record must hold:
+    rewards/base.py) and how many were left out. Data whose records lack those fields is refused in
+    one line rather than trained on rewards that are 0 whatever the model writes."""
+    fields = _fields_present(grader_name, params, [p.record for p in problems], spec)
+    usable = [p for p in problems if gradable(p.record, fields)]
+    if not usable:
+        raise UsageError(f"grader {grader_name!r} needs {describe(fields)} in each record; every one of the "
+                         f"{len(problems)} rows of dataset {spec!r} lacks them (missing or empty)")
+    return usable, len(problems) - len(usable)
+
+
+def check_gradable(records: list[dict], spec: str, grader_name: str, params: dict) -> None:
+    """An evaluation's records, every one gradable: a benchmark is scored whole or not at all."""
+    fields = _fields_present(grader_name, params, records, spec)
+    bad = next((i for i, r in enumerate(records) if not gradable(r, fields)), None)
+    if bad is not None:
+        raise UsageError(f"grader {grader_name!r} needs {describe(fields)} in each record; row {bad + 1} of {spec} lacks "
+                         "them (missing or empty)")
+
+
+def _fields_present(grader_name: str, params: dict, records: list[dict], spec: str) -> tuple[tuple[str, ...], ...]:
+    """The grader's `fields`, once the data is known to have a column for one of their groups."""
+    fields = tuple(getattr(load_grader(grader_name, params), "fields", ()))
+    columns = sorted(records[0]) if records else []
+    if fields and records and not any(set(group) <= set(columns) for group in fields):
+        raise UsageError(f"grader {grader_name!r} needs {describe(fields)} in each record; dataset {spec!r} has no such "
+                         f"field (fields: {', '.join(columns)})")
+    return fields
+
+
 def check_layout(rec, shape: ModelShape, world_size: int) -> None:
     """The recipe's [parallel] section and batch against the ranks this job has."""
     p, t = rec.parallel, rec.train
@@ -200,11 +254,13 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
 def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
-    validate(rec, Platform.here(world_size))  # what this machine cannot do, before anything is read
+    platform = Platform.here(world_size)
+    validate(rec, platform)  # what this machine cannot do, before anything is read
 
     model_dir = resolve_model_dir(rec.model.id, rec.model.path, ws.root,
                                   before_weights=lambda d: check_fits(read_shape(d), rec.model.id))
     shape = check_model_folder(model_dir)
+    validate(rec, platform, shape)  # lengths and counts against the model's context and the engine's cache
     check_fits(shape, rec.model.id)
     check_replay(rec.train.replay, shape, rec.model.id)
     check_layout(rec, shape, world_size)
@@ -222,6 +278,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
               max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
     train, skipped = load_problems(rec.data.train, **kw)
     heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split)
+    train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
+    heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
                          f"({rec.train.prompts_per_step})")

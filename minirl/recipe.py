@@ -19,6 +19,7 @@ from typing import Any
 
 from minirl.errors import UsageError
 from minirl.hub import repo_id
+from minirl.models import ModelShape
 from minirl.task import TASKS
 
 
@@ -394,18 +395,23 @@ class Platform:
     device: str  # "cpu" or "cuda"
     world_size: int = 1  # ranks of the job
     cores: int = 2  # CPU cores this process may use
+    memory_gib: float = math.inf  # what one engine can allocate at most: the machine's RAM, or one GPU's memory
 
     @classmethod
     def here(cls, world_size: int = 1) -> "Platform":
         import torch
 
-        return cls("cuda" if torch.cuda.is_available() else "cpu", world_size, len(os.sched_getaffinity(0)))
+        if torch.cuda.is_available():
+            return cls("cuda", world_size, len(os.sched_getaffinity(0)),
+                       torch.cuda.get_device_properties(0).total_memory / 2**30)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return cls("cpu", world_size, len(os.sched_getaffinity(0)), ram)
 
 
-def validate(r: Recipe, platform: Platform | None = None) -> None:
-    """Every field's range and the rules that span fields, and with `platform` the rules of the
-    machine it runs on. Fails with the key to change; never rewrites. Runs before anything is
-    built, so a bad recipe costs no engine start."""
+def validate(r: Recipe, platform: Platform | None = None, model: ModelShape | None = None) -> None:
+    """Every field's range and the rules that span fields; with `platform` the rules of the machine
+    it runs on, with `model` what the engines can hold of it. Fails with the key to change; never
+    rewrites. Runs before anything is built, so a bad recipe costs no engine start."""
     choices = {
         "loss.name": (r.loss.name, ("minirl", "grpo", "cispo")),
         "loss.is_mode": (r.loss.is_mode, ("truncate", "mask", "off")),
@@ -464,6 +470,31 @@ def validate(r: Recipe, platform: Platform | None = None) -> None:
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")
     if platform is not None:
         _check_platform(r.rollout, platform)
+    if model is not None:
+        _check_engine_sizes(r, model, platform)
+
+
+def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None) -> None:
+    """Every length and count the rollout engine receives, against the model's context and (on a
+    CPU, whose KV cache is sized by rollout.kv_cache_gib) the cache that must hold them."""
+    ctx, prompt, new = model.max_seq_len, r.data.max_prompt_tokens, r.rollout.max_tokens
+    if prompt + 2 > ctx:
+        raise UsageError(f"data.max_prompt_tokens = {prompt}: the model's context is {ctx} tokens (max_position_embeddings "
+                         f"in its config.json), so a prompt may take at most {ctx - 2}")
+    if prompt + new + 1 > ctx:
+        raise UsageError(f"rollout.max_tokens = {new}: with data.max_prompt_tokens = {prompt} a sequence would need "
+                         f"{prompt + new + 1} positions, and the model's context is {ctx} tokens (max_position_embeddings "
+                         f"in its config.json); at most {ctx - prompt - 1}")
+    if platform is None or platform.device != "cpu":
+        return  # a GPU engine sizes its KV cache itself and schedules what does not fit in waves
+    sequences = r.train.prompts_per_step * r.train.group_size
+    per_token = 2 * model.n_layers * model.n_kv_heads * model.head_dim * (4 if r.rollout.precision == "fp32" else 2)
+    need = sequences * (prompt + new + 1) * per_token
+    if need > r.rollout.kv_cache_gib * 2**30:
+        fits = int(r.rollout.kv_cache_gib * 2**30 // ((prompt + new + 1) * per_token))
+        raise UsageError(f"train.prompts_per_step × train.group_size = {sequences:,} sequences of up to "
+                         f"{prompt + new + 1} tokens are sampled at once on a CPU and need {need / 2**30:,.2f} GiB of KV "
+                         f"cache; rollout.kv_cache_gib = {r.rollout.kv_cache_gib} holds {fits:,} of them")
 
 
 def _check_platform(ro: RolloutConfig, p: Platform) -> None:
@@ -480,6 +511,9 @@ def _check_platform(ro: RolloutConfig, p: Platform) -> None:
     if p.device == "cpu" and ro.sleep_level:
         raise UsageError(f"rollout.sleep_level = {ro.sleep_level}: vLLM's CPU backend has no sleep mode; set "
                          "rollout.sleep_level = 0 on a machine without a GPU")
+    if ro.kv_cache_gib > p.memory_gib:
+        raise UsageError(f"rollout.kv_cache_gib = {ro.kv_cache_gib} is more than this machine can give one engine "
+                         f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
     if p.device == "cpu" and ro.kv_cache_gib <= 0:
         raise UsageError("rollout.kv_cache_gib = 0 asks vLLM to size its KV cache from rollout.memory_fraction, which "
                          "its CPU backend counts this process's whole memory against and refuses; set "

@@ -20,9 +20,33 @@ class Score:
 
 
 class Grader(Protocol):
-    """A grader never raises on model output: anything unparsable scores 0 with the reason in info."""
+    """A grader never raises on model output: anything unparsable scores 0 with the reason in info.
+
+    It may say what a record must hold, `fields`: groups of field names, any one group of which,
+    every field non-empty, makes a record gradable (the code grader: a test and an entry point, or
+    stdin/stdout cases). A run or an eval checks its data against them before any engine starts
+    (`gradable`, minirl/preflight.py); a grader without `fields` is not checked."""
 
     def __call__(self, record: dict[str, Any], response: str) -> Score: ...
+
+
+class NeedsAnswer:
+    """For graders that compare a response with the record's `self.answer_field`."""
+
+    @property
+    def fields(self) -> tuple[tuple[str, ...], ...]:
+        return ((self.answer_field,),)
+
+
+def gradable(record: dict[str, Any], fields: tuple[tuple[str, ...], ...]) -> bool:
+    """Whether `record` holds one of the groups of `fields`, every field of it non-empty."""
+    return not fields or any(all(record.get(f) is not None and str(record[f]).strip() for f in group)
+                             for group in fields)
+
+
+def describe(fields: tuple[tuple[str, ...], ...]) -> str:
+    """"'test' and 'entry_point', or 'input_output'": the groups, for a message."""
+    return ", or ".join(" and ".join(repr(f) for f in group) for group in fields)
 
 
 def available() -> dict[str, Any]:

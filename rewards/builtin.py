@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rewards.base import Score
+from rewards.base import NeedsAnswer, Score
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 
@@ -15,7 +15,7 @@ def _last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-class ExactGrader:
+class ExactGrader(NeedsAnswer):
     """1 if the stripped response equals the answer field.
 
     >>> ExactGrader()({"answer": "Paris"}, " Paris ").score
@@ -32,7 +32,7 @@ class ExactGrader:
         return Score(float(got == want), {"extracted": got})
 
 
-class NumericGrader:
+class NumericGrader(NeedsAnswer):
     """1 if the last number in the response is within `tol` (absolute or relative) of the answer.
 
     >>> NumericGrader(tol=1e-3)({"answer": "0.5"}, "so it is 0.5001").score
@@ -54,7 +54,7 @@ class NumericGrader:
         return Score(float(abs(g - w) <= bound), {"extracted": got})
 
 
-class RegexGrader:
+class RegexGrader(NeedsAnswer):
     """Extract with `pattern` (first group, else whole match) and compare exactly to the answer.
 
     >>> RegexGrader(pattern=r"answer: (\\w+)")({"answer": "B"}, "... answer: B").score
@@ -74,7 +74,7 @@ class RegexGrader:
         return Score(float(got == str(record[self.answer_field]).strip()), {"extracted": got})
 
 
-class ArithGrader:
+class ArithGrader(NeedsAnswer):
     """The embedded arithmetic task: the response (up to EOS) must be exactly the integer answer.
 
     Strict on purpose: "579" is right for 123+456, "0579" or "579 " are not; the model has to

@@ -46,6 +46,11 @@ class CodeGrader:
         # sandboxes mostly wait (start-up, pipes): more of them than cores keeps the cores busy
         self.parallel = parallel or 4 * (len(os.sched_getaffinity(0)) or 1)
 
+    @property
+    def fields(self) -> tuple[tuple[str, ...], ...]:
+        """A function to complete (its tests and name), or stdin/stdout cases (APPS' layout or two fields)."""
+        return (self.test_field, self.entry_point_field), (self.io_field,), ("inputs", "outputs")
+
     def __call__(self, record: dict[str, Any], response: str) -> Score:
         return self.grade_batch([(record, response)])[0]
 

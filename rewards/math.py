@@ -14,7 +14,7 @@ import logging
 import re
 from typing import Any
 
-from rewards.base import Score
+from rewards.base import NeedsAnswer, Score
 
 # math-verify warns on every call that its own timeouts are off; we enforce them in rewards.pool.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -40,7 +40,7 @@ def _parse_pred(text: str, *, boxed: bool):
     return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
 
 
-class MathGrader:
+class MathGrader(NeedsAnswer):
     """1 if the response's final answer is mathematically equivalent to the reference.
 
     >>> g = MathGrader()

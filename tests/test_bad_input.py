@@ -37,6 +37,7 @@ def ws_template(tiny_dir, tmp_path_factory) -> Path:
     tr.load_hf(root / "model/coldstart")
     tr.save(root / CKPT, {"step": 2, "sampler": {"epoch": 0, "pos": 64}, "recipe": rec.to_dict(),
                           "heldout_start": {"avg@4": 0.1}})
+    (root / RUN / "recipe.toml").write_text(rec.to_toml())
     (root / RUN / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
     return root
 
@@ -169,6 +170,11 @@ def truncated_shard(ws: Path):
     truncate(_shard(ws), 0.5)(ws)
 
 
+def an_intact_checkpoint_before_a_truncated_one(ws: Path):
+    shutil.copytree(ws / CKPT, ws / CKPT.replace("step_000002", "step_000001"))
+    truncated_shard(ws)
+
+
 def a_file_where_the_workspace_goes(ws: Path):
     (ws.parent / "afile").write_text("not a folder")
 
@@ -250,6 +256,31 @@ CASES = [
     ("unknown-model", ["run", "{ws}", "--model", "gpt-5"], None, "model.id = 'gpt-5'"),
     ("lr-factor-zero", ["run", "{ws}", "--set", "guard.lr_factor=0"], None, "guard.lr_factor = 0.0"),
     ("ckpt-every-zero", ["run", "{ws}", "--set", "checkpoint.every=0"], None, "checkpoint.every = 0; it must be ≥ 1"),
+    # --- what the engines receive, against the model and the machine --------------------------------
+    ("max-tokens-20-digits", ["run", "{ws}", "--set", "rollout.max_tokens=12345678901234567890"], None,
+     "rollout.max_tokens = 12345678901234567890: with data.max_prompt_tokens = 16 a sequence would need"),
+    ("max-tokens-past-context", ["run", "{ws}", "--set", "rollout.max_tokens=64"], None,
+     "the model's context is 64 tokens (max_position_embeddings in its config.json); at most 47"),
+    ("prompt-past-context", ["run", "{ws}", "--set", "data.max_prompt_tokens=63"], None,
+     "data.max_prompt_tokens = 63: the model's context is 64 tokens"),
+    ("kv-cache-past-memory", ["run", "{ws}", "--set", "rollout.kv_cache_gib=1e6"], None,
+     "rollout.kv_cache_gib = 1000000.0 is more than this machine can give one engine"),
+    ("batch-past-kv-cache", ["run", "{ws}", "--set", "train.group_size=100000"], None,
+     "sequences of up to 23 tokens are sampled at once on a CPU"),
+    ("eval-max-tokens-past-context", ["eval", "-w", "{ws}", "--checkpoint", "coldstart", "--set",
+                                      "eval.max_tokens=99999999999999999999"], None,
+     "eval.max_tokens = 99999999999999999999: the model's context is 64 tokens"),
+    # --- data the grader cannot grade ---------------------------------------------------------------
+    ("code-grader-no-tests", ["run", "{ws}", "--set", "reward.grader=code"], None,
+     "grader 'code' needs 'test' and 'entry_point', or 'input_output', or 'inputs' and 'outputs' in each record; "
+     "dataset 'data/train.jsonl' has no such field"),
+    ("math-grader-no-answer", ["run", "{ws}", "--set", "reward.grader=math", "--set", 'reward.params={{"answer_field": "solution"}}'],
+     None, "grader 'math' needs 'solution' in each record; dataset 'data/train.jsonl' has no such field"),
+    ("eval-code-grader-no-tests", ["eval", "-w", "{ws}", "--checkpoint", "coldstart", "--set", "reward.grader=code"], None,
+     "grader 'code' needs 'test' and 'entry_point'"),
+    ("eval-answer-null", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart", "--data", "{ws}/aime.jsonl"],
+     write("aime.jsonl", rows([{"problem": "1+1", "answer": "2"}, {"problem": "1+2", "answer": None}])),
+     "grader 'math' needs 'answer' in each record; row 2 of"),
     # --- the recipe file itself --------------------------------------------------------------------
     ("toml-syntax", ["run", "{ws}"], write("minirl.toml", "[train\nsteps = 1\n"), "malformed recipe"),
     ("toml-top-level-key", ["run", "{ws}"], write("minirl.toml", "steps = 1\n"), "must be a [section]"),
@@ -295,6 +326,19 @@ CASES = [
      "DCP metadata missing"),
     ("resume-live-writer", ["run", "{ws}", "--resume"], live_writer(RUN), "is being written by pid"),
     ("resume-auto-live-writer", ["run", "{ws}", "--resume", "auto"], live_writer(RUN), "is being written by pid"),
+    # --- a damaged checkpoint, read by export, eval and doctor -------------------------------------
+    ("export-truncated-shard", ["export", "-w", "{ws}", f"{{ws}}/{RUN}", "{new}"], truncated_shard,
+     "shard __0_0.distcp is"),
+    ("export-truncated-shard-instead", ["export", "-w", "{ws}", f"{{ws}}/{RUN}", "{new}"],
+     an_intact_checkpoint_before_a_truncated_one, "needed; its run's newest intact checkpoint is step_000001"),
+    ("export-no-metadata", ["export", "-w", "{ws}", f"{{ws}}/{RUN}", "{new}"], delete(f"{CKPT}/.metadata"),
+     "DCP metadata missing"),
+    ("eval-truncated-shard", ["eval", "-w", "{ws}", "--checkpoint", f"{{ws}}/{CKPT}"], truncated_shard,
+     "its run has no other intact checkpoint"),
+    ("doctor-truncated-shard", ["doctor", "-w", "{ws}", "--checkpoint", f"{{ws}}/{CKPT}"], truncated_shard,
+     "shard __0_0.distcp is"),
+    ("doctor-latest-truncated", ["doctor", "-w", "{ws}"], an_intact_checkpoint_before_a_truncated_one,
+     "its run's newest intact checkpoint is step_000001"),
     # --- eval ---------------------------------------------------------------------------------------
     ("eval-unknown-bench", ["eval", "aime99", "-w", "{ws}"], None, "unknown benchmark 'aime99'"),
     ("eval-no-checkpoint", ["eval", "-w", "{ws}", "--checkpoint", "/nonexistent/ckpt"], None, "checkpoint not found"),
