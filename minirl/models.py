@@ -49,6 +49,10 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Keys and values of every layer for one token: the unit of an engine's KV cache."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "ModelShape":
         """The shape a HF `config.json` describes; anything outside the two families fails in one line."""

@@ -58,7 +58,9 @@ class RolloutConfig:
     temperature: float = 1.0
     max_tokens: int = 8  # response length limit
     memory_fraction: float = 0.1  # vLLM gpu_memory_utilization (CPU: fraction of NUMA-node RAM)
-    kv_cache_gib: float = 0.0  # explicit KV-cache size; 0 = sized by vLLM from memory_fraction (CUDA only)
+    # explicit KV-cache size; 0 = sized for the job: on CUDA by vLLM from memory_fraction, on a CPU to hold
+    # the engine's max_num_seqs sequences (the step's B × G, at least 256) at full length, and no more
+    kv_cache_gib: float = 0.0
     tensor_parallel: int = 1  # GPUs per vLLM engine; under torchrun every tensor_parallel consecutive ranks share one
     # between rollouts (CUDA; CPU has no sleep mode): 0 stay awake, 1 offload weights to host and drop
     # the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost)
@@ -488,13 +490,26 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
     if platform is None or platform.device != "cpu":
         return  # a GPU engine sizes its KV cache itself and schedules what does not fit in waves
     sequences = r.train.prompts_per_step * r.train.group_size
-    per_token = 2 * model.n_layers * model.n_kv_heads * model.head_dim * (4 if r.rollout.precision == "fp32" else 2)
-    need = sequences * (prompt + new + 1) * per_token
-    if need > r.rollout.kv_cache_gib * 2**30:
-        fits = int(r.rollout.kv_cache_gib * 2**30 // ((prompt + new + 1) * per_token))
+    dtype_bytes = 4 if r.rollout.precision == "fp32" else 2
+    need = cpu_kv_cache_bytes(model, sequences, prompt + new + 1, dtype_bytes)
+    have = r.rollout.kv_cache_gib * 2**30 if r.rollout.kv_cache_gib > 0 else platform.memory_gib * 2**30
+    if need > have:
+        given = (f"rollout.kv_cache_gib = {r.rollout.kv_cache_gib}" if r.rollout.kv_cache_gib > 0
+                 else f"this machine has {platform.memory_gib:.1f} GiB of RAM")
+        per_sequence = cpu_kv_cache_bytes(model, 1, prompt + new + 1, dtype_bytes) - cpu_kv_cache_bytes(model, 0, 1, dtype_bytes)
         raise UsageError(f"train.prompts_per_step × train.group_size = {sequences:,} sequences of up to "
                          f"{prompt + new + 1} tokens are sampled at once on a CPU and need {need / 2**30:,.2f} GiB of KV "
-                         f"cache; rollout.kv_cache_gib = {r.rollout.kv_cache_gib} holds {fits:,} of them")
+                         f"cache; {given}, room for {int(have // per_sequence):,} of them")
+
+
+CPU_KV_BLOCK = 128  # tokens in a block of vLLM's CPU KV cache (its default, vllm/platforms/cpu.py)
+
+
+def cpu_kv_cache_bytes(model: ModelShape, sequences: int, tokens: int, dtype_bytes: int) -> int:
+    """The KV cache vLLM's CPU backend needs to hold `sequences` sequences of up to `tokens` tokens
+    at once: whole blocks for each, and the one block vLLM keeps empty."""
+    blocks = sequences * -(-tokens // CPU_KV_BLOCK) + 1
+    return blocks * CPU_KV_BLOCK * model.kv_bytes_per_token(dtype_bytes)
 
 
 def _check_platform(ro: RolloutConfig, p: Platform) -> None:
@@ -514,10 +529,6 @@ def _check_platform(ro: RolloutConfig, p: Platform) -> None:
     if ro.kv_cache_gib > p.memory_gib:
         raise UsageError(f"rollout.kv_cache_gib = {ro.kv_cache_gib} is more than this machine can give one engine "
                          f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
-    if p.device == "cpu" and ro.kv_cache_gib <= 0:
-        raise UsageError("rollout.kv_cache_gib = 0 asks vLLM to size its KV cache from rollout.memory_fraction, which "
-                         "its CPU backend counts this process's whole memory against and refuses; set "
-                         "rollout.kv_cache_gib (e.g. 0.5) on a machine without a GPU")
 
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

@@ -130,8 +130,8 @@ def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tup
     suited = [f"model.id={model}", "model.path="]
     if not shape.is_moe:  # routing replay and expert parallel have nothing to act on
         suited += ["train.replay=off", "parallel.ep=1"]
-    if not torch.cuda.is_available():  # written into the recipe, where recipe.validate would refuse the GPU values
-        suited += ["rollout.sleep_level=0", "rollout.kv_cache_gib=0.5"]
+    if not torch.cuda.is_available():  # written into the recipe, where recipe.validate would refuse the GPU value
+        suited += ["rollout.sleep_level=0"]
     report = {"model": model, "moe": shape.is_moe, "params": param_count(shape), "active": active_params(shape)}
     return name, suited + overrides, report
 

@@ -76,7 +76,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 def engine(tiny_dir):
     from minirl.rollout.vllm import VLLMEngine
 
-    return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25)
+    return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32)  # its KV cache sized for the job
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,20 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
     assert mean_abs_diff(scored, sampled) < 1e-4
 
 
+def test_a_cpu_engine_sized_for_the_job_holds_its_sequences_and_no_more(engine):
+    """kv_cache_gib = 0 on a CPU: a 128-token block for each of max_num_seqs sequences of up to
+    max_model_len tokens, and vLLM's empty block (the default of 0.25 GiB held 2,048 blocks)."""
+    from minirl.models import TINY
+    from minirl.recipe import CPU_KV_BLOCK, cpu_kv_cache_bytes
+
+    s = engine.settings
+    assert s.kv_cache_gib * 2**30 == cpu_kv_cache_bytes(TINY, s.max_num_seqs, s.max_model_len, 2)
+    assert engine._llm.llm_engine.vllm_config.cache_config.block_size == CPU_KV_BLOCK
+    assert engine._llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == s.max_num_seqs + 1
+    full = engine.generate([[1, 2, 3]] * s.max_num_seqs, n=1, temperature=1.0, max_tokens=s.max_model_len - 3, seed=0)
+    assert len(full) == s.max_num_seqs  # every sequence at once, at full length
+
+
 def test_scoring_on_cpu_compiles_nothing(engine, fixed):
     """vLLM ranks log-probs with an inductor-compiled function, compiled at its first call in a
     process (1.8 s here, on the RL clock at the first parity check); the CPU engine scores eagerly."""

