@@ -102,8 +102,9 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     rec = recipe.load(tmp_path / "dense-ws" / "minirl.toml", [])
     assert (rec.model.id, rec.train.replay, rec.parallel.ep, rec.train.steps) == (str(folder), "off", 1, 7)
-    # this test tokenizer has no chat template: the run says so before any engine starts
-    r = minirl("run", str(tmp_path / "dense-ws"))
+    # this test tokenizer has no chat template: the run says so before any engine starts (lengths
+    # that fit the test model's 64-token context, or that is what it says first)
+    r = minirl("run", str(tmp_path / "dense-ws"), "--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"minirl: error: data.chat_template = true, and the tokenizer of {folder} has no chat template; "
         "set data.chat_template = false to send the prompt as plain text"]
