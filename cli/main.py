@@ -20,12 +20,13 @@ from minirl import status as status_mod
 from minirl.benchmarks import get as get_bench
 from minirl.errors import RunIOError, UsageError
 from minirl.evaluate import bench_records, eval_benchmark, resolve_checkpoint
-from minirl.hub import model_shape
+from minirl.hub import resolution
 from minirl.models import TINY_ID
 from minirl.plan import launch_commands, make_plan
 from minirl.plots import plot_metrics
+from minirl.preflight import run_recipe
 from minirl.task import TASKS
-from minirl.workspace import RECIPE_NAME, Workspace, init_workspace
+from minirl.workspace import RECIPE_NAME, Workspace, init_workspace, planned_recipe
 
 
 def _prepare_env(verbose: bool) -> None:
@@ -91,8 +92,11 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 
     On the embedded default (model tiny-qwen3-moe) it also writes the synthetic task's train and
     held-out splits, builds a tiny Qwen3-MoE with its tokenizer (HF folder + TorchTitan DCP), and
-    cold-starts it with SFT through TorchTitan (~1-2 min on 2 CPU cores).
-    Re-running on an existing workspace leaves it untouched unless --force is given.
+    cold-starts it with SFT through TorchTitan (about a minute on 2 CPU cores; the cold start
+    stops once sampled dev accuracy reaches cold_start.target_acc).
+    Re-running on an existing workspace leaves it untouched when it already is what was asked for,
+    and refuses another request (another --model, --task, --recipe or --set value) unless --force
+    rebuilds it.
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -135,6 +139,8 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
         kind = f"Qwen3-MoE, {report['active'] / 1e9:.2f}B active" if report["moe"] else "dense Qwen3"
         console.print(f"  model {report['model']}: {report['params'] / 1e9:.2f}B params ({kind}); recipe from "
                       f"recipes/{report['recipe']}.toml; no cold start (the checkpoint is the starting policy)")
+        if resolution(report["model"]):
+            console.print(f"  {resolution(report['model'])}", soft_wrap=True)
         console.print(f"  plan: [bold]minirl run {workspace} --dry-run[/] (add --nodes/--gpus-per-node)")
     console.print(f"  next: [bold]minirl run {workspace}[/]")
 
@@ -189,13 +195,10 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if value is not None:
             extra.append(f"{key}={value}")
     if dry_run:
-        if (workspace / RECIPE_NAME).exists():
-            base, recipe_path = workspace.resolve(), workspace / RECIPE_NAME
-        else:  # no workspace: the named or the model's shipped recipe, else the defaults
-            base = Path.cwd()
-            recipe_path = recipe_mod.shipped(recipe_name) if recipe_name else recipe_mod.for_model(model_id)
-        rec = recipe_mod.load(recipe_path, extra)
-        plan = make_plan(rec, model_shape(rec.model.id, rec.model.path, base), model=rec.model.id, gpu_gib=gpu_mem_gib)
+        rec, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name, extra)
+        plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_mem_gib)
+        if resolution(rec.model.id):
+            console.print(resolution(rec.model.id), soft_wrap=True)
         has_ws = (workspace / RECIPE_NAME).exists()
         opts = [("--model", model_id), ("--replay", replay), ("--steps", steps)]
         args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in opts if v),
@@ -203,17 +206,19 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         init = " ".join(["minirl init WORKSPACE", f"--model {model_id or rec.model.id}",
                          *([f"--recipe {recipe_name}"] if recipe_name else [])])
         first = [] if has_ws or not (model_id or recipe_name) else [init]
-        print_plan(console, plan, recipe=str(recipe_path or "defaults"), resolved=rec.to_toml(),
+        print_plan(console, plan, recipe=recipe_label, resolved=rec.to_toml(),
                    launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args))
         if not plan.fits:
             shipped = recipe_mod.for_model(model_id) if model_id else None
-            own = recipe_mod.load(recipe_path).model.id if recipe_path else None
+            own = recipe_mod.load(Path(recipe_label)).model.id if recipe_label != "defaults" else TINY_ID
             hint = (f"; this recipe is {own}'s: {model_id}'s own is recipes/{shipped.name} (`minirl init WS --model "
                     f"{model_id}`)" if shipped and own != model_id else "")
             raise UsageError(f"the plan does not fit: {plan.problems[0]}{hint}")
         return
     ws = Workspace.open(workspace)
-    rec = recipe_mod.load(ws.recipe_path, extra)
+    rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's
+    if resolution(rec.model.id):
+        console.print(resolution(rec.model.id), soft_wrap=True)
 
     from minirl import launch, lifecycle  # deferred: torch, after _prepare_env set the engines' environment
 
@@ -254,9 +259,12 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
               help="Folder holding <bench>.jsonl files (sets eval.data_dir).")
 @click.option("--k", type=int, default=None, help="Samples per problem (sets eval.k).")
 @click.option("--temperature", type=float, default=None, help="Sampling temperature (sets eval.temperature).")
+@click.option("--max-problems", type=click.IntRange(min=1), default=None,
+              help="Score only the first N problems (a named benchmark is scored whole by default; heldout as the "
+                   "recipe's eval.max_problems).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, data_dir: Path | None, k: int | None,
-             temperature: float | None, overrides: tuple[str, ...]) -> None:
+             temperature: float | None, max_problems: int | None, overrides: tuple[str, ...]) -> None:
     """Evaluate a checkpoint on BENCH and report avg@k, pass@k (and the unbiased pass@1, @5, @10
     below k) and maj@k.
 
@@ -279,7 +287,12 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     rec = recipe_mod.load(ws.recipe_path if ws else None, extra)
     # the problems before the model: a missing benchmark, or a Hub out of reach, fails at once
     records = bench_records(bench, rec, heldout_path=ws.path(rec.data.heldout) if ws else None, data=data,
-                            data_dir=Path(rec.eval.data_dir) if rec.eval.data_dir else None)
+                            data_dir=Path(rec.eval.data_dir) if rec.eval.data_dir else None,
+                            max_problems=max_problems or 0)
+    if records.name != bench:
+        console.print(f"[yellow]{data} holds {records.total:,} problems and {bench} has "
+                      f"{get_bench(bench).problems:,}: it is not {bench}; its results are filed as {records.name!r}[/] "
+                      f"(scored with {bench}'s prompt and grader)")
     model_dir = resolve_checkpoint(ws, rec, checkpoint)
     out_dir = ws.root / "evals" if ws else Path("minirl-evals")
     with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -293,10 +306,11 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
 
     kk = result["k"]
     scores = [f"avg@{kk}", *(f"pass@{j}" for j in (1, 5, 10, 100) if j < kk), f"pass@{kk}", f"maj@{kk}"]
-    table = Table(title=f"{bench}: {result['checkpoint']}")
+    table = Table(title=f"{result['benchmark']}: {result['checkpoint']}")
     for col in ("problems", *scores, "T", "truncated prompts", "grader timeouts"):
         table.add_column(col, justify="right")
-    table.add_row(str(result["problems"]), *(f"{result[c]:.3f}" for c in scores), str(result["temperature"]),
+    scored = f"{result['problems']:,}" + (f" of {result['of']:,}" if result["of"] != result["problems"] else "")
+    table.add_row(scored, *(f"{result[c]:.3f}" for c in scores), str(result["temperature"]),
                   str(result["truncated_prompts"]), str(result["grader_timeouts"]))
     console.print(table)
     if result["resumed_problems"]:

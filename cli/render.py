@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import sys
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(stderr=False, highlight=False)
+# not on a terminal (a log, a pipe): lines are not broken at rich's default 80 columns mid-phrase
+console = Console(stderr=False, highlight=False, soft_wrap=not sys.stdout.isatty())
 
 SET_HELP = "Override a recipe value, e.g. --set train.lr=1e-4 (repeatable). Keys are [section].key of the TOML recipe."
 
@@ -54,8 +56,13 @@ class RunView:
         if kind == "start":
             self.live.start()
             what = f"resumed at step {data['step']} from {data['resumed_from']}" if data["resumed_from"] else "new run"
+            skipped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in data["skipped_rows"].items() if n)
             self.console.print(f"[bold]{what}[/] in {data['run_dir']} (engines up in {data['startup_s']} s; "
-                               f"{data['train_rows']} train prompts, skipped {data['skipped_rows']})")
+                               f"{data['train_rows']:,} train prompts{'; skipped ' + skipped if skipped else ''})")
+            changes = data.get("recipe_changes") or {}
+            if changes:
+                self.console.print("[yellow]the run's recipe changed as it resumed[/] (recorded in "
+                                   f"recipe_changes.jsonl): " + ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changes.items()))
             self.progress.update(self.task, completed=data["step"])
         elif kind == "eval":
             self.console.print(f"held-out {data['which']}: {self.eval_key} = [bold]{data[self.eval_key]:.3f}[/] "

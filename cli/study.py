@@ -15,7 +15,7 @@ from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
 from minirl.files import read_json
 from minirl.evaluate import resolve_checkpoint
-from minirl.preflight import complete_checkpoints
+from minirl.preflight import latest_trained
 from minirl.workspace import Workspace, init_workspace
 
 
@@ -50,8 +50,9 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
         raise UsageError(f"train.prompts_per_step = {rec.train.prompts_per_step}: the doctor measures staleness over "
                          f"{n} mini-batches of one step's prompts, so it needs a multiple of {n} "
                          f"(--set train.prompts_per_step=…)")
-    if checkpoint == "latest" and not any(map(complete_checkpoints, ws.runs_newest_first())):
-        checkpoint = "coldstart"  # no run yet: the starting policy (a damaged newest checkpoint is an error)
+    if checkpoint == "latest" and latest_trained(ws) is None:
+        checkpoint = "coldstart"  # no run has trained yet: the starting policy (a damaged checkpoint is an error)
+        console.print("doctor: no run has trained a step yet; diagnosing the cold start")
     folder = resolve_checkpoint(ws, rec, checkpoint)
     with console.status("doctor...") as status:
         report = doc.diagnose(ws, rec, folder, seeds=seeds, progress=lambda what: status.update(f"doctor: {what}"))

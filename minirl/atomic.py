@@ -48,3 +48,10 @@ def sweep(folder: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
+
+
+def umask() -> int:
+    """This process's umask (read by setting it and putting it back: the one way POSIX offers)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -32,20 +32,21 @@ class Benchmark:
     prompt_template: str = BOXED_PROMPT
     chat_prompt_template: str | None = None  # instead of prompt_template where the model has a chat template
     row_fields: tuple[str, ...] = ()  # fields the grader reads besides the answer (code: tests, entry point)
+    problems: int | None = None  # how many it has: data with another count is not this benchmark
 
 
 REGISTRY: dict[str, Benchmark] = {
     b.name: b
     for b in [
-        Benchmark(name="aime24", hub_id="HuggingFaceH4/aime_2024", split="train"),
-        Benchmark(name="aime25", hub_id="MathArena/aime_2025", split="train"),
-        Benchmark(name="hmmt25", hub_id="MathArena/hmmt_feb_2025", split="train"),
-        Benchmark(name="amc23", hub_id="math-ai/amc23", split="test", problem_field="question"),
-        Benchmark(name="math500", hub_id="HuggingFaceH4/MATH-500", split="test"),
-        Benchmark(name="gsm8k", hub_id="openai/gsm8k", config="main", split="test", problem_field="question",
+        Benchmark(name="aime24", problems=30, hub_id="HuggingFaceH4/aime_2024", split="train"),
+        Benchmark(name="aime25", problems=30, hub_id="MathArena/aime_2025", split="train"),
+        Benchmark(name="hmmt25", problems=30, hub_id="MathArena/hmmt_feb_2025", split="train"),
+        Benchmark(name="amc23", problems=40, hub_id="math-ai/amc23", split="test", problem_field="question"),
+        Benchmark(name="math500", problems=500, hub_id="HuggingFaceH4/MATH-500", split="test"),
+        Benchmark(name="gsm8k", problems=1319, hub_id="openai/gsm8k", config="main", split="test", problem_field="question",
                   answer_after="#### "),
         # HumanEval: a base model completes the function; a chat model is asked for the whole of it
-        Benchmark(name="humaneval", hub_id="openai/openai_humaneval", split="test", problem_field="prompt",
+        Benchmark(name="humaneval", problems=164, hub_id="openai/openai_humaneval", split="test", problem_field="prompt",
                   answer_field="entry_point", grader="code", prompt_template="{problem}",
                   chat_prompt_template=CODE_CHAT_PROMPT, row_fields=("prompt", "test", "entry_point")),
         Benchmark(name="heldout", hub_id=None, grader="", prompt_template="{problem}"),

@@ -134,7 +134,8 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
                                     metric_type="accuracy", metric_name=metric, metric_value=round(after, 4)))
     for r in eval_results:
         key = f"avg@{r['k']}"
-        results.append({"name": f"{r['benchmark']} (`minirl eval`)", "metric": key, "before": "",
+        cut = f", {r['problems']:,} of {r['of']:,} problems" if r.get("of", r.get("problems")) != r.get("problems") else ""
+        results.append({"name": f"{r['benchmark']} (`minirl eval`{cut})", "metric": key, "before": "",
                         "after": _fmt(r.get(key))})
         eval_objs.append(EvalResult(task_type="text-generation", dataset_type=r["benchmark"],
                                     dataset_name=r["benchmark"], metric_type="accuracy", metric_name=key,

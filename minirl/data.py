@@ -41,6 +41,7 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train", conf
             for f in files:
                 if f.stat().st_size == 0:
                     raise UsageError(f"dataset file {f} is empty")
+            _same_fields(local, files)
             kind = "parquet" if files[0].suffix == ".parquet" else "json"
             return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
         if local.suffix in (".jsonl", ".json", ".parquet", ".csv") or spec.startswith((".", "/")):
@@ -59,6 +60,33 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train", conf
     except Exception as e:  # noqa: BLE001 - turn any loader failure into one line
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise UsageError(f"cannot load dataset {spec!r}: {type(e).__name__}{': ' + first if first else ''}") from None
+
+
+def _same_fields(folder: Path, files: list[Path]) -> None:
+    """A folder loads as one dataset only when its files have the same fields (else `datasets`
+    says only "An error occurred while generating the dataset"): each file's first row, compared."""
+    if len(files) < 2:
+        return
+    import json
+
+    fields = {}
+    for f in files:
+        try:
+            if f.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                fields[f.name] = tuple(sorted(pq.read_schema(f).names))
+            else:
+                with f.open() as fh:
+                    fields[f.name] = tuple(sorted(json.loads(fh.readline())))
+        except (OSError, ValueError, AttributeError, TypeError):
+            return  # unreadable: `datasets` says what is wrong with it
+    kinds = sorted(set(fields.values()))
+    if len(kinds) > 1:
+        a = next(n for n, k in fields.items() if k == kinds[0])
+        b = next(n for n, k in fields.items() if k == kinds[1])
+        raise UsageError(f"dataset folder {folder} holds files with different fields ({a}: {', '.join(kinds[0])}; "
+                         f"{b}: {', '.join(kinds[1])}), which do not load as one dataset; pass one file")
 
 
 def load_problems(

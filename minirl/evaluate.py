@@ -8,12 +8,13 @@ maj@k  = share of problems whose most frequent extracted answer is a correct one
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from minirl import benchmarks, hub
 from minirl.data import Problem, prompt_ids
 from minirl.errors import UsageError
-from minirl.preflight import check_checkpoint, check_gradable, check_model_folder, complete_checkpoints, instead
+from minirl.preflight import check_checkpoint, check_gradable, check_model_folder, instead, latest_trained
 from rewards.pool import GradingPool
 
 
@@ -114,10 +115,10 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
     if checkpoint == "latest":
         if ws is None:
             raise UsageError("no workspace here: pass -w DIR, or --checkpoint with an HF folder or model id")
-        ckpts = next((c for c in map(complete_checkpoints, ws.runs_newest_first()) if c), [])
-        if not ckpts:
-            raise UsageError(f"no run checkpoint in {ws.runs}; run `minirl run` first or pass --checkpoint coldstart")
-        path = ckpts[-1]
+        path = latest_trained(ws)
+        if path is None:
+            raise UsageError(f"no run in {ws.runs} has trained a step yet; run `minirl run` first or pass "
+                             "--checkpoint coldstart")
     else:
         path = Path(checkpoint)
         if not path.exists():
@@ -151,24 +152,53 @@ def _format_prompt(tok, template: str, problem: str) -> list[int]:
     return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)))
 
 
+def checkpoint_label(model_dir: Path) -> str:
+    """A checkpoint's short name for a results file: `<run>-step_000300` for a run's checkpoint (its
+    HF folder or DCP folder), else the folder's own name (`coldstart`, an export's)."""
+    p = Path(model_dir).resolve()
+    p = p.parent if p.name == "hf" else p
+    name = f"{p.parent.parent.name}-{p.name}" if p.parent.name == "checkpoints" else p.name
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
 def grader_of(bench_name: str, rec) -> tuple[str, dict]:
     """The grader and its params: the recipe's for the embedded task, a benchmark's own otherwise."""
     bench = benchmarks.get(bench_name)
     return (rec.reward.grader, rec.reward.params) if bench.hub_id is None else (bench.grader, {})
 
 
-def bench_records(bench_name: str, rec, *, heldout_path=None, data=None, data_dir=None) -> list[dict]:
-    """The benchmark's problems ({"index", "problem", "answer"}), at most eval.max_problems: the
-    embedded task's from the workspace's held-out split, the others from --data, --data-dir or the
-    Hub. Cheap, so `minirl eval` asks first: a missing or unreachable benchmark fails at once."""
+@dataclass(frozen=True)
+class BenchData:
+    """The problems an evaluation scores, the name its results are filed under, and how many
+    problems the data holds (more than `records` when cut)."""
+
+    name: str
+    records: list[dict]
+    total: int
+
+
+def bench_records(bench_name: str, rec, *, heldout_path=None, data=None, data_dir=None,
+                  max_problems: int = 0) -> BenchData:
+    """The benchmark's problems ({"index", "problem", "answer"}): the embedded task's from the
+    workspace's held-out split (at most eval.max_problems, as a run scores it), the others from
+    --data, --data-dir or the Hub, every one unless `max_problems` cuts them. Data whose count is
+    not the named benchmark's is not that benchmark: its results are filed under the file's own
+    name. Cheap, so `minirl eval` asks first: a missing or unreachable benchmark fails at once."""
     bench = benchmarks.get(bench_name)
     if bench.hub_id is None:
         data = data or heldout_path
     elif data is None and data_dir is not None:
         data = Path(data_dir) / f"{bench.name}.jsonl"
-    records = benchmarks.load_records(bench, data=data)[: rec.eval.max_problems]
-    check_gradable(records, str(data or bench.hub_id), *grader_of(bench_name, rec))
-    return records
+    elif data is not None and (Path(data) / f"{bench.name}.jsonl").is_file():
+        data = Path(data) / f"{bench.name}.jsonl"  # a folder of benchmark files, as --data-dir takes
+    records = benchmarks.load_records(bench, data=data)
+    name = bench.name
+    if bench.problems is not None and data is not None and len(records) != bench.problems:
+        name = Path(data).name  # e.g. `eval aime25 --data gsm8k.jsonl`: never filed as aime25
+    cut = max_problems or (rec.eval.max_problems if bench.hub_id is None else 0)
+    kept = records[:cut] if cut else records
+    check_gradable(kept, str(data or bench.hub_id), *grader_of(bench_name, rec))
+    return BenchData(name, kept, len(records))
 
 
 def eval_benchmark(
@@ -180,7 +210,7 @@ def eval_benchmark(
     heldout_path=None,
     data=None,
     data_dir=None,
-    records: list[dict] | None = None,
+    records: BenchData | None = None,
     chunk: int = 16,
     on_progress=lambda done, total: None,
 ) -> dict:
@@ -199,8 +229,8 @@ def eval_benchmark(
     from minirl.rollout.vllm import VLLMEngine  # deferred: torch and vLLM (the CLI imports this module at start)
 
     bench = benchmarks.get(bench_name)
-    if records is None:
-        records = bench_records(bench_name, rec, heldout_path=heldout_path, data=data, data_dir=data_dir)
+    got = records or bench_records(bench_name, rec, heldout_path=heldout_path, data=data, data_dir=data_dir)
+    records = got.records
     grader_name, params = grader_of(bench_name, rec)
     model_dir = Path(model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -220,17 +250,16 @@ def eval_benchmark(
             ids, truncated = ids[-budget:], truncated + 1
         prompts.append(ids)
 
-    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(model_dir.resolve()).strip("/"))[-80:]
-    # everything besides the checkpoint that decides the samples and their grades: an eval under
-    # other settings (another rollout precision, temperature, seed…) neither resumes this one's
-    # partial results nor overwrites its file
+    # everything that decides the samples and their grades, the checkpoint's resolved path among
+    # them: an eval of another checkpoint or under other settings (precision, temperature, seed…)
+    # neither resumes this one's partial results nor overwrites its file
     settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, "max_tokens": max_tokens,
                 "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
-                "problems": len(records)}
+                "problems": len(records), "checkpoint": str(model_dir.resolve())}
     tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / f"{bench.name}-k{rec.eval.k}-{slug}-{tag}.json"
+    final = out_dir / f"{got.name}-k{rec.eval.k}-{checkpoint_label(model_dir)}-{tag}.json"
     partial = final.with_suffix(".partial.jsonl")
     done = {}
     if partial.exists():
@@ -275,8 +304,9 @@ def eval_benchmark(
     correct = [r["correct"] for r in rows]
     k = rec.eval.k
     result = {
-        "benchmark": bench.name,
-        "checkpoint": str(model_dir),
+        "benchmark": got.name,
+        "of": got.total,  # problems in the data; "problems" (below) is how many were scored
+        "checkpoint": str(model_dir.resolve()),  # the same checkpoint however its path was typed (export's card)
         **summarize(correct, [r["extracted"] for r in rows]),
         # pass@j for j < k, unbiased from the k samples of each problem (Chen et al. 2021); pass@k
         # is the share of problems with a correct one among all k

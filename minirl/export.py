@@ -30,7 +30,7 @@ from minirl.files import read_json
 from minirl.hub import model_dir
 from minirl.metrics_file import metric_rows
 from minirl.plots import plot_metrics
-from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints, prepare_run
+from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints, latest_trained, prepare_run
 from minirl.workspace import Workspace
 
 
@@ -61,9 +61,10 @@ def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
         run_dir, named = run_of(source)
     else:
         ws = Workspace.open(workspace)
-        run_dir = next((r for r in ws.runs_newest_first() if checkpoints(r)), None)
-        if run_dir is None:
-            raise UsageError(f"no run with a checkpoint in {ws.runs}; run `minirl run` first")
+        latest = latest_trained(ws)  # a run stopped at step 0 holds the cold start, not an RL policy
+        if latest is None:
+            raise UsageError(f"no run in {ws.runs} has trained a step yet; run `minirl run` first")
+        run_dir = latest.parent.parent
         named = None
     if named is not None:
         ckpt = next(c for c in checkpoints(run_dir) if c.path == named)
@@ -168,8 +169,8 @@ def eval_results_for(ws_root: Path, ckpt: Checkpoint) -> list[dict]:
             r = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        where = Path(str(r.get("checkpoint", "")))
-        if where in (ckpt.path, ckpt.path / "hf") and "benchmark" in r:
+        where = Path(str(r.get("checkpoint", ""))).resolve()  # results of earlier versions hold the path as typed
+        if where in (ckpt.path.resolve(), (ckpt.path / "hf").resolve()) and "benchmark" in r:
             found[r["benchmark"]] = r
     return list(found.values())
 

@@ -57,6 +57,8 @@ def save_hf_folder(
     # per-expert tensors are views into the grouped ones: each gets storage of its own
     hf_sd = {k: v.detach().to(dtype).cpu().clone() for k, v in titan_to_hf(shape, titan_sd).items()}
     save_torch_state_dict(hf_sd, out, max_shard_size=max_shard_size)
+    for f in out.glob("*.safetensors"):  # written through a private temporary file (0600): as the folder's others
+        f.chmod(0o666 & ~atomic.umask())
     ids = _special_ids(tokenizer_dir)
     cfg = hf_config_dict(shape, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")

@@ -46,6 +46,16 @@ def repo_id(model_id: str) -> str | None:
     raise UsageError(f"model.id = {model_id!r} is neither a short name ({known}), a Hub repo id (owner/name) nor a folder")
 
 
+def resolution(model_id: str) -> str | None:
+    """One line saying which Hub repo a short name stands for and why; None for anything else."""
+    repo = HUB_IDS.get(model_id)
+    if repo is None:
+        return None
+    why = ("its pretrained base model, which RL starts from here as in the paper" if repo.endswith("-Base")
+           else "no base model of it is published")
+    return f"{model_id} is {repo} on the Hub ({why}); give a repo id to train another checkpoint"
+
+
 def offline(*, datasets: bool = False) -> bool:
     """HF_HUB_OFFLINE is set (for datasets, HF_DATASETS_OFFLINE counts too)."""
     names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if datasets else ("HF_HUB_OFFLINE",)
@@ -71,13 +81,14 @@ def reachable() -> bool:
     return True
 
 
-def need_hub(what: str, *, instead: str, datasets: bool = False) -> None:
+def need_hub(what: str, *, instead: str, datasets: bool = False, cache_helps: bool = True) -> None:
     """Before `what` asks the Hub: unreachable, refuse in one line naming `instead` (a local path
-    to pass) and the offline variable; offline, nothing to check (the caches answer at once)."""
+    to pass) and, where a cache could answer (not for an upload), the offline variable; offline,
+    nothing to check (the caches answer at once)."""
     if offline(datasets=datasets) or reachable():
         return
-    raise UsageError(f"{what}: the Hugging Face Hub ({endpoint()}) cannot be reached; {instead}, or with a cache "
-                     f"filled elsewhere set HF_HUB_OFFLINE=1")
+    cache = ", or with a cache filled elsewhere set HF_HUB_OFFLINE=1" if cache_helps else ""
+    raise UsageError(f"{what}: the Hugging Face Hub ({endpoint()}) cannot be reached; {instead}{cache}")
 
 
 def fetch(repo: str, *, weights: bool, revision: str | None = None) -> Path:
@@ -89,7 +100,11 @@ def fetch(repo: str, *, weights: bool, revision: str | None = None) -> Path:
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - offline, gated, missing: one line
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        if offline():  # the cache did not have it; huggingface_hub's own message runs to a paragraph
+            raise UsageError(f"model {repo!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: pass "
+                             "a local HF model folder, or unset HF_HUB_OFFLINE to download it") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        first = first if len(first) <= 200 else first[:197].rsplit(" ", 1)[0] + " …"
         raise UsageError(f"cannot fetch model {repo!r} from the Hub ({type(e).__name__}: {first})") from None
 
 
@@ -140,7 +155,7 @@ def push(folder: Path, repo: str, *, private: bool = False, revision: str | None
         return {"files": files}
     if offline():
         raise UsageError("HF_HUB_OFFLINE is set: a push needs the Hub (unset it, or push from a machine with network)")
-    need_hub(f"push to {repo}", instead="push from a machine with network")
+    need_hub(f"push to {repo}", instead="push from a machine with network", cache_helps=False)
     token = hf.get_token()
     if not token:
         raise UsageError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from minirl import atomic, metrics_file
+from minirl import recipe as recipe_mod
 from minirl import status as status_mod
 from minirl.errors import RunIOError, UsageError
 from minirl.hf_io import save_hf_folder
@@ -90,6 +91,25 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
             lock.release()
 
 
+RECIPE_CHANGES = "recipe_changes.jsonl"  # in a run folder: what each --resume changed of its recipe
+
+
+def _record_changes(run_dir: Path, rec: Recipe, resume_from: Path | None) -> dict:
+    """A resumed run's recipe against the one it ran under until now: each change (a flag given
+    with --resume) is appended to the run's recipe_changes.jsonl with the step it applies from,
+    before recipe.toml is rewritten; returned for the start line to say."""
+    before = run_dir / "recipe.toml"
+    if resume_from is None or not before.is_file():
+        return {}
+    changed = recipe_mod.load(before).changes(rec)
+    if changed:
+        step = json.loads((resume_from / "minirl.json").read_text()).get("step")
+        with open(run_dir / RECIPE_CHANGES, "a") as f:
+            f.write(json.dumps({"from_step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                "changes": {k: list(v) for k, v in changed.items()}}) + "\n")
+    return changed
+
+
 def _writer_lock(run_dir: Path, world: World) -> RunLock | None:
     """Rank 0 locks the run folder for the job (runlock.py); every rank gets its answer."""
     lock, refused = None, None
@@ -107,9 +127,11 @@ def _writer_lock(run_dir: Path, world: World) -> RunLock | None:
 def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float,
                             world: World, run_dir: Path) -> dict:
     resume_from = inputs.resume_from
+    changed = {}
     try:
         if world.main:
             atomic.sweep(run_dir / "checkpoints")  # what a killed writer or deleter left behind
+            changed = _record_changes(run_dir, rec, resume_from)
             atomic.write_text(run_dir / "recipe.toml", rec.to_toml())
             atomic.write_text(run_dir / status_mod.PROCESS_FILE,  # who runs it, for `minirl status`
                               json.dumps(status_mod.process_record(str(resume_from) if resume_from else None)))
@@ -124,7 +146,8 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
                                      "trainer is left uncorrected (loss.allow_uncorrected = true)"})
     on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
                        "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
-                       "resumed_from": str(resume_from) if resume_from else None})
+                       "resumed_from": str(resume_from) if resume_from else None,
+                       "recipe_changes": {k: list(v) for k, v in changed.items()}})
 
     try:
         t0 = time.time()

@@ -20,7 +20,9 @@ from minirl.errors import UsageError
 from minirl.files import read_json
 from minirl.hub import model_dir as resolve_model_dir
 from minirl.models import ModelShape, param_count, read_shape, titan_config
+from minirl import recipe as recipe_mod
 from minirl.recipe import Platform, validate
+from minirl.sinks import check_ready
 from rewards.base import describe, gradable, load_grader
 from rewards.pool import GradingPool
 
@@ -172,6 +174,17 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(c for c in root.glob("step_*") if c.is_dir() and "." not in c.name and (c / "minirl.json").exists())
 
 
+def latest_trained(ws) -> Path | None:
+    """What "latest" means wherever a command takes a checkpoint: the newest checkpoint of the
+    newest run that trained (a checkpoint past step 0). A run stopped at step 0 holds only the
+    policy it started from, which `coldstart` names."""
+    for run in ws.runs_newest_first():
+        trained = [c for c in complete_checkpoints(run) if int(c.name.removeprefix("step_")) > 0]
+        if trained:
+            return trained[-1]
+    return None
+
+
 @dataclass
 class RunInputs:
     """What `minirl run` reads before any engine starts, all of it checked."""
@@ -256,6 +269,7 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     each checked; raises one UsageError line and writes nothing in the workspace."""
     platform = Platform.here(world_size)
     validate(rec, platform)  # what this machine cannot do, before anything is read
+    check_ready(rec.metrics)  # a sink that would fail after the engines started
 
     model_dir = resolve_model_dir(rec.model.id, rec.model.path, ws.root,
                                   before_weights=lambda d: check_fits(read_shape(d), rec.model.id))
@@ -300,6 +314,36 @@ def run_folder(ws, name: str) -> Path:
                      "'latest' / 'auto')")
 
 
+def run_recipe(ws, resume: str | None, overrides: list[str]):
+    """The recipe a run starts with: the workspace's, with the flags, for a new run; for `--resume`,
+    the resumed run's own (runs/<id>/recipe.toml) with the flags on top, never the workspace's
+    values (what the flags change is said and recorded as the run starts: lifecycle.py). A run
+    that finished is not resumed unless the flags ask for more steps than it trained."""
+    run = resume_run(ws, resume)
+    if run is None or not (run / "recipe.toml").is_file():
+        return recipe_mod.load(ws.recipe_path, overrides)
+    rec = recipe_mod.load(run / "recipe.toml", overrides)
+    summary = read_summary(run)
+    if summary.get("status") == "finished" and rec.train.steps <= summary.get("steps", 0):
+        raise UsageError(f"run {run.name} has finished ({summary.get('steps')} of {rec.train.steps} steps): nothing "
+                         f"to resume; --steps N (above {summary.get('steps')}) trains it further, and `minirl run "
+                         f"{ws.root}` starts a new run")
+    return rec
+
+
+def resume_run(ws, resume: str | None) -> Path | None:
+    """The run folder a `--resume` continues (as `pick_resume_checkpoint` finds it), or None: a
+    new run (no --resume, `auto` past an ended run, or nothing to resume: prepare_run says so)."""
+    if not resume:
+        return None
+    if resume not in ("latest", "auto"):
+        return run_folder(ws, resume)
+    for folder in ws.runs_newest_first():
+        if complete_checkpoints(folder):
+            return None if resume == "auto" and _status(folder) in ENDED else folder
+    return None
+
+
 def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool = False,
                            run: Path | None = None) -> Path | None:
     """The newest complete checkpoint of the newest run that has one (of `run`, when given),
@@ -333,7 +377,13 @@ def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool =
 
 
 def _status(run: Path) -> str | None:
+    return read_summary(run).get("status")  # none: the run was killed
+
+
+def read_summary(run: Path) -> dict:
+    """The run's summary.json, or {} (a run killed before it wrote one, or a damaged one)."""
     try:
-        return json.loads((run / "summary.json").read_text()).get("status")
-    except (OSError, ValueError, AttributeError):
-        return None  # no summary: the run was killed
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}

@@ -127,7 +127,7 @@ class RewardConfig:
 class EvalConfig:
     k: int = 4  # samples per held-out problem
     temperature: float = 1.0
-    max_problems: int = 500
+    max_problems: int = 500  # held-out problems a run scores (and `minirl eval heldout`); named benchmarks: all
     every: int = 0  # also score the held-out set every k steps during `run` (0 = at the start and end only)
     max_tokens: int = 0  # response limit for `minirl eval` (0 = rollout.max_tokens)
     prompt_template: str = ""  # benchmark prompt, with {problem}; "" = the benchmark's own (boxed-answer)
@@ -217,6 +217,15 @@ class Recipe:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """{"section.key": value} for every field: what `--set` names."""
+        return {f"{section}.{k}": v for section, values in self.to_dict().items() for k, v in values.items()}
+
+    def changes(self, other: "Recipe") -> dict[str, tuple[Any, Any]]:
+        """{"section.key": (this value, other's)} where `other` differs."""
+        mine, theirs = self.flat(), other.flat()
+        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
 
     def to_toml(self) -> str:
         lines = []

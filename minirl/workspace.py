@@ -24,8 +24,9 @@ from minirl import hub
 from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
 from minirl.evaluate import response_text
-from minirl.models import TINY, TINY_ID, param_count
+from minirl.models import TINY, TINY_ID, ModelShape, param_count
 from minirl.plan import active_params
+from minirl.preflight import check_replay
 from minirl.task import TASKS, make_splits, write_jsonl
 from minirl.tokenizer import build_tokenizer
 from rewards import load_grader
@@ -83,8 +84,6 @@ def init_workspace(
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise UsageError(f"{root} exists and is not a folder")
-    if (root / RECIPE_NAME).exists() and not force:
-        raise FileExistsError(str(root))
     model_report: dict = {}
     if task is not None:
         if model is not None:
@@ -95,9 +94,12 @@ def init_workspace(
         if recipe_mod.load(recipe_mod.shipped(recipe_name)).cold_start.task != task:
             overrides = [*overrides, f"cold_start.task={task}"]
     if model is not None:
-        recipe_name, overrides, model_report = _for_model(model, recipe_name, list(overrides))
+        recipe_name, overrides, model_report = recipe_for_model(model, recipe_name, list(overrides))
     src = recipe_mod.shipped(recipe_name or "tiny")
     rec = recipe_mod.load(src, list(overrides))  # a bad recipe or --set fails before anything is written
+    if (root / RECIPE_NAME).exists() and not force:
+        _refuse_another_request(root, src if recipe_name else None, list(overrides))
+        raise FileExistsError(str(root))  # what was asked for is what is there: left as it is
     if force and root.exists():
         for sub in ("data", "model", "runs"):
             shutil.rmtree(root / sub, ignore_errors=True)
@@ -117,12 +119,44 @@ def init_workspace(
     return report
 
 
-def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tuple[str, list[str], dict]:
-    """The recipe, the overrides and the report lines for `init --model`: the architecture comes
-    from the model's config (one line, exit 2, when it cannot be read or is not supported)."""
-    import torch  # deferred: `minirl init` of the embedded default and the CLI's help start without it
+def planned_recipe(workspace: Path, model: str | None, recipe_name: str | None,
+                   overrides: list[str]) -> tuple[recipe_mod.Recipe, str, ModelShape]:
+    """What `minirl run --dry-run` plans, and the name of the recipe it came from: the workspace's
+    recipe if `workspace` is one; else what `minirl init WS --model MODEL` and `minirl run WS` would
+    run (the model's shipped recipe, or recipes/qwen3.toml, suited to its architecture); else the
+    named shipped recipe, else the defaults. Refuses what the run would refuse before any engine
+    starts (routing replay on a dense model)."""
+    if (Path(workspace) / RECIPE_NAME).exists():
+        path, base = Path(workspace) / RECIPE_NAME, Path(workspace).resolve()
+    elif model is not None and model != TINY_ID:
+        recipe_name, overrides, _ = recipe_for_model(model, recipe_name, overrides)
+        path, base = recipe_mod.shipped(recipe_name), Path.cwd()
+    else:
+        path, base = (recipe_mod.shipped(recipe_name) if recipe_name else None), Path.cwd()
+    rec = recipe_mod.load(path, overrides)
+    shape = hub.model_shape(rec.model.id, rec.model.path, base)
+    check_replay(rec.train.replay, shape, rec.model.id)
+    return rec, str(path or "defaults"), shape
 
 
+def _refuse_another_request(root: Path, shipped: Path | None, overrides: list[str]) -> None:
+    """An existing workspace is left as it is only when it already is what this init asks for:
+    every key the request sets (--model, --task, --set; with --recipe, the whole recipe) has that
+    value in its recipe. Otherwise one line names the first key that differs."""
+    have = recipe_mod.load(root / RECIPE_NAME)
+    differ = have.changes(recipe_mod.load(shipped or root / RECIPE_NAME, overrides))
+    if differ:
+        k, (theirs, ours) = next(iter(differ.items()))
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise UsageError(f"{root} is a workspace already, with {k} = {theirs!r}; this init asks for {ours!r}{more}. "
+                         "`--force` rebuilds it (its data, model and runs are deleted), or choose another folder")
+
+
+def recipe_for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tuple[str, list[str], dict]:
+    """The recipe, the overrides and the report lines for `init --model` (and the plan of
+    `run --model --dry-run`, which plans what init and run would run): the model's shipped recipe,
+    else recipes/qwen3.toml, suited to its architecture, read from its config (one line, exit 2,
+    when it cannot be read or is not supported). Nothing depends on the machine that asks."""
     if Path(model).exists():
         model = str(Path(model).resolve())  # the workspace works from any folder
     shape = hub.model_shape(model, "", Path.cwd())
@@ -130,8 +164,6 @@ def _for_model(model: str, recipe_name: str | None, overrides: list[str]) -> tup
     suited = [f"model.id={model}", "model.path="]
     if not shape.is_moe:  # routing replay and expert parallel have nothing to act on
         suited += ["train.replay=off", "parallel.ep=1"]
-    if not torch.cuda.is_available():  # written into the recipe, where recipe.validate would refuse the GPU value
-        suited += ["rollout.sleep_level=0"]
     report = {"model": model, "moe": shape.is_moe, "params": param_count(shape), "active": active_params(shape)}
     return name, suited + overrides, report
 
@@ -199,7 +231,8 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
         trainer, sft_examples, max_steps=cs.max_steps, batch_size=cs.batch_size, lr=cs.lr,
         pad_id=tok.pad_token_id, seed=cs.seed, stop_when=reached_target, on_step=on_step, check_every=cs.check_every,
     )
-    tell("cold-start", cs.max_steps, cs.max_steps, loss=final_loss, dev_acc=dev_acc[-1] if dev_acc else 0.0)
+    # the bar ends where SFT stopped (the dev target can end it long before max_steps)
+    tell("cold-start", steps_run, steps_run, loss=final_loss, dev_acc=dev_acc[-1] if dev_acc else 0.0)
     sft_s = time.time() - t_sft
     tell("save", 0, 1)
     out = ws.path(rec.model.path)

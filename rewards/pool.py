@@ -73,6 +73,9 @@ _WORKER_GRADER = None
 
 def _worker_init(name: str, params: dict) -> None:
     global _WORKER_GRADER
+    # Ctrl-C reaches the whole process group: the parent stops and closes the pool; a worker's own
+    # KeyboardInterrupt would only print a traceback per worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_GRADER = load_grader(name, params)
 
 

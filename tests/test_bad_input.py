@@ -175,6 +175,26 @@ def an_intact_checkpoint_before_a_truncated_one(ws: Path):
     truncated_shard(ws)
 
 
+def finished(ws: Path):
+    """The template run ended as "finished" at the steps its recipe asked for."""
+    from minirl import recipe
+
+    steps = recipe.load(ws / RUN / "recipe.toml").train.steps
+    write(f"{RUN}/summary.json", json.dumps({"status": "finished", "steps": steps}))(ws)
+
+
+def mixed_folder(ws: Path):
+    """A folder of benchmark files whose fields differ (as ../shared/data/benchmarks is)."""
+    write("mixed/a.jsonl", rows([{"problem": "1+1", "answer": "2"}]))(ws)
+    write("mixed/b.jsonl", rows([{"question": "1+2", "answer": "3"}]))(ws)
+
+
+def an_export_folder(ws: Path):
+    write("out/README.md", "# a model\n")(ws)
+    write("out/config.json", "{}")(ws)
+    hub_down(ws)
+
+
 def a_file_where_the_workspace_goes(ws: Path):
     (ws.parent / "afile").write_text("not a folder")
 
@@ -202,6 +222,11 @@ CASES = [
     ("init-task-unknown", ["init", "{new}", "--set", "cold_start.task=sudoku"], None, "cold_start.task"),
     ("init-top-k-all", ["init", "{new}", "--task", "scratchpad-long", "--set", "cold_start.top_k=16"], None,
      "cold_start.top_k (16) must be below cold_start.experts (16)"),
+    ("init-another-task", ["init", "{ws}", "--task", "scratchpad"], None, "is a workspace already, with "),
+    ("init-another-model", ["init", "{ws}", "--model", "Qwen3-8B"], None,
+     "is a workspace already, with model.id = 'tiny-qwen3-moe'; this init asks for 'Qwen3-8B'"),
+    ("init-another-value", ["init", "{ws}", "--set", "train.lr=0.001"], None,
+     "is a workspace already, with train.lr = 0.0003; this init asks for 0.001. `--force` rebuilds it"),
     ("lab-dose-seeds", ["lab", "is", "{new}", "--dose-seeds", "-1"], None, "--dose-seeds -1: 0 or more"),
     ("lab-confirm-grid", ["lab", "{new}", "--confirm"], None, "--confirm confirms a study"),
     ("lab-confirm-seeds", ["lab", "is", "{new}", "--confirm", "--seeds", "7"], None,
@@ -282,6 +307,14 @@ CASES = [
     ("eval-answer-null", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart", "--data", "{ws}/aime.jsonl"],
      write("aime.jsonl", rows([{"problem": "1+1", "answer": "2"}, {"problem": "1+2", "answer": None}])),
      "grader 'math' needs 'answer' in each record; row 2 of"),
+    ("wandb-without-login", ["run", "{ws}", "--set", "metrics.wandb=true"],
+     env(WANDB_API_KEY="", WANDB_MODE="", WANDB_IDENTITY_TOKEN_FILE="", NETRC="/nonexistent", WANDB_CONFIG_DIR="/nonexistent"),
+     "metrics.wandb = true, and there is no W&B login here"),
+    ("dry-run-replay-on-dense", ["run", "{new}", "--model", "Qwen3-8B", "--replay", "r3", "--dry-run"], None,
+     "train.replay = 'r3' replays MoE routes, and Qwen3-8B is a dense model; use off"),
+    ("model-offline-not-cached", ["run", "{ws}", "--model", "someone/not-cached-here"], env(HF_HUB_OFFLINE="1"),
+     "model 'someone/not-cached-here' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: pass a local "
+     "HF model folder, or unset HF_HUB_OFFLINE to download it"),
     # --- the recipe file itself --------------------------------------------------------------------
     ("toml-syntax", ["run", "{ws}"], write("minirl.toml", "[train\nsteps = 1\n"), "malformed recipe"),
     ("toml-top-level-key", ["run", "{ws}"], write("minirl.toml", "steps = 1\n"), "must be a [section]"),
@@ -325,6 +358,7 @@ CASES = [
     ("resume-no-such-run", ["run", "{ws}", "--resume", "20991231-000000"], None, "not a run of"),
     ("resume-named-run-damaged", ["run", "{ws}", "--resume", RUN.split("/")[1]], delete(f"{CKPT}/.metadata"),
      "DCP metadata missing"),
+    ("resume-finished", ["run", "{ws}", "--resume"], finished, "has finished (300 of 300 steps): nothing to resume"),
     ("resume-live-writer", ["run", "{ws}", "--resume"], live_writer(RUN), "is being written by pid"),
     ("resume-auto-live-writer", ["run", "{ws}", "--resume", "auto"], live_writer(RUN), "is being written by pid"),
     # --- a damaged checkpoint, read by export, eval and doctor -------------------------------------
@@ -351,6 +385,10 @@ CASES = [
     ("eval-negative-T", ["eval", "-w", "{ws}", "--temperature", "-1"], None, "eval.temperature = -1.0"),
     ("eval-garbage-data", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart", "--data", "{ws}/garbage.jsonl"],
      write("garbage.jsonl", b"\x00\xff" * 1000), "cannot load dataset"),
+    ("eval-data-mixed-folder", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart", "--data", "{ws}/mixed"],
+     mixed_folder, "holds files with different fields (a.jsonl: answer, problem; b.jsonl: answer, question)"),
+    ("push-hub-unreachable", ["push", "{ws}/out", "--repo", "someone/model"], an_export_folder,
+     "the Hugging Face Hub (https://huggingface.co) cannot be reached; push from a machine with network"),
     ("eval-hub-unreachable", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart"], hub_down,
      "the Hugging Face Hub (https://huggingface.co) cannot be reached; pass a local copy with --data PATH"),
     ("eval-offline-not-cached", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart"], env(HF_HUB_OFFLINE="1"),

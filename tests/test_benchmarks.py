@@ -34,6 +34,24 @@ def test_unknown_benchmark_and_missing_file():
         benchmarks.load_records(benchmarks.get("aime25"), data=BENCH / "nope.jsonl")
 
 
+def test_data_is_filed_under_the_benchmark_it_is_and_scored_whole_unless_cut():
+    """`eval aime25 --data gsm8k.jsonl` is not aime25 (1,319 problems, not 30): filed under the
+    file's own name. A named benchmark is scored whole (the recipe's eval.max_problems cuts the
+    held-out split only); --max-problems cuts, and the count it was cut from is kept."""
+    from minirl.evaluate import bench_records
+
+    rec = Recipe()
+    rec.eval.max_problems = 500
+    got = bench_records("aime25", rec, data=BENCH / "gsm8k.jsonl")
+    assert (got.name, len(got.records), got.total) == ("gsm8k.jsonl", 1319, 1319)
+    got = bench_records("gsm8k", rec, data=BENCH / "gsm8k.jsonl")
+    assert (got.name, len(got.records), got.total) == ("gsm8k", 1319, 1319)  # whole, though max_problems is 500
+    got = bench_records("gsm8k", rec, data=BENCH / "gsm8k.jsonl", max_problems=100)
+    assert (got.name, len(got.records), got.total) == ("gsm8k", 100, 1319)
+    got = bench_records("aime25", rec, data=BENCH)  # a folder of benchmark files: its aime25.jsonl
+    assert (got.name, len(got.records)) == ("aime25", 30)
+
+
 def test_summarize_by_hand():
     s = summarize([[True, False, True], [False, False, False], [False, True, False]],
                   [["4", "5", "4"], ["1", "1", None], ["7", "8", "7"]])

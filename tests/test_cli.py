@@ -73,7 +73,8 @@ def test_malformed_recipe(bare_ws):
         (["run", "{ws}", "--replay", "r5"], "Invalid value for '--replay'"),
         (["run", "{ws}", "--set", "train.replay=r4"], "train.replay = 'r4'; choose one of off, r2, r3"),
         (["run", "{ws}", "--set", "model.path=nowhere"], "model folder"),
-        (["run", "{ws}", "--model", "Qwen3-30B-A3B"], "cannot fetch model 'Qwen/Qwen3-30B-A3B-Base' from the Hub"),
+        (["run", "{ws}", "--model", "Qwen3-30B-A3B"], "model 'Qwen/Qwen3-30B-A3B-Base' is not in the local Hugging Face "
+                                                  "cache and HF_HUB_OFFLINE is set"),
         (["run", "{ws}", "--model", "gpt-5"], "model.id = 'gpt-5' is neither a short name (tiny-qwen3-moe, Qwen3-0.6B"),
         (["run", "{ws}", "--model", "/nonexistent/folder"], "model folder /nonexistent/folder not found"),
         (["eval", "aime99", "-w", "{ws}", "--checkpoint", "coldstart"], "unknown benchmark 'aime99'"),

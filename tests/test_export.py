@@ -89,6 +89,8 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     assert r.returncode == 0, r.stderr[-3000:]
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()  # sharded, with an index
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert len(set(modes.values())) == 1, modes  # the weights as readable as the folder's other files
 
     trainer = Trainer(TINY, lr=0.0)
     trainer.load(run_dir / "checkpoints" / "step_000003", with_optim=False)

@@ -44,3 +44,18 @@ def test_a_raising_grader_scores_zero_with_the_reason():
 
     s = call_with_limit(broken, {}, "x", timeout_s=1.0)
     assert s == Score(0.0, {"error": "KeyError: 'answer'"})
+
+
+def test_grading_workers_leave_ctrl_c_to_the_parent():
+    """Ctrl-C reaches the whole process group; the parent closes the pool, and a worker ignores
+    it rather than print a KeyboardInterrupt traceback of its own (`minirl eval humaneval`)."""
+    import signal
+
+    from rewards.pool import _worker_init
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        _worker_init("exact", {})
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -86,3 +86,17 @@ def test_the_hub_is_probed_once_per_process(monkeypatch):
         assert len(calls) == 1 and calls[0][1] <= 3.0
     finally:
         hub.reachable.cache_clear()
+
+
+def test_an_upload_is_never_told_to_go_offline(monkeypatch):
+    """A cache can answer a download, never a push: the push's line names no offline variable."""
+    from minirl import hub
+    from minirl.errors import UsageError
+
+    monkeypatch.setattr(hub, "reachable", lambda: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(UsageError) as down:
+        hub.need_hub("push to me/model", instead="push from a machine with network", cache_helps=False)
+    assert str(down.value).endswith("cannot be reached; push from a machine with network")
+    with pytest.raises(UsageError, match="set HF_HUB_OFFLINE=1$"):
+        hub.need_hub("model 'a/b'", instead="pass a local HF model folder")

@@ -95,6 +95,10 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     rec = recipe.load(tmp_path / "moe" / "minirl.toml", [])
     assert (rec.model.id, rec.model.path, rec.parallel.ep, rec.rollout.precision) == ("Qwen3-30B-A3B", "", 8, "fp8")
     assert (rec.reward.grader, rec.data.chat_template, rec.data.prompt_field) == ("math", True, "problem")
+    # the recipe does not depend on the machine that made it: this one has no GPU, and the cluster
+    # values stay (what a CPU cannot do is refused where a run starts, recipe.validate)
+    shipped = recipe.load(recipe.for_model("Qwen3-30B-A3B"))
+    assert (rec.rollout.sleep_level, rec.rollout.kv_cache_gib) == (shipped.rollout.sleep_level, shipped.rollout.kv_cache_gib)
     assert not (tmp_path / "moe" / "model").exists() or not any((tmp_path / "moe" / "model").iterdir())
 
     folder = make_folder("dense", tmp_path / "dense", tiny_dir)
@@ -102,13 +106,19 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     rec = recipe.load(tmp_path / "dense-ws" / "minirl.toml", [])
     assert (rec.model.id, rec.train.replay, rec.parallel.ep, rec.train.steps) == (str(folder), "off", 1, 7)
-    # this test tokenizer has no chat template: the run says so before any engine starts (lengths
-    # that fit the test model's 64-token context, or that is what it says first)
-    r = minirl("run", str(tmp_path / "dense-ws"), "--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8")
+    # the recipe kept its GPU sleep level; a run on this CPU refuses it where it starts, in one line
+    fits = ["--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8"]  # the test model's 64 tokens
+    r = minirl("run", str(tmp_path / "dense-ws"), *fits)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "minirl: error: rollout.sleep_level = 2: vLLM's CPU backend has no sleep mode; set rollout.sleep_level = 0 "
+        "on a machine without a GPU"]
+    # this test tokenizer has no chat template: the run says so before any engine starts
+    r = minirl("run", str(tmp_path / "dense-ws"), *fits, "--set", "rollout.sleep_level=0")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"minirl: error: data.chat_template = true, and the tokenizer of {folder} has no chat template; "
         "set data.chat_template = false to send the prompt as plain text"]
 
     r = minirl("init", str(tmp_path / "nohub"), "--model", "someone/not-cached-here")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "cannot fetch model 'someone/not-cached-here'" in r.stderr and not (tmp_path / "nohub").exists()
+    assert "model 'someone/not-cached-here' is not in the local Hugging Face cache" in r.stderr
+    assert not (tmp_path / "nohub").exists()

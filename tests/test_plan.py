@@ -191,3 +191,33 @@ def test_the_slurm_example_launches_what_the_plan_says():
         assert flag in plan_line and flag in text, flag
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "#SBATCH --requeue" in text
     assert "#SBATCH --nodes=2" in text and "--nproc-per-node 8" in text
+
+
+def test_a_dry_run_plans_what_init_and_run_would_run(tmp_path):
+    """`run --model Qwen3-8B --dry-run` with no workspace plans the recipe `init --model Qwen3-8B`
+    writes (recipes/qwen3.toml, suited to a dense model), says which Hub repo the short name is,
+    and the same plan comes from the workspace init makes, on this machine without a GPU too."""
+    from minirl import recipe
+
+    env = {"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+
+    def minirl(*args):
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    alone = minirl("run", "--model", "Qwen3-8B", "--dry-run", "--gpus-per-node", "8")
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert "Qwen3-8B is Qwen/Qwen3-8B-Base on the Hub (its pretrained base model" in alone.stdout
+    assert f"recipe: {ROOT / 'recipes' / 'qwen3.toml'}" in alone.stdout
+    assert minirl("init", "ws", "--model", "Qwen3-8B").returncode == 0
+    written = recipe.load(tmp_path / "ws" / "minirl.toml")
+    assert (written.train.replay, written.rollout.sleep_level) == ("off", recipe.load(recipe.shipped("qwen3")).rollout.sleep_level)
+    toml = alone.stdout.split("would hold)\n", 1)[1].split("\nplan for ", 1)[0]
+    (tmp_path / "planned.toml").write_text(toml)
+    planned = recipe.load(tmp_path / "planned.toml")
+    planned.parallel.gpus_per_node = written.parallel.gpus_per_node  # the flag, not the recipe
+    assert planned == written  # what init wrote is what was planned
+    within = minirl("run", "ws", "--dry-run", "--gpus-per-node", "8")
+    assert within.returncode == 0, within.stderr[-2000:]
+    assert within.stdout.split("\nplan for ", 1)[1].split("launch:")[0] == alone.stdout.split("\nplan for ", 1)[1].split("launch:")[0].replace(
+        f"recipe: {ROOT / 'recipes' / 'qwen3.toml'}", "recipe: ws/minirl.toml")

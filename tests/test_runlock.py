@@ -84,7 +84,7 @@ def test_a_resume_during_a_live_run_is_refused_while_readers_work(tiny_dir, tmp_
     """`minirl run` writes; `run --resume` meanwhile exits 2 in one line and changes nothing, while
     `status` and `export` work; the first run then finishes with one row per step. (A SIGKILLed
     writer's lock is no obstacle: the test above, and every resume of test_faults' SIGKILLs.)"""
-    from test_faults import wait_for_rows
+    from test_faults import wait_until
 
     from tests.conftest import data_workspace
 
@@ -96,7 +96,8 @@ def test_a_resume_during_a_live_run_is_refused_while_readers_work(tiny_dir, tmp_
     first = subprocess.Popen([*cmd, "--steps", "4"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, env=env)
     runs = ws / "runs"
-    wait_for_rows(lambda: next(runs.iterdir(), None) if runs.exists() else None, 1, first)
+    # a trained checkpoint to export ("latest" is never the step-0 cold start): step 1's, complete
+    wait_until(lambda: any(runs.glob("*/checkpoints/step_000001/minirl.json")) if runs.exists() else False, first)
     first.send_signal(signal.SIGSTOP)  # alive and mid-run for as long as the checks below take
     try:
         run_dir = next(runs.iterdir())
