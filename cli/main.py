@@ -34,6 +34,11 @@ def _prepare_env(verbose: bool) -> None:
     # vLLM shrinks torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; the trainer
     # shares the process, so give it every core.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    # an OpenMP thread that waits at a barrier spins 300,000 rounds (libgomp's default) before it
+    # sleeps: beside another busy process the spinning takes the core its own peer needs, and each
+    # of a step's thousands of small parallel regions waits a scheduler slice (one busy process
+    # made the RL loop 3.3x slower here). 1,000 rounds keep the quiet speed (tests/bench/busy.py).
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")

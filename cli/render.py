@@ -19,7 +19,7 @@ LIVE_KEYS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("rollout/acc", "acc", "{:.3f}"),
     ("train/entropy", "entropy", "{:.3f}"),
-    ("train/kl_mu_pi_old", "KL(μ‖π_old)", "{:.2e}"),
+    ("train/kl_mu_pi_old", "KL(μ‖π_old) k1", "{:.2e}"),  # the paper's estimator: can read below 0 (doctor: k3)
     ("loss/is_weight_mean", "IS mean", "{:.3f}"),
     ("loss/is_weight_max", "IS max", "{:.2f}"),
     ("loss/clip_frac", "clip", "{:.3f}"),

@@ -58,7 +58,8 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
         report = doc.diagnose(ws, rec, folder, seeds=seeds, progress=lambda what: status.update(f"doctor: {what}"))
     f = report["figures"]
     pm = lambda k: f"{f[k]['mean']:.2e} ± {f[k]['spread']:.1e}"  # noqa: E731
-    table = Table(title=f"KL(μ‖π) and its sources ({report['batch']}, {seeds} seed(s), checkpoint {folder})")
+    table = Table(title=f"KL(μ‖π), k3 estimator (never below 0; runs log k1), and its sources ({report['batch']}, "
+                        f"{seeds} seed(s), checkpoint {folder})")
     table.add_column("source")
     table.add_column("what is compared")
     table.add_column("KL", justify="right")

@@ -108,9 +108,11 @@ def _alive(pid: int) -> bool:
 
 
 def _rate(rows: list[dict]) -> float | None:
-    """Steps per second over the newest rows of one process (elapsed time only grows within one)."""
+    """Steps per second over the newest rows of one process (elapsed time only grows within one):
+    up to 100 of them, so a checkpoint or held-out evaluation among them moves the rate, and the ETA
+    from it, by a little rather than several-fold."""
     tail = []
-    for r in reversed(rows[-20:]):
+    for r in reversed(rows[-100:]):
         e = r.get("timing/elapsed_s")
         if not isinstance(e, (int, float)) or (tail and e >= tail[-1][1]):
             break

@@ -106,14 +106,11 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     rec = recipe.load(tmp_path / "dense-ws" / "minirl.toml", [])
     assert (rec.model.id, rec.train.replay, rec.parallel.ep, rec.train.steps) == (str(folder), "off", 1, 7)
-    # the recipe kept its GPU sleep level; a run on this CPU refuses it where it starts, in one line
-    fits = ["--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8"]  # the test model's 64 tokens
+    # this test tokenizer has no chat template: the run says so before any engine starts (with the
+    # test model's 64-token context, and sleep mode off: the recipe keeps its GPU sleep level, which
+    # a run on this CPU refuses where it starts: the bad-input table's sleep-on-cpu row)
+    fits = ["--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8", "--set", "rollout.sleep_level=0"]
     r = minirl("run", str(tmp_path / "dense-ws"), *fits)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "minirl: error: rollout.sleep_level = 2: vLLM's CPU backend has no sleep mode; set rollout.sleep_level = 0 "
-        "on a machine without a GPU"]
-    # this test tokenizer has no chat template: the run says so before any engine starts
-    r = minirl("run", str(tmp_path / "dense-ws"), *fits, "--set", "rollout.sleep_level=0")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"minirl: error: data.chat_template = true, and the tokenizer of {folder} has no chat template; "
         "set data.chat_template = false to send the prompt as plain text"]
