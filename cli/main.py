@@ -37,7 +37,8 @@ def _prepare_env(verbose: bool) -> None:
     # an OpenMP thread that waits at a barrier spins 300,000 rounds (libgomp's default) before it
     # sleeps: beside another busy process the spinning takes the core its own peer needs, and each
     # of a step's thousands of small parallel regions waits a scheduler slice (one busy process
-    # made the RL loop 3.3x slower here). 1,000 rounds keep the quiet speed (tests/bench/busy.py).
+    # made the RL loop several times slower: docs/results/speed.md). 1,000 rounds keep the quiet
+    # speed (tests/bench/busy.py).
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")

@@ -253,7 +253,8 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
         raise UsageError(f"parallel.ep = {p.ep}: expert parallel needs a MoE model; this one is dense")
     if p.ep > 1 and (world_size % p.ep or shape.num_experts % p.ep):
         raise UsageError(f"parallel.ep = {p.ep} must divide the job's {world_size} rank(s) and the model's "
-                         f"{shape.num_experts} experts (launch with torchrun --nproc-per-node N)")
+                         f"{shape.num_experts} experts (launch with torchrun --nproc-per-node N, or --set "
+                         f"parallel.ep=1; a checkpoint resumes on any number of ranks)")
     tp = rec.rollout.tensor_parallel
     if world_size % tp or (world_size == 1 and tp > 1):
         where = ("one process runs a single-GPU engine; launch with torchrun --nproc-per-node "

@@ -136,10 +136,16 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
     for k, v in load_hf_weights(ckpt / "hf").items():
         assert torch.equal(out[k], v), k
 
+    # the run's recipe says ep = 2; one process resumes it when told so, and the run records it
     r = subprocess.run([sys.executable, "-m", "cli.main", *args, "--steps", "4", "--resume"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 2 and "--set parallel.ep=1" in r.stderr, r.stderr[-4000:]
+    r = subprocess.run([sys.executable, "-m", "cli.main", *args, "--set", "parallel.ep=1", "--steps", "4", "--resume"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "resumed at step 3" in r.stdout
+    changes = [json.loads(x) for x in (run_dir / "recipe_changes.jsonl").read_text().splitlines()]
+    assert changes[-1]["from_step"] == 3 and changes[-1]["changes"]["parallel.ep"] == [2, 1]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
     assert 0 < rows[-1]["sync/parity_abs_dlogp"] < 5e-2
