@@ -25,11 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which turns -n N into --dist load
 def pytest_configure(config):
     """pytest-xdist first hands each worker a consecutive quarter of its share, which would give one
-    worker every slow test (sorted first, below); one test at a time, each worker takes the next."""
+    worker every slow test (sorted first, below); one test at a time, each worker takes the next.
+    A module whose fixture builds a run for several tests marks them `xdist_group`: they go to one
+    worker (--dist loadgroup, in the order sorted below), so the run is built once, not on both."""
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,24 +58,30 @@ def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    """HF folder of a randomly initialised tiny model (weights ~N(0, 0.1) so outputs are non-trivial)."""
+def random_hf_folder(root: Path, shape, *, std: float, dtype=None) -> Path:
+    """root/hf: an HF folder of `shape` with random weights (matrices ~N(0, std)) and minirl's
+    character tokenizer; `dtype` as saved (default fp32)."""
     import torch
 
     from minirl.hf_io import save_hf_folder
-    from minirl.models import TINY
     from minirl.tokenizer import build_tokenizer
     from minirl.train import Trainer
 
-    root = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(root / "tok", TINY.vocab_size, TINY.max_seq_len)
-    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tok = build_tokenizer(root / "tok", shape.vocab_size, shape.max_seq_len)
+    tr = Trainer(shape, lr=1e-3, seed=0)
     with torch.no_grad():
-        for name, p in tr.model.named_parameters():
+        for _, p in tr.model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.1)
-    return save_hf_folder(root / "hf", TINY, tr.model.state_dict(), tokenizer_dir=tok)
+                p.normal_(0.0, std)
+    return save_hf_folder(root / "hf", shape, tr.model.state_dict(), tokenizer_dir=tok, dtype=dtype or torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """HF folder of a randomly initialised tiny model (weights ~N(0, 0.1) so outputs are non-trivial)."""
+    from minirl.models import TINY
+
+    return random_hf_folder(tmp_path_factory.mktemp("tiny"), TINY, std=0.1)
 
 
 @pytest.fixture(scope="session")

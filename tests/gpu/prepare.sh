@@ -4,8 +4,25 @@
 # transformers): TorchTitan, torchao and their pure-Python needs as py3.12 x86-64 wheels, at the
 # versions of .ci/constraints-cpu.txt (what CI tested), and the torch 2.11 stand-in from
 # ../shared/tools/gpu. Run it here (it needs a package registry), then carry .gpu to the device.
+#   bash tests/gpu/prepare.sh                  the trainer's kit (.gpu/*.whl + the stand-in)
+#   bash tests/gpu/prepare.sh --vllm           and vLLM in pieces (.gpu/vllm/): prepare-vllm.sh
+#   bash tests/gpu/prepare.sh --vllm --dry     vLLM's pieces from stand-in wheels, no registry (CI)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+vllm=0
+dry=0
+for a in "$@"; do
+  case "$a" in
+    --vllm) vllm=1 ;;
+    --dry) dry=1 ;;
+    *) echo "usage: bash tests/gpu/prepare.sh [--vllm [--dry]]" >&2; exit 2 ;;
+  esac
+done
+if [ $vllm = 1 ]; then
+  if [ $dry = 1 ]; then exec bash tests/gpu/prepare-vllm.sh --dry; fi
+  bash tests/gpu/prepare-vllm.sh
+fi
+[ $dry = 0 ] || { echo "prepare: --dry goes with --vllm" >&2; exit 2; }
 kit=.gpu
 shim=${MINIRL_GPU_SHIM:-../shared/tools/gpu/torch211_shim.py}
 wheels=(torchtitan torchao spmd_types torch_checkpointing tyro docstring_parser typeguard torchdata)

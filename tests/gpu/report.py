@@ -1,7 +1,8 @@
 """The GPU check's report: outcomes.jsonl and figures.jsonl (conftest.py, kit.record) and
 bench.json (bench.py) in DIR become DIR/report.json and DIR/report.md.
 
-    python tests/gpu/report.py DIR
+    python tests/gpu/report.py DIR              the trainer's half (its bench is part of it)
+    python tests/gpu/report.py DIR --no-bench   the rollout half (run-on-device.sh --vllm), no bench
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def main(folder: Path) -> int:
+def main(folder: Path, *, bench_expected: bool = True) -> int:
     root = Path(__file__).resolve().parents[2]
     commit = os.environ.get("MINIRL_GPU_COMMIT", "")  # a copied checkout's git may not be the one run
     try:
@@ -41,8 +42,11 @@ def main(folder: Path) -> int:
               "bench": bench}
     (folder / "report.json").write_text(json.dumps(report, indent=2, default=str))
 
-    machine = (bench or {}).get("machine", {})
-    md = [f"# GPU check, commit {report['commit']}", "",
+    machine = (bench or {}).get("machine") or next((f for f in figures if f["name"] == "machine"), {})
+    machine = {k: v for k, v in machine.items() if k != "name"}
+    image = folder / "image.json"  # the first piece's check of the image (run-on-device.sh --piece 1)
+    half = "trainer" if bench_expected else "rollout (vLLM)"
+    md = [f"# GPU check, {half} half, commit {report['commit']}", "",
           "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), "",
           "tests: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), "",
           "| test | outcome | s | why |", "|---|---|---|---|"]
@@ -64,10 +68,16 @@ def main(folder: Path) -> int:
         for mode, ks in bench.get("top_kernels", {}).items():
             md += ["", f"Top kernels, one-gpu {mode} step:", "", "| ms | share | calls | kernel |", "|---|---|---|---|"]
             md += [f"| {k['ms']:.2f} | {k['share']:.1%} | {k['calls']} | `{k['name']}` |" for k in ks]
+    if image.exists():
+        rows = json.loads(image.read_text())["requirements"]
+        md += ["", "## The image against vLLM's requirements", ""]
+        for state in ("other version", "missing"):
+            md.append(f"- {state}: " + (", ".join(f"{r['requirement']} (image {r['image']})" if r["image"] else
+                                                  r["requirement"] for r in rows if r["state"] == state) or "none"))
     (folder / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    return 1 if counts.get("failed") or bench is None else 0
+    return 1 if counts.get("failed") or (bench is None and bench_expected) or not outcomes else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), bench_expected="--no-bench" not in sys.argv[2:]))
