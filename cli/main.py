@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import DEFAULT_WORKSPACE, workspace_argument
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
@@ -77,7 +78,7 @@ def cli(verbose: bool) -> None:
 
 
 @cli.command()
-@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
+@workspace_argument
 @click.option("--model", "model_id", default=None,
               help="A Qwen3 / Qwen3-MoE to train instead of the embedded default: a short name (Qwen3-8B, "
                    "Qwen3-30B-A3B, ...), a Hugging Face repo id or a local HF folder. The workspace gets a math RL "
@@ -152,7 +153,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 
 
 @cli.command()
-@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
+@workspace_argument
 @click.option("--model", "model_id", default=None,
               help="Model to train (sets model.id and clears model.path): a short name (Qwen3-30B-A3B, Qwen3-8B, ...), "
                    "a Hugging Face repo id, or a local HF folder of a Qwen3 / Qwen3-MoE. The architecture comes from "
@@ -254,8 +255,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
 
 @cli.command("eval")
 @click.argument("bench", default="heldout")
-@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose recipe, data and runs to use (optional with an HF folder or model id).")
+@workspace_argument
 @click.option("--checkpoint", default="latest", show_default=True,
               help="'latest' (newest run checkpoint), 'coldstart', a run checkpoint folder, an exported HF folder, "
                    "or an HF model id.")
@@ -282,6 +282,8 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if (Path(bench) / RECIPE_NAME).is_file() and workspace == DEFAULT_WORKSPACE:  # `minirl eval demo`, as `run demo`
+        bench, workspace = "heldout", Path(bench)
     get_bench(bench)  # an unknown name fails before anything loads
     ws = Workspace.open(workspace) if (workspace / RECIPE_NAME).exists() else None
     if ws is None and checkpoint in ("latest", "coldstart"):
@@ -325,7 +327,7 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
 
 
 @cli.command()
-@click.argument("workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws")
+@workspace_argument
 @click.option("--run", "run_name", default=None, help="A run folder's name under WORKSPACE/runs [default: the newest].")
 @click.option("--follow", is_flag=True, help="Refresh every 2 s while the run goes on.")
 @click.option("--plot", "plot_png", type=click.Path(dir_okay=False, path_type=Path), default=None, is_flag=False,

@@ -14,7 +14,7 @@ from minirl.errors import UsageError
 
 
 @click.command("export")
-@click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[RUN_OR_CHECKPOINT] OUT")
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[WORKSPACE_RUN_OR_CHECKPOINT] OUT")
 @click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
               show_default=True, help="Workspace whose latest run to export when no run or checkpoint is given.")
 @click.option("--best", is_flag=True, help="The good checkpoint (never one a rollback undid) with the best held-out "
@@ -24,8 +24,8 @@ from minirl.errors import UsageError
 def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int | None, max_shard_size: str) -> None:
     """Export a run's checkpoint as a Hugging Face model folder OUT with a model card.
 
-    RUN_OR_CHECKPOINT: a run folder (runs/<id>) or one of its checkpoints; default: the workspace's
-    latest run. The checkpoint: the run's newest (default), --step N, or --best. OUT gets
+    WORKSPACE_RUN_OR_CHECKPOINT: a run folder (runs/<id>), one of its checkpoints, or a workspace
+    (its latest run); default: the -w workspace's latest run. The checkpoint: the run's newest (default), --step N, or --best. OUT gets
     safetensors (sharded with an index above --max-shard-size), config, generation config,
     tokenizer, README.md (model card with the recipe, the run's figures and how to load it) and
     training_curves.png.
@@ -34,7 +34,8 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
 
 
     if len(paths) not in (1, 2):
-        raise UsageError("minirl export [RUN_OR_CHECKPOINT] OUT: give the output folder (and optionally the run)")
+        raise UsageError("minirl export [WORKSPACE_RUN_OR_CHECKPOINT] OUT: give the output folder (and optionally "
+                         "the workspace, run or checkpoint)")
     out = paths[-1]
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; choose another one")
@@ -67,8 +68,8 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
              workspace: Path, best: bool, step: int | None) -> None:
     """Push an exported model folder to the Hugging Face Hub as one commit.
 
-    FOLDER_OR_RUN: a folder `minirl export` wrote, or a run / checkpoint (exported first); default:
-    the workspace's latest run. The token comes from HF_TOKEN or a saved login (`hf auth login`)
+    FOLDER_OR_RUN: a folder `minirl export` wrote, or a run / checkpoint / workspace (exported
+    first); default: the -w workspace's latest run. The token comes from HF_TOKEN or a saved login (`hf auth login`)
     and is never printed or written. A branch that already holds files is refused without --force.
     """
     import json

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import workspace_argument
 from cli.render import SET_HELP, console
 from minirl import atomic
 from minirl import recipe as recipe_mod
@@ -20,8 +21,7 @@ from minirl.workspace import Workspace, init_workspace
 
 
 @click.command()
-@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose recipe and data to use.")
+@workspace_argument
 @click.option("--checkpoint", default="latest", show_default=True,
               help="'latest' (newest run checkpoint, else the cold start), 'coldstart', a run checkpoint or an HF folder.")
 @click.option("--seeds", type=int, default=3, show_default=True, help="Fixed batches to draw (figures: mean ± spread).")

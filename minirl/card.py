@@ -223,7 +223,7 @@ def known_score(run_dir: Path, ckpt: Checkpoint, metric: str) -> tuple[float, st
     if cached.exists():
         got = json.loads(cached.read_text())
         if metric in got:
-            return float(got[metric]), f"{cached.name} (measured by an earlier export)"
+            return float(got[metric]), f"{cached.name} ({got.get('measured_by', 'measured by an earlier export')})"
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())

@@ -242,9 +242,14 @@ def advice(f: dict, *, moe: bool, rec) -> list[str]:
                        f"here ({m('kl/run_no_replay'):.2e} → {m('kl/run_r3'):.2e}).")
         s8 = {mode: m(f"staleness/{mode}/8") for mode in ("off", "r2", "r3")}
         best = min(s8, key=s8.get)
+        # R2 replays π_θold's own routes, so it holds staleness lowest by construction; R3 replays
+        # the rollout's, which is what also removes the mismatch above: the two lines answer two questions
+        why = {"r2": " (R2 replays π_θold's own routes; R3, which also removes the rollout mismatch above, "
+                     f"stays {s8['r3'] / max(s8['off'], 1e-30):.0%} of no replay)",
+               "r3": "", "off": ""}[best]
         out.append(f"staleness after 8 mini-batch updates: KL(π_θ‖π_θold) {s8['off']:.2e} without replay, "
                    f"{s8['r2']:.2e} with R2, {s8['r3']:.2e} with R3 (growing with N from "
-                   f"{m('staleness/off/1'):.2e} after 1); lowest: {best}.")
+                   f"{m('staleness/off/1'):.2e} after 1); lowest on staleness alone: {best.upper()}{why}.")
     else:
         out.append(f"staleness after 8 mini-batch updates: KL(π_θ‖π_θold) {m('staleness/off/8'):.2e} "
                    f"(after 1: {m('staleness/off/1'):.2e}); dense model: no routing to replay.")
@@ -267,12 +272,17 @@ def plot(report: dict, out_png: Path) -> Path:
 
     f = report["figures"]
     panels = 3 if report["moe"] else 2
-    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), constrained_layout=True)
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), constrained_layout=True,
+                             gridspec_kw={"width_ratios": [1.5] + [1] * (panels - 1)})
     names = ["fp32", "bf16", "fp8-weights", "fp8", "e5m2", "nvfp4", "weights_bf16", "weights_fp8"]
     labels = ["fp32", "bf16", "fp8\nweights", "fp8\nW8A8", "e5m2\nW8A8", "nvfp4\nW4A4", "bf16 w.\n(fp32 vLLM)",
               "fp8 w.\n(fp32 vLLM)"]
-    axes[0].bar(labels, [f[f"kl/{n}"]["mean"] for n in names], yerr=[f[f"kl/{n}"]["spread"] for n in names],
+    kl = [f[f"kl/{n}"]["mean"] for n in names]
+    bars = axes[0].bar(labels, [max(v, 1e-16) for v in kl], yerr=[f[f"kl/{n}"]["spread"] for n in names],
                 color=["tab:green", "tab:blue", "tab:red", "tab:cyan", "tab:pink", "tab:purple"])
+    axes[0].set_yscale("log")  # fp32 and bf16 sit orders of magnitude below fp8 and nvfp4
+    axes[0].tick_params(axis="x", labelsize=7)
+    axes[0].bar_label(bars, labels=[f"{v:.1e}" for v in kl], fontsize=6)
     axes[0].set_title("KL(μ‖π) by rollout precision", fontsize=10)
     for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
         ys = [f[f"staleness/{mode}/{n}"]["mean"] for n in STALENESS_UPDATES]
@@ -284,6 +294,7 @@ def plot(report: dict, out_png: Path) -> Path:
     if report["moe"]:
         d = [x["mean"] for x in f["routing/disagree_per_layer"]]
         axes[2].bar(range(len(d)), d)
+        axes[2].set_xticks(range(len(d)))  # whole layers, not fractional ticks
         axes[2].set_xlabel("MoE layer")
         axes[2].set_title(f"routes differing (vLLM {report['rollout_precision']} vs trainer)", fontsize=10)
     for ax in axes:

@@ -31,7 +31,7 @@ from minirl.hub import model_dir
 from minirl.metrics_file import metric_rows
 from minirl.plots import plot_metrics
 from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints, latest_trained, prepare_run
-from minirl.workspace import Workspace
+from minirl.workspace import RECIPE_NAME, Workspace
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
     run with a checkpoint; the run's checkpoint by `choose`."""
     if best and step is not None:
         raise UsageError("--best and --step choose the checkpoint two ways; give one")
+    if source is not None and (Path(source) / RECIPE_NAME).is_file():  # a workspace: its latest run
+        source, workspace = None, Path(source)
     if source is not None:
         run_dir, named = run_of(source)
     else:

@@ -171,7 +171,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     status = "finished"
     last_eval = (None, {})  # (step, held-out result) of the newest periodic eval (eval.every)
     t_rl = time.time()
-    timing = rl.state.timing
+    timing = rl.state.timing  # summed over the run's attempts (a checkpoint carries it)
+    before = dict(timing)  # what earlier attempts spent: the summary's phases are this attempt's, as its wall
     rl_clock = Stopwatch(timing)
     sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
                   resumed_at=rl.state.step if rl.state.step else None) if world.main else None
@@ -210,6 +211,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             if rl.state.step % rec.checkpoint.every == 0 and rl.state.step < rec.train.steps:
                 saving = Stopwatch(timing)
                 path = rl.save(f"step_{rl.state.step:06d}")
+                if last_eval[0] == rl.state.step:
+                    rl.record_heldout(path, last_eval[1])
                 rl.prune(rec.checkpoint.keep)
                 saving.lap("checkpoint")
                 on_event("checkpoint", {"path": str(path), "step": rl.state.step})
@@ -235,7 +238,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     if not world.main:
         return {"status": status}
     hf_dir = None if stopping else save_hf_folder(final / "hf", rl.shape, weights, tokenizer_dir=rl.model_dir)
-    phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s, **rl.state.timing}
+    phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s,
+              **{k: v - before.get(k, 0.0) for k, v in rl.state.timing.items()}}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
     sinks.close(summary)

@@ -267,16 +267,30 @@ class RLRun:
         return path
 
     def prune(self, keep: int) -> None:
-        """Keep the newest `keep` step checkpoints (0: all), and always the rollback target."""
+        """Keep the newest `keep` step checkpoints (0: all), always the rollback target, and the
+        good one with the best held-out score (`export --best`'s pick among those that have one)."""
         ckpts = complete_checkpoints(self.state.run_dir) if self.world.main else []
+        best = best_scored(ckpts, f"avg@{self.rec.eval.k}")
         for old in ckpts[:-keep] if keep > 0 else []:
-            if old != self.last_good:
+            if old not in (self.last_good, best):
                 atomic.remove_dir(old)
+
+    def record_heldout(self, path: Path, heldout: dict) -> None:
+        """The held-out result of the weights a checkpoint holds (the periodic eval of its step),
+        beside it: `prune` keeps the best good one and `export --best` reads it."""
+        if self.world.main and self.guard.healthy:
+            atomic.write_text(path / HELDOUT_FILE, json.dumps({
+                **{k: v for k, v in heldout.items() if "@" in k},
+                "measured_by": f"the run's held-out evaluation at step {self.state.step}"}))
 
     def rollback(self) -> None:
         """Back to the last good weights and optimizer state, at a lower learning rate. The data
         position and the sampling seeds keep moving, so the same collapse is not replayed."""
         self.rollouts.discard()  # nothing sampled from, or reading, the weights being undone
+        back_to = self.last_good.name
+        for undone in complete_checkpoints(self.state.run_dir) if self.world.main else []:
+            if undone.name > back_to:  # what the rollback undoes is no candidate for the best
+                (undone / HELDOUT_FILE).unlink(missing_ok=True)
         self.trainer.load(self.last_good)
         self.rolled_back_to.append(str(self.last_good))
         self.lr *= self.rec.guard.lr_factor
@@ -285,3 +299,21 @@ class RLRun:
 
     def close(self) -> None:
         self.rollouts.close()
+
+
+HELDOUT_FILE = "heldout.json"  # in a checkpoint folder: its held-out scores (the run's, or `export --best`'s)
+
+
+def best_scored(ckpts: list[Path], metric: str) -> Path | None:
+    """The good checkpoint (minirl.json's `good`) with the highest `metric` in its heldout.json,
+    the newest among equals; None if none has a score."""
+    scored = []
+    for path in ckpts:
+        try:
+            score = json.loads((path / HELDOUT_FILE).read_text()).get(metric)
+            good = json.loads((path / "minirl.json").read_text()).get("good", True)
+        except (OSError, ValueError):
+            continue
+        if score is not None and good:
+            scored.append((float(score), path.name, path))
+    return max(scored)[2] if scored else None

@@ -50,7 +50,7 @@ class RunStatus:
 
 
 def latest_run(ws_root: Path) -> Path:
-    runs = Workspace(Path(ws_root)).runs_newest_first()
+    runs = Workspace.open(Path(ws_root)).runs_newest_first()
     if not runs:
         raise UsageError(f"no runs in {ws_root}: start one with `minirl run {ws_root}`")
     return runs[0]

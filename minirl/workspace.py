@@ -58,7 +58,10 @@ class Workspace:
     def open(cls, root: Path) -> "Workspace":
         root = Path(root)
         if not (root / RECIPE_NAME).is_file():
-            raise UsageError(f"{root} is not a minirl workspace (no {RECIPE_NAME}); create one with `minirl init {root}`")
+            beside = sorted(p.parent.name for p in root.absolute().parent.glob(f"*/{RECIPE_NAME}"))
+            hint = f"; workspaces beside it: {', '.join(beside[:5])}{', ...' if len(beside) > 5 else ''}" if beside else ""
+            raise UsageError(f"{root} is not a minirl workspace (no {RECIPE_NAME}){hint}; create one with "
+                             f"`minirl init {root}`")
         return cls(root.resolve())
 
 

@@ -246,6 +246,10 @@ CASES = [
     # --- run: recipe values and --set forms -------------------------------------------------------
     ("G=1", ["run", "{ws}", "--set", "train.group_size=1"], None, "with one response per prompt every advantage is 0"),
     ("lr-nan", ["run", "{ws}", "--set", "train.lr=nan"], None, "train.lr = nan; it must be a finite number"),
+    # a run made on 2 ranks (its recipe says ep = 2) resumed in one process: the flag that does it
+    ("ep-past-the-ranks", ["run", "{ws}", "--set", "parallel.ep=2"], None,
+     "parallel.ep = 2 must divide the job's 1 rank(s) and the model's 8 experts (launch with torchrun "
+     "--nproc-per-node N, or --set parallel.ep=1"),
     ("lr-inf", ["run", "{ws}", "--set", "train.lr=inf"], None, "train.lr = inf; it must be a finite number"),
     ("lr-negative", ["run", "{ws}", "--set", "train.lr=-1e-4"], None, "train.lr = -0.0001; it must be > 0"),
     ("greedy-rollouts", ["run", "{ws}", "--set", "rollout.temperature=0"], None, "rollout.temperature = 0 (greedy)"),
@@ -376,6 +380,14 @@ CASES = [
      "its run's newest intact checkpoint is step_000001"),
     # --- eval ---------------------------------------------------------------------------------------
     ("eval-unknown-bench", ["eval", "aime99", "-w", "{ws}"], None, "unknown benchmark 'aime99'"),
+    # a workspace given as the positional argument or -w, to every command (`eval WS` as `run WS`)
+    ("eval-workspace-positional", ["eval", "{ws}", "--k", "0"], None, "eval.k = 0; it must be ≥ 1"),
+    ("eval-bench-and-workspace", ["eval", "aime99", "{ws}"], None, "unknown benchmark 'aime99'"),
+    ("status-two-workspaces", ["status", "{ws}", "-w", "{new}"], None, "two workspaces given"),
+    ("status-no-workspace", ["status", "{new}"], None, "workspaces beside it: ws;"),
+    ("run-w-workspace", ["run", "-w", "{ws}", "--set", "train.lr=nan"], None, "train.lr = nan; it must be a finite"),
+    ("doctor-workspace-positional", ["doctor", "{ws}", "--seeds", "0"], None, "--seeds"),
+    ("export-workspace-as-source", ["export", "{ws}", "{new}", "--step", "7"], None, "no checkpoint of step 7"),
     ("eval-no-checkpoint", ["eval", "-w", "{ws}", "--checkpoint", "/nonexistent/ckpt"], None, "checkpoint not found"),
     ("eval-damaged-json", ["eval", "-w", "{ws}", "--checkpoint", f"{{ws}}/{CKPT}"], truncate(f"{CKPT}/minirl.json", 0.3),
      "is not readable JSON"),

@@ -149,6 +149,8 @@ def test_init_run_interrupt_resume_eval(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {ckpt_steps[-1]}" in r.stdout
     assert [m["step"] for m in metrics(run2)] == list(range(1, logged[-1] + 2))  # redone steps replace, not repeat
+    ph = json.loads((run2 / "summary.json").read_text())["phases_s"]  # this leg's phases, not the run's totals
+    assert ph["loop"] <= ph["rl"] + 0.5 and metrics(run2)[-1]["timing/loop_s"] > ph["loop"]
     # and the steps redone after the crash are the ones it lost, sample for sample and update for update
     assert [same_step(m) for m in metrics(run2)[:len(before_kill)]] == [same_step(m) for m in before_kill]
     # a seeded run repeats exactly: its first steps are the first run's (whose held-out evals and

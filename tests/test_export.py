@@ -16,6 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("export")  # one worker builds the module's fixture (conftest.py)
 sys.path.insert(0, str(ROOT / "tests"))
 
 RUN_SETS = ["--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=1",
@@ -203,3 +204,23 @@ def test_the_cards_snippets_run_and_push_to_a_stand_in_hub(run_dir, tmp_path):
     for p in folder.rglob("*"):
         if p.is_file():
             assert WRITE.encode() not in p.read_bytes()
+
+
+def test_the_checkpoint_pruning_keeps_as_best_is_the_good_one_with_the_top_run_score(tmp_path):
+    """`checkpoint.keep` keeps the newest checkpoints, the rollback target, and the good one with
+    the best held-out score its run measured (what `export --best` would pick among them)."""
+    from minirl.loop import best_scored
+
+    def ckpt(step: int, score: float | None, good: bool = True) -> Path:
+        path = tmp_path / f"step_{step:06d}"
+        path.mkdir()
+        (path / "minirl.json").write_text(json.dumps({"step": step, "good": good}))
+        if score is not None:
+            (path / "heldout.json").write_text(json.dumps({"avg@4": score, "measured_by": "the run"}))
+        return path
+
+    ckpts = [ckpt(0, 0.3), ckpt(10, 0.7), ckpt(20, 0.9, good=False), ckpt(30, None), ckpt(40, 0.7), ckpt(50, 0.5)]
+    assert best_scored(ckpts, "avg@4") == ckpts[4]  # the unhealthy 0.9 is no candidate; the newer of two 0.7s
+    assert best_scored(ckpts, "avg@1") is None
+    (ckpts[4] / "heldout.json").write_text("{torn")
+    assert best_scored(ckpts, "avg@4") == ckpts[1]
