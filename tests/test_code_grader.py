@@ -170,7 +170,10 @@ def test_a_hostile_program_scores_zero_and_harms_nothing(name, item, verdicts, l
         response = response.replace(f"@{name}@", repr(str(path)))
     monkeypatch.setenv("HF_TOKEN", TOKEN)  # in the grader's environment, as on a user's machine
     before = _ours()
-    score = CodeGrader(timeout_s=4.0)(record, response)
+    # 4 s where the wall clock is what must end the program; elsewhere its limits end it long before
+    # 20 s, which leaves a loaded machine room (the memory bomb writes ~1 GiB: 1 s idle, past 4 s
+    # beside the rest of the suite)
+    score = CodeGrader(timeout_s=4.0 if "timeout" in verdicts else 20.0)(record, response)
     assert score.score == 0.0, score.info
     assert score.info["verdict"] in verdicts, score.info
     assert TOKEN not in json.dumps(score.info)

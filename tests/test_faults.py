@@ -19,6 +19,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("faults")  # one worker builds the module's fixture (conftest.py)
 SMALL_INIT = [
     "--set", "cold_start.max_steps=30", "--set", "cold_start.train_size=2000",
     "--set", "cold_start.heldout_size=32", "--set", "cold_start.dev_size=32",
@@ -145,7 +146,7 @@ def test_sigterm_stops_like_ctrl_c_and_nan_updates_never_reach_the_weights(small
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
-    """4 kills: 2 at a random moment of the steps, 2 while a checkpoint is being written. After
+    """3 kills: 2 at a random moment of the steps, 1 while a checkpoint is being written. After
     each, every complete checkpoint loads, and the resumed run continues from the newest one.
     (torchrun restarts after a SIGKILL: tests/test_parallel.py.)"""
     ws = fresh_copy(small_ws, tmp_path)
@@ -153,7 +154,7 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
     args = ["--steps", "100000", *EVERY_STEP, "--set", "checkpoint.keep=2"]
     figures = []
     proc = start(ws, *args)
-    for kill in range(4):
+    for kill in range(3):
         run_dir = latest_run(ws)
         before = len(metric_rows(run_dir, allow_torn_last=True)) if run_dir else 0
         wait_for_rows(lambda: latest_run(ws), before + 1, proc)  # stepping (again)
@@ -201,7 +202,7 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT" and summary["steps"] == len(rows)
     assert Path(summary["checkpoint"]).name == f"step_{len(rows):06d}"
     print("\nSIGKILL figures:", json.dumps(figures, indent=1))
-    assert sum(f["in_checkpoint_write"] for f in figures) >= 2
+    assert sum(f["in_checkpoint_write"] for f in figures) >= 1
 
 
 @pytest.mark.slow

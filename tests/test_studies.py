@@ -250,23 +250,24 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     assert mech["levels"]["fp32"]["kl"] < mech["levels"]["bf16"]["kl"]
     assert studies.mechanism(L, seeds=1) == mech and len(list((L.out / "doctor").glob("*.json"))) == 1  # once
     assert studies.study_endpoint(mech) == "late"  # declared with the dial, before any run
-    sp = studies.plan(study, seeds=2, quick=True, level=mech["level"])
+    # one seed: the pairing of seeds and the verdicts' statistics have tests of their own (above);
+    # this one is about a study running end to end, resuming and reporting (each run ~40 s here)
+    sp = studies.plan(study, seeds=1, quick=True, level=mech["level"])
     sp = dataclasses.replace(sp, plan=dataclasses.replace(sp.plan, steps=2, eval_every=1))
     seen = []
     studies.run(L, study, sp, on_run=lambda what, i, n: seen.append(what))
     lvl = mech["level"]
-    assert seen[:4] == [f"lengthnorm: MiniRL @ {lvl} (seed 0)", f"lengthnorm: length norm @ {lvl} (seed 0)",
-                        f"lengthnorm: MiniRL @ {lvl} (seed 1)", f"lengthnorm: length norm @ {lvl} (seed 1)"]
+    assert seen[:2] == [f"lengthnorm: MiniRL @ {lvl} (seed 0)", f"lengthnorm: length norm @ {lvl} (seed 0)"]
     n_runs = len(list((ws / "runs").iterdir()))
     studies.run(lab.Lab(ws, L.out), study, sp)  # resumed: nothing redone
-    assert len(list((ws / "runs").iterdir())) == n_runs == 4
+    assert len(list((ws / "runs").iterdir())) == n_runs == 2
     seeds = {}
     for key, run in L.state["runs"].items():
         rec = json.loads((Path(run) / "summary.json").read_text())["recipe"]
         seeds.setdefault(key.rsplit("/s", 1)[1], set()).add(rec["train"]["seed"])
-    assert seeds == {"0": {0}, "1": {1}}
+    assert seeds == {"0": {0}}
     res = studies.arm_results(L, sp)
-    assert sorted(res[lvl]) == ["MiniRL", "length norm"] and all(len(r) == 2 for r in res[lvl].values())
+    assert sorted(res[lvl]) == ["MiniRL", "length norm"] and all(len(r) == 1 for r in res[lvl].values())
     text = studies.write_report(study, sp, res, mech, L.out).read_text()
     assert text.index("## The mismatch dial, measured before any arm ran") < text.index("## Verdicts")
     assert f"Level: **{lvl}**" in text
