@@ -25,17 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which turns -n N into --dist load
 def pytest_configure(config):
     """pytest-xdist first hands each worker a consecutive quarter of its share, which would give one
-    worker every slow test (sorted first, below); one test at a time, each worker takes the next.
-    A module whose fixture builds a run for several tests marks them `xdist_group`: they go to one
-    worker (--dist loadgroup, in the order sorted below), so the run is built once, not on both."""
+    worker every slow test (sorted first, below); one test at a time, each worker takes the next."""
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
-        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("export")  # one worker builds the module's fixture (conftest.py)
 sys.path.insert(0, str(ROOT / "tests"))
 
 RUN_SETS = ["--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=1",

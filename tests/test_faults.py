@@ -19,7 +19,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("faults")  # one worker builds the module's fixture (conftest.py)
 SMALL_INIT = [
     "--set", "cold_start.max_steps=30", "--set", "cold_start.train_size=2000",
     "--set", "cold_start.heldout_size=32", "--set", "cold_start.dev_size=32",

@@ -19,7 +19,6 @@ from minirl.errors import UsageError
 from minirl.rollout.process import EngineProcess, split_cores
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("overlap")  # one worker builds the module's fixture (conftest.py)
 PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 3, 3, 3, 16], [9, 9, 9, 13, 9, 9, 9, 16]]
 SAMPLE = dict(n=4, temperature=1.0, max_tokens=6, seed=11)
 
