@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minirl.data import load_rows
+from minirl.files import HELDOUT_FILE
 from minirl.hub import repo_id as hub_repo
 from minirl.metrics_file import metric_rows
 from minirl.models import TINY_ID
@@ -219,7 +220,7 @@ def _sample_prompt(run_dir: Path, rec) -> str:
 
 def known_score(run_dir: Path, ckpt: Checkpoint, metric: str) -> tuple[float, str] | None:
     """A held-out score this checkpoint already has, and where it comes from."""
-    cached = ckpt.path / "heldout.json"
+    cached = ckpt.path / HELDOUT_FILE
     if cached.exists():
         got = json.loads(cached.read_text())
         if metric in got:

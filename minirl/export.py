@@ -26,7 +26,7 @@ from minirl import recipe as recipe_mod
 from minirl.card import known_score, model_card
 from minirl.errors import UsageError
 from minirl.evaluate import evaluate
-from minirl.files import read_json
+from minirl.files import HELDOUT_FILE, read_json
 from minirl.hub import model_dir
 from minirl.metrics_file import metric_rows
 from minirl.plots import plot_metrics
@@ -121,7 +121,7 @@ def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
     if todo:
         for path, value in measure(todo).items():
             scores[path], sources[path] = value, "held-out evaluation measured now"
-            atomic.write_text(path / "heldout.json", json.dumps({metric: value}))
+            atomic.write_text(path / HELDOUT_FILE, json.dumps({metric: value}))
     pick = max(good, key=lambda c: (scores[c.path], c.step))
     table = ", ".join(f"step {c.step}: {scores[c.path]:.3f}" for c in good)
     skipped = len(ckpts) - len(good)

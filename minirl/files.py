@@ -8,6 +8,9 @@ from pathlib import Path
 
 from minirl.errors import UsageError
 
+# in a checkpoint folder: its held-out scores (the run's periodic evaluation, or `export --best`'s)
+HELDOUT_FILE = "heldout.json"
+
 
 def read_json(path: Path, what: str) -> dict:
     """A JSON object from `path`; anything else is one UsageError line naming the file."""

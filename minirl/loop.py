@@ -31,6 +31,7 @@ from minirl import atomic, faults, objective
 from minirl.batch import Batch, build_batch
 from minirl.data import PromptSampler
 from minirl.evaluate import evaluate, response_text
+from minirl.files import HELDOUT_FILE
 from minirl.guard import Guard, Verdict
 from minirl.launch import World
 from minirl.preflight import RunInputs, complete_checkpoints
@@ -299,9 +300,6 @@ class RLRun:
 
     def close(self) -> None:
         self.rollouts.close()
-
-
-HELDOUT_FILE = "heldout.json"  # in a checkpoint folder: its held-out scores (the run's, or `export --best`'s)
 
 
 def best_scored(ckpts: list[Path], metric: str) -> Path | None:

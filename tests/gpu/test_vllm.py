@@ -109,8 +109,9 @@ def _trainer(shape, model_dir, device):
 
 
 def _sample(engine, shape, *, seed: int):
-    groups = engine.generate(_prompts(shape, 32 if _cuda() else 6), temperature=1.0, seed=seed, **_sizes(shape))
-    prompts = [p for p, g in zip(_prompts(shape, 32 if _cuda() else 6), groups) for _ in g]
+    asked = _prompts(shape, 32 if _cuda() else 6)
+    groups = engine.generate(asked, temperature=1.0, seed=seed, **_sizes(shape))
+    prompts = [p for p, g in zip(asked, groups) for _ in g]
     comps = [c for g in groups for c in g]
     return prompts, comps
 
