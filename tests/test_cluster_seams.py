@@ -18,7 +18,10 @@ def test_cpu_and_cuda_engines_differ_only_by_the_documented_workarounds():
                           memory_fraction=0.85, kv_cache_gib=0.5, fp8=True)
     cuda, cpu = engine_args(both, cuda=True, spmd=True), engine_args(both, cuda=False, spmd=True)
     differ = {k for k in cuda.keys() | cpu.keys() if cuda.get(k) != cpu.get(k)}
-    assert differ == set(CPU_WORKAROUNDS)
+    # and CUDA's routes: vLLM 0.32 returns routed experts through a connector that needs the
+    # prefix cache (refused without it on the H200), which every sync resets
+    assert differ == set(CPU_WORKAROUNDS) | {"enable_prefix_caching"}
+    assert cuda["enable_prefix_caching"] is True and cpu["enable_prefix_caching"] is False
     assert cpu["kv_cache_memory_bytes"] == 2**29 and cpu["quantization"] is None  # CPU: FP8 emulated by the sync
     # the cluster engine: one per TP group of a torchrun job, sleeping between rollouts, routes from vLLM
     s = dataclasses.replace(both, sleep_level=2, kv_cache_gib=0.0)
@@ -28,7 +31,8 @@ def test_cpu_and_cuda_engines_differ_only_by_the_documented_workarounds():
     assert cuda["enable_sleep_mode"] is True and cuda["enable_return_routed_experts"] is True
     assert cuda["kv_cache_memory_bytes"] is None and cuda["gpu_memory_utilization"] == 0.85  # vLLM sizes the KV cache
     assert cuda["quantization"] == "fp8_per_channel"  # vLLM's online FP8, re-quantized at every in-place reload
-    assert cuda["enable_prefix_caching"] is False  # prompt KV would outlive a sync
+    assert engine_args(dataclasses.replace(s, capture_routes=False), cuda=True, spmd=True)[
+        "enable_prefix_caching"] is False  # prompt KV would outlive a sync
     # what the CPU backend cannot do is refused in one line naming the key, never quietly changed
     for change, key in (({"sleep_level": 2}, "rollout.sleep_level = 2"),
                         ({"kv_cache_gib": 0.0}, "rollout.kv_cache_gib = 0")):
@@ -41,6 +45,24 @@ def test_engine_args_alone_and_without_sleep():
     alone = engine_args(s, cuda=True, spmd=False)
     assert alone["distributed_executor_backend"] is None and "enable_sleep_mode" not in alone
     assert "enable_return_routed_experts" not in alone and alone["quantization"] is None
+
+
+def test_a_seeded_call_seeds_numpys_generator_too_and_gives_it_back():
+    """vLLM's CUDA runner gives each unseeded request a seed from NumPy's global generator (on the
+    H200 the same seed sampled differently twice before this); the call leaves it as it was."""
+    import numpy as np
+
+    from minirl.rollout.seeding import seeded_sampling
+
+    np.random.seed(1)
+    outside = np.random.randint(0, 2**62, size=4)
+    np.random.seed(1)
+    draws = []
+    for seed in (7, 7, 8):
+        with seeded_sampling(seed):
+            draws.append(np.random.randint(0, 2**62, size=4).tolist())
+    assert draws[0] == draws[1] != draws[2]
+    assert np.random.randint(0, 2**62, size=4).tolist() == outside.tolist()  # the caller's stream untouched
 
 
 class _RecordingLLM:

@@ -93,3 +93,31 @@ def test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode(tmp_path):
     names = {f["name"] for f in report["figures"]}
     assert {"vLLM generation [bf16]", "vLLM generation [fp8]", "weight sync [fp8]", "R3 from the engine"} <= names
     assert "rollout (vLLM) half" in (out / "report.md").read_text()
+
+
+def test_the_kits_closure_check_names_a_requirement_neither_the_image_nor_the_kit_has(tmp_path):
+    """prepare-vllm.sh's check before it cuts the pieces (openai 3.57 needed httpx2, which neither
+    had: found only on the GPU machine)."""
+    import zipfile
+
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    try:
+        import closure
+    finally:
+        sys.path.pop(0)
+
+    def wheel(name, version, *requires):
+        path = tmp_path / f"{name}-{version}-py3-none-any.whl"
+        meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"{name}-{version}.dist-info/METADATA", f"Name: {name}\nVersion: {version}\n{meta}")
+        return path
+
+    image = tmp_path / "image.txt"
+    image.write_text("# a pip list\nanyio==4.15.1\nPyYAML==6.0\n")
+    openai = wheel("openai", "3.57.0", "anyio<5,>=4.10", "httpx2<3,>=2.12", "pyyaml",
+                   "colorama; sys_platform == 'win32'", "rich; extra == 'cli'")
+    assert closure.unmet([openai], closure.image_packages(image)) == [
+        "httpx2<3,>=2.12 (for openai-3.57.0-py3-none-any.whl)"]
+    assert closure.unmet([openai, wheel("httpx2", "2.16.2", "anyio")], closure.image_packages(image)) == []
+    assert closure.main([str(image), str(openai)]) == 2

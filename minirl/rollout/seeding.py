@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 
+import numpy as np
 import torch
 
 # How `generate` seeds its samples; runs recorded under another scheme (the lab's cells) are not
@@ -42,7 +43,13 @@ def seeded_sampling(seed: int | None, *, stream: int = 0):
         yield
         return
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        s = call_seed(seed, stream=stream)
-        torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
-        yield
+    numpy_state = np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            s = call_seed(seed, stream=stream)
+            torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
+            # vLLM's CUDA runner gives each unseeded request a seed from NumPy's global generator
+            np.random.seed(s % 2**32)
+            yield
+    finally:
+        np.random.set_state(numpy_state)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -123,7 +124,9 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         dtype=s.dtype,
         seed=s.seed,  # the same on every rank: TP ranks must sample alike
         enforce_eager=True,
-        enable_prefix_caching=False,  # cached prompt KV would outlive a weight sync
+        # cached prompt KV would outlive a weight sync (every sync resets it where it is on), but
+        # vLLM returns the routed experts (R3) through a connector that needs the cache
+        enable_prefix_caching=bool(cuda and s.capture_routes),
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
         gpu_memory_utilization=s.memory_fraction,
@@ -159,6 +162,10 @@ class VLLMEngine:
         # parameters) and `seeded_sampling` seeds the generators the engine samples from
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if importlib.util.find_spec("flashinfer") is None:
+            # vLLM's CUDA sampler imports FlashInfer unless told not to (its CUDA requirements
+            # install it); without it, vLLM's own top-k/top-p sampler
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
 
         s = EngineSettings(str(model_dir), **settings)

@@ -27,11 +27,15 @@ version=${MINIRL_VLLM_VERSION:-$(pin vllm)}
 # try) and the Rust front end (used only when asked for)
 drop=('vllm/vllm_flash_attn/_vllm_fa2_C*.so' 'vllm/vllm-rs')
 # imported at module level by `from vllm import LLM` and the offline engine's modules, and absent
-# from the device image (../shared/docs/VLLM-ON-GPU.md); tests/gpu/image_check.py says on the
-# machine what else its image lacks
+# from the device image (../shared/docs/VLLM-ON-GPU.md); what openai 3 needs (httpx2, found on the
+# H200 on 2026-11-27), compressed-tensors with loguru (FP8's quantization config imports it there),
+# and the CLI's packages the image lacks (datasets, math-verify) for the `minirl run` test;
+# tests/gpu/image_check.py says on the machine what else its image lacks
 deps=(pydantic pydantic-core typing-inspection annotated-types typing-extensions cbor2 pyzmq
-      openai sniffio distro jiter httpx httpcore h11 anyio msgspec pybase64 cachetools
-      fastapi annotated-doc starlette partial-json-parser llguidance xgrammar apache-tvm-ffi)
+      openai httpx2 httpcore2 truststore sniffio distro jiter httpx httpcore h11 anyio msgspec pybase64 cachetools
+      fastapi annotated-doc starlette partial-json-parser llguidance xgrammar apache-tvm-ffi
+      compressed-tensors loguru
+      datasets dill multiprocess math-verify latex2sympy2-extended antlr4-python3-runtime)
 if [ "${version%%.*}" = 0 ] && [ "$(echo "$version" | cut -d. -f2)" -lt 30 ]; then
   deps+=(openai-harmony)  # the name 0.24 imports; 0.32 imports its successor
 else
@@ -83,6 +87,10 @@ done
 about=$("$py" -c 'import json, sys; print(json.dumps({"vllm": sys.argv[1], "dry": sys.argv[2] == "1",
   "dropped": json.loads(sys.argv[3]), "requires": json.load(open(sys.argv[4]))}))' \
   "$version" "$dry" "$dropped" "$work/requires.json")
+if [ $dry = 0 ]; then  # what the carried wheels need is on the image or carried (openai 3's httpx2 was not)
+  "$py" tests/gpu/closure.py tests/gpu/image-packages.txt "${wheels[@]}" \
+    || { echo "prepare-vllm: add what is missing to deps in $0" >&2; exit 2; }
+fi
 "$py" tests/gpu/pieces.py pack "$kit" "${wheels[@]}" --mib "$mib" --about "$about"
 n=$(ls "$kit"/piece-* | wc -l)
 echo "prepare-vllm: the device calls, back to back (docs/gpu.md):"
