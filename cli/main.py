@@ -17,17 +17,17 @@ from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
 from minirl import recipe as recipe_mod
-from minirl import status as status_mod
-from minirl.benchmarks import get as get_bench
+from minirl.run import status as status_mod
+from minirl.eval.benchmarks import get as get_bench
 from minirl.errors import RunIOError, UsageError
-from minirl.evaluate import bench_records, eval_benchmark, resolve_checkpoint
+from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.hub import resolution
 from minirl.models import TINY_ID
-from minirl.plan import launch_commands, make_plan
-from minirl.plots import plot_metrics
-from minirl.preflight import run_recipe
+from minirl.train.plan import launch_commands, make_plan
+from minirl.run.plots import plot_metrics
+from minirl.setup.preflight import run_recipe
 from minirl.task import TASKS
-from minirl.workspace import RECIPE_NAME, Workspace, init_workspace, planned_recipe
+from minirl.setup.workspace import RECIPE_NAME, Workspace, init_workspace, planned_recipe
 
 
 def _prepare_env(verbose: bool) -> None:
@@ -227,7 +227,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     if resolution(rec.model.id):
         console.print(resolution(rec.model.id), soft_wrap=True)
 
-    from minirl import launch, lifecycle  # deferred: torch, after _prepare_env set the engines' environment
+    from minirl import launch  # deferred: torch, after _prepare_env set the engines' environment
+    from minirl.run import lifecycle
 
     world = launch.start()  # the whole job, or one rank of a torchrun job (rank 0 prints)
 

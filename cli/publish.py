@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cli.render import console
-from minirl import export as ex
+from minirl.publish import export as ex
 from minirl import hub
 from minirl.errors import UsageError
 

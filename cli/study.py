@@ -15,9 +15,10 @@ from minirl import atomic
 from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
 from minirl.files import read_json
-from minirl.evaluate import resolve_checkpoint
-from minirl.preflight import latest_trained
-from minirl.workspace import Workspace, init_workspace
+from minirl.eval.evaluate import resolve_checkpoint
+from minirl.setup.preflight import latest_trained
+from minirl.setup.workspace import Workspace, init_workspace
+from minirl.validator import PRECISIONS
 
 
 @click.command()
@@ -39,7 +40,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     """
     from rich.table import Table
 
-    from minirl import doctor as doc  # deferred: torch, after _prepare_env set the engines' environment
+    from minirl.lab import doctor as doc  # deferred: torch, after _prepare_env set the engines' environment
 
     if seeds < 1:
         raise UsageError(f"--seeds {seeds}: at least 1")
@@ -77,15 +78,15 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
                  ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
     for src, what, k in rows:
         table.add_row(src, what, pm(k))
-    for p in recipe_mod.PRECISIONS[1:]:
+    for p in PRECISIONS[1:]:
         table.add_row("per response", f"SD of log π(y)/μ(y), {p} (√(2·L·KL) predicts "
                       f"{f[f'response_sd_predicted/{p}']['mean']:.2f}; L = {f[f'length/{p}']['mean']:.1f})",
                       f"{f[f'response_sd/{p}']['mean']:.3f} ± {f[f'response_sd/{p}']['spread']:.2f}")
     if report["moe"]:
         per_layer = ", ".join(f"{x['mean']:.1%}" for x in f["routing/disagree_per_layer"])
         table.add_row("routing", "tokens whose top-k differ, per layer", per_layer)
-        table.add_row("routing", "tokens whose top-k differ in any layer: " + ", ".join(recipe_mod.PRECISIONS),
-                      ", ".join(f"{f[f'routing/tokens_with_a_flip/{p}']['mean']:.1%}" for p in recipe_mod.PRECISIONS))
+        table.add_row("routing", "tokens whose top-k differ in any layer: " + ", ".join(PRECISIONS),
+                      ", ".join(f"{f[f'routing/tokens_with_a_flip/{p}']['mean']:.1%}" for p in PRECISIONS))
     for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
         table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
                       " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))
@@ -97,11 +98,10 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
 
 
 @click.command()
-@click.argument("args", nargs=-1, metavar="[STUDY] [WORKSPACE]")
-@click.option("--quick", is_flag=True, help="The reduced grid (off-policy N = 4 only, one extra cold start, 30 steps), "
-                                            "or a study's smoke check (2 seeds, 20 steps).")
-@click.option("--seeds", type=int, default=None, help="Runs per cell [default: 1 for the grid; 5 for a study, 3 for lr, "
-                                                      "2 with --quick]; a study pairs arms by seed.")
+@click.argument("args", nargs=-1, metavar="STUDY [WORKSPACE]")
+@click.option("--quick", is_flag=True, help="A study's smoke check (2 seeds, 20 steps).")
+@click.option("--seeds", type=int, default=None, help="Runs per arm [default: 5 for a study, 3 for lr, 2 with --quick]; "
+                                                      "a study pairs arms by seed.")
 @click.option("--dose-seeds", type=int, default=2, show_default=True,
               help="A study's seeds at each other level of the mismatch dial (the dose–response); 0: the study's "
                    "level only (as with --quick).")
@@ -116,7 +116,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
               help="One of a study's arms, by name (repeat it): those arms only, and the comparisons among them; "
                    "which to test chosen before the first run where the machine cannot afford every arm at the seeds "
                    "a verdict needs.")
-@click.option("--rescore", default=None, metavar="PRECISION", type=click.Choice(recipe_mod.PRECISIONS),
+@click.option("--rescore", default=None, metavar="PRECISION", type=click.Choice(PRECISIONS),
               help="After a study's runs: each run's last checkpoint evaluated again on the held-out split with "
                    "PRECISION rollouts (fp32: the trainer's policy itself), reported beside its own engine's score "
                    "as an exploratory section; resumable, never redone.")
@@ -129,13 +129,6 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     test fixed in advance (WORKSPACE/lab/study-STUDY/report.md). `minirl lab lr [WORKSPACE]`
     first: the learning rate chosen on the MiniRL control arm, then frozen for every other study.
 
-    `minirl lab [WORKSPACE]` runs the first version's grid: with FP8-emulated rollouts and the
-    guard observing only: on-policy MiniRL, without IS, + length normalisation, + R3, R3 without
-    IS; off-policy N = 2, 4, 8 without clipping or replay, with clipping, + R2, + R3; MiniRL from
-    other cold starts. One run at a time; an interrupted sweep resumes where it stopped. Writes
-    WORKSPACE/lab/{quick,full}/report.md and one PNG per regime; last, the cell that collapsed most
-    reliably runs again with the guard acting.
-
     `minirl lab STUDY [WORKSPACE] --confirm`, once the study has run: where its verdicts were
     "not observed" for want of power, a second stage runs the seeds power 0.8 needs, fresh, and
     decides those comparisons on them alone (.../study-STUDY/full/confirm/report.md).
@@ -144,13 +137,13 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     at another level of the dial it measured, on fresh seeds, decided on those alone
     (.../study-STUDY/full/at-LEVEL/report.md).
 
-    Either builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
+    Each builds WORKSPACE (default ./minirl-lab) with `minirl init --task scratchpad` when it
     does not exist.
     """
-    from minirl.studies import LR_STUDY, STUDIES, with_arms  # deferred: torch and scipy, after _prepare_env
+    from minirl.lab.studies import LR_STUDY, STUDIES, with_arms  # deferred: torch and scipy, after _prepare_env
 
     if len(args) > 2:
-        raise UsageError(f"minirl lab [STUDY] [WORKSPACE]: {len(args)} arguments given")
+        raise UsageError(f"minirl lab STUDY [WORKSPACE]: {len(args)} arguments given")
     study = args[0] if args and args[0] in STUDIES else None
     rest = args[1:] if study else args
     if len(rest) > 1:
@@ -167,27 +160,26 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     if at is not None and (study is None or confirm):
         raise UsageError("--at follows up a study at another dial level: minirl lab STUDY [WORKSPACE] --at LEVEL "
                          "(not with --confirm)")
-    if at is not None and at not in recipe_mod.PRECISIONS[1:]:
-        raise UsageError(f"--at {at}: not a level of the mismatch dial ({', '.join(recipe_mod.PRECISIONS[1:])})")
+    if at is not None and at not in PRECISIONS[1:]:
+        raise UsageError(f"--at {at}: not a level of the mismatch dial ({', '.join(PRECISIONS[1:])})")
     if arms and (study is None or confirm):
         raise UsageError("--arm picks some of a study's arms: minirl lab STUDY [WORKSPACE] --arm A --arm B (not "
                          "with --confirm, whose arms its declaration names)")
     if rescore is not None and (study is None or study == LR_STUDY):
         raise UsageError("--rescore evaluates a study's runs again to compare its arms: minirl lab STUDY [WORKSPACE] "
-                         "--rescore PRECISION (not the grid or the lr study)")
+                         "--rescore PRECISION (not the lr study)")
+    if study is None:
+        raise UsageError(f"minirl lab STUDY [WORKSPACE]: name a study ({', '.join(STUDIES)}); the first version's "
+                         "grid was retired for them (its results: docs/results/lab.md)")
     arm_names = list(arms) or None
     if arm_names is not None:
         try:
             with_arms(STUDIES[study], arm_names)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
-
     if not (workspace / "minirl.toml").exists():
         if report_only:
-            raise UsageError(f"no lab workspace at {workspace}: run `minirl lab {workspace}` first")
+            raise UsageError(f"no lab workspace at {workspace}: run `minirl lab STUDY {workspace}` first")
         with console.status(f"building {workspace} (minirl init --task scratchpad; a few minutes)..."):
             init_workspace(workspace, task="scratchpad")
     ws = Workspace.open(workspace)
@@ -195,42 +187,23 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
     if rec.cold_start.task not in ("scratchpad", "scratchpad-long"):
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad` or `--task scratchpad-long`)")
-    if study is not None and study != LR_STUDY and not report_only:
+    if study != LR_STUDY and not report_only:
         _lr_frozen(ws, rec.train.lr)
-    if study is not None:
-        if confirm:
-            return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
-                            report_only=report_only, rescore=rescore)
-        if at is not None:
-            return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
-                              prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
-        return _study(ws, STUDIES[study], arm_names, quick=quick, seeds=seeds, dose_seeds=dose_seeds,
-                      prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
-    plan = lab_mod.plan(quick=quick, seeds=seeds or 1)
-    lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / ("quick" if quick else "full"))  # the grids never share a cell
-    if not report_only:
-        lab_.hold()
-        with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as prog:
-            bar = prog.add_task("lab", total=len(plan.cells) * plan.seeds + 1)
-            lab_.sweep(plan, on_cell=lambda what, i, n: prog.update(bar, description=what, completed=i),
-                       progress=lambda what: prog.update(bar, description=what))
-            lab_.guard_check(plan, progress=lambda what: prog.update(bar, description=what))
-            prog.update(bar, description="done", completed=len(plan.cells) * plan.seeds + 1)
-    path, pngs, found = lab_mod.report(lab_, plan)
-    for fid, claim, verdict, numbers in found:
-        console.print(f"[bold]{fid}[/] {verdict}: {claim}  ({numbers})", soft_wrap=True)
-    console.print(f"report: {path}", soft_wrap=True)
-    for png in pngs:
-        console.print(f"figure: {png}", soft_wrap=True)
-
+    if confirm:
+        return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
+                        report_only=report_only, rescore=rescore)
+    if at is not None:
+        return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
+                          prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
+    return _study(ws, STUDIES[study], arm_names, quick=quick, seeds=seeds, dose_seeds=dose_seeds,
+                  prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
 
 def _lr_frozen(ws, lr: float) -> None:
     """The learning rate is set once, on the MiniRL control arm (`minirl lab lr`), and then frozen:
     a study whose workspace recipe has another refuses to start."""
-    from minirl import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
+    from minirl.lab import stages  # deferred: torch and scipy, after _prepare_env set the engines' environment
 
-    choice = studies.chosen_lr(ws.root)
+    choice = stages.chosen_lr(ws.root)
     if choice is not None and choice["lr"] != lr:
         raise UsageError(f"the lr study chose train.lr = {choice['lr']:g} on the MiniRL control arm; {ws.recipe_path} "
                          f"has {lr:g}: set it there (every study's arms take the recipe's)")
@@ -238,8 +211,9 @@ def _lr_frozen(ws, lr: float) -> None:
 
 def _study(ws, study, arms: list[str] | None, *, quick: bool, seeds: int | None, dose_seeds: int, prompts: int,
            report_only: bool, rescore: str | None = None) -> None:
-    from minirl import lab as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
-    from minirl import studies
+    from minirl.lab import runner as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
+    from minirl.lab import studies
+    from minirl.lab import stages
 
     lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
     mech_path = lab_.out / "mechanism.json"
@@ -247,7 +221,7 @@ def _study(ws, study, arms: list[str] | None, *, quick: bool, seeds: int | None,
         raise UsageError(f"no study at {lab_.out}: run `minirl lab {study.name} {ws.root}` first")
     if not report_only:
         lab_.hold()  # before the arms' declaration: one writer declares it
-    if declared := _declared_arms(lab_, study, arms, report_only):
+    if declared := stages.declared_arms(lab_, study, arms, report_only):
         study = studies.with_arms(study, declared)
     seeds = seeds or (2 if quick else study.seeds)
     if not report_only:
@@ -261,45 +235,21 @@ def _study(ws, study, arms: list[str] | None, *, quick: bool, seeds: int | None,
     console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
     res, report = _run_and_report(lab_, study, sp, mech, report_only=report_only, rescore=rescore)
     if study.name == studies.LR_STUDY and not quick and not report_only:  # every seed has run: the choice stands
-        lr = studies.record_lr_choice(ws.root, res.get(sp.level, {}), report)
+        lr = stages.record_lr_choice(ws.root, res.get(sp.level, {}), report)
         if lr is not None:
             console.print(f"learning rate: {lr:g}; every other study in {ws.root} takes the recipe's, so set "
                           f"train.lr = {lr:g} in {ws.recipe_path}", soft_wrap=True)
 
 
-def _declared_arms(lab_, study, arms: list[str] | None, report_only: bool) -> list[str] | None:
-    """The study's arms (`--arm`'s names; None: every arm), declared in `arms.json` at its first
-    run. Later runs may add arms (the new ones join the same seeds) but never drop one, so that no
-    session picks arms by how they came out; a resumed study may leave `--arm` out. A study that
-    ran before the declaration existed ran every arm."""
-    path = lab_.out / "arms.json"
-    if path.exists():
-        declared = read_json(path, "the study's arms")
-    elif lab_.state["runs"]:
-        declared = {"arms": None}  # begun before arms were declared: every arm
-    elif report_only:
-        return arms  # nothing has run, nothing to declare
-    else:
-        atomic.write_text(path, json.dumps({"arms": arms, "declared_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        return arms
-    if arms is None:
-        return declared["arms"]
-    had = set(declared["arms"] or [a[0] for a in study.arms])
-    if not had <= set(arms):
-        what = "the arms " + ", ".join(declared["arms"]) if declared["arms"] else "every arm"
-        raise UsageError(f"the {study.name} study in {lab_.out} began with {what}: a later run may add arms but "
-                         f"never drop one (leave --arm out to resume it)")
-    if not report_only and had != set(arms):  # widened (the same arms in another order change nothing)
-        widened = {**declared, "arms": arms, "widened_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-        atomic.write_text(path, json.dumps(widened))
-    return arms
 
 
 def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None,
                     follow_up: dict | None = None, rescore: str | None = None) -> tuple[dict, Path]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
+    from minirl.lab import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
+    from minirl.lab import stages
+    from minirl.lab import report as study_report
 
     if not report_only:
         todo = sp.todo()
@@ -319,8 +269,8 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
     res = studies.arm_results(lab_, sp)
     for cmp, text, _ in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
-    path = studies.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation, follow_up=follow_up,
-                                lr_choice=studies.chosen_lr(lab_.ws_root), rescored=rescored)
+    path = study_report.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation, follow_up=follow_up,
+                                lr_choice=stages.chosen_lr(lab_.ws_root), rescored=rescored)
     console.print(f"report: {path}", soft_wrap=True)
     return res, path
 
@@ -330,7 +280,7 @@ def _rescore(lab_, runs: dict, precision: str) -> dict:
     beside the study's own process (its own lock and file), e.g. on the pairs finished so far."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl import rescore as rescore_mod  # deferred: torch, after _prepare_env
+    from minirl.lab import rescore as rescore_mod  # deferred: torch, after _prepare_env
 
     with Progress(TextColumn("{task.description:<58}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as prog:
@@ -346,11 +296,12 @@ def _rescore(lab_, runs: dict, precision: str) -> dict:
 
 
 def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool, rescore: str | None = None) -> None:
-    """The study's confirmation stage (studies.declare_confirmation): declared once from the first
+    """The study's confirmation stage (stages.declare_confirmation): declared once from the first
     stage's runs, in confirm/confirm.json, before any of its own; resumable like the first."""
-    from minirl import studies  # deferred, with the two below: torch and scipy, after _prepare_env
-    from minirl import lab as lab_mod  # deferred: torch
-    from minirl import verdicts as v  # deferred: scipy
+    from minirl.lab import studies  # deferred, with the two below: torch and scipy, after _prepare_env
+    from minirl.lab import stages
+    from minirl.lab import runner as lab_mod  # deferred: torch
+    from minirl.lab import verdicts as v  # deferred: scipy
 
     first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
     if not (first.out / "mechanism.json").exists():
@@ -367,17 +318,17 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool, rescore
         sp1 = studies.plan(study, seeds=v.SEEDS_MOST, quick=quick, level=level, prompts=prompts,
                            endpoint=studies.study_endpoint(mech))
         res1 = studies.arm_results(first, sp1).get(level, {})
-        if why := studies.unpaired(study, res1):
+        if why := stages.unpaired(study, res1):
             raise UsageError(f"the study at {first.out} has not finished ({why}): finish it before confirming")
         stage1 = studies.decide(study, res1)
-        declared = studies.declare_confirmation(study, stage1, report=str(first.out / "report.md"))
+        declared = stages.declare_confirmation(study, stage1, report=str(first.out / "report.md"))
         if declared is None:
             console.print("nothing to confirm: every verdict is significant, already powered, or needs more than "
                           f"{v.SEEDS_MOST} seeds", soft_wrap=True)
             return
         atomic.write_text(path, json.dumps(declared, indent=1))
     declared = read_json(path, "the confirmation stage's declaration")
-    sub = studies.confirmation_study(study, declared)
+    sub = stages.confirmation_study(study, declared)
     sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
                       first_seed=declared["first_seed"], endpoint=studies.study_endpoint(mech))
     console.print(f"confirmation stage: {', '.join(f'{f} ({c})' for f, c in declared['comparisons'])}; "
@@ -387,17 +338,18 @@ def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool, rescore
 
 def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: list[str] | None, prompts: int,
                report_only: bool, rescore: str | None = None) -> None:
-    """A study's follow-up at another level of its measured dial (studies.declare_follow_up):
+    """A study's follow-up at another level of its measured dial (stages.declare_follow_up):
     declared once, in at-LEVEL/at.json, before any of its runs; resumable like the study."""
-    from minirl import studies  # deferred, with the one below: torch and scipy, after _prepare_env
-    from minirl import lab as lab_mod  # deferred: torch
+    from minirl.lab import studies  # deferred, with the one below: torch and scipy, after _prepare_env
+    from minirl.lab import stages
+    from minirl.lab import runner as lab_mod  # deferred: torch
 
     first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
     if not (first.out / "mechanism.json").exists():
         if report_only:
             raise UsageError(f"no study at {first.out}: run `minirl lab {study.name} {ws.root}` first")
         try:  # what the dial cannot change is refused before the doctor runs
-            studies.declare_follow_up(study, level, seeds=1, report="", dial=(level,), arms=arms)
+            stages.declare_follow_up(study, level, seeds=1, report="", dial=(level,), arms=arms)
         except ValueError as e:
             raise UsageError(str(e)) from None
         first.hold()
@@ -413,7 +365,7 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: l
     if report_only and not path.exists():
         raise UsageError(f"no follow-up at {lab_.out}: run `minirl lab {study.name} {ws.root} --at {level}`")
     try:  # refused before anything is written
-        declared = studies.declare_follow_up(study, level, seeds=seeds or (2 if quick else 5),
+        declared = stages.declare_follow_up(study, level, seeds=seeds or (2 if quick else 5),
                                              report=str(first.out / "report.md") if first.state["runs"] else "",
                                              dial=studies.measured_dial(mech["levels"]), arms=arms)
     except ValueError as e:
@@ -430,7 +382,7 @@ def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: l
         raise UsageError(f"the follow-up at {level} was declared with "
                          f"{'the arms ' + ','.join(declared['arms']) if declared.get('arms') else 'every arm'}; "
                          f"its arms do not change after its first run")
-    sub = studies.follow_up_study(study, declared)
+    sub = stages.follow_up_study(study, declared)
     sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
                       first_seed=declared["first_seed"], endpoint=declared["endpoint"])
     console.print(f"follow-up at {level}: {', '.join(a[0] for a in sub.arms)}; {declared['seeds']} fresh seeds per "

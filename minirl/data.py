@@ -7,7 +7,7 @@ counted; a source with no usable row is an error.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +137,14 @@ def prompt_ids(tok, text: str, *, template: str = "{problem}", chat: bool = Fals
         return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False))
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def response_text(token_ids: Sequence[int], decode: Callable[[list[int]], str], eos_id: int) -> str:
+    """The response as the grader sees it: decoded, EOS (and anything after it) removed."""
+    ids = list(token_ids)
+    if eos_id in ids:
+        ids = ids[: ids.index(eos_id)]
+    return decode(ids)
 
 
 class PromptSampler:

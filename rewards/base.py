@@ -25,7 +25,7 @@ class Grader(Protocol):
     It may say what a record must hold, `fields`: groups of field names, any one group of which,
     every field non-empty, makes a record gradable (the code grader: a test and an entry point, or
     stdin/stdout cases). A run or an eval checks its data against them before any engine starts
-    (`gradable`, minirl/preflight.py); a grader without `fields` is not checked."""
+    (`gradable`, minirl/setup/preflight.py); a grader without `fields` is not checked."""
 
     def __call__(self, record: dict[str, Any], response: str) -> Score: ...
 

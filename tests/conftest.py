@@ -57,9 +57,9 @@ def random_hf_folder(root: Path, shape, *, std: float, dtype=None) -> Path:
     character tokenizer; `dtype` as saved (default fp32)."""
     import torch
 
-    from minirl.hf_io import save_hf_folder
-    from minirl.tokenizer import build_tokenizer
-    from minirl.train import Trainer
+    from minirl.train.hf_io import save_hf_folder
+    from minirl.setup.tokenizer import build_tokenizer
+    from minirl.train.trainer import Trainer
 
     tok = build_tokenizer(root / "tok", shape.vocab_size, shape.max_seq_len)
     tr = Trainer(shape, lr=1e-3, seed=0)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def fixed_batch(shared: bool = False):
     """8 rows; shared: two prompts of 4 responses each (one group per rank: packed, packing.py)."""
-    from minirl.batch import build_batch
+    from minirl.train.batch import build_batch
 
     g = torch.Generator().manual_seed(7)
     B = 8
@@ -41,7 +41,7 @@ def one_update(trainer, batch, replay: str, routes=None) -> tuple[float, dict[st
     loss and the (clipped) gradients it applied, whole."""
     from torch.distributed.tensor import DTensor
 
-    from minirl.objective import minirl_loss
+    from minirl.train.objective import minirl_loss
 
     old, _, recorded = trainer.logprobs(batch, routes=routes if replay == "r3" else None, record_routes=replay == "r2")
     use = recorded if replay == "r2" else routes if replay == "r3" else None
@@ -71,8 +71,8 @@ def main() -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from minirl.models import TINY
-    from minirl.parallel import full_state_dict
-    from minirl.train import Trainer
+    from minirl.train.parallel import full_state_dict
+    from minirl.train.trainer import Trainer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)

@@ -19,7 +19,7 @@ def main() -> None:
     from torchtitan.distributed.utils import init_fake_mode
 
     from minirl.models import KNOWN_SHAPES, titan_config
-    from minirl.parallel import parallelize
+    from minirl.train.parallel import parallelize
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)

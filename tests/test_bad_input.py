@@ -27,7 +27,7 @@ def ws_template(tiny_dir, tmp_path_factory) -> Path:
     """A complete small workspace: recipe, data, model, and a run with a checkpoint at step 2."""
     from minirl import recipe
     from minirl.models import TINY
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
     from tests.conftest import data_workspace
 
     root = data_workspace(tmp_path_factory.mktemp("badinput") / "ws", train=200, heldout=40)
@@ -83,7 +83,7 @@ def live_writer(rel: str):
         import os
         import subprocess
 
-        script = "import sys; from minirl.runlock import RunLock; l = RunLock(sys.argv[1]); print('locked', flush=True); sys.stdin.read()"
+        script = "import sys; from minirl.run.runlock import RunLock; l = RunLock(sys.argv[1]); print('locked', flush=True); sys.stdin.read()"
         p = subprocess.Popen([sys.executable, "-c", script, str(ws / rel)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert p.stdout.readline().strip() == "locked"
@@ -100,7 +100,7 @@ def hub_down(ws: Path):
 
 
 def platform(**fields):
-    """The machine `recipe.validate` checks a run against (a GPU, or fewer cores, cannot exist here)."""
+    """The machine `validator.validate` checks a run against (a GPU, or fewer cores, cannot exist here)."""
     def f(ws: Path):
         _SITUATION["platform"] = fields
     return f
@@ -134,7 +134,7 @@ def wrong_shape_weights(ws: Path):
 
 def other_model_checkpoint(ws: Path):
     from minirl.models import TINY
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     shutil.rmtree(ws / CKPT)
     Trainer(dataclasses.replace(TINY, n_layers=2), lr=1e-3).save(ws / CKPT, {"step": 2, "sampler": {"epoch": 0, "pos": 0}})
@@ -228,16 +228,17 @@ CASES = [
     ("init-another-value", ["init", "{ws}", "--set", "train.lr=0.001"], None,
      "is a workspace already, with train.lr = 0.0003; this init asks for 0.001. `--force` rebuilds it"),
     ("lab-dose-seeds", ["lab", "is", "{new}", "--dose-seeds", "-1"], None, "--dose-seeds -1: 0 or more"),
-    ("lab-confirm-grid", ["lab", "{new}", "--confirm"], None, "--confirm confirms a study"),
+    ("lab-no-study", ["lab", "{new}"], None, "minirl lab STUDY [WORKSPACE]: name a study (is, offpolicy, "),
+    ("lab-confirm-no-study", ["lab", "{new}", "--confirm"], None, "--confirm confirms a study"),
     ("lab-confirm-seeds", ["lab", "is", "{new}", "--confirm", "--seeds", "7"], None,
      "--confirm takes its seeds from the first stage's power"),
-    ("lab-at-grid", ["lab", "{new}", "--at", "nvfp4"], None, "--at follows up a study at another dial level"),
+    ("lab-at-no-study", ["lab", "{new}", "--at", "nvfp4"], None, "--at follows up a study at another dial level"),
     ("lab-at-level", ["lab", "is", "{new}", "--at", "fp4"], None, "--at fp4: not a level of the mismatch dial"),
-    ("lab-arm-grid", ["lab", "{new}", "--arm", "clip"], None, "--arm picks some of a study's arms"),
+    ("lab-arm-no-study", ["lab", "{new}", "--arm", "clip"], None, "--arm picks some of a study's arms"),
     ("lab-arm-unknown", ["lab", "offpolicy", "{new}", "--arm", "clip", "--arm", "clip+R3"], None,
      "--arm 'clip+R3' is not an arm of the offpolicy study"),
-    ("lab-rescore-grid", ["lab", "{new}", "--rescore", "fp32"], None, "--rescore evaluates a study's runs again"),
-    ("lab-rescore-lr", ["lab", "lr", "{new}", "--rescore", "fp32"], None, "(not the grid or the lr study)"),
+    ("lab-rescore-no-study", ["lab", "{new}", "--rescore", "fp32"], None, "--rescore evaluates a study's runs again"),
+    ("lab-rescore-lr", ["lab", "lr", "{new}", "--rescore", "fp32"], None, "(not the lr study)"),
     ("lab-rescore-level", ["lab", "is", "{new}", "--rescore", "fp4"], None, "'fp4' is not one of"),
     ("lab-lr-frozen", ["lab", "offpolicy", "{ws}"], lr_chosen_elsewhere,
      "the lr study chose train.lr = 0.0001 on the MiniRL control arm;"),
@@ -428,10 +429,10 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
     for k, v in _SITUATION.get("env", {}).items():
         monkeypatch.setenv(k, v)
     if "platform" in _SITUATION:
-        from minirl import recipe
+        from minirl import validator
 
-        here = recipe.Platform.here
-        monkeypatch.setattr(recipe.Platform, "here", classmethod(
+        here = validator.Platform.here
+        monkeypatch.setattr(validator.Platform, "here", classmethod(
             lambda cls, world_size=1: dataclasses.replace(here(world_size), **_SITUATION["platform"])))
     if _SITUATION.get("hub_down"):
         from minirl import hub

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from minirl import benchmarks
+from minirl.eval import benchmarks
 from minirl.errors import UsageError
-from minirl.evaluate import eval_benchmark, summarize
+from minirl.eval.evaluate import eval_benchmark, summarize
 from minirl.recipe import Recipe
 from tests.conftest import SHARED
 
@@ -38,7 +38,7 @@ def test_data_is_filed_under_the_benchmark_it_is_and_scored_whole_unless_cut():
     """`eval aime25 --data gsm8k.jsonl` is not aime25 (1,319 problems, not 30): filed under the
     file's own name. A named benchmark is scored whole (the recipe's eval.max_problems cuts the
     held-out split only); --max-problems cuts, and the count it was cut from is kept."""
-    from minirl.evaluate import bench_records
+    from minirl.eval.evaluate import bench_records
 
     rec = Recipe()
     rec.eval.max_problems = 500
@@ -96,7 +96,7 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
 
 
 def test_prompt_uses_the_chat_template_when_the_tokenizer_has_one(tokenizer):
-    from minirl.evaluate import _format_prompt
+    from minirl.eval.evaluate import _format_prompt
 
     plain = _format_prompt(tokenizer, "{problem}?", "1+2")
     assert tokenizer.decode(plain) == "1+2?"

@@ -122,10 +122,10 @@ def test_level_1_sleep_keeps_weights_and_level_0_never_sleeps():
 
 
 def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bound():
-    from minirl.hf_io import adapter, titan_to_hf
+    from minirl.train.hf_io import adapter, titan_to_hf
     from minirl.models import TINY
     from minirl.rollout.sync import bucket_nbytes, hf_buckets, layer_groups
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     expected = {k: v.to(torch.bfloat16) for k, v in titan_to_hf(TINY, tr.full_state_dict()).items()}
@@ -157,10 +157,10 @@ def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bo
 
 
 def test_a_layer_larger_than_the_bound_is_a_bucket_of_its_own():
-    from minirl.hf_io import adapter
+    from minirl.train.hf_io import adapter
     from minirl.models import TINY
     from minirl.rollout.sync import hf_buckets, layer_groups
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     buckets = list(hf_buckets(tr.model, adapter(TINY).to_hf, dtype=torch.float32, bucket_bytes=1))
@@ -179,8 +179,8 @@ def test_resume_auto_continues_a_killed_run_and_starts_fresh_after_an_ended_one(
 
     from minirl.errors import UsageError
     from minirl.models import TINY
-    from minirl.preflight import pick_resume_checkpoint
-    from minirl.workspace import Workspace
+    from minirl.setup.preflight import pick_resume_checkpoint
+    from minirl.setup.workspace import Workspace
 
     ws = Workspace(tmp_path)
     assert pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", auto=True) is None
@@ -212,8 +212,8 @@ def test_resume_run_continues_the_run_it_names_not_the_newest(tmp_path):
 
     from minirl.errors import UsageError
     from minirl.models import TINY
-    from minirl.preflight import pick_resume_checkpoint, run_folder
-    from minirl.workspace import Workspace
+    from minirl.setup.preflight import pick_resume_checkpoint, run_folder
+    from minirl.setup.workspace import Workspace
 
     ws = Workspace(tmp_path)
     older, newer = tmp_path / "runs" / "20261126-100000", tmp_path / "runs" / "20261126-110000"

@@ -102,7 +102,7 @@ def latest_run(ws: Path):
 
 def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from minirl.models import TINY
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3)
     tr.load(ckpt)  # model and optimizer: the whole checkpoint must load
@@ -172,7 +172,7 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
         steps = [r["step"] for r in rows]
         assert steps == list(range(1, len(steps) + 1))  # one row per step, in order
         from minirl.models import TINY
-        from minirl.preflight import check_checkpoint, complete_checkpoints
+        from minirl.setup.preflight import check_checkpoint, complete_checkpoints
 
         complete = complete_checkpoints(run_dir)
         for c in complete:
@@ -226,9 +226,9 @@ wait $pid; echo $? > {tmp_path}/rc.txt
 {py} - <<'EOF'
 import json, pathlib, sys
 sys.path.insert(0, "{ROOT}")
-from minirl.preflight import check_checkpoint, complete_checkpoints
+from minirl.setup.preflight import check_checkpoint, complete_checkpoints
 from minirl.models import TINY
-from minirl.train import Trainer
+from minirl.train.trainer import Trainer
 run = sorted(p for p in pathlib.Path("{ws}/runs").iterdir() if p.is_dir())[-1]
 loaded = []
 for c in complete_checkpoints(run):

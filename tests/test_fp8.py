@@ -4,7 +4,7 @@ import torch
 
 from minirl.models import TINY
 from minirl.rollout.fp8 import fp8_roundtrip
-from minirl.train import Trainer
+from minirl.train.trainer import Trainer
 
 
 def test_fp8_roundtrip_rounds_projections_only():

@@ -2,7 +2,7 @@
 
 import math
 
-from minirl.guard import Guard
+from minirl.run.guard import Guard
 
 OK = dict(kl=1e-3, entropy=0.3, reward=0.5, loss=1.0, grad_norm=0.5)
 

@@ -11,7 +11,26 @@ PACKAGES = ("minirl", "cli", "rewards")
 # where each engine may be imported: vLLM in the rollout package, TorchTitan on the trainer's side
 ENGINE_HOMES = {
     "vllm": ("minirl.rollout",),
-    "torchtitan": ("minirl.models", "minirl.parallel", "minirl.replay", "minirl.hf_io", "minirl.train"),
+    "torchtitan": ("minirl.models", "minirl.train.parallel", "minirl.train.replay", "minirl.train.hf_io", "minirl.train.trainer"),
+}
+
+
+# The folders of minirl/ as layers, lowest first (docs/contributing.md): a module imports from its
+# own layer and from those its layer lists, never from above. "top" is minirl's top-level modules
+# (errors, atomic files, the recipe, the model catalogue, the Hub, data, the launcher's World);
+# rewards is the graders' package, beside minirl.
+LAYERS = ("top", "rewards", "train", "rollout", "setup", "eval", "run", "publish", "lab", "cli")
+ALLOWED = {
+    "top": set(),
+    "rewards": {"top"},
+    "train": {"top"},
+    "rollout": {"top", "train"},
+    "setup": {"top", "rewards", "train"},
+    "eval": {"top", "rewards", "train", "rollout", "setup"},
+    "run": {"top", "rewards", "train", "rollout", "setup", "eval"},
+    "publish": {"top", "rewards", "train", "rollout", "setup", "eval", "run"},
+    "lab": {"top", "rewards", "train", "rollout", "setup", "eval", "run", "publish"},
+    "cli": {"top", "rewards", "train", "rollout", "setup", "eval", "run", "publish", "lab"},
 }
 
 
@@ -136,3 +155,50 @@ def test_every_deferred_import_of_our_own_says_why():
             if "# deferred" not in lines[i]:
                 silent.append(f"{path.relative_to(ROOT)}:{line}: {text.strip()}")
     assert silent == []
+
+
+def layer(module: str, known: dict[str, Path]) -> str:
+    """The layer of a module: its folder under minirl/, "top" for minirl's own modules, else its package."""
+    parts = module.split(".")
+    if parts[0] != "minirl":
+        return parts[0]
+    if len(parts) > 2 or (len(parts) == 2 and known[module].name == "__init__.py"):
+        return parts[1]
+    return "top"
+
+
+def upward(known: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Every import of a module from a layer its own layer does not list (deferred ones too)."""
+    wrong = []
+    for name, path in known.items():
+        mine = layer(name, known)
+        for line, names, _, _ in imports(path, known):
+            for n in names:
+                if n not in known or n == "minirl":
+                    continue
+                theirs = layer(n, known)
+                if theirs != mine and theirs not in ALLOWED[mine]:
+                    wrong.append(f"{path.relative_to(root)}:{line} imports {n} ({mine} may not import {theirs})")
+    return wrong
+
+
+def test_the_layers_are_ordered_and_every_import_keeps_to_them():
+    for i, name in enumerate(LAYERS):
+        assert ALLOWED[name] <= set(LAYERS[:i]), name  # a layer lists only layers below it
+    assert set(ALLOWED) == set(LAYERS)
+    known = modules()
+    assert {layer(m, known) for m in known} == set(LAYERS)  # a new folder is placed in the order first
+    assert upward(known) == []
+
+
+def test_a_planted_upward_import_is_found(tmp_path):
+    for folder in ("minirl", "minirl/train", "minirl/run"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "minirl" / "errors.py").write_text("")
+    (tmp_path / "minirl" / "run" / "loop.py").write_text("from minirl.train import trainer\nfrom minirl import errors\n")
+    (tmp_path / "minirl" / "train" / "trainer.py").write_text("def f():\n    from minirl.run.loop import g  # deferred\n")
+    known = modules(tmp_path, ("minirl",))
+    assert upward(known, tmp_path) == ["minirl/train/trainer.py:2 imports minirl.run.loop (train may not import run)"]
+    (tmp_path / "minirl" / "errors.py").write_text("from minirl.train import trainer\n")
+    assert upward(known, tmp_path)[0] == "minirl/errors.py:1 imports minirl.train (top may not import train)"

@@ -1,115 +1,13 @@
-"""`minirl lab`: the grid's recipes, the offline collapse rule, the findings rules, and one real
-micro sweep (two cells of two steps) that resumes without redoing a finished cell."""
+"""The lab's runner (minirl/lab/runner.py): which run is a cell's, when a finished one is reused,
+extra cold starts, and a real run cut short and continued from its checkpoint. The studies on top:
+test_studies.py."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from minirl import lab, recipe
-
-
-def test_every_cell_of_both_grids_is_a_valid_recipe():
-    for quick in (True, False):
-        p = lab.plan(quick=quick)
-        ids = [c.id for c in p.cells]
-        assert len(set(ids)) == len(ids)
-        for c in p.cells:
-            rec = recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(p, 0), *c.sets])
-            assert rec.rollout.precision == "fp8" and not rec.guard.enabled  # the stress test, collapses run on
-            if c.regime.startswith("off-policy"):
-                n = rec.train.minibatches
-                assert n > 1 and rec.train.prompts_per_step == p.mb_prompts * n
-    full = lab.plan(quick=False)
-    assert full.offpolicy_n == (2, 4, 8) and len(full.cells) == 5 + 3 * 4 + 2
-
-
-def rows(entropy, kl=1e-4, reward=0.5):
-    return [{"step": i + 1, "train/entropy": e, "train/kl_mu_pi_old": kl, "rollout/reward_mean": r}
-            for i, (e, r) in enumerate(zip(entropy, reward if isinstance(reward, list) else [reward] * len(entropy)))]
-
-
-def test_collapse_is_the_guards_own_rule_applied_offline():
-    g = {"max_kl": 0.05, "min_entropy_frac": 0.05, "reward_drop": 0.2, "patience": 3}
-    assert lab.collapse(rows([0.3] * 10), g) is None
-    # entropy below 5% of its start with reward 0.2 below its best, for 3 steps: acts on the 3rd
-    ent = [0.3, 0.3, 0.01, 0.01, 0.01, 0.01]
-    assert lab.collapse(rows(ent, reward=[0.6, 0.6, 0.3, 0.3, 0.3, 0.3]), g) == (
-        5, "entropy 0.01 < 0.05 × 0.3 with reward 0.3 down from 0.6")
-    assert lab.collapse(rows(ent, reward=[0.6] * 6), g) is None  # low entropy alone is sharpening
-    assert lab.collapse(rows([0.3] * 6, kl=0.1), g)[0] == 3
-    # entropy rising past 1.25 × its start (a key the recorded recipe predates: the default) with
-    # the reward below half its best: the off-policy collapse of `minirl lab`
-    ent = [0.12, 0.12, 0.14, 0.16, 0.17, 0.18]
-    assert lab.collapse(rows(ent, reward=[0.23, 0.14, 0.02, 0.02, 0.02, 0.0]), g)[0] == 6
-
-
-def test_a_run_whose_held_out_score_falls_apart_counts_as_collapsed(tmp_path):
-    """Off-policy runs here fell to reward 0 with entropy rising, which the guard's criteria miss."""
-    guard = {"max_kl": 0.05, "min_entropy_frac": 0.05, "reward_drop": 0.2, "patience": 3}
-    runs = []
-    for name, end in (("ok", 0.30), ("fell", 0.05)):
-        run = tmp_path / name
-        run.mkdir()
-        ent = [0.1 + 0.01 * i for i in range(6)]  # rising: no guard trip
-        (run / "metrics.jsonl").write_text("".join(
-            json.dumps({**r, "loss/clip_frac": 0.0, "loss/is_weight_max": 1.2, "heldout/avg@4": 0.2}) + "\n"
-            for r in rows(ent)))
-        (run / "summary.json").write_text(json.dumps({"recipe": {"guard": guard}, "heldout": {
-            "metric": "avg@4", "start": {"avg@4": 0.25}, "end": {"avg@4": end}}}))
-        runs.append(run)
-    ok, fell = lab.cell_result(runs[:1]), lab.cell_result(runs[1:])
-    assert (ok["collapsed"], ok["fell"]) == (0, 0) and (fell["collapsed"], fell["fell"]) == (1, 1)
-    assert fell["first_collapse"] is None and fell["final"] == 0.05 and fell["peak"] == 0.25
-    both = lab.cell_result(runs)
-    assert both["collapsed"] == 1 and both["seeds"] == 2 and both["final"] == pytest.approx(0.175)
-
-
-def result(final, collapsed=0, seeds=1, kl=1e-3, start=0.25):
-    return {"seeds": seeds, "collapsed": collapsed, "fell": 0, "first_collapse": 7 if collapsed else None, "start": start,
-            "peak": max(final, start), "final": final, "kl": kl, "clip": 0.0, "is_max": 1.5, "per_seed": []}
-
-
-def test_findings_follow_from_the_numbers():
-    p = lab.plan(quick=True)
-    ids = {(c.regime, c.variant): c.id for c in p.cells}
-    res = {
-        ids["on-policy", "MiniRL"]: result(0.60),
-        ids["on-policy", "MiniRL w/o IS"]: result(0.05, collapsed=1),
-        ids["on-policy", "MiniRL + length norm"]: result(0.50),
-        ids["on-policy", "MiniRL + R3"]: result(0.59, kl=5e-4),
-        ids["on-policy", "MiniRL + R3 w/o IS"]: result(0.61),  # stable: F3's second half fails
-        ids["off-policy N=4", "no clip, no replay"]: result(0.1, collapsed=1),
-        ids["off-policy N=4", "clip"]: result(0.1, collapsed=1),
-        ids["off-policy N=4", "clip + R2"]: result(0.40),
-        ids["off-policy N=4", "clip + R3"]: result(0.55),
-        ids["cold starts", "cold start @10%"]: result(0.58, start=0.1),
-    }
-    got = {fid: (verdict, numbers) for fid, _, verdict, numbers in lab.findings(res, p.cells, p.offpolicy_n)}
-    assert got["F1"][0] == "reproduced" and "w/o IS: collapsed 1/1 (guard at step 7)" in got["F1"][1]
-    assert got["F2"][0] == "reproduced"
-    assert got["F3"][0] == "not reproduced"
-    assert got["F4"][0] == "reproduced" and got["F5"][0] == "reproduced"  # N = 4: R3 0.55 > R2 0.40
-    assert got["F6"][0] == "reproduced" and "spread 0.020" in got["F6"][1]
-    res[ids["on-policy", "MiniRL w/o IS"]] = result(0.62)  # no collapse and no worse: F1 not reproduced
-    assert dict((f, v) for f, _, v, _ in lab.findings(res, p.cells, p.offpolicy_n))["F1"] == "not reproduced"
-
-
-def test_the_guard_check_reruns_the_cell_that_collapsed_most_reliably():
-    p = lab.plan(quick=True)
-    ids = {(c.regime, c.variant): c for c in p.cells}
-
-    def res(*collapse_steps):
-        return {"per_seed": [{"collapse": s} for s in collapse_steps]}
-
-    none_, clip = ids["off-policy N=4", "no clip, no replay"], ids["off-policy N=4", "clip"]
-    r = {c.id: res(None, None) for c in p.cells}
-    assert lab.most_reliable_collapse(r, p.cells) is None
-    r[clip.id] = res(9, None)
-    r[none_.id] = res(12, 4)  # both seeds: more reliable than clip's one, though later on seed 0
-    assert lab.most_reliable_collapse(r, p.cells) is none_
-    r[none_.id] = res(None, 4)  # seed 0 did not collapse: the check reruns seed 0, so it cannot show it
-    assert lab.most_reliable_collapse(r, p.cells) is clip
+from minirl.lab import runner as lab
+from minirl import recipe
 
 
 def test_a_cell_is_the_run_its_own_process_started_not_the_newest(tmp_path):
@@ -213,80 +111,41 @@ def test_a_run_that_ended_before_its_sweep_recorded_it_is_recorded_not_resumed(t
     assert not (ws / "lab" / "x" / "logs").exists()  # no `minirl run` started
     assert json.loads((run / "summary.json").read_text())["wall_s"] == 884.5
     (run / "summary.json").write_text(json.dumps({"status": "interrupted", "steps": 1}))
-    assert not lab._ended(run, guarded=False)
-    (run / "summary.json").write_text(json.dumps({"status": "collapsed", "steps": 1}))
-    assert lab._ended(run, guarded=True) and not lab._ended(run, guarded=False)
+    assert not lab._ended(run)
 
 
 @pytest.mark.slow
-def test_a_micro_sweep_runs_resumes_and_reports(tmp_path, monkeypatch):
-    """Two real cells of two steps, one of which meets the guard's criteria by construction (KL
-    above a max_kl of -1), so the guard check reruns it with the guard acting: it rolls back,
-    then stops as collapsed (exit 3), and the report and figure say so."""
-    from minirl.rollout.seeding import SAMPLING
-    from minirl.workspace import init_workspace
+def test_a_real_run_cut_short_continues_from_its_checkpoint_and_is_then_reused(tmp_path, monkeypatch):
+    """A cell of two real steps, SIGKILLed as its step 2 begins (a session's end): the next
+    run_cell continues it from its step-1 checkpoint in its own folder, its step-1 row kept; once
+    finished it is reused. A cell recorded under another sampling scheme runs again."""
+    from minirl.setup.workspace import init_workspace
 
     ws = tmp_path / "ws"
     init_workspace(ws, task="scratchpad", overrides=[
         "cold_start.max_steps=30", "cold_start.train_size=400", "cold_start.heldout_size=8", "cold_start.dev_size=4",
         "cold_start.check_every=30", "cold_start.batch_size=16", "train.group_size=4", "train.prompts_per_step=4",
         "eval.k=1", "rollout.max_tokens=40"])
-    full = lab.plan(quick=True)
-    trips = ("guard.max_kl=-1", "guard.patience=1", "guard.max_rollbacks=1")
-    cells = [lab.Cell("on-policy", "MiniRL", trips), next(c for c in full.cells if c.variant == "MiniRL w/o IS")]
-    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=cells)
+    cell = lab.Cell("on-policy", "MiniRL w/o IS", lab.NO_IS)
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
     L = lab.Lab(ws, ws / "lab" / "micro")
-    seen = []
-    runs = L.sweep(p, on_cell=lambda what, i, n: seen.append((what, i, n)))
-    assert [s[1:] for s in seen] == [(0, 2), (1, 2), (2, 2)] and len(runs) == 2
-    state = json.loads((ws / "lab" / "micro" / "state.json").read_text())
-    assert set(state["runs"]) == {f"{c.id}/s0" for c in cells}
-    for run in state["runs"].values():
-        rec = json.loads((tmp_path / run / "summary.json").read_text())["recipe"]
-        assert rec["rollout"]["precision"] == "fp8" and rec["guard"]["enabled"] is False
-    modes = [json.loads((tmp_path / state["runs"][f"{c.id}/s0"] / "summary.json").read_text())["recipe"]["loss"]["is_mode"]
-             for c in cells]
-    assert modes == ["truncate", "off"]  # each cell's own change on top
-    n_runs = len(list((ws / "runs").iterdir()))
-    L2 = lab.Lab(ws, ws / "lab" / "micro")  # a new sweep (an interrupted one resumed): finished cells are not redone
-    L2.sweep(p)
-    assert len(list((ws / "runs").iterdir())) == n_runs
-
-    info = L2.guard_check(p)
-    assert info["cell"] == cells[0].id and len(list((ws / "runs").iterdir())) == n_runs + 1
-    guarded = json.loads((Path(info["guarded"]) / "summary.json").read_text())
-    assert guarded["recipe"]["guard"]["enabled"] is True and guarded["recipe"]["checkpoint"]["every"] == 5
-    assert guarded["status"] == "collapsed" and guarded["guard"]["rollbacks"] == 1  # exit 3 is its result
-    check = lab.guard_check_result(L2.state["guard_check"])
-    assert check["observed"]["collapse"][0] == 1 and check["observed"]["collapse"][1].startswith("KL(μ‖π_old)")
-    assert [(r["step"], r["action"], r["to"]) for r in check["guarded"]["rollbacks"]] == [(1, "rollback", 0), (2, "stop", 0)]
-
-    path, pngs, found = lab.report(L2, p)
-    text = path.read_text()
-    assert "| F1 |" in text and "| on-policy | MiniRL w/o IS |" in text
-    assert "| status | finished after 2 steps | collapsed after 2 steps |" in text
-    assert "step 1: rollback to step 0 (KL(μ‖π_old)" in text
-    assert [f[0] for f in found] == ["F1"] and pngs[0].stat().st_size > 10_000
-    assert pngs[-1].name == "lab-guard-check.png" and pngs[-1].stat().st_size > 10_000
-
-    # a cell recorded under another sampling scheme (rollout.SAMPLING) runs again; the other is
-    # reused. That new run is cut short (SIGKILLed as its step 2 begins: a session's end), and the
-    # next sweep continues it from its step-1 checkpoint, in its own folder, its step-1 row kept
-    key = f"{cells[1].id}/s0"
-    L2.state["sets"][key] = [x for x in L2.state["sets"][key] if not x.startswith("#sampling=")] + ["#sampling=1"]
-    before = len(list((ws / "runs").iterdir()))
     monkeypatch.setenv("MINIRL_INJECT_KILL", "0@2")
     with pytest.raises(RuntimeError, match="exit -9"):
-        L2.sweep(p)
+        L.run_cell(cell, 0, p, progress=lambda s: None)
     monkeypatch.delenv("MINIRL_INJECT_KILL")
-    killed = sorted((ws / "runs").iterdir())[-1]
-    assert len(list((ws / "runs").iterdir())) == before + 1
+    (killed,) = (ws / "runs").iterdir()
     assert [r["step"] for r in lab.rows_of(killed)] == [1] and not (killed / "summary.json").exists()
-    L3 = lab.Lab(ws, ws / "lab" / "micro")
-    L3.sweep(p)
-    assert Path(L3.state["runs"][key]) == killed and "in_flight" not in L3.state
-    assert len(list((ws / "runs").iterdir())) == before + 1  # no other folder
+    said = []
+    L2 = lab.Lab(ws, ws / "lab" / "micro")
+    assert L2.run_cell(cell, 0, p, progress=said.append) == killed
+    assert said == [f"{cell.id}/s0: continuing run {killed.name} from its newest checkpoint"]
+    assert len(list((ws / "runs").iterdir())) == 1 and "in_flight" not in L2.state
     assert [r["step"] for r in lab.rows_of(killed)] == [1, 2]
     assert json.loads((killed / "process.json").read_text())["resumed_from"].endswith("step_000001")
-    assert json.loads((killed / "summary.json").read_text())["status"] == "finished"
-    assert L3.state["sets"][key][-1] == f"#sampling={SAMPLING}"
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["recipe"]["loss"]["is_mode"] == "off"  # the cell's change
+    assert summary["recipe"]["rollout"]["precision"] == "fp8" and summary["recipe"]["guard"]["enabled"] is False
+    assert lab.Lab(ws, ws / "lab" / "micro").finished(cell, 0, p) == killed  # reused, not run again
+    key = f"{cell.id}/s0"
+    L2.state["sets"][key] = [x for x in L2.state["sets"][key] if not x.startswith("#sampling=")] + ["#sampling=1"]
+    assert L2.finished(cell, 0, p) is None  # recorded under another sampling scheme: runs again

@@ -4,9 +4,9 @@ transformers' own Qwen3MoeForCausalLM on the converted folder."""
 import pytest
 import torch
 
-from minirl.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
+from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.models import QWEN3_30B_A3B, TINY, ModelShape, hf_config_dict, param_count, titan_config
-from minirl.train import Trainer
+from minirl.train.trainer import Trainer
 
 
 def test_tiny_is_a_real_qwen3_moe():
@@ -61,7 +61,7 @@ def test_the_trainers_policy_gradient_equals_transformers(tiny_dir):
     every parameter, router and experts included (transformers keeps experts stacked)."""
     from transformers import AutoModelForCausalLM
 
-    from minirl.batch import build_batch
+    from minirl.train.batch import build_batch
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
     tr = Trainer(TINY, lr=1e-3)
@@ -96,7 +96,7 @@ def test_the_trainers_policy_gradient_equals_transformers(tiny_dir):
 
 def test_a_model_too_large_for_one_process_is_refused_before_any_download():
     from minirl.errors import UsageError
-    from minirl.preflight import check_fits
+    from minirl.setup.preflight import check_fits
 
     check_fits(TINY, "tiny-qwen3-moe")
     with pytest.raises(UsageError, match=r"30\.53B parameters: one process needs ~512 GiB .* multi-GPU path"):

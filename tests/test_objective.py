@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minirl import objective as O
+from minirl.train import objective as O
 
 LN = math.log
 

@@ -51,7 +51,7 @@ def test_with_an_offline_variable_nothing_is_probed_and_the_cache_answers(ws, tm
                             "HF_HOME": str(tmp_path / "empty-cache")}))
     assert "is not in the local cache and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set; pass a local copy" in line
     # a local copy still works offline (the eval itself is tests/test_benchmarks.py's)
-    from minirl import benchmarks
+    from minirl.eval import benchmarks
 
     assert len(benchmarks.load_records(benchmarks.get("aime25"), data=ROOT.parent / "shared/data/benchmarks/aime25.jsonl")) == 30
 

@@ -96,7 +96,7 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     assert (rec.model.id, rec.model.path, rec.parallel.ep, rec.rollout.precision) == ("Qwen3-30B-A3B", "", 8, "fp8")
     assert (rec.reward.grader, rec.data.chat_template, rec.data.prompt_field) == ("math", True, "problem")
     # the recipe does not depend on the machine that made it: this one has no GPU, and the cluster
-    # values stay (what a CPU cannot do is refused where a run starts, recipe.validate)
+    # values stay (what a CPU cannot do is refused where a run starts, validator.validate)
     shipped = recipe.load(recipe.for_model("Qwen3-30B-A3B"))
     assert (rec.rollout.sleep_level, rec.rollout.kv_cache_gib) == (shipped.rollout.sleep_level, shipped.rollout.kv_cache_gib)
     assert not (tmp_path / "moe" / "model").exists() or not any((tmp_path / "moe" / "model").iterdir())

@@ -63,7 +63,7 @@ def test_a_sync_waits_for_the_rollout_sent_before_it(proc, engine, tiny_dir):
     parameters instead (the path for engines whose weights cannot be shared)."""
     from minirl.models import TINY
     from minirl.rollout import sync as weight_sync
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=0.0)
     tr.load_hf(tiny_dir)

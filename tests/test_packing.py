@@ -1,13 +1,13 @@
-"""Shared-prompt packing (minirl/packing.py): its layout, and the trainer's log-probs, entropies,
+"""Shared-prompt packing (minirl/train/packing.py): its layout, and the trainer's log-probs, entropies,
 loss and gradients equal to the unpacked batch's on the tiny model."""
 
 import pytest
 import torch
 
-from minirl.batch import build_batch
+from minirl.train.batch import build_batch
 from minirl.models import TINY
-from minirl.packing import pack_shared_prompts
-from minirl.train import Trainer
+from minirl.train.packing import pack_shared_prompts
+from minirl.train.trainer import Trainer
 
 
 def _pack(prompts, resps, **kw):
@@ -86,7 +86,7 @@ def _grouped_batch(seed: int):
 @pytest.mark.parametrize("micro", [0, 4])
 def test_packed_trainer_equals_unpacked_in_logprobs_entropy_loss_and_gradient(micro):
     from minirl import recipe
-    from minirl.objective import loss_for
+    from minirl.train.objective import loss_for
 
     batch = _grouped_batch(0)
     fn = loss_for(recipe.load(None).loss)

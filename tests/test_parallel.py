@@ -35,7 +35,7 @@ def test_two_ranks_update_like_one_process(ep, replay, shared, tmp_path):
     from dist_worker import fixed_batch, fixed_routes, one_update
 
     from minirl.models import TINY
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay, *(["--shared-prompts"] if shared else []))
 
@@ -66,7 +66,7 @@ def test_bf16_compute_keeps_fp32_master_shards(tmp_path):
     from dist_worker import fixed_batch, one_update
 
     from minirl.models import TINY
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     got = two_ranks(tmp_path, "--ep", "2", "--param-dtype", "bfloat16")
     assert got["shard_dtypes"] == ["torch.float32"]
@@ -92,9 +92,9 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
     import json
     import os
 
-    from minirl.hf_io import hf_to_titan, load_hf_weights
+    from minirl.train.hf_io import hf_to_titan, load_hf_weights
     from minirl.models import TINY
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
     from tests.conftest import data_workspace
 
     ws = data_workspace(tmp_path / "ws")

@@ -11,7 +11,7 @@ import torch
 
 from minirl import recipe
 from minirl.models import KNOWN_SHAPES, param_count
-from minirl.plan import GiB, active_params, make_plan
+from minirl.train.plan import GiB, active_params, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAVORS = {"Qwen3-0.6B": "0.6B", "Qwen3-1.7B": "1.7B", "Qwen3-4B": "4B", "Qwen3-8B": "8B", "Qwen3-14B": "14B",
@@ -181,7 +181,7 @@ def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_s
 def test_the_slurm_example_launches_what_the_plan_says():
     """recipes/qwen3-30b-a3b.sbatch: valid bash, one torchrun per node with the plan's restart and
     rendezvous flags, and `--resume auto`, so a requeued or restarted job continues its run."""
-    from minirl.plan import launch_commands
+    from minirl.train.plan import launch_commands
 
     script = ROOT / "recipes" / "qwen3-30b-a3b.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from minirl import objective as O
-from minirl.batch import build_batch
+from minirl.train import objective as O
+from minirl.train.batch import build_batch
 from minirl.models import TINY
-from minirl.replay import route_agreement, route_dtype, tokens_with_a_flip
-from minirl.train import Trainer
+from minirl.train.replay import route_agreement, route_dtype, tokens_with_a_flip
+from minirl.train.trainer import Trainer
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 
 from minirl import recipe
 from minirl.errors import UsageError
-from minirl.preflight import latest_trained, run_recipe
-from minirl.workspace import RECIPE_NAME, Workspace
+from minirl.setup.preflight import latest_trained, run_recipe
+from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 
 def _run(ws: Path, name: str, steps: tuple[int, ...], recipe_text: str | None = None, summary: dict | None = None) -> Path:
@@ -44,7 +44,7 @@ def test_a_resumed_run_keeps_its_own_recipe_and_flags_on_top_of_it(ws):
 
 
 def test_what_a_resume_changes_is_recorded_before_the_recipe_is_rewritten(ws):
-    from minirl.lifecycle import RECIPE_CHANGES, _record_changes
+    from minirl.run.lifecycle import RECIPE_CHANGES, _record_changes
 
     run = _run(ws.root, "20261127-100000", (2,), recipe.load(None, ["train.steps=5"]).to_toml())
     ckpt = run / "checkpoints" / "step_000002"
@@ -74,7 +74,7 @@ def test_latest_is_the_newest_run_that_trained(ws):
 
 
 def test_a_cards_evaluations_are_found_however_the_checkpoint_path_was_typed(tmp_path, monkeypatch):
-    from minirl.export import Checkpoint, eval_results_for
+    from minirl.publish.export import Checkpoint, eval_results_for
 
     ckpt = _run(tmp_path, "20261127-100000", (4,)) / "checkpoints" / "step_000004"
     (tmp_path / "evals").mkdir()

@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 
-from minirl.batch import build_batch
+from minirl.train.batch import build_batch
 from minirl.models import TINY
 from minirl.rollout import sync as weight_sync
-from minirl.train import Trainer
+from minirl.train.trainer import Trainer
 
 PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 4, 4, 4, 16], [12, 11, 10, 13, 3, 3, 3, 16]]
 
@@ -46,7 +46,7 @@ def test_a_cpu_engine_sized_for_the_job_holds_its_sequences_and_no_more(engine):
     """kv_cache_gib = 0 on a CPU: a 128-token block for each of max_num_seqs sequences of up to
     max_model_len tokens, and vLLM's empty block (the default of 0.25 GiB held 2,048 blocks)."""
     from minirl.models import TINY
-    from minirl.recipe import CPU_KV_BLOCK, cpu_kv_cache_bytes
+    from minirl.validator import CPU_KV_BLOCK, cpu_kv_cache_bytes
 
     s = engine.settings
     assert s.kv_cache_gib * 2**30 == cpu_kv_cache_bytes(TINY, s.max_num_seqs, s.max_model_len, 2)
@@ -349,7 +349,7 @@ def engine_r3(tiny_dir):
 
 
 def capture_batch(engine, n_prompts=18):
-    from minirl.replay import rollout_routes
+    from minirl.train.replay import rollout_routes
 
     prompts_in = [PROMPTS[i % 3][: 5 + i % 4] for i in range(n_prompts)]  # varied lengths, many requests
     groups = engine.generate(prompts_in, n=4, temperature=1.0, max_tokens=6, seed=11)
@@ -370,7 +370,7 @@ def fed_positions(comps, batch):
 def test_route_capture_is_aligned_with_the_trainer_in_fp32(engine32, tiny_dir):
     """fp32 engines route identically, so a capture that is cut per request and position correctly
     agrees 100% with the trainer's own routing; an off-by-one or a request mix-up would not."""
-    from minirl.replay import route_agreement
+    from minirl.train.replay import route_agreement
     from minirl.rollout.cpu import routes as capture
 
     engine32._llm.collective_rpc(capture.install)
@@ -386,7 +386,7 @@ def test_route_capture_is_aligned_with_the_trainer_in_fp32(engine32, tiny_dir):
 
 
 def test_r3_trainer_uses_exactly_the_rollout_routes_and_lowers_the_mismatch(engine_r3, tiny_dir):
-    from minirl.replay import route_agreement
+    from minirl.train.replay import route_agreement
 
     comps, batch, routes = capture_batch(engine_r3)
     assert routes.dtype == torch.uint8
@@ -450,7 +450,7 @@ def test_cuda_routed_experts_become_the_same_routes_as_the_cpu_capture(engine_r3
 
     import numpy as np
 
-    from minirl.replay import rollout_routes
+    from minirl.train.replay import rollout_routes
     from minirl.rollout.vllm import routes_from_vllm
 
     comps, batch, routes = capture_batch(engine_r3, n_prompts=6)

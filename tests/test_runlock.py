@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from minirl.errors import UsageError
-from minirl.runlock import LOCK_FILE, RunLock
+from minirl.run.runlock import LOCK_FILE, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 HOLD = """
 import os, sys, time
 from pathlib import Path
-from minirl.runlock import RunLock
+from minirl.run.runlock import RunLock
 if sys.argv[2] == "lab":
-    from minirl.lab import Lab
+    from minirl.lab.runner import Lab
     lab = Lab(Path(sys.argv[1]).parent, Path(sys.argv[1]))
     lab.hold()
 else:
@@ -61,13 +61,13 @@ def test_a_second_writer_is_refused_until_the_first_dies(tmp_path, mode):
     RunLock(run).release()  # ...and no obstacle: the kernel dropped its lock (also with a forked child alive)
 
 
-def test_a_second_lab_on_the_same_grid_is_refused(tmp_path):
-    from minirl.lab import Lab
+def test_a_second_lab_on_the_same_lab_folder_is_refused(tmp_path):
+    from minirl.lab.runner import Lab
 
     out = tmp_path / "lab" / "quick"
     p = _holder(out, "lab")
     try:
-        with pytest.raises(UsageError, match=f"lab grid {out} is being written by pid {p.pid} on "):
+        with pytest.raises(UsageError, match=f"lab study {out} is being written by pid {p.pid} on "):
             Lab(tmp_path, out).hold()
     finally:
         p.kill()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from minirl import status
+from minirl.run import status
 
 
 def make_run(root, *, proc=None, summary=None, rows=3, steps=10):

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from minirl import lab, recipe, rescore, studies, verdicts
+from minirl.lab import report as study_report
+from minirl.lab import runner as lab, rescore, stages, studies, verdicts
+from minirl import recipe
 
 
 def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
@@ -95,14 +97,14 @@ def test_the_report_opens_with_the_dial_and_draws_the_dose_response(tmp_path):
             "why": "the mildest level whose per-response spread reaches 1 (1.00)", "route_flips": 0.005,
             "levels": {lvl: {**level, "sd": sd} for lvl, sd in
                        (("fp32", 0.0), ("bf16", 0.15), ("fp8-weights", 0.37), ("fp8", 0.41), ("e5m2", 1.0))}}
-    text = studies.write_report(study, sp, res, mech, tmp_path).read_text()
+    text = study_report.write_report(study, sp, res, mech, tmp_path).read_text()
     assert text.index("| e5m2 (the study's level) |") < text.index("## Verdicts at e5m2") < text.index("## Dose–response")
     assert "learning rate 0.0003 in every arm (the workspace recipe's" in text and "| fp8 | 1.00e-03 ± 1.0e-04 | 0.410 ± 0.10 | 0.40 | 32.0 | 5.0% |" in text
     dose = text.split("## Dose–response")[1]
     assert "| arm | bf16 (SD 0.15) | fp8 (SD 0.41) | e5m2 (SD 1.00) |" in dose
     assert "| MiniRL | 0.455 [0.450, 0.460], 0/2 collapsed |" in dose
     res["bf16"]["MiniRL"] = res["bf16"]["MiniRL"][:1]  # one seed: a value, no range
-    dose = studies.write_report(study, sp, res, mech, tmp_path).read_text().split("## Dose–response")[1]
+    dose = study_report.write_report(study, sp, res, mech, tmp_path).read_text().split("## Dose–response")[1]
     assert "| MiniRL | 0.450, 0/1 collapsed | 0.425 [0.420, 0.430], 0/2 collapsed |" in dose
     assert "placebo" not in dose.split("![")[0] and (tmp_path / "study-is-dose.png").stat().st_size > 10_000
 
@@ -139,7 +141,7 @@ def test_a_rescore_reports_each_arm_at_both_engines_and_pairs_the_comparisons(tm
     rows = [{"step": s, "rollout/reward_mean": 0.3, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3} for s in (1, 2)]
     res = {"nvfp4": {n: [{**r, "start": 0.1, "collapse": None, "steps": 2, "rows": rows, "lr": 1e-4, "slope": 0.0}
                          for r in runs] for n, runs in here.items()}}
-    report = studies.write_report(study, sp, res, None, tmp_path, rescored=("fp32", scores)).read_text()
+    report = study_report.write_report(study, sp, res, None, tmp_path, rescored=("fp32", scores)).read_text()
     assert report.index("## Arms at nvfp4") < report.index("## Exploratory: the last checkpoints served at fp32")
     assert "![served at fp32](study-is-rescore-fp32.png)" in report
     assert (tmp_path / "study-is-rescore-fp32.png").stat().st_size > 10_000
@@ -196,16 +198,16 @@ def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_powe
     res = {"no clip": _arm([0.1, 0.5, 0.1, 0.1, 0.5], collapses=fell), "clip": _arm([0.5] * 5),
            "clip + R2": _arm([0.50, 0.52, 0.49, 0.51, 0.50]), "clip + R3": _arm([0.51, 0.53, 0.50, 0.52, 0.51]),
            "R2, no clip": _arm([0.5] * 5), "R3, no clip": _arm([0.1, 0.5, 0.1, 0.1, 0.5], collapses=fell)}
-    assert studies.unpaired(study, res) == ""
+    assert stages.unpaired(study, res) == ""
     stopped = {**res, "R3, no clip": res["R3, no clip"][:4]}  # the first stage stopped mid-seed: no declaration
-    assert studies.unpaired(study, stopped).endswith("R2, no clip 5, R3, no clip 4 seeds")
-    assert studies.unpaired(study, {k: r for k, r in res.items() if k != "clip"}).startswith("no clip 5, clip 0,")
+    assert stages.unpaired(study, stopped).endswith("R2, no clip 5, R3, no clip 4 seeds")
+    assert stages.unpaired(study, {k: r for k, r in res.items() if k != "clip"}).startswith("no clip 5, clip 0,")
     stage1 = studies.decide(study, res)
     assert [d.needed for d in stage1] == [7, 7, 7, 0]
-    declared = studies.declare_confirmation(study, stage1, report="/x/report.md")
-    assert declared["seeds"] == 7 and declared["first_seed"] == studies.CONFIRM_FIRST_SEED
+    declared = stages.declare_confirmation(study, stage1, report="/x/report.md")
+    assert declared["seeds"] == 7 and declared["first_seed"] == stages.CONFIRM_FIRST_SEED
     assert [f for f, _ in declared["comparisons"]] == ["F4"] * 3 and "power 0.74" in declared["why"][0]
-    sub = studies.confirmation_study(study, declared)
+    sub = stages.confirmation_study(study, declared)
     assert [a[0] for a in sub.arms] == ["no clip", "clip", "clip + R3", "R3, no clip"] and not sub.dose
     sp = studies.plan(sub, seeds=7, quick=False, level="e5m2", dose_seeds=2, first_seed=declared["first_seed"])
     todo = sp.todo()
@@ -225,18 +227,18 @@ def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_powe
         for x in r:
             x.update(rows=[{"step": 1, "rollout/reward_mean": 0.3, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3}],
                      lr=3e-4)
-    text = studies.write_report(sub, sp, {"e5m2": fresh}, mech, tmp_path, confirmation=declared).read_text()
+    text = study_report.write_report(sub, sp, {"e5m2": fresh}, mech, tmp_path, confirmation=declared).read_text()
     assert text.startswith("# minirl lab offpolicy: confirmation stage")
     assert text.index("## Declared before its first run") < text.index("## Verdicts at e5m2")
     assert "7 fresh seeds per arm (train.seed 1000 on)" in text and "| F5 |" not in text
     assert "over both stages its chance of a false positive is at most 0.0975" in text
     # nothing short of power: nothing to confirm
-    assert studies.declare_confirmation(study, [d._replace(needed=0) for d in stage1], report="r") is None
+    assert stages.declare_confirmation(study, [d._replace(needed=0) for d in stage1], report="r") is None
 
 
 @pytest.mark.slow
 def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
-    from minirl.workspace import init_workspace
+    from minirl.setup.workspace import init_workspace
 
     ws = tmp_path / "ws"
     init_workspace(ws, task="scratchpad", overrides=[
@@ -268,7 +270,7 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     assert seeds == {"0": {0}}
     res = studies.arm_results(L, sp)
     assert sorted(res[lvl]) == ["MiniRL", "length norm"] and all(len(r) == 1 for r in res[lvl].values())
-    text = studies.write_report(study, sp, res, mech, L.out).read_text()
+    text = study_report.write_report(study, sp, res, mech, L.out).read_text()
     assert text.index("## The mismatch dial, measured before any arm ran") < text.index("## Verdicts")
     assert f"Level: **{lvl}**" in text
     assert "| F2 | length normalisation ends lower | length norm − MiniRL |" in text and "inconclusive" not in text
@@ -283,7 +285,7 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     evals = sorted((ws / "evals").glob("heldout-*.json"))
     assert rescore.rescore(lab.Lab(ws, L.out), first, "fp32") == scores  # resumed: not evaluated again
     assert sorted((ws / "evals").glob("heldout-*.json")) == evals
-    text = studies.write_report(study, sp, studies.arm_results(L, sp), mech, L.out, rescored=("fp32", scores)).read_text()
+    text = study_report.write_report(study, sp, studies.arm_results(L, sp), mech, L.out, rescored=("fp32", scores)).read_text()
     assert "## Exploratory: the last checkpoints served at fp32" in text
 
 
@@ -315,7 +317,7 @@ def test_a_run_is_scored_on_the_endpoint_its_study_declared(tmp_path):
     assert studies.arm_results(L, declared)["e5m2"]["MiniRL"][0]["final"] == pytest.approx(late)
     old = studies.plan(study, seeds=1, quick=False, level="e5m2", endpoint=studies.study_endpoint({}))
     assert studies.arm_results(L, old)["e5m2"]["MiniRL"][0]["final"] == 0.7
-    text = studies.write_report(study, old, studies.arm_results(L, old), None, tmp_path).read_text()
+    text = study_report.write_report(study, old, studies.arm_results(L, old), None, tmp_path).read_text()
     assert "Final held-out score: the last held-out evaluation (declared before the late-third" in text
 
 
@@ -328,7 +330,7 @@ def test_a_study_not_about_the_gap_keeps_the_papers_level_whatever_the_dial_chos
     mech.update(seeds=3, measured_at="now", doctor="/x/doctor-1.json", levels={
         lvl: {"kl": 1e-3, "kl_spread": 0.0, "sd": 0.5, "sd_spread": 0.0, "predicted": 0.4, "length": 32.0}
         for lvl in ("bf16", "fp8", "e5m2")})
-    text = "\n".join(studies.mechanism_lines(mech, studies.study_level(studies.STUDIES["coldstart"], mech)))
+    text = "\n".join(study_report.mechanism_lines(mech, studies.study_level(studies.STUDIES["coldstart"], mech)))
     assert "| fp8 (the study's level) |" in text and "| e5m2 |" in text and "Level: **fp8**, fixed by the study" in text
 
 
@@ -392,9 +394,9 @@ def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp
     assert "no follow-up at" in refused("is", str(ws), "--at", "fp8", "--report-only")
     assert not (ws / "lab" / "study-is" / "full" / "at-fp8").exists()  # refused before anything was written
 
-    declared = studies.declare_follow_up(studies.STUDIES["is"], "fp8", seeds=5, report="/x/report.md",
+    declared = stages.declare_follow_up(studies.STUDIES["is"], "fp8", seeds=5, report="/x/report.md",
                                          dial=studies.measured_dial(mech["levels"]))
-    sub = studies.follow_up_study(studies.STUDIES["is"], declared)
+    sub = stages.follow_up_study(studies.STUDIES["is"], declared)
     assert [a[0] for a in sub.arms] == ["MiniRL", "w/o IS", "R3", "R3 w/o IS"] and not sub.dose
     assert [c.finding for c in sub.comparisons] == ["F1", "F1", "F3", "F3", "F3"]  # the placebo's is gone
     why = f"fixed by the study: a follow-up declared at {declared['declared_at']} after the dose–response"
@@ -402,10 +404,10 @@ def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp
     sp = studies.plan(sub, seeds=5, quick=False, level="fp8", first_seed=declared["first_seed"],
                       endpoint=declared["endpoint"])
     assert {a.cell.sets[0] for a in sp.arms} == {"rollout.precision=fp8"} and sp.todo()[0][1] == 2000
-    text = studies.write_report(sub, sp, {}, mech, tmp_path, follow_up=declared).read_text()
+    text = study_report.write_report(sub, sp, {}, mech, tmp_path, follow_up=declared).read_text()
     assert text.startswith("# minirl lab is: follow-up at fp8") and "train.seed 2000 on" in text
     assert "after the first stage's dose–response (`/x/report.md`)" in text
-    alone = studies.write_report(sub, sp, {}, mech, tmp_path, follow_up={**declared, "from": ""}).read_text()
+    alone = study_report.write_report(sub, sp, {}, mech, tmp_path, follow_up={**declared, "from": ""}).read_text()
     assert "with no first stage in this workspace (its dial measured for this follow-up" in alone
     # declared once: its seeds do not change after
     out = ws / "lab" / "study-is" / "full" / "at-fp8"
@@ -426,37 +428,37 @@ def test_the_learning_rate_is_the_best_stable_one_once_every_rate_ran_every_seed
     that has not run whole; the report states it with the runner-up's paired difference, and the
     other studies' reports say where their rate came from."""
     arms = _lr_arms({1e-4: [0.50, 0.55, 0.52], 3e-4: [0.60, 0.62, 0.58], 1e-3: [0.70, 0.75, 0.72]}, collapsed=(1e-3,))
-    lr, why = studies.choose_lr(arms)
+    lr, why = stages.choose_lr(arms)
     assert lr == 3e-4 and why.startswith("the highest mean final held-out (0.600 over 3 seeds)")  # 1e-3 fell once
-    assert studies.choose_lr(_lr_arms({1e-4: [0.5], 3e-4: [0.6], 1e-3: [0.7]}))[0] == 1e-3
-    assert studies.choose_lr({k: v for k, v in arms.items() if "0.001" not in k})[0] is None  # a rate not run
+    assert stages.choose_lr(_lr_arms({1e-4: [0.5], 3e-4: [0.6], 1e-3: [0.7]}))[0] == 1e-3
+    assert stages.choose_lr({k: v for k, v in arms.items() if "0.001" not in k})[0] is None  # a rate not run
     partial = {**arms, "MiniRL, lr 0.0001": arms["MiniRL, lr 0.0001"][:2]}
-    assert studies.choose_lr(partial)[0] is None  # a seed still to run
-    assert studies.choose_lr(_lr_arms({x: [0.5] for x in studies.LR_GRID}, collapsed=studies.LR_GRID))[0] is None
+    assert stages.choose_lr(partial)[0] is None  # a seed still to run
+    assert stages.choose_lr(_lr_arms({x: [0.5] for x in studies.LR_GRID}, collapsed=studies.LR_GRID))[0] is None
 
     study = studies.STUDIES[studies.LR_STUDY]
     sp = studies.plan(study, seeds=3, quick=False, level="e5m2")
     rows = [{"step": s, "rollout/reward_mean": 0.3, "train/entropy": 1.0, "train/kl_mu_pi_old": 1e-3,
              **({"heldout/avg@4": 0.4} if s % 5 == 0 else {})} for s in range(1, 11)]
     res = {"e5m2": {name: [{**r, "rows": rows} for r in runs] for name, runs in arms.items()}}
-    text = studies.write_report(study, sp, res, None, tmp_path).read_text()
+    text = study_report.write_report(study, sp, res, None, tmp_path).read_text()
     assert "## Verdicts" not in text and "| 0.0003 (chosen) | 0.600, 0.620, 0.580 |" in text
     assert "Chosen: **train.lr = 0.0003**" in text and "grid's" not in text.split("Chosen:")[1].split("\n")[0]
-    edge = "\n".join(studies.lr_lines(_lr_arms({1e-4: [0.6], 3e-4: [0.5], 1e-3: [0.4]})))
+    edge = "\n".join(stages.lr_lines(_lr_arms({1e-4: [0.6], 3e-4: [0.5], 1e-3: [0.4]})))
     assert "It is the grid's lowest: a lower rate was not tried." in edge
     assert "Against the next best (0.0001): mean paired held-out difference +0.077" in text
-    assert studies.record_lr_choice(tmp_path, res["e5m2"], tmp_path / "report.md") == 3e-4
-    choice = studies.chosen_lr(tmp_path)
+    assert stages.record_lr_choice(tmp_path, res["e5m2"], tmp_path / "report.md") == 3e-4
+    choice = stages.chosen_lr(tmp_path)
     assert choice["lr"] == 3e-4 and choice["seeds"] == 3
-    assert studies.record_lr_choice(tmp_path / "none", partial, tmp_path / "r.md") is None
-    assert studies.chosen_lr(tmp_path / "none") is None  # nothing recorded before the grid ran whole
+    assert stages.record_lr_choice(tmp_path / "none", partial, tmp_path / "r.md") is None
+    assert stages.chosen_lr(tmp_path / "none") is None  # nothing recorded before the grid ran whole
 
     is_ = studies.STUDIES["is"]
-    assert "Chosen on the MiniRL control arm by the lr study" in studies.lr_source(is_, choice, [3e-4])
-    assert studies.lr_source(is_, choice, [1e-4]) == ("learning rate 0.0001 in every arm (NOT the lr study's choice, "
+    assert "Chosen on the MiniRL control arm by the lr study" in stages.lr_source(is_, choice, [3e-4])
+    assert stages.lr_source(is_, choice, [1e-4]) == ("learning rate 0.0001 in every arm (NOT the lr study's choice, "
                                                       "0.0003: these runs predate it or the recipe was changed after)")
-    assert studies.lr_source(study, choice, [1e-4, 3e-4, 1e-3]).startswith("learning rates 0.0001, 0.0003, 0.001, one an")
-    assert "Not tuned on this miniature" in studies.lr_source(is_, None, [3e-4])
+    assert stages.lr_source(study, choice, [1e-4, 3e-4, 1e-3]).startswith("learning rates 0.0001, 0.0003, 0.001, one an")
+    assert "Not tuned on this miniature" in stages.lr_source(is_, None, [3e-4])
 
 
 def test_some_arms_take_the_comparisons_among_them_and_a_follow_up_declares_them():
@@ -472,15 +474,15 @@ def test_some_arms_take_the_comparisons_among_them_and_a_follow_up_declares_them
         studies.with_arms(off, ["clip", "clip + R2"])
     assert [a[0] for a in studies.with_arms(off, ["clip + R3", "R3, no clip"]).arms] == ["clip + R3", "R3, no clip"]
     is_ = studies.STUDIES["is"]
-    declared = studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL,
+    declared = stages.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL,
                                          arms=["MiniRL", "w/o IS"])
-    follow = studies.follow_up_study(is_, declared)
+    follow = stages.follow_up_study(is_, declared)
     assert [a[0] for a in follow.arms] == ["MiniRL", "w/o IS"] and follow.level == "nvfp4"
     assert [c.claim for c in follow.comparisons] == ["without IS correction on-policy training collapses",
                                                      "MiniRL ends higher than without IS"]
-    assert "arms" not in studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL)
+    assert "arms" not in stages.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL)
     with pytest.raises(ValueError, match="not an arm"):
-        studies.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL, arms=["MiniRL", "IS"])
+        stages.declare_follow_up(is_, "nvfp4", seeds=5, report="r.md", dial=studies.DIAL, arms=["MiniRL", "IS"])
 
 
 def test_a_studys_arms_are_declared_at_its_first_run_and_never_dropped(tmp_path):
@@ -490,16 +492,15 @@ def test_a_studys_arms_are_declared_at_its_first_run_and_never_dropped(tmp_path)
     from click.testing import CliRunner
 
     from cli.main import cli
-    from cli.study import _declared_arms
     from minirl.errors import UsageError
-    from minirl.lab import Lab
+    from minirl.lab.runner import Lab
 
     off = studies.STUDIES["offpolicy"]
     out = tmp_path / "ws" / "lab" / "study-offpolicy" / "full"
     out.mkdir(parents=True)
 
     def declared(arms, report_only=False, where=out):
-        return _declared_arms(Lab(tmp_path / "ws", where), off, arms, report_only)
+        return stages.declared_arms(Lab(tmp_path / "ws", where), off, arms, report_only)
 
     assert declared(["clip", "no clip"], report_only=True) == ["clip", "no clip"]
     assert not (out / "arms.json").exists()
@@ -549,8 +550,8 @@ def test_the_offpolicy_report_shows_how_often_the_clip_bound_per_mini_batch(tmp_
     arms = {"clip": runs([[0.0, 0.01, 0.03, 0.05], [0.0, 0.03, 0.05, 0.07]], [[0.0, 0.0, 0.01, 0.0]]),
             "no clip": runs([[0.0, 0.0, 0.0, 0.0]]),
             "clip + R3": runs([[0.0, 0.0, 0.0, 0.004]])}
-    text = "\n".join(studies.staleness_lines(off, arms))
+    text = "\n".join(study_report.staleness_lines(off, arms))
     assert "| clip | 0.00e+00 | 1.33e-02 | 3.00e-02 | 4.00e-02 |" in text  # three steps over two seeds
     assert "| clip + R3 | 0.00e+00 | 0.00e+00 | 0.00e+00 | 4.00e-03 |" in text
     assert "| no clip |" not in text and "mini-batch 4 |" in text
-    assert studies.staleness_lines(studies.STUDIES["is"], {"MiniRL": runs([[0.01]])}) == []  # one mini-batch
+    assert study_report.staleness_lines(studies.STUDIES["is"], {"MiniRL": runs([[0.01]])}) == []  # one mini-batch

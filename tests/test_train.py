@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from minirl.batch import build_batch
+from minirl.train.batch import build_batch
 from minirl.models import TINY
-from minirl.sft import sft_loss
-from minirl.train import Trainer
+from minirl.train.sft import sft_loss
+from minirl.train.trainer import Trainer
 
 BATCH = build_batch([[4, 5, 16]] * 4, [[6, 2]] * 4, None, None, pad_id=0)
 
@@ -41,8 +41,8 @@ def test_round_trip_and_rollback_to_a_pre_step_checkpoint(tmp_path):
 
 
 def test_chunked_logprobs_equal_the_whole_softmax_in_value_and_gradient():
-    from minirl.objective import entropy_from_logits
-    from minirl.train import token_logprobs
+    from minirl.train.objective import entropy_from_logits
+    from minirl.train.trainer import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 7, 50, generator=g) * 3).requires_grad_()
@@ -61,7 +61,7 @@ def test_chunked_logprobs_equal_the_whole_softmax_in_value_and_gradient():
 def test_target_logprobs_read_several_targets_from_one_position_in_value_and_gradient():
     """Packed prompts: one position predicts the first token of each of its responses. The
     gradient sums over them; formed in fp32 before the cast, it keeps 1 − p where bf16 would not."""
-    from minirl.train import target_logprobs
+    from minirl.train.trainer import target_logprobs
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(9, 40, generator=g) * 4).requires_grad_()
@@ -91,7 +91,7 @@ def test_a_batch_moves_and_splits_whole():
 
 
 def test_micro_batches_give_the_whole_batch_gradient():
-    from minirl.objective import minirl_loss
+    from minirl.train.objective import minirl_loss
 
     g = torch.Generator().manual_seed(1)
     prompts = [[4, 5, 16]] * 6
@@ -120,7 +120,7 @@ def test_on_policy_update_gives_pi_old_itself(micro):
     """N = 1: the update's own forward is at θ_old, so the loop takes log π_θold and H from it
     (loop.loss_for holds it fixed) instead of a second forward: same values, same gradient."""
     from minirl import recipe
-    from minirl.objective import loss_for
+    from minirl.train.objective import loss_for
 
     g = torch.Generator().manual_seed(2)
     prompts = [[4, 5, 16]] * 6
@@ -196,7 +196,7 @@ def test_a_full_disk_inside_a_dcp_save_is_found_in_torchs_wrapped_failures():
 
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from minirl.checkpoint import _os_error
+    from minirl.train.checkpoint import _os_error
 
     try:
         raise OSError(errno.ENOSPC, "No space left on device")

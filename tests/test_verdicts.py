@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from minirl import verdicts as v
+from minirl.lab import verdicts as v
 
 
 def rows(reward, entropy, start=1):

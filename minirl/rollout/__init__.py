@@ -11,6 +11,9 @@ The loop asks for a step's batch (`next`), hands over the trainer after an updat
 borrows the engine for scoring and evaluation (`score`, `generate`). Whether the engine runs in
 this process or samples the next batch in its own while this one trains is decided here, once,
 from the recipe: the loop never learns which.
+
+May import: the top-level modules and train (the HF names of the trainer's weights). Must not
+import setup, eval, run, publish, lab or cli.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from minirl.hf_io import adapter
+from minirl.train.hf_io import adapter
 from minirl.rollout.fp8 import fp8_roundtrip
 
 Bucket = list[tuple[str, torch.Tensor]]

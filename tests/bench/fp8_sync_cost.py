@@ -37,9 +37,9 @@ def main() -> None:
 
     from minirl import recipe
     from minirl.models import KNOWN_SHAPES, TINY
-    from minirl.plan import make_plan
+    from minirl.train.plan import make_plan
     from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     torch.manual_seed(0)
     print(f"torch threads: {torch.get_num_threads()}")

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/memory.py WORKSPACE [--steps 300] [--set KEY=VALUE ...]
 
-One process runs the real run (`minirl.lifecycle.run`, as `minirl run WORKSPACE` does, on a copy
+One process runs the real run (`minirl.run.lifecycle.run`, as `minirl run WORKSPACE` does, on a copy
 of the workspace) and reads its own resident memory (/proc/self/status: VmRSS now, VmHWM the
 peak) at each phase: the interpreter, the libraries imported, the data and tokenizer, the
 trainer's model, the vLLM engine (its KV cache counted apart, from the cache's own tensors), the
@@ -69,9 +69,9 @@ def main() -> None:
     import transformers  # noqa: F401
     import vllm  # noqa: F401
 
-    from minirl import lifecycle, loop
+    from minirl.run import lifecycle, loop
     from minirl import recipe as recipe_mod
-    from minirl.workspace import Workspace
+    from minirl.setup.workspace import Workspace
 
     ph.mark("import vLLM, transformers, TorchTitan, minirl")
 

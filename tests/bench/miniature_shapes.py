@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from minirl.batch import build_batch  # noqa: E402
+from minirl.train.batch import build_batch  # noqa: E402
 from minirl.models import TINY  # noqa: E402
-from minirl.sft import sampled_accuracy, sft_loss  # noqa: E402
-from minirl.train import Trainer  # noqa: E402
+from minirl.train.sft import sampled_accuracy, sft_loss  # noqa: E402
+from minirl.train.trainer import Trainer  # noqa: E402
 
 # (name, layers, experts, top_k, prompt tokens, response tokens): the recipes' shapes and lengths
 SHAPES = [("scratchpad (tiny-scratchpad)", 4, 8, 2, 12, 33), ("scratchpad-long (tiny-scratchpad-long)", 6, 16, 4, 26, 99)]

@@ -32,8 +32,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def run(ws_src: Path, steps: int, sets: list[str]) -> list[dict]:
-    from minirl import lifecycle, recipe
-    from minirl.workspace import Workspace
+    from minirl.run import lifecycle
+    from minirl import recipe
+    from minirl.setup.workspace import Workspace
 
     tmp = Path(tempfile.mkdtemp(prefix="minirl-bench-"))
     shutil.copytree(ws_src, tmp / "ws", ignore=shutil.ignore_patterns("runs", "evals"))
@@ -65,14 +66,14 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     import time
 
     from minirl import recipe
-    from minirl.batch import build_batch
+    from minirl.train.batch import build_batch
     from minirl.data import PromptSampler
-    from minirl.objective import loss_for
-    from minirl.preflight import prepare_run
-    from minirl.replay import rollout_routes
+    from minirl.train.objective import loss_for
+    from minirl.setup.preflight import prepare_run
+    from minirl.train.replay import rollout_routes
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.train import Trainer
-    from minirl.workspace import Workspace
+    from minirl.train.trainer import Trainer
+    from minirl.setup.workspace import Workspace
 
     ws = Workspace.open(ws_src)
     rec = recipe.load(ws.recipe_path, ["train.replay=r3", "rollout.parity_every=0"])

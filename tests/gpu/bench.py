@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for bench.json")
     a = ap.parse_args()
 
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     dev = kit.device()
     if kit.DRY:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from minirl.models import TINY, ModelShape, hf_config_dict, param_count
-from minirl.plan import active_params
+from minirl.train.plan import active_params
 
 DRY = os.environ.get("MINIRL_GPU_DRY") == "1"
 REPORT = os.environ.get("MINIRL_GPU_REPORT")  # folder of the run's report files, if any
@@ -45,8 +45,8 @@ def rl_batch(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, re
     """A batch as a step of `minirl run` builds it: `prompts` prompts of `prompt_len` tokens, each
     with `group` responses of response_len/2..response_len tokens, group-mean advantages of random
     0/1 rewards, and rollout log-probs filled in later (`with_rollout_logp`)."""
-    from minirl.batch import build_batch
-    from minirl.objective import group_advantages
+    from minirl.train.batch import build_batch
+    from minirl.train.objective import group_advantages
 
     g = torch.Generator().manual_seed(seed)
     hi = shape.vocab_size
@@ -73,7 +73,7 @@ def with_rollout_logp(batch, logp_BT: torch.Tensor, *, noise: float = 0.05, seed
 def minirl_loss():
     """The loss of a `minirl run` step with the default recipe (MiniRL: IS weight, decoupled clip)."""
     from minirl import recipe
-    from minirl.objective import loss_for
+    from minirl.train.objective import loss_for
 
     return loss_for(recipe.load(None).loss)
 

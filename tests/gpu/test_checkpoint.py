@@ -14,12 +14,12 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("path", ["one-gpu", "fsdp2"])
 def test_a_cuda_checkpoint_round_trips_and_exports_for_transformers(device, path, request, tmp_path):
     from minirl import recipe
-    from minirl.export import Checkpoint, export
-    from minirl.hf_io import save_hf_folder
+    from minirl.publish.export import Checkpoint, export
+    from minirl.train.hf_io import save_hf_folder
     from minirl.models import TINY
-    from minirl.sft import sft_loss
-    from minirl.tokenizer import build_tokenizer
-    from minirl.train import Trainer
+    from minirl.train.sft import sft_loss
+    from minirl.setup.tokenizer import build_tokenizer
+    from minirl.train.trainer import Trainer
 
     if path == "fsdp2":
         request.getfixturevalue("one_rank_group")

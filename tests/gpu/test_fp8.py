@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 def test_fp8_sync_weights_stay_on_the_device_with_the_cpu_bits(device, shape):
     from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target, quantize_rows
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     tr = Trainer(shape, lr=0.0, seed=0, device=device, param_dtype="bfloat16")
     hf = {k: v.to(torch.bfloat16) for k, v in tr.hf_state_dict().items()}  # what a bf16 sync sends, on the device

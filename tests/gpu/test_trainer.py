@@ -45,7 +45,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("path", ["one-gpu", "fsdp2"])
 def test_bf16_trainer_matches_the_fp32_cpu_trainer(device, shape, path, request):
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     if path == "fsdp2":
         request.getfixturevalue("one_rank_group")
@@ -92,9 +92,9 @@ def test_replay_is_exact_and_takes_routes_in_vllms_layout(device, shape):
     shape). R3: the same routes as CUDA vLLM returns them (`routed_experts`, [positions, every
     decoder layer, K], uint8), through `routes_from_vllm` and `rollout_routes`, give the same
     log-probs on every real position."""
-    from minirl.replay import rollout_routes, route_dtype
+    from minirl.train.replay import rollout_routes, route_dtype
     from minirl.rollout.vllm import Completion, routes_from_vllm
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     tr = Trainer(shape, lr=1e-5, seed=0, device=device, param_dtype="bfloat16")
     batch = _batch(shape)

@@ -92,7 +92,7 @@ def _mean_abs(a, b) -> float:
 
 
 def _trainer_logprobs(tr, prompts, responses):
-    from minirl.batch import build_batch
+    from minirl.train.batch import build_batch
 
     batch = build_batch(prompts, responses, None, None, pad_id=0)
     lp, _, _ = tr.logprobs(batch)
@@ -100,7 +100,7 @@ def _trainer_logprobs(tr, prompts, responses):
 
 
 def _trainer(shape, model_dir, device):
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     kw = dict(device=device, param_dtype="bfloat16") if device.type == "cuda" else {}
     tr = Trainer(shape, lr=1e-2, seed=0, **kw)
@@ -135,8 +135,8 @@ def test_generation_reports_the_log_probs_of_what_it_sampled(device, shape, mode
 
 
 def test_r3_routes_from_the_engine_are_the_trainers_on_every_fed_position(device, shape, model_dir):
-    from minirl.batch import build_batch
-    from minirl.replay import rollout_routes, route_agreement
+    from minirl.train.batch import build_batch
+    from minirl.train.replay import rollout_routes, route_agreement
 
     engine = _engine(model_dir, "bf16")
     prompts, comps = _sample(engine, shape, seed=3)
@@ -164,7 +164,7 @@ def test_r3_routes_from_the_engine_are_the_trainers_on_every_fed_position(device
 def test_the_sync_from_the_trainer_moves_the_engine_to_it(device, shape, model_dir, precision):
     """After a real update the in-place sync brings the engine to the trainer (an unsynced layer
     would keep it near the old weights' log-probs); the original weights are synced back after."""
-    from minirl.batch import build_batch
+    from minirl.train.batch import build_batch
     from minirl.rollout import sync as weight_sync
 
     engine = _engine(model_dir, precision)
@@ -205,7 +205,7 @@ def test_the_sync_from_the_trainer_moves_the_engine_to_it(device, shape, model_d
 def test_sleep_frees_memory_and_wake_gives_the_same_samples(device, shape, model_dir, level):
     if device.type != "cuda":
         pytest.skip("vLLM's CPU backend has no sleep mode")
-    from minirl.hf_io import load_hf_weights
+    from minirl.train.hf_io import load_hf_weights
 
     engine = _engine(model_dir, "bf16")
     original = load_hf_weights(model_dir) if level == 2 else {}  # what a sync delivers after level 2 dropped them

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:  # for annotations only: the batch module needs nothing from here
-    from minirl.batch import Batch
+    from minirl.train.batch import Batch
 
 ISMode = Literal["truncate", "mask", "off"]
 LossName = Literal["minirl", "grpo", "cispo"]

@@ -32,15 +32,16 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic, objective
-from minirl.batch import build_batch
-from minirl.evaluate import response_text
-from minirl.objective import loss_for, minibatch_indices
-from minirl.preflight import check_model_folder, prepare_run
-from minirl.replay import rollout_routes, route_agreement, tokens_with_a_flip
+from minirl import atomic
+from minirl.train import objective
+from minirl.train.batch import build_batch
+from minirl.data import response_text
+from minirl.train.objective import loss_for, minibatch_indices
+from minirl.setup.preflight import check_model_folder, prepare_run
+from minirl.train.replay import rollout_routes, route_agreement, tokens_with_a_flip
 from minirl.rollout.fp8 import fp8_roundtrip
 from minirl.rollout.vllm import VLLMEngine
-from minirl.train import Trainer
+from minirl.train.trainer import Trainer
 
 STALENESS_UPDATES = (1, 2, 4, 8)
 

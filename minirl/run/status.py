@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minirl.errors import UsageError
-from minirl.metrics_file import metric_rows
-from minirl.preflight import complete_checkpoints
-from minirl.workspace import Workspace
+from minirl.run.metrics_file import metric_rows
+from minirl.setup.preflight import complete_checkpoints
+from minirl.setup.workspace import Workspace
 
 PROCESS_FILE = "process.json"
 

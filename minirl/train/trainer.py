@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from minirl import checkpoint
-from minirl.batch import Batch
-from minirl.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
+from minirl.train import checkpoint
+from minirl.train.batch import Batch
+from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.models import ModelShape, attention_pair_cost, titan_config
-from minirl.objective import entropy_from_logits
-from minirl.packing import pack_shared_prompts
-from minirl.parallel import full_ac, full_state_dict, global_count, global_max, parallelize
-from minirl.replay import RoutingReplay
+from minirl.train.objective import entropy_from_logits
+from minirl.train.packing import pack_shared_prompts
+from minirl.train.parallel import full_ac, full_state_dict, global_count, global_max, parallelize
+from minirl.train.replay import RoutingReplay
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from minirl import atomic
-from minirl.plots import plot_metrics
+from minirl.run.plots import plot_metrics
 
 
 def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path) -> dict:

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from minirl.batch import build_batch
+from minirl.train.batch import build_batch
 from minirl.models import kv_cache
-from minirl.train import Trainer
+from minirl.train.trainer import Trainer
 
 
 def sft_loss(logp_BT: torch.Tensor, batch) -> tuple[torch.Tensor, dict]:

@@ -19,41 +19,10 @@ show their first attempt there.
 
 from __future__ import annotations
 
-import configparser
 import json
 import math
-import netrc
-import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
-
-from minirl.errors import UsageError
-
-OFFLINE_MODES = ("offline", "dryrun", "disabled")
-
-
-def check_ready(cfg) -> None:
-    """What the enabled sinks need, before any engine starts: W&B online needs a login (an API key
-    in WANDB_API_KEY, an identity token file, `wandb login`'s ~/.netrc entry or its settings file);
-    without one, wandb.init would fail after the engines started and the held-out evaluation ran."""
-    if not cfg.wandb or os.environ.get("WANDB_MODE", "").strip().lower() in OFFLINE_MODES:
-        return
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
-    try:
-        if netrc.netrc(os.environ.get("NETRC") or None).authenticators(host):
-            return
-    except (OSError, netrc.NetrcParseError):
-        pass
-    settings = configparser.ConfigParser()
-    settings.read(Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings")
-    if settings.get("default", "api_key", fallback=""):
-        return
-    raise UsageError(f"metrics.wandb = true, and there is no W&B login here (no WANDB_API_KEY, no {host} entry from "
-                     "`wandb login`): log in first, or set WANDB_MODE=offline to write the run into its folder and "
-                     "`wandb sync` it later")
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:

@@ -11,19 +11,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from minirl import benchmarks, hub
-from minirl.data import Problem, prompt_ids
+from minirl.eval import benchmarks
+from minirl import hub
+from minirl.data import Problem, prompt_ids, response_text
 from minirl.errors import UsageError
-from minirl.preflight import check_checkpoint, check_gradable, check_model_folder, instead, latest_trained
+from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead, latest_trained
 from rewards.pool import GradingPool
 
 
-def response_text(token_ids: Sequence[int], decode: Callable[[list[int]], str], eos_id: int) -> str:
-    """The response as the grader sees it: decoded, EOS (and anything after it) removed."""
-    ids = list(token_ids)
-    if eos_id in ids:
-        ids = ids[: ids.index(eos_id)]
-    return decode(ids)
 
 
 def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]) -> dict:
@@ -137,8 +132,8 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
                 raise UsageError(f"{e}; {instead(path, check_model_folder(start_dir()), rec.model.id)}") from None
             return folder
     if (path / "minirl.json").exists():  # a DCP step checkpoint: export its weights once
-        from minirl.hf_io import save_hf_folder  # deferred: torch (the CLI imports this module at start)
-        from minirl.train import Trainer
+        from minirl.train.hf_io import save_hf_folder  # deferred: torch (the CLI imports this module at start)
+        from minirl.train.trainer import Trainer
 
         shape = check_model_folder(start_dir())
         check_checkpoint(path, shape, rec.model.id)

@@ -9,11 +9,15 @@ checkpoint's `.metadata` lists every tensor's shape and the file and byte range 
 
 from __future__ import annotations
 
+import configparser
 import functools
 import json
+import netrc
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from minirl.data import load_problems, prompt_ids
 from minirl.errors import UsageError
@@ -21,10 +25,35 @@ from minirl.files import read_json
 from minirl.hub import model_dir as resolve_model_dir
 from minirl.models import ModelShape, param_count, read_shape, titan_config
 from minirl import recipe as recipe_mod
-from minirl.recipe import Platform, validate
-from minirl.sinks import check_ready
+from minirl.validator import Platform, validate
 from rewards.base import describe, gradable, load_grader
 from rewards.pool import GradingPool
+
+
+OFFLINE_MODES = ("offline", "dryrun", "disabled")
+
+
+def check_sinks_ready(cfg) -> None:
+    """What the enabled sinks need, before any engine starts: W&B online needs a login (an API key
+    in WANDB_API_KEY, an identity token file, `wandb login`'s ~/.netrc entry or its settings file);
+    without one, wandb.init would fail after the engines started and the held-out evaluation ran."""
+    if not cfg.wandb or os.environ.get("WANDB_MODE", "").strip().lower() in OFFLINE_MODES:
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(os.environ.get("NETRC") or None).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    settings = configparser.ConfigParser()
+    settings.read(Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings")
+    if settings.get("default", "api_key", fallback=""):
+        return
+    raise UsageError(f"metrics.wandb = true, and there is no W&B login here (no WANDB_API_KEY, no {host} entry from "
+                     "`wandb login`): log in first, or set WANDB_MODE=offline to write the run into its folder and "
+                     "`wandb sync` it later")
 
 
 @functools.cache
@@ -43,7 +72,7 @@ def expected_titan_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 
 def expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, through the same state-dict adapter the real load uses."""
-    from minirl.hf_io import titan_to_hf  # deferred: torch (the CLI imports this module at start)
+    from minirl.train.hf_io import titan_to_hf  # deferred: torch (the CLI imports this module at start)
 
     sd = {k: v for k, v in _meta_state_dict(shape).items() if "expert_bias" not in k and "tokens_per_expert" not in k}
     return {k: tuple(v.shape) for k, v in titan_to_hf(shape, sd).items()}
@@ -90,9 +119,6 @@ def check_model_folder(folder: Path) -> ModelShape:
 def check_fits(shape: ModelShape, model_id: str) -> None:
     """One process trains in fp32 (weights, gradients, Adam's two moments: 16 bytes a parameter)
     beside a bf16 vLLM copy; refuse what cannot fit in this machine's memory."""
-    import os
-
-
     need = param_count(shape) * 18
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > 0.8 * have:
@@ -270,7 +296,7 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     each checked; raises one UsageError line and writes nothing in the workspace."""
     platform = Platform.here(world_size)
     validate(rec, platform)  # what this machine cannot do, before anything is read
-    check_ready(rec.metrics)  # a sink that would fail after the engines started
+    check_sinks_ready(rec.metrics)  # a sink that would fail after the engines started
 
     model_dir = resolve_model_dir(rec.model.id, rec.model.path, ws.root,
                                   before_weights=lambda d: check_fits(read_shape(d), rec.model.id))

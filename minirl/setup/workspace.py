@@ -23,12 +23,12 @@ from pathlib import Path
 from minirl import hub
 from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
-from minirl.evaluate import response_text
+from minirl.data import response_text
 from minirl.models import TINY, TINY_ID, ModelShape, param_count
-from minirl.plan import active_params
-from minirl.preflight import check_replay
+from minirl.train.plan import active_params
+from minirl.setup.preflight import check_replay
 from minirl.task import TASKS, make_splits, write_jsonl
-from minirl.tokenizer import build_tokenizer
+from minirl.setup.tokenizer import build_tokenizer
 from rewards import load_grader
 
 RECIPE_NAME = "minirl.toml"
@@ -175,9 +175,9 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     """Tokenizer, tiny Qwen3-MoE, task splits and the cold-start SFT, all through the real engines."""
     import torch  # deferred, with the three below: the CLI imports this module at start
 
-    from minirl.hf_io import save_hf_folder  # deferred: torch
-    from minirl.sft import cold_start, sampled_accuracy
-    from minirl.train import Trainer
+    from minirl.train.hf_io import save_hf_folder  # deferred: torch
+    from minirl.train.sft import cold_start, sampled_accuracy
+    from minirl.train.trainer import Trainer
 
     def tell(stage: str, done: int, total: int, **info) -> None:
         if progress is not None:

@@ -14,7 +14,7 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      = "full"; the row that counts follows it) only each layer's input
                      (2·T·d bytes) is kept, plus one layer in full
     logits           T × vocab in bf16 and their gradient, plus one fp32 chunk of 4,096 positions and
-                     its softmax (minirl.train.target_logprobs)
+                     its softmax (minirl.train.trainer.target_logprobs)
     vLLM weights     colocated, one engine per tensor-parallel group: P × 2 B (bf16) or 1 B (fp8) / TP
     KV cache         what the rollout phase leaves free (vLLM schedules what fits): at 2 (K, V) ×
                      layers × KV heads × head dim × 2 B per token, how many full-length sequences

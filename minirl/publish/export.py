@@ -23,15 +23,15 @@ from pathlib import Path
 
 from minirl import atomic
 from minirl import recipe as recipe_mod
-from minirl.card import known_score, model_card
+from minirl.publish.card import known_score, model_card
 from minirl.errors import UsageError
-from minirl.evaluate import evaluate
+from minirl.eval.evaluate import evaluate
 from minirl.files import HELDOUT_FILE, read_json
 from minirl.hub import model_dir
-from minirl.metrics_file import metric_rows
-from minirl.plots import plot_metrics
-from minirl.preflight import check_checkpoint, check_model_folder, complete_checkpoints, latest_trained, prepare_run
-from minirl.workspace import RECIPE_NAME, Workspace
+from minirl.run.metrics_file import metric_rows
+from minirl.run.plots import plot_metrics
+from minirl.setup.preflight import check_checkpoint, check_model_folder, complete_checkpoints, latest_trained, prepare_run
+from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,8 @@ def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
 def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_size: int | str = "5GB",
            eval_results: list[dict] | None = None, repo_id: str | None = None) -> Path:
     """Write the HF folder of `ckpt` with its card and curves into `out` (aside, then renamed)."""
-    from minirl.hf_io import save_hf_folder  # deferred, as below: torch (the CLI imports this module at start)
-    from minirl.train import Trainer
+    from minirl.train.hf_io import save_hf_folder  # deferred, as below: torch (the CLI imports this module at start)
+    from minirl.train.trainer import Trainer
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -182,7 +182,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     """The run's own held-out evaluation of each checkpoint: one vLLM engine, weights loaded in place."""
     from minirl.rollout.sync import sync  # deferred: torch and vLLM (the CLI imports this module at start)
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.train import Trainer
+    from minirl.train.trainer import Trainer
 
     rec = recipe_mod.load(run_dir / "recipe.toml", [])
     ws = Workspace.open(run_dir.parent.parent)

@@ -14,20 +14,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from minirl import atomic, metrics_file
+from minirl import atomic
+from minirl.run import metrics_file
 from minirl import recipe as recipe_mod
-from minirl import status as status_mod
+from minirl.run import status as status_mod
 from minirl.errors import RunIOError, UsageError
-from minirl.hf_io import save_hf_folder
+from minirl.train.hf_io import save_hf_folder
 from minirl.launch import World
-from minirl.loop import RLRun
-from minirl.preflight import RunInputs, prepare_run
+from minirl.run.loop import RLRun
+from minirl.setup.preflight import RunInputs, prepare_run
 from minirl.recipe import Recipe
-from minirl.runlock import RunLock
-from minirl.sinks import Sinks
+from minirl.run.runlock import RunLock
+from minirl.run.sinks import Sinks
 from minirl.stopwatch import Stopwatch
-from minirl.summary import write_summary
-from minirl.workspace import Workspace
+from minirl.run.summary import write_summary
+from minirl.setup.workspace import Workspace
 
 
 class Stop:
@@ -141,7 +142,7 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     startup_s = time.time() - t_start  # input checks, data, trainer and vLLM
-    if rec.loss.is_mode == "off":  # allowed explicitly (recipe.validate); said once, recorded in the summary
+    if rec.loss.is_mode == "off":  # allowed explicitly (validator.validate); said once, recorded in the summary
         on_event("warning", {"text": f"IS correction is off: the gap between vLLM ({rec.rollout.precision}) and the "
                                      "trainer is left uncorrected (loss.allow_uncorrected = true)"})
     on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),

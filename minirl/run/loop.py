@@ -27,20 +27,22 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic, faults, objective
-from minirl.batch import Batch, build_batch
+from minirl import atomic, faults
+from minirl.train import objective
+from minirl.train.batch import Batch, build_batch
 from minirl.data import PromptSampler
-from minirl.evaluate import evaluate, response_text
+from minirl.data import response_text
+from minirl.eval.evaluate import evaluate
 from minirl.files import HELDOUT_FILE
-from minirl.guard import Guard, Verdict
+from minirl.run.guard import Guard, Verdict
 from minirl.launch import World
-from minirl.preflight import RunInputs, complete_checkpoints
+from minirl.setup.preflight import RunInputs, complete_checkpoints
 from minirl.recipe import Recipe
-from minirl.replay import rollout_routes, route_agreement, tokens_with_a_flip
+from minirl.train.replay import rollout_routes, route_agreement, tokens_with_a_flip
 from minirl.rollout import Rollouts
 from minirl.stopwatch import Stopwatch
-from minirl.train import Trainer
-from minirl.workspace import Workspace
+from minirl.train.trainer import Trainer
+from minirl.setup.workspace import Workspace
 
 PARITY_BATCH = 16  # fixed (prompt, response) pairs re-scored by both engines after every sync
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 from minirl.data import load_rows
 from minirl.files import HELDOUT_FILE
 from minirl.hub import repo_id as hub_repo
-from minirl.metrics_file import metric_rows
+from minirl.run.metrics_file import metric_rows
 from minirl.models import TINY_ID
 
 if TYPE_CHECKING:  # annotations only: export imports this module
-    from minirl.export import Checkpoint
+    from minirl.publish.export import Checkpoint
 
 TEMPLATE = """---
 {{ card_data }}

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minirl import atomic
-from minirl import verdicts as v
-from minirl.preflight import complete_checkpoints
-from minirl.runlock import RunLock
+from minirl.lab import verdicts as v
+from minirl.setup.preflight import complete_checkpoints
+from minirl.run.runlock import RunLock
 
 if TYPE_CHECKING:
-    from minirl.lab import Lab
+    from minirl.lab.runner import Lab
 
 
 def rescore(lab: Lab, runs: dict[str, Path], precision: str, *,

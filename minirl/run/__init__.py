@@ -1,0 +1,7 @@
+"""One RL run: the step (`loop.py`), the run's lifecycle (start, resume, stop, crash), the guard
+and its rollbacks, the writer's lock, where metrics go (jsonl, TensorBoard, W&B), status, summary
+and plots.
+
+May import: the top-level modules, rewards, train, rollout, setup, eval. Must not import publish,
+lab or cli.
+"""

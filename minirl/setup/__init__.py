@@ -1,0 +1,7 @@
+"""The workspace: building it (`minirl init`, the embedded task's tokenizer and cold start) and
+checking what it holds before any engine starts (preflight: recipe against machine and model,
+checkpoints, data against its grader, which run to resume).
+
+May import: the top-level modules, rewards, train. Must not import eval, run, publish, lab or cli:
+every command above reads the workspace through here.
+"""
