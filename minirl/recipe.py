@@ -83,6 +83,19 @@ class LossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """[train.lora]: low-rank adapters W + (α/r)·B·A on the targeted weights, trained instead of the
+    weights themselves (train/lora.py). rank 0: off, every weight trains."""
+
+    rank: int = 0  # r
+    alpha: float = 32.0  # α: the adapters' update is scaled by α/r
+    # which weights get adapters, comma-separated: q, k, v, o (attention), mlp (a dense model's
+    # feed-forward), experts (every routed expert's three matrices), or all (every one of those the
+    # model has: LoRA matches full RL when it covers the MLP / MoE layers). Never the router or embeddings.
+    targets: str = "all"
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     steps: int = 300
     prompts_per_step: int = 32  # B
@@ -105,6 +118,7 @@ class TrainConfig:
     # forward each prompt once for its G responses, which attend to it through a mask (packing.py);
     # the same log-probs to float rounding. Off: every response row carries a copy of its prompt.
     pack_prompts: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,8 +225,16 @@ class Recipe:
         return dataclasses.asdict(self)
 
     def flat(self) -> dict[str, Any]:
-        """{"section.key": value} for every field: what `--set` names."""
-        return {f"{section}.{k}": v for section, values in self.to_dict().items() for k, v in values.items()}
+        """{"section.key": value} for every field, "section.sub.key" in a subsection: what `--set` names."""
+        def fields(obj, prefix: str):
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    yield from fields(value, f"{prefix}{f.name}.")
+                else:
+                    yield f"{prefix}{f.name}", value
+
+        return dict(fields(self, ""))
 
     def changes(self, other: "Recipe") -> dict[str, tuple[Any, Any]]:
         """{"section.key": (this value, other's)} where `other` differs."""
@@ -221,17 +243,28 @@ class Recipe:
 
     def to_toml(self) -> str:
         lines = []
-        for section, values in self.to_dict().items():
-            lines.append(f"[{section}]")
-            for k, v in values.items():
+
+        def table(name: str, obj) -> None:
+            lines.append(f"[{name}]")
+            subs = []
+            for f in dataclasses.fields(obj):
+                v = getattr(obj, f.name)
+                if dataclasses.is_dataclass(v):
+                    subs.append((f"{name}.{f.name}", v))  # a [section.sub] table follows its section's keys
+                    continue
                 if isinstance(v, dict):
                     v_s = "{ " + ", ".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items()) + " }"
                 elif isinstance(v, bool):
                     v_s = "true" if v else "false"
                 else:
                     v_s = json.dumps(v)
-                lines.append(f"{k} = {v_s}")
+                lines.append(f"{f.name} = {v_s}")
             lines.append("")
+            for sub_name, sub in subs:
+                table(sub_name, sub)
+
+        for f in dataclasses.fields(self):
+            table(f.name, getattr(self, f.name))
         return "\n".join(lines)
 
 
@@ -281,9 +314,27 @@ def _apply(recipe: Recipe, section: str, key: str, value: Any) -> None:
     if section == "rollout" and key in ("dtype", "fp8"):
         raise UsageError(f"rollout.{key} was replaced by rollout.precision = \"fp32\" | \"bf16\" | \"fp8\" "
                          "(dtype \"bfloat16\" → \"bf16\", \"float32\" → \"fp32\", fp8 = true → \"fp8\")")
+    head, dot, rest = key.partition(".")
+    if dot and head in hints and dataclasses.is_dataclass(getattr(obj, head)):  # `--set train.lora.rank=16`
+        _apply_fields(getattr(obj, head), f"{section}.{head}", {rest: value})
+        return
     if key not in hints:
         raise UsageError(f"unknown recipe key {section}.{key}; known in [{section}]: {', '.join(hints)}")
+    if dataclasses.is_dataclass(getattr(obj, key)):  # a [section.sub] table
+        if not isinstance(value, dict):
+            raise UsageError(f"{section}.{key} is a table: [{section}.{key}] in a recipe, or --set {section}.{key}.KEY=VALUE")
+        _apply_fields(getattr(obj, key), f"{section}.{key}", value)
+        return
     setattr(obj, key, _coerce(f"{section}.{key}", hints[key], value))
+
+
+def _apply_fields(obj, where: str, values: dict[str, Any]) -> None:
+    """Keys of a subsection ([train.lora]) onto its dataclass."""
+    hints = typing.get_type_hints(type(obj))
+    for key, value in values.items():
+        if key not in hints:
+            raise UsageError(f"unknown recipe key {where}.{key}; known in [{where}]: {', '.join(hints)}")
+        setattr(obj, key, _coerce(f"{where}.{key}", hints[key], value))
 
 
 def load(path: Path | None, overrides: list[str] = ()) -> Recipe:

@@ -5,7 +5,6 @@ field; `recipe.load` runs it on every recipe, preflight again with the machine a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ PRECISIONS = ("fp32", "bf16", "fp8-weights", "fp8", "e5m2", "nvfp4")
 # Range of every numeric field: key -> (lowest, highest, lowest allowed itself?). Every number
 # must also be finite; nan and inf (which TOML and float() both accept) are refused by name.
 _RANGES: dict[str, tuple[float, float, bool]] = {
+    "train.lora.rank": (0, math.inf, True),
+    "train.lora.alpha": (0, math.inf, False),
     "data.max_prompt_tokens": (1, math.inf, True),
     "rollout.temperature": (0, math.inf, False),
     "rollout.max_tokens": (1, math.inf, True),
@@ -85,21 +86,18 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
 
 
 def _check_numbers(r: Recipe) -> None:
-    for section in dataclasses.fields(r):
-        obj = getattr(r, section.name)
-        for f in dataclasses.fields(obj):
-            key, value = f"{section.name}.{f.name}", getattr(obj, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if not math.isfinite(value):
-                raise UsageError(f"{key} = {value}; it must be a finite number")
-            if key not in _RANGES:
-                continue
-            lo, hi, lo_ok = _RANGES[key]
-            if value < lo or (value == lo and not lo_ok) or value > hi:
-                lower = f"≥ {lo}" if lo_ok else f"> {lo}"
-                upper = f" and ≤ {hi}" if math.isfinite(hi) else ""
-                raise UsageError(f"{key} = {value}; it must be {lower}{upper}")
+    for key, value in r.flat().items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise UsageError(f"{key} = {value}; it must be a finite number")
+        if key not in _RANGES:
+            continue
+        lo, hi, lo_ok = _RANGES[key]
+        if value < lo or (value == lo and not lo_ok) or value > hi:
+            lower = f"≥ {lo}" if lo_ok else f"> {lo}"
+            upper = f" and ≤ {hi}" if math.isfinite(hi) else ""
+            raise UsageError(f"{key} = {value}; it must be {lower}{upper}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,12 +178,18 @@ def validate(r: Recipe, platform: Platform | None = None, model: ModelShape | No
     if r.cold_start.dev_size >= r.cold_start.train_size:
         raise UsageError(f"cold_start.dev_size ({r.cold_start.dev_size}) must be smaller than cold_start.train_size "
                          f"({r.cold_start.train_size}): the dev split is carved from the train split")
+    if r.train.lora.rank:
+        _check_lora_targets(r.train.lora.targets)
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")
     if platform is not None:
         _check_platform(r.rollout, platform)
+        if r.train.lora.rank:
+            _check_lora_platform(r, platform)
     if model is not None:
         _check_engine_sizes(r, model, platform)
+        if r.train.lora.rank:
+            _check_lora_model(r.train.lora, model)
 
 
 def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None) -> None:
@@ -241,3 +245,56 @@ def _check_platform(ro: RolloutConfig, p: Platform) -> None:
     if ro.kv_cache_gib > p.memory_gib:
         raise UsageError(f"rollout.kv_cache_gib = {ro.kv_cache_gib} is more than this machine can give one engine "
                          f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "mlp", "experts")
+
+
+def lora_targets(targets: str, model: ModelShape | None = None) -> tuple[str, ...]:
+    """train.lora.targets as names, in LORA_TARGETS' order; "all": every target `model` has."""
+    names = {t.strip() for t in targets.split(",") if t.strip()}
+    if "all" in names:
+        names = set(lora_widths(model)) if model is not None else set(LORA_TARGETS)
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+
+def _check_lora_targets(targets: str) -> None:
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = [t for t in names if t not in (*LORA_TARGETS, "all")]
+    if unknown or not names:
+        raise UsageError(f"train.lora.targets = {targets!r}: name weights among {', '.join(LORA_TARGETS)}, or all "
+                         "(comma-separated; the router and the embeddings are never adapted)")
+
+
+def _check_lora_platform(r: Recipe, p: Platform) -> None:
+    """What LoRA does not do yet: refused, never quietly changed (issue #54 lands in steps)."""
+    if p.world_size > 1:
+        raise UsageError(f"train.lora.rank = {r.train.lora.rank} under torchrun ({p.world_size} ranks): LoRA trains in "
+                         "one process so far (FSDP2 / expert parallel with adapters is not built yet); run one process "
+                         "or set train.lora.rank = 0")
+    if r.rollout.overlap:
+        raise UsageError("train.lora with rollout.overlap = true: the overlapped engine copies the trainer's own "
+                         "parameters, not the merged W + (α/r)·B·A; set rollout.overlap = false")
+
+
+def lora_widths(model: ModelShape) -> dict[str, int]:
+    """Each target's smallest matrix side in this model (what bounds the rank), for the targets it has."""
+    attn = {"q": min(model.dim, model.n_heads * model.head_dim), "k": min(model.dim, model.n_kv_heads * model.head_dim),
+            "v": min(model.dim, model.n_kv_heads * model.head_dim), "o": min(model.dim, model.n_heads * model.head_dim)}
+    if model.is_moe:
+        return {**attn, "experts": min(model.dim, model.moe_hidden_dim)}
+    return {**attn, "mlp": min(model.dim, model.hidden_dim)}
+
+
+def _check_lora_model(lora, model: ModelShape) -> None:
+    widths = lora_widths(model)
+    asked = lora_targets(lora.targets, model)
+    absent = [t for t in asked if t not in widths]
+    if absent:
+        has = "routed experts and no dense feed-forward" if model.is_moe else "a dense feed-forward and no experts"
+        raise UsageError(f"train.lora.targets names {', '.join(absent)}, which this model does not have (it has {has}); "
+                         f"targets here: {', '.join(widths)}")
+    narrow = min(asked, key=widths.__getitem__)
+    if lora.rank > widths[narrow]:
+        raise UsageError(f"train.lora.rank = {lora.rank} is above the width of the '{narrow}' weights ({widths[narrow]}): "
+                         f"a rank that large adapts nothing a full update would not; at most {widths[narrow]}")

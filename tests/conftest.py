@@ -85,6 +85,22 @@ def engine(tiny_dir):
     return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32)  # its KV cache sized for the job
 
 
+# Engines live for the session: an in-process vLLM engine torn down mid-session takes vLLM's global
+# process groups with it, and every engine still alive stops working.
+@pytest.fixture(scope="session")
+def engine32(tiny_dir):
+    from minirl.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="session")
+def engine_r3(tiny_dir):
+    from minirl.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25, capture_routes=True)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
     from transformers import AutoTokenizer

@@ -140,7 +140,7 @@ def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bo
         return t.detach()
 
     seen = {}
-    buckets = hf_buckets(tr.model, adapter(TINY).to_hf, dtype=torch.bfloat16, bucket_bytes=bound,
+    buckets = hf_buckets(tr.model.state_dict(), adapter(TINY).to_hf, dtype=torch.bfloat16, bucket_bytes=bound,
                          gather=counting_gather)
     sizes = []
     for bucket in buckets:
@@ -163,7 +163,7 @@ def test_a_layer_larger_than_the_bound_is_a_bucket_of_its_own():
     from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
-    buckets = list(hf_buckets(tr.model, adapter(TINY).to_hf, dtype=torch.float32, bucket_bytes=1))
+    buckets = list(hf_buckets(tr.model.state_dict(), adapter(TINY).to_hf, dtype=torch.float32, bucket_bytes=1))
     groups = [g for g in layer_groups(list(tr.model.state_dict()))
               if adapter(TINY).to_hf({n: tr.model.state_dict()[n] for n in g})]
     assert len(buckets) == len(groups)  # one layer (or the embeddings, or the head) each

@@ -207,15 +207,6 @@ def one_update(tr, prompts, responses):
     tr.optim_step()
 
 
-# Engines live for the session: an in-process vLLM engine torn down mid-session takes vLLM's global
-# process groups with it, and every engine still alive (conftest's `engine`) stops working.
-@pytest.fixture(scope="session")
-def engine32(tiny_dir):
-    from minirl.rollout.vllm import VLLMEngine
-
-    return VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.25)
-
-
 def test_fp32_rollouts_match_the_trainer_before_and_after_sync(engine32, tiny_dir, fixed):
     """The control: with fp32 vLLM the two engines agree to float noise, so every gap seen with
     bf16 rollouts is precision, not a conversion or sync bug."""
@@ -339,13 +330,6 @@ def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_pat
         assert built == []
     finally:
         engine.load_weights(original.items())
-
-
-@pytest.fixture(scope="session")
-def engine_r3(tiny_dir):
-    from minirl.rollout.vllm import VLLMEngine
-
-    return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25, capture_routes=True)
 
 
 def capture_batch(engine, n_prompts=18):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from minirl.eval import benchmarks
 from minirl import hub
+from minirl import recipe as recipe_mod
 from minirl.data import Problem, prompt_ids, response_text
 from minirl.errors import UsageError
 from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead, latest_trained
@@ -137,9 +138,10 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
 
         shape = check_model_folder(start_dir())
         check_checkpoint(path, shape, rec.model.id)
-        trainer = Trainer(shape, lr=0.0)
+        run_recipe = path.parent.parent / "recipe.toml"  # the model its run trained (LoRA adapters or not)
+        trainer = Trainer.for_checkpoint(recipe_mod.load(run_recipe) if run_recipe.exists() else rec, shape)
         trainer.load(path, with_optim=False)
-        return save_hf_folder(path / "hf", shape, trainer.model.state_dict(), tokenizer_dir=start_dir())
+        return save_hf_folder(path / "hf", shape, trainer.full_state_dict(), tokenizer_dir=start_dir())
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")
 
 

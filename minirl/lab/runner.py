@@ -10,6 +10,7 @@ was retired for the studies; its results are in docs/results/lab.md.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -122,7 +123,10 @@ class Lab:
         """What makes a run this cell's: its sets on top of the workspace recipe as it reads now (a
         recipe changed since, say the learning rate the lr study chose, runs the cell again; its
         comments do not) and the sampling scheme."""
-        resolved = json.dumps(recipe_mod.load(self.ws_root / "minirl.toml").to_dict(), sort_keys=True)
+        resolved = recipe_mod.load(self.ws_root / "minirl.toml").to_dict()
+        if resolved["train"]["lora"] == dataclasses.asdict(recipe_mod.LoraConfig()):
+            del resolved["train"]["lora"]  # added after runs were recorded; at its default it changes nothing they computed
+        resolved = json.dumps(resolved, sort_keys=True)
         return [*sets, f"#recipe={hashlib.sha256(resolved.encode()).hexdigest()[:16]}", f"#sampling={SAMPLING}"]
 
     def _identity(self, cell: Cell, seed: int, p: Plan) -> tuple[str, list[str]]:

@@ -143,7 +143,7 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     base = model_dir(rec.model.id, rec.model.path, ws_root)
     shape = check_model_folder(base)
     check_checkpoint(ckpt.path, shape, rec.model.id)  # a damaged one: one line, nothing written
-    trainer = Trainer(shape, lr=0.0)
+    trainer = Trainer.for_checkpoint(rec, shape)
     trainer.load(ckpt.path, with_optim=False)
     tmp = out.with_name(out.name + ".tmp")
     atomic.remove_dir(tmp)
@@ -189,7 +189,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     inputs = prepare_run(ws, rec, resume=None)
     engine = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed,
                                     max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1)
-    trainer = Trainer(inputs.shape, lr=0.0)
+    trainer = Trainer.for_checkpoint(rec, inputs.shape)
     tok = inputs.tokenizer
     out = {}
     for c in ckpts:  # every one before the first engine step: a damaged one costs no evaluation

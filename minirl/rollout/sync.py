@@ -28,7 +28,7 @@ docs/results/cpu-path.md).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -52,7 +52,7 @@ def layer_groups(names: list[str]) -> list[list[str]]:
 
 
 def hf_buckets(
-    model: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
     to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
     *,
     dtype: torch.dtype,
@@ -60,8 +60,8 @@ def hf_buckets(
     transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     gather: Callable[[torch.Tensor], torch.Tensor] = gather,
 ) -> Iterator[Bucket]:
-    """Yield [(hf_name, whole tensor in `dtype`)] buckets covering the model's weights once each."""
-    state = model.state_dict()
+    """Yield [(hf_name, whole tensor in `dtype`)] buckets covering the weights in `state` (TorchTitan
+    names; read a layer group at a time) once each."""
     bucket: Bucket = []
     size = 0
     for group in layer_groups(list(state)):
@@ -82,7 +82,7 @@ def hf_buckets(
 def trainer_buckets(trainer, *, dtype: torch.dtype, bucket_bytes: int, transform=None) -> Iterator[Bucket]:
     """A trainer's weights in HF names, whole, a few decoder layers at a time (its model's
     state-dict adapter names them); a collective under torchrun: every rank iterates it to the end."""
-    return hf_buckets(trainer.model, adapter(trainer.shape).to_hf, dtype=dtype, bucket_bytes=bucket_bytes,
+    return hf_buckets(trainer.weights(), adapter(trainer.shape).to_hf, dtype=dtype, bucket_bytes=bucket_bytes,
                       transform=transform)
 
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from minirl import atomic
+from minirl.errors import UsageError
 
 
 def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: bool) -> Path:
@@ -75,6 +76,7 @@ def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:
     extra = json.loads((Path(path) / "minirl.json").read_text())
     load_optim = with_optim and extra.get("has_optim", True)
     state = {"model": get_model_state_dict(model)}
+    _check_adapters(path, state["model"])
     if load_optim:
         state["optim"] = get_optimizer_state_dict(model, optim)
     dcp.load(state, checkpoint_id=str(path), no_dist=not sharded)  # see `save`
@@ -84,6 +86,29 @@ def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:
     elif with_optim:
         optim.state.clear()
     return extra
+
+
+def _adapters(shapes: dict[str, tuple]) -> dict[str, tuple]:
+    return {k: v for k, v in shapes.items() if ".lora." in f".{k}"}
+
+
+def _check_adapters(path: Path, model_state: dict) -> None:
+    """A checkpoint's LoRA adapters (train/lora.py) and the trainer's must be the same: DCP would
+    otherwise load the base alone into a trainer without them, silently, or fail on a rank's shapes."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    theirs = _adapters({k.removeprefix("model."): tuple(getattr(m, "size", ())) for k, m in meta.items()
+                        if k.startswith("model.")})
+    mine = _adapters({k: tuple(v.shape) for k, v in model_state.items()})
+    if theirs == mine:
+        return
+    if not mine:
+        raise UsageError(f"{path} holds LoRA adapters and this trainer has none: load it with the [train.lora] of "
+                         "the run that saved it (its recipe.toml)")
+    if not theirs:
+        raise UsageError(f"{path} is a checkpoint of every weight (no LoRA adapters) and this trainer trains adapters: "
+                         "set train.lora.rank = 0 to resume it, or start LoRA from its exported HF folder")
+    raise UsageError(f"{path} holds LoRA adapters of another rank or on other weights than this trainer's "
+                     "[train.lora]: resume it with the settings it was saved with")
 
 
 def _os_error(e: BaseException) -> OSError | None:

@@ -18,12 +18,13 @@ with model and optimizer state; they load under any later parallel layout (check
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
 from minirl.train import checkpoint
+from minirl.train import lora as lora_mod
 from minirl.train.batch import Batch
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.models import ModelShape, attention_pair_cost, titan_config
@@ -97,6 +98,7 @@ class Trainer:
         pack_prompts: bool = True,
         shard: bool | None = None,
         activation_checkpoint: str = "none",
+        lora: dict | None = None,
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
@@ -114,7 +116,11 @@ class Trainer:
         the cluster's code path on a single GPU (tests/gpu).
 
         activation_checkpoint "full": TorchTitan's FullAC around every decoder layer (its
-        activations recomputed in backward; state-dict names are unchanged)."""
+        activations recomputed in backward; state-dict names are unchanged).
+
+        lora {"rank", "alpha", "targets"}: adapters on the targeted weights (lora.py) are what
+        trains, every other parameter frozen; the weights synced, exported and scored are W + s·B·A.
+        One process only so far."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
@@ -132,12 +138,19 @@ class Trainer:
         # bf16 compute runs TorchTitan's own grouped experts (its bf16 grouped GEMM, CUDA's only
         # kernel); fp32 compute keeps the experts in fp32 (models.py)
         cfg = titan_config(shape, expert_dtype="bfloat16" if param_dtype == "bfloat16" else "float32")
+        self.lora = dict(lora) if lora and lora.get("rank") else None
+        if self.lora and self.sharded:
+            raise RuntimeError("LoRA under FSDP2 / expert parallel is not built yet: one process")
         if self.sharded:
             self.model = parallelize(cfg, ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
                                      param_dtype=param_dtype, activation_checkpoint=activation_checkpoint)
         else:
             self.model = cfg.build().to(self.device)
             self._init_weights()
+            trained = None
+            if self.lora:  # before activation checkpointing wraps the layers
+                trained = lora_mod.attach(self.model, rank=self.lora["rank"], alpha=self.lora["alpha"],
+                                          targets=tuple(self.lora["targets"]))
             if activation_checkpoint == "full":
                 full_ac(self.model)
         self._views = None  # (parameter storages, HF-named views of them): `hf_views`
@@ -147,7 +160,7 @@ class Trainer:
         # one fused kernel for all parameters (one process; much faster than the per-parameter loop
         # on CPU); sharded DTensor parameters keep the default implementation
         self.optim = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
+            trained if self.lora else self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
             fused=not self.sharded or None,
         )
 
@@ -157,7 +170,13 @@ class Trainer:
         t = rec.train
         return cls(shape, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed, device=device,
                    ep=rec.parallel.ep, param_dtype=t.param_dtype, activation_checkpoint=t.activation_checkpoint,
-                   pack_prompts=t.pack_prompts)
+                   pack_prompts=t.pack_prompts, lora=lora_settings(rec, shape))
+
+    @classmethod
+    def for_checkpoint(cls, rec, shape: ModelShape, *, device: str | torch.device = "cpu") -> "Trainer":
+        """A trainer to read one of a run's checkpoints into (export, evaluation): the model the
+        run's recipe trained, its LoRA adapters included, with no optimizer worth keeping."""
+        return cls(shape, lr=0.0, device=device, lora=lora_settings(rec, shape))
 
     def _init_weights(self) -> None:
         """TorchTitan configs carry per-parameter init functions; apply them to the fresh model."""
@@ -177,7 +196,8 @@ class Trainer:
             set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
         else:
             missing, unexpected = self.model.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if "expert_bias" not in k and "tokens_per_expert" not in k]
+        missing = [k for k in missing if "expert_bias" not in k and "tokens_per_expert" not in k
+                   and not lora_mod.is_adapter(k)]  # adapters start where attach put them
         if missing or unexpected:
             raise RuntimeError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
@@ -188,9 +208,9 @@ class Trainer:
         """The weights under HF names as views of the live parameters (one process): they follow
         every in-place update (optimizer steps, checkpoint loads), so a rollout engine may keep
         them and re-read them at each sync. The same dict until a parameter's storage changes.
-        None when sharded (whole tensors exist only after a gather) or where the adapter would
-        copy a tensor instead of viewing it."""
-        if self.sharded:
+        None when sharded (whole tensors exist only after a gather), with LoRA (the synced weights
+        are W + s·B·A, made at each sync) or where the adapter would copy a tensor instead of viewing it."""
+        if self.sharded or self.lora:
             return None
         # the weights are parameters (buffers are RoPE tables and MoE counters, never synced);
         # their pointers cost half a state_dict()
@@ -210,9 +230,17 @@ class Trainer:
             p.data.share_memory_()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """TorchTitan names to whole tensors (shards gathered: a collective when sharded)."""
+        """TorchTitan names to whole tensors (shards gathered: a collective when sharded); with
+        LoRA, the merged weights W + s·B·A."""
         if self.sharded:
             return full_state_dict(self.model)
+        return dict(self.weights())
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The model's weights by TorchTitan name as a rollout engine should have them (sharded:
+        this rank's shards); with LoRA, merged as each is read (lora.Merged)."""
+        if self.lora:
+            return lora_mod.Merged(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     # ----- compute -----------------------------------------------------------------------------
@@ -379,6 +407,16 @@ class Trainer:
     def load(self, path: Path, *, with_optim: bool = True) -> dict:
         """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""
         return checkpoint.load(self.model, self.optim, Path(path), with_optim=with_optim, sharded=self.sharded)
+
+
+def lora_settings(rec, shape: ModelShape) -> dict | None:
+    """The Trainer's `lora` argument for a recipe's [train.lora] (None: every weight trains)."""
+    lora = rec.train.lora
+    if not lora.rank:
+        return None
+    from minirl.validator import lora_targets  # deferred: only where LoRA is on
+
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": lora_targets(lora.targets, shape)}
 
 
 def _merge_metrics(parts: list[dict]) -> dict:
