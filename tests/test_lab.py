@@ -3,6 +3,7 @@ extra cold starts, and a real run cut short and continued from its checkpoint. T
 test_studies.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -114,42 +115,55 @@ def test_a_run_that_ended_before_its_sweep_recorded_it_is_recorded_not_resumed(t
     assert not lab._ended(run)
 
 
-@pytest.mark.slow
-def test_a_real_run_cut_short_continues_from_its_checkpoint_and_is_then_reused(tmp_path, monkeypatch):
-    """A cell of two real steps, SIGKILLed as its step 2 begins (a session's end): the next
-    run_cell continues it from its step-1 checkpoint in its own folder, its step-1 row kept; once
-    finished it is reused. A cell recorded under another sampling scheme runs again."""
-    from minirl.setup.workspace import init_workspace
+def test_a_run_cut_short_continues_from_its_checkpoint_and_is_then_reused(tmp_path, monkeypatch):
+    """A cell's run killed as its step 2 begins (a session's end): the next run_cell continues it
+    with `minirl run --resume RUN` in its own folder, its step-1 row kept; once finished it is
+    reused, unless recorded under another sampling scheme. `minirl` itself is played here by a
+    stand-in that writes what a run writes (a real kill and `--resume`: test_faults, test_e2e)."""
+    import subprocess
 
-    ws = tmp_path / "ws"
-    init_workspace(ws, task="scratchpad", overrides=[
-        "cold_start.max_steps=30", "cold_start.train_size=400", "cold_start.heldout_size=8", "cold_start.dev_size=4",
-        "cold_start.check_every=30", "cold_start.batch_size=16", "train.group_size=4", "train.prompts_per_step=4",
-        "eval.k=1", "rollout.max_tokens=40"])
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws", train=8, heldout=4)
     cell = lab.Cell("on-policy", "MiniRL w/o IS", lab.NO_IS)
     p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    calls = []
+
+    def fake_minirl(self, args, log, *, on_start=lambda pid: None, append=False):
+        calls.append(args)
+        child = subprocess.Popen(["true"])
+        on_start(child.pid)
+        child.wait()
+        run = Path(args[args.index("--resume") + 1]) if "--resume" in args else ws / "runs" / f"run{len(calls)}"
+        (run / "checkpoints" / "step_000001").mkdir(parents=True, exist_ok=True)
+        (run / "checkpoints" / "step_000001" / "minirl.json").write_text('{"step": 1}')
+        (run / "process.json").write_text(json.dumps({"pid": child.pid, "started": 1e12}))
+        with (run / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": 2 if "--resume" in args else 1}) + "\n")
+        if "--resume" in args:
+            (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 2}))
+        else:
+            child.returncode = -9  # SIGKILLed as step 2 began
+        return child
+
+    monkeypatch.setattr(lab.Lab, "minirl", fake_minirl)
+    (ws / "lab" / "micro").mkdir(parents=True)  # a study holds its lock there (Lab.hold)
     L = lab.Lab(ws, ws / "lab" / "micro")
-    monkeypatch.setenv("MINIRL_INJECT_KILL", "0@2")
     with pytest.raises(RuntimeError, match="exit -9"):
         L.run_cell(cell, 0, p, progress=lambda s: None)
-    monkeypatch.delenv("MINIRL_INJECT_KILL")
     (killed,) = (ws / "runs").iterdir()
-    assert [r["step"] for r in lab.rows_of(killed)] == [1] and not (killed / "summary.json").exists()
     said = []
     L2 = lab.Lab(ws, ws / "lab" / "micro")
     assert L2.run_cell(cell, 0, p, progress=said.append) == killed
     assert said == [f"{cell.id}/s0: continuing run {killed.name} from its newest checkpoint"]
+    assert calls[1][-2:] == ["--resume", str(killed)] and calls[1][:-2] == calls[0]  # the same cell, continued
+    assert "loss.is_mode=off" in calls[0] and "checkpoint.keep=1" in calls[0]
     assert len(list((ws / "runs").iterdir())) == 1 and "in_flight" not in L2.state
     assert [r["step"] for r in lab.rows_of(killed)] == [1, 2]
-    assert json.loads((killed / "process.json").read_text())["resumed_from"].endswith("step_000001")
-    summary = json.loads((killed / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["recipe"]["loss"]["is_mode"] == "off"  # the cell's change
-    assert summary["recipe"]["rollout"]["precision"] == "fp8" and summary["recipe"]["guard"]["enabled"] is False
     assert lab.Lab(ws, ws / "lab" / "micro").finished(cell, 0, p) == killed  # reused, not run again
     key = f"{cell.id}/s0"
     L2.state["sets"][key] = [x for x in L2.state["sets"][key] if not x.startswith("#sampling=")] + ["#sampling=1"]
     assert L2.finished(cell, 0, p) is None  # recorded under another sampling scheme: runs again
-
 
 def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp_path):
     """[train.lora] came after runs were recorded: at its default (off) a recorded run stays its

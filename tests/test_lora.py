@@ -119,7 +119,6 @@ def test_the_model_and_machine_bound_lora():
 def test_the_merged_sync_puts_the_adapted_model_in_the_engine(engine32, tiny_dir):
     """fp32 vLLM after the merged sync scores as the LoRA trainer does (the control test's bound:
     float noise), after real updates that moved it."""
-    import itertools
 
     from minirl.rollout import sync as weight_sync
     from tests.test_rollout import PROMPTS, mean_abs_diff, trainer_logprobs
@@ -188,11 +187,11 @@ def test_a_checkpoint_loads_only_into_the_trainer_that_saved_its_adapters(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_lora_run_with_r3_survives_a_kill_and_exports_the_merged_model(tmp_path, tiny_dir):
-    """`minirl run` with [train.lora] and R3 on the tiny model end to end: SIGKILLed as step 3
-    begins, resumed from its step-2 checkpoint to the end, steps 1..4 logged once each; `minirl
-    export` of its checkpoint gives the run's own HF folder (export once read the base alone; that
-    the merged weights are not the base's is test_the_merged_weights_…'s business)."""
+def test_a_lora_run_with_r3_exports_the_merged_model(tmp_path, tiny_dir):
+    """`minirl run` with [train.lora] and R3 on the tiny model end to end, then `minirl export` of
+    its checkpoint: the run's own HF folder again (export once read the base alone; that merged
+    weights are not the base's is test_the_merged_weights_…'s business, a LoRA checkpoint's
+    reload test_a_checkpoint_loads_only_…'s, a run killed and resumed test_faults')."""
     import json
     import os
     import shutil
@@ -206,23 +205,19 @@ def test_a_lora_run_with_r3_survives_a_kill_and_exports_the_merged_model(tmp_pat
     ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
     shutil.copytree(tiny_dir, ws / "model" / "coldstart")
     sets = ["train.lora.rank=4", "train.lora.alpha=16", "train.lr=3e-3", "train.replay=r3", "train.prompts_per_step=4",
-            "train.group_size=4", "eval.k=1", "eval.every=0", "checkpoint.every=2"]
-    args = [x for s in sets for x in ("--set", s)]
+            "train.group_size=4", "eval.k=1", "eval.every=0"]
 
-    def minirl(*a, env=None):
+    def minirl(*a):
         return subprocess.run([sys.executable, "-m", "cli.main", *a], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=600)
+                              env={**os.environ, "COLUMNS": "200"}, timeout=600)
 
-    killed = minirl("run", str(ws), "--steps", "4", *args, env={"MINIRL_INJECT_KILL": "0@3"})
-    assert killed.returncode == -9, killed.stdout + killed.stderr
-    r = minirl("run", str(ws), "--resume", "--steps", "4")
+    r = minirl("run", str(ws), "--steps", "2", *[x for s in sets for x in ("--set", s)])
     assert r.returncode == 0, r.stdout + r.stderr
     (run,) = (ws / "runs").iterdir()
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 2
     assert summary["recipe"]["train"]["lora"]["rank"] == 4 and summary["recipe"]["train"]["replay"] == "r3"
     assert minirl("export", str(ws), str(tmp_path / "out")).returncode == 0
     exported = load_file(next((tmp_path / "out").glob("*.safetensors")))
-    own = load_file(next((run / "checkpoints" / "step_000004" / "hf").glob("*.safetensors")))
+    own = load_file(next((run / "checkpoints" / "step_000002" / "hf").glob("*.safetensors")))
     assert all(torch.equal(exported[k], own[k]) for k in own)  # both written through the adapters (merged)
