@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from metrics_digest import digest  # noqa: E402  (a sibling script)
 
 
 def one_run(ws: Path, steps: int, seed: int, sets: list[str]) -> dict:
@@ -43,6 +45,7 @@ def one_run(ws: Path, steps: int, seed: int, sets: list[str]) -> dict:
         ckpt = max((run / "checkpoints").glob("step_*"))
         size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file() and "hf" not in f.relative_to(ckpt).parts)
         phases = summary["phases_s"]
+        print(f"  {run.name}: metrics digest {digest(run)}", flush=True)  # full arm, seed 0: README's run
         return {"gain": summary["heldout"]["end"] - summary["heldout"]["start"],
                 "steps_per_s": steps / phases["loop"], "sync_s": phases.get("sync", 0.0) / steps,
                 "max_rss_mib": rss / 1024, "ckpt_mib": size / 2**20}
