@@ -46,7 +46,8 @@ def one_run(ws: Path, steps: int, seed: int, sets: list[str]) -> dict:
         size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file() and "hf" not in f.relative_to(ckpt).parts)
         phases = summary["phases_s"]
         print(f"  {run.name}: metrics digest {digest(run)}", flush=True)  # full arm, seed 0: README's run
-        return {"gain": summary["heldout"]["end"] - summary["heldout"]["start"],
+        h = summary["heldout"]
+        return {"gain": h["end"][h["metric"]] - h["start"][h["metric"]],
                 "steps_per_s": steps / phases["loop"], "sync_s": phases.get("sync", 0.0) / steps,
                 "max_rss_mib": rss / 1024, "ckpt_mib": size / 2**20}
 
