@@ -241,8 +241,6 @@ def _study(ws, study, arms: list[str] | None, *, quick: bool, seeds: int | None,
                           f"train.lr = {lr:g} in {ws.recipe_path}", soft_wrap=True)
 
 
-
-
 def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None,
                     follow_up: dict | None = None, rescore: str | None = None) -> tuple[dict, Path]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

@@ -45,7 +45,7 @@ def test_a_run_is_reused_only_while_the_workspace_recipe_reads_the_same(tmp_path
     ws.mkdir()
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n")
     cell = lab.Cell("on-policy", "MiniRL", ("loss.is_mode=off",))
-    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, cells=[cell])
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text("{}")
@@ -74,7 +74,7 @@ def test_a_cut_short_run_whose_checkpoint_is_refused_begins_again_next_time(tmp_
     ws = data_workspace(tmp_path / "ws")
     shutil.copytree(tiny_dir, ws / "model" / "coldstart")
     cell = lab.Cell("on-policy", "MiniRL", ())
-    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, cells=[cell])
     L = lab.Lab(ws, ws / "lab" / "x")
     run = ws / "runs" / "20261126-000000"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
@@ -95,7 +95,7 @@ def test_a_run_that_ended_before_its_sweep_recorded_it_is_recorded_not_resumed(t
 
     ws = data_workspace(tmp_path / "ws")
     cell = lab.Cell("on-policy", "MiniRL", ())
-    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, cells=[cell])
     (ws / "lab" / "x").mkdir(parents=True)  # a sweep holds its lock there (Lab.hold)
     L = lab.Lab(ws, ws / "lab" / "x")
     run = ws / "runs" / "20261126-000000"
@@ -126,7 +126,7 @@ def test_a_run_cut_short_continues_from_its_checkpoint_and_is_then_reused(tmp_pa
 
     ws = data_workspace(tmp_path / "ws", train=8, heldout=4)
     cell = lab.Cell("on-policy", "MiniRL w/o IS", lab.NO_IS)
-    p = lab.Plan(steps=2, eval_every=1, seeds=1, offpolicy_n=(), cold_start_targets=(), cells=[cell])
+    p = lab.Plan(steps=2, eval_every=1, seeds=1, cells=[cell])
     calls = []
 
     def fake_minirl(self, args, log, *, on_start=lambda pid: None, append=False):

@@ -20,8 +20,6 @@ from minirl.setup.preflight import check_checkpoint, check_gradable, check_model
 from rewards.pool import GradingPool
 
 
-
-
 def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]) -> dict:
     """avg@k, pass@k and maj@k from per-sample correctness and extracted answers.
 

@@ -37,7 +37,7 @@ NO_CLIP = ("loss.eps_low=1", "loss.eps_high=1e9")  # M_t ≡ 1: r_t never falls 
 
 @dataclass(frozen=True)
 class Cell:
-    regime: str  # "on-policy" | "off-policy N=4" | "cold starts"
+    regime: str  # what the cell's arm belongs to, e.g. "is @ fp8" (a study at a dial level)
     variant: str
     sets: tuple[str, ...] = ()
     cold_start: float = 0.0  # dev accuracy an extra cold start stops at (F6); 0 = the workspace's own
@@ -52,12 +52,7 @@ class Plan:
     steps: int
     eval_every: int
     seeds: int
-    offpolicy_n: tuple[int, ...]
-    cold_start_targets: tuple[float, ...]  # dev accuracies of the extra cold starts (F6)
-    mb_prompts: int = 8  # prompts per off-policy mini-batch (× G = 8 responses); N of them per step
     cells: list[Cell] = field(default_factory=list)
-
-
 
 
 # ----- running -----------------------------------------------------------------------------------
@@ -78,8 +73,6 @@ def _legacy_free(recorded: list[str], p: Plan) -> list[str]:
     """A run recorded before resumable_sets carried "no checkpoints but the last" among its cell's
     settings; it is the same cell's run as one recorded since."""
     return [x for x in recorded if x not in (f"checkpoint.every={p.steps + 1}", "checkpoint.keep=1")]
-
-
 
 
 class Lab:

@@ -251,8 +251,7 @@ def plan(study: Study, *, seeds: int, quick: bool, level: str, dose_seeds: int =
             arms.append(Arm(name, tag, Cell(f"{study.name} @ {tag}", name, at, cold_start=acc),
                             seeds if lvl == level else dose_seeds, lvl == level))
     every = study.eval_every if study.eval_every and not quick else max(5, steps // 6)
-    p = Plan(steps=steps, eval_every=every, seeds=seeds, offpolicy_n=(4,), cold_start_targets=(),
-             cells=[a.cell for a in arms])
+    p = Plan(steps=steps, eval_every=every, seeds=seeds, cells=[a.cell for a in arms])
     return StudyPlan(p, level, arms, first_seed, endpoint)
 
 
