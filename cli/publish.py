@@ -21,14 +21,18 @@ from minirl.errors import UsageError
                                            "score; checkpoints without a score are evaluated first.")
 @click.option("--step", type=int, default=None, help="The checkpoint of this step.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Safetensors shard size (an index above it).")
-def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int | None, max_shard_size: str) -> None:
+@click.option("--adapter", is_flag=True, help="A LoRA run: its adapter alone, as a PEFT folder (adapter_config.json, "
+                                              "adapter_model.safetensors) for the run's base model, not the merged model.")
+def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int | None, max_shard_size: str,
+               adapter: bool) -> None:
     """Export a run's checkpoint as a Hugging Face model folder OUT with a model card.
 
     WORKSPACE_RUN_OR_CHECKPOINT: a run folder (runs/<id>), one of its checkpoints, or a workspace
     (its latest run); default: the -w workspace's latest run. The checkpoint: the run's newest (default), --step N, or --best. OUT gets
     safetensors (sharded with an index above --max-shard-size), config, generation config,
     tokenizer, README.md (model card with the recipe, the run's figures and how to load it) and
-    training_curves.png.
+    training_curves.png. A LoRA run exports merged (W + (α/r)·B·A), or with --adapter as a PEFT
+    adapter that `peft` loads onto the base model.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -45,7 +49,7 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
         run_dir, ckpt, why = ex.pick(paths[0] if len(paths) == 2 else None, workspace, step=step, best=best,
                                      progress=lambda d, t: prog.update(task, completed=d, total=t))
     with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
-        folder = ex.export(run_dir, out, ckpt, why=why, max_shard_size=max_shard_size,
+        folder = ex.export(run_dir, out, ckpt, why=why, max_shard_size=max_shard_size, adapter=adapter,
                            eval_results=ex.eval_results_for(run_dir.parent.parent, ckpt))
     size = sum(f.stat().st_size for f in folder.iterdir())
     console.print(f"[green]exported[/] step {ckpt.step} of run {run_dir.name} ({why}) to {folder} "
@@ -64,11 +68,12 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
               show_default=True, help="Workspace whose latest run to push when no folder or run is given.")
 @click.option("--best", is_flag=True, help="With a run: export its best good checkpoint (see `minirl export`).")
 @click.option("--step", type=int, default=None, help="With a run: export the checkpoint of this step.")
+@click.option("--adapter", is_flag=True, help="With a LoRA run: export and push its PEFT adapter, not the merged model.")
 def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None, force: bool, dry_run: bool,
-             workspace: Path, best: bool, step: int | None) -> None:
+             workspace: Path, best: bool, step: int | None, adapter: bool) -> None:
     """Push an exported model folder to the Hugging Face Hub as one commit.
 
-    FOLDER_OR_RUN: a folder `minirl export` wrote, or a run / checkpoint / workspace (exported
+    FOLDER_OR_RUN: a folder `minirl export` wrote (a model or a LoRA adapter), or a run / checkpoint / workspace (exported
     first); default: the -w workspace's latest run. The token comes from HF_TOKEN or a saved login (`hf auth login`)
     and is never printed or written. A branch that already holds files is refused without --force.
     """
@@ -80,12 +85,12 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
 
     hub.check_repo_name(repo)  # before any export
     with tempfile.TemporaryDirectory(prefix="minirl-push-") as tmp:
-        if source is not None and (source / "config.json").exists():
-            folder = source
+        if source is not None and any((source / f).exists() for f in ("config.json", "adapter_config.json")):
+            folder = source  # an exported model or adapter
         else:
             run_dir, ckpt, why = ex.pick(source, workspace, step=step, best=best)
             with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
-                folder = ex.export(run_dir, Path(tmp) / repo.split("/")[-1], ckpt, why=why, repo_id=repo,
+                folder = ex.export(run_dir, Path(tmp) / repo.split("/")[-1], ckpt, why=why, repo_id=repo, adapter=adapter,
                                    eval_results=ex.eval_results_for(run_dir.parent.parent, ckpt))
         meta = folder / "minirl_export.json"
         origin = json.loads(meta.read_text()) if meta.exists() else {}

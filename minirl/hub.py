@@ -20,6 +20,7 @@ libraries answer from their caches.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -125,6 +126,49 @@ def model_dir(model_id: str, path: str, base: Path, *, weights: bool = True, bef
     if before_weights is not None:
         before_weights(folder)
     return fetch(repo, weights=True) if weights else folder
+
+
+def fingerprint(folder: Path) -> str:
+    """A content hash of an HF folder's weights: SHA-256 over each safetensors file's name and
+    SHA-256. What a LoRA checkpoint records of its frozen base, so that it is never resumed or
+    exported onto other weights. A file in the Hub's cache links to a blob named by its SHA-256
+    (the LFS object id): the name is taken, the file is not read. Any other file is read once per
+    (size, mtime) in this process."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"no *.safetensors in {folder}")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def check_base(checkpoint: Path, recorded: dict, folder: Path, *, here: str | None = None) -> None:
+    """LoRA adapters apply only to the weights they were trained on: the base a checkpoint
+    recorded ({"path", "fingerprint"}) against the model folder about to hold them, one line if not."""
+    here = here or fingerprint(folder)
+    if recorded.get("fingerprint") != here:
+        raise UsageError(f"checkpoint {checkpoint} holds LoRA adapters trained on {recorded.get('path')} "
+                         f"({str(recorded.get('fingerprint'))[:19]}…); {folder} holds other weights ({here[:19]}…): "
+                         "adapters apply only to the weights they were trained on")
+
+
+def _file_sha256(f: Path) -> str:
+    target = f.resolve()
+    if f.is_symlink() and target.parent.name == "blobs" and len(target.name) == 64:
+        try:
+            int(target.name, 16)
+            return target.name
+        except ValueError:
+            pass
+    st = target.stat()
+    return _hash_file(str(target), st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _hash_file(path: str, size: int, mtime_ns: int) -> str:  # size and mtime: a rewritten file hashes again
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def model_shape(model_id: str, path: str, base: Path):

@@ -267,11 +267,7 @@ def _check_lora_targets(targets: str) -> None:
 
 
 def _check_lora_platform(r: Recipe, p: Platform) -> None:
-    """What LoRA does not do yet: refused, never quietly changed (issue #54 lands in steps)."""
-    if p.world_size > 1:
-        raise UsageError(f"train.lora.rank = {r.train.lora.rank} under torchrun ({p.world_size} ranks): LoRA trains in "
-                         "one process so far (FSDP2 / expert parallel with adapters is not built yet); run one process "
-                         "or set train.lora.rank = 0")
+    """What LoRA does not do: refused, never quietly changed."""
     if r.rollout.overlap:
         raise UsageError("train.lora with rollout.overlap = true: the overlapped engine copies the trainer's own "
                          "parameters, not the merged W + (α/r)·B·A; set rollout.overlap = false")

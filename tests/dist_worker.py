@@ -66,11 +66,31 @@ def one_process_init() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+LORA = {"rank": 4, "alpha": 8.0, "targets": ("q", "k", "v", "o", "experts")}
+
+
+def lora_init() -> dict[str, torch.Tensor]:
+    """One process's LoRA trainer (seed 0) with every B drawn non-zero, so both A and B get
+    gradients: the start both sides of a comparison load."""
+    from minirl.models import TINY
+    from minirl.train.trainer import Trainer
+
+    tr = Trainer(TINY, lr=1e-2, seed=0, lora=LORA, shard=False)
+    tr.model.load_state_dict(one_process_init(), strict=False)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in tr.model.named_parameters():
+            if ".lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return tr.model.state_dict()
+
+
 def main() -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from minirl.models import TINY
+    from minirl.rollout.sync import gather as sync_gather
     from minirl.train.parallel import full_state_dict
     from minirl.train.trainer import Trainer
 
@@ -79,19 +99,24 @@ def main() -> None:
     ap.add_argument("--replay", default="off")
     ap.add_argument("--param-dtype", default="float32")
     ap.add_argument("--shared-prompts", action="store_true")
+    ap.add_argument("--lora", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype)
-    set_model_state_dict(trainer.model, one_process_init(), options=StateDictOptions(full_state_dict=True))
+    trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype, lora=LORA if a.lora else None)
+    set_model_state_dict(trainer.model, lora_init() if a.lora else one_process_init(),
+                         options=StateDictOptions(full_state_dict=True))
     batch = fixed_batch(a.shared_prompts)
     routes = fixed_routes(batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
     rows = torch.arange(len(batch)).chunk(world)[rank]
     loss, grads = one_update(trainer, batch.select(rows), a.replay, routes[:, rows])
     weights = full_state_dict(trainer.model)
+    merged = {k: sync_gather(v) for k, v in trainer.weights().items()}  # as the weight sync reads them
     if rank == 0:
-        torch.save({"loss": loss, "grads": grads, "weights": weights,
+        layout = {n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(map(str, p.placements)), tuple(p.to_local().shape))
+                  for n, p in trainer.model.named_parameters() if "layers.0.moe.routed_experts.inner_experts." in n}
+        torch.save({"loss": loss, "grads": grads, "weights": weights, "merged": merged, "expert_layout": layout,
                     "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()})}, a.out)
     # both ranks leave together: a rank tearing gloo down while its peer still works aborted once
     # in a full-suite run ("terminate called without an active exception", SIGABRT at exit)

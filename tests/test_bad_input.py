@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "runs/20260101-000000"
 CKPT = f"{RUN}/checkpoints/step_000002"
+LORA_RUN = "runs/20251231-000000"  # older than RUN: "latest" is still RUN
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +40,12 @@ def ws_template(tiny_dir, tmp_path_factory) -> Path:
                           "heldout_start": {"avg@4": 0.1}})
     (root / RUN / "recipe.toml").write_text(rec.to_toml())
     (root / RUN / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    lora = recipe.load(root / "minirl.toml", ["train.lora.rank=4"])  # a LoRA run: its checkpoint, adapters only
+    tr = Trainer.from_recipe(lora, TINY, device="cpu")
+    tr.load_hf(root / "model/coldstart")
+    tr.save(root / LORA_RUN / "checkpoints/step_000001", {"step": 1, "sampler": {"epoch": 0, "pos": 32},
+                                                         "recipe": lora.to_dict()})
+    (root / LORA_RUN / "recipe.toml").write_text(lora.to_toml())
     return root
 
 
@@ -193,6 +200,15 @@ def an_export_folder(ws: Path):
     write("out/README.md", "# a model\n")(ws)
     write("out/config.json", "{}")(ws)
     hub_down(ws)
+
+
+def another_base(ws: Path):
+    """The workspace's model folder holding other weights than the ones its runs trained on."""
+    from safetensors.torch import load_file, save_file
+
+    f = ws / "model/coldstart/model.safetensors"
+    state = load_file(str(f))
+    save_file({k: v * 1.01 for k, v in state.items()}, str(f), metadata={"format": "pt"})
 
 
 def a_file_where_the_workspace_goes(ws: Path):
@@ -394,6 +410,16 @@ CASES = [
      "train.lora.targets names mlp, which this model does not have"),
     ("lora-targets-unknown", ["run", "{ws}", "--set", "train.lora.rank=4", "--set", "train.lora.targets=gate"], None,
      "train.lora.targets = 'gate': name weights among q, k, v, o, mlp, experts, or all"),
+    ("export-adapter-of-full-run", ["export", "-w", "{ws}", f"{{ws}}/{RUN}", "{new}", "--adapter"], None,
+     "trained every weight (train.lora.rank = 0), so it has no LoRA adapter"),
+    ("resume-full-with-lora", ["run", "{ws}", "--resume", "--set", "train.lora.rank=4"], None,
+     "trained every weight and this run asks for LoRA (rank 4"),
+    ("resume-lora-without", ["run", "{ws}", "--resume", LORA_RUN.split("/")[1], "--set", "train.lora.rank=0"], None,
+     "is of a LoRA run (rank 4, α 32, on q,k,v,o,experts) and this run trains every weight"),
+    ("resume-lora-other-rank", ["run", "{ws}", "--resume", LORA_RUN.split("/")[1], "--set", "train.lora.rank=8"], None,
+     "holds LoRA adapters of rank 4, α 32, on q,k,v,o,experts and this run's [train.lora] asks for rank 8"),
+    ("resume-lora-other-base", ["run", "{ws}", "--resume", LORA_RUN.split("/")[1]], another_base,
+     "holds other weights"),
     ("doctor-workspace-positional", ["doctor", "{ws}", "--seeds", "0"], None, "--seeds"),
     ("export-workspace-as-source", ["export", "{ws}", "{new}", "--step", "7"], None, "no checkpoint of step 7"),
     ("eval-no-checkpoint", ["eval", "-w", "{ws}", "--checkpoint", "/nonexistent/ckpt"], None, "checkpoint not found"),

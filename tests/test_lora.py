@@ -4,12 +4,14 @@ and the recipe's rules. One process on the tiny MoE (and a dense shape for `mlp`
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from minirl import recipe
 from minirl.errors import UsageError
+from minirl.hub import fingerprint
 from minirl.models import KNOWN_SHAPES, TINY
 from minirl.train import lora
 from minirl.train.batch import build_batch
@@ -53,7 +55,7 @@ def test_only_the_adapters_train_and_step_0_is_the_base_model():
     with_grad = {n for n, p in tr.model.named_parameters() if p.grad is not None}
     assert with_grad and all(lora.is_adapter(n) for n in with_grad)
     adapters = {n for n, p in tr.model.named_parameters() if lora.is_adapter(n)}
-    assert {n.rsplit(".", 2)[0] for n in adapters} >= {"layers.0.attention.qkv_linear.wq", "layers.0.attention.wo",
+    assert {n.rsplit(".", 1)[0] for n in adapters} >= {"layers.0.attention.qkv_linear.wq", "layers.0.attention.wo",
                                                        "layers.0.moe.routed_experts.inner_experts"}
     assert not any("router" in n or "embeddings" in n or "lm_head" in n for n in adapters)
     tr.optim_step()
@@ -62,6 +64,26 @@ def test_only_the_adapters_train_and_step_0_is_the_base_model():
     after = tr.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # the base never moves
     assert not torch.equal(tr.logprobs(b)[0], base.logprobs(b)[0])  # the adapters did
+
+
+def test_in_bfloat16_the_base_is_held_in_bfloat16_and_only_the_adapters_in_float32():
+    """A GPU's compute dtype (forced here on the CPU): the frozen base has no float32 copy, the
+    adapters and their Adam moments are float32, and step 0 is still the base model."""
+    b = _batch()
+    tr = _lora_trainer(param_dtype="bfloat16")
+    base = {p.dtype for n, p in tr.model.named_parameters() if not lora.is_adapter(n)}
+    adapters = [p for n, p in tr.model.named_parameters() if lora.is_adapter(n)]
+    assert base == {torch.bfloat16} and {p.dtype for p in adapters} == {torch.float32}
+    plain = Trainer(TINY, lr=1e-2, seed=0, param_dtype="bfloat16")
+    plain.load_weights(tr.full_state_dict())
+    for p in plain.model.parameters():  # the same base, held as the LoRA trainer holds it
+        p.data = p.data.to(torch.bfloat16)
+    torch.testing.assert_close(tr.logprobs(b)[0], plain.logprobs(b)[0], rtol=0, atol=0)
+    _update(tr, b)
+    assert all(p.grad is None for p in tr.model.parameters())  # zeroed after the step
+    moments = [t for s in tr.optim.state.values() for k, t in s.items() if k != "step"]
+    assert len(moments) == 2 * len(adapters) and {t.dtype for t in moments} == {torch.float32}
+    assert tr.full_state_dict()["layers.0.attention.wo.weight"].dtype == torch.bfloat16  # merged, as held
 
 
 def test_the_merged_weights_compute_what_the_adapted_model_computes():
@@ -85,7 +107,7 @@ def test_a_dense_models_mlp_adapters_and_rank_bounds():
     dense = dataclasses.replace(KNOWN_SHAPES["Qwen3-0.6B"], n_layers=1, dim=64, n_heads=2, n_kv_heads=1,
                                 head_dim=32, hidden_dim=96, vocab_size=32, max_seq_len=64)
     tr = _lora_trainer(rank=2, targets=("mlp",), shape=dense)
-    names = {n.rsplit(".", 2)[0] for n, _ in tr.model.named_parameters() if lora.is_adapter(n)}
+    names = {n.rsplit(".", 1)[0] for n, _ in tr.model.named_parameters() if lora.is_adapter(n)}
     assert names == {f"layers.0.feed_forward.w{i}" for i in (1, 2, 3)}
     assert lora_targets("all", dense) == ("q", "k", "v", "o", "mlp")
     assert lora_targets("all", TINY) == ALL
@@ -110,8 +132,7 @@ def test_the_model_and_machine_bound_lora():
         validate(rec, None, TINY)
     rec = recipe.load(None, ["train.lora.rank=4"])
     validate(rec, Platform("cpu", 1, 2, 16.0), TINY)
-    with pytest.raises(UsageError, match="LoRA trains in one process so far"):
-        validate(rec, Platform("cpu", 2, 2, 16.0), TINY)
+    validate(rec, Platform("cpu", 2, 2, 16.0), TINY)  # torchrun: sharded with the weights (test_parallel)
     with pytest.raises(UsageError, match="rollout.overlap = false"):
         validate(recipe.load(None, ["train.lora.rank=4", "rollout.overlap=true"]), Platform("cpu", 1, 2, 16.0), TINY)
 
@@ -161,38 +182,93 @@ def test_lora_with_r3_replays_the_engines_routes_on_every_position(engine_r3, ti
         assert route_agreement(used, routes, fed).tolist() == [1.0] * TINY.n_layers
         tr.forward_backward(b.with_old_logp(old), fn, routes=routes)
         tr.optim_step()
-    assert any(p.abs().sum() > 0 for n, p in tr.model.named_parameters() if n.endswith(".B") or "B_w" in n)
+    assert any(p.abs().sum() > 0 for n, p in tr.model.named_parameters() if ".lora_B" in n)
 
 
-def test_a_checkpoint_loads_only_into_the_trainer_that_saved_its_adapters(tmp_path):
-    """Resume and rollback read the adapters back; a checkpoint never loads silently into a trainer
-    without its adapters (DCP would read the base alone), nor a full one into a LoRA trainer."""
+def test_a_checkpoint_holds_the_adapters_and_loads_only_onto_their_base_and_settings(tmp_path, tiny_dir):
+    """Resume and rollback read the adapters back onto the base they name; a checkpoint never loads
+    silently into a trainer without its adapters (DCP would read what the trainer asks for), nor a
+    full one into a LoRA trainer, nor adapters onto other weights."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.conftest import random_hf_folder
+
     b = _batch()
     tr = _lora_trainer()
+    tr.load_hf(tiny_dir)
     _update(tr, b)
     tr.save(tmp_path / "lora", {"step": 1})
+    meta = FileSystemReader(str(tmp_path / "lora")).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model.") for k in meta if k.startswith("model.")}
+    assert saved == set(lora.adapter_state(tr.model))  # of the model, the adapters alone: no base
+    extra = json.loads((tmp_path / "lora" / "minirl.json").read_text())
+    assert extra["lora"] == {"rank": 4, "alpha": 8.0, "targets": list(ALL)}
+    assert extra["base"] == {"path": str(tiny_dir), "fingerprint": fingerprint(tiny_dir)}
+
     again = _lora_trainer()
+    with pytest.raises(RuntimeError, match="load_hf"):
+        again.load(tmp_path / "lora")
+    again.load_hf(tiny_dir)
     again.load(tmp_path / "lora")
     torch.testing.assert_close(again.logprobs(b)[0], tr.logprobs(b)[0], rtol=0, atol=0)
+    assert again.optim.state_dict()["state"].keys() == tr.optim.state_dict()["state"].keys()
+
+    other = _lora_trainer()
+    other.load_hf(random_hf_folder(tmp_path / "other", TINY, std=0.1 + 1e-3))
+    with pytest.raises(UsageError, match="holds other weights"):
+        other.load(tmp_path / "lora")
     with pytest.raises(UsageError, match="holds LoRA adapters and this trainer has none"):
         Trainer(TINY, lr=0.0).load(tmp_path / "lora")
+    narrow = _lora_trainer(rank=2)
+    narrow.load_hf(tiny_dir)
     with pytest.raises(UsageError, match="another rank"):
-        _lora_trainer(rank=2).load(tmp_path / "lora")
+        narrow.load(tmp_path / "lora")
     full = Trainer(TINY, lr=1e-2, seed=0)
     full.save(tmp_path / "full", {"step": 0})
     with pytest.raises(UsageError, match="no LoRA adapters"):
         _lora_trainer().load(tmp_path / "full")
-    assert Trainer.for_checkpoint(recipe.load(None, ["train.lora.rank=4", "train.lora.alpha=8"]), TINY).lora == {
-        "rank": 4, "alpha": 8.0, "targets": ALL}
+    made = Trainer.for_checkpoint(recipe.load(None, ["train.lora.rank=4", "train.lora.alpha=8"]), TINY, tiny_dir)
+    assert made.lora == {"rank": 4, "alpha": 8.0, "targets": ALL} and made.base == extra["base"]
+
+
+def test_the_peft_adapter_on_its_base_computes_what_the_merged_export_computes(tmp_path, tiny_dir):
+    """`minirl export --adapter`'s folder, loaded by `peft` onto the base model (transformers,
+    float32), gives the merged export's logits: the names (experts split per expert) and the
+    layout PEFT reads, and its own α/r, are ours."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from minirl.train.hf_io import save_hf_folder, save_peft_folder
+
+    tr = _lora_trainer(rank=4)
+    tr.load_hf(tiny_dir)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # trained-looking adapters: B ≠ 0 everywhere
+        for n, p in tr.model.named_parameters():
+            if ".lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    save_peft_folder(tmp_path / "adapter", TINY, lora.adapter_state(tr.model), rank=4, alpha=8.0,
+                     base_model=str(tiny_dir))
+    save_hf_folder(tmp_path / "merged", TINY, tr.full_state_dict(), tokenizer_dir=tiny_dir)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, str(tiny_dir))
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    ids = torch.randint(3, 30, (2, 12), generator=g)
+    load = lambda folder: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)  # noqa: E731
+    with torch.no_grad():
+        merged = load(tmp_path / "merged")(ids).logits
+        adapted = PeftModel.from_pretrained(load(tiny_dir), tmp_path / "adapter")(ids).logits
+        base = load(tiny_dir)(ids).logits
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
+    assert (adapted - base).abs().max() > 0.1  # the adapters change what the base computes
 
 
 @pytest.mark.slow
-def test_a_lora_run_with_r3_exports_the_merged_model(tmp_path, tiny_dir):
-    """`minirl run` with [train.lora] and R3 on the tiny model end to end, then `minirl export` of
-    its checkpoint: the run's own HF folder again (export once read the base alone; that merged
-    weights are not the base's is test_the_merged_weights_…'s business, a LoRA checkpoint's
-    reload test_a_checkpoint_loads_only_…'s, a run killed and resumed test_faults')."""
-    import json
+def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_path, tiny_dir):
+    """`minirl run` with [train.lora] and R3 on the tiny model end to end: SIGKILLed as step 4
+    begins (MINIRL_INJECT_KILL), resumed from its step-2 checkpoint (the adapters alone, onto the
+    base it names), it repeats an uninterrupted run's steps sample for sample and update for update;
+    then `minirl export` writes the merged model (export once read the base alone)."""
     import os
     import shutil
     import subprocess
@@ -204,20 +280,54 @@ def test_a_lora_run_with_r3_exports_the_merged_model(tmp_path, tiny_dir):
 
     ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
     shutil.copytree(tiny_dir, ws / "model" / "coldstart")
+    # a reward the random model earns now and then (the answer's last digit is its last digit), so
+    # that the advantages, and with them the adapters' updates, are not all zero
+    for split in ("train", "heldout"):
+        f = ws / "data" / f"{split}.jsonl"
+        f.write_text("".join(json.dumps({**row, "answer": row["answer"][-1]}) + "\n"
+                             for row in map(json.loads, f.read_text().splitlines())))
+    recipe_file = ws / "minirl.toml"
+    recipe_file.write_text(recipe_file.read_text().replace('grader = "arith"',
+                                                           'grader = "regex"\nparams = { pattern = "([0-9])" }'))
     sets = ["train.lora.rank=4", "train.lora.alpha=16", "train.lr=3e-3", "train.replay=r3", "train.prompts_per_step=4",
-            "train.group_size=4", "eval.k=1", "eval.every=0"]
+            "train.group_size=4", "eval.k=1", "eval.every=0", "checkpoint.every=2"]
 
-    def minirl(*a):
+    def minirl(*a, **env):
         return subprocess.run([sys.executable, "-m", "cli.main", *a], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "COLUMNS": "200"}, timeout=600)
+                              env={**os.environ, "COLUMNS": "200", **env}, timeout=600)
 
-    r = minirl("run", str(ws), "--steps", "2", *[x for s in sets for x in ("--set", s)])
-    assert r.returncode == 0, r.stdout + r.stderr
-    (run,) = (ws / "runs").iterdir()
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["steps"] == 2
-    assert summary["recipe"]["train"]["lora"]["rank"] == 4 and summary["recipe"]["train"]["replay"] == "r3"
-    assert minirl("export", str(ws), str(tmp_path / "out")).returncode == 0
+    def figures(run):
+        return [(m["step"], m["rollout/reward_mean"], m["train/loss"], m["train/grad_norm"])
+                for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+    args = ["--steps", "4", *[x for s in sets for x in ("--set", s)]]
+    r = minirl("run", str(ws), *args, MINIRL_INJECT_KILL="0@4")
+    assert r.returncode == -9, r.stdout + r.stderr
+    (killed,) = (ws / "runs").iterdir()
+    assert [f[0] for f in figures(killed)] == [1, 2, 3]
+    r = minirl("run", str(ws), "--resume", "--steps", "4")
+    assert r.returncode == 0 and "resumed at step 2" in r.stdout, r.stdout + r.stderr
+    assert minirl("run", str(ws), *args).returncode == 0
+    whole = max((ws / "runs").iterdir())
+    assert whole != killed and figures(killed) == figures(whole) and len(figures(whole)) == 4
+    assert all(f[3] > 0 for f in figures(whole))  # every step updated the adapters
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["recipe"]["train"]["lora"]["rank"] == 4
+    ckpt = killed / "checkpoints" / "step_000004"
+    assert json.loads((ckpt / "minirl.json").read_text())["lora"]["rank"] == 4
+
+    assert minirl("export", str(ckpt), str(tmp_path / "out")).returncode == 0
     exported = load_file(next((tmp_path / "out").glob("*.safetensors")))
-    own = load_file(next((run / "checkpoints" / "step_000002" / "hf").glob("*.safetensors")))
-    assert all(torch.equal(exported[k], own[k]) for k in own)  # both written through the adapters (merged)
+    own = load_file(next((ckpt / "hf").glob("*.safetensors")))  # what the run itself wrote from its trainer
+    base = load_file(next(tiny_dir.glob("*.safetensors")))
+    assert all(torch.equal(exported[k], own[k]) for k in own)
+    assert not torch.equal(exported["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    r = minirl("export", str(ckpt), str(tmp_path / "adapter"), "--adapter")
+    assert r.returncode == 0, r.stdout + r.stderr
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 16.0
+    assert config["base_model_name_or_path"] == str((ws / "model" / "coldstart").resolve())
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "library_name: peft" in card and "rank 4, α 16, on q, k, v, o, experts; this folder is the adapter" in card
+    assert sorted(f.name for f in (tmp_path / "adapter").iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors", "minirl_export.json", "training_curves.png"]

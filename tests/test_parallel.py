@@ -60,6 +60,40 @@ def test_two_ranks_update_like_one_process(ep, replay, shared, tmp_path):
     assert sum(not torch.equal(v, start[k]) for k, v in ref.items()) > len(ref) // 2  # the update moved them
 
 
+@pytest.mark.parametrize("ep, replay", [(2, "r3"), (1, "off")], ids=["ep2+r3", "fsdp2"])
+def test_lora_on_two_ranks_updates_like_one_process(ep, replay, tmp_path):
+    """LoRA's adapters sharded with the weights they adapt (the experts' over EP, all over FSDP2):
+    the loss, the adapters' gradients and their update are one process's; the base never moves."""
+    from dist_worker import LORA, fixed_batch, fixed_routes, lora_init, one_update
+
+    from minirl.models import TINY
+    from minirl.train.lora import is_adapter
+    from minirl.train.trainer import Trainer
+
+    got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay, "--lora")
+    one = Trainer(TINY, lr=1e-2, seed=0, lora=LORA)
+    start = lora_init()
+    one.model.load_state_dict(start)
+    batch = fixed_batch()
+    loss, grads = one_update(one, batch, replay, fixed_routes(batch, TINY.n_layers, TINY.top_k, TINY.num_experts))
+    assert got["loss"] == pytest.approx(loss, rel=1e-5)
+    assert got["grads"].keys() == grads.keys() and grads and all(is_adapter(k) for k in grads)
+    for k, g in grads.items():
+        torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-7)
+    for k, v in one.model.state_dict().items():
+        torch.testing.assert_close(got["weights"][k], v, rtol=0, atol=1e-4 if is_adapter(k) else 0)
+        assert is_adapter(k) or torch.equal(v, start[k])
+    merged = one.full_state_dict()  # W + s·B·A: what the engine gets, gathered and merged bucket by bucket
+    assert got["merged"].keys() == merged.keys() and not any(is_adapter(k) for k in merged)
+    for k, v in merged.items():
+        torch.testing.assert_close(got["merged"][k], v, rtol=0, atol=1e-5)
+    experts = "layers.0.moe.routed_experts.inner_experts."
+    weight = got["expert_layout"][experts + "w1_EFD"]  # (mesh dims, placements, local shape)
+    for name in ("lora_A_w1_EFD", "lora_B_w1_EFD"):  # sharded over the same mesh as the weight, experts split alike
+        mesh, placements, local = got["expert_layout"][experts + name]
+        assert (mesh, placements, local[0]) == (weight[0], weight[1], weight[2][0]) and local[0] < TINY.num_experts
+
+
 def test_bf16_compute_keeps_fp32_master_shards(tmp_path):
     """FSDP2's mixed precision (train.param_dtype = bfloat16, the CUDA default): shards, and so
     Adam's state, stay float32; the loss is the fp32 one up to bfloat16 rounding."""

@@ -63,6 +63,9 @@ This folder is checkpoint **step {{ step }}** of run `{{ run_name }}`: {{ why }}
 | precision | rollouts {{ rollout_precision }} (vLLM), training {{ train_precision }} (TorchTitan) |
 | learning rate | {{ rec.train.lr }} |
 | reward | `{{ rec.reward.grader }}` grader on `{{ rec.data.train }}` |
+{%- if lora %}
+| LoRA | {{ lora }} |
+{%- endif %}
 
 <details><summary>The whole recipe (minirl.toml)</summary>
 
@@ -97,6 +100,32 @@ model = AutoModelForCausalLM.from_pretrained(MODEL)
 out = model.generate(ids, max_new_tokens={max_tokens}, do_sample=True)
 print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))"""
 
+PEFT = """from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+BASE = "{base}"
+# this LoRA adapter
+MODEL = "{model}"
+PROMPT = {prompt!r}
+tok = AutoTokenizer.from_pretrained(BASE)
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), MODEL)
+{encode}
+out = model.generate(ids, max_new_tokens={max_tokens}, do_sample=True)
+print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))"""
+
+# vLLM 0.32 has LoRA layers for Qwen3-MoE's experts; minirl has not served its adapters through them
+VLLM_LORA = """from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+
+BASE = "{base}"
+# this LoRA adapter (untested with vLLM by minirl: `minirl export` without --adapter writes the merged
+# model, which vLLM loads as any other)
+MODEL = "{model}"
+PROMPT = {prompt!r}
+llm = LLM(model=BASE, enable_lora=True, max_lora_rank={rank})
+{call}
+print(out[0].outputs[0].text)"""
+
 VLLM = """from vllm import LLM, SamplingParams
 
 MODEL = "{model}"
@@ -107,9 +136,10 @@ print(out[0].outputs[0].text)"""
 
 
 def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results: list[dict],
-               repo_id: str | None = None):
+               moe: bool, repo_id: str | None = None, lora: dict | None = None, adapter_of: str | None = None):
     """The card of checkpoint `ckpt` of `run_dir`, exported into `folder` (the name snippets load
-    unless `repo_id` is given)."""
+    unless `repo_id` is given); moe: the model is a Qwen3-MoE. lora: the trainer's LoRA settings (rank, alpha, targets), if any;
+    adapter_of: the folder is a PEFT LoRA adapter of this base model."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 
@@ -147,11 +177,11 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
     data = ModelCardData(
         model_name=name,
         base_model=base,
-        library_name="transformers",
+        library_name="peft" if adapter_of else "transformers",
         pipeline_tag="text-generation",
         license="apache-2.0",  # Qwen3 and minirl's embedded model alike
-        tags=["minirl", "reinforcement-learning", "qwen3_moe" if "moe" in _arch(folder) else "qwen3",
-              f"replay-{rec.train.replay}"],
+        tags=["minirl", "reinforcement-learning", "qwen3_moe" if moe else "qwen3",
+              f"replay-{rec.train.replay}", *(["lora"] if lora else [])],
         datasets=[d for d in (rec.data.train, rec.data.heldout) if _hub_dataset(d)] or None,
         eval_results=eval_objs or None,
     )
@@ -162,8 +192,9 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
               'return_tensors="pt", return_dict=True)["input_ids"]' if chat else
               'ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids')
     sp = f"SamplingParams(temperature={rec.rollout.temperature}, max_tokens={rec.rollout.max_tokens})"
-    call = (f'out = llm.chat([{{"role": "user", "content": PROMPT}}], {sp})' if chat else
-            f"out = llm.generate([PROMPT], {sp})")
+    lora_arg = ', lora_request=LoRARequest("minirl", 1, MODEL)' if adapter_of else ""
+    call = (f'out = llm.chat([{{"role": "user", "content": PROMPT}}], {sp}{lora_arg})' if chat else
+            f"out = llm.generate([PROMPT], {sp}{lora_arg})")
     wall = summary.get("wall_s") if summary and Path(summary.get("checkpoint", "")).name == ckpt.path.name else None
     wall = wall if wall is not None else next((r.get("timing/elapsed_s") for r in reversed(rows)), None)
     return ModelCard.from_template(
@@ -181,10 +212,23 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
         train_precision={"auto": "float32 on CPU, bfloat16 with float32 master weights on CUDA"}.get(
             rec.train.param_dtype, rec.train.param_dtype),
         recipe_toml=rec.to_toml().strip(),
-        transformers_snippet=TRANSFORMERS.format(model=ref, prompt=prompt, encode=encode,
-                                                 max_tokens=rec.rollout.max_tokens),
-        vllm_snippet=VLLM.format(model=ref, prompt=prompt, call=call),
+        lora=_lora_words(lora, adapter_of),
+        transformers_snippet=(PEFT.format(base=adapter_of, model=ref, prompt=prompt, encode=encode,
+                                          max_tokens=rec.rollout.max_tokens) if adapter_of else
+                              TRANSFORMERS.format(model=ref, prompt=prompt, encode=encode,
+                                                  max_tokens=rec.rollout.max_tokens)),
+        vllm_snippet=(VLLM_LORA.format(base=adapter_of, model=ref, prompt=prompt, call=call, rank=lora['rank'])
+                      if adapter_of else VLLM.format(model=ref, prompt=prompt, call=call)),
     )
+
+
+def _lora_words(lora: dict | None, adapter_of: str | None) -> str:
+    """The card's LoRA row: what was adapted, and whether this folder is the merged model or the adapter."""
+    if not lora:
+        return ""
+    what = (f"this folder is the adapter (PEFT) of `{adapter_of}`" if adapter_of else
+            "merged into this model's weights (W + (α/r)·B·A)")
+    return f"rank {lora['rank']}, α {lora['alpha']:g}, on {', '.join(lora['targets'])}; {what}"
 
 
 def _read(path: Path) -> dict:
@@ -201,11 +245,6 @@ def _fmt(v) -> str:
 def _hub_dataset(spec: str) -> bool:
     """A Hub dataset id (owner/name), not a local file."""
     return spec.count("/") == 1 and not Path(spec).suffix and not spec.startswith((".", "/"))
-
-
-def _arch(folder: Path) -> str:
-    cfg = _read(Path(folder) / "config.json")
-    return " ".join(cfg.get("architectures", [])).lower()
 
 
 def _sample_prompt(run_dir: Path, rec) -> str:

@@ -27,7 +27,7 @@ from minirl.publish.card import known_score, model_card
 from minirl.errors import UsageError
 from minirl.eval.evaluate import evaluate
 from minirl.files import HELDOUT_FILE, read_json
-from minirl.hub import model_dir
+from minirl.hub import model_dir, repo_id as hub_repo
 from minirl.run.metrics_file import metric_rows
 from minirl.run.plots import plot_metrics
 from minirl.setup.preflight import check_checkpoint, check_model_folder, complete_checkpoints, latest_trained, prepare_run
@@ -130,36 +130,53 @@ def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
 
 
 def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_size: int | str = "5GB",
-           eval_results: list[dict] | None = None, repo_id: str | None = None) -> Path:
-    """Write the HF folder of `ckpt` with its card and curves into `out` (aside, then renamed)."""
-    from minirl.train.hf_io import save_hf_folder  # deferred, as below: torch (the CLI imports this module at start)
+           eval_results: list[dict] | None = None, repo_id: str | None = None, adapter: bool = False) -> Path:
+    """Write the HF folder of `ckpt` with its card and curves into `out` (aside, then renamed).
+    adapter: a LoRA run's adapters alone, as a PEFT adapter folder for its base model."""
+    from minirl.train.hf_io import save_hf_folder, save_peft_folder  # deferred, as below: torch (the CLI imports this module at start)
+    from minirl.train.lora import adapter_state
     from minirl.train.trainer import Trainer
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not empty; choose another folder or remove it")
     rec = recipe_mod.load(run_dir / "recipe.toml", [])
+    if adapter and not rec.train.lora.rank:
+        raise UsageError(f"export --adapter: run {run_dir.name} trained every weight (train.lora.rank = 0), so it has "
+                         "no LoRA adapter; export the whole model without --adapter")
     ws_root = run_dir.parent.parent
     base = model_dir(rec.model.id, rec.model.path, ws_root)
     shape = check_model_folder(base)
     check_checkpoint(ckpt.path, shape, rec.model.id)  # a damaged one: one line, nothing written
-    trainer = Trainer.for_checkpoint(rec, shape)
+    trainer = Trainer.for_checkpoint(rec, shape, base)
     trainer.load(ckpt.path, with_optim=False)
     tmp = out.with_name(out.name + ".tmp")
     atomic.remove_dir(tmp)
-    save_hf_folder(tmp, shape, trainer.full_state_dict(), tokenizer_dir=base, max_shard_size=max_shard_size)
+    if adapter:
+        save_peft_folder(tmp, shape, adapter_state(trainer.model), rank=trainer.lora["rank"],
+                         alpha=trainer.lora["alpha"], base_model=base_name(rec, base))
+    else:
+        save_hf_folder(tmp, shape, trainer.full_state_dict(), tokenizer_dir=base, max_shard_size=max_shard_size)
     if (run_dir / "metrics.jsonl").exists():
         plot_metrics(run_dir / "metrics.jsonl", tmp / "training_curves.png", upto=ckpt.step)
 
-    card = model_card(run_dir, rec, ckpt, why=why, folder=out, eval_results=eval_results or [], repo_id=repo_id)
+    card = model_card(run_dir, rec, ckpt, why=why, folder=out, moe=shape.is_moe, eval_results=eval_results or [],
+                      repo_id=repo_id,
+                      lora=trainer.lora, adapter_of=base_name(rec, base) if adapter else None)
     card.save(tmp / "README.md")
     atomic.write_text(tmp / "minirl_export.json", json.dumps(
-        {"run": run_dir.name, "step": ckpt.step, "checkpoint": str(ckpt.path), "why": why}, indent=2))
+        {"run": run_dir.name, "step": ckpt.step, "checkpoint": str(ckpt.path), "why": why,
+         "kind": "peft-adapter" if adapter else "model"}, indent=2))
     if out.exists():
         out.rmdir()
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(tmp), str(out))
     return out
+
+
+def base_name(rec, folder: Path) -> str:
+    """What an adapter names as its base model: the Hub repo, else the model folder's path."""
+    return hub_repo(rec.model.id) or str(Path(folder).resolve())
 
 
 def eval_results_for(ws_root: Path, ckpt: Checkpoint) -> list[dict]:
@@ -189,7 +206,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     inputs = prepare_run(ws, rec, resume=None)
     engine = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed,
                                     max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1)
-    trainer = Trainer.for_checkpoint(rec, inputs.shape)
+    trainer = Trainer.for_checkpoint(rec, inputs.shape, inputs.model_dir)
     tok = inputs.tokenizer
     out = {}
     for c in ckpts:  # every one before the first engine step: a damaged one costs no evaluation

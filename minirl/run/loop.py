@@ -72,6 +72,8 @@ class RLRun:
         self.lr = rec.train.lr
         self.last_good: Path | None = inputs.resume_from
         self.rolled_back_to: list[str] = []
+        if inputs.resume_from is None or self.trainer.lora:  # a LoRA checkpoint holds the adapters alone
+            self.trainer.load_hf(self.model_dir)
         if inputs.resume_from is not None:
             extra = self.trainer.load(inputs.resume_from)
             self.state.step = extra["step"]
@@ -81,8 +83,6 @@ class RLRun:
             self.guard.load_state_dict(extra.get("guard", {}))
             self.lr = extra.get("lr", self.lr)
             self.trainer.set_lr(self.lr)
-        else:
-            self.trainer.load_hf(self.model_dir)
         self.clock = Stopwatch(self.state.timing)
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
                                              clock=self.clock)

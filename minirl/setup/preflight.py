@@ -22,10 +22,10 @@ from urllib.parse import urlparse
 from minirl.data import load_problems, prompt_ids
 from minirl.errors import UsageError
 from minirl.files import read_json
-from minirl.hub import model_dir as resolve_model_dir
+from minirl.hub import check_base, model_dir as resolve_model_dir
 from minirl.models import ModelShape, param_count, read_shape, titan_config
 from minirl import recipe as recipe_mod
-from minirl.validator import Platform, validate
+from minirl.validator import Platform, lora_targets, validate
 from rewards.base import describe, gradable, load_grader
 from rewards.pool import GradingPool
 
@@ -172,9 +172,13 @@ def _check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"checkpoint {path}: DCP metadata missing or unreadable ({type(e).__name__})") from None
-    want = expected_titan_shapes(shape)
     have = {k.removeprefix("model."): tuple(v.size) for k, v in md.state_dict_metadata.items()
             if k.startswith("model.") and hasattr(v, "size")}
+    want = expected_titan_shapes(shape)
+    if extra.get("lora"):  # LoRA adapters alone: their base is the model folder (`check_resume`)
+        want = {}
+        if not any(".lora_" in f".{k}" for k in have):
+            raise UsageError(f"checkpoint {path}: minirl.json says LoRA and it holds no adapters")
     for name, s in want.items():
         if have.get(name) != s:
             got = list(have[name]) if name in have else "nothing"
@@ -189,6 +193,31 @@ def _check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
             state = "missing" if size < 0 else f"{size} bytes, {end} needed"
             raise UsageError(f"checkpoint {path}: shard {rel} is {state}")
     return extra
+
+
+def check_resume(path: Path, rec, shape: ModelShape, model_dir: Path) -> None:
+    """A checkpoint continues only the training it was saved from: LoRA's settings (rank, α,
+    targets) as this run's [train.lora], and a LoRA checkpoint's adapters on the base they were
+    trained on (its fingerprint). One line before any engine starts."""
+    extra = read_json(Path(path) / "minirl.json", "checkpoint")
+    theirs, lora = extra.get("lora"), rec.train.lora
+    mine = ({"rank": lora.rank, "alpha": float(lora.alpha), "targets": list(lora_targets(lora.targets, shape))}
+            if lora.rank else None)
+    if theirs != mine:
+        if mine is None:
+            raise UsageError(f"checkpoint {path} is of a LoRA run ({_lora_words(theirs)}) and this run trains every "
+                             "weight (train.lora.rank = 0): resume it with the [train.lora] it was saved with")
+        if theirs is None:
+            raise UsageError(f"checkpoint {path} trained every weight and this run asks for LoRA ({_lora_words(mine)}): "
+                             "resume it with train.lora.rank = 0, or start LoRA from its export (minirl export)")
+        raise UsageError(f"checkpoint {path} holds LoRA adapters of {_lora_words(theirs)} and this run's [train.lora] "
+                         f"asks for {_lora_words(mine)}: resume it with the settings it was saved with")
+    if theirs and extra.get("base"):
+        check_base(path, extra["base"], model_dir)
+
+
+def _lora_words(lora: dict) -> str:
+    return f"rank {lora['rank']}, α {lora['alpha']:g}, on {','.join(lora['targets'])}"
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -310,6 +339,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
         resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, auto=resume == "auto")
     elif resume:
         resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, run=run_folder(ws, resume))
+    if resume_from is not None:
+        check_resume(resume_from, rec, shape, model_dir)
     tok = load_tokenizer(model_dir)
     if rec.data.chat_template and not getattr(tok, "chat_template", None):
         raise UsageError(f"data.chat_template = true, and the tokenizer of {rec.model.id} has no chat template; "

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -23,11 +24,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from minirl import atomic
 from minirl.errors import UsageError
+from minirl.train.lora import is_adapter
 
 
-def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: bool) -> Path:
+def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: bool,
+         adapters_only: bool = False) -> Path:
     """DCP checkpoint of model + optimizer, plus `extra` (step, sampler, ...) as JSON. Atomic:
     written to a temp folder and renamed, so a crash mid-save never leaves a half checkpoint.
+
+    adapters_only: of the model, the LoRA adapters alone (the frozen base is the model folder that
+    `extra["base"]` names); `load` then reads them into a trainer that holds that base.
 
     An optimizer that has not stepped yet is not saved: DCP would first materialise its state
     with a zero step, which advances Adam's step count and changes every later update."""
@@ -37,7 +43,7 @@ def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: b
         shutil.rmtree(tmp)
     _barrier(sharded)
     has_optim = bool(optim.state)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": _model_state(model, adapters_only)}
     if has_optim:
         state["optim"] = get_optimizer_state_dict(model, optim)
     needed = _nbytes(state)
@@ -71,16 +77,21 @@ def _barrier(sharded: bool) -> None:
         dist.barrier()
 
 
+def read_extra(path: Path) -> dict:
+    """A checkpoint's minirl.json (step, sampler, ...; a LoRA checkpoint's settings and base)."""
+    return json.loads((Path(path) / "minirl.json").read_text())
+
+
 def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:
     """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""
-    extra = json.loads((Path(path) / "minirl.json").read_text())
+    extra = read_extra(path)
     load_optim = with_optim and extra.get("has_optim", True)
-    state = {"model": get_model_state_dict(model)}
-    _check_adapters(path, state["model"])
+    _check_adapters(path, get_model_state_dict(model))
+    state = {"model": _model_state(model, bool(extra.get("lora")))}
     if load_optim:
         state["optim"] = get_optimizer_state_dict(model, optim)
     dcp.load(state, checkpoint_id=str(path), no_dist=not sharded)  # see `save`
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not extra.get("lora")))
     if load_optim:
         set_optimizer_state_dict(model, optim, state["optim"])
     elif with_optim:
@@ -88,8 +99,13 @@ def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:
     return extra
 
 
+def _model_state(model, adapters_only: bool) -> dict:
+    state = get_model_state_dict(model)
+    return {k: v for k, v in state.items() if is_adapter(k)} if adapters_only else state
+
+
 def _adapters(shapes: dict[str, tuple]) -> dict[str, tuple]:
-    return {k: v for k, v in shapes.items() if ".lora." in f".{k}"}
+    return {k: v for k, v in shapes.items() if is_adapter(k)}
 
 
 def _check_adapters(path: Path, model_state: dict) -> None:

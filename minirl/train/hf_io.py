@@ -96,3 +96,41 @@ def load_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     for f in files:
         sd.update(load_file(str(f)))
     return sd
+
+
+def peft_state(shape: ModelShape, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LoRA adapters by TorchTitan name (train/lora.py) under PEFT's names and layout: each adapted
+    HF linear layer's `lora_A.weight` [r, in] and `lora_B.weight` [out, r], the grouped experts'
+    split per expert (`mlp.experts.<e>.gate_proj`, ...), as the state-dict adapter splits the
+    weights they adapt; prefixed `base_model.model.` as PEFT saves them."""
+    from minirl.train.lora import adapted  # deferred: the export of an adapter only
+
+    to_hf = adapter(shape).to_hf
+    out = {}
+    for weight, pair in adapted(adapters).items():
+        for part, name in zip(("lora_A", "lora_B"), pair):
+            t = adapters[name]
+            for hf_name, v in to_hf({weight: t}).items():
+                key = f"base_model.model.{hf_name.removesuffix('.weight')}.{part}.weight"
+                out[key] = v.reshape(t.shape[-2:]).contiguous()  # the adapter splits experts with a squeeze: rank 1 too
+    return out
+
+
+def save_peft_folder(out: Path, shape: ModelShape, adapters: dict[str, torch.Tensor], *, rank: int, alpha: float,
+                     base_model: str) -> Path:
+    """A PEFT LoRA adapter folder: adapter_model.safetensors and adapter_config.json, which
+    `peft.PeftModel.from_pretrained(<base_model loaded by transformers>, out)` reads (and vLLM's
+    LoRA serving)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(torch.float32).cpu() for k, v in peft_state(shape, adapters).items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({k.removesuffix(".lora_A.weight").rsplit(".", 1)[1] for k in state if k.endswith(".lora_A.weight")})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
+              "lora_alpha": alpha, "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+              "init_lora_weights": True, "inference_mode": True}
+    atomic.write_text(out / "adapter_config.json", json.dumps(config, indent=2))
+    return out

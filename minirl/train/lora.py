@@ -2,15 +2,19 @@
 A [r, in] and B [out, r] are the only parameters that train (Hu et al., 2021). B starts at zero, so
 the adapted model is the base model exactly until the first update.
 
-The adapters ride beside the weights they adapt, as a child module `lora` of each targeted linear
-layer (its output gains s·(x Aᵀ) Bᵀ through a forward hook) or of the grouped experts (one A and B per
-expert and matrix, applied inside the experts' grouped matrix products). The base's parameters keep
-their names, so everything that reads them by name (the HF conversion, checkpoints, routing replay)
-is unchanged; the rollout engine gets W + s·B·A (`merged`), never the adapters themselves.
+The adapters are parameters of the module whose weight they adapt: `lora_A` and `lora_B` of a
+linear layer (its output gains s·(x Aᵀ) Bᵀ through a forward hook), `lora_A_<w>` and `lora_B_<w>`
+of the grouped experts, one A and B per expert for each of its three weights <w>, applied inside
+the experts' grouped matrix products. Being the experts' own parameters, they are sharded with the
+experts under expert parallelism (the same placement as the weight they adapt) and by FSDP2 with
+the rest of their layer. The base's parameters keep their names, so everything that reads them by
+name (the HF conversion, checkpoints, routing replay) is unchanged; the rollout engine gets
+W + s·B·A (`Merged`), never the adapters themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Mapping
@@ -22,52 +26,35 @@ from torch import nn
 ATTENTION = {"q": "qkv_linear.wq", "k": "qkv_linear.wk", "v": "qkv_linear.wv", "o": "wo"}
 MLP = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")  # gate [E, F, D], down [E, D, F], up [E, F, D]
-KEY = ".lora."  # in every adapter parameter's name, in no base parameter's
+KEY = ".lora_"  # in every adapter parameter's name, in no base parameter's
 
 
-class LinearAdapter(nn.Module):
-    """A [r, in] and B [out, r] of one linear layer's weight [out, in]."""
-
-    def __init__(self, out_features: int, in_features: int, rank: int, scale: float):
-        super().__init__()
-        self.scale = scale
-        self.A = nn.Parameter(_init_a(torch.empty(rank, in_features)))
-        self.B = nn.Parameter(torch.zeros(out_features, rank))
-
-    def delta(self) -> torch.Tensor:
-        """s·B·A, the adapter's part of the merged weight."""
-        return self.scale * (self.B @ self.A)
+def is_adapter(name: str) -> bool:
+    return KEY in f".{name}"
 
 
-class ExpertAdapter(nn.Module):
-    """One A and B per expert for each of the grouped experts' three weights."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the experts under EP compute on their local shards)."""
+    from torch.distributed.tensor import DTensor
 
-    def __init__(self, experts: nn.Module, rank: int, scale: float):
-        super().__init__()
-        self.scale = scale
-        for name in EXPERT_WEIGHTS:
-            E, out_features, in_features = getattr(experts, name).shape
-            setattr(self, f"A_{name}", nn.Parameter(_init_a(torch.empty(E, rank, in_features))))
-            setattr(self, f"B_{name}", nn.Parameter(torch.zeros(E, out_features, rank)))
-
-    def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return getattr(self, f"A_{name}"), getattr(self, f"B_{name}")
-
-    def delta(self, name: str) -> torch.Tensor:
-        A, B = self.pair(name)
-        return self.scale * torch.bmm(B, A)
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _init_a(a: torch.Tensor) -> torch.Tensor:
+def init_a(a: torch.Tensor) -> torch.Tensor:
     """A as PEFT initialises it: each [r, in] slice uniform in ±1/√in (Kaiming with a = √5)."""
-    bound = 1.0 / math.sqrt(a.shape[-1])
-    return a.uniform_(-bound, bound)
+    with torch.no_grad():
+        return a.uniform_(-1.0 / math.sqrt(a.shape[-1]), 1.0 / math.sqrt(a.shape[-1]))
+
+
+def init_b(b: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return b.zero_()
 
 
 def _linear_hook(module: nn.Linear, args, out: torch.Tensor) -> torch.Tensor:
-    ad = module.lora
     x = args[0]
-    return out + ad.scale * F.linear(F.linear(x, ad.A.to(x.dtype)), ad.B.to(x.dtype))
+    A, B = module.lora_A.to(x.dtype), module.lora_B.to(x.dtype)
+    return out + module.lora_scale * F.linear(F.linear(x, A), B)
 
 
 @functools.cache
@@ -77,19 +64,20 @@ def _adapted_experts_cls(base: type) -> type:
 
     class AdaptedExperts(base):
         def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-            from torch.distributed.tensor import DTensor
-
-            ad = self.lora
-            w = {n: (p.to_local() if isinstance(p, DTensor) else p) for n in EXPERT_WEIGHTS for p in [getattr(self, n)]}
             offs_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-            x = x_RD.to(w["w1_EFD"].dtype)
+            x = x_RD.to(_local(self.w1_EFD).dtype)
 
             def mm(h: torch.Tensor, name: str) -> torch.Tensor:
-                A, B = (t.to(h.dtype) for t in ad.pair(name))
-                base_out = torch._grouped_mm(h, w[name].transpose(-2, -1), offs=offs_E)
+                W = _local(getattr(self, name))
+                A = _local(getattr(self, f"lora_A_{name}")).to(h.dtype)
+                B = _local(getattr(self, f"lora_B_{name}")).to(h.dtype)
+                pad = -A.shape[1] % (16 // h.element_size())  # grouped GEMMs want 16-byte rows: zero rank padding
+                if pad:
+                    A, B = F.pad(A, (0, 0, 0, pad)), F.pad(B, (0, pad))
+                base_out = torch._grouped_mm(h, W.transpose(-2, -1), offs=offs_E)
                 low = torch._grouped_mm(torch._grouped_mm(h, A.transpose(-2, -1), offs=offs_E),
                                         B.transpose(-2, -1), offs=offs_E)
-                return base_out + ad.scale * low
+                return base_out + self.lora_scale * low
 
             hidden = F.silu(mm(x, "w1_EFD")) * mm(x, "w3_EFD")
             return mm(hidden, "w2_EDF").type_as(x_RD)
@@ -116,10 +104,22 @@ def targets_in(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn
     return found
 
 
+def adapter_shapes(module: nn.Module, rank: int) -> dict[str, tuple[int, ...]]:
+    """The adapter parameters `attach` gives one targeted module, by name: shape."""
+    if isinstance(module, nn.Linear):
+        return {"lora_A": (rank, module.in_features), "lora_B": (module.out_features, rank)}
+    out = {}
+    for w in EXPERT_WEIGHTS:
+        E, n_out, n_in = getattr(module, w).shape
+        out[f"lora_A_{w}"], out[f"lora_B_{w}"] = (E, rank, n_in), (E, n_out, rank)
+    return out
+
+
 def attach(model: nn.Module, *, rank: int, alpha: float, targets: tuple[str, ...]) -> list[nn.Parameter]:
     """Adapters on the targeted weights of `model`, every other parameter frozen; returns the
-    adapters' parameters (what the optimizer steps). Call before any wrapper renames modules."""
-    scale = alpha / rank
+    adapters' parameters (what the optimizer steps). Call before any wrapper renames modules and
+    before TorchTitan parallelizes the model (its sharding and init plans learn the adapters here);
+    on the meta device the adapters are initialised by the model's `init_states`."""
     found = targets_in(model, targets)
     if not found:
         raise ValueError(f"no weight of this model matches the LoRA targets {', '.join(targets)}")
@@ -127,17 +127,43 @@ def attach(model: nn.Module, *, rank: int, alpha: float, targets: tuple[str, ...
         p.requires_grad_(False)
     for _, module in found:
         like = next(module.parameters())
+        shapes = adapter_shapes(module, rank)
+        for name, shape in shapes.items():
+            p = torch.empty(shape, device=like.device)
+            if p.device.type != "meta":
+                (init_a if "lora_A" in name else init_b)(p)
+            module.register_parameter(name, nn.Parameter(p))
+        module.lora_scale = alpha / rank
+        _declare(module, shapes)
         if isinstance(module, nn.Linear):
-            module.lora = LinearAdapter(module.out_features, module.in_features, rank, scale).to(like.device)
             module.register_forward_hook(_linear_hook)
         else:
-            module.lora = ExpertAdapter(module, rank, scale).to(like.device)
             module.__class__ = _adapted_experts_cls(type(module))
-    return [p for n, p in model.named_parameters() if KEY in f".{n}"]
+    return [p for n, p in model.named_parameters() if is_adapter(n)]
 
 
-def is_adapter(name: str) -> bool:
-    return KEY in f".{name}"
+def _declare(module: nn.Module, shapes: dict[str, tuple]) -> None:
+    """Tell a TorchTitan module's sharding and init plans about its adapters: placed as the weight
+    they adapt (the experts' dim 0 over EP; minirl plans no tensor parallelism), initialised as PEFT
+    does. The plans may be shared by every layer's module: each gets copies."""
+    sharding = getattr(module, "_sharding_config", None)
+    if sharding is not None and sharding.state_shardings:
+        states = dict(sharding.state_shardings)
+        for name in shapes:
+            weight = "weight" if name in ("lora_A", "lora_B") else name.split("_", 2)[2]
+            if weight in states:
+                states[name] = states[weight]
+        module._sharding_config = dataclasses.replace(sharding, state_shardings=states)
+    inits = getattr(module, "_param_init", None)
+    if inits is not None:
+        module._param_init = {**inits, **{n: init_a if "lora_A" in n else init_b for n in shapes}}
+
+
+def init_adapters(model: nn.Module) -> None:
+    """Every adapter as `attach` starts it: A as PEFT initialises it, B = 0."""
+    for n, p in model.named_parameters():
+        if is_adapter(n):
+            (init_a if ".lora_A" in f".{n}" else init_b)(p)
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,32 +171,42 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items() if is_adapter(k)}
 
 
-class Merged(Mapping):
-    """The model's weights by TorchTitan name with every adapted one as W + s·B·A, merged when read:
-    a sync that reads them a few layers at a time never holds more than those merged."""
+def adapted(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, str]]:
+    """weight name -> (A's name, B's name) for every adapted weight of a TorchTitan state dict."""
+    out = {}
+    for k in state:
+        if k.endswith(".lora_A"):
+            out[k.removesuffix("lora_A") + "weight"] = (k, k.removesuffix("A") + "B")
+        elif ".lora_A_" in k:
+            prefix, w = k.rsplit(".lora_A_", 1)
+            out[f"{prefix}.{w}"] = (k, f"{prefix}.lora_B_{w}")
+    return out
 
-    def __init__(self, model: nn.Module):
-        self._state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
-        self._delta = {}
-        for name, module in model.named_modules():
-            name = name.replace("_checkpoint_wrapped_module.", "")  # activation checkpointing's wrapper: not in state-dict names
-            ad = getattr(module, "lora", None)
-            if isinstance(ad, LinearAdapter):
-                self._delta[f"{name}.weight"] = ad.delta
-            elif isinstance(ad, ExpertAdapter):
-                for w in EXPERT_WEIGHTS:
-                    self._delta[f"{name}.{w}"] = functools.partial(ad.delta, w)
+
+class Merged(Mapping):
+    """A state dict's weights with every adapted one as W + s·B·A, merged when read, the adapters
+    left out: a sync that reads them a few layers at a time never holds more than those merged.
+    `state`: the model's own; sharded, `whole` gathers each of W, A and B first (a collective:
+    every rank reads the same keys in the same order)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], scale: float, *, whole=None):
+        self._state, self._scale, self._whole = state, scale, whole or (lambda t: t)
+        self._pairs = adapted(state)
+        self._keys = [k for k in state if not is_adapter(k)]
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        w = self._state[key]
-        delta = self._delta.get(key)
-        if delta is None:
+        if is_adapter(key):
+            raise KeyError(key)
+        w = self._whole(self._state[key])
+        pair = self._pairs.get(key)
+        if pair is None:
             return w
+        A, B = (self._whole(self._state[n]) for n in pair)
         with torch.no_grad():
-            return w + delta().to(w.dtype)
+            return w + (self._scale * torch.matmul(B, A)).to(w.dtype)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._keys)

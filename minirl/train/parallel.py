@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from minirl.train.lora import init_adapters
+
 
 def full_ac(model) -> None:
     """TorchTitan's full activation checkpointing, applied in place to every decoder layer."""
@@ -28,7 +30,7 @@ def full_ac(model) -> None:
 
 
 def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dtype: str = "float32",
-                activation_checkpoint: str = "none"):
+                activation_checkpoint: str = "none", adapt=None):
     """Build `model_cfg` on the meta device, shard it (FSDP2 over the world, experts over `ep`
     ranks), then allocate each rank's shards on `device` and initialise them (TorchTitan's own
     order: no rank ever holds the whole model). Returns the model (an FSDP module).
@@ -36,7 +38,9 @@ def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dt
     device "meta" stops before allocating: the sharded layout of any model under a fake process
     group (tests/fake_mesh_worker.py). param_dtype: the dtype FSDP2 gathers parameters in for
     compute; the sharded parameters, gradients and optimizer state stay float32 (master weights).
-    activation_checkpoint "full": every decoder layer recomputed in backward (TorchTitan's FullAC)."""
+    activation_checkpoint "full": every decoder layer recomputed in backward (TorchTitan's FullAC).
+    adapt: called with the model on the meta device before anything is sharded (LoRA's adapters,
+    which are then sharded with the weights they adapt)."""
     import tempfile
 
     import torch.distributed as dist
@@ -59,6 +63,8 @@ def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dt
     set_qwen3_sharding_config(model_cfg, enable_sp=False, enable_ep=ep > 1)
     with torch.device("meta"):
         model = model_cfg.build()
+        if adapt is not None:
+            adapt(model)
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
                         spmd_backend=backend)
     training = TrainingConfig()
@@ -81,6 +87,8 @@ def parallelize(model_cfg, *, ep: int, device: torch.device, seed: int, param_dt
     torch.manual_seed(seed)  # the same seed on every rank: DTensor's RNG gives each shard its part
     with torch.no_grad():
         model.init_states()
+        if adapt is not None:  # modules initialised by `reset_parameters` leave their adapters as allocated
+            init_adapters(model)
     return model
 
 
@@ -102,8 +110,13 @@ def global_max(n: int) -> int:
     return int(t.item())
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a whole tensor (DTensors gathered), on every rank."""
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective for a DTensor), or the tensor itself."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a whole tensor (DTensors gathered), on every rank."""
+    return {k: whole(v) for k, v in model.state_dict().items()}

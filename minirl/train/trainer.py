@@ -18,6 +18,7 @@ with model and optimizer state; they load under any later parallel layout (check
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -26,11 +27,12 @@ import torch
 from minirl.train import checkpoint
 from minirl.train import lora as lora_mod
 from minirl.train.batch import Batch
+from minirl.hub import check_base, fingerprint
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.models import ModelShape, attention_pair_cost, titan_config
 from minirl.train.objective import entropy_from_logits
 from minirl.train.packing import pack_shared_prompts
-from minirl.train.parallel import full_ac, full_state_dict, global_count, global_max, parallelize
+from minirl.train.parallel import full_ac, full_state_dict, global_count, global_max, parallelize, whole
 from minirl.train.replay import RoutingReplay
 
 
@@ -139,28 +141,29 @@ class Trainer:
         # kernel); fp32 compute keeps the experts in fp32 (models.py)
         cfg = titan_config(shape, expert_dtype="bfloat16" if param_dtype == "bfloat16" else "float32")
         self.lora = dict(lora) if lora and lora.get("rank") else None
-        if self.lora and self.sharded:
-            raise RuntimeError("LoRA under FSDP2 / expert parallel is not built yet: one process")
+        adapt = None
+        if self.lora:  # before TorchTitan's sharding and activation checkpointing see the model
+            adapt = functools.partial(self._adapt, base_dtype=getattr(torch, param_dtype))
         if self.sharded:
             self.model = parallelize(cfg, ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
-                                     param_dtype=param_dtype, activation_checkpoint=activation_checkpoint)
+                                     param_dtype=param_dtype, activation_checkpoint=activation_checkpoint, adapt=adapt)
         else:
             self.model = cfg.build().to(self.device)
             self._init_weights()
-            trained = None
-            if self.lora:  # before activation checkpointing wraps the layers
-                trained = lora_mod.attach(self.model, rank=self.lora["rank"], alpha=self.lora["alpha"],
-                                          targets=tuple(self.lora["targets"]))
+            if adapt is not None:
+                adapt(self.model)
             if activation_checkpoint == "full":
                 full_ac(self.model)
+        self.base: dict | None = None  # the frozen base's folder and fingerprint, once `load_hf` read it (LoRA)
         self._views = None  # (parameter storages, HF-named views of them): `hf_views`
         self._params = list(self.model.parameters())  # kept: a sync must not walk the module tree again
 
         self.replay = RoutingReplay(self.model)
         # one fused kernel for all parameters (one process; much faster than the per-parameter loop
         # on CPU); sharded DTensor parameters keep the default implementation
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
         self.optim = torch.optim.AdamW(
-            trained if self.lora else self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
+            trained, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
             fused=not self.sharded or None,
         )
 
@@ -173,10 +176,21 @@ class Trainer:
                    pack_prompts=t.pack_prompts, lora=lora_settings(rec, shape))
 
     @classmethod
-    def for_checkpoint(cls, rec, shape: ModelShape, *, device: str | torch.device = "cpu") -> "Trainer":
+    def for_checkpoint(cls, rec, shape: ModelShape, base: Path, *, device: str | torch.device = "cpu") -> "Trainer":
         """A trainer to read one of a run's checkpoints into (export, evaluation): the model the
-        run's recipe trained, its LoRA adapters included, with no optimizer worth keeping."""
-        return cls(shape, lr=0.0, device=device, lora=lora_settings(rec, shape))
+        run's recipe trained, its LoRA adapters included, with no optimizer worth keeping. With
+        LoRA it holds the base (the model folder `base`) the checkpoint's adapters apply to."""
+        trainer = cls(shape, lr=0.0, device=device, lora=lora_settings(rec, shape))
+        if trainer.lora:
+            trainer.load_hf(base)
+        return trainer
+
+    def _adapt(self, model, *, base_dtype: torch.dtype) -> None:
+        """LoRA (lora.py): the base frozen in the compute dtype (bfloat16 on a GPU: no float32 copy,
+        gradient or optimizer state of it), float32 adapters on the targeted weights."""
+        for p in model.parameters():
+            p.data = p.data.to(base_dtype)
+        lora_mod.attach(model, rank=self.lora["rank"], alpha=self.lora["alpha"], targets=tuple(self.lora["targets"]))
 
     def _init_weights(self) -> None:
         """TorchTitan configs carry per-parameter init functions; apply them to the fresh model."""
@@ -185,6 +199,8 @@ class Trainer:
     # ----- weights in / out --------------------------------------------------------------------
     def load_hf(self, folder: Path) -> None:
         self.load_weights(hf_to_titan(self.shape, load_hf_weights(folder)))
+        if self.lora:  # what this trainer's checkpoints name as their base
+            self.base = {"path": str(folder), "fingerprint": fingerprint(folder)}
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Whole TorchTitan-named tensors in (any device); sharded, each rank keeps its shard."""
@@ -232,16 +248,21 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """TorchTitan names to whole tensors (shards gathered: a collective when sharded); with
         LoRA, the merged weights W + s·B·A."""
-        if self.sharded:
+        if self.sharded and not self.lora:
             return full_state_dict(self.model)
         return dict(self.weights())
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The model's weights by TorchTitan name as a rollout engine should have them (sharded:
         this rank's shards); with LoRA, merged as each is read (lora.Merged)."""
-        if self.lora:
-            return lora_mod.Merged(self.model)
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if not self.lora:
+            return state
+        return lora_mod.Merged(state, self.lora_scale, whole=whole if self.sharded else None)
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora["alpha"] / self.lora["rank"]
 
     # ----- compute -----------------------------------------------------------------------------
     def _forward_logp(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -401,12 +422,30 @@ class Trainer:
     # ----- checkpoints -------------------------------------------------------------------------
     def save(self, path: Path, extra: dict | None = None) -> Path:
         """A DCP checkpoint of model and optimizer, plus `extra` (step, sampler, ...) as JSON,
-        written aside and renamed into place (checkpoint.py)."""
-        return checkpoint.save(self.model, self.optim, Path(path), extra, sharded=self.sharded, main=self.rank == 0)
+        written aside and renamed into place (checkpoint.py). With LoRA, of the model only the
+        adapters, and the base's folder and fingerprint: the checkpoint is small, and loads only
+        onto that base."""
+        if self.lora:
+            if self.base is None:
+                raise RuntimeError("a LoRA checkpoint names its base: load_hf(folder) before save")
+            extra = {**(extra or {}), "lora": lora_record(self.lora), "base": self.base}
+        return checkpoint.save(self.model, self.optim, Path(path), extra, sharded=self.sharded, main=self.rank == 0,
+                               adapters_only=bool(self.lora))
 
     def load(self, path: Path, *, with_optim: bool = True) -> dict:
-        """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""
+        """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer.
+        A LoRA checkpoint holds the adapters only: this trainer must hold its base (`load_hf`)."""
+        base = checkpoint.read_extra(path).get("base")
+        if base and self.lora:
+            if self.base is None:
+                raise RuntimeError("a LoRA checkpoint holds adapters only: load_hf(its base) first")
+            check_base(path, base, Path(self.base["path"]), here=self.base["fingerprint"])
         return checkpoint.load(self.model, self.optim, Path(path), with_optim=with_optim, sharded=self.sharded)
+
+
+def lora_record(lora: dict) -> dict:
+    """A trainer's `lora` as a checkpoint's minirl.json records it."""
+    return {"rank": lora["rank"], "alpha": float(lora["alpha"]), "targets": list(lora["targets"])}
 
 
 def lora_settings(rec, shape: ModelShape) -> dict | None:
