@@ -23,7 +23,7 @@ from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.hub import resolution
 from minirl.models import TINY_ID
-from minirl.train.plan import launch_commands, make_plan
+from minirl.train.plan import fit_mesh, launch_commands, make_plan
 from minirl.run.plots import plot_metrics
 from minirl.setup.preflight import run_recipe
 from minirl.task import TASKS
@@ -203,6 +203,14 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
             extra.append(f"{key}={value}")
     if dry_run:
         rec, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name, extra)
+        fitted = fit_mesh(rec, shape) if nodes is not None or gpus_per_node is not None else {}
+        if fitted:  # the machine asked about has fewer GPUs than the recipe's mesh: the plan, and its launch line, say so
+            overrides = (*overrides, *(f"{k}={v}" for k, v in fitted.items()))
+            rec, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name,
+                                                      extra + [f"{k}={v}" for k, v in fitted.items()])
+            console.print(f"for {rec.parallel.nodes} × {rec.parallel.gpus_per_node} GPU(s): "
+                          + ", ".join(f"{k} = {v}" for k, v in fitted.items())
+                          + " (the recipe's mesh needs more GPUs; the launch line below sets them)", soft_wrap=True)
         plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_mem_gib)
         if resolution(rec.model.id):
             console.print(resolution(rec.model.id), soft_wrap=True)

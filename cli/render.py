@@ -124,6 +124,9 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
     console.print(f"[bold]plan[/] for {plan.model} ({kind}; recipe: {recipe})")
     console.print(f"  parameters {plan.params / 1e9:.2f}B total, {plan.active / 1e9:.2f}B active per token; "
                   f"{s.n_layers} layers, dim {s.dim}, vocab {s.vocab_size}")
+    if plan.adapters:
+        console.print(f"  LoRA: {plan.adapters / 1e6:,.1f}M adapter parameters train "
+                      f"({plan.adapters / plan.params:.2%} of the model); the base is frozen")
     console.print(f"  mesh: {plan.nodes} node(s) × {plan.gpus_per_node} GPU(s) of {plan.gpu_gib:g} GiB; "
                   + ", ".join(f"{k} {v}" for k, v in plan.mesh.items()))
     console.print(f"  tokens per step ≤ {plan.tokens_per_step:,} (prompt + max response); micro-batch "

@@ -341,6 +341,16 @@ def attention_pair_cost(shape: ModelShape) -> float:
     return shape.n_layers * 2 * shape.n_heads * shape.head_dim / per_position
 
 
+def lora_param_count(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
+    """LoRA adapter parameters (A [r, in] and B [out, r] per adapted matrix; per expert for the
+    routed experts' three) on the named targets (train/lora.py), for plans (no build needed)."""
+    q_out, kv_out, d = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.dim
+    sides = {"q": d + q_out, "k": d + kv_out, "v": d + kv_out, "o": q_out + d,
+             "mlp": 3 * (d + shape.hidden_dim) if not shape.is_moe else 0,
+             "experts": shape.num_experts * 3 * (d + shape.moe_hidden_dim) if shape.is_moe else 0}
+    return shape.n_layers * rank * sum(sides[t] for t in targets)
+
+
 def param_count(shape: ModelShape) -> int:
     """Total parameters, for plans and model cards (no build needed)."""
     attn = shape.dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 2 * shape.head_dim

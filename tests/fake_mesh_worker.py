@@ -26,9 +26,21 @@ def main() -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--ep", type=int, required=True)
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on every target the model has (bf16 base)")
     a = ap.parse_args()
     init_fake_mode(a.world, rank=a.rank)
-    model = parallelize(titan_config(KNOWN_SHAPES[a.model]), ep=a.ep, device=torch.device("meta"), seed=0)
+    shape = KNOWN_SHAPES[a.model]
+    def adapt(model):  # what Trainer(lora=..., param_dtype="bfloat16") hands parallelize
+        from minirl.train import lora
+        from minirl.validator import lora_targets
+
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        lora.attach(model, rank=a.lora, alpha=2.0 * a.lora, targets=lora_targets("all", shape))
+
+    model = parallelize(titan_config(shape), ep=a.ep, device=torch.device("meta"), seed=0,
+                        adapt=adapt if a.lora else None)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     for p in params:  # a gradient of every parameter, as the backward leaves it, then Adam's state
@@ -38,7 +50,8 @@ def main() -> None:
     nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
     state = [v for s in optim.state.values() for k, v in s.items() if k != "step"]
     print(json.dumps({"params": nbytes(params), "grads": nbytes(p.grad for p in params), "optim": nbytes(state),
-                      "dtypes": sorted({str(local(p).dtype) for p in params})}))
+                      "dtypes": sorted({str(local(p).dtype) for p in params}), "frozen": nbytes(frozen),
+                      "frozen_dtypes": sorted({str(local(p).dtype) for p in frozen})}))
 
 
 if __name__ == "__main__":

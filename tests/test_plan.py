@@ -11,7 +11,7 @@ import torch
 
 from minirl import recipe
 from minirl.models import KNOWN_SHAPES, param_count
-from minirl.train.plan import GiB, active_params, make_plan
+from minirl.train.plan import GiB, active_params, fit_mesh, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAVORS = {"Qwen3-0.6B": "0.6B", "Qwen3-1.7B": "1.7B", "Qwen3-4B": "4B", "Qwen3-8B": "8B", "Qwen3-14B": "14B",
@@ -48,24 +48,33 @@ def test_30b_a3b_on_two_nodes_fits_with_the_published_size():
     assert plan.tokens_per_step == 64 * 16 * (1024 + 32768)
 
 
-@pytest.mark.parametrize("model, nodes, gpus, ep", [("Qwen3-30B-A3B", 2, 8, 8), ("Qwen3-30B-A3B", 1, 4, 4),
-                                                    ("Qwen3-8B", 1, 8, 1)])
-def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep):
+@pytest.mark.parametrize("model, nodes, gpus, ep, lora", [("Qwen3-30B-A3B", 2, 8, 8, 0), ("Qwen3-30B-A3B", 1, 4, 4, 0),
+                                                          ("Qwen3-8B", 1, 8, 1, 0), ("Qwen3-30B-A3B", 2, 8, 8, 16),
+                                                          ("Qwen3-30B-A3B", 1, 8, 8, 16)])
+def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep, lora):
     """The model built on the meta device, under a fake process group of the planned size, through
-    the same `parallelize` call a run makes: rank 0's parameter, gradient and Adam bytes equal the plan's."""
+    the same `parallelize` call a run makes: rank 0's parameter, gradient and Adam bytes equal the
+    plan's; with LoRA, the frozen bf16 base's too, and the adapters' sharded as their weights."""
     import json
 
-    rec = recipe.load(recipe.for_model(model), [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}",
-                                                f"parallel.ep={ep}", "rollout.tensor_parallel=1"])
+    sets = [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}", f"parallel.ep={ep}", "rollout.tensor_parallel=1"]
+    rec = recipe.load(recipe.for_model(model), sets + ([f"train.lora.rank={lora}"] if lora else []))
     plan = make_plan(rec, KNOWN_SHAPES[model], model=model)
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_mesh_worker.py"), "--model", model,
-                        "--world", str(nodes * gpus), "--ep", str(ep)], capture_output=True, text=True, timeout=300)
+                        "--world", str(nodes * gpus), "--ep", str(ep), "--lora", str(lora)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["dtypes"] == ["torch.float32"]  # sharded master weights; FSDP2 gathers them in param_dtype
-    assert got["params"] == plan.memory_gib["fp32 weights (sharded)"] * GiB
-    assert got["grads"] == plan.memory_gib["fp32 gradients (sharded)"] * GiB
-    assert got["optim"] == plan.memory_gib["Adam moments (sharded)"] * GiB
+    mem = {k: v * GiB for k, v in plan.memory_gib.items()}
+    if lora:
+        assert got["frozen_dtypes"] == ["torch.bfloat16"] and got["frozen"] == mem["base weights (bf16, frozen, sharded)"]
+        assert got["params"] == mem["fp32 LoRA adapters (sharded)"] and got["grads"] == mem["fp32 LoRA gradients (sharded)"]
+        assert got["optim"] == mem["Adam moments of the adapters (sharded)"]
+        return
+    assert got["params"] == mem["fp32 weights (sharded)"]
+    assert got["grads"] == mem["fp32 gradients (sharded)"]
+    assert got["optim"] == mem["Adam moments (sharded)"]
 
 
 def test_sleeping_engines_leave_training_the_gpu_and_awake_ones_share_it():
@@ -221,3 +230,37 @@ def test_a_dry_run_plans_what_init_and_run_would_run(tmp_path):
     assert within.returncode == 0, within.stderr[-2000:]
     assert within.stdout.split("\nplan for ", 1)[1].split("launch:")[0] == alone.stdout.split("\nplan for ", 1)[1].split("launch:")[0].replace(
         f"recipe: {ROOT / 'recipes' / 'qwen3.toml'}", "recipe: ws/minirl.toml")
+
+
+def test_lora_fits_the_30b_on_one_141gib_gpu_not_on_one_80gib_one(tmp_path):
+    """#54: `minirl run --model Qwen3-30B-A3B --replay r3 --dry-run --nodes 1 --gpus-per-node 1
+    --gpu-mem-gib 141` with LoRA fits: the mesh follows the one GPU (EP 8 and vLLM TP 2 of the
+    two-node recipe are lowered, and the launch line says so); the bf16 base is held whole."""
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", "--model", "Qwen3-30B-A3B", "--replay", "r3",
+                        "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem-gib", "141",
+                        "--set", "train.lora.rank=16", "--set", "train.lr=1e-5"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={"PYTHONPATH": str(ROOT), "COLUMNS": "250", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "for 1 × 1 GPU(s): parallel.ep = 1, rollout.tensor_parallel = 1" in r.stdout
+    assert "LoRA: 843.8M adapter parameters train (2.76% of the model)" in r.stdout
+    assert ("launch: minirl run WORKSPACE --model Qwen3-30B-A3B --replay r3 --set train.lora.rank=16 --set "
+            "train.lr=1e-5 --set parallel.ep=1 --set rollout.tensor_parallel=1") in r.stdout
+    shipped = recipe.load(recipe.shipped("qwen3-30b-a3b-lora"))
+    assert (shipped.train.lora.rank, shipped.train.replay, shipped.rollout.precision) == (16, "r3", "fp8")
+    one = make_plan(shipped, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=141)
+    assert one.fits and one.in_flight >= 8 and one.memory_gib["gathered bf16 layers"] == 0
+    assert one.memory_gib["base weights (bf16, frozen, sharded)"] * GiB == 2 * one.params
+    small = make_plan(shipped, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80)
+    assert not small.fits and "the largest part is base weights (bf16, frozen, sharded)" in small.problems[0]
+    node = recipe.load(recipe.shipped("qwen3-30b-a3b-lora"), ["parallel.gpus_per_node=8"])
+    assert make_plan(node, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80).fits
+
+
+def test_the_mesh_follows_the_machine_only_downwards():
+    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=4"])
+    assert fit_mesh(rec, KNOWN_SHAPES["Qwen3-30B-A3B"]) == {"parallel.ep": 4}  # TP 2 fits in 4 GPUs
+    assert fit_mesh(recipe.load(recipe.for_model("Qwen3-30B-A3B")), KNOWN_SHAPES["Qwen3-30B-A3B"]) == {}
+    dense = recipe.load(None, ["model.id=Qwen3-8B", "rollout.tensor_parallel=4", "parallel.ep=8",
+                               "parallel.gpus_per_node=2"])
+    assert fit_mesh(dense, KNOWN_SHAPES["Qwen3-8B"]) == {"rollout.tensor_parallel": 2}  # no experts: EP is not its business

@@ -6,6 +6,9 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
 
     training state   FSDP2 shards every parameter over all W ranks (experts over EP × the rest):
                      fp32 master weights 4 B + fp32 gradients 4 B + Adam's two moments 8 B = 16 B × P / W
+                     with LoRA ([train.lora]): the base frozen in the compute dtype, 2 B × P / W in
+                     bf16, and 16 B per adapter parameter / W (fp32 adapters, gradients, Adam);
+                     one process (W = 1) holds its bf16 base whole and gathers nothing
     gathered layer   bf16 weights of the layers being computed, unsharded: 2 B × 2 layers (one prefetched);
                      of an MoE layer's experts only this rank's EP share
     activations      per micro-batch of T tokens on this GPU, bf16, flash attention (Korthikanti et al.
@@ -29,7 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minirl.models import ModelShape, param_count
+from minirl.models import ModelShape, lora_param_count, param_count
+from minirl.validator import lora_targets
 
 GiB = 2**30
 HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUDA context, NCCL buffers)
@@ -54,6 +58,7 @@ class Plan:
     mesh: dict[str, int]
     params: int
     active: int
+    adapters: int  # LoRA adapter parameters (0: every weight trains)
     tokens_per_step: int
     micro_batch_tokens: int
     train_flops_per_step: float
@@ -99,6 +104,11 @@ _REMEDY = {
     "logits": "lower train.micro_batch_tokens",
     "weight sync bucket": "lower rollout.sync_bucket_mib",
     "largest parameter gathered in fp32": "a GPU with more memory (it is gathered whole)",
+    "base weights (bf16, frozen, sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
+    "base weights (fp32, frozen, sharded)": 'train.param_dtype = "bfloat16" (the frozen base in bf16), or more GPUs',
+    "fp32 LoRA adapters (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
+    "fp32 LoRA gradients (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
+    "Adam moments of the adapters (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
 }
 
 
@@ -112,6 +122,20 @@ def _largest(parts: dict[str, float], r) -> str:
     else:
         remedy = _REMEDY.get(name, "more GPUs")
     return f"the largest part is {name} ({size / GiB:.1f} GiB): {remedy}"
+
+
+def fit_mesh(rec, shape: ModelShape) -> dict[str, int]:
+    """The recipe's expert parallelism and rollout tensor parallelism, each lowered to the largest
+    degree the machine in its [parallel] section has room for (a recipe written for two nodes of 8
+    planned on one GPU), as `--set` keys and values; empty when the recipe's mesh fits as it is."""
+    p, world = rec.parallel, rec.parallel.nodes * rec.parallel.gpus_per_node
+    out = {}
+    if shape.is_moe and (world % p.ep or shape.num_experts % p.ep):
+        out["parallel.ep"] = max(d for d in range(1, p.ep + 1) if world % d == 0 and shape.num_experts % d == 0)
+    tp = rec.rollout.tensor_parallel
+    if world % tp or tp > p.gpus_per_node:
+        out["rollout.tensor_parallel"] = max(d for d in range(1, tp + 1) if world % d == 0 and d <= p.gpus_per_node)
+    return out
 
 
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
@@ -153,16 +177,27 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     weight_bytes = {"fp32": 4, "bf16": 2}.get(r.precision, 1)  # the FP8 levels: one byte
     engines = max(1, world // tp_vllm)
     kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2
+    if t.lora.rank:  # the base frozen in the compute dtype, sharded; fp32 adapters with their gradients and Adam
+        adapters = lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape))
+        base_bytes = 4 if t.param_dtype == "float32" else 2  # "auto" is bfloat16 on a GPU
+        trainer_state = {f"base weights ({'fp32' if base_bytes == 4 else 'bf16'}, frozen, sharded)": base_bytes * P / world,
+                         "fp32 LoRA adapters (sharded)": 4 * adapters / world,
+                         "fp32 LoRA gradients (sharded)": 4 * adapters / world,
+                         "Adam moments of the adapters (sharded)": 8 * adapters / world}
+    else:
+        adapters = 0
+        trainer_state = {"fp32 weights (sharded)": 4 * P / world, "fp32 gradients (sharded)": 4 * P / world,
+                         "Adam moments (sharded)": 8 * P / world}
+    # one process holds its (bf16) LoRA base whole: nothing is gathered
+    gathered = 0 if t.lora.rank and world == 1 else 2 * 2 * layer_params
     mem = {
-        "fp32 weights (sharded)": 4 * P / world,
-        "fp32 gradients (sharded)": 4 * P / world,
-        "Adam moments (sharded)": 8 * P / world,
-        "gathered bf16 layers": 2 * 2 * layer_params,
+        **trainer_state,
+        "gathered bf16 layers": gathered,
         **acts,
         "logits": logits,
         f"vLLM weights ({r.precision}, TP {tp_vllm})": P * weight_bytes / tp_vllm,
     }
-    state = mem["fp32 weights (sharded)"] + mem["fp32 gradients (sharded)"] + mem["Adam moments (sharded)"]
+    state = sum(trainer_state.values())
     vllm_w = next(v for k, v in mem.items() if k.startswith("vLLM weights"))
     budget = HEADROOM * gpu_gib * GiB
     ac = "full AC" if t.activation_checkpoint == "full" else "no AC"  # what the trainer will keep
@@ -187,7 +222,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
               "rollout": state + vllm_w + kv}
     # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
     # setting that shrinks it (`_REMEDY`)
-    trainer_parts = {k: mem[k] for k in ("fp32 weights (sharded)", "fp32 gradients (sharded)", "Adam moments (sharded)")}
+    trainer_parts = dict(trainer_state)
     engine = next(k for k in mem if k.startswith("vLLM weights"))
     parts = {
         f"training ({ac})": {**trainer_parts, "gathered bf16 layers": mem["gathered bf16 layers"],
@@ -218,7 +253,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     return Plan(
         model=model, shape=shape, nodes=p.nodes, gpus_per_node=p.gpus_per_node, gpu_gib=gpu_gib,
         mesh={"world": world, "dp_shard (FSDP2)": dp_shard, "ep": ep, "vLLM tp": tp_vllm, "vLLM engines": engines},
-        params=P, active=A, tokens_per_step=tokens, micro_batch_tokens=micro,
+        params=P, active=A, adapters=adapters, tokens_per_step=tokens, micro_batch_tokens=micro,
         train_flops_per_step=float(train_flops), rollout_flops_per_step=float(rollout_flops),
         memory_gib={k: v / GiB for k, v in mem.items()}, phases_gib={k: v / GiB for k, v in phases.items()},
         in_flight=in_flight, sequences_per_engine=math.ceil(sequences / engines),

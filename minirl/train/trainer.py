@@ -147,11 +147,19 @@ class Trainer:
         if self.sharded:
             self.model = parallelize(cfg, ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
                                      param_dtype=param_dtype, activation_checkpoint=activation_checkpoint, adapt=adapt)
+        elif adapt is not None:  # built on the meta device and allocated in the base's dtype: no float32 copy, ever
+            with torch.device("meta"):
+                self.model = cfg.build()
+            adapt(self.model)
+            self.model.to_empty(device=self.device)
+            with torch.no_grad():
+                self.model.init_states()
+                lora_mod.init_adapters(self.model)
+            if activation_checkpoint == "full":
+                full_ac(self.model)
         else:
             self.model = cfg.build().to(self.device)
             self._init_weights()
-            if adapt is not None:
-                adapt(self.model)
             if activation_checkpoint == "full":
                 full_ac(self.model)
         self.base: dict | None = None  # the frozen base's folder and fingerprint, once `load_hf` read it (LoRA)
