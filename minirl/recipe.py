@@ -103,6 +103,9 @@ class TrainConfig:
     minibatches: int = 1  # N: updates per step (N > 1 = off-policy mini-batches)
     micro_batch_tokens: int = 0  # tokens per forward/backward (gradient accumulation); 0 = a whole mini-batch
     lr: float = 3e-4
+    # the learning rate rises linearly to `lr` over the first warmup_steps RL steps (lr·s/warmup at
+    # step s): LoRA's first Adam steps move every adapter entry by about lr at once (docs/lora.md)
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     replay: str = "off"  # off | r2 | r3 (routing replay for MoE)

@@ -45,6 +45,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "train.minibatches": (1, math.inf, True),
     "train.micro_batch_tokens": (0, math.inf, True),
     "train.lr": (0, math.inf, False),
+    "train.warmup_steps": (0, math.inf, True),
     "train.weight_decay": (0, math.inf, True),
     "train.grad_clip": (0, math.inf, False),
     "train.seed": (0, 2**31 - 1, True),

@@ -265,10 +265,11 @@ def test_the_peft_adapter_on_its_base_computes_what_the_merged_export_computes(t
 
 @pytest.mark.slow
 def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_path, tiny_dir):
-    """`minirl run` with [train.lora] and R3 on the tiny model end to end: SIGKILLed as step 4
-    begins (MINIRL_INJECT_KILL), resumed from its step-2 checkpoint (the adapters alone, onto the
-    base it names), it repeats an uninterrupted run's steps sample for sample and update for update;
-    then `minirl export` writes the merged model (export once read the base alone)."""
+    """`minirl run` with [train.lora], R3 and a learning-rate warmup on the tiny model end to end:
+    SIGKILLed as step 4 begins (MINIRL_INJECT_KILL), resumed from its step-2 checkpoint (the
+    adapters alone, onto the base it names), it repeats an uninterrupted run's steps sample for
+    sample and update for update; then `minirl export` writes the merged model (export once read
+    the base alone) and `--adapter` the PEFT folder."""
     import os
     import shutil
     import subprocess
@@ -290,14 +291,14 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
     recipe_file.write_text(recipe_file.read_text().replace('grader = "arith"',
                                                            'grader = "regex"\nparams = { pattern = "([0-9])" }'))
     sets = ["train.lora.rank=4", "train.lora.alpha=16", "train.lr=3e-3", "train.replay=r3", "train.prompts_per_step=4",
-            "train.group_size=4", "eval.k=1", "eval.every=0", "checkpoint.every=2"]
+            "train.group_size=4", "eval.k=1", "eval.every=0", "checkpoint.every=2", "train.warmup_steps=3"]
 
     def minirl(*a, **env):
         return subprocess.run([sys.executable, "-m", "cli.main", *a], capture_output=True, text=True, cwd=ROOT,
                               env={**os.environ, "COLUMNS": "200", **env}, timeout=600)
 
     def figures(run):
-        return [(m["step"], m["rollout/reward_mean"], m["train/loss"], m["train/grad_norm"])
+        return [(m["step"], m["rollout/reward_mean"], m["train/loss"], m["train/grad_norm"], m["train/lr"])
                 for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
     args = ["--steps", "4", *[x for s in sets for x in ("--set", s)]]
@@ -311,6 +312,7 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
     whole = max((ws / "runs").iterdir())
     assert whole != killed and figures(killed) == figures(whole) and len(figures(whole)) == 4
     assert all(f[3] > 0 for f in figures(whole))  # every step updated the adapters
+    assert [f[4] for f in figures(whole)] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3])  # warmup over 3 steps, resumed too
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["recipe"]["train"]["lora"]["rank"] == 4
     ckpt = killed / "checkpoints" / "step_000004"

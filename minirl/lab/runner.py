@@ -117,8 +117,10 @@ class Lab:
         recipe changed since, say the learning rate the lr study chose, runs the cell again; its
         comments do not) and the sampling scheme."""
         resolved = recipe_mod.load(self.ws_root / "minirl.toml").to_dict()
-        if resolved["train"]["lora"] == dataclasses.asdict(recipe_mod.LoraConfig()):
-            del resolved["train"]["lora"]  # added after runs were recorded; at its default it changes nothing they computed
+        # keys added after runs were recorded: at their defaults they change nothing those runs computed
+        for key, default in (("lora", dataclasses.asdict(recipe_mod.LoraConfig())), ("warmup_steps", 0)):
+            if resolved["train"][key] == default:
+                del resolved["train"][key]
         resolved = json.dumps(resolved, sort_keys=True)
         return [*sets, f"#recipe={hashlib.sha256(resolved.encode()).hexdigest()[:16]}", f"#sampling={SAMPLING}"]
 

@@ -116,7 +116,9 @@ class RLRun:
         # (`fused`), identical to a forward of its own, which would cost a whole extra forward.
         fused = N == 1 and not (r.train.replay == "r3" and r.train.replay_diagnostics)
         routes, replay_metrics, old = self._old_policy(batch, comps, fused)
-        reward, lr = world.mean({"reward": float(rewards_PG.mean())})["reward"], self.lr
+        reward = world.mean({"reward": float(rewards_PG.mean())})["reward"]
+        lr = self.lr * min(1.0, step / r.train.warmup_steps) if r.train.warmup_steps else self.lr
+        self.trainer.set_lr(lr)
         if old is not None:
             batch = batch.with_old_logp(old[0])  # π_θold, fixed for every mini-batch of this step
             kl, entropy = self._guard_view(batch, *old)
