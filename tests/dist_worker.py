@@ -100,11 +100,13 @@ def main() -> None:
     ap.add_argument("--param-dtype", default="float32")
     ap.add_argument("--shared-prompts", action="store_true")
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--head-chunk", type=int, default=None)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype, lora=LORA if a.lora else None)
+    trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype, lora=LORA if a.lora else None,
+                      head_chunk=a.head_chunk)
     set_model_state_dict(trainer.model, lora_init() if a.lora else one_process_init(),
                          options=StateDictOptions(full_state_dict=True))
     batch = fixed_batch(a.shared_prompts)

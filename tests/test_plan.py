@@ -120,7 +120,7 @@ def test_the_shipped_30b_recipes_follow_the_paper_and_fit_on_two_h100_nodes(name
 def test_one_80gb_gpu_is_refused_with_the_component_that_overflows():
     plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
     assert not plan.fits
-    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 489.6 GiB per GPU")
+    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 468.4 GiB per GPU")
     assert "the largest part is Adam moments (sharded) (227.5 GiB)" in plan.problems[0]
 
 
@@ -154,7 +154,7 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
-        "minirl: error: the plan does not fit: training needs 489.6 GiB per GPU, over 90% of 80 GiB; the largest "
+        "minirl: error: the plan does not fit: training needs 468.4 GiB per GPU, over 90% of 80 GiB; the largest "
         "part is Adam moments (sharded) (227.5 GiB): more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all "
         "of them"]
     assert not list(tmp_path.iterdir())  # a plan writes nothing

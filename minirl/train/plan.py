@@ -16,8 +16,10 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      its expert width); with activation checkpointing (train.activation_checkpoint
                      = "full"; the row that counts follows it) only each layer's input
                      (2·T·d bytes) is kept, plus one layer in full
-    logits           T × vocab in bf16 and their gradient, plus one fp32 chunk of 4,096 positions and
-                     its softmax (minirl.train.trainer.target_logprobs)
+    logits           the output head a chunk of 1,024 positions at a time where a micro-batch's bf16
+                     logits pass 1 GiB (train/head.py): that chunk's bf16 logits and three fp32
+                     [chunk, vocab] tensors; else T × vocab in bf16 and their gradient, plus one fp32
+                     chunk of 4,096 positions and its softmax (minirl.train.trainer.target_logprobs)
     vLLM weights     colocated, one engine per tensor-parallel group: P × 2 B (bf16) or 1 B (fp8) / TP
     KV cache         what the rollout phase leaves free (vLLM schedules what fits): at 2 (K, V) ×
                      layers × KV heads × head dim × 2 B per token, how many full-length sequences
@@ -38,6 +40,15 @@ from minirl.validator import lora_targets
 GiB = 2**30
 HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUDA context, NCCL buffers)
 LOGIT_CHUNK = 4096
+HEAD_CHUNK = 1024  # positions of the chunked output head at once (head.py): 1024 × 151,936 fp32 logits are 0.6 GiB
+HEAD_CHUNK_ABOVE = 2**30  # bytes of a forward's bf16 logits above which the head runs chunked
+
+
+def head_chunk(positions: int, vocab: int) -> int:
+    """Positions per chunk of the output head for a forward of `positions` (train/head.py), or 0
+    for whole logits: chunked where the bf16 logits would pass HEAD_CHUNK_ABOVE (Qwen3's vocabulary
+    at 3.5k positions), never on the tiny model, whose figures stay those of the whole logits."""
+    return HEAD_CHUNK if positions * vocab * 2 > HEAD_CHUNK_ABOVE else 0
 
 
 def active_params(shape: ModelShape) -> int:
@@ -173,7 +184,11 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         "activations (no AC)": L * per_layer_act,
         "activations (full AC)": L * 2 * micro * d + per_layer_act,
     }
-    logits = micro * shape.vocab_size * 2 * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2
+    chunk = head_chunk(micro, shape.vocab_size)
+    # chunked head: a chunk's bf16 logits and three float32 [chunk, vocab] at most (head.py); else the
+    # micro-batch's bf16 logits and their gradient, and one float32 chunk and its softmax
+    logits = (chunk * shape.vocab_size * (2 + 3 * 4) if chunk else
+              micro * shape.vocab_size * 2 * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2)
     weight_bytes = {"fp32": 4, "bf16": 2}.get(r.precision, 1)  # the FP8 levels: one byte
     engines = max(1, world // tp_vllm)
     kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2

@@ -30,8 +30,10 @@ from minirl.train.batch import Batch
 from minirl.hub import check_base, fingerprint
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.models import ModelShape, attention_pair_cost, titan_config
+from minirl.train.head import head_logprobs
 from minirl.train.objective import entropy_from_logits
 from minirl.train.packing import pack_shared_prompts
+from minirl.train.plan import head_chunk
 from minirl.train.parallel import full_ac, full_state_dict, global_count, global_max, parallelize, whole
 from minirl.train.replay import RoutingReplay
 
@@ -101,6 +103,7 @@ class Trainer:
         shard: bool | None = None,
         activation_checkpoint: str = "none",
         lora: dict | None = None,
+        head_chunk: int | None = None,
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
@@ -122,12 +125,14 @@ class Trainer:
 
         lora {"rank", "alpha", "targets"}: adapters on the targeted weights (lora.py) are what
         trains, every other parameter frozen; the weights synced, exported and scored are W + s·B·A.
-        One process only so far."""
+
+        head_chunk: positions of the output head at a time (head.py: no whole [positions, vocab]
+        logits, forward or backward); None chooses by the logits' size (`_head_chunk`), 0 never."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
         self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
-        self.pack_prompts = pack_prompts
+        self.pack_prompts, self.head_chunk = pack_prompts, head_chunk
         self._pair_cost = attention_pair_cost(shape)  # what packing weighs its dense attention by
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -279,22 +284,40 @@ class Trainer:
         autocast = not self.sharded and self.param_dtype == "bfloat16"  # under FSDP2 its policy casts
         packed = self._packed(batch)
         if packed is not None:
+            tokens, kw = packed.tokens_CS, {"positions": packed.positions_CS, "attention_masks": packed.attend_C1SS}
+        else:
+            full = batch.tokens_BL.to(self.device)
+            tokens, kw = full[:, :-1], {}
+        chunk = self._head_chunk(tokens.numel())
+        self.model._skip_lm_head = bool(chunk)  # TorchTitan's decoder then returns the final hidden states
+        try:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = self.model(packed.tokens_CS, positions=packed.positions_CS,
-                                    attention_masks=packed.attend_C1SS)
+                out = self.model(tokens, **kw)
+                if chunk:  # no [positions, vocab] logits: the head a chunk of positions at a time (head.py)
+                    h = out.flatten(0, 1)
+                    h, targets = (h[packed.src_N], packed.target_N) if packed is not None else (h, full[:, 1:].flatten())
+                    logp, ent = head_logprobs(h, targets, self.model.lm_head, chunk=chunk, with_entropy=with_entropy)
+                    ent = ent.detach() if ent is not None else None
+                    if packed is not None:
+                        return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
+                    return logp.view(tokens.shape), (ent.view(tokens.shape) if ent is not None else None)
+        finally:
+            self.model._skip_lm_head = False
+        if packed is not None:
             # per packed position, then picked per target: no [targets, vocab] copy of the logits
-            x_MV = logits.flatten(0, 1)
+            x_MV = out.flatten(0, 1)
             logp = packed.unpack(target_logprobs(x_MV, packed.src_N, packed.target_N))
             ent = None
             if with_entropy:
-                ent = packed.unpack(entropy_from_logits(logits.detach()).flatten()[packed.src_N])
+                ent = packed.unpack(entropy_from_logits(out.detach()).flatten()[packed.src_N])
             return logp, ent
-        tokens = batch.tokens_BL.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = self.model(tokens[:, :-1])
-        logp = token_logprobs(logits, tokens[:, 1:])
-        ent = entropy_from_logits(logits.detach()) if with_entropy else None
+        logp = token_logprobs(out, full[:, 1:])
+        ent = entropy_from_logits(out.detach()) if with_entropy else None
         return logp, ent
+
+    def _head_chunk(self, positions: int) -> int:
+        """Positions per chunk of the output head (head.py), or 0 for whole logits (plan.head_chunk)."""
+        return self.head_chunk if self.head_chunk is not None else head_chunk(positions, self.shape.vocab_size)
 
     def _packed(self, batch: Batch):
         """The batch with each prompt forwarded once for all its responses (packing.py), or None:
