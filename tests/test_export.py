@@ -32,19 +32,39 @@ def minirl(*args, env=None):
                           timeout=900, env={**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-@pytest.fixture(scope="module")
-def run_dir(tiny_dir, tmp_path_factory) -> Path:
-    """A run of the tiny model: 3 healthy steps, then (resumed) a forced guard trip: steps 4-5
-    are bad, step 5 rolls back to step 3, step 6 is bad again. Checkpoints 0..6, all kept."""
+@pytest.fixture(scope="session")
+def export_ws(tiny_dir, tmp_path_factory) -> Path:
+    """A workspace with a run of the tiny model: 3 healthy steps, then (resumed) a forced guard
+    trip: steps 4-5 are bad, step 5 rolls back to step 3, step 6 is bad again. Checkpoints 0..6,
+    all kept. Built once for all xdist workers (a file lock in the session's shared folder): two
+    `minirl run`s, about 70 s."""
+    from filelock import FileLock
+
     from tests.conftest import data_workspace
 
-    ws = data_workspace(tmp_path_factory.mktemp("export") / "ws")
-    model = ["--model", str(tiny_dir)]
-    r = minirl("run", str(ws), *model, "--steps", "3", *RUN_SETS)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = minirl("run", str(ws), *model, "--steps", "6", "--resume", *RUN_SETS, "--set", "guard.max_kl=-1",
-               "--set", "guard.patience=2", "--set", "guard.max_rollbacks=1")
-    assert r.returncode == 0, r.stderr[-3000:]
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this session's folder, above every worker's own
+    root = shared / "export-run"
+    with FileLock(str(root) + ".lock"):
+        if not (root / "built").exists():
+            ws = data_workspace(root / "ws")
+            model = ["--model", str(tiny_dir)]
+            r = minirl("run", str(ws), *model, "--steps", "3", *RUN_SETS)
+            assert r.returncode == 0, r.stderr[-3000:]
+            r = minirl("run", str(ws), *model, "--steps", "6", "--resume", *RUN_SETS, "--set", "guard.max_kl=-1",
+                       "--set", "guard.patience=2", "--set", "guard.max_rollbacks=1")
+            assert r.returncode == 0, r.stderr[-3000:]
+            (root / "built").touch()
+    return root / "ws"
+
+
+@pytest.fixture
+def run_dir(export_ws, tmp_path) -> Path:
+    """That run, in a copy of its workspace of this test's own (tests write beside checkpoints)."""
+    import shutil
+
+    ws = shutil.copytree(export_ws, tmp_path / "ws")
     return next((ws / "runs").iterdir())
 
 
