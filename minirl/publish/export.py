@@ -152,9 +152,10 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     trainer.load(ckpt.path, with_optim=False)
     tmp = out.with_name(out.name + ".tmp")
     atomic.remove_dir(tmp)
+    adapter_of = base_name(rec, base) if adapter else None
     if adapter:
         save_peft_folder(tmp, shape, adapter_state(trainer.model), rank=trainer.lora["rank"],
-                         alpha=trainer.lora["alpha"], base_model=base_name(rec, base))
+                         alpha=trainer.lora["alpha"], base_model=adapter_of)
     else:
         save_hf_folder(tmp, shape, trainer.full_state_dict(), tokenizer_dir=base, max_shard_size=max_shard_size)
     if (run_dir / "metrics.jsonl").exists():
@@ -162,7 +163,7 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
 
     card = model_card(run_dir, rec, ckpt, why=why, folder=out, moe=shape.is_moe, eval_results=eval_results or [],
                       repo_id=repo_id,
-                      lora=trainer.lora, adapter_of=base_name(rec, base) if adapter else None)
+                      lora=trainer.lora, adapter_of=adapter_of)
     card.save(tmp / "README.md")
     atomic.write_text(tmp / "minirl_export.json", json.dumps(
         {"run": run_dir.name, "step": ckpt.step, "checkpoint": str(ckpt.path), "why": why,

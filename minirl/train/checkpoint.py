@@ -43,7 +43,8 @@ def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: b
         shutil.rmtree(tmp)
     _barrier(sharded)
     has_optim = bool(optim.state)
-    state = {"model": _model_state(model, adapters_only)}
+    own = get_model_state_dict(model)
+    state = {"model": _adapters_of(own) if adapters_only else own}
     if has_optim:
         state["optim"] = get_optimizer_state_dict(model, optim)
     needed = _nbytes(state)
@@ -86,8 +87,9 @@ def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:
     """Restore a checkpoint; one saved before the first optimizer step restores a fresh optimizer."""
     extra = read_extra(path)
     load_optim = with_optim and extra.get("has_optim", True)
-    _check_adapters(path, get_model_state_dict(model))
-    state = {"model": _model_state(model, bool(extra.get("lora")))}
+    own = get_model_state_dict(model)
+    _check_adapters(path, own)
+    state = {"model": _adapters_of(own) if extra.get("lora") else own}
     if load_optim:
         state["optim"] = get_optimizer_state_dict(model, optim)
     dcp.load(state, checkpoint_id=str(path), no_dist=not sharded)  # see `save`
@@ -99,22 +101,18 @@ def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:
     return extra
 
 
-def _model_state(model, adapters_only: bool) -> dict:
-    state = get_model_state_dict(model)
-    return {k: v for k, v in state.items() if is_adapter(k)} if adapters_only else state
-
-
-def _adapters(shapes: dict[str, tuple]) -> dict[str, tuple]:
-    return {k: v for k, v in shapes.items() if is_adapter(k)}
+def _adapters_of(state: dict) -> dict:
+    """The LoRA adapters' entries of a state dict (of tensors or of their shapes)."""
+    return {k: v for k, v in state.items() if is_adapter(k)}
 
 
 def _check_adapters(path: Path, model_state: dict) -> None:
     """A checkpoint's LoRA adapters (train/lora.py) and the trainer's must be the same: DCP would
     otherwise load the base alone into a trainer without them, silently, or fail on a rank's shapes."""
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    theirs = _adapters({k.removeprefix("model."): tuple(getattr(m, "size", ())) for k, m in meta.items()
+    theirs = _adapters_of({k.removeprefix("model."): tuple(getattr(m, "size", ())) for k, m in meta.items()
                         if k.startswith("model.")})
-    mine = _adapters({k: tuple(v.shape) for k, v in model_state.items()})
+    mine = _adapters_of({k: tuple(v.shape) for k, v in model_state.items()})
     if theirs == mine:
         return
     if not mine:

@@ -16,6 +16,7 @@ import torch
 from minirl import atomic
 from minirl.errors import UsageError
 from minirl.models import ModelShape, hf_config_dict, titan_config
+from minirl.train.lora import adapted
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -103,8 +104,6 @@ def peft_state(shape: ModelShape, adapters: dict[str, torch.Tensor]) -> dict[str
     HF linear layer's `lora_A.weight` [r, in] and `lora_B.weight` [out, r], the grouped experts'
     split per expert (`mlp.experts.<e>.gate_proj`, ...), as the state-dict adapter splits the
     weights they adapt; prefixed `base_model.model.` as PEFT saves them."""
-    from minirl.train.lora import adapted  # deferred: the export of an adapter only
-
     to_hf = adapter(shape).to_hf
     out = {}
     for weight, pair in adapted(adapters).items():
