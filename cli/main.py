@@ -23,7 +23,7 @@ from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.hub import resolution
 from minirl.models import TINY_ID
-from minirl.train.plan import fit_mesh, launch_commands, make_plan
+from minirl.train.plan import advise, describe, fit_mesh, launch_commands, make_plan
 from minirl.run.plots import plot_metrics
 from minirl.setup.preflight import run_recipe
 from minirl.task import TASKS
@@ -221,14 +221,22 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         init = " ".join(["minirl init WORKSPACE", f"--model {model_id or rec.model.id}",
                          *([f"--recipe {recipe_name}"] if recipe_name else [])])
         first = [] if has_ws or not (model_id or recipe_name) else [init]
+        advice = []  # the cheapest change that fits; and, where that is LoRA, what training every weight takes
+        if not plan.fits:
+            for lora in (True, False):
+                found = advise(rec, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, lora=lora)
+                if found and describe(*found) not in advice:
+                    advice.append(describe(*found))
         print_plan(console, plan, recipe=recipe_label, resolved=rec.to_toml(),
-                   launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args))
+                   launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args), advice=advice)
         if not plan.fits:
             shipped = recipe_mod.for_model(model_id) if model_id else None
             own = recipe_mod.load(Path(recipe_label)).model.id if recipe_label != "defaults" else TINY_ID
             hint = (f"; this recipe is {own}'s: {model_id}'s own is recipes/{shipped.name} (`minirl init WS --model "
                     f"{model_id}`)" if shipped and own != model_id else "")
-            raise UsageError(f"the plan does not fit: {plan.problems[0]}{hint}")
+            over = "; ".join(p.split(";")[0] for p in plan.problems)
+            fix = f"; the cheapest change that fits: {advice[0]}" if advice else "; no change on the ladder fits"
+            raise UsageError(f"the plan does not fit: {over}{fix}{hint}")
         return
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's

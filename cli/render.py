@@ -114,7 +114,7 @@ def _fmt(v, f: str) -> str:
     return f.format(v)
 
 
-def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: list[str]) -> None:
+def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: list[str], advice=()) -> None:
     """`minirl run --dry-run`: the resolved recipe (defaults < recipe < flags) as the TOML a run
     would record, then the plan as tables (figures per GPU)."""
     console.print(f"[bold]resolved recipe[/] (defaults < {recipe} < flags; what runs/<id>/recipe.toml would hold)")
@@ -143,10 +143,17 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
     console.print(table)
     console.print(f"  vLLM: {plan.in_flight} full-length sequences in flight per engine, "
                   f"{plan.sequences_per_engine} to sample per step")
+    if plan.host_gib_per_node:
+        console.print(f"  host memory per node: {plan.host_gib_per_node:.1f} GiB (offloaded or asleep)"
+                      + (f"; Adam's moments cross the host link in ~{plan.offload_s_per_step:.1f} s a step "
+                         "(at 25 GB/s a GPU, an assumption)" if plan.offload_s_per_step else ""))
     for cmd in launch:
         console.print(f"  launch: {cmd}", soft_wrap=True)
     for p in plan.problems:
-        console.print(f"  [bold red]does not fit:[/] {p}")
+        console.print(f"  [bold red]does not fit:[/] {p}", soft_wrap=True)
+    for i, a in enumerate(advice):
+        console.print(f"  [bold]{'cheapest change that fits' if i == 0 else 'training every weight'}:[/] {a}",
+                      soft_wrap=True)
 
 
 STATUS_COLORS = {"running": "green", "finished": "green", "interrupted": "yellow", "time_limit": "yellow",

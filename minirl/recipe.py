@@ -7,6 +7,7 @@ that span sections live in minirl/validator.py, which `load` runs; it raises and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tomllib
@@ -118,6 +119,10 @@ class TrainConfig:
     # "full": each decoder layer's activations are recomputed in backward (TorchTitan's FullAC), so
     # only layer inputs are kept; "none" keeps them all. The plan (--dry-run) counts activations by it
     activation_checkpoint: str = "none"
+    # "optimizer": Adam's moments wait in host memory between updates (train/offload.py), so the
+    # rollout engine's KV cache gets their GPU memory; each update brings them back for its step.
+    # The plan (--dry-run) counts the host memory and the transfer time it costs
+    offload: str = "none"
     # forward each prompt once for its G responses, which attend to it through a mask (packing.py);
     # the same log-probs to float rounding. Off: every response row carries a copy of its prompt.
     pack_prompts: bool = True
@@ -364,6 +369,16 @@ def load(path: Path | None, overrides: list[str] = ()) -> Recipe:
         _apply(recipe, section, key.strip(), value.strip())
     validate(recipe)
     return recipe
+
+
+def with_sets(recipe: Recipe, sets: dict[str, Any]) -> Recipe:
+    """A validated copy of `recipe` with `{"section.key": value}` changes (as `--set` gives them)."""
+    out = copy.deepcopy(recipe)
+    for dotted, value in sets.items():
+        section, _, key = dotted.partition(".")
+        _apply(out, section, key, value)
+    validate(out)
+    return out
 
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

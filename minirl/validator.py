@@ -132,6 +132,7 @@ def validate(r: Recipe, platform: Platform | None = None, model: ModelShape | No
         "train.replay": (r.train.replay, ("off", "r2", "r3")),
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "train.activation_checkpoint": (r.train.activation_checkpoint, ("none", "full")),
+        "train.offload": (r.train.offload, ("none", "optimizer")),
         "rollout.engine": (r.rollout.engine, ("vllm",)),
         "rollout.precision": (r.rollout.precision, PRECISIONS),
         "cold_start.task": (r.cold_start.task, tuple(TASKS)),

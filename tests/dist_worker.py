@@ -101,12 +101,13 @@ def main() -> None:
     ap.add_argument("--shared-prompts", action="store_true")
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--head-chunk", type=int, default=None)
+    ap.add_argument("--offload", action="store_true", help='train.offload = "optimizer"')
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype, lora=LORA if a.lora else None,
-                      head_chunk=a.head_chunk)
+                      head_chunk=a.head_chunk, offload="optimizer" if a.offload else "none")
     set_model_state_dict(trainer.model, lora_init() if a.lora else one_process_init(),
                          options=StateDictOptions(full_state_dict=True))
     batch = fixed_batch(a.shared_prompts)
@@ -115,10 +116,15 @@ def main() -> None:
     loss, grads = one_update(trainer, batch.select(rows), a.replay, routes[:, rows])
     weights = full_state_dict(trainer.model)
     merged = {k: sync_gather(v) for k, v in trainer.weights().items()}  # as the weight sync reads them
+    # Adam's first moments, whole, as they wait between updates (in host memory when offloaded)
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    moments = {names[p]: s["exp_avg"].full_tensor() for p, s in trainer.optim.state.items()}
     if rank == 0:
         layout = {n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(map(str, p.placements)), tuple(p.to_local().shape))
                   for n, p in trainer.model.named_parameters() if "layers.0.moe.routed_experts.inner_experts." in n}
         torch.save({"loss": loss, "grads": grads, "weights": weights, "merged": merged, "expert_layout": layout,
+                    "moments": moments, "moment_placements": sorted({str(s["exp_avg"].placements)
+                                                                     for s in trainer.optim.state.values()}),
                     "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()})}, a.out)
     # both ranks leave together: a rank tearing gloo down while its peer still works aborted once
     # in a full-suite run ("terminate called without an active exception", SIGABRT at exit)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ def main() -> None:
     from torchtitan.distributed.utils import init_fake_mode
 
     from minirl.models import KNOWN_SHAPES, titan_config
+    from minirl.train import offload
     from minirl.train.parallel import parallelize
 
     ap = argparse.ArgumentParser()
@@ -49,9 +51,21 @@ def main() -> None:
     optim.step()
     nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
     state = [v for s in optim.state.values() for k, v in s.items() if k != "step"]
-    print(json.dumps({"params": nbytes(params), "grads": nbytes(p.grad for p in params), "optim": nbytes(state),
-                      "dtypes": sorted({str(local(p).dtype) for p in params}), "frozen": nbytes(frozen),
-                      "frozen_dtypes": sorted({str(local(p).dtype) for p in frozen})}))
+    got = {"params": nbytes(params), "grads": nbytes(p.grad for p in params), "optim": nbytes(state),
+           "dtypes": sorted({str(local(p).dtype) for p in params}), "frozen": nbytes(frozen),
+           "frozen_dtypes": sorted({str(local(p).dtype) for p in frozen})}
+    # train.offload = "optimizer", as Trainer.apply_update ends: gradients dropped, the moments sent
+    # to the host ("meta" here: nothing to allocate). What the device still holds is whatever of the
+    # old shards something still references (weakly watched): the plan says nothing
+    optim.zero_grad(set_to_none=True)
+    with torch.no_grad():  # to_local() under grad mode returns a fresh alias: watch the shard itself
+        watched = [weakref.ref(local(t)) for t in state]
+    del state
+    got["watched"] = sum(r().nbytes for r in watched if r() is not None)  # all of them, before
+    got["offloaded"] = offload.to_host(optim, "meta")
+    got["left_on_device"] = sum(r().nbytes for r in watched if r() is not None)
+    got["grads_after_step"] = nbytes(p.grad for p in params if p.grad is not None)
+    print(json.dumps(got))
 
 
 if __name__ == "__main__":

@@ -410,6 +410,8 @@ CASES = [
      "train.lora.targets names mlp, which this model does not have"),
     ("lora-targets-unknown", ["run", "{ws}", "--set", "train.lora.rank=4", "--set", "train.lora.targets=gate"], None,
      "train.lora.targets = 'gate': name weights among q, k, v, o, mlp, experts, or all"),
+    ("offload-unknown", ["run", "{ws}", "--set", "train.offload=adam"], None,
+     "train.offload = 'adam'; choose one of none, optimizer"),
     ("export-adapter-of-full-run", ["export", "-w", "{ws}", f"{{ws}}/{RUN}", "{new}", "--adapter"], None,
      "trained every weight (train.lora.rank = 0), so it has no LoRA adapter"),
     ("resume-full-with-lora", ["run", "{ws}", "--resume", "--set", "train.lora.rank=4"], None,

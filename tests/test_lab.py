@@ -166,8 +166,8 @@ def test_a_run_cut_short_continues_from_its_checkpoint_and_is_then_reused(tmp_pa
     assert L2.finished(cell, 0, p) is None  # recorded under another sampling scheme: runs again
 
 def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp_path):
-    """[train.lora] and train.warmup_steps came after runs were recorded: at their defaults (off) a
-    recorded run stays its cell's; either switched on, the cell runs again."""
+    """[train.lora], train.warmup_steps and train.offload came after runs were recorded: at their
+    defaults (off) a recorded run stays its cell's; any of them switched on, the cell runs again."""
     import hashlib
 
     ws = tmp_path / "ws"
@@ -175,10 +175,13 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n")
     L = lab.Lab(ws, ws / "lab" / "x")
     before = recipe.load(ws / "minirl.toml").to_dict()
-    del before["train"]["lora"], before["train"]["warmup_steps"]  # the recipe as it read before the fields existed
+    for key in ("lora", "warmup_steps", "offload"):  # the recipe as it read before the fields existed
+        del before["train"][key]
     digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert f"#recipe={digest}" in L._recorded([])
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[train.lora]\nrank = 8\n")
     assert f"#recipe={digest}" not in L._recorded([])
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\nwarmup_steps = 10\n")
+    assert f"#recipe={digest}" not in L._recorded([])
+    (ws / "minirl.toml").write_text('[train]\nlr = 3e-4\noffload = "optimizer"\n')
     assert f"#recipe={digest}" not in L._recorded([])

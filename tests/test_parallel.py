@@ -30,17 +30,18 @@ def two_ranks(tmp_path, *args: str) -> dict:
 @pytest.mark.parametrize("ep, replay, shared, head_chunk", [(1, "off", False, None), (2, "off", False, None),
                                                             (2, "r2", False, None), (2, "r3", False, None),
                                                             (2, "off", True, 5)],
-                         ids=["fsdp2", "fsdp2+ep2", "ep2+r2", "ep2+r3", "ep2+packed+chunked-head"])
+                         ids=["fsdp2", "fsdp2+ep2", "ep2+r2", "ep2+r3", "ep2+packed+chunked-head+offload"])
 def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_path):
     """shared: rows share prompts, so each rank forwards them packed (packing.py). head_chunk: the
-    output head 5 positions at a time (head.py), its FSDP2-sharded weight gathered per call."""
+    output head 5 positions at a time (head.py), its FSDP2-sharded weight gathered per call; that
+    case also offloads Adam's moments (offload.py): sharded, they keep their placement in host memory."""
     from dist_worker import fixed_batch, fixed_routes, one_update
 
     from minirl.models import TINY
     from minirl.train.trainer import Trainer
 
     got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay, *(["--shared-prompts"] if shared else []),
-                    *(["--head-chunk", str(head_chunk)] if head_chunk else []))
+                    *(["--head-chunk", str(head_chunk), "--offload"] if head_chunk else []))
 
     one = Trainer(TINY, lr=1e-2, seed=0)
     batch = fixed_batch(shared)
@@ -55,6 +56,12 @@ def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_p
     for k, v in ref.items():
         same_update(got["weights"][k], v, grads.get(k))
     assert sum(not torch.equal(v, start[k]) for k, v in ref.items()) > len(ref) // 2  # the update moved them
+    names = {p: n for n, p in one.model.named_parameters()}
+    moments = {names[p]: s["exp_avg"] for p, s in one.optim.state.items()}
+    assert got["moments"].keys() == moments.keys()
+    assert all("Shard" in p for p in got["moment_placements"]), got["moment_placements"]  # offloaded too: still sharded
+    for k, m in moments.items():
+        torch.testing.assert_close(got["moments"][k], m, rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.parametrize("ep, replay", [(2, "r3"), (1, "off")], ids=["ep2+r3", "fsdp2"])

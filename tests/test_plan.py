@@ -54,10 +54,13 @@ def test_30b_a3b_on_two_nodes_fits_with_the_published_size():
 def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep, lora):
     """The model built on the meta device, under a fake process group of the planned size, through
     the same `parallelize` call a run makes: rank 0's parameter, gradient and Adam bytes equal the
-    plan's; with LoRA, the frozen bf16 base's too, and the adapters' sharded as their weights."""
+    plan's; with LoRA, the frozen bf16 base's too, and the adapters' sharded as their weights.
+    Offloaded (train.offload = "optimizer"), the moments' bytes moved equal the plan's host row and
+    the device keeps none of them, nor any gradient, between updates."""
     import json
 
-    sets = [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}", f"parallel.ep={ep}", "rollout.tensor_parallel=1"]
+    sets = [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}", f"parallel.ep={ep}", "rollout.tensor_parallel=1",
+            "train.offload=optimizer"]
     rec = recipe.load(recipe.for_model(model), sets + ([f"train.lora.rank={lora}"] if lora else []))
     plan = make_plan(rec, KNOWN_SHAPES[model], model=model)
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_mesh_worker.py"), "--model", model,
@@ -75,6 +78,9 @@ def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep, lora)
     assert got["params"] == mem["fp32 weights (sharded)"]
     assert got["grads"] == mem["fp32 gradients (sharded)"]
     assert got["optim"] == mem["Adam moments (sharded)"]
+    assert got["offloaded"] == mem["host memory: Adam moments offloaded"] == mem["Adam moments (sharded)"]
+    assert got["watched"] == got["optim"] and got["left_on_device"] == 0 and got["grads_after_step"] == 0
+    assert plan.host_gib_per_node * GiB == gpus * got["offloaded"]
 
 
 def test_sleeping_engines_leave_training_the_gpu_and_awake_ones_share_it():
@@ -117,11 +123,71 @@ def test_the_shipped_30b_recipes_follow_the_paper_and_fit_on_two_h100_nodes(name
     assert "--max-restarts 3" in r.stdout and "--resume auto" in r.stdout
 
 
-def test_one_80gb_gpu_is_refused_with_the_component_that_overflows():
-    plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
-    assert not plan.fits
-    assert plan.problems == [plan.problems[0]] and plan.problems[0].startswith("training needs 468.4 GiB per GPU")
-    assert "the largest part is Adam moments (sharded) (227.5 GiB)" in plan.problems[0]
+def test_the_design_cards_command_fits_one_node_of_8_h100s():
+    """#55: `minirl run --model Qwen3-30B-A3B --replay r3 --dry-run --nodes 1 --gpus-per-node 8` fits
+    as shipped (its recipe sends Adam's moments to host memory between updates) with at least 16
+    full-length sequences in flight per engine; two nodes keep at least the 18 they had before."""
+    import re
+
+    def dry(nodes: int) -> str:
+        r = subprocess.run([sys.executable, "-m", "cli.main", "run", "--model", "Qwen3-30B-A3B", "--replay", "r3",
+                            "--dry-run", "--nodes", str(nodes), "--gpus-per-node", "8"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1",
+                                                        "PATH": "/usr/bin:/bin"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+
+    one, two = dry(1), dry(2)
+    in_flight = [int(re.search(r"vLLM: (\d+) full-length sequences in flight", out).group(1)) for out in (one, two)]
+    assert in_flight[0] >= 16 and in_flight[1] >= 18, in_flight
+    # what the offload costs: the moments of 8 GPUs in the node's memory, and their trips
+    plan = plan_30b(1, 8, "train.replay=r3")
+    moments = plan.memory_gib["Adam moments (sharded)"]
+    assert plan.memory_gib["host memory: Adam moments offloaded"] == moments
+    assert plan.host_gib_per_node == pytest.approx(8 * moments)
+    assert plan.offload_s_per_step == pytest.approx(2 * moments * GiB / 25e9)
+    assert "host memory per node: 227.5 GiB" in one
+    # without the offload the same node keeps the moments beside the engine: fewer in flight
+    assert plan_30b(1, 8, "train.replay=r3", "train.offload=none").in_flight < plan.in_flight
+
+
+def test_one_80gb_gpu_is_refused_naming_every_phase_that_overflows_and_the_cheapest_change():
+    """#55: every phase that overflows at once (a fix for training must not reveal the weight
+    sync's overflow on the next try), and the cheapest change that makes the whole plan fit, with
+    the plan it gives: on one 80 GiB GPU that is LoRA on two GPUs; training every weight, one node."""
+    from minirl.train.plan import advise
+
+    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=1",
+                                                          "parallel.ep=1", "rollout.tensor_parallel=1"])
+    plan = make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B")
+    assert [p.split(" ")[0] for p in plan.problems] == ["training", "weight", "rollouts:"]
+    assert plan.problems[0].startswith("training needs 455.0 GiB per GPU")
+    # the recipe offloads already: the moments are on the GPU for the step alone, and only more GPUs shrink them
+    assert plan.problems[0].endswith("the largest part is Adam moments (sharded) (227.5 GiB, on the GPU for the step): "
+                                     "more GPUs")
+    assert "the largest part is fp32 weights (sharded) (113.7 GiB)" in plan.problems[1]
+    for lora, want in ((True, {"train.lora.rank": 16, "parallel.gpus_per_node": 2}),
+                       (False, {"parallel.gpus_per_node": 8})):
+        sets, fixed = advise(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80, lora=lora)
+        assert sets == want and fixed.fits and fixed.in_flight >= 1
+        for key in sets:  # nothing in the advice is spare
+            rest = {k: v for k, v in sets.items() if k != key}
+            assert advise(recipe.with_sets(rec, rest), KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B",
+                          gpu_gib=80, lora=lora)[0] != {}
+
+
+@pytest.mark.parametrize("sets, want", [
+    (["train.micro_batch_tokens=65536"], {"train.micro_batch_tokens": 32768}),  # the micro-batch, before offload
+    (["rollout.precision=bf16"], {"train.offload": "optimizer"}),  # the sync and the KV cache: offload, before TP
+    (["rollout.precision=bf16", "rollout.tensor_parallel=1"], {"train.offload": "optimizer", "rollout.tensor_parallel": 2}),
+])
+def test_the_advice_takes_the_cheapest_kind_of_change_first(sets, want):
+    from minirl.train.plan import advise
+
+    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "train.offload=none", *sets])
+    assert not make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B").fits
+    got, fixed = advise(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80)
+    assert got == want and fixed.fits
 
 
 def test_the_cli_plans_without_a_workspace(tmp_path):
@@ -154,9 +220,13 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     refused = dry("--nodes", "1", "--gpus-per-node", "1", "--set", "parallel.ep=1", "--set", "rollout.tensor_parallel=1")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
-        "minirl: error: the plan does not fit: training needs 468.4 GiB per GPU, over 90% of 80 GiB; the largest "
-        "part is Adam moments (sharded) (227.5 GiB): more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all "
-        "of them"]
+        "minirl: error: the plan does not fit: training needs 455.0 GiB per GPU, over 90% of 80 GiB; weight sync "
+        "needs 144.5 GiB per GPU, over 90% of 80 GiB; rollouts: after the trainer's state between updates and "
+        "vLLM's weights (142.2 GiB) no KV cache is left for one 33792-token sequence; the cheapest change that fits: "
+        "--gpus-per-node 2 --set train.lora.rank=16: training 45.1, weight sync 60.8, rollout 72.0 GiB "
+        "per GPU; 4 full-length sequences in flight per engine"]
+    assert ("training every weight: --gpus-per-node 8: training 56.9, weight sync 45.0, rollout 72.0 GiB "
+            "per GPU; 9 full-length sequences in flight per engine") in refused.stdout
     assert not list(tmp_path.iterdir())  # a plan writes nothing
 
 
@@ -173,14 +243,18 @@ def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_s
                                          "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "minirl: error: the plan does not fit: training needs 89.8 GiB per GPU, over 90% of 80 GiB; the largest "
-        "part is vLLM weights (bf16, TP 1) (56.9 GiB): raise rollout.tensor_parallel (1) or set rollout.precision = "
-        "\"fp8\"; this recipe is tiny-qwen3-moe's: Qwen3-30B-A3B's own is recipes/qwen3-30b-a3b.toml "
-        "(`minirl init WS --model Qwen3-30B-A3B`)"]
-    # its own recipe on one 80 GB GPU: the training state, which only more GPUs shard
-    plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1")
-    assert plan.problems[0].endswith("the largest part is Adam moments (sharded) (227.5 GiB): more GPUs (--nodes, "
-                                     "--gpus-per-node): FSDP2 shards it over all of them")
+        "minirl: error: the plan does not fit: training needs 89.8 GiB per GPU, over 90% of 80 GiB; weight sync needs "
+        "81.7 GiB per GPU, over 90% of 80 GiB; rollouts: after the trainer's state between updates and vLLM's weights "
+        "(78.2 GiB) no KV cache is left for one 22-token sequence; the cheapest change that fits: --set "
+        "rollout.tensor_parallel=2: training 72.0, weight sync 63.8, rollout 60.4 GiB per GPU; 10524 full-length "
+        "sequences in flight per engine; this recipe is tiny-qwen3-moe's: Qwen3-30B-A3B's own is "
+        "recipes/qwen3-30b-a3b.toml (`minirl init WS --model Qwen3-30B-A3B`)"]
+    assert ("does not fit: training needs 89.8 GiB per GPU, over 90% of 80 GiB; the largest part is vLLM weights "
+            "(bf16, TP 1) (56.9 GiB): raise rollout.tensor_parallel (1) or set rollout.precision = \"fp8\"") in r.stdout
+    # its own recipe on one 80 GB GPU without the offload: the moments, which the offload takes off the GPU
+    plan = plan_30b(1, 1, "parallel.ep=1", "rollout.tensor_parallel=1", "train.offload=none")
+    assert plan.problems[0].endswith('the largest part is Adam moments (sharded) (227.5 GiB): train.offload = '
+                                     '"optimizer" (host memory between updates), or more GPUs')
     # activations, when checkpointing is off, point at it
     plan = plan_30b(1, 8, "train.activation_checkpoint=none")
     assert "the largest part is activations (no AC)" in plan.problems[0]

@@ -118,7 +118,8 @@ class Lab:
         comments do not) and the sampling scheme."""
         resolved = recipe_mod.load(self.ws_root / "minirl.toml").to_dict()
         # keys added after runs were recorded: at their defaults they change nothing those runs computed
-        for key, default in (("lora", dataclasses.asdict(recipe_mod.LoraConfig())), ("warmup_steps", 0)):
+        for key, default in (("lora", dataclasses.asdict(recipe_mod.LoraConfig())), ("warmup_steps", 0),
+                             ("offload", "none")):
             if resolved["train"][key] == default:
                 del resolved["train"][key]
         resolved = json.dumps(resolved, sort_keys=True)

@@ -305,6 +305,7 @@ class VLLMEngine:
         the stream layer by layer (weight_sync.hf_buckets keeps it bounded). No disk, no restart.
         An engine asleep wakes its weights first and its KV cache after."""
         if self._asleep:
+            _release_cached()
             self._llm.wake_up(tags=["weights"])
         if self.direct_sync:
             self._llm.collective_rpc(cpu_weights.write, kwargs={"weights_iterator": iter(hf_named_tensors)})
@@ -314,6 +315,7 @@ class VLLMEngine:
                 self._llm.collective_rpc(_repack_cpu_experts)
         self._stale = False
         if self._asleep:
+            _release_cached()  # the sync's buckets
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = 0
         self._reset_prefix_cache()
@@ -370,8 +372,17 @@ class VLLMEngine:
         if self._stale:
             raise RuntimeError("the engine slept at level 2 and dropped its weights: sync weights to wake it")
         if self._asleep:
+            _release_cached()
             self._llm.wake_up()
             self._asleep = 0
+
+
+def _release_cached() -> None:
+    """PyTorch's allocator keeps what the trainer freed (gradients, activations, offloaded Adam
+    moments, sync buckets) cached for its own reuse; vLLM's sleep mode allocates around it, so
+    those blocks go back to the device before the engine wakes (docs/cluster.md's plan counts on it)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _sampled_logprobs(token_ids: Sequence[int], flat) -> tuple[float, ...]:

@@ -26,7 +26,20 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      an engine holds at once
 
 Rollouts and training alternate: vLLM sleeps (frees its KV cache) while the trainer runs, and the
-trainer's activations are gone while vLLM samples, so the peak is the larger of the two phases.
+trainer's activations are gone while vLLM samples, so the peak is the largest of the phases:
+
+    training         weights + gradients + the activations, gathered layers and logits of a micro-batch
+                     + Adam's moments; offloaded (train.offload = "optimizer", train/offload.py) the
+                     moments come back only for the step, after the backward freed the activations
+    weight sync      what the trainer keeps between updates (weights, and the moments unless offloaded;
+                     the gradients are freed after each step and the allocator's blocks handed back
+                     before the engine wakes) + vLLM's weights + one bucket + one gathered parameter
+    rollout          what the trainer keeps between updates + vLLM's weights + its KV cache
+
+A plan that does not fit names every phase that overflows, and `advise` finds the cheapest change
+that makes all of them fit: micro-batch, offload, rollout TP, FP8, LoRA, more GPUs, in that order.
+Host memory per node (offloaded moments, sleeping engines' weights) and the moments' transfer time
+per step (at HOST_LINK_BYTES_S, an assumption) are reported beside the GPU's figures.
 """
 
 from __future__ import annotations
@@ -34,7 +47,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from minirl.errors import UsageError
 from minirl.models import ModelShape, lora_param_count, param_count
+from minirl.recipe import with_sets
 from minirl.validator import lora_targets
 
 GiB = 2**30
@@ -42,6 +57,9 @@ HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUD
 LOGIT_CHUNK = 4096
 HEAD_CHUNK = 1024  # positions of the chunked output head at once (head.py): 1024 × 151,936 fp32 logits are 0.6 GiB
 HEAD_CHUNK_ABOVE = 2**30  # bytes of a forward's bf16 logits above which the head runs chunked
+# pinned host <-> GPU copies, each GPU on its own PCIe Gen5 x16 link (64 GB/s a direction on paper):
+# an assumption for the transfer-time estimate, not a measurement
+HOST_LINK_BYTES_S = 25e9
 
 
 def head_chunk(positions: int, vocab: int) -> int:
@@ -78,6 +96,8 @@ class Plan:
     phases_gib: dict[str, float]  # per GPU, peak of each phase
     in_flight: int  # full-length sequences one vLLM engine holds at once
     sequences_per_engine: int
+    host_gib_per_node: float  # what the plan puts in each node's host memory (offloaded or asleep)
+    offload_s_per_step: float  # the offloaded moments' trips over the host link (an estimate: HOST_LINK_BYTES_S)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -108,7 +128,7 @@ def launch_commands(nodes: int, gpus_per_node: int, args: str) -> list[str]:
 _REMEDY = {
     "fp32 weights (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
     "fp32 gradients (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
-    "Adam moments (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
+    "Adam moments (sharded)": 'train.offload = "optimizer" (host memory between updates), or more GPUs',
     "gathered bf16 layers": "raise parallel.ep (a GPU gathers only its share of the experts)",
     "activations (no AC)": 'set train.activation_checkpoint = "full", or lower train.micro_batch_tokens',
     "activations (full AC)": "lower train.micro_batch_tokens",
@@ -119,13 +139,15 @@ _REMEDY = {
     "base weights (fp32, frozen, sharded)": 'train.param_dtype = "bfloat16" (the frozen base in bf16), or more GPUs',
     "fp32 LoRA adapters (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
     "fp32 LoRA gradients (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
-    "Adam moments of the adapters (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
+    "Adam moments of the adapters (sharded)": 'train.offload = "optimizer", or a lower train.lora.rank',
 }
 
 
-def _largest(parts: dict[str, float], r) -> str:
+def _largest(parts: dict[str, float], r, *, offloaded: bool = False) -> str:
     """'the largest part is NAME (X GiB): what shrinks it'."""
     name, size = max(parts.items(), key=lambda kv: kv[1])
+    if offloaded and "Adam" in name:  # already offloaded: back on the GPU only for the step
+        return f"the largest part is {name} ({size / GiB:.1f} GiB, on the GPU for the step): more GPUs"
     if name.startswith("vLLM weights"):
         fixes = [f"raise rollout.tensor_parallel ({r.tensor_parallel})"] if r.tensor_parallel < 8 else []
         fixes += ['set rollout.precision = "fp8"'] if r.precision != "fp8" else []
@@ -212,18 +234,30 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         "logits": logits,
         f"vLLM weights ({r.precision}, TP {tp_vllm})": P * weight_bytes / tp_vllm,
     }
-    state = sum(trainer_state.values())
+    # between updates the trainer keeps its weights, and Adam's moments unless train.offload sends them
+    # to host memory; the gradients live from the first backward to the step (set to None after it,
+    # and the allocator's cached blocks go back before the engine wakes: rollout/vllm.py)
+    grads = {k: v for k, v in trainer_state.items() if "gradients" in k}
+    moments = {k: v for k, v in trainer_state.items() if "Adam" in k}
+    offloaded = t.offload == "optimizer"
+    kept = {k: v for k, v in trainer_state.items() if k not in grads and not (offloaded and k in moments)}
+    resident = sum(kept.values())
+    if offloaded:
+        mem["host memory: Adam moments offloaded"] = sum(moments.values())
     vllm_w = next(v for k, v in mem.items() if k.startswith("vLLM weights"))
     budget = HEADROOM * gpu_gib * GiB
     ac = "full AC" if t.activation_checkpoint == "full" else "no AC"  # what the trainer will keep
     train_only = mem["gathered bf16 layers"] + acts[f"activations ({ac})"] + logits
+    # offloaded, the moments come back for the step, after the backward freed the activations
+    in_update = max(train_only, sum(moments.values())) if offloaded else train_only
+    training_state = resident + sum(grads.values()) + in_update
     # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
     # while the trainer works; at 0 both stay, and the KV cache gets what training leaves
     awake = r.sleep_level == 0
     # vLLM schedules what fits: its KV cache is what is left free, and sets how many sequences of full
     # length an engine samples at once
-    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - state - vllm_w - (train_only if awake else 0.0))
-    training = state + train_only + (vllm_w + kv if awake else 0.0)
+    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - vllm_w - (training_state if awake else resident))
+    training = training_state + (vllm_w + kv if awake else 0.0)
     if r.sleep_level == 1:
         mem["host memory: vLLM weights asleep"] = vllm_w
     # weight sync (rollout/sync.py): vLLM's weights awake, its KV cache not yet; one bucket of whole
@@ -233,29 +267,33 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
                   d * (shape.hidden_dim if not shape.is_moe else 0))
     mem["weight sync bucket"] = bucket = max(r.sync_bucket_mib * 2**20, full_layer * min(weight_bytes * 2, 4))
     in_flight = int(kv * tp_vllm // (seq * kv_per_token))
-    phases = {f"training ({ac})": training, "weight sync": state + vllm_w + bucket + 4 * largest,
-              "rollout": state + vllm_w + kv}
+    # an engine that never sleeps keeps its KV cache through the sync too
+    sync = resident + vllm_w + bucket + 4 * largest + (kv if awake else 0.0)
+    phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + vllm_w + kv}
     # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
     # setting that shrinks it (`_REMEDY`)
-    trainer_parts = dict(trainer_state)
     engine = next(k for k in mem if k.startswith("vLLM weights"))
     parts = {
-        f"training ({ac})": {**trainer_parts, "gathered bf16 layers": mem["gathered bf16 layers"],
+        f"training ({ac})": {**trainer_state, "gathered bf16 layers": mem["gathered bf16 layers"],
                              f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits,
                              **({engine: vllm_w} if awake else {})},
-        "weight sync": {**trainer_parts, engine: vllm_w, "weight sync bucket": bucket,
-                        "largest parameter gathered in fp32": 4 * largest},
-        "rollout": {**trainer_parts, engine: vllm_w},
+        "weight sync": {**kept, engine: vllm_w, "weight sync bucket": bucket,
+                        "largest parameter gathered in fp32": 4 * largest, **({"vLLM KV cache": kv} if awake else {})},
+        "rollout": {**kept, engine: vllm_w},
     }
-    for phase, need in ((f"training ({ac})", training), ("weight sync", phases["weight sync"])):
-        if need > budget:
-            problems.insert(0, f"{phase.split(' (')[0]} needs {need / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
-                            f"{gpu_gib:g} GiB; {_largest(parts[phase], r)}")
-            break
-    else:
-        if in_flight < 1:
-            problems.insert(0, f"rollouts: after the training state and vLLM's weights ({(state + vllm_w) / GiB:.1f} "
-                            f"GiB) no KV cache is left for one {seq}-token sequence; {_largest(parts['rollout'], r)}")
+    # every phase that overflows, at once (a fix for one must not reveal the next only on the next try)
+    overflows = [f"{phase.split(' (')[0]} needs {phases[phase] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
+                 f"{gpu_gib:g} GiB; {_largest(parts[phase], r, offloaded=offloaded)}"
+                 for phase in (f"training ({ac})", "weight sync") if phases[phase] > budget]
+    if in_flight < 1:
+        overflows.append(f"rollouts: after the trainer's state between updates and vLLM's weights "
+                         f"({(resident + vllm_w) / GiB:.1f} GiB) no KV cache is left for one {seq}-token sequence; "
+                         f"{_largest(parts['rollout'], r)}")
+    problems = overflows + problems
+    # Adam's moments cross the host link twice an update (to the GPU for the step, back after it)
+    n_updates = t.minibatches
+    offload_s = 2 * n_updates * sum(moments.values()) / HOST_LINK_BYTES_S if offloaded else 0.0
+    host_per_node = p.gpus_per_node * sum(v for k, v in mem.items() if k.startswith("host memory"))
 
     # FLOPs: 2·active per token forward, 4·active backward; causal attention 2·2·L·(seq/2)·heads·head_dim
     # per token forward (scores and values over the mean context)
@@ -272,5 +310,75 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         train_flops_per_step=float(train_flops), rollout_flops_per_step=float(rollout_flops),
         memory_gib={k: v / GiB for k, v in mem.items()}, phases_gib={k: v / GiB for k, v in phases.items()},
         in_flight=in_flight, sequences_per_engine=math.ceil(sequences / engines),
-        problems=problems,
+        host_gib_per_node=host_per_node / GiB, offload_s_per_step=offload_s, problems=problems,
     )
+
+
+def _ladder(rec, plan: Plan) -> list[list[dict]]:
+    """The changes `advise` tries, cheapest kind first, each kind's options mildest first: what a
+    change costs in time or quality grows down the list (a smaller micro-batch costs a little
+    throughput; offload, transfers; rollout TP, engines; FP8, a wider training-inference gap; LoRA,
+    what the adapters cannot learn; more GPUs, money)."""
+    t, r, p = rec.train, rec.rollout, rec.parallel
+    micro = []
+    ac = {} if t.activation_checkpoint == "full" else {"train.activation_checkpoint": "full"}
+    if ac:
+        micro.append(ac)
+    m = plan.micro_batch_tokens // 2
+    while m >= 1024:
+        micro.append({**ac, "train.micro_batch_tokens": m})
+        m //= 2
+    world = p.nodes * p.gpus_per_node
+    tps = [tp for tp in (2, 4, 8) if tp > r.tensor_parallel and tp <= p.gpus_per_node and world % tp == 0]
+    gpus = [(n, g) for n in (1, 2, 4, 8, 16, 32, 64) for g in (1, 2, 4, 8)
+            if n * g > world and (n == 1 or g == 8) and n >= p.nodes]
+    return [micro,
+            [{"train.offload": "optimizer"}] if t.offload == "none" else [],
+            [{"rollout.tensor_parallel": tp} for tp in tps],
+            [{"rollout.precision": "fp8"}] if r.precision not in ("fp8", "fp8-weights", "e5m2", "nvfp4") else [],
+            [{"train.lora.rank": 16}] if not t.lora.rank else [],
+            [{"parallel.nodes": n, "parallel.gpus_per_node": g} for n, g in sorted(gpus, key=lambda x: x[0] * x[1])]]
+
+
+def advise(rec, shape: ModelShape, *, model: str, gpu_gib: float, lora: bool = True) -> tuple[dict, Plan] | None:
+    """The cheapest change that makes the whole plan fit (every phase, and at least one full-length
+    sequence in flight), as `--set` keys and values, and the plan it gives; None if nothing on the
+    ladder does. Kinds of change are taken in `_ladder`'s order, each added to the strongest option
+    of the kinds before it; then every earlier kind is eased back as far as the plan still fits.
+    lora=False leaves LoRA off the ladder (what training every weight would take)."""
+    def fits(sets: dict) -> Plan | None:
+        try:
+            plan = make_plan(with_sets(rec, sets), shape, model=model, gpu_gib=gpu_gib)
+        except UsageError:  # a combination the validator refuses is no advice
+            return None
+        return plan if plan.fits else None
+
+    plan = make_plan(rec, shape, model=model, gpu_gib=gpu_gib)
+    if plan.fits:
+        return {}, plan
+    ladder = _ladder(rec, plan)
+    if not lora:
+        ladder = [[o for o in level if "train.lora.rank" not in o] for level in ladder]
+    merged = lambda parts: {k: v for part in parts for k, v in part.items()}  # noqa: E731
+    for n, level in enumerate(ladder):
+        earlier = [options[-1] if options else {} for options in ladder[:n]]  # each earlier kind at its strongest
+        for option in level:
+            if fits(merged([*earlier, option])) is None:
+                continue
+            for i in reversed(range(n)):  # ease each earlier kind back: none of it, else its mildest that fits
+                earlier[i] = next(mild for mild in [{}, *ladder[i]]
+                                  if fits(merged([*earlier[:i], mild, *earlier[i + 1:], option])) is not None)
+            now = rec.flat()
+            sets = {k: v for k, v in merged([*earlier, option]).items() if now[k] != v}  # what changes
+            return sets, fits(sets)
+    return None
+
+
+def describe(sets: dict, plan: Plan) -> str:
+    """A change as flags, and what its plan gives: '--set k=v …: training X, weight sync Y, rollout
+    Z GiB per GPU; N full-length sequences in flight per engine'."""
+    flags = [f"--nodes {sets['parallel.nodes']}"] if "parallel.nodes" in sets else []
+    flags += [f"--gpus-per-node {sets['parallel.gpus_per_node']}"] if "parallel.gpus_per_node" in sets else []
+    flags += [f"--set {k}={v}" for k, v in sets.items() if k not in ("parallel.nodes", "parallel.gpus_per_node")]
+    peaks = ", ".join(f"{k.split(' (')[0]} {v:.1f}" for k, v in plan.phases_gib.items())
+    return f"{' '.join(flags)}: {peaks} GiB per GPU; {plan.in_flight} full-length sequences in flight per engine"

@@ -26,6 +26,7 @@ import torch
 
 from minirl.train import checkpoint
 from minirl.train import lora as lora_mod
+from minirl.train import offload as offload_mod
 from minirl.train.batch import Batch
 from minirl.hub import check_base, fingerprint
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
@@ -104,6 +105,7 @@ class Trainer:
         activation_checkpoint: str = "none",
         lora: dict | None = None,
         head_chunk: int | None = None,
+        offload: str = "none",
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
@@ -127,12 +129,15 @@ class Trainer:
         trains, every other parameter frozen; the weights synced, exported and scored are W + s·B·A.
 
         head_chunk: positions of the output head at a time (head.py: no whole [positions, vocab]
-        logits, forward or backward); None chooses by the logits' size (`_head_chunk`), 0 never."""
+        logits, forward or backward); None chooses by the logits' size (`_head_chunk`), 0 never.
+
+        offload "optimizer": Adam's moments live in host memory between updates (offload.py), so
+        the rollout engine gets their GPU memory; each update brings them back for its step."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
         self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
-        self.pack_prompts, self.head_chunk = pack_prompts, head_chunk
+        self.pack_prompts, self.head_chunk, self.offload = pack_prompts, head_chunk, offload
         self._pair_cost = attention_pair_cost(shape)  # what packing weighs its dense attention by
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -186,7 +191,7 @@ class Trainer:
         t = rec.train
         return cls(shape, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed, device=device,
                    ep=rec.parallel.ep, param_dtype=t.param_dtype, activation_checkpoint=t.activation_checkpoint,
-                   pack_prompts=t.pack_prompts, lora=lora_settings(rec, shape))
+                   pack_prompts=t.pack_prompts, lora=lora_settings(rec, shape), offload=t.offload)
 
     @classmethod
     def for_checkpoint(cls, rec, shape: ModelShape, base: Path, *, device: str | torch.device = "cpu") -> "Trainer":
@@ -434,8 +439,12 @@ class Trainer:
                 p.grad.fill_(value)
 
     def apply_update(self) -> None:
+        if self.offload == "optimizer":  # the moments back for this step, and off again after it
+            offload_mod.to_device(self.optim)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
+        if self.offload == "optimizer":
+            offload_mod.to_host(self.optim)
 
     def drop_update(self) -> None:
         self.optim.zero_grad(set_to_none=True)
@@ -471,7 +480,11 @@ class Trainer:
             if self.base is None:
                 raise RuntimeError("a LoRA checkpoint holds adapters only: load_hf(its base) first")
             check_base(path, base, Path(self.base["path"]), here=self.base["fingerprint"])
-        return checkpoint.load(self.model, self.optim, Path(path), with_optim=with_optim, sharded=self.sharded)
+        offload_mod.to_device(self.optim)  # DCP fills the optimizer's state where it is used
+        extra = checkpoint.load(self.model, self.optim, Path(path), with_optim=with_optim, sharded=self.sharded)
+        if self.offload == "optimizer":
+            offload_mod.to_host(self.optim)
+        return extra
 
 
 def lora_record(lora: dict) -> dict:

@@ -96,7 +96,9 @@ def main() -> int:
     tokens = int((batch.seq_len_B - 1).sum())
     peak = kit.peak_flops()
     results, kernels = [], {}
-    for path in ("one-gpu", "fsdp2"):
+    # "whole-head": one GPU with the output head over whole [tokens, vocab] logits (head_chunk=0), as
+    # before #55's chunked head (train/head.py), which the other paths take at this batch's size
+    for path in ("one-gpu", "fsdp2", "whole-head"):
         if path == "fsdp2":
             import torch.distributed as dist
 
@@ -105,8 +107,11 @@ def main() -> int:
                     torch.cuda.set_device(0)
                 dist.init_process_group("cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo",
                                         store=dist.HashStore(), rank=0, world_size=1)
-        tr = Trainer(shape, lr=1e-6, seed=0, device=dev, param_dtype="bfloat16", shard=path == "fsdp2")
+        tr = Trainer(shape, lr=1e-6, seed=0, device=dev, param_dtype="bfloat16", shard=path == "fsdp2",
+                     head_chunk=0 if path == "whole-head" else None)
         for mode, fwd in MODES.items():
+            if path == "whole-head" and mode != "on-policy":
+                continue
             step = make_step(tr, batch, loss_fn, mode)
             step()  # warm-up: kernels chosen, Adam's moments allocated
             _sync()
@@ -122,7 +127,7 @@ def main() -> int:
                    "tflops_per_s": flops / dt / 1e12, "mfu": flops / dt / peak if peak else None,
                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
             results.append(row)
-            print(f"{path:8s} {mode:11s} {dt * 1e3:8.1f} ms/step {row['tokens_per_s']:10.0f} tok/s "
+            print(f"{path:10s} {mode:11s} {dt * 1e3:8.1f} ms/step {row['tokens_per_s']:10.0f} tok/s "
                   f"{row['tflops_per_s']:7.1f} TFLOP/s" + (f"  MFU {row['mfu']:.1%}" if peak else "")
                   + (f"  peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] else ""), flush=True)
             if path == "one-gpu" and mode in ("on-policy", "r2"):
