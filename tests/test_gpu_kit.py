@@ -30,7 +30,8 @@ def test_the_device_command_runs_end_to_end_in_dry_mode(tmp_path):
     assert skipped and all(o["reason"] for o in skipped)  # each skip says why
     rows = report["bench"]["results"]
     assert {(b["path"], b["mode"]) for b in rows} == {(p, m) for p in ("one-gpu", "fsdp2")
-                                                      for m in ("on-policy", "pi_old+upd", "r2")}
+                                                      for m in ("on-policy", "pi_old+upd", "r2")} | {
+        ("whole-head", "on-policy")}  # the output head over whole logits, as before the chunked head
     assert all(b["tokens_per_s"] > 0 for b in rows) and report["bench"]["top_kernels"]["r2"]
     md = (out / "report.md").read_text()
     assert "| `test_bf16_trainer_matches_the_fp32_cpu_trainer[tiny-one-gpu]` | passed |" in md and "## Bench" in md

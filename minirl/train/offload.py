@@ -6,7 +6,8 @@ exact, so an update after a round trip is the update without one.
 
 Tensors are moved, never viewed: on a CPU trainer (no accelerator) `to_host` still makes a fresh
 host copy and drops the old one, so the CPU tests exercise the same round trip a GPU makes.
-Sharded moments (FSDP2's DTensors) move their local shard and keep their placement.
+Sharded moments (FSDP2's DTensors) move their local shard and keep their placement (as verl's
+FSDP workers move theirs: `DTensor.to`).
 """
 
 from __future__ import annotations
@@ -20,16 +21,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _moved(t: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tensor:
-    """`t` copied onto `device` (its shard, for a DTensor, rewrapped with the same placement)."""
-    from torch.distributed.tensor import DTensor
-
-    local = _local(t)
-    out = torch.empty(local.shape, dtype=local.dtype, device=device, pin_memory=pin)
-    out.copy_(local, non_blocking=True)
-    if isinstance(t, DTensor):
-        return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return out
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of `t` on `device`, always a fresh one (copy=True: on one device too). From CUDA to
+    the host the copy lands in pinned memory (PyTorch pins a non-blocking device-to-host copy's
+    output). A DTensor's copy is its shard's, with the same mesh and placement; not
+    `DTensor.from_local`, which would move a host shard straight back to the mesh's device."""
+    return t.to(device, non_blocking=True, copy=True)
 
 
 def _moments(optim: torch.optim.Optimizer):
@@ -48,10 +45,10 @@ def to_host(optim: torch.optim.Optimizer, host: torch.device | str = "cpu") -> i
     for state, key, p in _moments(optim):
         if _local(state[key]).device == _local(p).device:
             cuda = cuda or _local(p).device.type == "cuda"
-            state[key] = _moved(state[key], host, pin=_local(p).device.type == "cuda")
+            state[key] = _moved(state[key], host)
             moved += _local(state[key]).nbytes
     if cuda:
-        torch.cuda.synchronize()  # the device copies are released only once the host holds them
+        torch.cuda.synchronize()  # the host copies complete before the device blocks are handed back
     return moved
 
 
@@ -61,7 +58,7 @@ def to_device(optim: torch.optim.Optimizer) -> int:
     for state, key, p in _moments(optim):
         device = _local(p).device
         if _local(state[key]).device != device:
-            state[key] = _moved(state[key], device, pin=False)
+            state[key] = _moved(state[key], device)
             moved += _local(state[key]).nbytes
     return moved
 

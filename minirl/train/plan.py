@@ -251,24 +251,29 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     # offloaded, the moments come back for the step, after the backward freed the activations
     in_update = max(train_only, sum(moments.values())) if offloaded else train_only
     training_state = resident + sum(grads.values()) + in_update
-    # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
-    # while the trainer works; at 0 both stay, and the KV cache gets what training leaves
-    awake = r.sleep_level == 0
-    # vLLM schedules what fits: its KV cache is what is left free, and sets how many sequences of full
-    # length an engine samples at once
-    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - vllm_w - (training_state if awake else resident))
-    training = training_state + (vllm_w + kv if awake else 0.0)
-    if r.sleep_level == 1:
-        mem["host memory: vLLM weights asleep"] = vllm_w
     # weight sync (rollout/sync.py): vLLM's weights awake, its KV cache not yet; one bucket of whole
-    # layers in the engine's dtype (at least one layer) and the largest parameter gathered in fp32
+    # layers in the engine's dtype (at most the cap, never more than the model, at least one layer)
+    # and the largest parameter gathered in fp32
     full_layer = (P - shape.vocab_size * d * (1 if shape.tie_embeddings else 2)) // L
     largest = max(shape.vocab_size * d, shape.num_experts * d * shape.moe_hidden_dim if shape.is_moe else 0,
                   d * (shape.hidden_dim if not shape.is_moe else 0))
-    mem["weight sync bucket"] = bucket = max(r.sync_bucket_mib * 2**20, full_layer * min(weight_bytes * 2, 4))
+    layer_bytes = full_layer * min(weight_bytes * 2, 4)
+    bucket = max(min(r.sync_bucket_mib * 2**20, P * weight_bytes), layer_bytes)
+    in_sync = resident + bucket + 4 * largest
+    # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
+    # while the trainer works; at 0 both stay, and the KV cache gets what the trainer's larger phase
+    # (training, or the sync) leaves. vLLM schedules what fits: its KV cache is what is left free,
+    # and sets how many sequences of full length an engine samples at once
+    awake = r.sleep_level == 0
+    trainer_peak = max(training_state, in_sync) if awake else resident
+    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - vllm_w - trainer_peak)
+    training = training_state + (vllm_w + kv if awake else 0.0)
+    if r.sleep_level == 1:
+        mem["host memory: vLLM weights asleep"] = vllm_w
+    mem["weight sync bucket"] = bucket
     in_flight = int(kv * tp_vllm // (seq * kv_per_token))
     # an engine that never sleeps keeps its KV cache through the sync too
-    sync = resident + vllm_w + bucket + 4 * largest + (kv if awake else 0.0)
+    sync = in_sync + vllm_w + (kv if awake else 0.0)
     phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + vllm_w + kv}
     # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
     # setting that shrinks it (`_REMEDY`)
