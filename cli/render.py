@@ -10,6 +10,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from minirl.train.plan import HOST_LINK_BYTES_S
+
 # not on a terminal (a log, a pipe): lines are not broken at rich's default 80 columns mid-phrase
 console = Console(stderr=False, highlight=False, soft_wrap=not sys.stdout.isatty())
 
@@ -62,7 +64,7 @@ class RunView:
             changes = data.get("recipe_changes") or {}
             if changes:
                 self.console.print("[yellow]the run's recipe changed as it resumed[/] (recorded in "
-                                   f"recipe_changes.jsonl): " + ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changes.items()))
+                                   "recipe_changes.jsonl): " + ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changes.items()))
             self.progress.update(self.task, completed=data["step"])
         elif kind == "eval":
             self.console.print(f"held-out {data['which']}: {self.eval_key} = [bold]{data[self.eval_key]:.3f}[/] "
@@ -146,7 +148,7 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
     if plan.host_gib_per_node:
         console.print(f"  host memory per node: {plan.host_gib_per_node:.1f} GiB (offloaded or asleep)"
                       + (f"; Adam's moments cross the host link in ~{plan.offload_s_per_step:.1f} s a step "
-                         "(at 25 GB/s a GPU, an assumption)" if plan.offload_s_per_step else ""))
+                         f"(at {HOST_LINK_BYTES_S / 1e9:g} GB/s a GPU, an assumption)" if plan.offload_s_per_step else ""))
     for cmd in launch:
         console.print(f"  launch: {cmd}", soft_wrap=True)
     for p in plan.problems:
