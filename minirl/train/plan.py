@@ -143,10 +143,11 @@ _REMEDY = {
 }
 
 
-def _largest(parts: dict[str, float], r, *, offloaded: bool = False) -> str:
-    """'the largest part is NAME (X GiB): what shrinks it'."""
+def _largest(parts: dict[str, float], r, *, offloaded: dict | None = None) -> str:
+    """'the largest part is NAME (X GiB): what shrinks it'; `offloaded`: the parts already in host
+    memory between updates."""
     name, size = max(parts.items(), key=lambda kv: kv[1])
-    if offloaded and "Adam" in name:  # already offloaded: back on the GPU only for the step
+    if name in (offloaded or {}):  # back on the GPU only for the step
         return f"the largest part is {name} ({size / GiB:.1f} GiB, on the GPU for the step): more GPUs"
     if name.startswith("vLLM weights"):
         fixes = [f"raise rollout.tensor_parallel ({r.tensor_parallel})"] if r.tensor_parallel < 8 else []
@@ -214,17 +215,20 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     weight_bytes = {"fp32": 4, "bf16": 2}.get(r.precision, 1)  # the FP8 levels: one byte
     engines = max(1, world // tp_vllm)
     kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2
+    # the trainer's state in three groups: what it keeps (weights), the gradients, Adam's moments
     if t.lora.rank:  # the base frozen in the compute dtype, sharded; fp32 adapters with their gradients and Adam
         adapters = lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape))
         base_bytes = 4 if t.param_dtype == "float32" else 2  # "auto" is bfloat16 on a GPU
-        trainer_state = {f"base weights ({'fp32' if base_bytes == 4 else 'bf16'}, frozen, sharded)": base_bytes * P / world,
-                         "fp32 LoRA adapters (sharded)": 4 * adapters / world,
-                         "fp32 LoRA gradients (sharded)": 4 * adapters / world,
-                         "Adam moments of the adapters (sharded)": 8 * adapters / world}
+        weights = {f"base weights ({'fp32' if base_bytes == 4 else 'bf16'}, frozen, sharded)": base_bytes * P / world,
+                   "fp32 LoRA adapters (sharded)": 4 * adapters / world}
+        grads = {"fp32 LoRA gradients (sharded)": 4 * adapters / world}
+        moments = {"Adam moments of the adapters (sharded)": 8 * adapters / world}
     else:
         adapters = 0
-        trainer_state = {"fp32 weights (sharded)": 4 * P / world, "fp32 gradients (sharded)": 4 * P / world,
-                         "Adam moments (sharded)": 8 * P / world}
+        weights = {"fp32 weights (sharded)": 4 * P / world}
+        grads = {"fp32 gradients (sharded)": 4 * P / world}
+        moments = {"Adam moments (sharded)": 8 * P / world}
+    trainer_state = {**weights, **grads, **moments}
     # one process holds its (bf16) LoRA base whole: nothing is gathered
     gathered = 0 if t.lora.rank and world == 1 else 2 * 2 * layer_params
     mem = {
@@ -237,10 +241,8 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     # between updates the trainer keeps its weights, and Adam's moments unless train.offload sends them
     # to host memory; the gradients live from the first backward to the step (set to None after it,
     # and the allocator's cached blocks go back before the engine wakes: rollout/vllm.py)
-    grads = {k: v for k, v in trainer_state.items() if "gradients" in k}
-    moments = {k: v for k, v in trainer_state.items() if "Adam" in k}
     offloaded = t.offload == "optimizer"
-    kept = {k: v for k, v in trainer_state.items() if k not in grads and not (offloaded and k in moments)}
+    kept = weights if offloaded else {**weights, **moments}
     resident = sum(kept.values())
     if offloaded:
         mem["host memory: Adam moments offloaded"] = sum(moments.values())
@@ -288,7 +290,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     }
     # every phase that overflows, at once (a fix for one must not reveal the next only on the next try)
     overflows = [f"{phase.split(' (')[0]} needs {phases[phase] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
-                 f"{gpu_gib:g} GiB; {_largest(parts[phase], r, offloaded=offloaded)}"
+                 f"{gpu_gib:g} GiB; {_largest(parts[phase], r, offloaded=moments if offloaded else None)}"
                  for phase in (f"training ({ac})", "weight sync") if phases[phase] > budget]
     if in_flight < 1:
         overflows.append(f"rollouts: after the trainer's state between updates and vLLM's weights "
