@@ -269,7 +269,8 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
     SIGKILLed as step 4 begins (MINIRL_INJECT_KILL), resumed from its step-2 checkpoint (the
     adapters alone, onto the base it names), it redoes the step it lost sample for sample and
     update for update; then `minirl export` writes the merged model (export once read
-    the base alone) and `--adapter` the PEFT folder."""
+    the base alone), `--adapter` the PEFT folder, and the checkpoint without its HF folder is
+    rebuilt for `eval` and `doctor` as the same merged weights."""
     import os
     import shutil
     import subprocess
@@ -333,3 +334,15 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
     assert "library_name: peft" in card and "rank 4, α 16, on q, k, v, o, experts; this folder is the adapter" in card
     assert sorted(f.name for f in (tmp_path / "adapter").iterdir()) == [
         "README.md", "adapter_config.json", "adapter_model.safetensors", "minirl_export.json", "training_curves.png"]
+
+    # `eval` and `doctor` take a checkpoint through resolve_checkpoint: one without its HF folder is
+    # rebuilt from the adapters and the base they name, and holds the run's merged weights again
+    from minirl import recipe as recipe_mod
+    from minirl.eval.evaluate import resolve_checkpoint
+    from minirl.setup.workspace import Workspace
+
+    shutil.move(ckpt / "hf", tmp_path / "run-hf")
+    w = Workspace.open(ws)
+    folder = resolve_checkpoint(w, recipe_mod.load(w.recipe_path), str(ckpt))
+    rebuilt = load_file(next(folder.glob("*.safetensors")))
+    assert rebuilt.keys() == own.keys() and all(torch.equal(rebuilt[k], own[k]) for k in own)

@@ -1,11 +1,12 @@
 """Benchmark: LoRA RL against full RL on one workspace, side by side. Prints figures, asserts nothing.
 
-    .venv/bin/python tests/bench/lora_vs_full.py WORKSPACE [--steps 300] [--seeds 3] [--rank 16] [--lr-factor 10]
+    .venv/bin/python tests/bench/lora_vs_full.py WORKSPACE [--steps 300] [--seeds 3] [--rank 16] [--lr-factor 10 | --lr X]
                                                  [--warmup 0] [--only lora]
 
 Each seed runs `minirl run` on a copy of the workspace twice, alternating: the recipe as it is
 (every weight trains) and with [train.lora] (rank --rank, α = 2·rank, all targets, train.lr ×
---lr-factor, as "LoRA Without Regret" advises; the learning rate warmed up over --warmup steps).
+--lr-factor as "LoRA Without Regret" advises, or --lr; warmed up over --warmup steps). The best
+measured on the embedded default: --lr 5e-4 (docs/results/lora.md).
 Per arm: held-out gain (after RL − cold start, avg@k), RL-loop steps/s, the maximum RSS of the
 run's process, seconds per weight sync, and the size of the newest checkpoint folder. #54's bar:
 LoRA's mean gain ≥ 75% of full RL's. --only runs one arm (the other's figures already known).
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lr-factor", type=float, default=10.0)
+    ap.add_argument("--lr", type=float, default=None, help="the LoRA arm's train.lr (instead of --lr-factor)")
     ap.add_argument("--warmup", type=int, default=0, help="the LoRA arm's train.warmup_steps")
     ap.add_argument("--only", choices=["full", "lora"], default=None, help="run one arm (the other's figures known)")
     a = ap.parse_args()
@@ -69,7 +71,7 @@ def main() -> None:
 
     lr = recipe.load(a.workspace / "minirl.toml").train.lr
     arms = {"full": [], f"lora r{a.rank}": [f"train.lora.rank={a.rank}", f"train.lora.alpha={2 * a.rank}",
-                                            f"train.lr={lr * a.lr_factor:g}", f"train.warmup_steps={a.warmup}"]}
+                                            f"train.lr={a.lr or lr * a.lr_factor:g}", f"train.warmup_steps={a.warmup}"]}
     if a.only:
         arms = {k: v for k, v in arms.items() if k.startswith(a.only)}
     got: dict[str, list[dict]] = {name: [] for name in arms}
