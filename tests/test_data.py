@@ -9,8 +9,8 @@ from minirl.errors import UsageError
 from minirl.task import make_splits
 
 
-def enc(s):
-    return [ord(c) for c in s]
+def enc(texts):  # a tokenizer whose tokens are characters, called with a batch of prompts
+    return [[ord(c) for c in s] for s in texts]
 
 
 def write(path, rows):
@@ -29,7 +29,25 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
     probs, skipped = load_problems(str(p), encode=enc, prompt_field="prompt", answer_field="answer", max_prompt_tokens=8)
     assert [pr.record["answer"] for pr in probs] == ["2", "6"]
     assert skipped == {"empty_prompt": 1, "missing_answer": 1, "too_long": 1}
-    assert probs[0].prompt_ids == tuple(enc("1+1="))
+    assert probs[0].prompt_ids == tuple(map(ord, "1+1="))
+
+
+def test_prompts_are_tokenised_in_batches_in_row_order(tmp_path, monkeypatch):
+    """The tokenizer is called once per batch of ENCODE_BATCH prompts (skipped rows never reach it),
+    and each problem keeps its own row's ids across the batches' seams."""
+    from minirl import data
+
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(7)]
+    rows[3]["answer"] = ""
+    p = write(tmp_path / "d.jsonl", rows)
+    calls = []
+    monkeypatch.setattr(data, "ENCODE_BATCH", 2)
+    probs, skipped = load_problems(str(p), encode=lambda t: calls.append(list(t)) or enc(t), prompt_field="prompt",
+                                   answer_field="answer", max_prompt_tokens=8)
+    assert calls == [["0+0=", "1+1="], ["2+2=", "4+4="], ["5+5=", "6+6="]]
+    assert [(pr.record["answer"], pr.prompt_ids) for pr in probs] == [
+        (r["answer"], tuple(map(ord, r["prompt"]))) for r in rows if r["answer"]]
+    assert skipped == {"empty_prompt": 0, "missing_answer": 1, "too_long": 0}
 
 
 def test_zero_usable_rows_is_an_error(tmp_path):
@@ -144,3 +162,10 @@ def test_prompts_go_through_the_template_and_the_chat_template(tokenizer):
     ids = prompt_ids(tok, "12+34", template="{problem}", chat=True)
     assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
     assert tok.decode(ids) == "12+34+0="
+    # many at once (the run's data loading) give each text's own ids, plain and through the chat template
+    from minirl.data import prompts_ids
+
+    texts = ["12+34", "5+6", "987+1"]
+    assert prompts_ids(tokenizer, texts, template="{problem}=") == [
+        tokenizer(t + "=", add_special_tokens=False)["input_ids"] for t in texts]
+    assert [tok.decode(i) for i in prompts_ids(tok, texts, chat=True)] == ["12+34+0=", "5+6+0=", "987+1+0="]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from minirl.data import load_problems, prompt_ids
+from minirl.data import load_problems, prompts_ids
 from minirl.errors import UsageError
 from minirl.files import read_json
 from minirl.hub import check_base, model_dir as resolve_model_dir
@@ -345,7 +345,7 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     if rec.data.chat_template and not getattr(tok, "chat_template", None):
         raise UsageError(f"data.chat_template = true, and the tokenizer of {rec.model.id} has no chat template; "
                          "set data.chat_template = false to send the prompt as plain text")
-    enc = lambda s: prompt_ids(tok, s, template=rec.data.prompt_template, chat=rec.data.chat_template)  # noqa: E731
+    enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template)
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
               max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
     train, skipped = load_problems(rec.data.train, **kw)
