@@ -463,6 +463,16 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
         mutate(ws)
     for k, v in _SITUATION.get("env", {}).items():
         monkeypatch.setenv(k, v)
+    if _SITUATION.get("env", {}).get("HF_HUB_OFFLINE") == "1":
+        # huggingface_hub and datasets read it once, at import (a fresh `minirl` process sees it
+        # there); in this process they were imported before it was set, and would spend ~20 s
+        # reaching for the Hub before the cache check this row is about
+        import datasets.config
+        import huggingface_hub.constants
+
+        for module in (huggingface_hub.constants, datasets.config):
+            monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     if "platform" in _SITUATION:
         from minirl import validator
 

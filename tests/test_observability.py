@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -70,10 +71,11 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"minirl: error: no runs in {ws}: start one with `minirl run {ws}`"]
 
-    run = [sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "5",
+    run = [sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "8",
            "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "rollout.max_tokens=4",
            "--set", "metrics.tensorboard=true", "--set", "metrics.wandb=true", "--set", "metrics.wandb_tags=test,tiny",
-           # a forced guard trip: every step's KL is "too high"; rollbacks at steps 2 and 4
+           # a forced guard trip: every step's KL is "too high"; rollbacks at steps 2 and 4, and
+           # at step 6, its rollbacks used up, the guard ends the run on the last good weights
            "--set", "guard.max_kl=-1", "--set", "guard.patience=2", "--set", "guard.max_rollbacks=2"]
     netns = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]  # exec: the run keeps this pid
     proc = subprocess.Popen(netns + run, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -86,22 +88,34 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
         n = len((run_dir / "metrics.jsonl").read_text().splitlines())
         r = minirl("status", str(ws))
         assert r.returncode == 0, r.stderr
-        assert f"{run_dir.name}  running  step {n}/5" in r.stdout, r.stdout
+        assert f"{run_dir.name}  running  step {n}/8" in r.stdout, r.stdout
     finally:
         proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-
+    assert proc.returncode == 3, err[-3000:]  # collapsed
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5]
-    assert [m["step"] for m in rows if m.get("guard/action") == "rollback"] == [2, 4]
+    assert [(m["step"], m["guard/action"]) for m in rows] == [
+        (1, "step"), (2, "rollback"), (3, "step"), (4, "rollback"), (5, "step"), (6, "stop")]
+    assert [m["train/lr"] for m in rows] == pytest.approx([3e-4, 3e-4, 1.5e-4, 1.5e-4, 7.5e-5, 7.5e-5])  # halved
     # parity (every 10th sync by default) also checks the run's first sync and every rollback's
-    assert [not math.isnan(m["sync/parity_abs_dlogp"]) for m in rows] == [True, True, False, True, False]
+    assert [not math.isnan(m["sync/parity_abs_dlogp"]) for m in rows] == [True, True, False, True, False, True]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "collapsed" and summary["guard"]["rollbacks"] == 2
+    assert [Path(p).name for p in summary["guard"]["rolled_back_to"]] == ["step_000000"] * 3
+    # no update of the bad steps survived: the run ends on the weights it started from
+    from minirl.models import TINY
+    from minirl.train.hf_io import hf_to_titan, load_hf_weights
+    from minirl.train.trainer import Trainer
+
+    final = Trainer(TINY, lr=1e-3)
+    final.load(Path(summary["checkpoint"]))
+    start = hf_to_titan(TINY, load_hf_weights(tiny_dir))
+    assert all(torch.equal(v, start[k]) for k, v in final.model.state_dict().items() if k in start)
     r = minirl("status", str(ws))
     assert r.returncode == 0, r.stderr
-    assert f"{run_dir.name}  finished  step 5/5" in r.stdout
+    assert f"{run_dir.name}  collapsed  step 6/8" in r.stdout
     assert "rollback at step 2: " in r.stdout and "rollback at step 4: " in r.stdout and "back to step 0" in r.stdout
-    assert "held-out avg@1: " in r.stdout and "step_000005" in r.stdout
+    assert "2 rollbacks used, back to step 0" in r.stdout and "held-out avg@1: " in r.stdout
 
     # TensorBoard: every number of every row, at its step; the rollbacks as text events
     ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
@@ -115,16 +129,17 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
         assert got.keys() == want.keys(), key
         assert all(same(got[s], want[s]) for s in want), key  # float32 in the event file
     texts = [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in ea.Tensors("guard/events/text_summary")]
-    assert [t.split(":")[0] for t in texts] == ["step 2", "step 4"] and all("rollback" in t for t in texts)
+    assert [t.split(" (")[0] for t in texts] == ["step 2: rollback", "step 4: rollback", "step 6: stop"]
 
     # W&B offline: the same numbers at the same steps, in the run folder, nothing sent anywhere
     [wandb_file] = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     history = wandb_history(wandb_file)
-    assert sorted(history) == [1, 2, 3, 4, 5]
+    assert sorted(history) == [1, 2, 3, 4, 5, 6]
     for m in rows:
         for key in expected & m.keys():
             assert same(float(history[m["step"]][key]), float(m[key])), (m["step"], key)
     assert history[4]["guard/events/nrows"] == 2 and history[4]["guard/events/_type"] == "table-file"  # a row per event
+    assert history[6]["guard/events/nrows"] == 3
 
     # the PNG marks the rollbacks (tab:red dashed lines on every panel); the curves are tab:blue
     import matplotlib.image as mpimg

@@ -281,6 +281,7 @@ def test_a_micro_study_runs_paired_seeds_resumes_and_reports(tmp_path):
     [(key, got)] = scores.items()
     result = json.loads(Path(got["file"]).read_text())
     assert result["rollout_precision"] == "fp32" and Path(result["checkpoint"]).is_relative_to(first[key])
+    assert result["problems"] == 8 and result["k"] == 1 and 0 <= result["avg@1"] <= result["pass@1"] <= 1
     assert got["score"] == result[got["metric"]] and got["metric"] == "avg@1"
     evals = sorted((ws / "evals").glob("heldout-*.json"))
     assert rescore.rescore(lab.Lab(ws, L.out), first, "fp32") == scores  # resumed: not evaluated again
