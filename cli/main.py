@@ -23,7 +23,8 @@ from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.hub import resolution
 from minirl.models import TINY_ID
-from minirl.train.plan import advise, describe, fit_mesh, launch_commands, make_plan
+from minirl.recipe import with_sets
+from minirl.train.plan import advise, describe, fit_mesh, launch_commands, plan_for, refusal
 from minirl.run.plots import plot_metrics
 from minirl.setup.preflight import run_recipe
 from minirl.task import TASKS
@@ -149,7 +150,14 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
         if resolution(report["model"]):
             console.print(f"  {resolution(report['model'])}", soft_wrap=True)
         console.print(f"  plan: [bold]minirl run {workspace} --dry-run[/] (add --nodes/--gpus-per-node)")
-    console.print(f"  next: [bold]minirl run {workspace}[/]")
+    import torch  # deferred: after _prepare_env
+
+    asleep = recipe_mod.load(workspace / RECIPE_NAME).rollout.sleep_level
+    if asleep and not torch.cuda.is_available():  # the recipe is the GPUs'; this machine's vLLM cannot sleep
+        console.print(f"  next, on GPUs: [bold]minirl run {workspace}[/]; on this machine (no GPU): "
+                      f"[bold]minirl run {workspace} --set rollout.sleep_level=0[/]", soft_wrap=True)
+    else:
+        console.print(f"  next: [bold]minirl run {workspace}[/]")
 
 
 @cli.command()
@@ -202,16 +210,18 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if value is not None:
             extra.append(f"{key}={value}")
     if dry_run:
-        rec, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name, extra)
-        fitted = fit_mesh(rec, shape) if nodes is not None or gpus_per_node is not None else {}
+        if gpus_per_node is not None and nodes is None:  # one machine named: one node of it
+            extra.append("parallel.nodes=1")
+        machine = nodes is not None or gpus_per_node is not None
+        base, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name, extra)
+        fitted = fit_mesh(base, shape) if machine else {}
+        rec = with_sets(base, fitted) if fitted else base
         if fitted:  # the machine asked about has fewer GPUs than the recipe's mesh: the plan, and its launch line, say so
             overrides = (*overrides, *(f"{k}={v}" for k, v in fitted.items()))
-            rec, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name,
-                                                      extra + [f"{k}={v}" for k, v in fitted.items()])
             console.print(f"for {rec.parallel.nodes} × {rec.parallel.gpus_per_node} GPU(s): "
                           + ", ".join(f"{k} = {v}" for k, v in fitted.items())
                           + " (the recipe's mesh needs more GPUs; the launch line below sets them)", soft_wrap=True)
-        plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_mem_gib)
+        plan = plan_for(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, fit=machine)
         if resolution(rec.model.id):
             console.print(resolution(rec.model.id), soft_wrap=True)
         has_ws = (workspace / RECIPE_NAME).exists()
@@ -224,7 +234,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         advice = []  # the cheapest change that fits; and, where that is LoRA, what training every weight takes
         if not plan.fits:
             for lora in (True, False):
-                found = advise(rec, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, lora=lora)
+                found = advise(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, lora=lora, fit=machine)
                 if found and describe(*found) not in advice:
                     advice.append(describe(*found))
         print_plan(console, plan, recipe=recipe_label, resolved=rec.to_toml(),
@@ -234,9 +244,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
             own = recipe_mod.load(Path(recipe_label)).model.id if recipe_label != "defaults" else TINY_ID
             hint = (f"; this recipe is {own}'s: {model_id}'s own is recipes/{shipped.name} (`minirl init WS --model "
                     f"{model_id}`)" if shipped and own != model_id else "")
-            over = "; ".join(p.split(";")[0] for p in plan.problems)
-            fix = f"; the cheapest change that fits: {advice[0]}" if advice else "; no change on the ladder fits"
-            raise UsageError(f"the plan does not fit: {over}{fix}{hint}")
+            raise UsageError(refusal(plan, advice, hint))
         return
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's

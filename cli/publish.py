@@ -69,8 +69,11 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
 @click.option("--best", is_flag=True, help="With a run: export its best good checkpoint (see `minirl export`).")
 @click.option("--step", type=int, default=None, help="With a run: export the checkpoint of this step.")
 @click.option("--adapter", is_flag=True, help="With a LoRA run: export and push its PEFT adapter, not the merged model.")
+@click.option("--base-repo", default=None, metavar="OWNER/NAME",
+              help="An adapter whose base model is a local folder: the Hub repo of that base, which the uploaded "
+                   "adapter_config.json and card then name.")
 def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None, force: bool, dry_run: bool,
-             workspace: Path, best: bool, step: int | None, adapter: bool) -> None:
+             workspace: Path, best: bool, step: int | None, adapter: bool, base_repo: str | None) -> None:
     """Push an exported model folder to the Hugging Face Hub as one commit.
 
     FOLDER_OR_RUN: a folder `minirl export` wrote (a model or a LoRA adapter), or a run / checkpoint / workspace (exported
@@ -87,6 +90,9 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
     with tempfile.TemporaryDirectory(prefix="minirl-push-") as tmp:
         if source is not None and any((source / f).exists() for f in ("config.json", "adapter_config.json")):
             folder = source  # an exported model or adapter
+            if adapter and not (folder / "adapter_config.json").exists():
+                raise UsageError(f"push --adapter: {folder} is a whole model folder (config.json, no adapter_config.json); "
+                                 "push it without --adapter, or export the LoRA run with --adapter first")
         else:
             run_dir, ckpt, why = ex.pick(source, workspace, step=step, best=best)
             with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
@@ -96,7 +102,7 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
         origin = json.loads(meta.read_text()) if meta.exists() else {}
         message = (f"minirl: run {origin['run']}, step {origin['step']}" if origin else f"minirl: {folder.name}")
         if dry_run:
-            files = hub.push(folder, repo, dry_run=True)["files"]
+            files = hub.push(folder, repo, dry_run=True, base_repo=base_repo)["files"]
             console.print(f"would upload to {repo}@{revision or 'main'} ({message}):", soft_wrap=True)
             table = Table(box=None)
             table.add_column("file")
@@ -111,6 +117,7 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
         enable_progress_bars()  # large files go through huggingface_hub's own upload bars
         total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         with console.status(f"uploading {folder} ({total / 2**20:.1f} MiB) to {repo}@{revision or 'main'}..."):
-            done = hub.push(folder, repo, private=private, revision=revision, force=force, message=message)
+            done = hub.push(folder, repo, private=private, revision=revision, force=force, message=message,
+                            base_repo=base_repo)
     console.print(f"[green]pushed[/] {len(done['files'])} files to {done['url']} ({message}; commit "
                   f"{done['commit'][:10]})", soft_wrap=True)

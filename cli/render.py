@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from minirl.train.plan import HOST_LINK_BYTES_S
+from minirl.train.plan import HEADROOM, HOST_LINK_BYTES_S
 
 # not on a terminal (a log, a pipe): lines are not broken at rich's default 80 columns mid-phrase
 console = Console(stderr=False, highlight=False, soft_wrap=not sys.stdout.isatty())
@@ -144,11 +144,14 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
         table.add_row(f"[bold]peak: {k}[/]", f"[bold]{v:.2f}[/]")
     console.print(table)
     console.print(f"  vLLM: {plan.in_flight} full-length sequences in flight per engine, "
-                  f"{plan.sequences_per_engine} to sample per step")
-    if plan.host_gib_per_node:
-        console.print(f"  host memory per node: {plan.host_gib_per_node:.1f} GiB (offloaded or asleep)"
-                      + (f"; Adam's moments cross the host link in ~{plan.offload_s_per_step:.1f} s a step "
-                         f"(at {HOST_LINK_BYTES_S / 1e9:g} GB/s a GPU, an assumption)" if plan.offload_s_per_step else ""))
+                  f"{plan.sequences_per_engine} to sample per step; KV cache {plan.kv_sizing}")
+    console.print(f"  vLLM's start: gpu_memory_utilization {plan.engine_fraction:g} "
+                  f"({plan.engine_fraction * plan.gpu_gib:.1f} GiB of each GPU), beside the trainer's state between "
+                  f"updates: {plan.engine_start_free_gib:.1f} GiB free then, within {HEADROOM:.0%}")
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.host_gib.items() if k != "peak")
+    console.print(f"  host memory per node: {plan.host_gib_per_node:.1f} GiB at its peak ({parts} GiB)"
+                  + (f"; Adam's moments cross the host link in ~{plan.offload_s_per_step:.1f} s a step "
+                     f"(at {HOST_LINK_BYTES_S / 1e9:g} GB/s a GPU, an assumption)" if plan.offload_s_per_step else ""))
     for cmd in launch:
         console.print(f"  launch: {cmd}", soft_wrap=True)
     for p in plan.problems:

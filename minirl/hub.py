@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -181,19 +182,46 @@ def model_shape(model_id: str, path: str, base: Path):
     return read_shape(model_dir(model_id, path, base, weights=False))
 
 
+def adapter_base(folder: Path, base_repo: str | None = None) -> tuple[str, str] | None:
+    """A PEFT adapter folder's base model as its adapter_config.json names it, and the Hub repo a
+    pushed copy must name instead (a Hub user cannot load a local folder): `base_repo` if given, a
+    Hub id as it is, a folder in huggingface_hub's cache as the repo it caches; else one line.
+    None for a folder that is not an adapter."""
+    import re
+
+    cfg = Path(folder) / "adapter_config.json"
+    if not cfg.exists():
+        return None
+    base = str(json.loads(cfg.read_text()).get("base_model_name_or_path") or "")
+    if base_repo is not None:
+        check_repo_name(base_repo, flag="--base-repo")
+        return base, base_repo
+    cached = re.search(r"models--([^/]+)--([^/]+)/snapshots/", base)
+    if cached:
+        return base, f"{cached.group(1)}/{cached.group(2)}"
+    if base and not is_local(base) and base.count("/") == 1:
+        return base, base
+    raise UsageError(f"the adapter's base model is the local folder {base or '(none)'} (adapter_config.json), which nobody "
+                     "on the Hub can load: push that base model first and name its repo with --base-repo OWNER/NAME "
+                     "(the uploaded adapter_config.json and card then name it)")
+
+
 def push(folder: Path, repo: str, *, private: bool = False, revision: str | None = None, force: bool = False,
-         message: str = "minirl export", dry_run: bool = False) -> dict:
+         message: str = "minirl export", dry_run: bool = False, base_repo: str | None = None) -> dict:
     """Upload an exported folder to `repo` as one commit. The repo is created when missing. A
     target branch that already holds files (besides .gitattributes) is refused unless `force`. The token comes from huggingface_hub's
     usual places (HF_TOKEN, a saved login) and is never printed or written. A new branch starts
     from main and takes the folder whole (what main holds besides is deleted on it). The card's snippets
     are pointed at `repo` in the uploaded README.md (the folder itself is left as it is).
 
+    A LoRA adapter's base is named as a Hub repo in what is uploaded (`adapter_base`).
+
     Returns {"files": [(path, bytes)], "url": ..., "commit": ...} ("url"/"commit" unless dry_run)."""
     import huggingface_hub as hf
 
     folder = Path(folder)
     check_repo_name(repo)
+    base = adapter_base(folder, base_repo)  # a local base is refused before any upload, dry run or not
     files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
     if dry_run:
         return {"files": files}
@@ -215,11 +243,16 @@ def push(folder: Path, repo: str, *, private: bool = False, revision: str | None
         if present and not force:
             raise UsageError(f"{repo}@{branch} already holds {len(present)} file(s); --force replaces them")
         readme = (folder / "README.md").read_text() if (folder / "README.md").exists() else None
-        ops = [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(folder / rel)) for rel, _ in files
-               if rel != "README.md"]
+        rewritten = {}  # the folder is left as it is; what is uploaded names the Hub's base and repo
+        if base is not None and base[0] != base[1]:
+            cfg = json.loads((folder / "adapter_config.json").read_text())
+            rewritten["adapter_config.json"] = json.dumps({**cfg, "base_model_name_or_path": base[1]}, indent=2)
+            readme = readme.replace(base[0], base[1]) if readme is not None else None
         if readme is not None:
-            ops.append(hf.CommitOperationAdd(path_in_repo="README.md",
-                                             path_or_fileobj=_point_snippets(readme, repo).encode()))
+            rewritten["README.md"] = _point_snippets(readme, repo)
+        ops = [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(folder / rel)) for rel, _ in files
+               if rel not in rewritten]
+        ops += [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=text.encode()) for rel, text in rewritten.items()]
         ops += [hf.CommitOperationDelete(path_in_repo=f) for f in present if f not in dict(files)]
         commit = api.create_commit(repo, operations=ops, commit_message=message, revision=branch)
     except UsageError:
@@ -236,17 +269,17 @@ def push(folder: Path, repo: str, *, private: bool = False, revision: str | None
     return {"files": files, "url": str(url), "commit": commit.oid, "commit_url": commit.commit_url}
 
 
-def check_repo_name(repo: str) -> None:
+def check_repo_name(repo: str, *, flag: str = "--repo") -> None:
     """OWNER/NAME as the Hub accepts it (huggingface_hub's own validator), else one line."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     if repo.count("/") != 1:
-        raise UsageError(f"--repo {repo!r} must be OWNER/NAME")
+        raise UsageError(f"{flag} {repo!r} must be OWNER/NAME")
     try:
         validate_repo_id(repo)
     except HFValidationError:
-        raise UsageError(f"--repo {repo!r} is not a valid Hub repo name (letters, digits, '-', '_', '.'; "
+        raise UsageError(f"{flag} {repo!r} is not a valid Hub repo name (letters, digits, '-', '_', '.'; "
                          "no '--' or '..'; at most 96 characters)") from None
 
 

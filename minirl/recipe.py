@@ -50,10 +50,17 @@ class RolloutConfig:
     precision: str = "bf16"
     temperature: float = 1.0
     max_tokens: int = 8  # response length limit
-    memory_fraction: float = 0.1  # vLLM gpu_memory_utilization (CPU: fraction of NUMA-node RAM)
-    # explicit KV-cache size; 0 = sized for the job: on CUDA by vLLM from memory_fraction, on a CPU to hold
-    # the engine's max_num_seqs sequences (the step's B × G, at least 256) at full length, and no more
+    # the share of each GPU the engine takes at its start (vLLM's gpu_memory_utilization: its weights,
+    # working memory and KV cache), checked by the plan against what the trainer leaves free then;
+    # 0 = the plan's: what the engine needs for the job, within what the trainer leaves
+    # (engine_sizing.py, docs/cluster.md). A CPU engine's KV cache is sized in bytes, so there vLLM
+    # only checks it against the NUMA node's memory
+    memory_fraction: float = 0.1
+    # explicit KV-cache size per GPU; 0 = sized for the job (every sequence of a step at full length,
+    # at least 256 on a CPU): on a GPU within memory_fraction or what the trainer leaves
     kv_cache_gib: float = 0.0
+    # CUDA graphs for decoding (vLLM's default); false: eager, as the CPU engine always runs
+    cuda_graphs: bool = True
     tensor_parallel: int = 1  # GPUs per vLLM engine; under torchrun every tensor_parallel consecutive ranks share one
     # between rollouts (CUDA; CPU has no sleep mode): 0 stay awake, 1 offload weights to host and drop
     # the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost)

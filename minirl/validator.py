@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from minirl.engine_sizing import cpu_kv_cache_bytes
 from minirl.errors import UsageError
 from minirl.hub import repo_id
 from minirl.models import ModelShape
@@ -30,7 +31,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "data.max_prompt_tokens": (1, math.inf, True),
     "rollout.temperature": (0, math.inf, False),
     "rollout.max_tokens": (1, math.inf, True),
-    "rollout.memory_fraction": (0, 1, False),
+    "rollout.memory_fraction": (0, 1, True),
     "rollout.kv_cache_gib": (0, math.inf, True),
     "rollout.tensor_parallel": (1, math.inf, True),
     "rollout.parity_every": (0, math.inf, True),
@@ -218,16 +219,6 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
         raise UsageError(f"train.prompts_per_step × train.group_size = {sequences:,} sequences of up to "
                          f"{prompt + new + 1} tokens are sampled at once on a CPU and need {need / 2**30:,.2f} GiB of KV "
                          f"cache; {given}, room for {int(have // per_sequence):,} of them")
-
-
-CPU_KV_BLOCK = 128  # tokens in a block of vLLM's CPU KV cache (its default, vllm/platforms/cpu.py)
-
-
-def cpu_kv_cache_bytes(model: ModelShape, sequences: int, tokens: int, dtype_bytes: int) -> int:
-    """The KV cache vLLM's CPU backend needs to hold `sequences` sequences of up to `tokens` tokens
-    at once: whole blocks for each, and the one block vLLM keeps empty."""
-    blocks = sequences * -(-tokens // CPU_KV_BLOCK) + 1
-    return blocks * CPU_KV_BLOCK * model.kv_bytes_per_token(dtype_bytes)
 
 
 def _check_platform(ro: RolloutConfig, p: Platform) -> None:

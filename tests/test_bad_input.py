@@ -202,6 +202,13 @@ def an_export_folder(ws: Path):
     hub_down(ws)
 
 
+def an_adapter_folder(ws: Path):
+    """What `export --adapter` writes for a run on a local base model (the tiny one)."""
+    write("adapter/adapter_config.json", json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8.0,
+                                                     "base_model_name_or_path": str(ws / "model/coldstart")}))(ws)
+    write("adapter/adapter_model.safetensors", b"")(ws)
+
+
 def another_base(ws: Path):
     """The workspace's model folder holding other weights than the ones its runs trained on."""
     from safetensors.torch import load_file, save_file
@@ -331,6 +338,11 @@ CASES = [
     ("wandb-without-login", ["run", "{ws}", "--set", "metrics.wandb=true"],
      env(WANDB_API_KEY="", WANDB_MODE="", WANDB_IDENTITY_TOKEN_FILE="", NETRC="/nonexistent", WANDB_CONFIG_DIR="/nonexistent"),
      "metrics.wandb = true, and there is no W&B login here"),
+    ("dry-run-engine-start", ["run", "{new}", "--recipe", "qwen3-30b-a3b", "--dry-run", "--gpus-per-node", "8",
+                              "--set", "rollout.memory_fraction=0.85"], None,
+     "vLLM's start: rollout.memory_fraction = 0.85 gives the engine 68.0 GiB of each GPU, and 57.8 GiB are free"),
+    ("run-plan-on-this-gpu", ["run", "{ws}"], platform(device="cuda", memory_gib=1.0),
+     "(planned for this job: 1 × 1 GPU(s) of 1.0 GiB)"),
     ("dry-run-replay-on-dense", ["run", "{new}", "--model", "Qwen3-8B", "--replay", "r3", "--dry-run"], None,
      "train.replay = 'r3' replays MoE routes, and Qwen3-8B is a dense model; use off"),
     ("model-offline-not-cached", ["run", "{ws}", "--model", "someone/not-cached-here"], env(HF_HUB_OFFLINE="1"),
@@ -435,6 +447,12 @@ CASES = [
      write("garbage.jsonl", b"\x00\xff" * 1000), "cannot load dataset"),
     ("eval-data-mixed-folder", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart", "--data", "{ws}/mixed"],
      mixed_folder, "holds files with different fields (a.jsonl: answer, problem; b.jsonl: answer, question)"),
+    ("push-adapter-of-a-model", ["push", "{ws}/out", "--repo", "someone/model", "--adapter"], an_export_folder,
+     "is a whole model folder (config.json, no adapter_config.json); push it without --adapter"),
+    ("push-adapter-local-base", ["push", "{ws}/adapter", "--repo", "someone/adapter", "--dry-run"], an_adapter_folder,
+     "which nobody on the Hub can load: push that base model first and name its repo with --base-repo OWNER/NAME"),
+    ("push-adapter-bad-base-repo", ["push", "{ws}/adapter", "--repo", "someone/adapter", "--base-repo", "nope"],
+     an_adapter_folder, "--base-repo 'nope' must be OWNER/NAME"),
     ("push-hub-unreachable", ["push", "{ws}/out", "--repo", "someone/model"], an_export_folder,
      "the Hugging Face Hub (https://huggingface.co) cannot be reached; push from a machine with network"),
     ("eval-hub-unreachable", ["eval", "aime25", "-w", "{ws}", "--checkpoint", "coldstart"], hub_down,

@@ -41,10 +41,41 @@ def test_cpu_and_cuda_engines_differ_only_by_the_documented_workarounds():
 
 
 def test_engine_args_alone_and_without_sleep():
-    s = EngineSettings("/m", sleep_level=0)
+    s = EngineSettings("/m", sleep_level=0, memory_fraction=0.3, kv_cache_gib=1.0)
     alone = engine_args(s, cuda=True, spmd=False)
     assert alone["distributed_executor_backend"] is None and "enable_sleep_mode" not in alone
     assert "enable_return_routed_experts" not in alone and alone["quantization"] is None
+    # CUDA graphs on a GPU unless the recipe says otherwise (rollout.cuda_graphs); the CPU engine is eager
+    assert alone["enforce_eager"] is False and engine_args(s, cuda=False, spmd=False)["enforce_eager"] is True
+    assert engine_args(dataclasses.replace(s, cuda_graphs=False), cuda=True, spmd=False)["enforce_eager"] is True
+
+
+def test_a_gpu_run_plans_against_its_device_and_gives_vllm_the_plans_share(monkeypatch):
+    """#63: on a GPU, `minirl run` plans for the device it is on (its real memory, this job's ranks)
+    before any engine starts: the engine's fraction is the plan's, and what will not fit is refused
+    in the dry run's line. The GPU is the seam (`Platform`); the plan is the real one."""
+    from minirl import recipe
+    from minirl.models import KNOWN_SHAPES, TINY
+    from minirl.setup.preflight import check_gpu_plan
+    from minirl.train.plan import advise, describe, make_plan, refusal
+    from minirl.validator import Platform
+
+    shape = KNOWN_SHAPES["Qwen3-30B-A3B"]
+    lora = recipe.load(recipe.shipped("qwen3-30b-a3b-lora"), [])
+    h200 = Platform("cuda", 1, 16, 139.8)  # what torch reports of an H200's 141 GB
+    assert check_gpu_plan(lora, shape, h200) == make_plan(lora, shape, model="Qwen3-30B-A3B", gpu_gib=139.8).engine_fraction
+    assert check_gpu_plan(recipe.load(None, []), TINY, Platform("cpu")) is None  # a CPU engine is sized for the job
+    h100 = Platform("cuda", 1, 16, 79.2)
+    with pytest.raises(UsageError) as refused:
+        check_gpu_plan(lora, shape, h100)
+    plan = make_plan(lora, shape, model="Qwen3-30B-A3B", gpu_gib=79.2)
+    found = advise(lora, shape, model="Qwen3-30B-A3B", gpu_gib=79.2)
+    assert str(refused.value) == refusal(plan, [describe(*found)]) + " (planned for this job: 1 × 1 GPU(s) of 79.2 GiB)"
+    # under torchrun: this node's ranks (LOCAL_WORLD_SIZE) and the nodes the world size makes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    full = recipe.load(recipe.shipped("qwen3-30b-a3b"), [])
+    got = check_gpu_plan(full, shape, Platform("cuda", 16, 16, 79.2))
+    assert got == make_plan(full, shape, model="Qwen3-30B-A3B", gpu_gib=79.2).engine_fraction < 0.85
 
 
 def test_a_seeded_call_seeds_numpys_generator_too_and_gives_it_back():

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from minirl import recipe
+from minirl import atomic, recipe
 from minirl.errors import UsageError
 from minirl.hub import fingerprint
 from minirl.models import KNOWN_SHAPES, TINY
@@ -346,3 +347,36 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
     folder = resolve_checkpoint(w, recipe_mod.load(w.recipe_path), str(ckpt))
     rebuilt = load_file(next(folder.glob("*.safetensors")))
     assert rebuilt.keys() == own.keys() and all(torch.equal(rebuilt[k], own[k]) for k in own)
+
+
+def test_an_exported_adapter_is_evaluated_merged_onto_its_base(tmp_path, tiny_dir):
+    """#63: `eval --checkpoint ADAPTER_FOLDER` serves the adapter merged onto the base its
+    adapter_config.json names: the merged weights equal the merged export's (what the run's own
+    sync gives vLLM), kept under the evaluations' folder and found again; the adapter's file is
+    0644 like the rest of an export."""
+    from minirl.eval.evaluate import resolve_checkpoint
+    from minirl.train.hf_io import load_hf_weights, save_hf_folder, save_peft_folder
+
+    tr = _lora_trainer(rank=4)
+    tr.load_hf(tiny_dir)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in tr.model.named_parameters():
+            if ".lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    save_peft_folder(tmp_path / "adapter", TINY, lora.adapter_state(tr.model), rank=4, alpha=8.0,
+                     base_model=str(tiny_dir))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o666 & ~atomic.umask()
+    save_hf_folder(tmp_path / "merged", TINY, tr.full_state_dict(), tokenizer_dir=tiny_dir)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        got = resolve_checkpoint(None, recipe.load(None, []), str(tmp_path / "adapter"))
+        assert got.parent == Path("minirl-evals/merged") and (tmp_path / got / "config.json").exists()
+        want = load_hf_weights(tmp_path / "merged")
+        have = load_hf_weights(got)
+        assert have.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(have[k].float(), want[k].float(), rtol=0, atol=1e-5)
+        stamp = (got / "model.safetensors").stat().st_mtime_ns
+        assert resolve_checkpoint(None, recipe.load(None, []), str(tmp_path / "adapter")) == got  # merged once
+        assert (got / "model.safetensors").stat().st_mtime_ns == stamp

@@ -46,7 +46,7 @@ def test_a_cpu_engine_sized_for_the_job_holds_its_sequences_and_no_more(engine):
     """kv_cache_gib = 0 on a CPU: a 128-token block for each of max_num_seqs sequences of up to
     max_model_len tokens, and vLLM's empty block (the default of 0.25 GiB held 2,048 blocks)."""
     from minirl.models import TINY
-    from minirl.validator import CPU_KV_BLOCK, cpu_kv_cache_bytes
+    from minirl.engine_sizing import CPU_KV_BLOCK, cpu_kv_cache_bytes
 
     s = engine.settings
     assert s.kv_cache_gib * 2**30 == cpu_kv_cache_bytes(TINY, s.max_num_seqs, s.max_model_len, 2)

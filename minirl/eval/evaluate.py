@@ -7,6 +7,8 @@ maj@k  = share of problems whose most frequent extracted answer is a correct one
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,9 +96,30 @@ def evaluate(
     }
 
 
+def _merged_adapter(ws, adapter: Path) -> Path:
+    """A PEFT adapter folder merged onto the base its adapter_config.json names (a folder, or a Hub
+    id fetched), once: kept under the evaluations' folder, named by both fingerprints, so that a
+    resumed evaluation finds the same checkpoint."""
+    from minirl.train.hf_io import merge_peft_folder  # deferred: torch (the CLI imports this module at start)
+
+    named = str(json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or "")
+    if not named:
+        raise UsageError(f"{adapter}/adapter_config.json names no base model (base_model_name_or_path)")
+    base = Path(named) if hub.is_local(named) else hub.fetch(named, weights=True)
+    if not base.exists():
+        raise UsageError(f"the adapter {adapter} applies to {named}, which is not here")
+    check_model_folder(base)
+    tag = hashlib.sha1((hub.fingerprint(adapter) + hub.fingerprint(base)).encode()).hexdigest()[:10]
+    out = (ws.root / "evals" if ws else Path("minirl-evals")) / "merged" / f"{adapter.resolve().name}-{tag}"
+    if not (out / "config.json").exists():
+        merge_peft_folder(adapter, base, out)
+    check_model_folder(out)
+    return out
+
+
 def resolve_checkpoint(ws, rec, checkpoint: str):
-    """'latest' | 'coldstart' | HF folder | run checkpoint (DCP) folder | Hub id -> a checked HF
-    folder vLLM can load."""
+    """'latest' | 'coldstart' | HF folder | exported LoRA adapter folder | run checkpoint (DCP)
+    folder | Hub id -> a checked HF folder vLLM can load."""
 
     def start_dir() -> Path:  # the model the workspace's runs start from
         if ws is None:
@@ -121,6 +144,8 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
                 check_model_folder(folder)
                 return folder
             raise UsageError(f"checkpoint not found: {checkpoint}")
+    if (path / "adapter_config.json").exists():  # an exported LoRA adapter: served merged onto its base
+        return _merged_adapter(ws, path)
     for folder in (path, path / "hf"):
         if (folder / "config.json").exists():
             try:
@@ -215,8 +240,6 @@ def eval_benchmark(
     are appended to `<results>.partial.jsonl` chunk by chunk and are not generated again; the
     final JSON holds the summary and a per-problem breakdown.
     """
-    import hashlib
-    import json
     import time
 
     from transformers import AutoConfig, AutoTokenizer

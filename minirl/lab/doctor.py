@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from minirl import atomic
+from minirl import engine_sizing as sizing
 from minirl.train import objective
 from minirl.train.batch import build_batch
 from minirl.data import response_text
@@ -59,10 +60,10 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     weights = trainer.hf_state_dict()
     rounded = {"bf16": {k: v.to(torch.bfloat16).float() for k, v in weights.items()}, "fp8": fp8_roundtrip(weights),
                "e5m2": fp8_roundtrip(weights, fmt="e5m2"), "nvfp4": fp8_roundtrip(weights, fmt="nvfp4")}
-    max_len = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
+    max_len = sizing.max_model_len(rec)
     progress("starting vLLM (fp32, bf16, and bf16 with activations rounded to e4m3, e5m2 and NVFP4)")
     kw = dict(seed=rec.train.seed, max_model_len=max_len, kv_cache_gib=rec.rollout.kv_cache_gib, capture_routes=moe,
-              max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size))
+              max_num_seqs=sizing.max_num_seqs(rec))
     engines = {"float32": VLLMEngine(folder, dtype="float32", **kw), "bfloat16": VLLMEngine(folder, dtype="bfloat16", **kw),
                "w8a8": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="w8a8", **kw),
                "e5m2": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="e5m2", **kw),

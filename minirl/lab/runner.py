@@ -118,10 +118,11 @@ class Lab:
         comments do not) and the sampling scheme."""
         resolved = recipe_mod.load(self.ws_root / "minirl.toml").to_dict()
         # keys added after runs were recorded: at their defaults they change nothing those runs computed
-        for key, default in (("lora", dataclasses.asdict(recipe_mod.LoraConfig())), ("warmup_steps", 0),
-                             ("offload", "none")):
-            if resolved["train"][key] == default:
-                del resolved["train"][key]
+        for section, key, default in (("train", "lora", dataclasses.asdict(recipe_mod.LoraConfig())),
+                                      ("train", "warmup_steps", 0), ("train", "offload", "none"),
+                                      ("rollout", "cuda_graphs", True)):
+            if resolved[section][key] == default:
+                del resolved[section][key]
         resolved = json.dumps(resolved, sort_keys=True)
         return [*sets, f"#recipe={hashlib.sha256(resolved.encode()).hexdigest()[:16]}", f"#sampling={SAMPLING}"]
 

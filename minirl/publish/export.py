@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minirl import atomic
+from minirl import engine_sizing as sizing
 from minirl import recipe as recipe_mod
 from minirl.publish.card import known_score, model_card
 from minirl.errors import UsageError
@@ -205,8 +206,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     rec = recipe_mod.load(run_dir / "recipe.toml", [])
     ws = Workspace.open(run_dir.parent.parent)
     inputs = prepare_run(ws, rec, resume=None)
-    engine = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed,
-                                    max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1)
+    engine = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed, max_model_len=sizing.max_model_len(rec))
     trainer = Trainer.for_checkpoint(rec, inputs.shape, inputs.model_dir)
     tok = inputs.tokenizer
     out = {}

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from minirl import engine_sizing as sizing
 from minirl.rollout import sync as weight_sync
 from minirl.rollout.process import start_overlapped
 from minirl.rollout.vllm import Completion, VLLMEngine
@@ -56,11 +57,13 @@ class Rollouts:
 
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
-                    clock: Stopwatch) -> "Rollouts":
-        """The engine the recipe asks for, holding the trainer's current weights."""
-        kw = dict(seed=rec.train.seed, max_model_len=rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1,
-                  capture_routes=rec.train.replay == "r3",
-                  max_num_seqs=max(256, rec.train.prompts_per_step * rec.train.group_size))
+                    clock: Stopwatch, memory_fraction: float | None = None) -> "Rollouts":
+        """The engine the recipe asks for, holding the trainer's current weights. `memory_fraction`:
+        its share of the GPU as the run's plan derived it (preflight), instead of the recipe's."""
+        kw = dict(seed=rec.train.seed, max_model_len=sizing.max_model_len(rec), capture_routes=rec.train.replay == "r3",
+                  max_num_seqs=sizing.max_num_seqs(rec, world.size // rec.rollout.tensor_parallel))
+        if memory_fraction is not None:
+            kw["memory_fraction"] = memory_fraction
         if rec.rollout.overlap:
             engine = start_overlapped(model_dir, rec.rollout, **kw)
             trainer.share_memory()  # the engine's process copies the weights from here at each sync

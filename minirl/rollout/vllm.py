@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 
 from minirl.errors import UsageError
-from minirl.models import read_shape
-from minirl.validator import cpu_kv_cache_bytes
+from minirl.models import param_count, read_shape
+from minirl import engine_sizing as sizing
+from minirl.engine_sizing import cpu_kv_cache_bytes
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
@@ -72,7 +73,7 @@ class EngineSettings:
     seed: int = 0
     max_model_len: int = 64
     max_num_seqs: int = 256
-    memory_fraction: float = 0.1
+    memory_fraction: float = 0.0  # vLLM's gpu_memory_utilization; 0: what the engine needs (`_fraction_alone`)
     kv_cache_gib: float = 0.0
     tensor_parallel: int = 1
     sleep_level: int = 0  # between rollouts: 0 stay awake, 1 offload weights and drop KV, 2 drop both
@@ -83,6 +84,7 @@ class EngineSettings:
     # in NVFP4), both beyond the paper
     emulate: str = "w8a8"
     capture_routes: bool = False
+    cuda_graphs: bool = True  # on CUDA: decode through captured graphs (vLLM's default); the CPU engine runs eagerly
 
 
 # rollout.precision values that round through FP8: fp8 (W8A8, as served on CUDA) and the lab's
@@ -99,6 +101,8 @@ CPU_WORKAROUNDS = {
                     "activations per token (rollout/fp8.py, rollout/cpu/activations.py)",
     "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
                               "generator refuses (seen at 512 requests, lab N = 8): every batch fits unchunked",
+    "enforce_eager": "the CPU engine runs eagerly, as it always has here (vLLM would compile it with inductor "
+                     "instead; never measured on this machine); CUDA graphs are CUDA's",
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
                      "(rollout/cpu/norms.py): a faster rollout, closer to the fp32 trainer",
 }
@@ -123,7 +127,7 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         model=s.model_dir,
         dtype=s.dtype,
         seed=s.seed,  # the same on every rank: TP ranks must sample alike
-        enforce_eager=True,
+        enforce_eager=not (cuda and s.cuda_graphs),
         # cached prompt KV would outlive a weight sync (every sync resets it where it is on), but
         # vLLM returns the routed experts (R3) through a connector that needs the cache
         enable_prefix_caching=bool(cuda and s.capture_routes),
@@ -170,10 +174,12 @@ class VLLMEngine:
 
         s = EngineSettings(str(model_dir), **settings)
         cuda = torch.cuda.is_available()
+        shape = read_shape(Path(model_dir))
         if not cuda and s.kv_cache_gib <= 0:  # "sized for the job" (RolloutConfig.kv_cache_gib): what it can hold, no more
-            need = cpu_kv_cache_bytes(read_shape(Path(model_dir)), s.max_num_seqs, s.max_model_len,
-                                      4 if s.dtype == "float32" else 2)
+            need = cpu_kv_cache_bytes(shape, s.max_num_seqs, s.max_model_len, 4 if s.dtype == "float32" else 2)
             s = dataclasses.replace(s, kv_cache_gib=need / 2**30)
+        if s.memory_fraction <= 0:  # no plan gave it one (eval, export, doctor): what it needs, within what is free
+            s = dataclasses.replace(s, memory_fraction=_fraction_alone(s, shape, cuda))
         self.settings = s
         spmd = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if spmd and not cuda and s.tensor_parallel > 1:
@@ -214,7 +220,8 @@ class VLLMEngine:
         emulate = EMULATE.get(p, "w8a8")
         settings = dict(dtype=dtype, fp8=p in FP8_LEVELS, emulate=emulate, seed=seed, max_model_len=max_model_len,
                         memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
-                        tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level)
+                        tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level,
+                        cuda_graphs=rollout.cuda_graphs)
         return cls(model_dir, **{**settings, **kw})
 
     @property
@@ -375,6 +382,25 @@ class VLLMEngine:
             _release_cached()
             self._llm.wake_up()
             self._asleep = 0
+
+
+def _fraction_alone(s: EngineSettings, shape, cuda: bool) -> float:
+    """`gpu_memory_utilization` for an engine that is alone on its device or has no plan: its
+    weights, working memory and a KV cache for its job (max_num_seqs sequences at full length, or
+    rollout.kv_cache_gib), never more than is free now (vLLM refuses to start asking more). On a CPU
+    vLLM reads it as a share of the NUMA node's memory and, given the KV cache's size, only checks it."""
+    dtype_bytes = 4 if s.dtype == "float32" else 2
+    weights = param_count(shape) * (1 if s.fp8 and cuda else dtype_bytes) / s.tensor_parallel
+    if s.kv_cache_gib > 0:
+        kv = s.kv_cache_gib * 2**30
+    else:
+        kv = sizing.kv_cache_bytes(shape, s.max_num_seqs, s.max_model_len, dtype_bytes,
+                                   block=sizing.CUDA_KV_BLOCK, tensor_parallel=s.tensor_parallel)
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        return sizing.fraction(weights + sizing.working_bytes(shape, s.max_num_seqs) + kv, total, limit=free)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0.001, sizing.fraction(weights + kv, total))
 
 
 def _release_cached() -> None:

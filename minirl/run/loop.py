@@ -85,7 +85,7 @@ class RLRun:
             self.trainer.set_lr(self.lr)
         self.clock = Stopwatch(self.state.timing)
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
-                                             clock=self.clock)
+                                             clock=self.clock, memory_fraction=inputs.engine_fraction)
         self.tp = rec.rollout.tensor_parallel  # ranks per vLLM engine
         self.first_step = self.state.step  # of this process (a resumed run checks its first sync again)
         self._parity_pairs = self._fixed_parity_pairs()
@@ -194,6 +194,7 @@ class RLRun:
             "guard/rollbacks": self.guard.rollbacks,
             "guard/skipped_updates": self.guard.skipped,
             "train/lr": lr,  # the rate this step's updates used (a rollback lowers the next one)
+            **world.gpu_memory(),  # on a GPU: the step's peak and what the device holds after the sync
             **({"guard/action": verdict.action, "guard/reason": verdict.reason} if verdict.action != "step" or verdict.reason
                else {}),
             **rollback_to,

@@ -116,16 +116,46 @@ def check_model_folder(folder: Path) -> ModelShape:
     return shape
 
 
-def check_fits(shape: ModelShape, model_id: str) -> None:
-    """One process trains in fp32 (weights, gradients, Adam's two moments: 16 bytes a parameter)
-    beside a bf16 vLLM copy; refuse what cannot fit in this machine's memory."""
-    need = param_count(shape) * 18
+def check_fits(rec, shape: ModelShape, platform: Platform, folder: Path | None = None) -> None:
+    """This node's host memory against what the job holds in it at its peak (the plan's
+    `host_memory`, the figure the dry run prints): on a CPU the trainer and the engines, on GPUs
+    offloaded moments and sleeping engines; at the start, the checkpoint read (rank 0 alone when
+    the trainer is sharded; `folder`'s safetensors, once known). Refused in one line before any
+    weight is downloaded or engine started."""
+    from minirl.train.plan import host_memory  # deferred: the plan reads the LoRA target list of the validator
+
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > 0.8 * have:
-        raise UsageError(f"model {model_id} has {param_count(shape) / 1e9:.2f}B parameters: one process needs "
-                         f"~{need / 2**30:.0f} GiB (fp32 weights, gradients, Adam, bf16 vLLM copy), this machine has "
-                         f"{have / 2**30:.0f} GiB; the multi-GPU path (FSDP2 / expert parallel under torchrun) is not "
-                         "written yet")
+    files = sorted(Path(folder).glob("*.safetensors")) if folder is not None else []
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
+    here = recipe_mod.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local), "parallel.gpus_per_node": local})
+    need = host_memory(here, shape, device=platform.device,
+                       checkpoint_bytes=sum(f.stat().st_size for f in files) if files else None)
+    if need["peak"] > 0.8 * have:
+        parts = ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in need.items() if k != "peak")
+        raise UsageError(f"model {rec.model.id} ({param_count(shape) / 1e9:.2f}B parameters): this job needs "
+                         f"~{need['peak'] / 2**30:,.0f} GiB of this node's host memory at its peak ({parts} GiB; "
+                         f"{local} rank(s) on {platform.device}), more than 80% of its {have / 2**30:.0f} GiB; "
+                         "`minirl run --dry-run` plans it for GPUs and other layouts")
+
+
+def check_gpu_plan(rec, shape: ModelShape, platform: Platform) -> float | None:
+    """On a GPU, the run's plan (what `--dry-run` prints) for the device it is on and the job's
+    layout (this node's ranks, and nodes from the world size): refused in the dry run's line when
+    any phase would not fit, the engine's start included. Returns the engine's share of each GPU
+    that vLLM is given (`gpu_memory_utilization`); None on a CPU, whose engine is sized for the job."""
+    if platform.device != "cuda":
+        return None
+    from minirl.train.plan import advise, describe, make_plan, refusal  # deferred: only a GPU run plans
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
+    here = recipe_mod.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local), "parallel.gpus_per_node": local})
+    plan = make_plan(here, shape, model=rec.model.id, gpu_gib=platform.memory_gib)
+    if not plan.fits:
+        found = advise(here, shape, model=rec.model.id, gpu_gib=platform.memory_gib)
+        raise UsageError(refusal(plan, [describe(*found)] if found else [])
+                         + f" (planned for this job: {plan.nodes} × {plan.gpus_per_node} GPU(s) of "
+                           f"{platform.memory_gib:.1f} GiB)")
+    return plan.engine_fraction
 
 
 def check_replay(replay: str, shape: ModelShape, model_id: str) -> None:
@@ -252,6 +282,7 @@ class RunInputs:
     heldout: list  # [Problem], at most eval.max_problems
     grading: Any  # rewards.pool.GradingPool
     resume_from: Path | None  # the checkpoint to continue from (--resume)
+    engine_fraction: float | None = None  # on a GPU: the engine's share of it, from the run's plan (check_gpu_plan)
 
 
 def load_tokenizer(folder: Path):
@@ -328,12 +359,13 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     check_sinks_ready(rec.metrics)  # a sink that would fail after the engines started
 
     model_dir = resolve_model_dir(rec.model.id, rec.model.path, ws.root,
-                                  before_weights=lambda d: check_fits(read_shape(d), rec.model.id))
+                                  before_weights=lambda d: check_fits(rec, read_shape(d), platform))
     shape = check_model_folder(model_dir)
     validate(rec, platform, shape)  # lengths and counts against the model's context and the engine's cache
-    check_fits(shape, rec.model.id)
+    check_fits(rec, shape, platform, model_dir)
     check_replay(rec.train.replay, shape, rec.model.id)
     check_layout(rec, shape, world_size)
+    engine_fraction = check_gpu_plan(rec, shape, platform)
     resume_from = None
     if resume in ("latest", "auto"):
         resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, auto=resume == "auto")
@@ -357,7 +389,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                          f"({rec.train.prompts_per_step})")
     grading = GradingPool(rec.reward.grader, rec.reward.params, workers=rec.reward.workers,
                           timeout_s=rec.reward.timeout_s)
-    return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from)
+    return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from,
+                     engine_fraction)
 
 
 ENDED = ("finished", "collapsed")  # a run in one of these states is not resumed by `--resume auto`

@@ -8,6 +8,7 @@ tensors <-> TorchTitan's grouped `w1_EFD / w2_EDF / w3_EFD`).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -126,6 +127,7 @@ def save_peft_folder(out: Path, shape: ModelShape, adapters: dict[str, torch.Ten
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_model.safetensors").chmod(0o666 & ~atomic.umask())  # as save_hf_folder's: the folder's others
     modules = sorted({k.removesuffix(".lora_A.weight").rsplit(".", 1)[1] for k in state if k.endswith(".lora_A.weight")})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
               "lora_alpha": alpha, "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
@@ -133,3 +135,39 @@ def save_peft_folder(out: Path, shape: ModelShape, adapters: dict[str, torch.Ten
               "init_lora_weights": True, "inference_mode": True}
     atomic.write_text(out / "adapter_config.json", json.dumps(config, indent=2))
     return out
+
+
+def merge_peft_folder(adapter: Path, base: Path, out: Path) -> Path:
+    """A PEFT LoRA adapter folder (`save_peft_folder`'s, or any with the same layout) merged onto
+    its base HF folder: each adapted weight W + (lora_alpha / r) · B · A, computed in float32 and
+    stored in the base's dtype, beside the base's config and tokenizer. Written aside and renamed:
+    what `minirl eval` serves for an adapter (vLLM's own LoRA serving is not used)."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    adapter, base, final = Path(adapter), Path(base), Path(out)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("peft_type", "LORA") != "LORA":
+        raise UsageError(f"{adapter}: only plain LoRA adapters are merged here (use_rslora and use_dora false)")
+    scale = float(cfg["lora_alpha"]) / int(cfg["r"])
+    weights = load_hf_weights(base)
+    delta = load_file(str(adapter / "adapter_model.safetensors"))
+    for key, a in delta.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+        if name not in weights:
+            raise UsageError(f"{adapter} adapts {name}, which the base model {base} does not have")
+        b = delta[key.replace(".lora_A.", ".lora_B.")]
+        w = weights[name]
+        weights[name] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    tmp = final.with_name(final.name + ".tmp")
+    atomic.remove_dir(tmp)
+    tmp.mkdir(parents=True)
+    save_torch_state_dict({k: v.contiguous() for k, v in weights.items()}, tmp)
+    for f in base.iterdir():  # config, generation config, tokenizer: the base's
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, tmp / f.name)
+    atomic.remove_dir(final)
+    os.replace(tmp, final)
+    return final

@@ -21,9 +21,17 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      [chunk, vocab] tensors; else T × vocab in bf16 and their gradient, plus one fp32
                      chunk of 4,096 positions and its softmax (minirl.train.trainer.target_logprobs)
     vLLM weights     colocated, one engine per tensor-parallel group: P × 2 B (bf16) or 1 B (fp8) / TP
-    KV cache         what the rollout phase leaves free (vLLM schedules what fits): at 2 (K, V) ×
-                     layers × KV heads × head dim × 2 B per token, how many full-length sequences
-                     an engine holds at once
+    vLLM working     its activations, workspaces, CUDA graphs and sampler (engine_sizing.working_bytes:
+                     an estimate until a GPU measures it)
+    KV cache         at 2 (K, V) × layers × KV heads × head dim × 2 B per token: with
+                     rollout.memory_fraction = 0 sized for the job (every sequence of a step at full
+                     length) within what the trainer leaves; else what the recipe's fraction leaves
+                     after weights and working memory (vLLM's own sizing), or rollout.kv_cache_gib.
+                     It sets how many full-length sequences an engine holds at once
+    the engine's     weights + working memory + KV cache, as a fraction of the GPU: vLLM's
+    start            gpu_memory_utilization, which it takes at its start beside the trainer's state
+                     between updates and refuses to start without; the plan derives it (fraction 0)
+                     or refuses the recipe's where it is more than is free then
 
 Rollouts and training alternate: vLLM sleeps (frees its KV cache) while the trainer runs, and the
 trainer's activations are gone while vLLM samples, so the peak is the largest of the phases:
@@ -34,7 +42,7 @@ trainer's activations are gone while vLLM samples, so the peak is the largest of
     weight sync      what the trainer keeps between updates (weights, and the moments unless offloaded;
                      the gradients are freed after each step and the allocator's blocks handed back
                      before the engine wakes) + vLLM's weights + one bucket + one gathered parameter
-    rollout          what the trainer keeps between updates + vLLM's weights + its KV cache
+    rollout          what the trainer keeps between updates + the engine (weights, working memory, KV cache)
 
 A plan that does not fit names every phase that overflows, and `advise` finds the cheapest change
 that makes all of them fit: micro-batch, offload, rollout TP, FP8, LoRA, more GPUs, in that order.
@@ -47,6 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from minirl import engine_sizing as sizing
 from minirl.errors import UsageError
 from minirl.models import ModelShape, lora_param_count, param_count
 from minirl.recipe import with_sets
@@ -60,6 +69,46 @@ HEAD_CHUNK_ABOVE = 2**30  # bytes of a forward's bf16 logits above which the hea
 # pinned host <-> GPU copies, each GPU on its own PCIe Gen5 x16 link (64 GB/s a direction on paper):
 # an assumption for the transfer-time estimate, not a measurement
 HOST_LINK_BYTES_S = 25e9
+
+
+def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float | None = None) -> dict[str, float]:
+    """What one node's host memory holds for the job on `device` ("cuda", or "cpu": the trainer and
+    the engine in host memory), by part, and its peak, in bytes; the layout is the recipe's
+    [parallel] section. Two moments: the start, when the trainer reads its checkpoint (rank 0 alone
+    reads it whole when sharded over several ranks: train.Trainer.load_hf; TorchTitan's layout
+    stacks an MoE's experts while the file's are still held, so they count twice), and between
+    updates (offloaded moments, engines asleep at level 1; on a CPU the trainer's state and the
+    engines). `checkpoint_bytes`: the safetensors' size, else the bf16 files Qwen3 releases are."""
+    p, t, r = rec.parallel, rec.train, rec.rollout
+    world, ranks = p.nodes * p.gpus_per_node, p.gpus_per_node
+    P = param_count(shape)
+    file_bytes = 2 * P if checkpoint_bytes is None else checkpoint_bytes
+    experts = shape.n_layers * shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim if shape.is_moe else 0
+    read = file_bytes * (1 + experts / P)
+    if t.lora.rank:
+        adapters = lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape))
+        base = (2 if t.param_dtype == "bfloat16" or (device == "cuda" and t.param_dtype == "auto") else 4) * P
+        weights, rest = base / world + 4 * adapters / world, 12 * adapters / world
+    else:
+        weights, rest = 4 * P / world, 12 * P / world
+    parts = {}
+    if device == "cpu":  # every rank's trainer, and its engine (TP 1 on a CPU), in host memory
+        engines = world // r.tensor_parallel
+        seqs = sizing.max_num_seqs(rec, engines)
+        wbytes = 4 if r.precision == "fp32" else 2  # the CPU engine serves FP8 as rounded bf16
+        parts["trainer (weights, gradients, Adam)"] = ranks * (weights + rest)
+        parts["vLLM engines (weights, KV cache)"] = ranks * (wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(
+            shape, seqs, sizing.max_model_len(rec), wbytes))
+    else:
+        moments = (8 * lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape)) if t.lora.rank
+                   else 8 * P) / world
+        parts["Adam moments offloaded"] = ranks * moments if t.offload == "optimizer" else 0.0
+        parts["vLLM weights asleep"] = ranks * P * {"fp32": 4, "bf16": 2}.get(r.precision, 1) / r.tensor_parallel \
+            if r.sleep_level == 1 else 0.0
+    start = read + (ranks * weights if device == "cpu" else 0.0)
+    parts = {k: v for k, v in parts.items() if v}
+    between = sum(parts.values())
+    return {"checkpoint read at start (rank 0)": read, **parts, "peak": max(start, between)}
 
 
 def head_chunk(positions: int, vocab: int) -> int:
@@ -95,8 +144,12 @@ class Plan:
     memory_gib: dict[str, float]  # per GPU, by component
     phases_gib: dict[str, float]  # per GPU, peak of each phase
     in_flight: int  # full-length sequences one vLLM engine holds at once
+    engine_fraction: float  # vLLM's gpu_memory_utilization: its share of each GPU, taken at its start
+    engine_start_free_gib: float  # what the plan leaves free on each GPU when the engine starts
+    kv_sizing: str  # what decided the KV cache: sized for the job, what the trainer leaves, or the recipe's setting
     sequences_per_engine: int
-    host_gib_per_node: float  # what the plan puts in each node's host memory (offloaded or asleep)
+    host_gib_per_node: float  # the most of one node's host memory the job holds at once (host_memory's peak)
+    host_gib: dict[str, float]  # that, by part (`host_memory`)
     offload_s_per_step: float  # the offloaded moments' trips over the host link (an estimate: HOST_LINK_BYTES_S)
     problems: list[str] = field(default_factory=list)
 
@@ -134,6 +187,7 @@ _REMEDY = {
     "activations (full AC)": "lower train.micro_batch_tokens",
     "logits": "lower train.micro_batch_tokens",
     "weight sync bucket": "lower rollout.sync_bucket_mib",
+    "vLLM working memory (estimate)": "fewer sequences a step (train.prompts_per_step × train.group_size: the sampler's rows)",
     "largest parameter gathered in fp32": "a GPU with more memory (it is gathered whole)",
     "base weights (bf16, frozen, sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
     "base weights (fp32, frozen, sharded)": 'train.param_dtype = "bfloat16" (the frozen base in bf16), or more GPUs',
@@ -156,6 +210,23 @@ def _largest(parts: dict[str, float], r, *, offloaded: dict | None = None) -> st
     else:
         remedy = _REMEDY.get(name, "more GPUs")
     return f"the largest part is {name} ({size / GiB:.1f} GiB): {remedy}"
+
+
+def _start_refusal(r, *, asked: float, free: float, room: float, resident: float, gpu_gib: float, awake: bool,
+                   fixed: float) -> str:
+    """The engine's budget is more than the GPU has free when it starts (vLLM would refuse), or, awake,
+    more than the trainer's larger phase leaves it: which setting asks it, and the most that fits."""
+    limit = min(free, room)
+    key = "rollout.kv_cache_gib" if r.kv_cache_gib > 0 else "rollout.memory_fraction"
+    value = r.kv_cache_gib if r.kv_cache_gib > 0 else r.memory_fraction
+    most = (f"at most {max(0.0, limit - fixed) / GiB:.1f}" if key == "rollout.kv_cache_gib"
+            else f"at most {int(limit / (gpu_gib * GiB) * 1000) / 1000:g}")
+    beside = ("the trainer's larger phase (training or the weight sync) leaves it" if awake and room < free
+              else f"are free when it starts (the trainer's state between updates holds {resident / GiB:.1f} GiB, "
+                   f"within {HEADROOM:.0%} of {gpu_gib:g} GiB)")
+    return (f"vLLM's start: {key} = {value:g} gives the engine {asked / GiB:.1f} GiB of each GPU, and "
+            f"{max(0.0, limit) / GiB:.1f} GiB {beside}: set {key} {most}, or 0 (the plan's: what the trainer leaves, "
+            "sized for the job)")
 
 
 def fit_mesh(rec, shape: ModelShape) -> dict[str, int]:
@@ -263,44 +334,78 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     bucket = max(min(r.sync_bucket_mib * 2**20, P * weight_bytes), layer_bytes)
     in_sync = resident + bucket + 4 * largest
     # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
-    # while the trainer works; at 0 both stay, and the KV cache gets what the trainer's larger phase
-    # (training, or the sync) leaves. vLLM schedules what fits: its KV cache is what is left free,
-    # and sets how many sequences of full length an engine samples at once
+    # while the trainer works; at 0 both stay, and the engine gets what the trainer's larger phase
+    # (training, or the sync) leaves. The engine (engine_sizing.py) is its weights, its working memory
+    # and a KV cache: sized for the job (every sequence of a step at full length, no more) within what
+    # the trainer leaves, or what the recipe's memory_fraction / kv_cache_gib make of it. vLLM takes
+    # that budget at its start, beside the trainer's state between updates, and refuses to start
+    # when less is free (its `request_memory`)
     awake = r.sleep_level == 0
     trainer_peak = max(training_state, in_sync) if awake else resident
-    mem["vLLM KV cache (what is left)"] = kv = max(0.0, budget - vllm_w - trainer_peak)
-    training = training_state + (vllm_w + kv if awake else 0.0)
+    gpu_bytes = gpu_gib * GiB
+    working = sizing.working_bytes(shape, sizing.max_num_seqs(rec, engines))
+    seqs_engine = math.ceil(sequences / engines)
+    job_kv = sizing.kv_cache_bytes(shape, seqs_engine, seq, 2, block=sizing.CUDA_KV_BLOCK, tensor_parallel=tp_vllm)
+    room = budget - trainer_peak - vllm_w - working  # what the trainer leaves the KV cache
+    if r.kv_cache_gib > 0:
+        kv, kv_sizing = r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
+    elif r.memory_fraction > 0:  # vLLM's own sizing: the rest of its share once weights and working memory are in
+        kv, kv_sizing = max(0.0, r.memory_fraction * gpu_bytes - vllm_w - working), "rollout.memory_fraction"
+    else:
+        kv = max(0.0, min(room, job_kv))
+        kv_sizing = "sized for the job" if job_kv <= room else "what the trainer leaves"
+    mem["vLLM working memory (estimate)"] = working
+    mem["vLLM KV cache"] = kv
+    engine_bytes = vllm_w + working + kv
+    start_free = budget - resident  # free when the engine starts: the trainer's weights (and moments) are in
+    if r.memory_fraction > 0:
+        engine_fraction = r.memory_fraction
+    else:  # what the engine needs, rounded up to vLLM's thousandths, never past what is free then
+        engine_fraction = sizing.fraction(engine_bytes, gpu_bytes, limit=max(0.0, min(start_free, budget - trainer_peak)))
+    asked = engine_fraction * gpu_bytes
+    training = training_state + (engine_bytes if awake else 0.0)
     if r.sleep_level == 1:
         mem["host memory: vLLM weights asleep"] = vllm_w
     mem["weight sync bucket"] = bucket
     in_flight = int(kv * tp_vllm // (seq * kv_per_token))
     # an engine that never sleeps keeps its KV cache through the sync too
-    sync = in_sync + vllm_w + (kv if awake else 0.0)
-    phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + vllm_w + kv}
+    sync = in_sync + vllm_w + working + (kv if awake else 0.0)
+    phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + engine_bytes}
     # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
     # setting that shrinks it (`_REMEDY`)
     engine = next(k for k in mem if k.startswith("vLLM weights"))
+    vllm_parts = {engine: vllm_w, "vLLM working memory (estimate)": working}
     parts = {
         f"training ({ac})": {**trainer_state, "gathered bf16 layers": mem["gathered bf16 layers"],
                              f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits,
-                             **({engine: vllm_w} if awake else {})},
-        "weight sync": {**kept, engine: vllm_w, "weight sync bucket": bucket,
+                             **({**vllm_parts, "vLLM KV cache": kv} if awake else {})},
+        "weight sync": {**kept, **vllm_parts, "weight sync bucket": bucket,
                         "largest parameter gathered in fp32": 4 * largest, **({"vLLM KV cache": kv} if awake else {})},
-        "rollout": {**kept, engine: vllm_w},
+        "rollout": {**kept, **vllm_parts},
     }
     # every phase that overflows, at once (a fix for one must not reveal the next only on the next try)
     overflows = [f"{phase.split(' (')[0]} needs {phases[phase] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
                  f"{gpu_gib:g} GiB; {_largest(parts[phase], r, offloaded=moments if offloaded else None)}"
                  for phase in (f"training ({ac})", "weight sync") if phases[phase] > budget]
-    if in_flight < 1:
-        overflows.append(f"rollouts: after the trainer's state between updates and vLLM's weights "
-                         f"({(resident + vllm_w) / GiB:.1f} GiB) no KV cache is left for one {seq}-token sequence; "
-                         f"{_largest(parts['rollout'], r)}")
+    limit = min(start_free, budget - trainer_peak)  # the most the engine may take
+    if asked > limit >= vllm_w + working and (r.memory_fraction > 0 or r.kv_cache_gib > 0):
+        overflows.append(_start_refusal(r, asked=asked, free=start_free, room=budget - trainer_peak, resident=resident,
+                                        gpu_gib=gpu_gib, awake=awake, fixed=vllm_w + working))
+    elif in_flight < 1 and r.memory_fraction > 0 and r.kv_cache_gib <= 0 and limit - vllm_w - working >= seq * kv_per_token / tp_vllm:
+        overflows.append(f"rollouts: rollout.memory_fraction = {r.memory_fraction:g} gives the engine {asked / GiB:.1f} GiB, "
+                         f"and its weights and working memory take {(vllm_w + working) / GiB:.1f} GiB of it, leaving no KV "
+                         f"cache for one {seq}-token sequence: raise it (at most {int(limit / gpu_bytes * 1000) / 1000:g}), "
+                         "or 0 (the plan's: what the trainer leaves, sized for the job)")
+    elif in_flight < 1 or asked > limit:
+        overflows.append(f"rollouts: after the trainer's state between updates, vLLM's weights and its working memory "
+                         f"({(resident + vllm_w + working) / GiB:.1f} GiB) no KV cache is left for one {seq}-token "
+                         f"sequence; {_largest(parts['rollout'], r)}")
     problems = overflows + problems
     # Adam's moments cross the host link twice an update (to the GPU for the step, back after it)
     n_updates = t.minibatches
     offload_s = 2 * n_updates * sum(moments.values()) / HOST_LINK_BYTES_S if offloaded else 0.0
-    host_per_node = p.gpus_per_node * sum(v for k, v in mem.items() if k.startswith("host memory"))
+    host = host_memory(rec, shape, device="cuda")
+    host_per_node = host["peak"]
 
     # FLOPs: 2·active per token forward, 4·active backward; causal attention 2·2·L·(seq/2)·heads·head_dim
     # per token forward (scores and values over the mean context)
@@ -316,16 +421,32 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         params=P, active=A, adapters=adapters, tokens_per_step=tokens, micro_batch_tokens=micro,
         train_flops_per_step=float(train_flops), rollout_flops_per_step=float(rollout_flops),
         memory_gib={k: v / GiB for k, v in mem.items()}, phases_gib={k: v / GiB for k, v in phases.items()},
-        in_flight=in_flight, sequences_per_engine=math.ceil(sequences / engines),
-        host_gib_per_node=host_per_node / GiB, offload_s_per_step=offload_s, problems=problems,
+        in_flight=in_flight, engine_fraction=engine_fraction, engine_start_free_gib=start_free / GiB, kv_sizing=kv_sizing,
+        sequences_per_engine=seqs_engine,
+        host_gib_per_node=host_per_node / GiB, host_gib={k: v / GiB for k, v in host.items()},
+        offload_s_per_step=offload_s, problems=problems,
     )
+
+
+def plan_for(rec, shape: ModelShape, *, model: str, gpu_gib: float, fit: bool) -> Plan:
+    """The plan of `rec` on the machine in its [parallel] section; with `fit` (the machine was named:
+    --nodes / --gpus-per-node) the recipe's expert and rollout tensor parallelism first lowered to
+    what that machine has room for (`fit_mesh`), as the dry run and its launch line do."""
+    fitted = fit_mesh(rec, shape) if fit else {}
+    return make_plan(with_sets(rec, fitted) if fitted else rec, shape, model=model, gpu_gib=gpu_gib)
+
+
+# LoRA's learning rate against full RL's where advice turns LoRA on: the factor of the shipped
+# Qwen3-30B-A3B LoRA recipe ("LoRA Without Regret"); docs/lora.md: the tiny model learned best at 1.7 ×
+LORA_LR_FACTOR = 10
 
 
 def _ladder(rec, plan: Plan) -> list[list[dict]]:
     """The changes `advise` tries, cheapest kind first, each kind's options mildest first: what a
-    change costs in time or quality grows down the list (a smaller micro-batch costs a little
-    throughput; offload, transfers; rollout TP, engines; FP8, a wider training-inference gap; LoRA,
-    what the adapters cannot learn; more GPUs, money)."""
+    change costs in time or quality grows down the list (an engine budget the plan derives costs
+    nothing; a smaller micro-batch costs a little throughput; offload, transfers; rollout TP,
+    engines; FP8, a wider training-inference gap; LoRA, what the adapters cannot learn; more GPUs,
+    money)."""
     t, r, p = rec.train, rec.rollout, rec.parallel
     micro = []
     ac = {} if t.activation_checkpoint == "full" else {"train.activation_checkpoint": "full"}
@@ -339,28 +460,33 @@ def _ladder(rec, plan: Plan) -> list[list[dict]]:
     tps = [tp for tp in (2, 4, 8) if tp > r.tensor_parallel and tp <= p.gpus_per_node and world % tp == 0]
     gpus = [(n, g) for n in (1, 2, 4, 8, 16, 32, 64) for g in (1, 2, 4, 8)
             if n * g > world and (n == 1 or g == 8) and n >= p.nodes]
-    return [micro,
+    return [[{"rollout.memory_fraction": 0.0, "rollout.kv_cache_gib": 0.0}] if r.memory_fraction or r.kv_cache_gib else [],
+            micro,
             [{"train.offload": "optimizer"}] if t.offload == "none" else [],
             [{"rollout.tensor_parallel": tp} for tp in tps],
             [{"rollout.precision": "fp8"}] if r.precision not in ("fp8", "fp8-weights", "e5m2", "nvfp4") else [],
-            [{"train.lora.rank": 16}] if not t.lora.rank else [],
+            [{"train.lora.rank": 16, "train.lr": float(f"{t.lr * LORA_LR_FACTOR:.3g}")}] if not t.lora.rank else [],
             [{"parallel.nodes": n, "parallel.gpus_per_node": g} for n, g in sorted(gpus, key=lambda x: x[0] * x[1])]]
 
 
-def advise(rec, shape: ModelShape, *, model: str, gpu_gib: float, lora: bool = True) -> tuple[dict, Plan] | None:
+def advise(rec, shape: ModelShape, *, model: str, gpu_gib: float, lora: bool = True,
+           fit: bool = False) -> tuple[dict, Plan] | None:
     """The cheapest change that makes the whole plan fit (every phase, and at least one full-length
-    sequence in flight), as `--set` keys and values, and the plan it gives; None if nothing on the
-    ladder does. Kinds of change are taken in `_ladder`'s order, each added to the strongest option
-    of the kinds before it; then every earlier kind is eased back as far as the plan still fits.
-    lora=False leaves LoRA off the ladder (what training every weight would take)."""
+    sequence in flight), as `--set` keys and values, and the plan it gives: exactly the plan of the
+    same dry run with those flags added (`rec` is the recipe before `fit_mesh`; a change of machine
+    fits the mesh to the new machine, as that dry run would). Kinds of change are taken in
+    `_ladder`'s order, each added to the strongest option of the kinds before it; then every
+    earlier kind is eased back as far as the plan still fits. lora=False leaves LoRA off the ladder
+    (what training every weight would take)."""
     def fits(sets: dict) -> Plan | None:
         try:
-            plan = make_plan(with_sets(rec, sets), shape, model=model, gpu_gib=gpu_gib)
+            plan = plan_for(with_sets(rec, sets), shape, model=model, gpu_gib=gpu_gib,
+                            fit=fit or "parallel.gpus_per_node" in sets or "parallel.nodes" in sets)
         except UsageError:  # a combination the validator refuses is no advice
             return None
         return plan if plan.fits else None
 
-    plan = make_plan(rec, shape, model=model, gpu_gib=gpu_gib)
+    plan = plan_for(rec, shape, model=model, gpu_gib=gpu_gib, fit=fit)
     if plan.fits:
         return {}, plan
     ladder = _ladder(rec, plan)
@@ -386,6 +512,15 @@ def describe(sets: dict, plan: Plan) -> str:
     Z GiB per GPU; N full-length sequences in flight per engine'."""
     flags = [f"--nodes {sets['parallel.nodes']}"] if "parallel.nodes" in sets else []
     flags += [f"--gpus-per-node {sets['parallel.gpus_per_node']}"] if "parallel.gpus_per_node" in sets else []
-    flags += [f"--set {k}={v}" for k, v in sets.items() if k not in ("parallel.nodes", "parallel.gpus_per_node")]
+    flags += [f"--set {k}={v:g}" if isinstance(v, float) else f"--set {k}={v}"
+              for k, v in sets.items() if k not in ("parallel.nodes", "parallel.gpus_per_node")]
     peaks = ", ".join(f"{k.split(' (')[0]} {v:.1f}" for k, v in plan.phases_gib.items())
     return f"{' '.join(flags)}: {peaks} GiB per GPU; {plan.in_flight} full-length sequences in flight per engine"
+
+
+def refusal(plan: Plan, advice: list[str], hint: str = "") -> str:
+    """The one line a plan that does not fit is refused with (the dry run's and the run's): every
+    problem's first clause, then the cheapest change that fits."""
+    over = "; ".join(p.split(";")[0] for p in plan.problems)
+    fix = f"; the cheapest change that fits: {advice[0]}" if advice else "; no change on the ladder fits"
+    return f"the plan does not fit: {over}{fix}{hint}"

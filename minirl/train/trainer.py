@@ -216,18 +216,29 @@ class Trainer:
 
     # ----- weights in / out --------------------------------------------------------------------
     def load_hf(self, folder: Path) -> None:
-        self.load_weights(hf_to_titan(self.shape, load_hf_weights(folder)))
+        """An HF folder's weights in. Sharded over several ranks, rank 0 alone reads the folder and
+        the others receive each tensor from it in turn: a node's host memory holds one copy of the
+        checkpoint, not one a rank (the plan's host row counts it)."""
+        rank0 = self.sharded and self.world > 1
+        self.load_weights(hf_to_titan(self.shape, load_hf_weights(folder)) if self.rank == 0 else {}, from_rank0=rank0)
         if self.lora:  # what this trainer's checkpoints name as their base
             self.base = {"path": str(folder), "fingerprint": fingerprint(folder)}
 
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Whole TorchTitan-named tensors in (any device); sharded, each rank keeps its shard."""
+    def load_weights(self, sd: dict[str, torch.Tensor], *, from_rank0: bool = False) -> None:
+        """Whole TorchTitan-named tensors in (any device); sharded, each rank keeps its shard.
+        `from_rank0`: only rank 0 holds `sd`, and sends every other rank its tensors one by one."""
         if self.sharded:
+            import torch.distributed as dist
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             own = self.model.state_dict()
             missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
-            set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+            if from_rank0:  # rank 0's names decide for all (the others hold none)
+                box = [(missing, unexpected)]
+                dist.broadcast_object_list(box, src=0)
+                missing, unexpected = box[0]
+            set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False,
+                                                                          broadcast_from_rank0=from_rank0))
         else:
             missing, unexpected = self.model.load_state_dict(sd, strict=False)
         missing = [k for k in missing if "expert_bias" not in k and "tokens_per_expert" not in k
