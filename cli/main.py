@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import DEFAULT_WORKSPACE, workspace_argument
+from cli.options import DEFAULT_WORKSPACE, POSITIVE_FINITE, workspace_argument
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
@@ -26,7 +26,7 @@ from minirl.models import TINY_ID
 from minirl.recipe import with_sets
 from minirl.train.plan import advise, describe, fit_mesh, launch_commands, plan_for, refusal
 from minirl.run.plots import plot_metrics
-from minirl.setup.preflight import run_recipe
+from minirl.setup.preflight import check_planned, run_recipe
 from minirl.task import TASKS
 from minirl.setup.workspace import RECIPE_NAME, Workspace, init_workspace, planned_recipe
 
@@ -186,7 +186,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
                    "qwen3-30b-a3b-offpolicy) instead of the model's own.")
 @click.option("--nodes", type=int, default=None, help="Nodes for the plan (sets parallel.nodes).")
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node for the plan (sets parallel.gpus_per_node).")
-@click.option("--gpu-mem-gib", type=float, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
+@click.option("--gpu-mem-gib", type=POSITIVE_FINITE, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
 def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
         rollout_precision: str | None, overrides: tuple[str, ...], resume: str | None, dry_run: bool,
         recipe_name: str | None, nodes: int | None, gpus_per_node: int | None,
@@ -213,15 +213,17 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if gpus_per_node is not None and nodes is None:  # one machine named: one node of it
             extra.append("parallel.nodes=1")
         machine = nodes is not None or gpus_per_node is not None
+        given = frozenset(x.split("=", 1)[0].strip() for x in overrides)  # what the user set: never lowered
         base, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name, extra)
-        fitted = fit_mesh(base, shape) if machine else {}
+        fitted = fit_mesh(base, shape, given) if machine else {}
         rec = with_sets(base, fitted) if fitted else base
+        check_planned(rec, shape)  # what `run` refuses before any engine starts, with its line
         if fitted:  # the machine asked about has fewer GPUs than the recipe's mesh: the plan, and its launch line, say so
             overrides = (*overrides, *(f"{k}={v}" for k, v in fitted.items()))
             console.print(f"for {rec.parallel.nodes} × {rec.parallel.gpus_per_node} GPU(s): "
                           + ", ".join(f"{k} = {v}" for k, v in fitted.items())
                           + " (the recipe's mesh needs more GPUs; the launch line below sets them)", soft_wrap=True)
-        plan = plan_for(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, fit=machine)
+        plan = plan_for(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, fit=machine, keep=given)
         if resolution(rec.model.id):
             console.print(resolution(rec.model.id), soft_wrap=True)
         has_ws = (workspace / RECIPE_NAME).exists()
@@ -234,7 +236,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         advice = []  # the cheapest change that fits; and, where that is LoRA, what training every weight takes
         if not plan.fits:
             for lora in (True, False):
-                found = advise(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, lora=lora, fit=machine)
+                found = advise(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, lora=lora, fit=machine, keep=given)
                 if found and describe(*found) not in advice:
                     advice.append(describe(*found))
         print_plan(console, plan, recipe=recipe_label, resolved=rec.to_toml(),

@@ -27,3 +27,46 @@ def workspace_argument(f):
     with_workspace = click.option("-w", "--workspace", "workspace_opt", type=_WS_TYPE, default=None,
                                   help="The workspace, as the WORKSPACE argument [default: ./minirl-ws].")(with_workspace)
     return click.argument("workspace", type=_WS_TYPE, required=False, default=None)(with_workspace)
+
+
+class _PositiveFinite(click.ParamType):
+    """A number above 0 that is finite: click's FloatRange lets NaN through (every comparison with
+    it is false) and infinity through without a maximum."""
+
+    name = "number"
+
+    def convert(self, value, param, ctx):
+        import math
+
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not (math.isfinite(x) and x > 0):
+            self.fail(f"{value!r}: it must be a finite number above 0", param, ctx)
+        return x
+
+
+class _ShardSize(click.ParamType):
+    """A safetensors shard size as huggingface_hub reads it ("5GB", "500MB": TB, GB, MB or KB), checked
+    where it is received: a typo or a size of 0 or less would reach the export half written."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        # what save_torch_state_dict itself parses the size with (not exported; the lock pins the version)
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        if isinstance(value, int):
+            return value
+        try:
+            size = parse_size_to_int(str(value))
+        except ValueError:
+            self.fail(f"{value!r}: give a size with its unit, e.g. 5GB or 500MB (TB, GB, MB, KB)", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r}: a shard must hold at least one byte", param, ctx)
+        return size
+
+
+POSITIVE_FINITE = _PositiveFinite()
+SHARD_SIZE = _ShardSize()

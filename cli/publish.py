@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import SHARD_SIZE
 from cli.render import console
 from minirl.publish import export as ex
 from minirl import hub
@@ -20,10 +21,11 @@ from minirl.errors import UsageError
 @click.option("--best", is_flag=True, help="The good checkpoint (never one a rollback undid) with the best held-out "
                                            "score; checkpoints without a score are evaluated first.")
 @click.option("--step", type=int, default=None, help="The checkpoint of this step.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Safetensors shard size (an index above it).")
+@click.option("--max-shard-size", type=SHARD_SIZE, default="5GB", show_default=True,
+              help="Safetensors shard size (an index above it): TB, GB, MB or KB.")
 @click.option("--adapter", is_flag=True, help="A LoRA run: its adapter alone, as a PEFT folder (adapter_config.json, "
                                               "adapter_model.safetensors) for the run's base model, not the merged model.")
-def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int | None, max_shard_size: str,
+def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int | None, max_shard_size: int,
                adapter: bool) -> None:
     """Export a run's checkpoint as a Hugging Face model folder OUT with a model card.
 

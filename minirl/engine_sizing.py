@@ -12,6 +12,8 @@ engine starts, beside whatever the trainer holds by then: the plan derives it (`
 
 from __future__ import annotations
 
+import os
+
 from minirl.models import ModelShape
 
 CPU_KV_BLOCK = 128  # tokens in a block of vLLM's CPU KV cache (its default, vllm/platforms/cpu.py)
@@ -23,6 +25,12 @@ MIN_SEQS = 256  # an engine schedules at least this many sequences at once (vLLM
 # GPU check records what vLLM reports): 2 GiB, and three such tensors.
 WORKING_FIXED = 2 * 2**30
 SAMPLER_COPIES = 3
+
+
+def max_samples_per_prompt() -> int:
+    """The most samples of one prompt vLLM takes in a request (SamplingParams' n: VLLM_MAX_N_SEQUENCES,
+    16,384 unless set): the bound of train.group_size and eval.k."""
+    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
 
 
 def max_model_len(rec) -> int:

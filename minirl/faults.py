@@ -6,6 +6,10 @@ would), on a job's first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT), s
 
 MINIRL_INJECT_NAN="loss@3,grad@5" makes step 3's loss and step 5's gradients NaN, to show that the
 guard keeps them out of the weights: `at_step` returns what to poison ("loss", "grad" or None).
+
+MINIRL_INJECT_INVERT="100" trains on the rewards inverted (1 − r) from step 100 on, while the
+reward logged and judged stays the grader's: the policy unlearns the task and the reward slides
+with the entropy calm, the slide the guard must catch (#64). `at_step` returns "invert".
 """
 
 from __future__ import annotations
@@ -22,4 +26,7 @@ def at_step(step: int, rank: int) -> str | None:
         what, _, at = item.strip().partition("@")
         if what in ("loss", "grad") and at.isdigit() and int(at) == step:
             return what
+    invert = os.environ.get("MINIRL_INJECT_INVERT", "")
+    if invert.isdigit() and step >= int(invert):
+        return "invert"
     return None

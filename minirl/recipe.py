@@ -184,6 +184,12 @@ class GuardConfig:
     max_entropy_factor: float = 1.25  # ... or above this multiple of it ...
     reward_drop: float = 0.2  # ... with reward this far below its best ...
     reward_drop_frac: float = 0.5  # ... or below (1 − this) × its best, is a bad step
+    # a slide the entropy need not show: the mean reward of the last `slide_window` steps below the
+    # best such window so far by more than `slide_z` standard errors of the difference (its sampling
+    # noise) and by more than `slide_drop_frac` of it (the policy's own wobble) (guard.py, docs/runs.md)
+    slide_window: int = 30
+    slide_z: float = 4.0
+    slide_drop_frac: float = 0.25
     patience: int = 3  # consecutive bad steps before a rollback
     max_rollbacks: int = 3  # then the run stops as "collapsed"
     lr_factor: float = 0.5  # learning rate multiplier applied at each rollback

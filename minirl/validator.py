@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from minirl.engine_sizing import cpu_kv_cache_bytes
+from minirl.engine_sizing import cpu_kv_cache_bytes, max_samples_per_prompt
 from minirl.errors import UsageError
 from minirl.hub import repo_id
 from minirl.models import ModelShape
@@ -42,7 +42,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "loss.tis_cap": (0, math.inf, False),
     "train.steps": (0, math.inf, True),
     "train.prompts_per_step": (1, math.inf, True),
-    "train.group_size": (1, math.inf, True),
+    "train.group_size": (1, max_samples_per_prompt(), True),  # vLLM's n per request
     "train.minibatches": (1, math.inf, True),
     "train.micro_batch_tokens": (0, math.inf, True),
     "train.lr": (0, math.inf, False),
@@ -53,7 +53,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "train.time_limit_s": (0, math.inf, True),
     "reward.workers": (0, 256, True),
     "reward.timeout_s": (0, math.inf, False),
-    "eval.k": (1, math.inf, True),
+    "eval.k": (1, max_samples_per_prompt(), True),
     "eval.every": (0, math.inf, True),
     "eval.temperature": (0, math.inf, True),
     "eval.max_problems": (1, math.inf, True),
@@ -66,6 +66,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "guard.reward_drop": (0, math.inf, True),
     "guard.reward_drop_frac": (0, 1, True),
     "guard.patience": (1, math.inf, True),
+    "guard.slide_window": (0, math.inf, True),  # 0: no slide rule
+    "guard.slide_z": (0, math.inf, False),
+    "guard.slide_drop_frac": (0, 1, True),
     "guard.max_rollbacks": (0, math.inf, True),
     "guard.lr_factor": (0, 1, False),
     "cold_start.max_steps": (1, math.inf, True),
@@ -183,12 +186,11 @@ def validate(r: Recipe, platform: Platform | None = None, model: ModelShape | No
                          f"({r.cold_start.train_size}): the dev split is carved from the train split")
     if r.train.lora.rank:
         _check_lora_targets(r.train.lora.targets)
+        _check_lora_settings(r)
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")
     if platform is not None:
         _check_platform(r.rollout, platform)
-        if r.train.lora.rank:
-            _check_lora_platform(r, platform)
     if model is not None:
         _check_engine_sizes(r, model, platform)
         if r.train.lora.rank:
@@ -206,8 +208,12 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
         raise UsageError(f"rollout.max_tokens = {new}: with data.max_prompt_tokens = {prompt} a sequence would need "
                          f"{prompt + new + 1} positions, and the model's context is {ctx} tokens (max_position_embeddings "
                          f"in its config.json); at most {ctx - prompt - 1}")
+    tp = r.rollout.tensor_parallel
+    if model.n_heads % tp:  # vLLM splits the attention heads over the engine's GPUs (and refuses at its start)
+        raise UsageError(f"rollout.tensor_parallel = {tp} must divide the model's {model.n_heads} attention heads "
+                         "(vLLM splits them over the engine's GPUs)")
     if platform is None or platform.device != "cpu":
-        return  # a GPU engine sizes its KV cache itself and schedules what does not fit in waves
+        return  # a GPU engine's KV cache is the plan's; it schedules what does not fit in waves
     sequences = r.train.prompts_per_step * r.train.group_size
     dtype_bytes = 4 if r.rollout.precision == "fp32" else 2
     need = cpu_kv_cache_bytes(model, sequences, prompt + new + 1, dtype_bytes)
@@ -259,8 +265,8 @@ def _check_lora_targets(targets: str) -> None:
                          "(comma-separated; the router and the embeddings are never adapted)")
 
 
-def _check_lora_platform(r: Recipe, p: Platform) -> None:
-    """What LoRA does not do: refused, never quietly changed."""
+def _check_lora_settings(r: Recipe) -> None:
+    """What LoRA does not combine with, on any machine: refused, never quietly changed."""
     if r.rollout.overlap:
         raise UsageError("train.lora with rollout.overlap = true: the overlapped engine copies the trainer's own "
                          "parameters, not the merged W + (α/r)·B·A; set rollout.overlap = false")

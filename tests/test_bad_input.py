@@ -316,8 +316,32 @@ CASES = [
      "data.max_prompt_tokens = 63: the model's context is 64 tokens"),
     ("kv-cache-past-memory", ["run", "{ws}", "--set", "rollout.kv_cache_gib=1e6"], None,
      "rollout.kv_cache_gib = 1000000.0 is more than this machine can give one engine"),
-    ("batch-past-memory", ["run", "{ws}", "--set", "train.group_size=100000"], None,
-     "3,200,000 sequences of up to 23 tokens are sampled at once on a CPU and need 390.63 GiB of KV cache; this machine has"),
+    ("batch-past-memory", ["run", "{ws}", "--set", "train.prompts_per_step=100000"], None,
+     "800,000 sequences of up to 23 tokens are sampled at once on a CPU and need 97.66 GiB of KV cache; this machine has"),
+    ("group-past-vllms-n", ["run", "{ws}", "--set", "train.group_size=100000"], None,
+     "train.group_size = 100000; it must be ≥ 1 and ≤ 16384"),
+    ("eval-k-past-vllms-n", ["eval", "-w", "{ws}", "--k", "20000"], None, "eval.k = 20000; it must be ≥ 1 and ≤ 16384"),
+    ("dry-run-gpu-mem-inf", ["run", "{new}", "--model", "Qwen3-8B", "--dry-run", "--gpu-mem-gib", "inf"], None,
+     "Invalid value for '--gpu-mem-gib': 'inf': it must be a finite number above 0"),
+    ("dry-run-gpu-mem-nan", ["run", "{new}", "--model", "Qwen3-8B", "--dry-run", "--gpu-mem-gib", "nan"], None,
+     "'nan': it must be a finite number above 0"),
+    ("dry-run-gpu-mem-zero", ["run", "{new}", "--model", "Qwen3-8B", "--dry-run", "--gpu-mem-gib", "0"], None,
+     "'0': it must be a finite number above 0"),
+    ("dry-run-lora-rank", ["run", "{new}", "--model", "Qwen3-30B-A3B", "--dry-run", "--set", "train.lora.rank=100000"],
+     None, "train.lora.rank = 100000 is above the width of the"),
+    ("dry-run-lora-target", ["run", "{new}", "--model", "Qwen3-8B", "--dry-run", "--set", "train.lora.rank=8",
+                             "--set", "train.lora.targets=experts"], None,
+     "train.lora.targets names experts, which this model does not have"),
+    ("dry-run-tp-heads", ["run", "{new}", "--model", "Qwen3-8B", "--dry-run", "--nodes", "1", "--gpus-per-node", "3",
+                          "--set", "rollout.tensor_parallel=3"], None,
+     "rollout.tensor_parallel = 3 must divide the model's 32 attention heads"),
+    ("init-lora-target-absent", ["init", "{new}", "--model", "Qwen3-8B", "--set", "train.lora.rank=8",
+                                 "--set", "train.lora.targets=experts"], None,
+     "train.lora.targets names experts, which this model does not have"),
+    ("init-replay-on-dense", ["init", "{new}", "--model", "Qwen3-8B", "--set", "train.replay=r3"], None,
+     "train.replay = 'r3' replays MoE routes, and Qwen3-8B is a dense model; use off"),
+    ("init-tiny-lora-target", ["init", "{new}", "--set", "train.lora.rank=4", "--set", "train.lora.targets=mlp"], None,
+     "train.lora.targets names mlp, which this model does not have"),
     ("batch-past-kv-cache", ["run", "{ws}", "--set", "train.group_size=64", "--set", "rollout.kv_cache_gib=0.01"], None,
      "2,048 sequences of up to 23 tokens are sampled at once on a CPU and need 0.25 GiB of KV cache; "
      "rollout.kv_cache_gib = 0.01, room for 81 of them"),
@@ -395,6 +419,10 @@ CASES = [
     ("resume-live-writer", ["run", "{ws}", "--resume"], live_writer(RUN), "is being written by pid"),
     ("resume-auto-live-writer", ["run", "{ws}", "--resume", "auto"], live_writer(RUN), "is being written by pid"),
     # --- a damaged checkpoint, read by export, eval and doctor -------------------------------------
+    ("export-shard-size-typo", ["export", "{ws}", "{new}", "--max-shard-size", "5GBB"], None,
+     "'5GBB': give a size with its unit, e.g. 5GB or 500MB"),
+    ("export-shard-size-negative", ["export", "{ws}", "{new}", "--max-shard-size", "-1GB"], None,
+     "'-1GB': a shard must hold at least one byte"),
     ("export-truncated-shard", ["export", "-w", "{ws}", f"{{ws}}/{RUN}", "{new}"], truncated_shard,
      "shard __0_0.distcp is"),
     ("export-truncated-shard-instead", ["export", "-w", "{ws}", f"{{ws}}/{RUN}", "{new}"],
@@ -518,3 +546,59 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
         holder = _HOLDERS.pop()
         holder.stdin.close()  # its signal to end
         holder.wait(timeout=60)
+
+
+def _one_line(monkeypatch, capfd, argv: list[str]) -> tuple[int, str]:
+    from cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["minirl", *argv])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    return exit_.value.code, err[-1] if err else ""
+
+
+DRY_AND_RUN = [  # --set values `run` refuses before any engine starts, for the recipe, the model or the mesh
+    ("lora-rank-above-width", ["train.lora.rank=4096"]),
+    ("lora-target-absent", ["train.lora.rank=4", "train.lora.targets=mlp"]),
+    ("lora-with-overlap", ["train.lora.rank=4", "rollout.overlap=true"]),
+    ("ep-above-the-job", ["parallel.ep=2"]),
+    ("tp-above-the-job", ["rollout.tensor_parallel=2"]),
+    ("tp-and-heads", ["rollout.tensor_parallel=3", "parallel.gpus_per_node=3"]),
+    ("prompts-over-ranks", ["parallel.gpus_per_node=3"]),
+    ("group-above-vllms-n", ["train.group_size=20000"]),
+]
+
+
+@pytest.mark.parametrize("sets", [c[1] for c in DRY_AND_RUN], ids=[c[0] for c in DRY_AND_RUN])
+def test_the_dry_run_refuses_what_the_run_refuses_with_its_line(ws_template, tmp_path, capfd, monkeypatch, sets):
+    """#64: `--dry-run` validates with the model's shape and the mesh it plans, so that a plan never
+    prints a launch line for what `run` then refuses: both refuse, exit 2, with the same line. The
+    run is one process here (world 1); the dry run plans that machine (one node of
+    parallel.gpus_per_node GPUs), whose user-set values it never lowers."""
+    ws = tmp_path / "ws"
+    shutil.copytree(ws_template, ws)
+    flags = [x for kv in sets for x in ("--set", kv)]
+    gpus = next((kv.split("=")[1] for kv in sets if kv.startswith("parallel.gpus_per_node")), "1")
+    before = snapshot(tmp_path)
+    dry = _one_line(monkeypatch, capfd, ["run", str(ws), "--dry-run", "--gpus-per-node", gpus, *flags])
+    if "parallel.gpus_per_node=3" in sets:  # a run of 3 ranks: its torchrun job, here its own checks at that size
+        from minirl import recipe
+        from minirl.models import read_shape
+        from minirl.setup.preflight import check_layout
+        from minirl.errors import UsageError
+
+        rec = recipe.load(ws / "minirl.toml", sets)
+        with pytest.raises(UsageError) as e:
+            from minirl.validator import validate
+
+            shape = read_shape(ws / "model/coldstart")
+            validate(rec, None, shape)
+            check_layout(rec, shape, 3)
+        run = (2, f"minirl: error: {' '.join(str(e.value).split())}")
+    else:
+        run = _one_line(monkeypatch, capfd, ["run", str(ws), *flags])
+    assert dry[0] == run[0] == 2 and dry[1].startswith("minirl: error: "), (dry, run)
+    assert dry[1] == run[1]
+    assert snapshot(tmp_path) == before  # neither wrote anything

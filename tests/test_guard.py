@@ -109,3 +109,67 @@ def test_a_checkpoint_saved_while_the_reward_is_down_is_no_rollback_target():
     for r in (0.2, 0.2):
         g.decide(**{**OK, "entropy": 0.12, "reward": r})
     assert g.healthy  # mean of (0.03, 0.2, 0.2) = 0.143: back
+
+
+def _rewards(path, *, prompts=32, group=8, seed=0):
+    """Step rewards as a run logs them: the mean of B prompts' group means, each prompt with its own
+    success probability around the step's level (a Beta spread) and G Bernoulli samples."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for p in path:
+        total = 0.0
+        for _ in range(prompts):
+            q = rng.betavariate(1 + 4 * p, 1 + 4 * (1 - p))  # prompts differ: some easy, some hard
+            total += sum(rng.random() < q for _ in range(group)) / group
+        out.append(total / prompts)
+    return out
+
+
+def _first_action(g, rewards, **signals):
+    for i, r in enumerate(rewards, 1):
+        v = g.decide(**{**OK, **signals, "reward": r})
+        if v.action in ("rollback", "stop"):
+            return i, v.reason
+    return None, ""
+
+
+def test_a_reward_slide_with_a_calm_entropy_is_rolled_back():
+    """#64: the reward leaves its best `slide_window`-step mean by more than `slide_z` standard
+    errors (its own sampling noise, bounded from the reward and B) and by more than a quarter of it,
+    and the entropy never moves: an abrupt fall is acted on within the window and the patience
+    (16–20 steps over 20 seeds), the slide of the issue (0.47 → 0.10 over 90 steps) within 80 steps
+    (58–70: once it has lost about half); today's rules alone never act."""
+    rise = [0.3 + 0.17 * i / 100 for i in range(100)]  # learns to 0.47
+    for seed in range(5):
+        abrupt = _rewards(rise + [0.1] * 60, seed=seed)
+        at, reason = _first_action(Guard(prompts=32), abrupt)
+        assert at is not None and 100 < at <= 100 + Guard().slide_window + Guard().patience, (seed, at)
+        assert reason.startswith("reward slid: the last 30 steps' mean") and "below the best 30-step mean" in reason
+        slow = _rewards(rise + [0.47 - 0.37 * i / 90 for i in range(90)] + [0.1] * 30, seed=seed)
+        at, _ = _first_action(Guard(prompts=32), slow)
+        assert at is not None and 100 < at <= 180, (seed, at)
+        assert _first_action(Guard(prompts=32, slide_window=0), slow) == (None, "")  # the entropy is calm
+
+
+def test_healthy_learning_and_its_noise_never_trip_the_slide_rule():
+    """A run that learns (0.3 → 0.8 over 300 steps), one that stays flat, and one that plateaus
+    after learning, each with its sampling noise at B = 32 × G = 8: no slide over 20 seeds each."""
+    curves = {"learns": [0.3 + 0.5 * (1 - math.exp(-i / 80)) for i in range(300)], "flat": [0.4] * 300,
+              "plateau": [min(0.8, 0.3 + i / 200) for i in range(300)]}
+    for name, curve in curves.items():
+        for seed in range(20):
+            assert _first_action(Guard(prompts=32), _rewards(curve, seed=seed)) == (None, ""), (name, seed)
+
+
+def test_the_slide_window_travels_with_checkpoints_and_restarts_after_a_rollback():
+    g = Guard(prompts=32, slide_window=5, patience=1)
+    for r in (0.5, 0.6, 0.7, 0.7, 0.7, 0.7):
+        g.decide(**{**OK, "reward": r})
+    h = Guard(prompts=32, slide_window=5, patience=1)
+    h.load_state_dict(g.state_dict())
+    assert h.window == g.window and h.best_window == g.best_window
+    assert Guard(prompts=32).load_state_dict({"best_reward": 0.5}) is None  # a checkpoint from before #64 loads
+    at, reason = _first_action(h, [0.0] * 10)
+    assert at is not None and reason.startswith("reward slid") and h.window == []  # the next window is the restored weights'

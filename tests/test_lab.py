@@ -166,8 +166,9 @@ def test_a_run_cut_short_continues_from_its_checkpoint_and_is_then_reused(tmp_pa
     assert L2.finished(cell, 0, p) is None  # recorded under another sampling scheme: runs again
 
 def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp_path):
-    """[train.lora], train.warmup_steps and train.offload came after runs were recorded: at their
-    defaults (off) a recorded run stays its cell's; any of them switched on, the cell runs again."""
+    """[train.lora], train.warmup_steps, train.offload, rollout.cuda_graphs and the guard's slide
+    rule came after runs were recorded: at their defaults a recorded run stays its cell's; any of
+    them changed, the cell runs again."""
     import hashlib
 
     ws = tmp_path / "ws"
@@ -175,8 +176,9 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n")
     L = lab.Lab(ws, ws / "lab" / "x")
     before = recipe.load(ws / "minirl.toml").to_dict()
-    for key in ("lora", "warmup_steps", "offload"):  # the recipe as it read before the fields existed
-        del before["train"][key]
+    for section, key in (("train", "lora"), ("train", "warmup_steps"), ("train", "offload"), ("rollout", "cuda_graphs"),
+                         ("guard", "slide_window"), ("guard", "slide_z"), ("guard", "slide_drop_frac")):  # the recipe as it read before the fields existed
+        del before[section][key]
     digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert f"#recipe={digest}" in L._recorded([])
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[train.lora]\nrank = 8\n")
@@ -184,4 +186,6 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\nwarmup_steps = 10\n")
     assert f"#recipe={digest}" not in L._recorded([])
     (ws / "minirl.toml").write_text('[train]\nlr = 3e-4\noffload = "optimizer"\n')
+    assert f"#recipe={digest}" not in L._recorded([])
+    (ws / "minirl.toml").write_text('[train]\nlr = 3e-4\n\n[guard]\nslide_z = 3.0\n')
     assert f"#recipe={digest}" not in L._recorded([])

@@ -102,15 +102,19 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     assert not (tmp_path / "moe" / "model").exists() or not any((tmp_path / "moe" / "model").iterdir())
 
     folder = make_folder("dense", tmp_path / "dense", tiny_dir)
+    # the test model's context is 64 tokens: init refuses the recipe's lengths as every run would
+    # (#64), and takes lengths that fit
     r = minirl("init", str(tmp_path / "dense-ws"), "--model", str(folder), "--set", "train.steps=7")
+    assert r.returncode == 2 and "data.max_prompt_tokens = 1024: the model's context is 64 tokens" in r.stderr
+    fits = ["--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8"]
+    r = minirl("init", str(tmp_path / "dense-ws"), "--model", str(folder), "--set", "train.steps=7", *fits)
     assert r.returncode == 0, r.stderr
     rec = recipe.load(tmp_path / "dense-ws" / "minirl.toml", [])
     assert (rec.model.id, rec.train.replay, rec.parallel.ep, rec.train.steps) == (str(folder), "off", 1, 7)
-    # this test tokenizer has no chat template: the run says so before any engine starts (with the
-    # test model's 64-token context, and sleep mode off: the recipe keeps its GPU sleep level, which
-    # a run on this CPU refuses where it starts: the bad-input table's sleep-on-cpu row)
-    fits = ["--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8", "--set", "rollout.sleep_level=0"]
-    r = minirl("run", str(tmp_path / "dense-ws"), *fits)
+    # this test tokenizer has no chat template: the run says so before any engine starts (sleep
+    # mode off: the recipe keeps its GPU sleep level, which a run on this CPU refuses where it
+    # starts: the bad-input table's sleep-on-cpu row)
+    r = minirl("run", str(tmp_path / "dense-ws"), "--set", "rollout.sleep_level=0")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"minirl: error: data.chat_template = true, and the tokenizer of {folder} has no chat template; "
         "set data.chat_template = false to send the prompt as plain text"]

@@ -19,8 +19,20 @@ entropy falls from 0.32 to 0.07 in 300 steps, and KL stays ~1e-3), so "collapse"
 
 where H_0 is the run's first step's entropy, and "down" means below best − `reward_drop` or below
 (1 − `reward_drop_frac`) × best (the relative test catches a run that starts and collapses at low
-reward, where an absolute drop of 0.2 cannot happen). What was left out: no automatic
-learning-rate or clip retuning beyond the `lr_factor` applied at each rollback.
+reward, where an absolute drop of 0.2 cannot happen).
+
+A slide the entropy does not show (#64: a reward that fell from 0.47 to 0.10 over 90 steps with a
+calm entropy) is bad on its own: the mean reward of the last `slide_window` steps below the best
+such window of the run so far by more than `slide_z` standard errors of the difference, and by more
+than `slide_drop_frac` of that best. The error is the run's own sampling noise, bounded from the
+reward alone: a step's reward is the mean of B prompts' group means, each in [0, 1] with mean r,
+so its variance is at most r(1 − r) / B (Bhatia–Davis), and a window's mean's variance at most
+Σ r_t(1 − r_t) / (B · W²). Sampling noise is not all of it: a policy wobbles by itself (off-policy
+runs without clipping by 0.1 over a few dozen steps at B = 128, where the sampling noise is
+small), which the relative floor leaves alone. How the three were chosen (healthy runs never
+reach them; a forced slide is caught within a window): docs/runs.md. What was left out: no automatic learning-rate or clip retuning beyond the
+`lr_factor` applied at each rollback; the held-out score is not watched (a run measures it at
+its start and end unless eval.every is set).
 """
 
 from __future__ import annotations
@@ -49,20 +61,26 @@ class Guard:
     # below (1 − `reward_drop_frac`) × its best
     reward_drop: float = _SET.reward_drop
     reward_drop_frac: float = _SET.reward_drop_frac
+    slide_window: int = _SET.slide_window
+    slide_z: float = _SET.slide_z
+    slide_drop_frac: float = _SET.slide_drop_frac
     patience: int = _SET.patience
     max_rollbacks: int = _SET.max_rollbacks
     enabled: bool = _SET.enabled
+    prompts: int = 1  # B, the prompts a step's reward averages (the slide's noise); 1 is the widest bound
     # state (saved with checkpoints)
     entropy0: float | None = None
     best_reward: float = -math.inf
     bad_streak: int = 0
     recent: list[float] = field(default_factory=list)  # the last `patience` judged steps' rewards
+    window: list[float] = field(default_factory=list)  # the last `slide_window` steps' rewards
+    best_window: tuple[float, float] | None = None  # (mean, variance of the mean) of the best full window
     rollbacks: int = 0
     skipped: int = 0
     reasons: list[str] = field(default_factory=list)
 
-    SETTINGS = ("max_kl", "min_entropy_frac", "max_entropy_factor", "reward_drop", "reward_drop_frac", "patience",
-                "max_rollbacks", "enabled")
+    SETTINGS = ("max_kl", "min_entropy_frac", "max_entropy_factor", "reward_drop", "reward_drop_frac", "slide_window",
+                "slide_z", "slide_drop_frac", "patience", "max_rollbacks", "enabled")
 
     @classmethod
     def from_settings(cls, settings: Mapping, **over) -> Guard:
@@ -99,6 +117,8 @@ class Guard:
         elif down and entropy > self.max_entropy_factor * self.entropy0:
             reason = (f"entropy {entropy:.3g} > {self.max_entropy_factor} × {self.entropy0:.3g} with reward "
                       f"{reward:.3g} down from {self.best_reward:.3g}")
+        slide = self._slide(reward)
+        reason = reason or slide
         self.bad_streak = self.bad_streak + 1 if reason else 0
         if self.bad_streak < self.patience:
             return Verdict("step", reason)
@@ -107,7 +127,30 @@ class Guard:
         if self.rollbacks >= self.max_rollbacks:
             return Verdict("stop", f"{reason}; {self.rollbacks} rollbacks used")
         self.rollbacks += 1
+        self.window = []  # the weights go back: the next window is theirs
         return Verdict("rollback", reason)
+
+    def _slide(self, reward: float) -> str:
+        """The reward's last `slide_window` steps against the best such window so far: a reason
+        when their mean is more than `slide_z` standard errors of the difference below it (the
+        module's docstring), else ''."""
+        w = self.slide_window
+        if not w:
+            return ""
+        self.window = [*self.window, reward][-w:]
+        if len(self.window) < w:
+            return ""
+        mean = sum(self.window) / w
+        var = sum(min(max(r, 0.0), 1.0) * (1 - min(max(r, 0.0), 1.0)) for r in self.window) / (self.prompts * w * w)
+        if self.best_window is None or mean > self.best_window[0]:
+            self.best_window = (mean, var)
+            return ""
+        best = self.best_window[0]
+        z = (best - mean) / math.sqrt(max(var + self.best_window[1], 1e-12))
+        if z <= self.slide_z or best - mean <= self.slide_drop_frac * best:
+            return ""
+        return (f"reward slid: the last {w} steps' mean {mean:.3g} is {z:.1f} standard errors (> {self.slide_z:g}) "
+                f"and {(best - mean) / best:.0%} (> {self.slide_drop_frac:.0%}) below the best {w}-step mean {best:.3g}")
 
     def _down(self, reward: float) -> bool:
         return reward < self.best_reward - self.reward_drop or reward < (1 - self.reward_drop_frac) * self.best_reward
@@ -124,9 +167,13 @@ class Guard:
 
     def state_dict(self) -> dict:
         return {"entropy0": self.entropy0, "best_reward": self.best_reward if math.isfinite(self.best_reward) else None,
-                "rollbacks": self.rollbacks, "skipped": self.skipped, "reasons": list(self.reasons)}
+                "rollbacks": self.rollbacks, "skipped": self.skipped, "reasons": list(self.reasons),
+                "window": list(self.window), "best_window": list(self.best_window) if self.best_window else None}
 
     def load_state_dict(self, d: dict) -> None:
         self.entropy0 = d.get("entropy0")
         self.best_reward = d["best_reward"] if d.get("best_reward") is not None else -math.inf
         self.rollbacks, self.skipped, self.reasons = d.get("rollbacks", 0), d.get("skipped", 0), list(d.get("reasons", []))
+        # checkpoints before #64 hold no window: it fills again over the next slide_window steps
+        self.window = list(d.get("window", []))
+        self.best_window = tuple(d["best_window"]) if d.get("best_window") else None

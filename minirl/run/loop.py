@@ -68,7 +68,7 @@ class RLRun:
         self.state = RunState(run_dir=run_dir)
         self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device)
         sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
-        self.guard = Guard.from_settings(rec.guard)
+        self.guard = Guard.from_settings(rec.guard, prompts=rec.train.prompts_per_step)
         self.lr = rec.train.lr
         self.last_good: Path | None = inputs.resume_from
         self.rolled_back_to: list[str] = []
@@ -107,7 +107,8 @@ class RLRun:
                                      for prob, g in zip(problems, groups) for c in g])
         cut = [c.finish == "length" for c in comps]
         rewards_PG = objective.sequence_rewards([s.score for s in scores], cut, r.loss.truncated_reward).view(B, G)
-        adv_PG = objective.group_advantages(rewards_PG, std_scale=r.loss.adv_std)
+        # a fault (faults.py) may train on the rewards inverted: the logged reward, the guard's, stays true
+        adv_PG = objective.group_advantages(1 - rewards_PG if inject == "invert" else rewards_PG, std_scale=r.loss.adv_std)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad)
         clock.lap("grade")

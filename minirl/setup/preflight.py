@@ -158,6 +158,17 @@ def check_gpu_plan(rec, shape: ModelShape, platform: Platform) -> float | None:
     return plan.engine_fraction
 
 
+def check_planned(rec, shape: ModelShape) -> None:
+    """What `run` refuses before any engine starts that the recipe, the model's shape and the job's
+    layout decide alone (no machine, no weights): the model's rules (lengths, LoRA targets and
+    rank, tensor parallel against its heads), replay on a dense model, the mesh against the
+    [parallel] section's ranks. `--dry-run` and `init --model` call it; `prepare_run` makes the same
+    checks in the same order, so both refuse with the same line."""
+    validate(rec, None, shape)
+    check_replay(rec.train.replay, shape, rec.model.id)
+    check_layout(rec, shape, rec.parallel.nodes * rec.parallel.gpus_per_node)
+
+
 def check_replay(replay: str, shape: ModelShape, model_id: str) -> None:
     if replay != "off" and not shape.is_moe:
         raise UsageError(f"train.replay = {replay!r} replays MoE routes, and {model_id} is a dense model; use off")
@@ -362,9 +373,9 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                                   before_weights=lambda d: check_fits(rec, read_shape(d), platform))
     shape = check_model_folder(model_dir)
     validate(rec, platform, shape)  # lengths and counts against the model's context and the engine's cache
-    check_fits(rec, shape, platform, model_dir)
-    check_replay(rec.train.replay, shape, rec.model.id)
+    check_replay(rec.train.replay, shape, rec.model.id)  # in check_planned's order: the dry run's lines
     check_layout(rec, shape, world_size)
+    check_fits(rec, shape, platform, model_dir)
     engine_fraction = check_gpu_plan(rec, shape, platform)
     resume_from = None
     if resume in ("latest", "auto"):

@@ -26,7 +26,7 @@ from minirl.errors import UsageError
 from minirl.data import response_text
 from minirl.models import TINY, TINY_ID, ModelShape, param_count
 from minirl.train.plan import active_params
-from minirl.setup.preflight import check_replay
+from minirl.setup.preflight import check_planned
 from minirl.task import TASKS, make_splits, write_jsonl
 from minirl.setup.tokenizer import build_tokenizer
 from rewards import load_grader
@@ -100,6 +100,8 @@ def init_workspace(
         recipe_name, overrides, model_report = recipe_for_model(model, recipe_name, list(overrides))
     src = recipe_mod.shipped(recipe_name or "tiny")
     rec = recipe_mod.load(src, list(overrides))  # a bad recipe or --set fails before anything is written
+    # and what every run of it would refuse (a LoRA target the model lacks, replay on a dense model)
+    check_planned(rec, tiny_shape(rec) if rec.model.id == TINY_ID else hub.model_shape(rec.model.id, "", Path.cwd()))
     if (root / RECIPE_NAME).exists() and not force:
         _refuse_another_request(root, src if recipe_name else None, list(overrides))
         raise FileExistsError(str(root))  # what was asked for is what is there: left as it is
@@ -127,8 +129,8 @@ def planned_recipe(workspace: Path, model: str | None, recipe_name: str | None,
     """What `minirl run --dry-run` plans, and the name of the recipe it came from: the workspace's
     recipe if `workspace` is one; else what `minirl init WS --model MODEL` and `minirl run WS` would
     run (the model's shipped recipe, or recipes/qwen3.toml, suited to its architecture); else the
-    named shipped recipe, else the defaults. Refuses what the run would refuse before any engine
-    starts (routing replay on a dense model)."""
+    named shipped recipe, else the defaults. What the run would refuse of it before any engine starts
+    is `preflight.check_planned`'s (the dry run calls it once its mesh is fitted to the machine)."""
     if (Path(workspace) / RECIPE_NAME).exists():
         path, base = Path(workspace) / RECIPE_NAME, Path(workspace).resolve()
     elif model is not None and model != TINY_ID:
@@ -138,7 +140,6 @@ def planned_recipe(workspace: Path, model: str | None, recipe_name: str | None,
         path, base = (recipe_mod.shipped(recipe_name) if recipe_name else None), Path.cwd()
     rec = recipe_mod.load(path, overrides)
     shape = hub.model_shape(rec.model.id, rec.model.path, base)
-    check_replay(rec.train.replay, shape, rec.model.id)
     return rec, str(path or "defaults"), shape
 
 
@@ -171,6 +172,14 @@ def recipe_for_model(model: str, recipe_name: str | None, overrides: list[str]) 
     return name, suited + overrides, report
 
 
+def tiny_shape(rec) -> ModelShape:
+    """The tiny model `init` builds for a recipe: its [cold_start] layers, experts and top-k, with a
+    context that fits the recipe's prompts and responses (a multiple of 32)."""
+    cs, need = rec.cold_start, rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
+    return dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32), n_layers=cs.layers,
+                               num_experts=cs.experts, top_k=cs.top_k)
+
+
 def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     """Tokenizer, tiny Qwen3-MoE, task splits and the cold-start SFT, all through the real engines."""
     import torch  # deferred, with the three below: the CLI imports this module at start
@@ -184,10 +193,7 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
             progress(stage, done, total, info)
 
     cs = rec.cold_start
-    # the tiny model, with a context that fits the recipe's prompts and responses (a multiple of 32)
-    need = rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
-    shape = dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32), n_layers=cs.layers,
-                                num_experts=cs.experts, top_k=cs.top_k)
+    shape = tiny_shape(rec)
     t0 = time.time()
     tell("data", 0, 1)
     train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed, task=cs.task)

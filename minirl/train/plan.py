@@ -93,7 +93,7 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
         weights, rest = 4 * P / world, 12 * P / world
     parts = {}
     if device == "cpu":  # every rank's trainer, and its engine (TP 1 on a CPU), in host memory
-        engines = world // r.tensor_parallel
+        engines = max(1, world // r.tensor_parallel)  # a TP the job cannot hold is check_layout's to refuse
         seqs = sizing.max_num_seqs(rec, engines)
         wbytes = 4 if r.precision == "fp32" else 2  # the CPU engine serves FP8 as rounded bf16
         parts["trainer (weights, gradients, Adam)"] = ranks * (weights + rest)
@@ -229,10 +229,11 @@ def _start_refusal(r, *, asked: float, free: float, room: float, resident: float
             "sized for the job)")
 
 
-def fit_mesh(rec, shape: ModelShape) -> dict[str, int]:
+def fit_mesh(rec, shape: ModelShape, keep=frozenset()) -> dict[str, int]:
     """The recipe's expert parallelism and rollout tensor parallelism, each lowered to the largest
     degree the machine in its [parallel] section has room for (a recipe written for two nodes of 8
-    planned on one GPU), as `--set` keys and values; empty when the recipe's mesh fits as it is."""
+    planned on one GPU), as `--set` keys and values; empty when the recipe's mesh fits as it is.
+    Keys in `keep` (what the user set with --set) are never lowered: a run would refuse them."""
     p, world = rec.parallel, rec.parallel.nodes * rec.parallel.gpus_per_node
     out = {}
     if shape.is_moe and (world % p.ep or shape.num_experts % p.ep):
@@ -240,7 +241,7 @@ def fit_mesh(rec, shape: ModelShape) -> dict[str, int]:
     tp = rec.rollout.tensor_parallel
     if world % tp or tp > p.gpus_per_node:
         out["rollout.tensor_parallel"] = max(d for d in range(1, tp + 1) if world % d == 0 and d <= p.gpus_per_node)
-    return out
+    return {k: v for k, v in out.items() if k not in keep}
 
 
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
@@ -428,11 +429,12 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     )
 
 
-def plan_for(rec, shape: ModelShape, *, model: str, gpu_gib: float, fit: bool) -> Plan:
+def plan_for(rec, shape: ModelShape, *, model: str, gpu_gib: float, fit: bool, keep=frozenset()) -> Plan:
     """The plan of `rec` on the machine in its [parallel] section; with `fit` (the machine was named:
     --nodes / --gpus-per-node) the recipe's expert and rollout tensor parallelism first lowered to
-    what that machine has room for (`fit_mesh`), as the dry run and its launch line do."""
-    fitted = fit_mesh(rec, shape) if fit else {}
+    what that machine has room for (`fit_mesh`, never the keys in `keep`), as the dry run and its
+    launch line do."""
+    fitted = fit_mesh(rec, shape, keep) if fit else {}
     return make_plan(with_sets(rec, fitted) if fitted else rec, shape, model=model, gpu_gib=gpu_gib)
 
 
@@ -470,7 +472,7 @@ def _ladder(rec, plan: Plan) -> list[list[dict]]:
 
 
 def advise(rec, shape: ModelShape, *, model: str, gpu_gib: float, lora: bool = True,
-           fit: bool = False) -> tuple[dict, Plan] | None:
+           fit: bool = False, keep=frozenset()) -> tuple[dict, Plan] | None:
     """The cheapest change that makes the whole plan fit (every phase, and at least one full-length
     sequence in flight), as `--set` keys and values, and the plan it gives: exactly the plan of the
     same dry run with those flags added (`rec` is the recipe before `fit_mesh`; a change of machine
@@ -480,13 +482,13 @@ def advise(rec, shape: ModelShape, *, model: str, gpu_gib: float, lora: bool = T
     (what training every weight would take)."""
     def fits(sets: dict) -> Plan | None:
         try:
-            plan = plan_for(with_sets(rec, sets), shape, model=model, gpu_gib=gpu_gib,
+            plan = plan_for(with_sets(rec, sets), shape, model=model, gpu_gib=gpu_gib, keep=keep,
                             fit=fit or "parallel.gpus_per_node" in sets or "parallel.nodes" in sets)
         except UsageError:  # a combination the validator refuses is no advice
             return None
         return plan if plan.fits else None
 
-    plan = plan_for(rec, shape, model=model, gpu_gib=gpu_gib, fit=fit)
+    plan = plan_for(rec, shape, model=model, gpu_gib=gpu_gib, fit=fit, keep=keep)
     if plan.fits:
         return {}, plan
     ladder = _ladder(rec, plan)
