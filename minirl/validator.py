@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minirl.engine_sizing import cpu_kv_cache_bytes, max_samples_per_prompt
+from minirl.engines import ENGINES
 from minirl.errors import UsageError
 from minirl.hub import repo_id
 from minirl.models import ModelShape
@@ -137,7 +138,7 @@ def validate(r: Recipe, platform: Platform | None = None, model: ModelShape | No
         "train.param_dtype": (r.train.param_dtype, ("auto", "float32", "bfloat16")),
         "train.activation_checkpoint": (r.train.activation_checkpoint, ("none", "full")),
         "train.offload": (r.train.offload, ("none", "optimizer")),
-        "rollout.engine": (r.rollout.engine, ("vllm",)),
+        "rollout.engine": (r.rollout.engine, tuple(ENGINES)),
         "rollout.precision": (r.rollout.precision, PRECISIONS),
         "cold_start.task": (r.cold_start.task, tuple(TASKS)),
     }

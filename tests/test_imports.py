@@ -202,3 +202,15 @@ def test_a_planted_upward_import_is_found(tmp_path):
     assert upward(known, tmp_path) == ["minirl/train/trainer.py:2 imports minirl.run.loop (train may not import run)"]
     (tmp_path / "minirl" / "errors.py").write_text("from minirl.train import trainer\n")
     assert upward(known, tmp_path)[0] == "minirl/errors.py:1 imports minirl.train (top may not import train)"
+
+
+def test_vllm_engines_are_built_by_the_factory_alone():
+    """#65: every caller (the run, eval, export, the doctor, the engine's own process) builds its
+    engine through rollout/engine.py's `make_engine`: no module but the engine's own and the
+    registry names VLLMEngine."""
+    import re
+
+    built = re.compile(r"VLLMEngine\s*(\(|\.from_config)|import VLLMEngine|\bVLLMEngine\b\s*$", re.MULTILINE)
+    named = sorted(m for m, path in modules().items() if built.search(path.read_text()))
+    assert named == [], named  # only the factory builds one: engine_class("vllm") from minirl/engines.py
+    assert "VLLMEngine" in (ROOT / "minirl" / "engines.py").read_text()

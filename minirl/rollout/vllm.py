@@ -1,8 +1,9 @@
 """The vLLM engine, in this process: completions with their μ_θold log-probs, scores, and weights
 loaded in place.
 
-Interface: `generate`, `score`, `load_weights` / `load_live_weights` (the sync: rollout/sync.py),
-`sleep`, `wake`; the loop reaches it only through `Rollouts` (rollout/__init__.py). `engine_args`
+It implements rollout/engine.py's contract (`generate`, `score`, `load_weights` /
+`load_live_weights` for the sync of rollout/sync.py, `settle`, `sleep`, `wake`) and is built by
+that module's factory alone; the loop reaches it only through `Rollouts` (rollout/__init__.py). `engine_args`
 is the one place settings become vLLM arguments; CPU and CUDA differ there only by the workarounds
 listed in `CPU_WORKAROUNDS`, and elsewhere by the CPU-only pieces of rollout/cpu/ this engine
 installs when it runs on a CPU.
@@ -40,28 +41,12 @@ from minirl.errors import UsageError
 from minirl.models import param_count, read_shape
 from minirl import engine_sizing as sizing
 from minirl.engine_sizing import cpu_kv_cache_bytes
+from minirl.rollout.engine import Completion
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.cpu import weights as cpu_weights
 from minirl.rollout.seeding import seeded_sampling
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """One sampled response.
-
-    token_ids:    [L] int, the generated tokens (EOS included when the model stopped)
-    logprobs:     [L] float, log μ_θold(y_t | x, y_<t) of each sampled token, from the rollout engine
-    finish:       "stop" (EOS) or "length" (cut at max_tokens)
-
-    Example: prompt "12+34=" -> token_ids [7, 9, 2] ("46<eos>"), logprobs [-0.11, -0.35, -0.02].
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish: str
-    routes: object = None  # R3: np.int16 [len(prompt) + len(response) − 1, n_moe_layers, top_k], else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,91 @@
+"""The rollout engine's contract: what the run's step, the held-out evaluation, export and the
+doctor ask of an engine (`Engine`), what it answers (`Completion`), and how the engine the recipe
+names is built in this process (`build`; the factory every caller uses, in this process or in one
+of its own, is `minirl.rollout.make_engine`).
+
+An engine samples completions with the log-probabilities of what it sampled (log μ, the IS
+correction's denominator) and, for R3, the experts it routed every fed position to; scores given
+responses; takes the trainer's weights in place (`sync.py` streams them, or hands views it may keep
+and re-read); and may free its memory between rollouts (`sleep`, `wake`). A second engine is one
+module implementing `Engine` and one line in minirl/engines.py (`rollout.engine` names it; the
+validator takes its choices from there); tests/test_rollout.py runs the step on a double of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from minirl.engines import ENGINES
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One sampled response.
+
+    token_ids:    [L] int, the generated tokens (EOS included when the model stopped)
+    logprobs:     [L] float, log μ_θold(y_t | x, y_<t) of each sampled token, from the rollout engine
+    finish:       "stop" (EOS) or "length" (cut at max_tokens)
+
+    Example: prompt "12+34=" -> token_ids [7, 9, 2] ("46<eos>"), logprobs [-0.11, -0.35, -0.02].
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish: str
+    routes: object = None  # R3: np.int16 [len(prompt) + len(response) − 1, n_moe_layers, top_k], else None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What minirl asks of a rollout engine (vllm.py's `VLLMEngine`, or process.py's `EngineProcess`
+    around one). The weight sync reads three attributes: the dtype it casts to, whether the engine
+    emulates FP8 (the sync then rounds the weights itself) and the format it rounds them to."""
+
+    torch_dtype: torch.dtype
+    emulate_fp8: bool
+    weight_format: str
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_tokens: int,
+                 seed: int | None = None) -> list[list[Completion]]:
+        """n completions per prompt, [len(prompts)][n], in prompt order; `seed` makes a call repeat."""
+
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log μ of each given response token under the weights last synced."""
+
+    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every weight in place (HF names), consumed as a stream."""
+
+    def load_live_weights(self, views: dict[str, torch.Tensor]) -> bool:
+        """Copy from HF-named views of the trainer's parameters it may keep between syncs; False
+        where it cannot (the caller then streams `load_weights`)."""
+
+    def settle(self) -> None:
+        """Return once the last sync is written whole."""
+
+    def sleep(self) -> None:
+        """Free the engine's memory for training (a no-op where there is no sleep mode)."""
+
+    def wake(self) -> None:
+        """Take it back (the sync wakes an engine that dropped its weights)."""
+
+
+def engine_class(name: str):
+    """The class `rollout.engine = name` builds (minirl/engines.py; imported only when asked: vLLM
+    is heavy). Each has `from_config(model_dir, rollout, **settings)`."""
+    module, _, cls = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build(model_dir: Path, rollout, *, seed: int, max_model_len: int, **settings) -> Engine:
+    """The engine the recipe's [rollout] section names, for `model_dir`, in this process: the
+    factory's in-process half (`minirl.rollout.make_engine` is the factory every caller uses; the
+    engine's own process calls this). `settings` add to or replace what [rollout] says (a caller's
+    own context length, sequences at once, routes, sleep level, share of the GPU)."""
+    return engine_class(rollout.engine).from_config(Path(model_dir), rollout, seed=seed, max_model_len=max_model_len,
+                                                    **settings)
