@@ -23,12 +23,11 @@ from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.hub import resolution
 from minirl.models import TINY_ID
-from minirl.recipe import with_sets
-from minirl.train.plan import advise, describe, fit_mesh, launch_commands, plan_for, refusal
 from minirl.run.plots import plot_metrics
-from minirl.setup.preflight import check_planned, run_recipe
+from minirl.setup.dryrun import dry_run as plan_dry_run
+from minirl.setup.preflight import run_recipe
 from minirl.task import TASKS
-from minirl.setup.workspace import RECIPE_NAME, Workspace, init_workspace, planned_recipe
+from minirl.setup.workspace import RECIPE_NAME, Workspace, init_workspace
 
 
 def _prepare_env(verbose: bool) -> None:
@@ -210,43 +209,15 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if value is not None:
             extra.append(f"{key}={value}")
     if dry_run:
-        if gpus_per_node is not None and nodes is None:  # one machine named: one node of it
-            extra.append("parallel.nodes=1")
-        machine = nodes is not None or gpus_per_node is not None
-        given = frozenset(x.split("=", 1)[0].strip() for x in overrides)  # what the user set: never lowered
-        base, recipe_label, shape = planned_recipe(workspace, model_id, recipe_name, extra)
-        fitted = fit_mesh(base, shape, given) if machine else {}
-        rec = with_sets(base, fitted) if fitted else base
-        check_planned(rec, shape)  # what `run` refuses before any engine starts, with its line
-        if fitted:  # the machine asked about has fewer GPUs than the recipe's mesh: the plan, and its launch line, say so
-            overrides = (*overrides, *(f"{k}={v}" for k, v in fitted.items()))
-            console.print(f"for {rec.parallel.nodes} × {rec.parallel.gpus_per_node} GPU(s): "
-                          + ", ".join(f"{k} = {v}" for k, v in fitted.items())
-                          + " (the recipe's mesh needs more GPUs; the launch line below sets them)", soft_wrap=True)
-        plan = plan_for(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, fit=machine, keep=given)
-        if resolution(rec.model.id):
-            console.print(resolution(rec.model.id), soft_wrap=True)
-        has_ws = (workspace / RECIPE_NAME).exists()
-        opts = [("--model", model_id), ("--replay", replay), ("--steps", steps)]
-        args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in opts if v),
-                         *(f"--set {x}" for x in overrides)])
-        init = " ".join(["minirl init WORKSPACE", f"--model {model_id or rec.model.id}",
-                         *([f"--recipe {recipe_name}"] if recipe_name else [])])
-        first = [] if has_ws or not (model_id or recipe_name) else [init]
-        advice = []  # the cheapest change that fits; and, where that is LoRA, what training every weight takes
-        if not plan.fits:
-            for lora in (True, False):
-                found = advise(base, shape, model=rec.model.id, gpu_gib=gpu_mem_gib, lora=lora, fit=machine, keep=given)
-                if found and describe(*found) not in advice:
-                    advice.append(describe(*found))
-        print_plan(console, plan, recipe=recipe_label, resolved=rec.to_toml(),
-                   launch=first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args), advice=advice)
-        if not plan.fits:
-            shipped = recipe_mod.for_model(model_id) if model_id else None
-            own = recipe_mod.load(Path(recipe_label)).model.id if recipe_label != "defaults" else TINY_ID
-            hint = (f"; this recipe is {own}'s: {model_id}'s own is recipes/{shipped.name} (`minirl init WS --model "
-                    f"{model_id}`)" if shipped and own != model_id else "")
-            raise UsageError(refusal(plan, advice, hint))
+        report = plan_dry_run(workspace, model_id=model_id, recipe_name=recipe_name, sets=extra,
+                              user_sets=list(overrides), nodes=nodes, gpus_per_node=gpus_per_node, gpu_gib=gpu_mem_gib,
+                              launch_flags=[("--model", model_id), ("--replay", replay), ("--steps", steps)])
+        for note in report.notes:
+            console.print(note, soft_wrap=True)
+        print_plan(console, report.plan, recipe=report.recipe_label, resolved=report.recipe.to_toml(),
+                   launch=report.launch, advice=report.advice)
+        if not report.fits:
+            raise UsageError(report.refused)
         return
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's

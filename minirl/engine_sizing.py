@@ -1,6 +1,6 @@
 """How large a rollout engine is made for a job, in one place: the context it serves, the sequences
 it schedules at once, the KV cache that holds them and the working memory around it. The plan
-(train/plan.py), the validator and the engine (rollout/vllm.py) all ask here, so the figures a dry
+(setup/plan.py), the validator and the engine (rollout/vllm.py) all ask here, so the figures a dry
 run prints are the ones the run gives vLLM.
 
 On a GPU vLLM takes `gpu_memory_utilization` × the device's memory for itself (its weights, its

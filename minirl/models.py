@@ -351,6 +351,14 @@ def lora_param_count(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> 
     return shape.n_layers * rank * sum(sides[t] for t in targets)
 
 
+def active_params(shape: ModelShape) -> int:
+    """Parameters a token passes through: all but the experts it is not routed to."""
+    if not shape.is_moe:
+        return param_count(shape)
+    experts = shape.n_layers * shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim
+    return param_count(shape) - experts * (shape.num_experts - shape.top_k) // shape.num_experts
+
+
 def param_count(shape: ModelShape) -> int:
     """Total parameters, for plans and model cards (no build needed)."""
     attn = shape.dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 2 * shape.head_dim

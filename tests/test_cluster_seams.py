@@ -57,7 +57,8 @@ def test_a_gpu_run_plans_against_its_device_and_gives_vllm_the_plans_share(monke
     from minirl import recipe
     from minirl.models import KNOWN_SHAPES, TINY
     from minirl.setup.preflight import check_gpu_plan
-    from minirl.train.plan import advise, describe, make_plan, refusal
+    from minirl.setup.advice import advise, describe, refusal
+    from minirl.setup.plan import make_plan
     from minirl.validator import Platform
 
     shape = KNOWN_SHAPES["Qwen3-30B-A3B"]

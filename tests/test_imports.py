@@ -214,3 +214,9 @@ def test_vllm_engines_are_built_by_the_factory_alone():
     named = sorted(m for m, path in modules().items() if built.search(path.read_text()))
     assert named == [], named  # only the factory builds one: engine_class("vllm") from minirl/engines.py
     assert "VLLMEngine" in (ROOT / "minirl" / "engines.py").read_text()
+
+
+def test_no_module_is_over_500_lines():
+    """The layout's limit (docs/contributing.md): a module that grows past it has two things in it."""
+    long = {m: n for m, path in modules().items() if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}

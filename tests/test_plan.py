@@ -12,7 +12,8 @@ import torch
 
 from minirl import recipe
 from minirl.models import KNOWN_SHAPES, param_count
-from minirl.train.plan import GiB, active_params, fit_mesh, make_plan
+from minirl.models import active_params
+from minirl.setup.plan import GiB, fit_mesh, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAVORS = {"Qwen3-0.6B": "0.6B", "Qwen3-1.7B": "1.7B", "Qwen3-4B": "4B", "Qwen3-8B": "8B", "Qwen3-14B": "14B",
@@ -159,7 +160,7 @@ def test_one_80gb_gpu_is_refused_naming_every_phase_that_overflows_and_the_cheap
     """#55: every phase that overflows at once (a fix for training must not reveal the weight
     sync's overflow on the next try), and the cheapest change that makes the whole plan fit, with
     the plan it gives: on one 80 GiB GPU that is LoRA on two GPUs; training every weight, one node."""
-    from minirl.train.plan import advise
+    from minirl.setup.advice import advise
 
     rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=1",
                                                           "parallel.ep=1", "rollout.tensor_parallel=1"])
@@ -186,7 +187,7 @@ def test_one_80gb_gpu_is_refused_naming_every_phase_that_overflows_and_the_cheap
     (["rollout.precision=bf16", "rollout.tensor_parallel=1"], {"train.offload": "optimizer", "rollout.tensor_parallel": 2}),
 ])
 def test_the_advice_takes_the_cheapest_kind_of_change_first(sets, want):
-    from minirl.train.plan import advise
+    from minirl.setup.advice import advise
 
     rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "train.offload=none", *sets])
     assert not make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B").fits
@@ -265,7 +266,7 @@ def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_s
 def test_the_slurm_example_launches_what_the_plan_says():
     """recipes/qwen3-30b-a3b.sbatch: valid bash, one torchrun per node with the plan's restart and
     rendezvous flags, and `--resume auto`, so a requeued or restarted job continues its run."""
-    from minirl.train.plan import launch_commands
+    from minirl.setup.plan import launch_commands
 
     script = ROOT / "recipes" / "qwen3-30b-a3b.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

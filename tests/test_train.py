@@ -42,7 +42,7 @@ def test_round_trip_and_rollback_to_a_pre_step_checkpoint(tmp_path):
 
 def test_chunked_logprobs_equal_the_whole_softmax_in_value_and_gradient():
     from minirl.train.objective import entropy_from_logits
-    from minirl.train.trainer import token_logprobs
+    from minirl.train.head import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 7, 50, generator=g) * 3).requires_grad_()
@@ -61,7 +61,7 @@ def test_chunked_logprobs_equal_the_whole_softmax_in_value_and_gradient():
 def test_target_logprobs_read_several_targets_from_one_position_in_value_and_gradient():
     """Packed prompts: one position predicts the first token of each of its responses. The
     gradient sums over them; formed in fp32 before the cast, it keeps 1 − p where bf16 would not."""
-    from minirl.train.trainer import target_logprobs
+    from minirl.train.head import target_logprobs
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(9, 40, generator=g) * 4).requires_grad_()

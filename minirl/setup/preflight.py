@@ -122,7 +122,7 @@ def check_fits(rec, shape: ModelShape, platform: Platform, folder: Path | None =
     offloaded moments and sleeping engines; at the start, the checkpoint read (rank 0 alone when
     the trainer is sharded; `folder`'s safetensors, once known). Refused in one line before any
     weight is downloaded or engine started."""
-    from minirl.train.plan import host_memory  # deferred: the plan reads the LoRA target list of the validator
+    from minirl.setup.plan import host_memory  # deferred: only a run that starts needs it
 
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     files = sorted(Path(folder).glob("*.safetensors")) if folder is not None else []
@@ -145,7 +145,8 @@ def check_gpu_plan(rec, shape: ModelShape, platform: Platform) -> float | None:
     that vLLM is given (`gpu_memory_utilization`); None on a CPU, whose engine is sized for the job."""
     if platform.device != "cuda":
         return None
-    from minirl.train.plan import advise, describe, make_plan, refusal  # deferred: only a GPU run plans
+    from minirl.setup.advice import advise, describe, refusal  # deferred, with the plan: only a GPU run plans
+    from minirl.setup.plan import make_plan
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
     here = recipe_mod.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local), "parallel.gpus_per_node": local})

@@ -24,8 +24,7 @@ from minirl import hub
 from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
 from minirl.data import response_text
-from minirl.models import TINY, TINY_ID, ModelShape, param_count
-from minirl.train.plan import active_params
+from minirl.models import TINY, TINY_ID, ModelShape, active_params, param_count
 from minirl.setup.preflight import check_planned
 from minirl.task import TASKS, make_splits, write_jsonl
 from minirl.setup.tokenizer import build_tokenizer

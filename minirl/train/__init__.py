@@ -1,6 +1,6 @@
 """The trainer: the model as TorchTitan builds it, HF ↔ TorchTitan weights, parallelism (FSDP2,
-expert parallel), routing replay (R2/R3), packing, the objective, checkpoints, the cold start's SFT
-and the memory plan.
+expert parallel), routing replay (R2/R3), packing, the objective, the output head, LoRA, optimizer
+offload, checkpoints and the cold start's SFT.
 
 May import: minirl's top-level modules (errors, files, models, recipe, …). Must not import the
 rollout engine or anything above it: the rollout side reads the trainer's weights, never the reverse.

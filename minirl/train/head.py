@@ -12,6 +12,10 @@ dropped; the backward makes them once more and sends their gradient through the 
 
 (one more head product per chunk in backward: the trade of a fused linear cross-entropy). The head
 is called as a module, so FSDP2 gathers its weight as for any forward and reduces its gradient.
+
+Where the logits do exist whole (the tiny model, whose head is never chunked: `head_chunk`),
+`target_logprobs` reads log π(y) from them a chunk of positions at a time, both ways, so that
+float32 exists for one chunk only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+HEAD_CHUNK = 1024  # positions of the chunked output head at once: 1024 × 151,936 fp32 logits are 0.6 GiB
+HEAD_CHUNK_ABOVE = 2**30  # bytes of a forward's bf16 logits above which the head runs chunked
+
+
+def head_chunk(positions: int, vocab: int) -> int:
+    """Positions per chunk of the output head for a forward of `positions`, or 0 for whole logits:
+    chunked where the bf16 logits would pass HEAD_CHUNK_ABOVE (Qwen3's vocabulary at 3.5k
+    positions), never on the tiny model, whose figures stay those of the whole logits. The
+    trainer asks it for every forward; the plan (setup/plan.py) counts what it chose."""
+    return HEAD_CHUNK if positions * vocab * 2 > HEAD_CHUNK_ABOVE else 0
 
 
 def head_logprobs(h_KD: torch.Tensor, targets_K: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], *,
@@ -83,3 +98,52 @@ class _HeadLogProbs(torch.autograd.Function):
             torch.autograd.backward(x, g.to(x.dtype))  # the head's parameters accumulate theirs here
             grad_h[s:e] = h.grad
         return grad_h, None, None, None, None, None
+
+
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
+    """log π(target_t) = logit_t[target] − logsumexp_v logit_t[v], in float32."""
+    B, T, V = logits_BTV.shape
+    rows = torch.arange(B * T, device=logits_BTV.device)
+    return target_logprobs(logits_BTV.reshape(B * T, V), rows, targets_BT.reshape(B * T),
+                           chunk_tokens=chunk_tokens).view(B, T)
+
+
+def target_logprobs(x_NV: torch.Tensor, rows_K: torch.Tensor, targets_K: torch.Tensor, *,
+                    chunk_tokens: int = 4096) -> torch.Tensor:
+    """log softmax(x[rows_K])[targets_K], [K] in float32: the log-prob of target k read from
+    position rows_K[k] (a packed prompt position may predict several responses' first tokens)."""
+    return _TargetLogProbs.apply(x_NV, rows_K, targets_K, chunk_tokens)
+
+
+class _TargetLogProbs(torch.autograd.Function):
+    """`target_logprobs`, a chunk of positions at a time both ways, so float32 exists for one chunk
+    only: a whole fp32 log-softmax over Qwen3's 151,936-token vocabulary is ~37 GiB at 64×1024
+    tokens. The gradient, ∂ log p_k / ∂x_n = 1[n = row_k]·(onehot(target_k) − softmax(x_n)),
+    is formed per chunk in float32 (1 − p cancels in bf16 for confident tokens) and written into
+    one [N, V] buffer of x's dtype: slicing under autograd instead adds a zero-filled [N, V]
+    gradient per chunk, which on an H100 (0.76B MoE, 16k tokens) dominated the step's kernels."""
+
+    @staticmethod
+    def forward(ctx, x_NV, rows_K, targets_K, chunk):
+        N = x_NV.shape[0]
+        lse_N = torch.empty(N, dtype=torch.float32, device=x_NV.device)
+        for s in range(0, N, chunk):
+            lse_N[s : s + chunk] = torch.logsumexp(x_NV[s : s + chunk].float(), dim=-1)
+        ctx.save_for_backward(x_NV, rows_K, targets_K, lse_N)
+        ctx.chunk = chunk
+        return x_NV[rows_K, targets_K].float() - lse_N[rows_K]
+
+    @staticmethod
+    def backward(ctx, g_K):
+        x_NV, rows_K, targets_K, lse_N = ctx.saved_tensors
+        N, chunk = x_NV.shape[0], ctx.chunk
+        g_K = g_K.float()
+        g_N = torch.zeros(N, dtype=torch.float32, device=x_NV.device).index_add_(0, rows_K, g_K)
+        grad_NV = torch.empty_like(x_NV)
+        for s in range(0, N, chunk):
+            e = min(s + chunk, N)
+            p = torch.exp(x_NV[s:e].float() - lse_N[s:e, None]).mul_(-g_N[s:e, None])  # −softmax · Σ_k g_k
+            here = (rows_K >= s) & (rows_K < e)
+            p.index_put_((rows_K[here] - s, targets_K[here]), g_K[here], accumulate=True)
+            grad_NV[s:e] = p
+        return grad_NV, None, None, None

@@ -31,61 +31,11 @@ from minirl.train.batch import Batch
 from minirl.hub import check_base, fingerprint
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.models import ModelShape, attention_pair_cost, titan_config
-from minirl.train.head import head_logprobs
+from minirl.train.head import head_chunk, head_logprobs, target_logprobs, token_logprobs
 from minirl.train.objective import entropy_from_logits
 from minirl.train.packing import pack_shared_prompts
-from minirl.train.plan import head_chunk
 from minirl.train.parallel import full_ac, full_state_dict, global_count, global_max, parallelize, whole
 from minirl.train.replay import RoutingReplay
-
-
-def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
-    """log π(target_t) = logit_t[target] − logsumexp_v logit_t[v], in float32."""
-    B, T, V = logits_BTV.shape
-    rows = torch.arange(B * T, device=logits_BTV.device)
-    return target_logprobs(logits_BTV.reshape(B * T, V), rows, targets_BT.reshape(B * T),
-                           chunk_tokens=chunk_tokens).view(B, T)
-
-
-def target_logprobs(x_NV: torch.Tensor, rows_K: torch.Tensor, targets_K: torch.Tensor, *,
-                    chunk_tokens: int = 4096) -> torch.Tensor:
-    """log softmax(x[rows_K])[targets_K], [K] in float32: the log-prob of target k read from
-    position rows_K[k] (a packed prompt position may predict several responses' first tokens)."""
-    return _TargetLogProbs.apply(x_NV, rows_K, targets_K, chunk_tokens)
-
-
-class _TargetLogProbs(torch.autograd.Function):
-    """`target_logprobs`, a chunk of positions at a time both ways, so float32 exists for one chunk
-    only: a whole fp32 log-softmax over Qwen3's 151,936-token vocabulary is ~37 GiB at 64×1024
-    tokens. The gradient, ∂ log p_k / ∂x_n = 1[n = row_k]·(onehot(target_k) − softmax(x_n)),
-    is formed per chunk in float32 (1 − p cancels in bf16 for confident tokens) and written into
-    one [N, V] buffer of x's dtype: slicing under autograd instead adds a zero-filled [N, V]
-    gradient per chunk, which on an H100 (0.76B MoE, 16k tokens) dominated the step's kernels."""
-
-    @staticmethod
-    def forward(ctx, x_NV, rows_K, targets_K, chunk):
-        N = x_NV.shape[0]
-        lse_N = torch.empty(N, dtype=torch.float32, device=x_NV.device)
-        for s in range(0, N, chunk):
-            lse_N[s : s + chunk] = torch.logsumexp(x_NV[s : s + chunk].float(), dim=-1)
-        ctx.save_for_backward(x_NV, rows_K, targets_K, lse_N)
-        ctx.chunk = chunk
-        return x_NV[rows_K, targets_K].float() - lse_N[rows_K]
-
-    @staticmethod
-    def backward(ctx, g_K):
-        x_NV, rows_K, targets_K, lse_N = ctx.saved_tensors
-        N, chunk = x_NV.shape[0], ctx.chunk
-        g_K = g_K.float()
-        g_N = torch.zeros(N, dtype=torch.float32, device=x_NV.device).index_add_(0, rows_K, g_K)
-        grad_NV = torch.empty_like(x_NV)
-        for s in range(0, N, chunk):
-            e = min(s + chunk, N)
-            p = torch.exp(x_NV[s:e].float() - lse_N[s:e, None]).mul_(-g_N[s:e, None])  # −softmax · Σ_k g_k
-            here = (rows_K >= s) & (rows_K < e)
-            p.index_put_((rows_K[here] - s, targets_K[here]), g_K[here], accumulate=True)
-            grad_NV[s:e] = p
-        return grad_NV, None, None, None
 
 
 class Trainer:
@@ -332,7 +282,7 @@ class Trainer:
         return logp, ent
 
     def _head_chunk(self, positions: int) -> int:
-        """Positions per chunk of the output head (head.py), or 0 for whole logits (plan.head_chunk)."""
+        """Positions per chunk of the output head (head.py), or 0 for whole logits (head.head_chunk)."""
         return self.head_chunk if self.head_chunk is not None else head_chunk(positions, self.shape.vocab_size)
 
     def _packed(self, batch: Batch):

@@ -37,7 +37,7 @@ def main() -> None:
 
     from minirl import recipe
     from minirl.models import KNOWN_SHAPES, TINY
-    from minirl.train.plan import make_plan
+    from minirl.setup.plan import make_plan
     from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target
     from minirl.train.trainer import Trainer
 

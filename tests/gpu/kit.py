@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from minirl.models import TINY, ModelShape, hf_config_dict, param_count
-from minirl.train.plan import active_params
+from minirl.models import TINY, ModelShape, active_params, hf_config_dict, param_count
 
 DRY = os.environ.get("MINIRL_GPU_DRY") == "1"
 REPORT = os.environ.get("MINIRL_GPU_REPORT")  # folder of the run's report files, if any

@@ -138,7 +138,7 @@ def _run_figures(run: Path, gpu_gib: float | None) -> dict:
     on this GPU: held-out, steps/s, whole-loop tokens/s, seconds per phase, memory against the plan."""
     from minirl import recipe
     from minirl.models import read_shape
-    from minirl.train.plan import make_plan
+    from minirl.setup.plan import make_plan
 
     summary = json.loads((run / "summary.json").read_text())
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]

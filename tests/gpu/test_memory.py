@@ -21,7 +21,7 @@ PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 4, 8, 64, 448  # 32 rows of up to 512
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_peak_memory_of_a_step_is_within_the_plan(device, one_rank_group, ac):
     from minirl import recipe
-    from minirl.train.plan import GiB, make_plan
+    from minirl.setup.plan import GiB, make_plan
     from minirl.train.trainer import Trainer
 
     if device.type != "cuda":

@@ -19,7 +19,7 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
     logits           the output head a chunk of 1,024 positions at a time where a micro-batch's bf16
                      logits pass 1 GiB (train/head.py): that chunk's bf16 logits and three fp32
                      [chunk, vocab] tensors; else T × vocab in bf16 and their gradient, plus one fp32
-                     chunk of 4,096 positions and its softmax (minirl.train.trainer.target_logprobs)
+                     chunk of 4,096 positions and its softmax (minirl.train.head.target_logprobs)
     vLLM weights     colocated, one engine per tensor-parallel group: P × 2 B (bf16) or 1 B (fp8) / TP
     vLLM working     its activations, workspaces, CUDA graphs and sampler (engine_sizing.working_bytes:
                      an estimate until a GPU measures it)
@@ -44,10 +44,11 @@ trainer's activations are gone while vLLM samples, so the peak is the largest of
                      before the engine wakes) + vLLM's weights + one bucket + one gathered parameter
     rollout          what the trainer keeps between updates + the engine (weights, working memory, KV cache)
 
-A plan that does not fit names every phase that overflows, and `advise` finds the cheapest change
-that makes all of them fit: micro-batch, offload, rollout TP, FP8, LoRA, more GPUs, in that order.
-Host memory per node (offloaded moments, sleeping engines' weights) and the moments' transfer time
-per step (at HOST_LINK_BYTES_S, an assumption) are reported beside the GPU's figures.
+A plan that does not fit names every phase that overflows, and setup/advice.py finds the cheapest
+change that makes all of them fit: the engine's share, micro-batch, offload, rollout TP, FP8, LoRA,
+more GPUs, in that order. Host memory per node (`host_memory`: the checkpoint's read, offloaded
+moments, sleeping engines' weights) and the moments' transfer time per step (at HOST_LINK_BYTES_S,
+an assumption) are reported beside the GPU's figures.
 """
 
 from __future__ import annotations
@@ -56,16 +57,14 @@ import math
 from dataclasses import dataclass, field
 
 from minirl import engine_sizing as sizing
-from minirl.errors import UsageError
-from minirl.models import ModelShape, lora_param_count, param_count
+from minirl.models import ModelShape, active_params, lora_param_count, param_count
+from minirl.train.head import head_chunk
 from minirl.recipe import with_sets
 from minirl.validator import lora_targets
 
 GiB = 2**30
 HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUDA context, NCCL buffers)
 LOGIT_CHUNK = 4096
-HEAD_CHUNK = 1024  # positions of the chunked output head at once (head.py): 1024 × 151,936 fp32 logits are 0.6 GiB
-HEAD_CHUNK_ABOVE = 2**30  # bytes of a forward's bf16 logits above which the head runs chunked
 # pinned host <-> GPU copies, each GPU on its own PCIe Gen5 x16 link (64 GB/s a direction on paper):
 # an assumption for the transfer-time estimate, not a measurement
 HOST_LINK_BYTES_S = 25e9
@@ -109,21 +108,6 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
     parts = {k: v for k, v in parts.items() if v}
     between = sum(parts.values())
     return {"checkpoint read at start (rank 0)": read, **parts, "peak": max(start, between)}
-
-
-def head_chunk(positions: int, vocab: int) -> int:
-    """Positions per chunk of the output head for a forward of `positions` (train/head.py), or 0
-    for whole logits: chunked where the bf16 logits would pass HEAD_CHUNK_ABOVE (Qwen3's vocabulary
-    at 3.5k positions), never on the tiny model, whose figures stay those of the whole logits."""
-    return HEAD_CHUNK if positions * vocab * 2 > HEAD_CHUNK_ABOVE else 0
-
-
-def active_params(shape: ModelShape) -> int:
-    """Parameters a token passes through: all but the experts it is not routed to."""
-    if not shape.is_moe:
-        return param_count(shape)
-    experts = shape.n_layers * shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim
-    return param_count(shape) - experts * (shape.num_experts - shape.top_k) // shape.num_experts
 
 
 @dataclass
@@ -436,93 +420,3 @@ def plan_for(rec, shape: ModelShape, *, model: str, gpu_gib: float, fit: bool, k
     launch line do."""
     fitted = fit_mesh(rec, shape, keep) if fit else {}
     return make_plan(with_sets(rec, fitted) if fitted else rec, shape, model=model, gpu_gib=gpu_gib)
-
-
-# LoRA's learning rate against full RL's where advice turns LoRA on: the factor of the shipped
-# Qwen3-30B-A3B LoRA recipe ("LoRA Without Regret"); docs/lora.md: the tiny model learned best at 1.7 ×
-LORA_LR_FACTOR = 10
-
-
-def _ladder(rec, plan: Plan) -> list[list[dict]]:
-    """The changes `advise` tries, cheapest kind first, each kind's options mildest first: what a
-    change costs in time or quality grows down the list (an engine budget the plan derives costs
-    nothing; a smaller micro-batch costs a little throughput; offload, transfers; rollout TP,
-    engines; FP8, a wider training-inference gap; LoRA, what the adapters cannot learn; more GPUs,
-    money)."""
-    t, r, p = rec.train, rec.rollout, rec.parallel
-    micro = []
-    ac = {} if t.activation_checkpoint == "full" else {"train.activation_checkpoint": "full"}
-    if ac:
-        micro.append(ac)
-    m = plan.micro_batch_tokens // 2
-    while m >= 1024:
-        micro.append({**ac, "train.micro_batch_tokens": m})
-        m //= 2
-    world = p.nodes * p.gpus_per_node
-    tps = [tp for tp in (2, 4, 8) if tp > r.tensor_parallel and tp <= p.gpus_per_node and world % tp == 0]
-    gpus = [(n, g) for n in (1, 2, 4, 8, 16, 32, 64) for g in (1, 2, 4, 8)
-            if n * g > world and (n == 1 or g == 8) and n >= p.nodes]
-    return [[{"rollout.memory_fraction": 0.0, "rollout.kv_cache_gib": 0.0}] if r.memory_fraction or r.kv_cache_gib else [],
-            micro,
-            [{"train.offload": "optimizer"}] if t.offload == "none" else [],
-            [{"rollout.tensor_parallel": tp} for tp in tps],
-            [{"rollout.precision": "fp8"}] if r.precision not in ("fp8", "fp8-weights", "e5m2", "nvfp4") else [],
-            [{"train.lora.rank": 16, "train.lr": float(f"{t.lr * LORA_LR_FACTOR:.3g}")}] if not t.lora.rank else [],
-            [{"parallel.nodes": n, "parallel.gpus_per_node": g} for n, g in sorted(gpus, key=lambda x: x[0] * x[1])]]
-
-
-def advise(rec, shape: ModelShape, *, model: str, gpu_gib: float, lora: bool = True,
-           fit: bool = False, keep=frozenset()) -> tuple[dict, Plan] | None:
-    """The cheapest change that makes the whole plan fit (every phase, and at least one full-length
-    sequence in flight), as `--set` keys and values, and the plan it gives: exactly the plan of the
-    same dry run with those flags added (`rec` is the recipe before `fit_mesh`; a change of machine
-    fits the mesh to the new machine, as that dry run would). Kinds of change are taken in
-    `_ladder`'s order, each added to the strongest option of the kinds before it; then every
-    earlier kind is eased back as far as the plan still fits. lora=False leaves LoRA off the ladder
-    (what training every weight would take)."""
-    def fits(sets: dict) -> Plan | None:
-        try:
-            plan = plan_for(with_sets(rec, sets), shape, model=model, gpu_gib=gpu_gib, keep=keep,
-                            fit=fit or "parallel.gpus_per_node" in sets or "parallel.nodes" in sets)
-        except UsageError:  # a combination the validator refuses is no advice
-            return None
-        return plan if plan.fits else None
-
-    plan = plan_for(rec, shape, model=model, gpu_gib=gpu_gib, fit=fit, keep=keep)
-    if plan.fits:
-        return {}, plan
-    ladder = _ladder(rec, plan)
-    if not lora:
-        ladder = [[o for o in level if "train.lora.rank" not in o] for level in ladder]
-    merged = lambda parts: {k: v for part in parts for k, v in part.items()}  # noqa: E731
-    for n, level in enumerate(ladder):
-        earlier = [options[-1] if options else {} for options in ladder[:n]]  # each earlier kind at its strongest
-        for option in level:
-            if fits(merged([*earlier, option])) is None:
-                continue
-            for i in reversed(range(n)):  # ease each earlier kind back: none of it, else its mildest that fits
-                earlier[i] = next(mild for mild in [{}, *ladder[i]]
-                                  if fits(merged([*earlier[:i], mild, *earlier[i + 1:], option])) is not None)
-            now = rec.flat()
-            sets = {k: v for k, v in merged([*earlier, option]).items() if now[k] != v}  # what changes
-            return sets, fits(sets)
-    return None
-
-
-def describe(sets: dict, plan: Plan) -> str:
-    """A change as flags, and what its plan gives: '--set k=v …: training X, weight sync Y, rollout
-    Z GiB per GPU; N full-length sequences in flight per engine'."""
-    flags = [f"--nodes {sets['parallel.nodes']}"] if "parallel.nodes" in sets else []
-    flags += [f"--gpus-per-node {sets['parallel.gpus_per_node']}"] if "parallel.gpus_per_node" in sets else []
-    flags += [f"--set {k}={v:g}" if isinstance(v, float) else f"--set {k}={v}"
-              for k, v in sets.items() if k not in ("parallel.nodes", "parallel.gpus_per_node")]
-    peaks = ", ".join(f"{k.split(' (')[0]} {v:.1f}" for k, v in plan.phases_gib.items())
-    return f"{' '.join(flags)}: {peaks} GiB per GPU; {plan.in_flight} full-length sequences in flight per engine"
-
-
-def refusal(plan: Plan, advice: list[str], hint: str = "") -> str:
-    """The one line a plan that does not fit is refused with (the dry run's and the run's): every
-    problem's first clause, then the cheapest change that fits."""
-    over = "; ".join(p.split(";")[0] for p in plan.problems)
-    fix = f"; the cheapest change that fits: {advice[0]}" if advice else "; no change on the ladder fits"
-    return f"the plan does not fit: {over}{fix}{hint}"

@@ -1,0 +1,83 @@
+"""`minirl run --dry-run` as a report: the recipe it resolves, the mesh fitted to the machine asked
+about, the plan (setup/plan.py), the launch lines, the cheapest changes that fit and, where it does
+not fit, the one line it is refused with. Nothing here prints: the CLI prints the report.
+
+Needs no GPU, no weights and no workspace: the recipe is the workspace's, else the model's shipped
+one, else the named shipped recipe, else the defaults (`workspace.planned_recipe`). What `run`
+would refuse before any engine starts is refused here with the same line (`preflight.check_planned`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minirl import recipe as recipe_mod
+from minirl.hub import resolution
+from minirl.models import TINY_ID
+from minirl.recipe import Recipe, with_sets
+from minirl.setup.advice import advise, describe, refusal
+from minirl.setup.plan import Plan, fit_mesh, launch_commands, plan_for
+from minirl.setup.preflight import check_planned
+from minirl.setup.workspace import RECIPE_NAME, planned_recipe
+
+
+@dataclass
+class DryRun:
+    recipe: Recipe  # resolved, the mesh fitted to the machine asked about
+    recipe_label: str  # the file it came from, or "defaults"
+    plan: Plan
+    fitted: dict  # what the fitting lowered: `--set` keys and values, also in the launch line
+    launch: list[str]  # commands, in order
+    advice: list[str] = field(default_factory=list)  # the cheapest change that fits; where that is LoRA, every weight's
+    notes: list[str] = field(default_factory=list)  # lines for the user before the plan
+    refused: str = ""  # the one line a plan that does not fit is refused with
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+
+def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, sets: list[str], user_sets: list[str],
+            launch_flags: list[tuple[str, object]], nodes: int | None, gpus_per_node: int | None,
+            gpu_gib: float) -> DryRun:
+    """The dry run of `minirl run` with these arguments: `sets` are every `--set` the flags make
+    (the user's `user_sets` among them); `launch_flags` the (flag, value) pairs the launch line
+    repeats. A machine named by --nodes / --gpus-per-node (alone: one node of it) fits the recipe's
+    expert and rollout tensor parallelism to it, never a value the user set."""
+    sets = list(sets)
+    if gpus_per_node is not None and nodes is None:  # one machine named: one node of it
+        sets.append("parallel.nodes=1")
+    machine = nodes is not None or gpus_per_node is not None
+    given = frozenset(x.split("=", 1)[0].strip() for x in user_sets)  # what the user set: never lowered
+    base, label, shape = planned_recipe(workspace, model_id, recipe_name, sets)
+    fitted = fit_mesh(base, shape, given) if machine else {}
+    rec = with_sets(base, fitted) if fitted else base
+    check_planned(rec, shape)  # what `run` refuses before any engine starts, with its line
+    notes = []
+    if fitted:  # the machine asked about has fewer GPUs than the recipe's mesh: the plan, and its launch line, say so
+        notes.append(f"for {rec.parallel.nodes} × {rec.parallel.gpus_per_node} GPU(s): "
+                     + ", ".join(f"{k} = {v}" for k, v in fitted.items())
+                     + " (the recipe's mesh needs more GPUs; the launch line below sets them)")
+    if resolution(rec.model.id):
+        notes.append(resolution(rec.model.id))
+    plan = plan_for(base, shape, model=rec.model.id, gpu_gib=gpu_gib, fit=machine, keep=given)
+    has_ws = (Path(workspace) / RECIPE_NAME).exists()
+    args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),
+                     *(f"--set {x}" for x in [*user_sets, *(f"{k}={v}" for k, v in fitted.items())])])
+    init = " ".join(["minirl init WORKSPACE", f"--model {model_id or rec.model.id}",
+                     *([f"--recipe {recipe_name}"] if recipe_name else [])])
+    first = [] if has_ws or not (model_id or recipe_name) else [init]
+    report = DryRun(rec, label, plan, fitted, first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args),
+                    notes=notes)
+    if not plan.fits:
+        for lora in (True, False):
+            found = advise(base, shape, model=rec.model.id, gpu_gib=gpu_gib, lora=lora, fit=machine, keep=given)
+            if found and describe(*found) not in report.advice:
+                report.advice.append(describe(*found))
+        shipped = recipe_mod.for_model(model_id) if model_id else None
+        own = recipe_mod.load(Path(label)).model.id if label != "defaults" else TINY_ID
+        hint = (f"; this recipe is {own}'s: {model_id}'s own is recipes/{shipped.name} (`minirl init WS --model "
+                f"{model_id}`)" if shipped and own != model_id else "")
+        report.refused = refusal(plan, report.advice, hint)
+    return report
