@@ -23,6 +23,7 @@ from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.hub import resolution
 from minirl.models import TINY_ID
+from minirl.precisions import NAMES as PRECISION_NAMES
 from minirl.run.plots import plot_metrics
 from minirl.setup.dryrun import dry_run as plan_dry_run
 from minirl.setup.preflight import run_recipe
@@ -168,7 +169,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 @click.option("--replay", type=click.Choice(["off", "r2", "r3"]), default=None,
               help="Routing Replay for MoE (sets train.replay): off, r2 (trainer routes), r3 (rollout routes).")
 @click.option("--steps", type=int, default=None, help="RL steps (sets train.steps).")
-@click.option("--rollout-precision", type=click.Choice(["fp32", "bf16", "fp8", "fp8-weights", "e5m2", "nvfp4"]),
+@click.option("--rollout-precision", type=click.Choice(PRECISION_NAMES),
               default=None,
               help="Rollout engine precision (sets rollout.precision); fp8: FP8 weights and activations (W8A8; "
                    "emulated on CPU); fp8-weights, e5m2, nvfp4: the lab's CPU levels.")

@@ -18,7 +18,7 @@ from minirl.files import read_json
 from minirl.eval.evaluate import resolve_checkpoint
 from minirl.setup.preflight import latest_trained
 from minirl.setup.workspace import Workspace, init_workspace
-from minirl.validator import PRECISIONS
+from minirl.precisions import NAMES as PRECISIONS
 
 
 @click.command()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from minirl.engine_sizing import cpu_kv_cache_bytes, max_samples_per_prompt
 from minirl.engines import ENGINES
+from minirl.precisions import NAMES, PRECISIONS
 from minirl.errors import UsageError
 from minirl.hub import repo_id
 from minirl.models import ModelShape
@@ -20,8 +21,6 @@ from minirl.task import TASKS
 if TYPE_CHECKING:
     from minirl.recipe import Recipe, RolloutConfig
 
-# rollout.precision's levels, mildest gap first (the doctor and the lab's dial go in this order)
-PRECISIONS = ("fp32", "bf16", "fp8-weights", "fp8", "e5m2", "nvfp4")
 
 
 # Range of every numeric field: key -> (lowest, highest, lowest allowed itself?). Every number
@@ -139,7 +138,7 @@ def validate(r: Recipe, platform: Platform | None = None, model: ModelShape | No
         "train.activation_checkpoint": (r.train.activation_checkpoint, ("none", "full")),
         "train.offload": (r.train.offload, ("none", "optimizer")),
         "rollout.engine": (r.rollout.engine, tuple(ENGINES)),
-        "rollout.precision": (r.rollout.precision, PRECISIONS),
+        "rollout.precision": (r.rollout.precision, NAMES),
         "cold_start.task": (r.cold_start.task, tuple(TASKS)),
     }
     for key, (value, allowed) in choices.items():
@@ -230,7 +229,7 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
 
 def _check_platform(ro: RolloutConfig, p: Platform) -> None:
     """What the machine cannot do: refused, never quietly changed."""
-    if p.device != "cpu" and ro.precision in ("fp8-weights", "e5m2", "nvfp4"):
+    if p.device != "cpu" and PRECISIONS[ro.precision].cpu_only:
         raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
                          "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
     if ro.overlap and (p.world_size > 1 or p.device != "cpu"):

@@ -220,3 +220,17 @@ def test_no_module_is_over_500_lines():
     """The layout's limit (docs/contributing.md): a module that grows past it has two things in it."""
     long = {m: n for m, path in modules().items() if (n := len(path.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_the_precision_names_are_declared_once():
+    """#65: rollout.precision's names (and what each means for an engine) live in minirl/precisions.py;
+    nothing else lists them (a line naming four of them or more is a list of its own)."""
+    import re
+
+    from minirl.precisions import NAMES
+
+    quoted = re.compile("|".join(re.escape(f'"{n}"') for n in NAMES))
+    lists = [f"{m}:{i}" for m, path in modules().items() if m != "minirl.precisions"
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if len(set(quoted.findall(line))) >= 4 and not line.lstrip().startswith(">>>")]  # a doctest shows, it declares nothing
+    assert lists == []

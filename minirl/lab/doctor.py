@@ -42,6 +42,7 @@ from minirl.train.objective import loss_for, minibatch_indices
 from minirl.setup.preflight import check_model_folder, prepare_run
 from minirl.train.replay import rollout_routes, route_agreement, tokens_with_a_flip
 from minirl.rollout.fp8 import fp8_roundtrip
+from minirl.precisions import NAMES, PRECISIONS
 from minirl.rollout import make_engine
 from minirl.train.trainer import Trainer
 
@@ -67,13 +68,14 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     kw = dict(seed=rec.train.seed, max_model_len=max_len, capture_routes=moe, max_num_seqs=sizing.max_num_seqs(rec),
               sleep_level=0, tensor_parallel=1)
     level = lambda p: make_engine(folder, dataclasses.replace(rec.rollout, precision=p), **kw)  # noqa: E731
-    engines = {"float32": level("fp32"), "bfloat16": level("bf16"), "w8a8": level("fp8"), "e5m2": level("e5m2"),
-               "nvfp4": level("nvfp4")}
-    # the rollout precision levels (recipe.RolloutConfig.precision), mildest first: the engine that
-    # samples at each and the weights it holds
-    levels = (("fp32", engines["float32"], weights), ("bf16", engines["bfloat16"], weights),
-              ("fp8-weights", engines["bfloat16"], rounded["fp8"]), ("fp8", engines["w8a8"], rounded["fp8"]),
-              ("e5m2", engines["e5m2"], rounded["e5m2"]), ("nvfp4", engines["nvfp4"], rounded["nvfp4"]))
+    # fp8-weights is the bf16 engine holding FP8-rounded weights; every other level an engine of its own
+    engines = {p: level(p) for p in NAMES if p != "fp8-weights"}
+    # the rollout precision levels (minirl/precisions.py), mildest first: the engine that samples at
+    # each and the weights it holds
+    fmt = {"w8": "fp8", "w8a8": "fp8"}  # the FP8 levels round the weights to e4m3
+    holds = {p: rounded[fmt.get(PRECISIONS[p].emulate, PRECISIONS[p].emulate)] if PRECISIONS[p].rounds else weights
+             for p in NAMES}
+    levels = tuple((p, engines["bf16" if p == "fp8-weights" else p], holds[p]) for p in NAMES)
     B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
     pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
     per_seed = []
@@ -110,10 +112,10 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
         resps = [list(c.token_ids) for g in groups for c in g]
         prompts_flat = [p for p in prompts for _ in range(G)]
         for name in ("bf16", "fp8"):
-            engines["float32"].load_weights(rounded[name].items())
-            mu = _as_batch(prompts_flat, resps, engines["float32"].score(prompts_flat, resps), pad)
+            engines["fp32"].load_weights(rounded[name].items())
+            mu = _as_batch(prompts_flat, resps, engines["fp32"].score(prompts_flat, resps), pad)
             fig[f"kl/weights_{name}"] = objective.train_inference_kl_k3(mu.rollout_logp_BT, pi, batch.mask_BT)
-        engines["float32"].load_weights(weights.items())
+        engines["fp32"].load_weights(weights.items())
 
         # routing and staleness on the run's own precision (its batch's forwards, from above)
         groups, batch, pi, routes, own, r3_lp = batches[r.precision]
@@ -275,7 +277,7 @@ def plot(report: dict, out_png: Path) -> Path:
     panels = 3 if report["moe"] else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), constrained_layout=True,
                              gridspec_kw={"width_ratios": [1.5] + [1] * (panels - 1)})
-    names = ["fp32", "bf16", "fp8-weights", "fp8", "e5m2", "nvfp4", "weights_bf16", "weights_fp8"]
+    names = [*NAMES, "weights_bf16", "weights_fp8"]
     labels = ["fp32", "bf16", "fp8\nweights", "fp8\nW8A8", "e5m2\nW8A8", "nvfp4\nW4A4", "bf16 w.\n(fp32 vLLM)",
               "fp8 w.\n(fp32 vLLM)"]
     kl = [f[f"kl/{n}"]["mean"] for n in names]

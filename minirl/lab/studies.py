@@ -35,7 +35,7 @@ from typing import NamedTuple
 from minirl import atomic
 from minirl.lab import verdicts as v
 from minirl.lab.runner import NO_CLIP, NO_IS, Cell, Lab, Plan, rows_of
-from minirl.validator import PRECISIONS
+from minirl.precisions import NAMES as PRECISIONS
 
 # The mismatch dial: rollout.precision levels, mildest first. On the CPU `fp8` is the W8A8
 # emulation (what FP8 vLLM does on CUDA); `fp8-weights` and `e5m2` (beyond the paper) are lab levels.

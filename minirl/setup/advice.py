@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from minirl.errors import UsageError
 from minirl.models import ModelShape
+from minirl.precisions import PRECISIONS
 from minirl.recipe import with_sets
 from minirl.setup.plan import Plan, plan_for
 
@@ -38,7 +39,7 @@ def _ladder(rec, plan: Plan) -> list[list[dict]]:
             micro,
             [{"train.offload": "optimizer"}] if t.offload == "none" else [],
             [{"rollout.tensor_parallel": tp} for tp in tps],
-            [{"rollout.precision": "fp8"}] if r.precision not in ("fp8", "fp8-weights", "e5m2", "nvfp4") else [],
+            [{"rollout.precision": "fp8"}] if not PRECISIONS[r.precision].rounds else [],
             [{"train.lora.rank": 16, "train.lr": float(f"{t.lr * LORA_LR_FACTOR:.3g}")}] if not t.lora.rank else [],
             [{"parallel.nodes": n, "parallel.gpus_per_node": g} for n, g in sorted(gpus, key=lambda x: x[0] * x[1])]]
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 from minirl import engine_sizing as sizing
 from minirl.models import ModelShape, active_params, lora_param_count, param_count
+from minirl.precisions import PRECISIONS
 from minirl.train.head import head_chunk
 from minirl.recipe import with_sets
 from minirl.validator import lora_targets
@@ -268,7 +269,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     # micro-batch's bf16 logits and their gradient, and one float32 chunk and its softmax
     logits = (chunk * shape.vocab_size * (2 + 3 * 4) if chunk else
               micro * shape.vocab_size * 2 * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2)
-    weight_bytes = {"fp32": 4, "bf16": 2}.get(r.precision, 1)  # the FP8 levels: one byte
+    weight_bytes = PRECISIONS[r.precision].weight_bytes
     engines = max(1, world // tp_vllm)
     kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2
     # the trainer's state in three groups: what it keeps (weights), the gradients, Adam's moments
