@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -11,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from minirl.setup.plan import HEADROOM, HOST_LINK_BYTES_S
+from minirl.store import SUMMARY
 
 # not on a terminal (a log, a pipe): lines are not broken at rich's default 80 columns mid-phrase
 console = Console(stderr=False, highlight=False, soft_wrap=not sys.stdout.isatty())
@@ -103,7 +105,7 @@ class RunView:
         for k, v in s["phases_s"].items():
             table.add_row(f"time: {k}", f"{v:.1f} s")
         self.console.print(table)
-        self.console.print(f"summary: {s['run_dir']}/summary.json")
+        self.console.print(f"summary: {Path(s['run_dir']) / SUMMARY}")
         hf = f"HF folder: {s['hf_folder']}" if s["hf_folder"] else "HF folder: `minirl export`, or at the run's end"
         self.console.print(f"checkpoint: {s['checkpoint']}  ({hf})")
         if "plot" in s:

@@ -16,7 +16,7 @@ from minirl import recipe as recipe_mod
 from minirl.errors import UsageError
 from minirl.files import read_json
 from minirl.eval.evaluate import resolve_checkpoint
-from minirl.setup.preflight import latest_trained
+from minirl.store import latest_trained
 from minirl.setup.workspace import Workspace, init_workspace
 from minirl.precisions import NAMES as PRECISIONS
 

@@ -8,9 +8,6 @@ from pathlib import Path
 
 from minirl.errors import UsageError
 
-# in a checkpoint folder: its held-out scores (the run's periodic evaluation, or `export --best`'s)
-HELDOUT_FILE = "heldout.json"
-
 
 def read_json(path: Path, what: str) -> dict:
     """A JSON object from `path`; anything else is one UsageError line naming the file."""
@@ -23,3 +20,13 @@ def read_json(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise UsageError(f"{what}: {path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def json_or_empty(path: Path) -> dict:
+    """A JSON object from `path`, or {} where it is missing, unreadable or not an object (for what
+    only reports, or decides from what is there)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

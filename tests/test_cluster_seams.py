@@ -244,7 +244,8 @@ def test_resume_run_continues_the_run_it_names_not_the_newest(tmp_path):
 
     from minirl.errors import UsageError
     from minirl.models import TINY
-    from minirl.setup.preflight import pick_resume_checkpoint, run_folder
+    from minirl.setup.preflight import pick_resume_checkpoint
+    from minirl.store import run_folder
     from minirl.setup.workspace import Workspace
 
     ws = Workspace(tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.run.metrics_file import metric_rows
+from minirl.store import metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [

@@ -70,7 +70,7 @@ def run_dir(export_ws, tmp_path) -> Path:
 
 @pytest.mark.slow
 def test_best_never_picks_what_a_rollback_undid(run_dir, tmp_path):
-    from minirl.publish.export import checkpoints
+    from minirl.store import checkpoints
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r.get("guard/action"), r.get("guard/rollback_to_step")) for r in rows][3:] == [
@@ -228,7 +228,7 @@ def test_the_cards_snippets_run_and_push_to_a_stand_in_hub(run_dir, tmp_path):
 def test_the_checkpoint_pruning_keeps_as_best_is_the_good_one_with_the_top_run_score(tmp_path):
     """`checkpoint.keep` keeps the newest checkpoints, the rollback target, and the good one with
     the best held-out score its run measured (what `export --best` would pick among them)."""
-    from minirl.run.loop import best_scored
+    from minirl.store import best_scored
 
     def ckpt(step: int, score: float | None, good: bool = True) -> Path:
         path = tmp_path / f"step_{step:06d}"

@@ -172,7 +172,8 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
         steps = [r["step"] for r in rows]
         assert steps == list(range(1, len(steps) + 1))  # one row per step, in order
         from minirl.models import TINY
-        from minirl.setup.preflight import check_checkpoint, complete_checkpoints
+        from minirl.setup.preflight import check_checkpoint
+        from minirl.store import complete_checkpoints
 
         complete = complete_checkpoints(run_dir)
         for c in complete:
@@ -226,7 +227,8 @@ wait $pid; echo $? > {tmp_path}/rc.txt
 {py} - <<'EOF'
 import json, pathlib, sys
 sys.path.insert(0, "{ROOT}")
-from minirl.setup.preflight import check_checkpoint, complete_checkpoints
+from minirl.setup.preflight import check_checkpoint
+from minirl.store import complete_checkpoints
 from minirl.models import TINY
 from minirl.train.trainer import Trainer
 run = sorted(p for p in pathlib.Path("{ws}/runs").iterdir() if p.is_dir())[-1]

@@ -234,3 +234,26 @@ def test_the_precision_names_are_declared_once():
              for i, line in enumerate(path.read_text().splitlines(), 1)
              if len(set(quoted.findall(line))) >= 4 and not line.lstrip().startswith(">>>")]  # a doctest shows, it declares nothing
     assert lists == []
+
+
+def test_the_run_folders_files_have_one_owner():
+    """#65: a checkpoint's record (minirl.json), its scores (heldout.json) and a run's summary
+    (summary.json) are named, read and written in minirl/store.py alone; docstrings may mention them."""
+    import ast
+
+    import re
+
+    owned = re.compile(r"\b(minirl|heldout|summary)\.json(?!l)")  # not data/heldout.jsonl
+    found = []
+    for name, path in modules().items():
+        if name == "minirl.store":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                    and owned.search(node.value):
+                found.append(f"{name}:{node.lineno}")
+    assert found == []

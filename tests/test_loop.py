@@ -33,7 +33,7 @@ def test_truncated_reward_semantics():
 
 
 def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
-    from minirl.run.metrics_file import truncate as _truncate_metrics
+    from minirl.store import truncate_metrics as _truncate_metrics
 
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rollout/rew')  # killed mid-write
@@ -43,7 +43,7 @@ def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
 
 
 def test_only_complete_checkpoints_count(tmp_path):
-    from minirl.setup.preflight import complete_checkpoints
+    from minirl.store import complete_checkpoints
 
     ck = tmp_path / "checkpoints"
     for name, done in (("step_000001", True), ("step_000002", True), ("step_000003.tmp", True),

@@ -11,7 +11,8 @@ import pytest
 
 from minirl import recipe
 from minirl.errors import UsageError
-from minirl.setup.preflight import latest_trained, run_recipe
+from minirl.setup.preflight import run_recipe
+from minirl.store import latest_trained
 from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 
@@ -74,7 +75,8 @@ def test_latest_is_the_newest_run_that_trained(ws):
 
 
 def test_a_cards_evaluations_are_found_however_the_checkpoint_path_was_typed(tmp_path, monkeypatch):
-    from minirl.publish.export import Checkpoint, eval_results_for
+    from minirl.publish.export import eval_results_for
+    from minirl.store import Checkpoint
 
     ckpt = _run(tmp_path, "20261127-100000", (4,)) / "checkpoints" / "step_000004"
     (tmp_path / "evals").mkdir()

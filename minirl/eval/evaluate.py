@@ -18,7 +18,8 @@ from minirl import hub
 from minirl import recipe as recipe_mod
 from minirl.data import Problem, prompt_ids, response_text
 from minirl.errors import UsageError
-from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead, latest_trained
+from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead
+from minirl.store import is_checkpoint, latest_trained
 from rewards.pool import GradingPool
 
 
@@ -151,11 +152,11 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
             try:
                 check_model_folder(folder)
             except UsageError as e:
-                if ws is None or not (path / "minirl.json").exists():
+                if ws is None or not is_checkpoint(path):
                     raise
                 raise UsageError(f"{e}; {instead(path, check_model_folder(start_dir()), rec.model.id)}") from None
             return folder
-    if (path / "minirl.json").exists():  # a DCP step checkpoint: export its weights once
+    if is_checkpoint(path):  # a DCP step checkpoint: export its weights once
         from minirl.train.hf_io import save_hf_folder  # deferred: torch (the CLI imports this module at start)
         from minirl.train.trainer import Trainer
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from minirl import atomic
 from minirl.lab import verdicts as v
-from minirl.setup.preflight import complete_checkpoints
+from minirl.store import complete_checkpoints
 from minirl.run.runlock import RunLock
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from minirl import atomic
 from minirl import recipe as recipe_mod
-from minirl.setup.preflight import complete_checkpoints
+from minirl.store import complete_checkpoints, has_summary
 from minirl.rollout.seeding import SAMPLING
 from minirl.run.runlock import RunLock
 from minirl.run.status import PROCESS_FILE
@@ -135,7 +135,7 @@ class Lab:
         """The run folder of (cell, seed) where it finished with the settings it would run with now."""
         key, recorded = self._identity(cell, seed, p)
         done = self.state["runs"].get(key)
-        if done and (Path(done) / "summary.json").exists() and \
+        if done and has_summary(Path(done)) and \
                 _legacy_free(self.state.get("sets", {}).get(key, []), p) == recorded:
             return Path(done)
         return None
@@ -175,7 +175,7 @@ class Lab:
         child = self.minirl(args, log, on_start=began, append=cut_short is not None)
         rc = child.returncode
         run = run_of_process(self.ws_root, child.pid, since=t0)
-        if rc != 0 or run is None or not (run / "summary.json").exists():
+        if rc != 0 or run is None or not has_summary(run):
             if cut_short and rc == 2:  # its checkpoint refused (damaged): the next sweep begins the run again
                 self.state.pop("in_flight", None)
                 self._save()

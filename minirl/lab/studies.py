@@ -36,6 +36,7 @@ from minirl import atomic
 from minirl.lab import verdicts as v
 from minirl.lab.runner import NO_CLIP, NO_IS, Cell, Lab, Plan, rows_of
 from minirl.precisions import NAMES as PRECISIONS
+from minirl.store import read_summary
 
 # The mismatch dial: rollout.precision levels, mildest first. On the CPU `fp8` is the W8A8
 # emulation (what FP8 vLLM does on CUDA); `fp8-weights` and `e5m2` (beyond the paper) are lab levels.
@@ -276,7 +277,7 @@ def arm_results(lab: Lab, sp: StudyPlan) -> dict[str, dict[str, list[dict]]]:
             if key not in lab.state["runs"]:
                 continue
             run = Path(lab.state["runs"][key])
-            summary = json.loads((run / "summary.json").read_text())
+            summary = read_summary(run)
             metric = summary["heldout"]["metric"]
             start, last = summary["heldout"]["start"][metric], summary["heldout"]["end"][metric]
             rows = rows_of(run)

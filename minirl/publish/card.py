@@ -4,18 +4,15 @@ Jinja template below. Every figure is read from the run's own files."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from minirl.data import load_rows
-from minirl.files import HELDOUT_FILE
+from minirl import store
+from minirl.store import Checkpoint
 from minirl.hub import repo_id as hub_repo
-from minirl.run.metrics_file import metric_rows
+from minirl.store import metric_rows
 from minirl.models import TINY_ID
 
-if TYPE_CHECKING:  # annotations only: export imports this module
-    from minirl.publish.export import Checkpoint
 
 TEMPLATE = """---
 {{ card_data }}
@@ -143,7 +140,7 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 
-    summary = _read(run_dir / "summary.json")
+    summary = store.read_summary(run_dir)
     rows = metric_rows(run_dir / "metrics.jsonl", upto=ckpt.step)
     model_id = rec.model.id
     base = hub_repo(model_id)
@@ -231,13 +228,6 @@ def _lora_words(lora: dict | None, adapter_of: str | None) -> str:
     return f"rank {lora['rank']}, α {lora['alpha']:g}, on {', '.join(lora['targets'])}; {what}"
 
 
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _fmt(v) -> str:
     return f"{float(v):.3f}" if isinstance(v, (int, float)) else "not measured"
 
@@ -259,14 +249,11 @@ def _sample_prompt(run_dir: Path, rec) -> str:
 
 def known_score(run_dir: Path, ckpt: Checkpoint, metric: str) -> tuple[float, str] | None:
     """A held-out score this checkpoint already has, and where it comes from."""
-    cached = ckpt.path / HELDOUT_FILE
-    if cached.exists():
-        got = json.loads(cached.read_text())
-        if metric in got:
-            return float(got[metric]), f"{cached.name} ({got.get('measured_by', 'measured by an earlier export')})"
-    summary_path = run_dir / "summary.json"
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
+    got = store.read_scores(ckpt.path)
+    if metric in got:
+        return float(got[metric]), f"{store.SCORES} ({got.get('measured_by', 'measured by an earlier export')})"
+    summary = store.read_summary(run_dir)
+    if summary:
         held = summary.get("heldout", {})
         if ckpt.step == 0 and metric in held.get("start", {}):
             return float(held["start"][metric]), "the run's held-out evaluation at its start"

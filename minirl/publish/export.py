@@ -18,38 +18,19 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from minirl import atomic
+from minirl import atomic, store
 from minirl import engine_sizing as sizing
 from minirl import recipe as recipe_mod
 from minirl.publish.card import known_score, model_card
 from minirl.errors import UsageError
 from minirl.eval.evaluate import evaluate
-from minirl.files import HELDOUT_FILE, read_json
 from minirl.hub import model_dir, repo_id as hub_repo
-from minirl.run.metrics_file import metric_rows
 from minirl.run.plots import plot_metrics
-from minirl.setup.preflight import check_checkpoint, check_model_folder, complete_checkpoints, latest_trained, prepare_run
+from minirl.setup.preflight import check_checkpoint, check_model_folder, prepare_run
+from minirl.store import Checkpoint, checkpoints, latest_trained, run_of
 from minirl.setup.workspace import RECIPE_NAME, Workspace
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    path: Path
-    step: int
-    good: bool
-
-
-def run_of(source: Path) -> tuple[Path, Path | None]:
-    """(run folder, the checkpoint named by `source` or None) for a run or a checkpoint folder."""
-    source = Path(source)
-    if (source / "minirl.json").exists() and source.parent.name == "checkpoints":
-        return source.parent.parent, source
-    if (source / "checkpoints").is_dir():
-        return source, None
-    raise UsageError(f"{source} is neither a minirl run folder (runs/<id>) nor one of its checkpoints")
 
 
 def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
@@ -78,24 +59,6 @@ def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
     return run_dir, ckpt, why
 
 
-def checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """The run's complete checkpoints, oldest first, each marked good or not."""
-    undone = undone_stretches(run_dir)
-    out = []
-    for path in complete_checkpoints(run_dir):
-        extra = read_json(path / "minirl.json", what="checkpoint")
-        step = int(extra["step"])
-        good = bool(extra.get("good", True)) and not any(t < step <= s for t, s in undone)
-        out.append(Checkpoint(path, step, good))
-    return out
-
-
-def undone_stretches(run_dir: Path) -> list[tuple[int, int]]:
-    """(t, s) for each rollback: at step s, back to the checkpoint of step t."""
-    rows = metric_rows(run_dir / "metrics.jsonl")
-    return [(int(r["guard/rollback_to_step"]), int(r["step"])) for r in rows if "guard/rollback_to_step" in r]
-
-
 def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
            measure: Callable[[list[Checkpoint]], dict[Path, float]]) -> tuple[Checkpoint, str]:
     """The checkpoint to export and one line saying why."""
@@ -122,7 +85,7 @@ def choose(run_dir: Path, *, step: int | None, best: bool, metric: str,
     if todo:
         for path, value in measure(todo).items():
             scores[path], sources[path] = value, "held-out evaluation measured now"
-            atomic.write_text(path / HELDOUT_FILE, json.dumps({metric: value}))
+            store.write_scores(path, {metric: value})
     pick = max(good, key=lambda c: (scores[c.path], c.step))
     table = ", ".join(f"step {c.step}: {scores[c.path]:.3f}" for c in good)
     skipped = len(ckpts) - len(good)

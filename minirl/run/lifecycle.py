@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from minirl import atomic
-from minirl.run import metrics_file
+from minirl import atomic, store
 from minirl import recipe as recipe_mod
 from minirl.run import status as status_mod
 from minirl.errors import RunIOError, UsageError
@@ -104,7 +103,7 @@ def _record_changes(run_dir: Path, rec: Recipe, resume_from: Path | None) -> dic
         return {}
     changed = recipe_mod.load(before).changes(rec)
     if changed:
-        step = json.loads((resume_from / "minirl.json").read_text()).get("step")
+        step = store.record_step(resume_from)
         with open(run_dir / RECIPE_CHANGES, "a") as f:
             f.write(json.dumps({"from_step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                                 "changes": {k: list(v) for k, v in changed.items()}}) + "\n")
@@ -168,7 +167,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
         rl.save("step_000000")
     metrics_path = run_dir / "metrics.jsonl"
     if world.main:
-        metrics_file.truncate(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
+        store.truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
     status = "finished"
     last_eval = (None, {})  # (step, held-out result) of the newest periodic eval (eval.every)
     t_rl = time.time()

@@ -19,7 +19,6 @@ metrics file, evaluations and summary) is lifecycle.py.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,16 +26,15 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic, faults
+from minirl import atomic, faults, store
 from minirl.train import objective
 from minirl.train.batch import Batch, build_batch
 from minirl.data import PromptSampler
 from minirl.data import response_text
 from minirl.eval.evaluate import evaluate
-from minirl.files import HELDOUT_FILE
 from minirl.run.guard import Guard, Verdict
 from minirl.launch import World
-from minirl.setup.preflight import RunInputs, complete_checkpoints
+from minirl.setup.preflight import RunInputs
 from minirl.recipe import Recipe
 from minirl.train.replay import rollout_routes, route_agreement, tokens_with_a_flip
 from minirl.rollout import Rollouts
@@ -158,7 +156,7 @@ class RLRun:
         if verdict.action in ("rollback", "stop"):  # a stopped run also ends on its last good weights
             self.rollback()
             # the stretch after that checkpoint up to this step was undone (`export --best` skips it)
-            rollback_to = {"guard/rollback_to_step": json.loads((self.last_good / "minirl.json").read_text())["step"]}
+            rollback_to = {"guard/rollback_to_step": store.record_step(self.last_good)}
         else:
             self.rollouts.sync(self.trainer)
         clock.lap("sync")
@@ -276,8 +274,8 @@ class RLRun:
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` step checkpoints (0: all), always the rollback target, and the
         good one with the best held-out score (`export --best`'s pick among those that have one)."""
-        ckpts = complete_checkpoints(self.state.run_dir) if self.world.main else []
-        best = best_scored(ckpts, f"avg@{self.rec.eval.k}")
+        ckpts = store.complete_checkpoints(self.state.run_dir) if self.world.main else []
+        best = store.best_scored(ckpts, f"avg@{self.rec.eval.k}")
         for old in ckpts[:-keep] if keep > 0 else []:
             if old not in (self.last_good, best):
                 atomic.remove_dir(old)
@@ -286,18 +284,17 @@ class RLRun:
         """The held-out result of the weights a checkpoint holds (the periodic eval of its step),
         beside it: `prune` keeps the best good one and `export --best` reads it."""
         if self.world.main and self.guard.healthy:
-            atomic.write_text(path / HELDOUT_FILE, json.dumps({
-                **{k: v for k, v in heldout.items() if "@" in k},
-                "measured_by": f"the run's held-out evaluation at step {self.state.step}"}))
+            store.write_scores(path, {**{k: v for k, v in heldout.items() if "@" in k},
+                                      "measured_by": f"the run's held-out evaluation at step {self.state.step}"})
 
     def rollback(self) -> None:
         """Back to the last good weights and optimizer state, at a lower learning rate. The data
         position and the sampling seeds keep moving, so the same collapse is not replayed."""
         self.rollouts.discard()  # nothing sampled from, or reading, the weights being undone
         back_to = self.last_good.name
-        for undone in complete_checkpoints(self.state.run_dir) if self.world.main else []:
+        for undone in store.complete_checkpoints(self.state.run_dir) if self.world.main else []:
             if undone.name > back_to:  # what the rollback undoes is no candidate for the best
-                (undone / HELDOUT_FILE).unlink(missing_ok=True)
+                store.drop_scores(undone)
         self.trainer.load(self.last_good)
         self.rolled_back_to.append(str(self.last_good))
         self.lr *= self.rec.guard.lr_factor
@@ -306,18 +303,3 @@ class RLRun:
 
     def close(self) -> None:
         self.rollouts.close()
-
-
-def best_scored(ckpts: list[Path], metric: str) -> Path | None:
-    """The good checkpoint (minirl.json's `good`) with the highest `metric` in its heldout.json,
-    the newest among equals; None if none has a score."""
-    scored = []
-    for path in ckpts:
-        try:
-            score = json.loads((path / HELDOUT_FILE).read_text()).get(metric)
-            good = json.loads((path / "minirl.json").read_text()).get("good", True)
-        except (OSError, ValueError):
-            continue
-        if score is not None and good:
-            scored.append((float(score), path.name, path))
-    return max(scored)[2] if scored else None

@@ -8,7 +8,7 @@ process dies (SIGKILL, an OOM kill, power loss), so a dead writer never blocks a
 nobody unlocks by hand; unlike `flock`, it is not inherited by the forked children a run keeps
 (the grading pool, the overlapped engine), which could outlive it. Readers (`status`, `export`,
 `eval`, `doctor`) take no lock: checkpoints appear by the rename of a whole folder (atomic.py)
-and readers list only complete ones (preflight.complete_checkpoints).
+and readers list only complete ones (store.complete_checkpoints).
 """
 
 from __future__ import annotations

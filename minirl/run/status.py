@@ -12,7 +12,6 @@ step), `checkpoints/step_*`, `recipe.toml`, and `summary.json` at the end. The s
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -21,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minirl.errors import UsageError
-from minirl.run.metrics_file import metric_rows
-from minirl.setup.preflight import complete_checkpoints
+from minirl import store
+from minirl.files import json_or_empty
 from minirl.setup.workspace import Workspace
 
 PROCESS_FILE = "process.json"
@@ -58,18 +57,18 @@ def latest_run(ws_root: Path) -> Path:
 
 def read(run_dir: Path) -> RunStatus:
     run_dir = Path(run_dir)
-    rows = metric_rows(run_dir / "metrics.jsonl")
-    summary = _json(run_dir / "summary.json")
-    proc = _json(run_dir / PROCESS_FILE)
+    rows = store.metric_rows(run_dir / store.METRICS)
+    summary = store.read_summary(run_dir)
+    proc = json_or_empty(run_dir / PROCESS_FILE)
     recipe = _recipe(run_dir)
     total = int(recipe.get("train", {}).get("steps", 0))
     step = rows[-1]["step"] if rows else 0
     rate = _rate(rows)
-    ckpts = complete_checkpoints(run_dir)
+    ckpts = store.complete_checkpoints(run_dir)
     state = _state(proc, summary)
 
     if state == "running":  # a summary on disk belongs to an earlier attempt of this run
-        start = (_json(ckpts[-1] / "minirl.json").get("heldout_start") if ckpts else None) or \
+        start = (store.peek_record(ckpts[-1]).get("heldout_start") if ckpts else None) or \
             (summary.get("heldout") or {}).get("start")
         heldout = {"start": start} if start else {}
     else:
@@ -121,14 +120,6 @@ def _rate(rows: list[dict]) -> float | None:
         return None
     (s1, e1), (s0, e0) = tail[0], tail[-1]
     return (s1 - s0) / (e1 - e0) if e1 > e0 else None
-
-
-def _json(path: Path) -> dict:
-    try:
-        d = json.loads(Path(path).read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def _recipe(run_dir: Path) -> dict:

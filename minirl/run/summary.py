@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic
+from minirl import store
 from minirl.run.plots import plot_metrics
 
 
@@ -42,7 +42,7 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
         summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))
     except Exception as e:  # noqa: BLE001 - a plot must never cost the run its summary
         summary["plot_error"] = str(e)
-    atomic.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    store.write_summary(run_dir, summary)
     return summary
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import configparser
 import functools
-import json
 import netrc
 import os
 from dataclasses import dataclass
@@ -19,9 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from minirl import store
 from minirl.data import load_problems, prompts_ids
 from minirl.errors import UsageError
-from minirl.files import read_json
 from minirl.hub import check_base, model_dir as resolve_model_dir
 from minirl.models import ModelShape, param_count, read_shape, titan_config
 from minirl import recipe as recipe_mod
@@ -189,7 +188,7 @@ def check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
 def instead(path: Path, shape: ModelShape, model_id: str) -> str:
     """What to use rather than the damaged run checkpoint `path`: the newest other complete
     checkpoint of its run that passes `check_checkpoint`, named, or that there is none."""
-    for other in reversed(complete_checkpoints(Path(path).parent.parent)):
+    for other in reversed(store.complete_checkpoints(Path(path).parent.parent)):
         if other.resolve() == Path(path).resolve():
             continue
         try:
@@ -204,9 +203,9 @@ def _check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)
-    extra = read_json(path / "minirl.json", "checkpoint")
+    extra = store.read_record(path)
     if not isinstance(extra.get("step"), int):
-        raise UsageError(f"checkpoint {path}: minirl.json has no integer 'step'")
+        raise UsageError(f"checkpoint {path}: {store.RECORD} has no integer 'step'")
     ckpt_model = (extra.get("recipe") or {}).get("model", {}).get("id")
     if ckpt_model is not None and ckpt_model != model_id:
         raise UsageError(f"checkpoint {path} is of model {ckpt_model!r}; the recipe's model.id is {model_id!r}")
@@ -220,7 +219,7 @@ def _check_checkpoint(path: Path, shape: ModelShape, model_id: str) -> dict:
     if extra.get("lora"):  # LoRA adapters alone: their base is the model folder (`check_resume`)
         want = {}
         if not any(".lora_" in f".{k}" for k in have):
-            raise UsageError(f"checkpoint {path}: minirl.json says LoRA and it holds no adapters")
+            raise UsageError(f"checkpoint {path}: {store.RECORD} says LoRA and it holds no adapters")
     for name, s in want.items():
         if have.get(name) != s:
             got = list(have[name]) if name in have else "nothing"
@@ -241,7 +240,7 @@ def check_resume(path: Path, rec, shape: ModelShape, model_dir: Path) -> None:
     """A checkpoint continues only the training it was saved from: LoRA's settings (rank, α,
     targets) as this run's [train.lora], and a LoRA checkpoint's adapters on the base they were
     trained on (its fingerprint). One line before any engine starts."""
-    extra = read_json(Path(path) / "minirl.json", "checkpoint")
+    extra = store.read_record(path)
     theirs, lora = extra.get("lora"), rec.train.lora
     mine = ({"rank": lora.rank, "alpha": float(lora.alpha), "targets": list(lora_targets(lora.targets, shape))}
             if lora.rank else None)
@@ -260,26 +259,6 @@ def check_resume(path: Path, rec, shape: ModelShape, model_dir: Path) -> None:
 
 def _lora_words(lora: dict) -> str:
     return f"rank {lora['rank']}, α {lora['alpha']:g}, on {','.join(lora['targets'])}"
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """A run's finished step checkpoints, oldest first. A folder still being written or deleted
-    carries a suffix (`.tmp`, `.old`, `.del`) and never counts."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(c for c in root.glob("step_*") if c.is_dir() and "." not in c.name and (c / "minirl.json").exists())
-
-
-def latest_trained(ws) -> Path | None:
-    """What "latest" means wherever a command takes a checkpoint: the newest checkpoint of the
-    newest run that trained (a checkpoint past step 0). A run stopped at step 0 holds only the
-    policy it started from, which `coldstart` names."""
-    for run in ws.runs_newest_first():
-        trained = [c for c in complete_checkpoints(run) if int(c.name.removeprefix("step_")) > 0]
-        if trained:
-            return trained[-1]
-    return None
 
 
 @dataclass
@@ -382,7 +361,7 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     if resume in ("latest", "auto"):
         resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, auto=resume == "auto")
     elif resume:
-        resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, run=run_folder(ws, resume))
+        resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, run=store.run_folder(ws, resume))
     if resume_from is not None:
         check_resume(resume_from, rec, shape, model_dir)
     tok = load_tokenizer(model_dir)
@@ -405,28 +384,16 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                      engine_fraction)
 
 
-ENDED = ("finished", "collapsed")  # a run in one of these states is not resumed by `--resume auto`
-
-
-def run_folder(ws, name: str) -> Path:
-    """A run of this workspace named by its folder (a path, or its name under runs/)."""
-    for p in (Path(name), ws.runs / name):
-        if p.is_dir() and p.resolve().parent == ws.runs.resolve():
-            return p
-    raise UsageError(f"--resume {name}: not a run of {ws.root} (one of the folders in {ws.runs}, or "
-                     "'latest' / 'auto')")
-
-
 def run_recipe(ws, resume: str | None, overrides: list[str]):
     """The recipe a run starts with: the workspace's, with the flags, for a new run; for `--resume`,
     the resumed run's own (runs/<id>/recipe.toml) with the flags on top, never the workspace's
     values (what the flags change is said and recorded as the run starts: lifecycle.py). A run
     that finished is not resumed unless the flags ask for more steps than it trained."""
-    run = resume_run(ws, resume)
+    run = store.resume_run(ws, resume)
     if run is None or not (run / "recipe.toml").is_file():
         return recipe_mod.load(ws.recipe_path, overrides)
     rec = recipe_mod.load(run / "recipe.toml", overrides)
-    summary = read_summary(run)
+    summary = store.read_summary(run)
     if summary.get("status") == "finished" and rec.train.steps <= summary.get("steps", 0):
         raise UsageError(f"run {run.name} has finished ({summary.get('steps')} of {rec.train.steps} steps): nothing "
                          f"to resume; --steps N (above {summary.get('steps')}) trains it further, and `minirl run "
@@ -434,59 +401,8 @@ def run_recipe(ws, resume: str | None, overrides: list[str]):
     return rec
 
 
-def resume_run(ws, resume: str | None) -> Path | None:
-    """The run folder a `--resume` continues (as `pick_resume_checkpoint` finds it), or None: a
-    new run (no --resume, `auto` past an ended run, or nothing to resume: prepare_run says so)."""
-    if not resume:
-        return None
-    if resume not in ("latest", "auto"):
-        return run_folder(ws, resume)
-    for folder in ws.runs_newest_first():
-        if complete_checkpoints(folder):
-            return None if resume == "auto" and _status(folder) in ENDED else folder
-    return None
-
-
 def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool = False,
                            run: Path | None = None) -> Path | None:
-    """The newest complete checkpoint of the newest run that has one (of `run`, when given),
-    checked. A damaged newest checkpoint is an error, not a silent step back: the user decides
-    what to lose.
-
-    auto: None when there is nothing to continue (no run with a checkpoint, or that run ended as
-    finished or collapsed); a killed, interrupted or timed-out run is continued. The checkpoint
-    carries the guard's state, so a restarted job decides exactly as the killed one would have."""
-    for folder in [run] if run else ws.runs_newest_first():
-        ckpts = complete_checkpoints(folder)
-        if not ckpts:
-            continue
-        if auto and _status(folder) in ENDED:
-            return None
-        steps = {}
-        for c in ckpts:
-            try:
-                steps[c] = json.loads((c / "minirl.json").read_text())["step"]
-            except (OSError, ValueError, KeyError, TypeError):
-                raise UsageError(f"checkpoint {c}: minirl.json is damaged; move the folder aside to resume from "
-                                 "the one before it") from None
-        newest = max(ckpts, key=lambda c: steps[c])
-        check_checkpoint(newest, shape, model_id)
-        return newest
-    if auto:
-        return None
-    if run:
-        raise UsageError(f"nothing to resume in {run}: it has no complete checkpoint")
-    raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
-
-
-def _status(run: Path) -> str | None:
-    return read_summary(run).get("status")  # none: the run was killed
-
-
-def read_summary(run: Path) -> dict:
-    """The run's summary.json, or {} (a run killed before it wrote one, or a damaged one)."""
-    try:
-        summary = json.loads((run / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return summary if isinstance(summary, dict) else {}
+    """The checkpoint a `--resume` continues (the store's choice, minirl/store.py), its shards
+    checked against this model."""
+    return store.resume_checkpoint(ws, check=lambda c: check_checkpoint(c, shape, model_id), auto=auto, run=run)

@@ -6,7 +6,6 @@ aside and renamed into place, and a failed write explained (a full disk, a read-
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from minirl import atomic
+from minirl import atomic, store
 from minirl.errors import UsageError
 from minirl.train.lora import is_adapter
 
@@ -54,9 +53,10 @@ def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: b
         # stays off collectives (`no_dist`): vLLM's in-process engine starts a one-rank gloo
         # group, and a DCP save through it left every later update slower
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not sharded)
-        # minirl.json last: a folder without it was never finished
+        # the record last (minirl/store.py): a folder without it was never finished
         if main:
-            atomic.write_text(tmp / "minirl.json", json.dumps({**(extra or {}), "has_optim": has_optim}, indent=2))
+            name, text = store.record_text({**(extra or {}), "has_optim": has_optim})
+            atomic.write_text(tmp / name, text)
     except BaseException as e:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
@@ -79,8 +79,8 @@ def _barrier(sharded: bool) -> None:
 
 
 def read_extra(path: Path) -> dict:
-    """A checkpoint's minirl.json (step, sampler, ...; a LoRA checkpoint's settings and base)."""
-    return json.loads((Path(path) / "minirl.json").read_text())
+    """A checkpoint's record (step, sampler, ...; a LoRA checkpoint's settings and base)."""
+    return store.read_record(path)
 
 
 def load(model, optim, path: Path, *, with_optim: bool, sharded: bool) -> dict:

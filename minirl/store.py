@@ -1,0 +1,247 @@
+"""A run folder's one owner: the files a run leaves and what they mean, read and written here alone.
+
+    runs/<id>/metrics.jsonl                 one row per step, appended; a kill tears the last line only
+    runs/<id>/summary.json                  the end: status, steps, held-out, phases (run/summary.py says what)
+    runs/<id>/checkpoints/step_NNNNNN/      DCP shards (train/checkpoint.py) and
+        minirl.json                         the record: step, data position, guard, lr, "good", LoRA…,
+                                            written last, so a folder without it was never finished
+        heldout.json                        the held-out scores of the weights it holds, where measured
+
+What a checkpoint is, once: *complete* (its record is there and its name has no suffix: a folder
+being written or deleted carries `.tmp` / `.del`); *good* (the guard saw nothing pending when it
+was saved, and no rollback undid it since); *undone* (a rollback went back past it: between the
+target's step and the step that rolled back); *best* (the good one with the highest score); the
+*latest trained* (the newest checkpoint past step 0 of the newest run that has one); which one a
+`--resume` continues. Every other module asks here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from minirl import atomic
+from minirl.errors import UsageError
+from minirl.files import json_or_empty, read_json
+
+RECORD = "minirl.json"
+SCORES = "heldout.json"
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+ENDED = ("finished", "collapsed")  # a run in one of these states is not resumed by `--resume auto`
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    good: bool
+
+
+# ----- a checkpoint's record and scores -------------------------------------------------------
+def has_record(folder: Path) -> bool:
+    """A finished checkpoint folder (its record is written last)."""
+    return (Path(folder) / RECORD).exists()
+
+
+def read_record(folder: Path) -> dict:
+    """A checkpoint's record; a missing or broken one is one line naming the file."""
+    return read_json(Path(folder) / RECORD, "checkpoint")
+
+
+def record_text(record: dict) -> tuple[str, str]:
+    """(file name, text) of a checkpoint's record, for the writer that finishes the folder with it."""
+    return RECORD, json.dumps(record, indent=2)
+
+
+def record_step(folder: Path) -> int:
+    """A checkpoint's step, from its record (one line when the record is damaged)."""
+    try:
+        return json.loads((Path(folder) / RECORD).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"checkpoint {folder}: {RECORD} is damaged; move the folder aside to resume from the one "
+                         "before it") from None
+
+
+def peek_record(folder: Path) -> dict:
+    """A checkpoint's record, or {} where it is missing or unreadable (for what only reports)."""
+    return json_or_empty(Path(folder) / RECORD)
+
+
+def read_scores(folder: Path) -> dict:
+    """The held-out scores of a checkpoint's weights, {} where none were measured (or they are unreadable)."""
+    return json_or_empty(Path(folder) / SCORES)
+
+
+def write_scores(folder: Path, scores: dict) -> None:
+    atomic.write_text(Path(folder) / SCORES, json.dumps(scores))
+
+
+def drop_scores(folder: Path) -> None:
+    """A checkpoint a rollback undid is no candidate for the best: its scores go."""
+    (Path(folder) / SCORES).unlink(missing_ok=True)
+
+
+# ----- a run's checkpoints --------------------------------------------------------------------
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """A run's finished step checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(c for c in root.glob("step_*") if c.is_dir() and "." not in c.name and has_record(c))
+
+
+def undone_stretches(run_dir: Path) -> list[tuple[int, int]]:
+    """(t, s) for each rollback: at step s, back to the checkpoint of step t."""
+    rows = metric_rows(Path(run_dir) / METRICS)
+    return [(int(r["guard/rollback_to_step"]), int(r["step"])) for r in rows if "guard/rollback_to_step" in r]
+
+
+def checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """The run's complete checkpoints, oldest first, each marked good or not: good when the guard
+    saw nothing pending as it was saved and no rollback undid it since."""
+    undone = undone_stretches(run_dir)
+    out = []
+    for path in complete_checkpoints(run_dir):
+        record = read_record(path)
+        step = int(record["step"])
+        good = bool(record.get("good", True)) and not any(t < step <= s for t, s in undone)
+        out.append(Checkpoint(path, step, good))
+    return out
+
+
+def best_scored(ckpts: list[Path], metric: str) -> Path | None:
+    """The good checkpoint (its record's `good`) with the highest `metric` among its scores, the
+    newest among equals; None if none has a score."""
+    scored = []
+    for path in ckpts:
+        score = read_scores(path).get(metric)
+        good = json_or_empty(Path(path) / RECORD).get("good", True)
+        if score is not None and good:
+            scored.append((float(score), path.name, path))
+    return max(scored)[2] if scored else None
+
+
+def latest_trained(ws) -> Path | None:
+    """What "latest" means wherever a command takes a checkpoint: the newest checkpoint of the
+    newest run that trained (a checkpoint past step 0). A run stopped at step 0 holds only the
+    policy it started from, which `coldstart` names."""
+    for run in ws.runs_newest_first():
+        trained = [c for c in complete_checkpoints(run) if int(c.name.removeprefix("step_")) > 0]
+        if trained:
+            return trained[-1]
+    return None
+
+
+def run_of(source: Path) -> tuple[Path, Path | None]:
+    """(run folder, the checkpoint named by `source` or None) for a run or a checkpoint folder."""
+    source = Path(source)
+    if has_record(source) and source.parent.name == "checkpoints":
+        return source.parent.parent, source
+    if (source / "checkpoints").is_dir():
+        return source, None
+    raise UsageError(f"{source} is neither a minirl run folder (runs/<id>) nor one of its checkpoints")
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """A run's step checkpoint folder (DCP and its record), as opposed to an HF folder."""
+    return has_record(folder)
+
+
+# ----- the summary ------------------------------------------------------------------------------
+def read_summary(run: Path) -> dict:
+    """The run's summary, or {} (a run killed before it wrote one, or a damaged one)."""
+    return json_or_empty(Path(run) / SUMMARY)
+
+
+def has_summary(run: Path) -> bool:
+    return (Path(run) / SUMMARY).exists()
+
+
+def write_summary(run: Path, summary: dict) -> Path:
+    atomic.write_text(Path(run) / SUMMARY, json.dumps(summary, indent=2))
+    return Path(run) / SUMMARY
+
+
+def status(run: Path) -> str | None:
+    """How the run ended, by its summary; None: it never wrote one (killed, or still running)."""
+    return read_summary(run).get("status")
+
+
+# ----- which run a --resume continues ------------------------------------------------------------
+def run_folder(ws, name: str) -> Path:
+    """A run of this workspace named by its folder (a path, or its name under runs/)."""
+    for p in (Path(name), ws.runs / name):
+        if p.is_dir() and p.resolve().parent == ws.runs.resolve():
+            return p
+    raise UsageError(f"--resume {name}: not a run of {ws.root} (one of the folders in {ws.runs}, or "
+                     "'latest' / 'auto')")
+
+
+def resume_run(ws, resume: str | None) -> Path | None:
+    """The run folder a `--resume` continues (as `resume_checkpoint` finds it), or None: a new run
+    (no --resume, `auto` past an ended run, or nothing to resume: `resume_checkpoint` says so)."""
+    if not resume:
+        return None
+    if resume not in ("latest", "auto"):
+        return run_folder(ws, resume)
+    for folder in ws.runs_newest_first():
+        if complete_checkpoints(folder):
+            return None if resume == "auto" and status(folder) in ENDED else folder
+    return None
+
+
+def resume_checkpoint(ws, *, check: Callable[[Path], object], auto: bool = False, run: Path | None = None) -> Path | None:
+    """The newest complete checkpoint of the newest run that has one (of `run`, when given),
+    checked by `check` (preflight's: its shards against the model). A damaged newest checkpoint is
+    an error, not a silent step back: the user decides what to lose.
+
+    auto: None when there is nothing to continue (no run with a checkpoint, or that run ended as
+    finished or collapsed); a killed, interrupted or timed-out run is continued. The checkpoint
+    carries the guard's state, so a restarted job decides exactly as the killed one would have."""
+    for folder in [run] if run else ws.runs_newest_first():
+        ckpts = complete_checkpoints(folder)
+        if not ckpts:
+            continue
+        if auto and status(folder) in ENDED:
+            return None
+        newest = max(ckpts, key=record_step)
+        check(newest)
+        return newest
+    if auto:
+        return None
+    if run:
+        raise UsageError(f"nothing to resume in {run}: it has no complete checkpoint")
+    raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
+
+
+# ----- the metrics file -------------------------------------------------------------------------
+def metric_rows(path: Path, *, upto: int | None = None) -> list[dict]:
+    """The rows of a run's metrics.jsonl (steps ≤ `upto` if given); a line a kill cut short is skipped."""
+    rows = []
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and (upto is None or row["step"] <= upto):
+            rows.append(row)
+    return rows
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows of steps ≤ `step` (the checkpoint a run resumes from), in one atomic rewrite.
+    A line a kill cut short is not JSON and goes too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+    atomic.write_text(path, "".join(x + "\n" for x in kept))
