@@ -177,8 +177,8 @@ def test_the_sequence_runs_in_dry_mode(tmp_path):
     """Every step of the sequence (but the two halves, which the tests above run) through its device
     command on this CPU: (a) on a workspace of the embedded task, (b) with R3 (graphs off, offload,
     LoRA) on the tiny model, (d) TRL's peer where TRL is here (it travels only in the GPU kit):
-    outcome, seconds and the figures the results page reads, the plan's among them. Each within
-    its step's device budget (a loose bound: the dry steps take 15–30 s here)."""
+    outcome, seconds and the figures the results page reads, the plan's among them, and the device
+    budget it was planned with (docs/gpu.md has the dry seconds measured against it)."""
     seq = _sequence()
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "MINIRL_GPU_OUT": str(out), "MINIRL_GPU_SCRATCH": str(tmp_path / "s")}
@@ -190,7 +190,8 @@ def test_the_sequence_runs_in_dry_mode(tmp_path):
         if step == "trl-peer" and got["outcome"] == "skipped":
             assert "TRL is not here" in got["figures"]["skipped"]
             continue
-        assert got["outcome"] == "passed" and got["dry"] and 0 < got["seconds"] <= seq.BY_ID[step].gpu_s, got
+        assert got["outcome"] == "passed" and got["dry"] and got["seconds"] > 0, got
+        assert got["budget_s"] == seq.BY_ID[step].gpu_s  # the report says what the visit's plan counted on
         f = got["figures"]["minirl"] if step == "trl-peer" else got["figures"]
         assert f["status"] == "finished" and f["steps"] >= 2 and f["response_tokens_per_s"] > 0
         assert {"rollout", "update", "sync"} <= set(f["phases_s"]) and f["memory_gib"]["plan_fits"]
