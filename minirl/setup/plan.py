@@ -71,6 +71,23 @@ LOGIT_CHUNK = 4096
 HOST_LINK_BYTES_S = 25e9
 
 
+def trainer_state(rec, shape: ModelShape, *, device: str) -> tuple[dict, dict, dict, int]:
+    """One rank's training state in three groups, bytes by part: what it keeps (weights), the
+    gradients, Adam's moments; and the LoRA adapters' parameter count (0: every weight trains).
+    FSDP2 shards all of it over the world; with LoRA the base is frozen in the compute dtype
+    ("auto": bfloat16 on a GPU, float32 on a CPU) and the adapters train in fp32."""
+    t, world, P = rec.train, rec.parallel.nodes * rec.parallel.gpus_per_node, param_count(shape)
+    if not t.lora.rank:
+        return ({"fp32 weights (sharded)": 4 * P / world}, {"fp32 gradients (sharded)": 4 * P / world},
+                {"Adam moments (sharded)": 8 * P / world}, 0)
+    adapters = lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape))
+    base_bytes = 4 if t.param_dtype == "float32" or (t.param_dtype == "auto" and device == "cpu") else 2
+    return ({f"base weights ({'fp32' if base_bytes == 4 else 'bf16'}, frozen, sharded)": base_bytes * P / world,
+             "fp32 LoRA adapters (sharded)": 4 * adapters / world},
+            {"fp32 LoRA gradients (sharded)": 4 * adapters / world},
+            {"Adam moments of the adapters (sharded)": 8 * adapters / world}, adapters)
+
+
 def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float | None = None) -> dict[str, float]:
     """What one node's host memory holds for the job on `device` ("cuda", or "cpu": the trainer and
     the engine in host memory), by part, and its peak, in bytes; the layout is the recipe's
@@ -85,12 +102,9 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
     file_bytes = 2 * P if checkpoint_bytes is None else checkpoint_bytes
     experts = shape.n_layers * shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim if shape.is_moe else 0
     read = file_bytes * (1 + experts / P)
-    if t.lora.rank:
-        adapters = lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape))
-        base = (2 if t.param_dtype == "bfloat16" or (device == "cuda" and t.param_dtype == "auto") else 4) * P
-        weights, rest = base / world + 4 * adapters / world, 12 * adapters / world
-    else:
-        weights, rest = 4 * P / world, 12 * P / world
+    w, g, m, _ = trainer_state(rec, shape, device=device)
+    weights, moments = sum(w.values()), sum(m.values())
+    rest = sum(g.values()) + moments
     parts = {}
     if device == "cpu":  # every rank's trainer, and its engine (TP 1 on a CPU), in host memory
         engines = max(1, world // r.tensor_parallel)  # a TP the job cannot hold is check_layout's to refuse
@@ -100,10 +114,8 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
         parts["vLLM engines (weights, KV cache)"] = ranks * (wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(
             shape, seqs, sizing.max_model_len(rec), wbytes))
     else:
-        moments = (8 * lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape)) if t.lora.rank
-                   else 8 * P) / world
         parts["Adam moments offloaded"] = ranks * moments if t.offload == "optimizer" else 0.0
-        parts["vLLM weights asleep"] = ranks * P * {"fp32": 4, "bf16": 2}.get(r.precision, 1) / r.tensor_parallel \
+        parts["vLLM weights asleep"] = ranks * P * PRECISIONS[r.precision].weight_bytes / r.tensor_parallel \
             if r.sleep_level == 1 else 0.0
     start = read + (ranks * weights if device == "cpu" else 0.0)
     parts = {k: v for k, v in parts.items() if v}
@@ -271,25 +283,13 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
               micro * shape.vocab_size * 2 * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2)
     weight_bytes = PRECISIONS[r.precision].weight_bytes
     engines = max(1, world // tp_vllm)
-    kv_per_token = 2 * L * shape.n_kv_heads * shape.head_dim * 2
-    # the trainer's state in three groups: what it keeps (weights), the gradients, Adam's moments
-    if t.lora.rank:  # the base frozen in the compute dtype, sharded; fp32 adapters with their gradients and Adam
-        adapters = lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape))
-        base_bytes = 4 if t.param_dtype == "float32" else 2  # "auto" is bfloat16 on a GPU
-        weights = {f"base weights ({'fp32' if base_bytes == 4 else 'bf16'}, frozen, sharded)": base_bytes * P / world,
-                   "fp32 LoRA adapters (sharded)": 4 * adapters / world}
-        grads = {"fp32 LoRA gradients (sharded)": 4 * adapters / world}
-        moments = {"Adam moments of the adapters (sharded)": 8 * adapters / world}
-    else:
-        adapters = 0
-        weights = {"fp32 weights (sharded)": 4 * P / world}
-        grads = {"fp32 gradients (sharded)": 4 * P / world}
-        moments = {"Adam moments (sharded)": 8 * P / world}
-    trainer_state = {**weights, **grads, **moments}
+    kv_per_token = shape.kv_bytes_per_token(2)
+    weights, grads, moments, adapters = trainer_state(rec, shape, device="cuda")
+    state = {**weights, **grads, **moments}
     # one process holds its (bf16) LoRA base whole: nothing is gathered
     gathered = 0 if t.lora.rank and world == 1 else 2 * 2 * layer_params
     mem = {
-        **trainer_state,
+        **state,
         "gathered bf16 layers": gathered,
         **acts,
         "logits": logits,
@@ -362,7 +362,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     engine = next(k for k in mem if k.startswith("vLLM weights"))
     vllm_parts = {engine: vllm_w, "vLLM working memory (estimate)": working}
     parts = {
-        f"training ({ac})": {**trainer_state, "gathered bf16 layers": mem["gathered bf16 layers"],
+        f"training ({ac})": {**state, "gathered bf16 layers": mem["gathered bf16 layers"],
                              f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits,
                              **({**vllm_parts, "vLLM KV cache": kv} if awake else {})},
         "weight sync": {**kept, **vllm_parts, "weight sync bucket": bucket,
