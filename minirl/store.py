@@ -118,7 +118,7 @@ def best_scored(ckpts: list[Path], metric: str) -> Path | None:
     scored = []
     for path in ckpts:
         score = read_scores(path).get(metric)
-        good = json_or_empty(Path(path) / RECORD).get("good", True)
+        good = peek_record(path).get("good", True)
         if score is not None and good:
             scored.append((float(score), path.name, path))
     return max(scored)[2] if scored else None

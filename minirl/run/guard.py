@@ -75,6 +75,7 @@ class Guard:
     recent: list[float] = field(default_factory=list)  # the last `patience` judged steps' rewards
     window: list[float] = field(default_factory=list)  # the last `slide_window` steps' rewards
     best_window: tuple[float, float] | None = None  # (mean, variance of the mean) of the best full window
+    slide: tuple[float, float] = (0.0, 0.0)  # the last full window's (z, share of the best lost): what _slide judged
     rollbacks: int = 0
     skipped: int = 0
     reasons: list[str] = field(default_factory=list)
@@ -132,8 +133,8 @@ class Guard:
 
     def _slide(self, reward: float) -> str:
         """The reward's last `slide_window` steps against the best such window so far: a reason
-        when their mean is more than `slide_z` standard errors of the difference below it (the
-        module's docstring), else ''."""
+        when their mean is more than `slide_z` standard errors of the difference below it and more
+        than `slide_drop_frac` of it (the module's docstring), else ''."""
         w = self.slide_window
         if not w:
             return ""
@@ -141,16 +142,18 @@ class Guard:
         if len(self.window) < w:
             return ""
         mean = sum(self.window) / w
-        var = sum(min(max(r, 0.0), 1.0) * (1 - min(max(r, 0.0), 1.0)) for r in self.window) / (self.prompts * w * w)
+        var = sum(r * (1 - r) for r in (min(max(x, 0.0), 1.0) for x in self.window)) / (self.prompts * w * w)
         if self.best_window is None or mean > self.best_window[0]:
             self.best_window = (mean, var)
+            self.slide = (0.0, 0.0)
             return ""
         best = self.best_window[0]
-        z = (best - mean) / math.sqrt(max(var + self.best_window[1], 1e-12))
-        if z <= self.slide_z or best - mean <= self.slide_drop_frac * best:
+        z, lost = (best - mean) / math.sqrt(max(var + self.best_window[1], 1e-12)), (best - mean) / best
+        self.slide = (z, lost)
+        if z <= self.slide_z or lost <= self.slide_drop_frac:
             return ""
         return (f"reward slid: the last {w} steps' mean {mean:.3g} is {z:.1f} standard errors (> {self.slide_z:g}) "
-                f"and {(best - mean) / best:.0%} (> {self.slide_drop_frac:.0%}) below the best {w}-step mean {best:.3g}")
+                f"and {lost:.0%} (> {self.slide_drop_frac:.0%}) below the best {w}-step mean {best:.3g}")
 
     def _down(self, reward: float) -> bool:
         return reward < self.best_reward - self.reward_drop or reward < (1 - self.reward_drop_frac) * self.best_reward

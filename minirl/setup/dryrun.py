@@ -17,7 +17,7 @@ from minirl.hub import resolution
 from minirl.models import TINY_ID
 from minirl.recipe import Recipe, with_sets
 from minirl.setup.advice import advise, describe, refusal
-from minirl.setup.plan import Plan, fit_mesh, launch_commands, plan_for
+from minirl.setup.plan import Plan, fit_mesh, launch_commands, make_plan
 from minirl.setup.preflight import check_planned
 from minirl.setup.workspace import RECIPE_NAME, planned_recipe
 
@@ -61,7 +61,7 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
                      + " (the recipe's mesh needs more GPUs; the launch line below sets them)")
     if resolution(rec.model.id):
         notes.append(resolution(rec.model.id))
-    plan = plan_for(base, shape, model=rec.model.id, gpu_gib=gpu_gib, fit=machine, keep=given)
+    plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)  # rec: fitted above, as plan_for would
     has_ws = (Path(workspace) / RECIPE_NAME).exists()
     args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),
                      *(f"--set {x}" for x in [*user_sets, *(f"{k}={v}" for k, v in fitted.items())])])

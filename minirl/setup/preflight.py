@@ -115,6 +115,14 @@ def check_model_folder(folder: Path) -> ModelShape:
     return shape
 
 
+def on_this_job(rec, platform: Platform):
+    """The recipe with the [parallel] layout of the job that runs it: this node's ranks
+    (LOCAL_WORLD_SIZE, set by torchrun) and the nodes the world size makes."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
+    return recipe_mod.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local),
+                                      "parallel.gpus_per_node": local})
+
+
 def check_fits(rec, shape: ModelShape, platform: Platform, folder: Path | None = None) -> None:
     """This node's host memory against what the job holds in it at its peak (the plan's
     `host_memory`, the figure the dry run prints): on a CPU the trainer and the engines, on GPUs
@@ -125,15 +133,14 @@ def check_fits(rec, shape: ModelShape, platform: Platform, folder: Path | None =
 
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     files = sorted(Path(folder).glob("*.safetensors")) if folder is not None else []
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
-    here = recipe_mod.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local), "parallel.gpus_per_node": local})
+    here = on_this_job(rec, platform)
     need = host_memory(here, shape, device=platform.device,
                        checkpoint_bytes=sum(f.stat().st_size for f in files) if files else None)
     if need["peak"] > 0.8 * have:
         parts = ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in need.items() if k != "peak")
         raise UsageError(f"model {rec.model.id} ({param_count(shape) / 1e9:.2f}B parameters): this job needs "
                          f"~{need['peak'] / 2**30:,.0f} GiB of this node's host memory at its peak ({parts} GiB; "
-                         f"{local} rank(s) on {platform.device}), more than 80% of its {have / 2**30:.0f} GiB; "
+                         f"{here.parallel.gpus_per_node} rank(s) on {platform.device}), more than 80% of its {have / 2**30:.0f} GiB; "
                          "`minirl run --dry-run` plans it for GPUs and other layouts")
 
 
@@ -147,8 +154,7 @@ def check_gpu_plan(rec, shape: ModelShape, platform: Platform) -> float | None:
     from minirl.setup.advice import advise, describe, refusal  # deferred, with the plan: only a GPU run plans
     from minirl.setup.plan import make_plan
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
-    here = recipe_mod.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local), "parallel.gpus_per_node": local})
+    here = on_this_job(rec, platform)
     plan = make_plan(here, shape, model=rec.model.id, gpu_gib=platform.memory_gib)
     if not plan.fits:
         found = advise(here, shape, model=rec.model.id, gpu_gib=platform.memory_gib)

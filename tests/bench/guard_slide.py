@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tomllib
 from pathlib import Path
@@ -42,13 +41,9 @@ def replay(run: Path, *, window: int, z: float, drop: float) -> dict:
         for r in rows:
             v = g.decide(kl=r["train/kl_mu_pi_old"], entropy=r["train/entropy"], reward=r["rollout/reward_mean"],
                          loss=r["train/loss"], grad_norm=r["train/grad_norm"])
-            if w and g.best_window is not None and len(g.window) == w:
-                mean = sum(g.window) / w
-                var = sum(x * (1 - x) for x in g.window) / (g.prompts * w * w)
-                stat = (g.best_window[0] - mean) / math.sqrt(max(var + g.best_window[1], 1e-12))
-                if stat > peak:
-                    peak, peak_at = stat, r["step"]
-                lost = max(lost, (g.best_window[0] - mean) / g.best_window[0])
+            if w and g.slide[0] > peak:  # the statistic the rule itself judged this step
+                peak, peak_at = g.slide[0], r["step"]
+            lost = max(lost, g.slide[1])
             if first is None and v.action in ("rollback", "stop"):
                 first = (r["step"], v.reason)
         out[label] = {"first_trip": first[0] if first else None, "reason": first[1][:90] if first else ""}
