@@ -16,7 +16,7 @@ from cli.options import DEFAULT_WORKSPACE, POSITIVE_FINITE, workspace_argument
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
-from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.run import status as status_mod
 from minirl.eval.benchmarks import get as get_bench
 from minirl.errors import RunIOError, UsageError
@@ -152,7 +152,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
         console.print(f"  plan: [bold]minirl run {workspace} --dry-run[/] (add --nodes/--gpus-per-node)")
     import torch  # deferred: after _prepare_env
 
-    asleep = recipe_mod.load(workspace / RECIPE_NAME).rollout.sleep_level
+    asleep = recipes.load(workspace / RECIPE_NAME).rollout.sleep_level
     if asleep and not torch.cuda.is_available():  # the recipe is the GPUs'; this machine's vLLM cannot sleep
         console.print(f"  next, on GPUs: [bold]minirl run {workspace}[/]; on this machine (no GPU): "
                       f"[bold]minirl run {workspace} --set rollout.sleep_level=0[/]", soft_wrap=True)
@@ -291,7 +291,7 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     for key, value in (("eval.k", k), ("eval.temperature", temperature), ("eval.data_dir", data_dir)):
         if value is not None:
             extra.append(f"{key}={value}")
-    rec = recipe_mod.load(ws.recipe_path if ws else None, extra)
+    rec = recipes.load(ws.recipe_path if ws else None, extra)
     # the problems before the model: a missing benchmark, or a Hub out of reach, fails at once
     records = bench_records(bench, rec, heldout_path=ws.path(rec.data.heldout) if ws else None, data=data,
                             data_dir=Path(rec.eval.data_dir) if rec.eval.data_dir else None,

@@ -3,7 +3,7 @@ findings reproduced on the embedded default."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import time
 from pathlib import Path
 
@@ -11,10 +11,8 @@ import click
 
 from cli.options import workspace_argument
 from cli.render import SET_HELP, console
-from minirl import atomic
-from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.errors import UsageError
-from minirl.files import read_json
 from minirl.eval.evaluate import resolve_checkpoint
 from minirl.store import latest_trained
 from minirl.setup.workspace import Workspace, init_workspace
@@ -45,7 +43,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     if seeds < 1:
         raise UsageError(f"--seeds {seeds}: at least 1")
     ws = Workspace.open(workspace)
-    rec = recipe_mod.load(ws.recipe_path, list(overrides))
+    rec = recipes.load(ws.recipe_path, list(overrides))
     n = max(doc.STALENESS_UPDATES)
     if rec.train.prompts_per_step % n:
         raise UsageError(f"train.prompts_per_step = {rec.train.prompts_per_step}: the doctor measures staleness over "
@@ -183,62 +181,41 @@ def lab(args: tuple[str, ...], quick: bool, seeds: int | None, dose_seeds: int, 
         with console.status(f"building {workspace} (minirl init --task scratchpad; a few minutes)..."):
             init_workspace(workspace, task="scratchpad")
     ws = Workspace.open(workspace)
-    rec = recipe_mod.load(ws.recipe_path)
+    rec = recipes.load(ws.recipe_path)
     if rec.cold_start.task not in ("scratchpad", "scratchpad-long"):
         raise UsageError(f"{workspace} is not a scratchpad workspace: the lab needs long responses "
                          f"(`minirl init DIR --task scratchpad` or `--task scratchpad-long`)")
+    from minirl.lab import staging, stages  # deferred: torch and scipy, after _prepare_env
+
     if study != LR_STUDY and not report_only:
-        _lr_frozen(ws, rec.train.lr)
+        staging.check_lr_frozen(ws.root, ws.recipe_path, rec.train.lr)
+    prompts = rec.train.prompts_per_step
     if confirm:
-        return _confirm(ws, STUDIES[study], quick=quick, prompts=rec.train.prompts_per_step,
-                        report_only=report_only, rescore=rescore)
-    if at is not None:
-        return _follow_up(ws, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
-                          prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
-    return _study(ws, STUDIES[study], arm_names, quick=quick, seeds=seeds, dose_seeds=dose_seeds,
-                  prompts=rec.train.prompts_per_step, report_only=report_only, rescore=rescore)
-
-def _lr_frozen(ws, lr: float) -> None:
-    """The learning rate is set once, on the MiniRL control arm (`minirl lab lr`), and then frozen:
-    a study whose workspace recipe has another refuses to start."""
-    from minirl.lab import stages  # deferred: torch and scipy, after _prepare_env set the engines' environment
-
-    choice = stages.chosen_lr(ws.root)
-    if choice is not None and choice["lr"] != lr:
-        raise UsageError(f"the lr study chose train.lr = {choice['lr']:g} on the MiniRL control arm; {ws.recipe_path} "
-                         f"has {lr:g}: set it there (every study's arms take the recipe's)")
-
-
-def _study(ws, study, arms: list[str] | None, *, quick: bool, seeds: int | None, dose_seeds: int, prompts: int,
-           report_only: bool, rescore: str | None = None) -> None:
-    from minirl.lab import runner as lab_mod  # deferred: torch, after _prepare_env set the engines' environment
-    from minirl.lab import studies
-    from minirl.lab import stages
-
-    lab_ = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
-    mech_path = lab_.out / "mechanism.json"
-    if report_only and not mech_path.exists():
-        raise UsageError(f"no study at {lab_.out}: run `minirl lab {study.name} {ws.root}` first")
-    if not report_only:
-        lab_.hold()  # before the arms' declaration: one writer declares it
-    if declared := stages.declared_arms(lab_, study, arms, report_only):
-        study = studies.with_arms(study, declared)
-    seeds = seeds or (2 if quick else study.seeds)
-    if not report_only:
-        with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
-            studies.mechanism(lab_, seeds=1 if quick else 3, progress=status.update)
-    mech = read_json(mech_path, "the study's mismatch dial")
-    level, why = studies.study_level(study, mech)
-    sp = studies.plan(study, seeds=seeds, quick=quick, level=level, dose_seeds=0 if quick else dose_seeds,
-                      prompts=prompts, dial=studies.measured_dial(mech["levels"]),
-                      endpoint=studies.study_endpoint(mech))
-    console.print(f"rollout precision: {level} ({why})", soft_wrap=True)
-    res, report = _run_and_report(lab_, study, sp, mech, report_only=report_only, rescore=rescore)
-    if study.name == studies.LR_STUDY and not quick and not report_only:  # every seed has run: the choice stands
-        lr = stages.record_lr_choice(ws.root, res.get(sp.level, {}), report)
+        stage = staging.confirmation(ws.root, STUDIES[study], quick=quick, prompts=prompts, report_only=report_only)
+    elif at is not None:
+        stage = staging.follow_up(ws.root, STUDIES[study], level=at, quick=quick, seeds=seeds, arms=arm_names,
+                                  prompts=prompts, report_only=report_only, measuring=_measuring)
+    else:
+        stage = staging.first_stage(ws.root, STUDIES[study], arm_names, quick=quick, seeds=seeds,
+                                    dose_seeds=dose_seeds, prompts=prompts, report_only=report_only,
+                                    measuring=_measuring)
+    if isinstance(stage, str):  # nothing to run
+        console.print(stage, soft_wrap=True)
+        return
+    console.print(stage.headline, soft_wrap=True)
+    res, report = _run_and_report(stage.lab, stage.study, stage.plan, stage.mech, report_only=report_only,
+                                  confirmation=stage.confirmation, follow_up=stage.follow_up, rescore=rescore)
+    if study == LR_STUDY and not quick and not report_only:  # every seed has run: the choice stands
+        lr = stages.record_lr_choice(ws.root, res.get(stage.plan.level, {}), report)
         if lr is not None:
             console.print(f"learning rate: {lr:g}; every other study in {ws.root} takes the recipe's, so set "
                           f"train.lr = {lr:g} in {ws.recipe_path}", soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _measuring():
+    with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
+        yield status.update
 
 
 def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: dict | None = None,
@@ -291,98 +268,3 @@ def _rescore(lab_, runs: dict, precision: str) -> dict:
                               soft_wrap=True)
 
         return rescore_mod.rescore(lab_, runs, precision, on_run=on_run)
-
-
-def _confirm(ws, study, *, quick: bool, prompts: int, report_only: bool, rescore: str | None = None) -> None:
-    """The study's confirmation stage (stages.declare_confirmation): declared once from the first
-    stage's runs, in confirm/confirm.json, before any of its own; resumable like the first."""
-    from minirl.lab import studies  # deferred, with the two below: torch and scipy, after _prepare_env
-    from minirl.lab import stages
-    from minirl.lab import runner as lab_mod  # deferred: torch
-    from minirl.lab import verdicts as v  # deferred: scipy
-
-    first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
-    if not (first.out / "mechanism.json").exists():
-        raise UsageError(f"no study at {first.out}: run `minirl lab {study.name} {ws.root}` first")
-    mech = read_json(first.out / "mechanism.json", "the study's mismatch dial")
-    level, _ = studies.study_level(study, mech)
-    lab_ = lab_mod.Lab(ws.root, first.out / "confirm")
-    path = lab_.out / "confirm.json"
-    if report_only and not path.exists():
-        raise UsageError(f"no confirmation stage at {lab_.out}: run `minirl lab {study.name} {ws.root} --confirm`")
-    if not report_only:
-        lab_.hold()  # before the declaration: one writer declares it
-    if not path.exists():
-        sp1 = studies.plan(study, seeds=v.SEEDS_MOST, quick=quick, level=level, prompts=prompts,
-                           endpoint=studies.study_endpoint(mech))
-        res1 = studies.arm_results(first, sp1).get(level, {})
-        if why := stages.unpaired(study, res1):
-            raise UsageError(f"the study at {first.out} has not finished ({why}): finish it before confirming")
-        stage1 = studies.decide(study, res1)
-        declared = stages.declare_confirmation(study, stage1, report=str(first.out / "report.md"))
-        if declared is None:
-            console.print("nothing to confirm: every verdict is significant, already powered, or needs more than "
-                          f"{v.SEEDS_MOST} seeds", soft_wrap=True)
-            return
-        atomic.write_text(path, json.dumps(declared, indent=1))
-    declared = read_json(path, "the confirmation stage's declaration")
-    sub = stages.confirmation_study(study, declared)
-    sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
-                      first_seed=declared["first_seed"], endpoint=studies.study_endpoint(mech))
-    console.print(f"confirmation stage: {', '.join(f'{f} ({c})' for f, c in declared['comparisons'])}; "
-                  f"{declared['seeds']} fresh seeds per arm at {level}", soft_wrap=True)
-    _run_and_report(lab_, sub, sp, mech, report_only=report_only, confirmation=declared, rescore=rescore)
-
-
-def _follow_up(ws, study, *, level: str, quick: bool, seeds: int | None, arms: list[str] | None, prompts: int,
-               report_only: bool, rescore: str | None = None) -> None:
-    """A study's follow-up at another level of its measured dial (stages.declare_follow_up):
-    declared once, in at-LEVEL/at.json, before any of its runs; resumable like the study."""
-    from minirl.lab import studies  # deferred, with the one below: torch and scipy, after _prepare_env
-    from minirl.lab import stages
-    from minirl.lab import runner as lab_mod  # deferred: torch
-
-    first = lab_mod.Lab(ws.root, ws.root / "lab" / f"study-{study.name}" / ("quick" if quick else "full"))
-    if not (first.out / "mechanism.json").exists():
-        if report_only:
-            raise UsageError(f"no study at {first.out}: run `minirl lab {study.name} {ws.root}` first")
-        try:  # what the dial cannot change is refused before the doctor runs
-            stages.declare_follow_up(study, level, seeds=1, report="", dial=(level,), arms=arms)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        first.hold()
-        with console.status("the mismatch dial: minirl doctor on the cold start...") as status:
-            # no first stage here (a dose–response elsewhere prompted the test): the study's dial,
-            # measured as its first stage would and kept for it
-            studies.mechanism(first, seeds=1 if quick else 3, progress=status.update)
-    mech = read_json(first.out / "mechanism.json", "the study's mismatch dial")
-    if level == studies.study_level(study, mech)[0]:
-        raise UsageError(f"{level} is the study's own level: more seeds there are a confirmation stage (--confirm)")
-    lab_ = lab_mod.Lab(ws.root, first.out / f"at-{level}")
-    path = lab_.out / "at.json"
-    if report_only and not path.exists():
-        raise UsageError(f"no follow-up at {lab_.out}: run `minirl lab {study.name} {ws.root} --at {level}`")
-    try:  # refused before anything is written
-        declared = stages.declare_follow_up(study, level, seeds=seeds or (2 if quick else 5),
-                                             report=str(first.out / "report.md") if first.state["runs"] else "",
-                                             dial=studies.measured_dial(mech["levels"]), arms=arms)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if not report_only:
-        lab_.hold()  # before the declaration: one writer declares it
-    if not path.exists():
-        atomic.write_text(path, json.dumps(declared, indent=1))
-    declared = read_json(path, "the follow-up's declaration")
-    if seeds is not None and seeds != declared["seeds"]:
-        raise UsageError(f"the follow-up at {level} was declared with {declared['seeds']} seeds per arm; "
-                         f"its seeds do not change after its first run")
-    if arms is not None and arms != declared.get("arms"):
-        raise UsageError(f"the follow-up at {level} was declared with "
-                         f"{'the arms ' + ','.join(declared['arms']) if declared.get('arms') else 'every arm'}; "
-                         f"its arms do not change after its first run")
-    sub = stages.follow_up_study(study, declared)
-    sp = studies.plan(sub, seeds=declared["seeds"], quick=quick, level=level, prompts=prompts,
-                      first_seed=declared["first_seed"], endpoint=declared["endpoint"])
-    console.print(f"follow-up at {level}: {', '.join(a[0] for a in sub.arms)}; {declared['seeds']} fresh seeds per "
-                  f"arm (train.seed {declared['first_seed']} on)", soft_wrap=True)
-    _run_and_report(lab_, sub, sp, mech, report_only=report_only, follow_up=declared, rescore=rescore)

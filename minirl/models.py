@@ -370,3 +370,24 @@ def param_count(shape: ModelShape) -> int:
     emb = shape.vocab_size * shape.dim * (1 if shape.tie_embeddings else 2)
     return shape.n_layers * per_layer + emb + shape.dim
 
+
+# the weights LoRA may adapt (train/lora.py; train.lora.targets names them): attention, a dense
+# feed-forward, routed experts; never the router or the embeddings
+LORA_TARGETS = ("q", "k", "v", "o", "mlp", "experts")
+
+
+def lora_targets(targets: str, model: ModelShape | None = None) -> tuple[str, ...]:
+    """train.lora.targets as names, in LORA_TARGETS' order; "all": every target `model` has."""
+    names = {t.strip() for t in targets.split(",") if t.strip()}
+    if "all" in names:
+        names = set(lora_widths(model)) if model is not None else set(LORA_TARGETS)
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+
+def lora_widths(model: ModelShape) -> dict[str, int]:
+    """Each target's smallest matrix side in this model (what bounds the rank), for the targets it has."""
+    attn = {"q": min(model.dim, model.n_heads * model.head_dim), "k": min(model.dim, model.n_kv_heads * model.head_dim),
+            "v": min(model.dim, model.n_kv_heads * model.head_dim), "o": min(model.dim, model.n_heads * model.head_dim)}
+    if model.is_moe:
+        return {**attn, "experts": min(model.dim, model.moe_hidden_dim)}
+    return {**attn, "mlp": min(model.dim, model.hidden_dim)}

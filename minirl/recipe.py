@@ -1,74 +1,162 @@
 """Recipes: typed dataclasses that map one-to-one onto TOML sections and `--set a.b=c` overrides.
 
-Precedence: dataclass defaults < recipe TOML < `--set` flags. An unknown section or key fails and
-names it; a value of the wrong type fails and names the key. Every field's range and the rules
-that span sections live in minirl/validator.py, which `load` runs; it raises and never rewrites a field.
+Each field declares its own range or choices (`number`, `one_of`, `rule`), checked by `check_fields`
+whenever a Recipe is built or loaded; a rule that spans fields lives in minirl/validator.py, and a
+rule that needs the machine or the model in minirl/setup/limits.py. Reading TOML files and `--set`
+flags is minirl/recipes.py's. Nothing here rewrites a field: a bad value fails naming its key.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
-import tomllib
-import typing
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from minirl.engine_sizing import max_samples_per_prompt
+from minirl.engines import ENGINES
 from minirl.errors import UsageError
-from minirl.validator import validate
+from minirl.models import LORA_TARGETS
+from minirl.precisions import NAMES as PRECISION_NAMES
+from minirl.task import TASKS
+
+# The objectives train/objective.py implements (its LOSSES registry; a test keeps the two equal)
+LOSS_NAMES = ("minirl", "grpo", "cispo")
+
+
+def number(default: float, lo: float = -math.inf, hi: float | Callable[[], float] = math.inf, *,
+           above: bool = False) -> Any:
+    """A numeric field: finite, ≥ lo (> lo with `above`) and ≤ hi (a callable: read when checked)."""
+    return field(default=default, metadata={"range": (lo, hi, not above)})
+
+
+def one_of(default: str, names) -> Any:
+    return field(default=default, metadata={"choices": tuple(names)})
+
+
+def rule(default: Any, check: Callable[[str, Any], str | None], lo: float | None = None,
+         hi: float | Callable[[], float] = math.inf) -> Any:
+    """A field with its own rule: `check(key, value)` returns the message of a bad value, or None;
+    numbers may also carry a range, checked after it."""
+    meta: dict[str, Any] = {"rule": check}
+    if lo is not None:
+        meta["range"] = (lo, hi, True)
+    return field(default=default, metadata=meta)
+
+
+def _not_greedy(key: str, v: float) -> str | None:
+    if v == 0:
+        return (f"{key} = 0 (greedy) samples the same response G times, so every group-mean advantage is 0; "
+                "use a temperature > 0")
+    return None
+
+
+def _a_group(key: str, v: int) -> str | None:
+    if v < 2:
+        return (f"{key} = {v}: the advantage is R minus the mean of its group, so with one response per prompt "
+                "every advantage is 0 and no update can change the policy; use ≥ 2")
+    return None
+
+
+def _one_problem_field(key: str, v: str) -> str | None:
+    try:
+        v.format(problem="")
+        assert "{problem}" in v
+    except (KeyError, IndexError, ValueError, AssertionError):
+        return (f"{key} = {v!r} must hold {{problem}} once and no other {{...}} field (write a literal brace as "
+                "{{ or }})")
+    return None
+
+
+def _lora_names(key: str, v: str) -> str | None:
+    names = [t.strip() for t in v.split(",") if t.strip()]
+    if not names or any(t not in (*LORA_TARGETS, "all") for t in names):
+        return (f"{key} = {v!r}: name weights among {', '.join(LORA_TARGETS)}, or all "
+                "(comma-separated; the router and the embeddings are never adapted)")
+    return None
+
+
+def _not_empty(key: str, v: str) -> str | None:
+    return f"{key} is empty" if not v.strip() else None
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, bool) or not isinstance(v, (int, float)) or math.isfinite(v)
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Every field of `obj` (a Recipe or one section) against what it declares; fails naming its key."""
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_fields(value, key + ".")
+            continue
+        if not _finite(value):
+            raise UsageError(f"{key} = {value}; it must be a finite number")
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise UsageError(f"{key} = {value!r}; choose one of {', '.join(f.metadata['choices'])}")
+        if "rule" in f.metadata and (message := f.metadata["rule"](key, value)):
+            raise UsageError(message)
+        if "range" in f.metadata:
+            lo, hi, lo_ok = f.metadata["range"]
+            hi = hi() if callable(hi) else hi
+            if value < lo or (value == lo and not lo_ok) or value > hi:
+                lower = f"≥ {lo}" if lo_ok else f"> {lo}"
+                upper = f" and ≤ {hi}" if math.isfinite(hi) else ""
+                raise UsageError(f"{key} = {value}; it must be {lower}{upper}")
 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    id: str = "tiny-qwen3-moe"  # tiny-qwen3-moe | a short name (Qwen3-30B-A3B, ...) | an HF repo id | a local folder
+    id: str = rule("tiny-qwen3-moe", _not_empty)  # tiny-qwen3-moe | a short name (Qwen3-30B-A3B, ...) | an HF repo id | a local folder
     path: str = "model/coldstart"  # the HF folder to load (relative to the workspace); "" = from id (folder or Hub)
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    train: str = "data/train.jsonl"  # local JSONL/Parquet (relative to the workspace) or an HF dataset id
-    heldout: str = "data/heldout.jsonl"
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    max_prompt_tokens: int = 32  # longer prompts are skipped and counted
-    prompt_template: str = "{problem}"  # the text sent; "{problem}" stands for the prompt field
+    train: str = rule("data/train.jsonl", _not_empty)  # local JSONL/Parquet (relative to the workspace) or an HF dataset id
+    heldout: str = rule("data/heldout.jsonl", _not_empty)
+    prompt_field: str = rule("prompt", _not_empty)
+    answer_field: str = rule("answer", _not_empty)
+    max_prompt_tokens: int = number(32, 1)  # longer prompts are skipped and counted
+    prompt_template: str = rule("{problem}", _one_problem_field)  # the text sent; "{problem}" stands for the prompt field
     chat_template: bool = False  # send it as one user turn through the tokenizer's chat template
     heldout_split: str = "train"  # the split of a Hub dataset in data.heldout (MATH-500: "test")
 
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
-    engine: str = "vllm"
+    engine: str = one_of("vllm", ENGINES)
     # weights and compute of the rollout engine: fp32 | bf16 | fp8 (W8A8: FP8 weights with per-row
     # scales and per-token FP8 activations, vLLM's fp8_per_channel on CUDA; on CPU emulated: weights
     # rounded at every sync, activations at every linear layer). The lab's CPU-only levels:
     # fp8-weights (weights alone), and beyond the paper e5m2 (W8A8 in e5m2) and nvfp4 (W4A4 in
     # NVFP4, FP4 in blocks of 16). Training is fp32 on CPU, so μ ≠ π even on-policy, and the token
     # IS correction has work to do.
-    precision: str = "bf16"
-    temperature: float = 1.0
-    max_tokens: int = 8  # response length limit
+    precision: str = one_of("bf16", PRECISION_NAMES)
+    temperature: float = rule(1.0, _not_greedy, 0)
+    max_tokens: int = number(8, 1)  # response length limit
     # the share of each GPU the engine takes at its start (vLLM's gpu_memory_utilization: its weights,
     # working memory and KV cache), checked by the plan against what the trainer leaves free then;
     # 0 = the plan's: what the engine needs for the job, within what the trainer leaves
     # (engine_sizing.py, docs/cluster.md). A CPU engine's KV cache is sized in bytes, so there vLLM
     # only checks it against the NUMA node's memory
-    memory_fraction: float = 0.1
+    memory_fraction: float = number(0.1, 0, 1)
     # explicit KV-cache size per GPU; 0 = sized for the job (every sequence of a step at full length,
     # at least 256 on a CPU): on a GPU within memory_fraction or what the trainer leaves
-    kv_cache_gib: float = 0.0
+    kv_cache_gib: float = number(0.0, 0)
     # CUDA graphs for decoding (vLLM's default); false: eager, as the CPU engine always runs
     cuda_graphs: bool = True
-    tensor_parallel: int = 1  # GPUs per vLLM engine; under torchrun every tensor_parallel consecutive ranks share one
+    tensor_parallel: int = number(1, 1)  # GPUs per vLLM engine; under torchrun every tensor_parallel consecutive ranks share one
     # between rollouts (CUDA; CPU has no sleep mode): 0 stay awake, 1 offload weights to host and drop
     # the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost)
-    sleep_level: int = 0
-    sync_bucket_mib: int = 1024  # weight sync: whole decoder layers gathered and loaded at most this much at a time
+    sleep_level: int = number(0, 0, 2)
+    sync_bucket_mib: int = number(1024, 1)  # weight sync: whole decoder layers gathered and loaded at most this much at a time
     # check vLLM vs trainer log-probs on a fixed batch after the first sync, every k-th and every
     # rollback (0 = never); each check costs about a π_old forward of 16 responses
-    parity_every: int = 10
+    parity_every: int = number(10, 0)
     # sample the next step's batch in the engine's own process while this step trains (one step
     # off-policy: each batch comes from the weights before the last update; rollout/process.py).
     # One process on CPU, 2+ cores: the trainer takes half of them, the engine the rest
@@ -77,17 +165,17 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
-    name: str = "minirl"  # minirl | grpo | cispo
-    eps_low: float = 0.2  # ε_low
-    eps_high: float = 0.27  # ε_high
-    tis_cap: float = 5.0  # truncated-IS cap
-    is_mode: str = "truncate"  # truncate | mask | off
+    name: str = one_of("minirl", LOSS_NAMES)
+    eps_low: float = number(0.2, 0, 1, above=True)  # ε_low
+    eps_high: float = number(0.27, 0, above=True)  # ε_high
+    tis_cap: float = number(5.0, 0, above=True)  # truncated-IS cap
+    is_mode: str = one_of("truncate", ("truncate", "mask", "off"))
     # the rollout engine (vLLM, rollout.precision) always differs from the trainer (TorchTitan):
     # is_mode = "off" leaves that gap uncorrected and must be asked for explicitly
     allow_uncorrected: bool = False
     length_norm: bool = False  # 1/|y| per response (ablation, F2)
     adv_std: bool = False  # divide advantages by the group std (GRPO)
-    truncated_reward: str = "grade"  # a response cut at max_tokens: "grade" it as is, or score "zero"
+    truncated_reward: str = one_of("grade", ("grade", "zero"))  # a response cut at max_tokens: "grade" it as is, or score "zero"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,41 +183,41 @@ class LoraConfig:
     """[train.lora]: low-rank adapters W + (α/r)·B·A on the targeted weights, trained instead of the
     weights themselves (train/lora.py). rank 0: off, every weight trains."""
 
-    rank: int = 0  # r
-    alpha: float = 32.0  # α: the adapters' update is scaled by α/r
+    rank: int = number(0, 0)  # r
+    alpha: float = number(32.0, 0, above=True)  # α: the adapters' update is scaled by α/r
     # which weights get adapters, comma-separated: q, k, v, o (attention), mlp (a dense model's
     # feed-forward), experts (every routed expert's three matrices), or all (every one of those the
     # model has: LoRA matches full RL when it covers the MLP / MoE layers). Never the router or embeddings.
-    targets: str = "all"
+    targets: str = rule("all", _lora_names)
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    steps: int = 300
-    prompts_per_step: int = 32  # B
-    group_size: int = 8  # G
-    minibatches: int = 1  # N: updates per step (N > 1 = off-policy mini-batches)
-    micro_batch_tokens: int = 0  # tokens per forward/backward (gradient accumulation); 0 = a whole mini-batch
-    lr: float = 3e-4
+    steps: int = number(300, 0)
+    prompts_per_step: int = number(32, 1)  # B
+    group_size: int = rule(8, _a_group, 1, max_samples_per_prompt)  # G (vLLM's n per request bounds it)
+    minibatches: int = number(1, 1)  # N: updates per step (N > 1 = off-policy mini-batches)
+    micro_batch_tokens: int = number(0, 0)  # tokens per forward/backward (gradient accumulation); 0 = a whole mini-batch
+    lr: float = number(3e-4, 0, above=True)
     # the learning rate rises linearly to `lr` over the first warmup_steps RL steps (lr·s/warmup at
     # step s): LoRA's first Adam steps move every adapter entry by about lr at once (docs/lora.md)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    replay: str = "off"  # off | r2 | r3 (routing replay for MoE)
+    warmup_steps: int = number(0, 0)
+    weight_decay: float = number(0.0, 0)
+    grad_clip: float = number(1.0, 0, above=True)
+    replay: str = one_of("off", ("off", "r2", "r3"))  # routing replay for MoE
     replay_diagnostics: bool = True  # R3: also compute π_old without replay (KL and route-agreement metrics)
-    seed: int = 0
-    time_limit_s: float = 0.0  # stop after this many seconds of RL (0 = no limit)
+    seed: int = number(0, 0, 2**31 - 1)
+    time_limit_s: float = number(0.0, 0)  # stop after this many seconds of RL (0 = no limit)
     # compute dtype of the trainer's parameters; the weights, gradients and Adam state stay float32
     # (master weights). "auto": bfloat16 on CUDA (TorchTitan's mixed precision), float32 on CPU.
-    param_dtype: str = "auto"
+    param_dtype: str = one_of("auto", ("auto", "float32", "bfloat16"))
     # "full": each decoder layer's activations are recomputed in backward (TorchTitan's FullAC), so
     # only layer inputs are kept; "none" keeps them all. The plan (--dry-run) counts activations by it
-    activation_checkpoint: str = "none"
+    activation_checkpoint: str = one_of("none", ("none", "full"))
     # "optimizer": Adam's moments wait in host memory between updates (train/offload.py), so the
     # rollout engine's KV cache gets their GPU memory; each update brings them back for its step.
     # The plan (--dry-run) counts the host memory and the transfer time it costs
-    offload: str = "none"
+    offload: str = one_of("none", ("none", "optimizer"))
     # forward each prompt once for its G responses, which attend to it through a mask (packing.py);
     # the same log-probs to float rounding. Off: every response row carries a copy of its prompt.
     pack_prompts: bool = True
@@ -138,28 +226,28 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
-    grader: str = "arith"  # a name from the `minirl.graders` entry-point group
+    grader: str = rule("arith", _not_empty)  # a name from the `minirl.graders` entry-point group
     params: dict[str, Any] = field(default_factory=dict)
-    workers: int = 0  # grader processes (0 = in the trainer process; cheap graders)
-    timeout_s: float = 5.0  # per response; a timeout scores 0 and is counted
+    workers: int = number(0, 0, 256)  # grader processes (0 = in the trainer process; cheap graders)
+    timeout_s: float = number(5.0, 0, above=True)  # per response; a timeout scores 0 and is counted
 
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    k: int = 4  # samples per held-out problem
-    temperature: float = 1.0
-    max_problems: int = 500  # held-out problems a run scores (and `minirl eval heldout`); named benchmarks: all
-    every: int = 0  # also score the held-out set every k steps during `run` (0 = at the start and end only)
-    max_tokens: int = 0  # response limit for `minirl eval` (0 = rollout.max_tokens)
+    k: int = number(4, 1, max_samples_per_prompt)  # samples per held-out problem
+    temperature: float = number(1.0, 0)
+    max_problems: int = number(500, 1)  # held-out problems a run scores (and `minirl eval heldout`); named benchmarks: all
+    every: int = number(0, 0)  # also score the held-out set every k steps during `run` (0 = at the start and end only)
+    max_tokens: int = number(0, 0)  # response limit for `minirl eval` (0 = rollout.max_tokens)
     prompt_template: str = ""  # benchmark prompt, with {problem}; "" = the benchmark's own (boxed-answer)
-    grader_workers: int = 2  # grader processes for `minirl eval`
+    grader_workers: int = number(2, 0, 256)  # grader processes for `minirl eval`
     data_dir: str = ""  # folder of <benchmark>.jsonl files used instead of the Hub
 
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    every: int = 50  # steps
-    keep: int = 2  # newest step checkpoints kept (0 = all; the final one and the rollback target always stay)
+    every: int = number(50, 1)  # steps
+    keep: int = number(2, 0)  # newest step checkpoints kept (0 = all; the final one and the rollback target always stay)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,52 +267,52 @@ class GuardConfig:
     """Collapse detection and rollback (minirl/run/guard.py)."""
 
     enabled: bool = True
-    max_kl: float = 0.05  # KL(μ_old‖π_old) above this is a bad step
-    min_entropy_frac: float = 0.05  # entropy below this share of the first step's ...
-    max_entropy_factor: float = 1.25  # ... or above this multiple of it ...
-    reward_drop: float = 0.2  # ... with reward this far below its best ...
-    reward_drop_frac: float = 0.5  # ... or below (1 − this) × its best, is a bad step
+    max_kl: float = number(0.05, 0, above=True)  # KL(μ_old‖π_old) above this is a bad step
+    min_entropy_frac: float = number(0.05, 0, 1)  # entropy below this share of the first step's ...
+    max_entropy_factor: float = number(1.25, 1, above=True)  # ... or above this multiple of it ...
+    reward_drop: float = number(0.2, 0)  # ... with reward this far below its best ...
+    reward_drop_frac: float = number(0.5, 0, 1)  # ... or below (1 − this) × its best, is a bad step
     # a slide the entropy need not show: the mean reward of the last `slide_window` steps below the
     # best such window so far by more than `slide_z` standard errors of the difference (its sampling
     # noise) and by more than `slide_drop_frac` of it (the policy's own wobble) (guard.py, docs/runs.md)
-    slide_window: int = 30
-    slide_z: float = 4.0
-    slide_drop_frac: float = 0.25
-    patience: int = 3  # consecutive bad steps before a rollback
-    max_rollbacks: int = 3  # then the run stops as "collapsed"
-    lr_factor: float = 0.5  # learning rate multiplier applied at each rollback
+    slide_window: int = number(30, 0)  # 0: no slide rule
+    slide_z: float = number(4.0, 0, above=True)
+    slide_drop_frac: float = number(0.25, 0, 1)
+    patience: int = number(3, 1)  # consecutive bad steps before a rollback
+    max_rollbacks: int = number(3, 0)  # then the run stops as "collapsed"
+    lr_factor: float = number(0.5, 0, 1, above=True)  # learning rate multiplier applied at each rollback
 
 
 @dataclass(kw_only=True, slots=True)
 class ColdStartConfig:
     """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
 
-    task: str = "addition"  # the embedded task init builds (minirl/task.py): addition | scratchpad | scratchpad-long
+    task: str = one_of("addition", TASKS)  # the embedded task init builds (minirl/task.py)
     # the tiny model's shape (minirl/models.py TINY): more layers and experts, and more of them
     # chosen per token, put more routes near a top-k boundary for precision to flip
-    layers: int = 4
-    experts: int = 8
-    top_k: int = 2
+    layers: int = number(4, 1, 64)
+    experts: int = number(8, 2, 256)
+    top_k: int = number(2, 1, 256)
 
-    max_steps: int = 1000
-    target_acc: float = 0.3  # stop once sampled (T=1) accuracy on the dev split reaches this
-    dev_size: int = 256  # carved from the train split for the stopping rule; never the held-out split
-    check_every: int = 25  # SFT steps between dev-accuracy checks (accuracy can jump within a few dozen)
-    batch_size: int = 128
-    lr: float = 3e-3
-    seed: int = 0
-    train_size: int = 20000
-    heldout_size: int = 500
+    max_steps: int = number(1000, 1)
+    target_acc: float = number(0.3, 0, 1)  # stop once sampled (T=1) accuracy on the dev split reaches this
+    dev_size: int = number(256, 1)  # carved from the train split for the stopping rule; never the held-out split
+    check_every: int = number(25, 1)  # SFT steps between dev-accuracy checks (accuracy can jump within a few dozen)
+    batch_size: int = number(128, 1)
+    lr: float = number(3e-3, 0, above=True)
+    seed: int = number(0, 0, 2**31 - 1)
+    train_size: int = number(20000, 2)
+    heldout_size: int = number(500, 1)
 
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     """Cluster layout; single process on the embedded default."""
 
-    nodes: int = 1
-    gpus_per_node: int = 1
-    dp_shard: int = -1  # FSDP2 degree (-1: all ranks)
-    ep: int = 1  # expert-parallel degree
+    nodes: int = number(1, 1)
+    gpus_per_node: int = number(1, 1)
+    dp_shard: int = number(-1, -1)  # FSDP2 degree (-1: all ranks)
+    ep: int = number(1, 1)  # expert-parallel degree
 
 
 @dataclass(kw_only=True, slots=True)
@@ -241,6 +329,9 @@ class Recipe:
     guard: GuardConfig = field(default_factory=GuardConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -289,126 +380,3 @@ class Recipe:
         return "\n".join(lines)
 
 
-def _coerce(key: str, typ: Any, value: Any) -> Any:
-    """Check (TOML) or parse (`--set` strings) one value against its declared type."""
-    typ = typing.get_origin(typ) or typ
-    from_flag = isinstance(value, str) and typ is not str
-    try:
-        if typ is bool:
-            if from_flag:
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return value.lower() in ("true", "1", "yes")
-            if not isinstance(value, bool):
-                raise ValueError
-            return value
-        if typ is int:
-            if isinstance(value, bool) or (not from_flag and not isinstance(value, int)):
-                raise ValueError
-            return int(value)
-        if typ is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if typ is dict:
-            v = json.loads(value) if from_flag else value
-            if not isinstance(v, dict):
-                raise ValueError
-            return v
-        if typ is str:
-            if not isinstance(value, str):
-                raise ValueError
-            return value
-    except ValueError:
-        pass
-    else:
-        return value
-    raise UsageError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
-
-
-def _apply(recipe: Recipe, section: str, key: str, value: Any) -> None:
-    sections = {f.name: f for f in dataclasses.fields(Recipe)}
-    if section not in sections:
-        raise UsageError(f"unknown recipe section [{section}]; known: {', '.join(sections)}")
-    obj = getattr(recipe, section)
-    hints = typing.get_type_hints(type(obj))
-    if section == "rollout" and key in ("dtype", "fp8"):
-        raise UsageError(f"rollout.{key} was replaced by rollout.precision = \"fp32\" | \"bf16\" | \"fp8\" "
-                         "(dtype \"bfloat16\" → \"bf16\", \"float32\" → \"fp32\", fp8 = true → \"fp8\")")
-    head, dot, rest = key.partition(".")
-    if dot and head in hints and dataclasses.is_dataclass(getattr(obj, head)):  # `--set train.lora.rank=16`
-        _apply_fields(getattr(obj, head), f"{section}.{head}", {rest: value})
-        return
-    if key not in hints:
-        raise UsageError(f"unknown recipe key {section}.{key}; known in [{section}]: {', '.join(hints)}")
-    if dataclasses.is_dataclass(getattr(obj, key)):  # a [section.sub] table
-        if not isinstance(value, dict):
-            raise UsageError(f"{section}.{key} is a table: [{section}.{key}] in a recipe, or --set {section}.{key}.KEY=VALUE")
-        _apply_fields(getattr(obj, key), f"{section}.{key}", value)
-        return
-    setattr(obj, key, _coerce(f"{section}.{key}", hints[key], value))
-
-
-def _apply_fields(obj, where: str, values: dict[str, Any]) -> None:
-    """Keys of a subsection ([train.lora]) onto its dataclass."""
-    hints = typing.get_type_hints(type(obj))
-    for key, value in values.items():
-        if key not in hints:
-            raise UsageError(f"unknown recipe key {where}.{key}; known in [{where}]: {', '.join(hints)}")
-        setattr(obj, key, _coerce(f"{where}.{key}", hints[key], value))
-
-
-def load(path: Path | None, overrides: list[str] = ()) -> Recipe:
-    """defaults < TOML file < `section.key=value` overrides."""
-    recipe = Recipe()
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise UsageError(f"recipe not found: {path}")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise UsageError(f"malformed recipe {path}: {e}") from None
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise UsageError(f"{path}: top-level key {section!r} must be a [section]")
-            for key, value in values.items():
-                _apply(recipe, section, key, value)
-    for item in overrides:
-        dotted, sep, value = item.partition("=")
-        section, dot, key = dotted.strip().partition(".")
-        if not sep or not dot or not key:
-            raise UsageError(f"--set expects section.key=value, got {item!r}")
-        _apply(recipe, section, key.strip(), value.strip())
-    validate(recipe)
-    return recipe
-
-
-def with_sets(recipe: Recipe, sets: dict[str, Any]) -> Recipe:
-    """A validated copy of `recipe` with `{"section.key": value}` changes (as `--set` gives them)."""
-    out = copy.deepcopy(recipe)
-    for dotted, value in sets.items():
-        section, _, key = dotted.partition(".")
-        _apply(out, section, key, value)
-    validate(out)
-    return out
-
-
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-
-def for_model(model_id: str | None) -> Path | None:
-    """The shipped recipe written for a model (recipes/<id, lower case>.toml), if there is one."""
-    if not model_id:
-        return None
-    p = RECIPES_DIR / f"{model_id.lower()}.toml"
-    return p if p.is_file() else None
-
-
-def shipped(name: str) -> Path:
-    """A recipe from `recipes/` by file stem, e.g. "tiny"."""
-    p = RECIPES_DIR / f"{name}.toml"
-    if not p.is_file():
-        names = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.toml")))
-        raise UsageError(f"no shipped recipe {name!r}; available: {names}")
-    return p

@@ -34,7 +34,7 @@ def main() -> None:
     shape = KNOWN_SHAPES[a.model]
     def adapt(model):  # what Trainer(lora=..., param_dtype="bfloat16") hands parallelize
         from minirl.train import lora
-        from minirl.validator import lora_targets
+        from minirl.models import lora_targets
 
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)

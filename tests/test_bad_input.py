@@ -26,21 +26,21 @@ LORA_RUN = "runs/20251231-000000"  # older than RUN: "latest" is still RUN
 @pytest.fixture(scope="session")
 def ws_template(tiny_dir, tmp_path_factory) -> Path:
     """A complete small workspace: recipe, data, model, and a run with a checkpoint at step 2."""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.models import TINY
     from minirl.train.trainer import Trainer
     from tests.conftest import data_workspace
 
     root = data_workspace(tmp_path_factory.mktemp("badinput") / "ws", train=200, heldout=40)
     shutil.copytree(tiny_dir, root / "model/coldstart")
-    rec = recipe.load(root / "minirl.toml")
+    rec = recipes.load(root / "minirl.toml")
     tr = Trainer(TINY, lr=1e-3)
     tr.load_hf(root / "model/coldstart")
     tr.save(root / CKPT, {"step": 2, "sampler": {"epoch": 0, "pos": 64}, "recipe": rec.to_dict(),
                           "heldout_start": {"avg@4": 0.1}})
     (root / RUN / "recipe.toml").write_text(rec.to_toml())
     (root / RUN / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
-    lora = recipe.load(root / "minirl.toml", ["train.lora.rank=4"])  # a LoRA run: its checkpoint, adapters only
+    lora = recipes.load(root / "minirl.toml", ["train.lora.rank=4"])  # a LoRA run: its checkpoint, adapters only
     tr = Trainer.from_recipe(lora, TINY, device="cpu")
     tr.load_hf(root / "model/coldstart")
     tr.save(root / LORA_RUN / "checkpoints/step_000001", {"step": 1, "sampler": {"epoch": 0, "pos": 32},
@@ -107,7 +107,7 @@ def hub_down(ws: Path):
 
 
 def platform(**fields):
-    """The machine `validator.validate` checks a run against (a GPU, or fewer cores, cannot exist here)."""
+    """The machine `setup.limits.check` checks a run against (a GPU, or fewer cores, cannot exist here)."""
     def f(ws: Path):
         _SITUATION["platform"] = fields
     return f
@@ -184,9 +184,9 @@ def an_intact_checkpoint_before_a_truncated_one(ws: Path):
 
 def finished(ws: Path):
     """The template run ended as "finished" at the steps its recipe asked for."""
-    from minirl import recipe
+    from minirl import recipes
 
-    steps = recipe.load(ws / RUN / "recipe.toml").train.steps
+    steps = recipes.load(ws / RUN / "recipe.toml").train.steps
     write(f"{RUN}/summary.json", json.dumps({"status": "finished", "steps": steps}))(ws)
 
 
@@ -520,10 +520,10 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
             monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
         monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     if "platform" in _SITUATION:
-        from minirl import validator
+        from minirl.setup import limits
 
-        here = validator.Platform.here
-        monkeypatch.setattr(validator.Platform, "here", classmethod(
+        here = limits.Platform.here
+        monkeypatch.setattr(limits.Platform, "here", classmethod(
             lambda cls, world_size=1: dataclasses.replace(here(world_size), **_SITUATION["platform"])))
     if _SITUATION.get("hub_down"):
         from minirl import hub
@@ -584,17 +584,17 @@ def test_the_dry_run_refuses_what_the_run_refuses_with_its_line(ws_template, tmp
     before = snapshot(tmp_path)
     dry = _one_line(monkeypatch, capfd, ["run", str(ws), "--dry-run", "--gpus-per-node", gpus, *flags])
     if "parallel.gpus_per_node=3" in sets:  # a run of 3 ranks: its torchrun job, here its own checks at that size
-        from minirl import recipe
+        from minirl import recipes
         from minirl.models import read_shape
         from minirl.setup.preflight import check_layout
         from minirl.errors import UsageError
 
-        rec = recipe.load(ws / "minirl.toml", sets)
+        rec = recipes.load(ws / "minirl.toml", sets)
         with pytest.raises(UsageError) as e:
-            from minirl.validator import validate
+            from minirl.setup.limits import check
 
             shape = read_shape(ws / "model/coldstart")
-            validate(rec, None, shape)
+            check(rec, None, shape)
             check_layout(rec, shape, 3)
         run = (2, f"minirl: error: {' '.join(str(e.value).split())}")
     else:

@@ -103,14 +103,14 @@ def test_init_task_builds_the_long_response_workspace_in_the_recipes_shape(tmp_p
     """--task picks the task's recipe; the data carries the written-out targets, the model's
     context fits prompts plus responses, it has the recipe's layers and experts, and the report
     gives the response lengths. (`--task scratchpad` is built by the lab's tests.)"""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.setup.workspace import Workspace, init_workspace
 
     small = ["cold_start.max_steps=1", "cold_start.train_size=100", "cold_start.heldout_size=10",
              "cold_start.dev_size=2", "cold_start.check_every=1"]
     report = init_workspace(tmp_path / "ws", task="scratchpad-long", overrides=small)
     ws = Workspace.open(tmp_path / "ws")
-    rec = recipe.load(ws.recipe_path)
+    rec = recipes.load(ws.recipe_path)
     assert report["recipe"] == "tiny-scratchpad-long" and report["task"] == rec.cold_start.task == "scratchpad-long"
     assert rec.reward.grader == "regex" and rec.rollout.max_tokens == 136
     row = json.loads(ws.path(rec.data.train).read_text().splitlines()[0])

@@ -54,18 +54,18 @@ def test_a_gpu_run_plans_against_its_device_and_gives_vllm_the_plans_share(monke
     """#63: on a GPU, `minirl run` plans for the device it is on (its real memory, this job's ranks)
     before any engine starts: the engine's fraction is the plan's, and what will not fit is refused
     in the dry run's line. The GPU is the seam (`Platform`); the plan is the real one."""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.models import KNOWN_SHAPES, TINY
     from minirl.setup.preflight import check_gpu_plan
     from minirl.setup.advice import advise, describe, refusal
     from minirl.setup.plan import make_plan
-    from minirl.validator import Platform
+    from minirl.setup.limits import Platform
 
     shape = KNOWN_SHAPES["Qwen3-30B-A3B"]
-    lora = recipe.load(recipe.shipped("qwen3-30b-a3b-lora"), [])
+    lora = recipes.load(recipes.shipped("qwen3-30b-a3b-lora"), [])
     h200 = Platform("cuda", 1, 16, 139.8)  # what torch reports of an H200's 141 GB
     assert check_gpu_plan(lora, shape, h200) == make_plan(lora, shape, model="Qwen3-30B-A3B", gpu_gib=139.8).engine_fraction
-    assert check_gpu_plan(recipe.load(None, []), TINY, Platform("cpu")) is None  # a CPU engine is sized for the job
+    assert check_gpu_plan(recipes.load(None, []), TINY, Platform("cpu")) is None  # a CPU engine is sized for the job
     h100 = Platform("cuda", 1, 16, 79.2)
     with pytest.raises(UsageError) as refused:
         check_gpu_plan(lora, shape, h100)
@@ -74,7 +74,7 @@ def test_a_gpu_run_plans_against_its_device_and_gives_vllm_the_plans_share(monke
     assert str(refused.value) == refusal(plan, [describe(*found)]) + " (planned for this job: 1 × 1 GPU(s) of 79.2 GiB)"
     # under torchrun: this node's ranks (LOCAL_WORLD_SIZE) and the nodes the world size makes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    full = recipe.load(recipe.shipped("qwen3-30b-a3b"), [])
+    full = recipes.load(recipes.shipped("qwen3-30b-a3b"), [])
     got = check_gpu_plan(full, shape, Platform("cuda", 16, 16, 79.2))
     assert got == make_plan(full, shape, model="Qwen3-30B-A3B", gpu_gib=79.2).engine_fraction < 0.85
 

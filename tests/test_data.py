@@ -99,13 +99,13 @@ def test_task_splits_are_disjoint_and_correct():
 def test_scratchpad_traces_add_up_and_only_the_final_sum_is_graded(task, recipe_name, width, mean_len):
     import re
 
-    from minirl import recipe
+    from minirl import recipes
     from minirl.task import scratchpad
     from rewards import load_grader
 
     train, held = make_splits(2000, 200, seed=3, task=task)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
-    rec = recipe.load(recipe.shipped(recipe_name))
+    rec = recipes.load(recipes.shipped(recipe_name))
     grade = load_grader(rec.reward.grader, rec.reward.params)
     lengths = []
     for r in train + held:

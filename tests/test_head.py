@@ -70,7 +70,7 @@ def test_rows_repeated_for_several_targets_sum_their_gradients():
 def test_a_trainer_with_the_chunked_head_computes_and_learns_what_the_whole_logits_do(pack):
     """The tiny model forced to a 5-position head chunk: its log-probs, entropies, loss and every
     gradient are those of the whole logits (fp32)."""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.models import TINY
     from minirl.train.batch import build_batch
     from minirl.train.objective import loss_for
@@ -81,7 +81,7 @@ def test_a_trainer_with_the_chunked_head_computes_and_learns_what_the_whole_logi
     resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] + [2] for n in (1, 3, 2, 4, 1, 2)]
     b = build_batch(prompts, resps, [[-1.0 - 0.1 * i for i in range(len(r))] for r in resps],
                     [0.5, -0.5, 1.0, -1.0, 0.2, -0.2], pad_id=0)
-    fn = loss_for(recipe.load(None).loss)
+    fn = loss_for(recipes.load(None).loss)
     grads, figures = [], []
     for chunk in (0, 5):
         tr = Trainer(TINY, lr=1e-2, seed=0, head_chunk=chunk, pack_prompts=pack)

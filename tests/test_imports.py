@@ -43,15 +43,16 @@ def modules(root: Path = ROOT, packages=PACKAGES) -> dict[str, Path]:
     return out
 
 
-def imports(path: Path, known: dict[str, Path]):
-    """(line, imported module names, in a function?, the source line) of every import that runs:
-    imports under `if TYPE_CHECKING:` never do."""
+def imports(path: Path, known: dict[str, Path], annotations: bool = False):
+    """(line, imported module names, in a function?, the source line) of every import that runs,
+    and with `annotations` also those under `if TYPE_CHECKING:` (which never run, but still tie
+    the two modules together)."""
     tree = ast.parse(path.read_text())
     lines = path.read_text().splitlines()
 
     def walk(node, in_function):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not annotations:
                 continue
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
@@ -66,10 +67,11 @@ def imports(path: Path, known: dict[str, Path]):
 
 
 def graph(known: dict[str, Path]) -> dict[str, set[str]]:
-    """module → the package's modules it imports (a submodule's import runs its package's too)."""
+    """module → the package's modules it imports, for annotations too (a submodule's import runs
+    its package's too)."""
     edges: dict[str, set[str]] = {m: set() for m in known}
     for name, path in known.items():
-        for _, names, _, _ in imports(path, known):
+        for _, names, _, _ in imports(path, known, annotations=True):
             for n in names:
                 parts = n.split(".")
                 for i in range(1, len(parts) + 1):
@@ -125,7 +127,9 @@ def test_a_planted_cycle_is_found(tmp_path):
     known = modules(tmp_path, ("minirl",))
     assert cycles(graph(known)) == [["minirl.a", "minirl.b", "minirl.c"]]  # the function's import counts too
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minirl import a\nx = 1\n")
-    assert cycles(graph(modules(tmp_path, ("minirl",)))) == []  # an annotation-only import does not
+    assert cycles(graph(modules(tmp_path, ("minirl",)))) == [["minirl.a", "minirl.b", "minirl.c"]]  # an annotation's too
+    (pkg / "c.py").write_text("x = 1\n")
+    assert cycles(graph(modules(tmp_path, ("minirl",)))) == []
 
 
 def test_engines_are_imported_only_in_their_homes():
@@ -257,3 +261,24 @@ def test_the_run_folders_files_have_one_owner():
                     and owned.search(node.value):
                 found.append(f"{name}:{node.lineno}")
     assert found == []
+
+
+def test_every_number_in_a_recipe_declares_its_range_and_every_name_its_choices():
+    """#65: a field's range or choices sit with the field (recipe.number / one_of / rule), so no
+    numeric field goes unchecked and no table elsewhere repeats them; the loss names are the
+    objective's registry's."""
+    import dataclasses
+
+    from minirl.recipe import LOSS_NAMES, Recipe
+    from minirl.train.objective import LOSSES
+
+    def fields(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            yield from fields(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else [(f"{prefix}{f.name}", f, v)]
+
+    bare = [k for k, f, v in fields(Recipe()) if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and not {"range", "rule"} & set(f.metadata)]
+    assert bare == []
+    assert tuple(LOSSES) == LOSS_NAMES
+    assert "validator" not in (ROOT / "minirl" / "recipe.py").read_text().split('"""', 2)[2]  # no dataclass imports it

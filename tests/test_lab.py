@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from minirl.lab import runner as lab
-from minirl import recipe
+from minirl import recipes
 
 
 def test_a_cell_is_the_run_its_own_process_started_not_the_newest(tmp_path):
@@ -29,7 +29,7 @@ def test_a_cell_is_the_run_its_own_process_started_not_the_newest(tmp_path):
 
 def test_a_cold_start_for_f6_is_built_for_the_workspaces_own_task(tmp_path, monkeypatch):
     # the long miniature's F6 compares long cold starts; a short scratchpad one would compare another task
-    (tmp_path / "minirl.toml").write_text(recipe.shipped("tiny-scratchpad-long").read_text())
+    (tmp_path / "minirl.toml").write_text(recipes.shipped("tiny-scratchpad-long").read_text())
     built = []
     monkeypatch.setattr(lab, "init_workspace", lambda root, **kw: built.append((root.name, kw["task"], kw["overrides"])))
     L = lab.Lab(tmp_path, tmp_path / "lab" / "study-coldstart" / "full")
@@ -175,7 +175,7 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     ws.mkdir()
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n")
     L = lab.Lab(ws, ws / "lab" / "x")
-    before = recipe.load(ws / "minirl.toml").to_dict()
+    before = recipes.load(ws / "minirl.toml").to_dict()
     for section, key in (("train", "lora"), ("train", "warmup_steps"), ("train", "offload"), ("rollout", "cuda_graphs"),
                          ("guard", "slide_window"), ("guard", "slide_z"), ("guard", "slide_drop_frac")):  # the recipe as it read before the fields existed
         del before[section][key]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl import atomic, recipe
+from minirl import atomic, recipes
 from minirl.errors import UsageError
 from minirl.hub import fingerprint
 from minirl.models import KNOWN_SHAPES, TINY
@@ -18,7 +18,8 @@ from minirl.train import lora
 from minirl.train.batch import build_batch
 from minirl.train.objective import loss_for
 from minirl.train.trainer import Trainer
-from minirl.validator import Platform, lora_targets, validate
+from minirl.models import lora_targets
+from minirl.setup.limits import Platform, check
 
 ALL = ("q", "k", "v", "o", "experts")
 
@@ -36,7 +37,7 @@ def _lora_trainer(rank=4, targets=ALL, shape=TINY, **kw):
 
 
 def _update(tr: Trainer, b) -> None:
-    fn = loss_for(recipe.load(None).loss)
+    fn = loss_for(recipes.load(None).loss)
     old, _, _ = tr.logprobs(b)
     tr.forward_backward(b.with_old_logp(old), fn)
     tr.optim_step()
@@ -50,7 +51,7 @@ def test_only_the_adapters_train_and_step_0_is_the_base_model():
     torch.testing.assert_close(tr.logprobs(b)[0], base.logprobs(b)[0], rtol=0, atol=0)  # B = 0: exactly the base
 
     before = {k: v.clone() for k, v in tr.model.state_dict().items() if not lora.is_adapter(k)}
-    fn = loss_for(recipe.load(None).loss)
+    fn = loss_for(recipes.load(None).loss)
     old, _, _ = tr.logprobs(b)
     tr.forward_backward(b.with_old_logp(old), fn)
     with_grad = {n for n, p in tr.model.named_parameters() if p.grad is not None}
@@ -121,21 +122,21 @@ def test_a_dense_models_mlp_adapters_and_rank_bounds():
 ])
 def test_the_recipe_refuses_lora_it_cannot_mean(sets, error):
     with pytest.raises(UsageError, match=error.replace("(", r"\(").replace(")", r"\)")):
-        recipe.load(None, sets)
+        recipes.load(None, sets)
 
 
 def test_the_model_and_machine_bound_lora():
-    rec = recipe.load(None, ["train.lora.rank=4", "train.lora.targets=q,mlp"])
+    rec = recipes.load(None, ["train.lora.rank=4", "train.lora.targets=q,mlp"])
     with pytest.raises(UsageError, match="names mlp, which this model does not have"):
-        validate(rec, None, TINY)
-    rec = recipe.load(None, ["train.lora.rank=200"])
+        check(rec, None, TINY)
+    rec = recipes.load(None, ["train.lora.rank=200"])
     with pytest.raises(UsageError, match=r"train.lora.rank = 200 is above the width of the 'q' weights \(64\)"):
-        validate(rec, None, TINY)
-    rec = recipe.load(None, ["train.lora.rank=4"])
-    validate(rec, Platform("cpu", 1, 2, 16.0), TINY)
-    validate(rec, Platform("cpu", 2, 2, 16.0), TINY)  # torchrun: sharded with the weights (test_parallel)
+        check(rec, None, TINY)
+    rec = recipes.load(None, ["train.lora.rank=4"])
+    check(rec, Platform("cpu", 1, 2, 16.0), TINY)
+    check(rec, Platform("cpu", 2, 2, 16.0), TINY)  # torchrun: sharded with the weights (test_parallel)
     with pytest.raises(UsageError, match="rollout.overlap = false"):
-        validate(recipe.load(None, ["train.lora.rank=4", "rollout.overlap=true"]), Platform("cpu", 1, 2, 16.0), TINY)
+        check(recipes.load(None, ["train.lora.rank=4", "rollout.overlap=true"]), Platform("cpu", 1, 2, 16.0), TINY)
 
 
 def test_the_merged_sync_puts_the_adapted_model_in_the_engine(engine32, tiny_dir):
@@ -175,7 +176,7 @@ def test_lora_with_r3_replays_the_engines_routes_on_every_position(engine_r3, ti
     fed = fed_positions(comps, batch)
     tr = _lora_trainer()
     tr.load_hf(tiny_dir)
-    fn = loss_for(recipe.load(None).loss)
+    fn = loss_for(recipes.load(None).loss)
     adv = torch.tensor([0.5 if i % 2 else -0.5 for i in range(len(batch))])
     b = dataclasses.replace(batch, adv_B=adv)
     for _ in range(2):
@@ -228,7 +229,7 @@ def test_a_checkpoint_holds_the_adapters_and_loads_only_onto_their_base_and_sett
     full.save(tmp_path / "full", {"step": 0})
     with pytest.raises(UsageError, match="no LoRA adapters"):
         _lora_trainer().load(tmp_path / "full")
-    made = Trainer.for_checkpoint(recipe.load(None, ["train.lora.rank=4", "train.lora.alpha=8"]), TINY, tiny_dir)
+    made = Trainer.for_checkpoint(recipes.load(None, ["train.lora.rank=4", "train.lora.alpha=8"]), TINY, tiny_dir)
     assert made.lora == {"rank": 4, "alpha": 8.0, "targets": ALL} and made.base == extra["base"]
 
 
@@ -338,13 +339,13 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
 
     # `eval` and `doctor` take a checkpoint through resolve_checkpoint: one without its HF folder is
     # rebuilt from the adapters and the base they name, and holds the run's merged weights again
-    from minirl import recipe as recipe_mod
+    from minirl import recipes
     from minirl.eval.evaluate import resolve_checkpoint
     from minirl.setup.workspace import Workspace
 
     shutil.move(ckpt / "hf", tmp_path / "run-hf")
     w = Workspace.open(ws)
-    folder = resolve_checkpoint(w, recipe_mod.load(w.recipe_path), str(ckpt))
+    folder = resolve_checkpoint(w, recipes.load(w.recipe_path), str(ckpt))
     rebuilt = load_file(next(folder.glob("*.safetensors")))
     assert rebuilt.keys() == own.keys() and all(torch.equal(rebuilt[k], own[k]) for k in own)
 
@@ -370,7 +371,7 @@ def test_an_exported_adapter_is_evaluated_merged_onto_its_base(tmp_path, tiny_di
     save_hf_folder(tmp_path / "merged", TINY, tr.full_state_dict(), tokenizer_dir=tiny_dir)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path)
-        got = resolve_checkpoint(None, recipe.load(None, []), str(tmp_path / "adapter"))
+        got = resolve_checkpoint(None, recipes.load(None, []), str(tmp_path / "adapter"))
         assert got.parent == Path("minirl-evals/merged") and (tmp_path / got / "config.json").exists()
         want = load_hf_weights(tmp_path / "merged")
         have = load_hf_weights(got)
@@ -378,5 +379,5 @@ def test_an_exported_adapter_is_evaluated_merged_onto_its_base(tmp_path, tiny_di
         for k in want:
             torch.testing.assert_close(have[k].float(), want[k].float(), rtol=0, atol=1e-5)
         stamp = (got / "model.safetensors").stat().st_mtime_ns
-        assert resolve_checkpoint(None, recipe.load(None, []), str(tmp_path / "adapter")) == got  # merged once
+        assert resolve_checkpoint(None, recipes.load(None, []), str(tmp_path / "adapter")) == got  # merged once
         assert (got / "model.safetensors").stat().st_mtime_ns == stamp

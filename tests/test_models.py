@@ -98,23 +98,23 @@ def test_a_model_too_large_for_this_node_is_refused_before_any_download(monkeypa
     """#63: the host-memory check is the plan's (`host_memory`) for this job's layout: one CPU
     process holds the 30B's fp32 training state and its engine; a LoRA run under torchrun holds
     its rank's share; on GPUs what is offloaded, and rank 0's read of the checkpoint."""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.errors import UsageError
     from minirl.setup.preflight import check_fits
     from minirl.setup.plan import host_memory
-    from minirl.validator import Platform
+    from minirl.setup.limits import Platform
 
     cpu = Platform("cpu", 1, 2, 24.0)
-    check_fits(recipe.load(None, []), TINY, cpu)
-    big = recipe.load(recipe.shipped("qwen3-30b-a3b"), ["rollout.sleep_level=0", "parallel.nodes=1",
+    check_fits(recipes.load(None, []), TINY, cpu)
+    big = recipes.load(recipes.shipped("qwen3-30b-a3b"), ["rollout.sleep_level=0", "parallel.nodes=1",
                                                         "parallel.gpus_per_node=1", "parallel.ep=1", "rollout.tensor_parallel=1"])
     with pytest.raises(UsageError, match=r"30\.53B parameters\): this job needs ~\d[\d,]* GiB of this node's host memory at "
                                          r"its peak \(checkpoint read at start \(rank 0\) 110\.9, trainer"):
         check_fits(big, QWEN3_30B_A3B, cpu)
     # the same recipe on GPUs holds only the read and the offloaded moments in host memory: 8 ranks a node
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    eight = recipe.with_sets(big, {"rollout.sleep_level": 2})
-    need = host_memory(recipe.with_sets(eight, {"parallel.gpus_per_node": 8}), QWEN3_30B_A3B, device="cuda")
+    eight = recipes.with_sets(big, {"rollout.sleep_level": 2})
+    need = host_memory(recipes.with_sets(eight, {"parallel.gpus_per_node": 8}), QWEN3_30B_A3B, device="cuda")
     assert need["Adam moments offloaded"] == pytest.approx(8 * 30.53e9, rel=0.01) and need["peak"] == need["Adam moments offloaded"]
     with pytest.raises(UsageError, match=r"~227 GiB .* 8 rank\(s\) on cuda"):
         check_fits(eight, QWEN3_30B_A3B, Platform("cuda", 8, 16, 80.0))

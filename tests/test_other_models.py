@@ -88,16 +88,16 @@ def test_replay_on_a_dense_model_is_refused_in_one_line(data_ws, tiny_dir, tmp_p
 def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     """`minirl init --model`: the model's shipped recipe, or the generic one suited to a dense
     model; math data, grader and chat template; no cold start; only the config is read."""
-    from minirl import recipe
+    from minirl import recipes
 
     r = minirl("init", str(tmp_path / "moe"), "--model", "Qwen3-30B-A3B")
     assert r.returncode == 0, r.stderr
-    rec = recipe.load(tmp_path / "moe" / "minirl.toml", [])
+    rec = recipes.load(tmp_path / "moe" / "minirl.toml", [])
     assert (rec.model.id, rec.model.path, rec.parallel.ep, rec.rollout.precision) == ("Qwen3-30B-A3B", "", 8, "fp8")
     assert (rec.reward.grader, rec.data.chat_template, rec.data.prompt_field) == ("math", True, "problem")
     # the recipe does not depend on the machine that made it: this one has no GPU, and the cluster
     # values stay (what a CPU cannot do is refused where a run starts, validator.validate)
-    shipped = recipe.load(recipe.for_model("Qwen3-30B-A3B"))
+    shipped = recipes.load(recipes.for_model("Qwen3-30B-A3B"))
     assert (rec.rollout.sleep_level, rec.rollout.kv_cache_gib) == (shipped.rollout.sleep_level, shipped.rollout.kv_cache_gib)
     assert not (tmp_path / "moe" / "model").exists() or not any((tmp_path / "moe" / "model").iterdir())
 
@@ -109,7 +109,7 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     fits = ["--set", "data.max_prompt_tokens=16", "--set", "rollout.max_tokens=8"]
     r = minirl("init", str(tmp_path / "dense-ws"), "--model", str(folder), "--set", "train.steps=7", *fits)
     assert r.returncode == 0, r.stderr
-    rec = recipe.load(tmp_path / "dense-ws" / "minirl.toml", [])
+    rec = recipes.load(tmp_path / "dense-ws" / "minirl.toml", [])
     assert (rec.model.id, rec.train.replay, rec.parallel.ep, rec.train.steps) == (str(folder), "off", 1, 7)
     # this test tokenizer has no chat template: the run says so before any engine starts (sleep
     # mode off: the recipe keeps its GPU sleep level, which a run on this CPU refuses where it

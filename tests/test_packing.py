@@ -85,11 +85,11 @@ def _grouped_batch(seed: int):
 
 @pytest.mark.parametrize("micro", [0, 4])
 def test_packed_trainer_equals_unpacked_in_logprobs_entropy_loss_and_gradient(micro):
-    from minirl import recipe
+    from minirl import recipes
     from minirl.train.objective import loss_for
 
     batch = _grouped_batch(0)
-    fn = loss_for(recipe.load(None).loss)
+    fn = loss_for(recipes.load(None).loss)
     out = {}
     for pack in (False, True):
         tr = Trainer(TINY, lr=1e-3, seed=0, pack_prompts=pack)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl import recipe
+from minirl import recipes
 from minirl.models import KNOWN_SHAPES, param_count
 from minirl.models import active_params
 from minirl.setup.plan import GiB, fit_mesh, make_plan
@@ -30,7 +30,7 @@ def test_known_shapes_are_torchtitans_own_flavors(name):
 
 
 def plan_30b(nodes: int, gpus: int, *sets: str):
-    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}",
+    rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}",
                                                           *sets])
     return make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B")
 
@@ -63,7 +63,7 @@ def test_plan_bytes_are_those_of_the_sharded_model(model, nodes, gpus, ep, lora)
 
     sets = [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}", f"parallel.ep={ep}", "rollout.tensor_parallel=1",
             "train.offload=optimizer"]
-    rec = recipe.load(recipe.for_model(model), sets + ([f"train.lora.rank={lora}"] if lora else []))
+    rec = recipes.load(recipes.for_model(model), sets + ([f"train.lora.rank={lora}"] if lora else []))
     plan = make_plan(rec, KNOWN_SHAPES[model], model=model)
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_mesh_worker.py"), "--model", model,
                         "--world", str(nodes * gpus), "--ep", str(ep), "--lora", str(lora)],
@@ -111,7 +111,7 @@ def test_sleeping_engines_leave_training_the_gpu_and_awake_ones_share_it():
 def test_the_shipped_30b_recipes_follow_the_paper_and_fit_on_two_h100_nodes(name):
     """B = 64 prompts × G = 16 per mini-batch, FP8 rollouts with TIS 5, ε 0.2 / 0.27; off-policy:
     N = 4 mini-batches of a 256-prompt step with R3. Both fit 2 × 8 H100 80 GB with room."""
-    rec = recipe.load(recipe.shipped(name), [])
+    rec = recipes.load(recipes.shipped(name), [])
     t, lo = rec.train, rec.loss
     assert (t.prompts_per_step // t.minibatches, t.group_size) == (64, 16)
     assert (t.minibatches, t.replay) == ((1, "off") if name == "qwen3-30b-a3b" else (4, "r3"))
@@ -162,7 +162,7 @@ def test_one_80gb_gpu_is_refused_naming_every_phase_that_overflows_and_the_cheap
     the plan it gives: on one 80 GiB GPU that is LoRA on two GPUs; training every weight, one node."""
     from minirl.setup.advice import advise
 
-    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=1",
+    rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=1",
                                                           "parallel.ep=1", "rollout.tensor_parallel=1"])
     plan = make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B")
     assert [p.split(" ")[0] for p in plan.problems] == ["training", "weight", "rollouts:"]
@@ -177,7 +177,7 @@ def test_one_80gb_gpu_is_refused_naming_every_phase_that_overflows_and_the_cheap
         assert sets == want and fixed.fits and fixed.in_flight >= 1
         for key in [k for k in sets if k != "train.lr"]:  # nothing in the advice is spare (the lr comes with LoRA)
             rest = {k: v for k, v in sets.items() if k != key}
-            assert advise(recipe.with_sets(rec, rest), KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B",
+            assert advise(recipes.with_sets(rec, rest), KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B",
                           gpu_gib=80, lora=lora)[0] != {}
 
 
@@ -189,7 +189,7 @@ def test_one_80gb_gpu_is_refused_naming_every_phase_that_overflows_and_the_cheap
 def test_the_advice_takes_the_cheapest_kind_of_change_first(sets, want):
     from minirl.setup.advice import advise
 
-    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "train.offload=none", *sets])
+    rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "train.offload=none", *sets])
     assert not make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B").fits
     got, fixed = advise(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80)
     assert got == want and fixed.fits
@@ -205,14 +205,14 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     ok = dry("--replay", "r3", "--nodes", "2", "--gpus-per-node", "8", "--set", "train.lr=2e-6")
     assert ok.returncode == 0, ok.stderr[-2000:]
     # the resolved recipe comes first, as TOML that loads back to what the flags made of the model's recipe
-    from minirl import recipe
+    from minirl import recipes
 
     toml = ok.stdout.split("would hold)\n", 1)[1].split("\nplan for ", 1)[0]
     (tmp_path / "resolved").mkdir()
     (tmp_path / "resolved" / "r.toml").write_text(toml)
     flags = ["train.replay=r3", "parallel.nodes=2", "parallel.gpus_per_node=8", "train.lr=2e-6"]
-    want = recipe.load(recipe.shipped("qwen3-30b-a3b"), flags)
-    assert recipe.load(tmp_path / "resolved" / "r.toml", []) == want and want.train.lr == 2e-6
+    want = recipes.load(recipes.shipped("qwen3-30b-a3b"), flags)
+    assert recipes.load(tmp_path / "resolved" / "r.toml", []) == want and want.train.lr == 2e-6
     (tmp_path / "resolved" / "r.toml").unlink()
     (tmp_path / "resolved").rmdir()
     assert "30.53B total, 3.35B active" in ok.stdout and "world 16, dp_shard (FSDP2) 16, ep 8" in ok.stdout
@@ -282,7 +282,7 @@ def test_a_dry_run_plans_what_init_and_run_would_run(tmp_path):
     """`run --model Qwen3-8B --dry-run` with no workspace plans the recipe `init --model Qwen3-8B`
     writes (recipes/qwen3.toml, suited to a dense model), says which Hub repo the short name is,
     and the same plan comes from the workspace init makes, on this machine without a GPU too."""
-    from minirl import recipe
+    from minirl import recipes
 
     env = {"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
 
@@ -295,11 +295,11 @@ def test_a_dry_run_plans_what_init_and_run_would_run(tmp_path):
     assert "Qwen3-8B is Qwen/Qwen3-8B-Base on the Hub (its pretrained base model" in alone.stdout
     assert f"recipe: {ROOT / 'recipes' / 'qwen3.toml'}" in alone.stdout
     assert minirl("init", "ws", "--model", "Qwen3-8B").returncode == 0
-    written = recipe.load(tmp_path / "ws" / "minirl.toml")
-    assert (written.train.replay, written.rollout.sleep_level) == ("off", recipe.load(recipe.shipped("qwen3")).rollout.sleep_level)
+    written = recipes.load(tmp_path / "ws" / "minirl.toml")
+    assert (written.train.replay, written.rollout.sleep_level) == ("off", recipes.load(recipes.shipped("qwen3")).rollout.sleep_level)
     toml = alone.stdout.split("would hold)\n", 1)[1].split("\nplan for ", 1)[0]
     (tmp_path / "planned.toml").write_text(toml)
-    planned = recipe.load(tmp_path / "planned.toml")
+    planned = recipes.load(tmp_path / "planned.toml")
     planned.parallel.gpus_per_node = written.parallel.gpus_per_node  # the flag, not the recipe
     assert planned == written  # what init wrote is what was planned
     within = minirl("run", "ws", "--dry-run", "--gpus-per-node", "8")
@@ -322,22 +322,22 @@ def test_lora_fits_the_30b_on_one_141gib_gpu_not_on_one_80gib_one(tmp_path):
     assert "LoRA: 843.8M adapter parameters train (2.76% of the model)" in r.stdout
     assert ("launch: minirl run WORKSPACE --model Qwen3-30B-A3B --replay r3 --set train.lora.rank=16 --set "
             "train.lr=1e-5 --set parallel.ep=1 --set rollout.tensor_parallel=1") in r.stdout
-    shipped = recipe.load(recipe.shipped("qwen3-30b-a3b-lora"))
+    shipped = recipes.load(recipes.shipped("qwen3-30b-a3b-lora"))
     assert (shipped.train.lora.rank, shipped.train.replay, shipped.rollout.precision) == (16, "r3", "fp8")
     one = make_plan(shipped, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=141)
     assert one.fits and one.in_flight >= 8 and one.memory_gib["gathered bf16 layers"] == 0
     assert one.memory_gib["base weights (bf16, frozen, sharded)"] * GiB == 2 * one.params
     small = make_plan(shipped, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80)
     assert not small.fits and "the largest part is base weights (bf16, frozen, sharded)" in small.problems[0]
-    node = recipe.load(recipe.shipped("qwen3-30b-a3b-lora"), ["parallel.gpus_per_node=8"])
+    node = recipes.load(recipes.shipped("qwen3-30b-a3b-lora"), ["parallel.gpus_per_node=8"])
     assert make_plan(node, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=80).fits
 
 
 def test_the_mesh_follows_the_machine_only_downwards():
-    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=4"])
+    rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=4"])
     assert fit_mesh(rec, KNOWN_SHAPES["Qwen3-30B-A3B"]) == {"parallel.ep": 4}  # TP 2 fits in 4 GPUs
-    assert fit_mesh(recipe.load(recipe.for_model("Qwen3-30B-A3B")), KNOWN_SHAPES["Qwen3-30B-A3B"]) == {}
-    dense = recipe.load(None, ["model.id=Qwen3-8B", "rollout.tensor_parallel=4", "parallel.ep=8",
+    assert fit_mesh(recipes.load(recipes.for_model("Qwen3-30B-A3B")), KNOWN_SHAPES["Qwen3-30B-A3B"]) == {}
+    dense = recipes.load(None, ["model.id=Qwen3-8B", "rollout.tensor_parallel=4", "parallel.ep=8",
                                "parallel.gpus_per_node=2"])
     assert fit_mesh(dense, KNOWN_SHAPES["Qwen3-8B"]) == {"rollout.tensor_parallel": 2}  # no experts: EP is not its business
 
@@ -362,7 +362,7 @@ def test_the_engine_of_each_shipped_recipe_starts_beside_the_trainer(name, model
     from vllm.utils.mem_utils import MemorySnapshot
     from vllm.v1.worker.utils import request_memory
 
-    rec = recipe.load(recipe.shipped(name), [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}"])
+    rec = recipes.load(recipes.shipped(name), [f"parallel.nodes={nodes}", f"parallel.gpus_per_node={gpus}"])
     assert rec.rollout.memory_fraction == 0  # the plan derives the engine's share
     plan = make_plan(rec, KNOWN_SHAPES[model], model=model, gpu_gib=gib)
     assert plan.fits, plan.problems
@@ -376,7 +376,7 @@ def test_the_engine_of_each_shipped_recipe_starts_beside_the_trainer(name, model
     engine = sum(v for k, v in plan.memory_gib.items() if k.startswith(("vLLM weights", "vLLM working", "vLLM KV")))
     assert plan.engine_fraction * gib == pytest.approx(engine, abs=0.001 * gib)
     if name.startswith("qwen3-30b-a3b") and "lora" not in name and nodes == 1:
-        old = make_plan(recipe.with_sets(rec, {"rollout.memory_fraction": 0.85}), KNOWN_SHAPES[model], model=model)
+        old = make_plan(recipes.with_sets(rec, {"rollout.memory_fraction": 0.85}), KNOWN_SHAPES[model], model=model)
         with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
             request_memory(MemorySnapshot(auto_measure=False, device="cpu", free_memory=int(free), total_memory=int(total)),
                            CacheConfig(gpu_memory_utilization=0.85))
@@ -388,7 +388,7 @@ def test_the_plan_reads_the_engines_memory_fraction():
     """rollout.memory_fraction is vLLM's gpu_memory_utilization: the KV cache is what it leaves
     after the engine's weights and working memory, and a fraction more than is free when the
     engine starts is refused naming it and the most that fits."""
-    plans = {f: make_plan(recipe.load(recipe.shipped("qwen3"), [f"rollout.memory_fraction={f}"]), KNOWN_SHAPES["Qwen3-4B"],
+    plans = {f: make_plan(recipes.load(recipes.shipped("qwen3"), [f"rollout.memory_fraction={f}"]), KNOWN_SHAPES["Qwen3-4B"],
                           model="Qwen3-4B") for f in (0, 0.1, 0.25, 0.3, 0.95)}
     assert plans[0.25].fits and plans[0.3].fits and plans[0].fits
     assert plans[0.25].memory_gib["vLLM KV cache"] < plans[0.3].memory_gib["vLLM KV cache"]
@@ -399,9 +399,9 @@ def test_the_plan_reads_the_engines_memory_fraction():
     [start] = plans[0.95].problems
     most = float(start.split("set rollout.memory_fraction at most ")[1].split(",")[0])
     assert start.startswith("vLLM's start: rollout.memory_fraction = 0.95 gives the engine 76.0 GiB of each GPU")
-    assert make_plan(recipe.load(recipe.shipped("qwen3"), [f"rollout.memory_fraction={most}"]), KNOWN_SHAPES["Qwen3-4B"],
+    assert make_plan(recipes.load(recipes.shipped("qwen3"), [f"rollout.memory_fraction={most}"]), KNOWN_SHAPES["Qwen3-4B"],
                      model="Qwen3-4B").fits
-    assert not make_plan(recipe.load(recipe.shipped("qwen3"), [f"rollout.memory_fraction={most + 0.002}"]),
+    assert not make_plan(recipes.load(recipes.shipped("qwen3"), [f"rollout.memory_fraction={most + 0.002}"]),
                          KNOWN_SHAPES["Qwen3-4B"], model="Qwen3-4B").fits
 
 

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from minirl import recipe as R
+from minirl import recipe
+from minirl import recipes as R
 from minirl.errors import UsageError
 
 SHIPPED = sorted(R.RECIPES_DIR.glob("*.toml"))
@@ -17,7 +18,7 @@ def test_every_shipped_recipe_loads(path):
 
 
 def test_defaults_follow_the_paper():
-    rec = R.Recipe()
+    rec = recipe.Recipe()
     assert (rec.loss.name, rec.loss.length_norm, rec.loss.adv_std, rec.train.minibatches) == ("minirl", False, False, 1)
 
 
@@ -66,11 +67,19 @@ def test_missing_recipe_file():
 
 
 def test_turning_is_correction_off_must_be_explicit():
-    from minirl import recipe
+    from minirl import recipes
     from minirl.errors import UsageError
 
     with pytest.raises(UsageError, match="loss.allow_uncorrected = true"):
-        recipe.load(None, ["loss.is_mode=off"])
-    assert recipe.load(None, ["loss.is_mode=off", "loss.allow_uncorrected=true"]).loss.is_mode == "off"
+        recipes.load(None, ["loss.is_mode=off"])
+    assert recipes.load(None, ["loss.is_mode=off", "loss.allow_uncorrected=true"]).loss.is_mode == "off"
     with pytest.raises(UsageError, match=r'rollout.fp8 was replaced by rollout.precision = "fp32" \| "bf16" \| "fp8"'):
-        recipe.load(None, ["rollout.fp8=true"])
+        recipes.load(None, ["rollout.fp8=true"])
+
+
+def test_a_recipe_built_in_code_checks_its_fields_too():
+    """#65: the ranges sit with the fields, so a Recipe built without a file is checked where it is built."""
+    with pytest.raises(UsageError, match=r"train.lr = -1.0; it must be > 0"):
+        recipe.Recipe(train=recipe.TrainConfig(lr=-1.0))
+    with pytest.raises(UsageError, match="loss.name = 'ppo'; choose one of minirl, grpo, cispo"):
+        recipe.Recipe(loss=recipe.LossConfig(name="ppo"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minirl import recipe
+from minirl import recipes
 from minirl.errors import UsageError
 from minirl.setup.preflight import run_recipe
 from minirl.store import latest_trained
@@ -35,7 +35,7 @@ def ws(tmp_path) -> Workspace:
 
 
 def test_a_resumed_run_keeps_its_own_recipe_and_flags_on_top_of_it(ws):
-    own = recipe.load(None, ["train.steps=5", "train.lr=1e-3"])
+    own = recipes.load(None, ["train.steps=5", "train.lr=1e-3"])
     _run(ws.root, "20261127-100000", (0, 2), own.to_toml())
     assert run_recipe(ws, None, []).train.steps == 300  # a new run: the workspace's
     for resume in ("latest", "auto", "20261127-100000"):
@@ -47,19 +47,19 @@ def test_a_resumed_run_keeps_its_own_recipe_and_flags_on_top_of_it(ws):
 def test_what_a_resume_changes_is_recorded_before_the_recipe_is_rewritten(ws):
     from minirl.run.lifecycle import RECIPE_CHANGES, _record_changes
 
-    run = _run(ws.root, "20261127-100000", (2,), recipe.load(None, ["train.steps=5"]).to_toml())
+    run = _run(ws.root, "20261127-100000", (2,), recipes.load(None, ["train.steps=5"]).to_toml())
     ckpt = run / "checkpoints" / "step_000002"
-    assert _record_changes(run, recipe.load(None, ["train.steps=5"]), ckpt) == {}
+    assert _record_changes(run, recipes.load(None, ["train.steps=5"]), ckpt) == {}
     assert not (run / RECIPE_CHANGES).exists()
-    changed = _record_changes(run, recipe.load(None, ["train.steps=8", "guard.max_kl=0.1"]), ckpt)
+    changed = _record_changes(run, recipes.load(None, ["train.steps=8", "guard.max_kl=0.1"]), ckpt)
     assert changed == {"train.steps": (5, 8), "guard.max_kl": (0.05, 0.1)}
     line = json.loads((run / RECIPE_CHANGES).read_text())
     assert line["from_step"] == 2 and line["changes"] == {"train.steps": [5, 8], "guard.max_kl": [0.05, 0.1]}
-    assert _record_changes(run, recipe.load(None), None) == {}  # a new run: nothing to compare
+    assert _record_changes(run, recipes.load(None), None) == {}  # a new run: nothing to compare
 
 
 def test_a_finished_run_is_resumed_only_for_more_steps(ws):
-    _run(ws.root, "20261127-100000", (0, 5), recipe.load(None, ["train.steps=5"]).to_toml(),
+    _run(ws.root, "20261127-100000", (0, 5), recipes.load(None, ["train.steps=5"]).to_toml(),
          {"status": "finished", "steps": 5})
     with pytest.raises(UsageError, match=r"run 20261127-100000 has finished \(5 of 5 steps\): nothing to resume"):
         run_recipe(ws, "latest", [])

@@ -562,7 +562,7 @@ def test_a_second_engine_is_one_class_and_a_registry_line(tiny_dir, tmp_path, mo
     registered, the real `minirl run` machinery (preflight, trainer, Rollouts, sync, guard,
     checkpoints, summary) runs two steps on the double, which holds the trainer's weights after
     every sync; an unknown engine is refused by the validator, which reads the same table."""
-    from minirl import engines, recipe
+    from minirl import engines, recipes
     from minirl.errors import UsageError
     from minirl.rollout import Engine, make_engine
     from minirl.run import lifecycle
@@ -570,10 +570,10 @@ def test_a_second_engine_is_one_class_and_a_registry_line(tiny_dir, tmp_path, mo
     from tests.conftest import data_workspace
 
     with pytest.raises(UsageError, match=r"rollout.engine = 'fake'"):
-        recipe.load(None, ["rollout.engine=fake"])
+        recipes.load(None, ["rollout.engine=fake"])
     monkeypatch.setitem(engines.ENGINES, "fake", f"{__name__}:FakeEngine")
     ws = data_workspace(tmp_path / "ws")
-    rec = recipe.load(ws / "minirl.toml", ["rollout.engine=fake", f"model.path={tiny_dir}", "train.steps=2",
+    rec = recipes.load(ws / "minirl.toml", ["rollout.engine=fake", f"model.path={tiny_dir}", "train.steps=2",
                                            "train.prompts_per_step=4", "eval.max_problems=4", "eval.k=1"])
     assert isinstance(make_engine(tiny_dir, rec.rollout, seed=0, max_model_len=32), Engine)
     summary = lifecycle.run(Workspace.open(ws), rec)

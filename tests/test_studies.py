@@ -12,11 +12,11 @@ import pytest
 
 from minirl.lab import report as study_report
 from minirl.lab import runner as lab, rescore, stages, studies, verdicts
-from minirl import recipe
+from minirl import recipes
 
 
 def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
-    base = recipe.load(recipe.shipped("tiny-scratchpad"))
+    base = recipes.load(recipes.shipped("tiny-scratchpad"))
     for study in studies.STUDIES.values():
         sp = studies.plan(study, seeds=3, quick=True, level="fp8")
         p = sp.plan
@@ -24,7 +24,7 @@ def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
         names = {c.variant for c in p.cells}
         assert all({cmp.a, cmp.b} <= names for cmp in study.comparisons)
         for seed in range(3):
-            recs = [recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(p, seed), *c.sets]) for c in p.cells]
+            recs = [recipes.load(recipes.shipped("tiny-scratchpad"), [*lab.common_sets(p, seed), *c.sets]) for c in p.cells]
             assert {r.train.seed for r in recs} == {seed}  # the same prompts and sampling seeds in every arm
             assert {r.train.prompts_per_step // r.train.minibatches for r in recs} == {16}  # equal mini-batches
             if study.name == studies.LR_STUDY:  # the one study whose arms set it: the grid, all else equal
@@ -35,14 +35,14 @@ def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():
                 assert {(r.train.lr, r.train.weight_decay) for r in recs} == {(base.train.lr, base.train.weight_decay)}
             assert {r.rollout.precision for r in recs} <= {"fp8", "fp32"}  # the study's level (the placebo: fp32)
     # on the long miniature (8 prompts a step) the off-policy arms' mini-batches shrink with it
-    long = recipe.load(recipe.shipped("tiny-scratchpad-long"))
+    long = recipes.load(recipes.shipped("tiny-scratchpad-long"))
     sp = studies.plan(studies.STUDIES["offpolicy"], seeds=1, quick=True, level="fp8", prompts=long.train.prompts_per_step)
-    recs = [recipe.load(recipe.shipped("tiny-scratchpad-long"), [*lab.common_sets(sp.plan, 0), *c.sets])
+    recs = [recipes.load(recipes.shipped("tiny-scratchpad-long"), [*lab.common_sets(sp.plan, 0), *c.sets])
             for c in sp.plan.cells]
     assert {(r.train.prompts_per_step, r.train.minibatches) for r in recs} == {(4 * long.train.prompts_per_step, 4)}
     placebo = [a.cell for a in studies.plan(studies.STUDIES["is"], seeds=1, quick=True, level="fp8").arms
                if "placebo" in a.name]
-    recs = [recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(studies.plan(
+    recs = [recipes.load(recipes.shipped("tiny-scratchpad"), [*lab.common_sets(studies.plan(
         studies.STUDIES["is"], seeds=1, quick=True, level="fp8").plan, 0), *c.sets]) for c in placebo]
     assert [r.rollout.precision for r in recs] == ["fp32", "fp32"] and [r.loss.is_mode for r in recs] == ["truncate", "off"]
 
@@ -212,7 +212,7 @@ def test_a_confirmation_stage_runs_fresh_seeds_for_the_comparisons_short_of_powe
     sp = studies.plan(sub, seeds=7, quick=False, level="e5m2", dose_seeds=2, first_seed=declared["first_seed"])
     todo = sp.todo()
     assert len(todo) == 4 * 7 and todo[:4] == [(a, 1000) for a in sp.arms] and todo[-1][1] == 1006
-    rec = recipe.load(recipe.shipped("tiny-scratchpad"), [*lab.common_sets(sp.plan, todo[-1][1]), *todo[-1][0].cell.sets])
+    rec = recipes.load(recipes.shipped("tiny-scratchpad"), [*lab.common_sets(sp.plan, todo[-1][1]), *todo[-1][0].cell.sets])
     assert rec.train.seed == 1006
     # the first stage's seeds are not the second's: a verdict pairs only what both arms ran
     fresh = {name: [{**r, "seed": 1000 + r["seed"]} for r in _arm([0.1] * 7 if "no clip" in name else [0.5] * 7,
@@ -371,7 +371,7 @@ def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp
 
     ws = tmp_path / "ws"
     (ws / "lab" / "study-is" / "full").mkdir(parents=True)
-    (ws / "minirl.toml").write_text(recipe.shipped("tiny-scratchpad-long").read_text())
+    (ws / "minirl.toml").write_text(recipes.shipped("tiny-scratchpad-long").read_text())
     level = {"kl": 1e-3, "kl_spread": 0.0, "sd_spread": 0.0, "predicted": 0.4, "length": 98.0}
     mech = {"measured_at": "2026-11-25 13:43:14", "doctor": "/x/doctor-1.json", "seeds": 3, "level": "e5m2",
             "why": "w", "route_flips": None, "levels": {lvl: {**level, "sd": sd} for lvl, sd in (
@@ -525,7 +525,7 @@ def test_a_studys_arms_are_declared_at_its_first_run_and_never_dropped(tmp_path)
     # through the CLI: the report of a declared study names its arms, and dropping one is refused
     (out / "arms.json").write_text(json.dumps({"arms": ["clip", "no clip"], "declared_at": "2026-11-26 10:41:00"}))
     ws = tmp_path / "ws"
-    (ws / "minirl.toml").write_text(recipe.shipped("tiny-scratchpad-long").read_text())
+    (ws / "minirl.toml").write_text(recipes.shipped("tiny-scratchpad-long").read_text())
     level = {"kl": 1e-3, "kl_spread": 0.0, "sd_spread": 0.0, "predicted": 0.4, "length": 98.0, "sd": 1.15}
     (out / "mechanism.json").write_text(json.dumps({
         "measured_at": "2026-11-26 10:40:00", "endpoint": "late", "doctor": "/x/doctor-1.json", "seeds": 3,

@@ -119,7 +119,7 @@ def test_micro_batches_give_the_whole_batch_gradient():
 def test_on_policy_update_gives_pi_old_itself(micro):
     """N = 1: the update's own forward is at θ_old, so the loop takes log π_θold and H from it
     (loop.loss_for holds it fixed) instead of a second forward: same values, same gradient."""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.train.objective import loss_for
 
     g = torch.Generator().manual_seed(2)
@@ -127,7 +127,7 @@ def test_on_policy_update_gives_pi_old_itself(micro):
     resps = [[int(x) for x in torch.randint(3, 30, (n,), generator=g)] + [2] for n in (1, 3, 2, 4, 1, 2)]
     b = build_batch(prompts, resps, [[-1.0 - 0.1 * i for i in range(len(r))] for r in resps],
                     [0.5, -0.5, 1.0, -1.0, 0.2, -0.2], pad_id=0)
-    fn = loss_for(recipe.load(None).loss)
+    fn = loss_for(recipes.load(None).loss)
     micro_tokens = micro * b.tokens_BL.shape[1]
 
     separate = Trainer(TINY, lr=1e-3, seed=0)

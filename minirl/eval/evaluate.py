@@ -15,7 +15,7 @@ from pathlib import Path
 
 from minirl.eval import benchmarks
 from minirl import hub
-from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.data import Problem, prompt_ids, response_text
 from minirl.errors import UsageError
 from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead
@@ -163,7 +163,7 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
         shape = check_model_folder(start_dir())
         check_checkpoint(path, shape, rec.model.id)
         run_recipe = path.parent.parent / "recipe.toml"  # the model its run trained (LoRA adapters or not)
-        trainer = Trainer.for_checkpoint(recipe_mod.load(run_recipe) if run_recipe.exists() else rec, shape, start_dir())
+        trainer = Trainer.for_checkpoint(recipes.load(run_recipe) if run_recipe.exists() else rec, shape, start_dir())
         trainer.load(path, with_optim=False)
         return save_hf_folder(path / "hf", shape, trainer.full_state_dict(), tokenizer_dir=start_dir())
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from minirl import atomic
 from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.store import complete_checkpoints, has_summary
 from minirl.rollout.seeding import SAMPLING
 from minirl.run.runlock import RunLock
@@ -95,7 +96,7 @@ class Lab:
         name = f"acc{round(100 * target)}"
         root = self.out.parent / "coldstarts" / name
         if not (root / "minirl.toml").exists():
-            task = recipe_mod.load(self.ws_root / "minirl.toml").cold_start.task
+            task = recipes.load(self.ws_root / "minirl.toml").cold_start.task
             progress(f"cold start {name} (dev accuracy {target:.0%}, {task})")
             init_workspace(root, task=task, force=True, overrides=[f"cold_start.target_acc={target}"])
         return root / "model" / "coldstart"
@@ -116,7 +117,7 @@ class Lab:
         """What makes a run this cell's: its sets on top of the workspace recipe as it reads now (a
         recipe changed since, say the learning rate the lr study chose, runs the cell again; its
         comments do not) and the sampling scheme."""
-        resolved = recipe_mod.load(self.ws_root / "minirl.toml").to_dict()
+        resolved = recipes.load(self.ws_root / "minirl.toml").to_dict()
         # keys added after runs were recorded: at their defaults they change nothing those runs computed
         for section, key, default in (("train", "lora", dataclasses.asdict(recipe_mod.LoraConfig())),
                                       ("train", "warmup_steps", 0), ("train", "offload", "none"),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from minirl import atomic, store
 from minirl import engine_sizing as sizing
-from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.publish.card import known_score, model_card
 from minirl.errors import UsageError
 from minirl.eval.evaluate import evaluate
@@ -53,7 +53,7 @@ def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
     if named is not None:
         ckpt = next(c for c in checkpoints(run_dir) if c.path == named)
         return run_dir, ckpt, f"the checkpoint asked for (step {ckpt.step})"
-    metric = f"avg@{recipe_mod.load(run_dir / 'recipe.toml', []).eval.k}"
+    metric = f"avg@{recipes.load(run_dir / 'recipe.toml', []).eval.k}"
     ckpt, why = choose(run_dir, step=step, best=best, metric=metric,
                        measure=lambda todo: measure_heldout(run_dir, todo, metric, progress=progress))
     return run_dir, ckpt, why
@@ -104,7 +104,7 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not empty; choose another folder or remove it")
-    rec = recipe_mod.load(run_dir / "recipe.toml", [])
+    rec = recipes.load(run_dir / "recipe.toml", [])
     if adapter and not rec.train.lora.rank:
         raise UsageError(f"export --adapter: run {run_dir.name} trained every weight (train.lora.rank = 0), so it has "
                          "no LoRA adapter; export the whole model without --adapter")
@@ -166,7 +166,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     from minirl.rollout import make_engine
     from minirl.train.trainer import Trainer
 
-    rec = recipe_mod.load(run_dir / "recipe.toml", [])
+    rec = recipes.load(run_dir / "recipe.toml", [])
     ws = Workspace.open(run_dir.parent.parent)
     inputs = prepare_run(ws, rec, resume=None)
     engine = make_engine(inputs.model_dir, rec.rollout, seed=rec.train.seed, max_model_len=sizing.max_model_len(rec))

@@ -84,11 +84,15 @@ class Rollouts:
         rollouts.sync(trainer)  # resumed weights, or FP8-rounded ones; the same weights otherwise
         return rollouts
 
-    @property
-    def position(self) -> dict:
-        """The prompt sampler's state after this step's prompts: what a checkpoint records. The
-        batch sampled ahead is not counted; a resumed run draws its prompts again."""
-        return self._position if self._pending is not None else self._sampler.state()
+    def record(self) -> dict:
+        """The rollouts' part of a checkpoint's record: the prompt sampler's state after this step's
+        prompts. The batch sampled ahead is not counted; a resumed run draws its prompts again."""
+        return {"sampler": self._position if self._pending is not None else self._sampler.state()}
+
+    def restore(self, record: dict) -> None:
+        """Where a checkpoint's run was in its prompts (before anything is sampled)."""
+        assert self._pending is None, "restored after the first batch was drawn"
+        self._sampler.restore(record["sampler"])
 
     def next(self, step: int) -> tuple[list, list[list[Completion]]]:
         """This step's problems and their G completions each (this rank's share of both)."""

@@ -94,10 +94,10 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
     as one rank of a torchrun job (`spmd`: every rank holds an engine; ranks in one TP group run
     the same requests in lockstep, vLLM's `external_launcher` executor for SPMD launchers)."""
     kv_gib = s.kv_cache_gib
-    if cuda and s.fp8 and s.emulate != "w8a8":  # validator.validate refuses it first for a run
+    if cuda and s.fp8 and s.emulate != "w8a8":  # setup/limits.py refuses it first for a run
         raise UsageError(f"FP8 emulation {s.emulate!r} is a CPU level of the lab; on CUDA vLLM serves FP8 as W8A8 "
                          "(rollout.precision = \"fp8\")")
-    # validator.validate refuses both first for a run on a CPU; an engine built elsewhere is refused here
+    # setup/limits.py refuses both first for a run on a CPU; an engine built elsewhere is refused here
     if not cuda and s.sleep_level:
         raise UsageError(f"rollout.sleep_level = {s.sleep_level}: vLLM's CPU backend has no sleep mode; set 0")
     if not cuda and kv_gib <= 0:

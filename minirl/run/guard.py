@@ -168,6 +168,14 @@ class Guard:
         down = bool(self.recent) and self._down(sum(self.recent) / len(self.recent))  # one noisy step is no trend
         return self.bad_streak == 0 and not down
 
+    def record(self) -> dict:
+        """The guard's part of a checkpoint's record: its state, and whether the checkpoint is a good
+        one (a rollback target; `export --best` picks only among good ones)."""
+        return {"guard": self.state_dict(), "good": self.healthy}
+
+    def restore(self, record: dict) -> None:
+        self.load_state_dict(record.get("guard", {}))
+
     def state_dict(self) -> dict:
         return {"entropy0": self.entropy0, "best_reward": self.best_reward if math.isfinite(self.best_reward) else None,
                 "rollbacks": self.rollbacks, "skipped": self.skipped, "reasons": list(self.reasons),

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from minirl import atomic, store
-from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.run import status as status_mod
 from minirl.errors import RunIOError, UsageError
 from minirl.train.hf_io import save_hf_folder
@@ -101,7 +101,7 @@ def _record_changes(run_dir: Path, rec: Recipe, resume_from: Path | None) -> dic
     before = run_dir / "recipe.toml"
     if resume_from is None or not before.is_file():
         return {}
-    changed = recipe_mod.load(before).changes(rec)
+    changed = recipes.load(before).changes(rec)
     if changed:
         step = store.record_step(resume_from)
         with open(run_dir / RECIPE_CHANGES, "a") as f:
@@ -141,7 +141,7 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     startup_s = time.time() - t_start  # input checks, data, trainer and vLLM
-    if rec.loss.is_mode == "off":  # allowed explicitly (validator.validate); said once, recorded in the summary
+    if rec.loss.is_mode == "off":  # allowed explicitly (the validator); said once, recorded in the summary
         on_event("warning", {"text": f"IS correction is off: the gap between vLLM ({rec.rollout.precision}) and the "
                                      "trainer is left uncorrected (loss.allow_uncorrected = true)"})
     on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
@@ -204,7 +204,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             on_event("step", m)
             if m.get("guard/action") in ("rollback", "stop", "skip"):
                 on_event("guard", {"step": m["step"], "action": m["guard/action"], "reason": m["guard/reason"],
-                                   "to": str(rl.last_good), "lr": rl.lr})
+                                   "to": str(rl.last_good), "lr": rl.state.lr})
             if m.get("guard/action") == "stop":
                 status = "collapsed"
                 break

@@ -47,13 +47,25 @@ PARITY_BATCH = 16  # fixed (prompt, response) pairs re-scored by both engines af
 
 @dataclass
 class RunState:
-    """Everything a resumed run needs besides model/optimizer weights."""
+    """The run's own part of a checkpoint's record: its step, the held-out score it started from,
+    its stopwatch and its learning rate (lowered at each rollback). The trainer's weights, the
+    rollouts' sampler and the guard record their own parts (`record` / `restore` on each)."""
 
     run_dir: Path
+    lr: float
     step: int = 0
     heldout_start: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+
+    def record(self) -> dict:
+        return {"step": self.step, "heldout_start": self.heldout_start, "timing": self.timing, "lr": self.lr}
+
+    def restore(self, record: dict) -> None:
+        self.step = record["step"]
+        self.heldout_start = record.get("heldout_start", {})
+        self.timing = record.get("timing", {})
+        self.lr = record.get("lr", self.lr)
 
 
 class RLRun:
@@ -63,27 +75,24 @@ class RLRun:
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
         self.grading = inputs.grading
-        self.state = RunState(run_dir=run_dir)
+        self.state = RunState(run_dir=run_dir, lr=rec.train.lr)
         self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device)
         sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
         self.guard = Guard.from_settings(rec.guard, prompts=rec.train.prompts_per_step)
-        self.lr = rec.train.lr
         self.last_good: Path | None = inputs.resume_from
         self.rolled_back_to: list[str] = []
         if inputs.resume_from is None or self.trainer.lora:  # a LoRA checkpoint holds the adapters alone
             self.trainer.load_hf(self.model_dir)
-        if inputs.resume_from is not None:
-            extra = self.trainer.load(inputs.resume_from)
-            self.state.step = extra["step"]
-            self.state.heldout_start = extra.get("heldout_start", {})
-            self.state.timing = extra.get("timing", {})
-            sampler.restore(extra["sampler"])
-            self.guard.load_state_dict(extra.get("guard", {}))
-            self.lr = extra.get("lr", self.lr)
-            self.trainer.set_lr(self.lr)
+        record = self.trainer.load(inputs.resume_from) if inputs.resume_from is not None else None
+        if record is not None:
+            self.state.restore(record)
+            self.guard.restore(record)
+            self.trainer.set_lr(self.state.lr)
         self.clock = Stopwatch(self.state.timing)
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
                                              clock=self.clock, memory_fraction=inputs.engine_fraction)
+        if record is not None:
+            self.rollouts.restore(record)
         self.tp = rec.rollout.tensor_parallel  # ranks per vLLM engine
         self.first_step = self.state.step  # of this process (a resumed run checks its first sync again)
         self._parity_pairs = self._fixed_parity_pairs()
@@ -116,7 +125,7 @@ class RLRun:
         fused = N == 1 and not (r.train.replay == "r3" and r.train.replay_diagnostics)
         routes, replay_metrics, old = self._old_policy(batch, comps, fused)
         reward = world.mean({"reward": float(rewards_PG.mean())})["reward"]
-        lr = self.lr * min(1.0, step / r.train.warmup_steps) if r.train.warmup_steps else self.lr
+        lr = self.state.lr * min(1.0, step / r.train.warmup_steps) if r.train.warmup_steps else self.state.lr
         self.trainer.set_lr(lr)
         if old is not None:
             batch = batch.with_old_logp(old[0])  # π_θold, fixed for every mini-batch of this step
@@ -262,11 +271,9 @@ class RLRun:
     def save(self, name: str) -> Path:
         """A checkpoint; it becomes the rollback target if the guard sees nothing pending."""
         path = self.state.run_dir / "checkpoints" / name
-        self.trainer.save(path, {
-            "step": self.state.step, "heldout_start": self.state.heldout_start, "sampler": self.rollouts.position,
-            "timing": self.state.timing, "recipe": self.rec.to_dict(), "guard": self.guard.state_dict(),
-            "lr": self.lr, "good": self.guard.healthy,  # `export --best` picks only among good ones
-        })
+        # each part says what of it the record holds; the trainer adds its own (LoRA's base)
+        self.trainer.save(path, {"recipe": self.rec.to_dict(), **self.state.record(), **self.rollouts.record(),
+                                 **self.guard.record()})
         if self.guard.healthy:
             self.last_good = path
         return path
@@ -297,8 +304,8 @@ class RLRun:
                 store.drop_scores(undone)
         self.trainer.load(self.last_good)
         self.rolled_back_to.append(str(self.last_good))
-        self.lr *= self.rec.guard.lr_factor
-        self.trainer.set_lr(self.lr)
+        self.state.lr *= self.rec.guard.lr_factor
+        self.trainer.set_lr(self.state.lr)
         self.rollouts.sync(self.trainer)
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from minirl.errors import UsageError
 from minirl.models import ModelShape
 from minirl.precisions import PRECISIONS
-from minirl.recipe import with_sets
+from minirl.recipes import with_sets
 from minirl.setup.plan import Plan, plan_for
 
 # LoRA's learning rate against full RL's where advice turns LoRA on: the factor of the shipped

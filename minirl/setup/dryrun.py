@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.hub import resolution
 from minirl.models import TINY_ID
-from minirl.recipe import Recipe, with_sets
+from minirl.recipe import Recipe
+from minirl.recipes import with_sets
 from minirl.setup.advice import advise, describe, refusal
 from minirl.setup.plan import Plan, fit_mesh, launch_commands, make_plan
 from minirl.setup.preflight import check_planned
@@ -75,8 +76,8 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
             found = advise(base, shape, model=rec.model.id, gpu_gib=gpu_gib, lora=lora, fit=machine, keep=given)
             if found and describe(*found) not in report.advice:
                 report.advice.append(describe(*found))
-        shipped = recipe_mod.for_model(model_id) if model_id else None
-        own = recipe_mod.load(Path(label)).model.id if label != "defaults" else TINY_ID
+        shipped = recipes.for_model(model_id) if model_id else None
+        own = recipes.load(Path(label)).model.id if label != "defaults" else TINY_ID
         hint = (f"; this recipe is {own}'s: {model_id}'s own is recipes/{shipped.name} (`minirl init WS --model "
                 f"{model_id}`)" if shipped and own != model_id else "")
         report.refused = refusal(plan, report.advice, hint)

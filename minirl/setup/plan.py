@@ -60,8 +60,8 @@ from minirl import engine_sizing as sizing
 from minirl.models import ModelShape, active_params, lora_param_count, param_count
 from minirl.precisions import PRECISIONS
 from minirl.train.head import head_chunk
-from minirl.recipe import with_sets
-from minirl.validator import lora_targets
+from minirl.recipes import with_sets
+from minirl.models import lora_targets
 
 GiB = 2**30
 HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUDA context, NCCL buffers)

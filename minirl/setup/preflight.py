@@ -22,9 +22,10 @@ from minirl import store
 from minirl.data import load_problems, prompts_ids
 from minirl.errors import UsageError
 from minirl.hub import check_base, model_dir as resolve_model_dir
-from minirl.models import ModelShape, param_count, read_shape, titan_config
-from minirl import recipe as recipe_mod
-from minirl.validator import Platform, lora_targets, validate
+from minirl.models import ModelShape, lora_targets, param_count, read_shape, titan_config
+from minirl import recipes
+from minirl.setup import limits
+from minirl.setup.limits import Platform
 from rewards.base import describe, gradable, load_grader
 from rewards.pool import GradingPool
 
@@ -119,7 +120,7 @@ def on_this_job(rec, platform: Platform):
     """The recipe with the [parallel] layout of the job that runs it: this node's ranks
     (LOCAL_WORLD_SIZE, set by torchrun) and the nodes the world size makes."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
-    return recipe_mod.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local),
+    return recipes.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local),
                                       "parallel.gpus_per_node": local})
 
 
@@ -170,7 +171,7 @@ def check_planned(rec, shape: ModelShape) -> None:
     rank, tensor parallel against its heads), replay on a dense model, the mesh against the
     [parallel] section's ranks. `--dry-run` and `init --model` call it; `prepare_run` makes the same
     checks in the same order, so both refuse with the same line."""
-    validate(rec, None, shape)
+    limits.check(rec, None, shape)
     check_replay(rec.train.replay, shape, rec.model.id)
     check_layout(rec, shape, rec.parallel.nodes * rec.parallel.gpus_per_node)
 
@@ -352,13 +353,13 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
     platform = Platform.here(world_size)
-    validate(rec, platform)  # what this machine cannot do, before anything is read
+    limits.check(rec, platform)  # what this machine cannot do, before anything is read
     check_sinks_ready(rec.metrics)  # a sink that would fail after the engines started
 
     model_dir = resolve_model_dir(rec.model.id, rec.model.path, ws.root,
                                   before_weights=lambda d: check_fits(rec, read_shape(d), platform))
     shape = check_model_folder(model_dir)
-    validate(rec, platform, shape)  # lengths and counts against the model's context and the engine's cache
+    limits.check(rec, platform, shape)  # lengths and counts against the model's context and the engine's cache
     check_replay(rec.train.replay, shape, rec.model.id)  # in check_planned's order: the dry run's lines
     check_layout(rec, shape, world_size)
     check_fits(rec, shape, platform, model_dir)
@@ -397,8 +398,8 @@ def run_recipe(ws, resume: str | None, overrides: list[str]):
     that finished is not resumed unless the flags ask for more steps than it trained."""
     run = store.resume_run(ws, resume)
     if run is None or not (run / "recipe.toml").is_file():
-        return recipe_mod.load(ws.recipe_path, overrides)
-    rec = recipe_mod.load(run / "recipe.toml", overrides)
+        return recipes.load(ws.recipe_path, overrides)
+    rec = recipes.load(run / "recipe.toml", overrides)
     summary = store.read_summary(run)
     if summary.get("status") == "finished" and rec.train.steps <= summary.get("steps", 0):
         raise UsageError(f"run {run.name} has finished ({summary.get('steps')} of {rec.train.steps} steps): nothing "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from minirl import hub
 from minirl import recipe as recipe_mod
+from minirl import recipes
 from minirl.errors import UsageError
 from minirl.data import response_text
 from minirl.models import TINY, TINY_ID, ModelShape, active_params, param_count
@@ -93,12 +94,12 @@ def init_workspace(
         if task not in TASKS:
             raise UsageError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
         recipe_name = recipe_name or TASKS[task].recipe
-        if recipe_mod.load(recipe_mod.shipped(recipe_name)).cold_start.task != task:
+        if recipes.load(recipes.shipped(recipe_name)).cold_start.task != task:
             overrides = [*overrides, f"cold_start.task={task}"]
     if model is not None:
         recipe_name, overrides, model_report = recipe_for_model(model, recipe_name, list(overrides))
-    src = recipe_mod.shipped(recipe_name or "tiny")
-    rec = recipe_mod.load(src, list(overrides))  # a bad recipe or --set fails before anything is written
+    src = recipes.shipped(recipe_name or "tiny")
+    rec = recipes.load(src, list(overrides))  # a bad recipe or --set fails before anything is written
     # and what every run of it would refuse (a LoRA target the model lacks, replay on a dense model)
     check_planned(rec, tiny_shape(rec) if rec.model.id == TINY_ID else hub.model_shape(rec.model.id, "", Path.cwd()))
     if (root / RECIPE_NAME).exists() and not force:
@@ -134,10 +135,10 @@ def planned_recipe(workspace: Path, model: str | None, recipe_name: str | None,
         path, base = Path(workspace) / RECIPE_NAME, Path(workspace).resolve()
     elif model is not None and model != TINY_ID:
         recipe_name, overrides, _ = recipe_for_model(model, recipe_name, overrides)
-        path, base = recipe_mod.shipped(recipe_name), Path.cwd()
+        path, base = recipes.shipped(recipe_name), Path.cwd()
     else:
-        path, base = (recipe_mod.shipped(recipe_name) if recipe_name else None), Path.cwd()
-    rec = recipe_mod.load(path, overrides)
+        path, base = (recipes.shipped(recipe_name) if recipe_name else None), Path.cwd()
+    rec = recipes.load(path, overrides)
     shape = hub.model_shape(rec.model.id, rec.model.path, base)
     return rec, str(path or "defaults"), shape
 
@@ -146,8 +147,8 @@ def _refuse_another_request(root: Path, shipped: Path | None, overrides: list[st
     """An existing workspace is left as it is only when it already is what this init asks for:
     every key the request sets (--model, --task, --set; with --recipe, the whole recipe) has that
     value in its recipe. Otherwise one line names the first key that differs."""
-    have = recipe_mod.load(root / RECIPE_NAME)
-    differ = have.changes(recipe_mod.load(shipped or root / RECIPE_NAME, overrides))
+    have = recipes.load(root / RECIPE_NAME)
+    differ = have.changes(recipes.load(shipped or root / RECIPE_NAME, overrides))
     if differ:
         k, (theirs, ours) = next(iter(differ.items()))
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
@@ -163,7 +164,7 @@ def recipe_for_model(model: str, recipe_name: str | None, overrides: list[str]) 
     if Path(model).exists():
         model = str(Path(model).resolve())  # the workspace works from any folder
     shape = hub.model_shape(model, "", Path.cwd())
-    name = recipe_name or (recipe_mod.for_model(model).stem if recipe_mod.for_model(model) else "qwen3")
+    name = recipe_name or (recipes.for_model(model).stem if recipes.for_model(model) else "qwen3")
     suited = [f"model.id={model}", "model.path="]
     if not shape.is_moe:  # routing replay and expert parallel have nothing to act on
         suited += ["train.replay=off", "parallel.ep=1"]

@@ -458,7 +458,7 @@ def lora_settings(rec, shape: ModelShape) -> dict | None:
     lora = rec.train.lora
     if not lora.rank:
         return None
-    from minirl.validator import lora_targets  # deferred: only where LoRA is on
+    from minirl.models import lora_targets  # deferred: only where LoRA is on
 
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": lora_targets(lora.targets, shape)}
 

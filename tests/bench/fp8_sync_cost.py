@@ -35,7 +35,7 @@ def timed(fn, repeats: int = 5) -> float:
 def main() -> None:
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
-    from minirl import recipe
+    from minirl import recipes
     from minirl.models import KNOWN_SHAPES, TINY
     from minirl.setup.plan import make_plan
     from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target
@@ -91,7 +91,7 @@ def main() -> None:
           f"({n_dense / t_dense / 1e6:.0f}M params/s)")
     del dense
 
-    rec = recipe.load(recipe.for_model("Qwen3-30B-A3B"), [])
+    rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), [])
     plan = make_plan(rec, s, model="Qwen3-30B-A3B")
     per_gpu = plan.params / rec.rollout.tensor_parallel  # each GPU's engine shard (projections ≈ all of it)
     flops = plan.train_flops_per_step + plan.rollout_flops_per_step

@@ -67,9 +67,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["full", "lora"], default=None, help="run one arm (the other's figures known)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from minirl import recipe
+    from minirl import recipes
 
-    lr = recipe.load(a.workspace / "minirl.toml").train.lr
+    lr = recipes.load(a.workspace / "minirl.toml").train.lr
     arms = {"full": [], f"lora r{a.rank}": [f"train.lora.rank={a.rank}", f"train.lora.alpha={2 * a.rank}",
                                             f"train.lr={a.lr or lr * a.lr_factor:g}", f"train.warmup_steps={a.warmup}"]}
     if a.only:

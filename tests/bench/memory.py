@@ -70,7 +70,7 @@ def main() -> None:
     import vllm  # noqa: F401
 
     from minirl.run import lifecycle, loop
-    from minirl import recipe as recipe_mod
+    from minirl import recipes
     from minirl.setup.workspace import Workspace
 
     ph.mark("import vLLM, transformers, TorchTitan, minirl")
@@ -115,7 +115,7 @@ def main() -> None:
         ws_dir = Path(tmp) / "ws"
         shutil.copytree(a.workspace, ws_dir, ignore=shutil.ignore_patterns("runs", "evals", "doctor", "lab"))
         ws = Workspace.open(ws_dir)
-        rec = recipe_mod.load(ws.recipe_path, [f"train.steps={a.steps}", *a.sets])
+        rec = recipes.load(ws.recipe_path, [f"train.steps={a.steps}", *a.sets])
         t0 = time.time()
         summary = lifecycle.run(ws, rec, on_event=on_event)
         wall = time.time() - t0

@@ -33,13 +33,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 def run(ws_src: Path, steps: int, sets: list[str]) -> list[dict]:
     from minirl.run import lifecycle
-    from minirl import recipe
+    from minirl import recipes
     from minirl.setup.workspace import Workspace
 
     tmp = Path(tempfile.mkdtemp(prefix="minirl-bench-"))
     shutil.copytree(ws_src, tmp / "ws", ignore=shutil.ignore_patterns("runs", "evals"))
     ws = Workspace.open(tmp / "ws")
-    rec = recipe.load(ws.recipe_path, [f"train.steps={steps}", "checkpoint.every=100000", "eval.max_problems=16",
+    rec = recipes.load(ws.recipe_path, [f"train.steps={steps}", "checkpoint.every=100000", "eval.max_problems=16",
                                        "rollout.parity_every=0", *sets])
     summary = lifecycle.run(ws, rec)
     rows = [json.loads(x) for x in Path(summary["metrics"]).read_text().splitlines()]
@@ -65,7 +65,7 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     """Time capture (generate with vs without) and replay (π_old and update with vs without)."""
     import time
 
-    from minirl import recipe
+    from minirl import recipes
     from minirl.train.batch import build_batch
     from minirl.data import PromptSampler
     from minirl.train.objective import loss_for
@@ -76,7 +76,7 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     from minirl.setup.workspace import Workspace
 
     ws = Workspace.open(ws_src)
-    rec = recipe.load(ws.recipe_path, ["train.replay=r3", "rollout.parity_every=0"])
+    rec = recipes.load(ws.recipe_path, ["train.replay=r3", "rollout.parity_every=0"])
     inputs = prepare_run(ws, rec, resume=None)
     B, G = rec.train.prompts_per_step, rec.train.group_size
     tr = Trainer.from_recipe(rec, inputs.shape, device="cpu")

@@ -71,10 +71,10 @@ def with_rollout_logp(batch, logp_BT: torch.Tensor, *, noise: float = 0.05, seed
 
 def minirl_loss():
     """The loss of a `minirl run` step with the default recipe (MiniRL: IS weight, decoupled clip)."""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.train.objective import loss_for
 
-    return loss_for(recipe.load(None).loss)
+    return loss_for(recipes.load(None).loss)
 
 
 def step_flops(shape: ModelShape, batch) -> float:

@@ -136,7 +136,7 @@ def _minirl(args: list[str], log: Path, timeout: int) -> subprocess.CompletedPro
 def _run_figures(run: Path, gpu_gib: float | None) -> dict:
     """What a finished run's files say (summary.json, metrics.jsonl), beside the plan of its recipe
     on this GPU: held-out, steps/s, whole-loop tokens/s, seconds per phase, memory against the plan."""
-    from minirl import recipe
+    from minirl import recipes
     from minirl.models import read_shape
     from minirl.setup.plan import make_plan
 
@@ -159,7 +159,7 @@ def _run_figures(run: Path, gpu_gib: float | None) -> dict:
            "resp_len": rows[-1].get("rollout/resp_len"), "truncated_frac": rows[-1].get("rollout/truncated_frac"),
            "kl_mu_pi_old": rows[-1].get("train/kl_mu_pi_old")}
     if gpu_gib:
-        rec = recipe.load(run / "recipe.toml", [])
+        rec = recipes.load(run / "recipe.toml", [])
         ws = run.parent.parent
         shape = read_shape(Path(rec.model.path) if Path(rec.model.path).is_absolute() else
                            (ws / rec.model.path if rec.model.path else Path(rec.model.id)))

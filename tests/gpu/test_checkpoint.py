@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("path", ["one-gpu", "fsdp2"])
 def test_a_cuda_checkpoint_round_trips_and_exports_for_transformers(device, path, request, tmp_path):
-    from minirl import recipe
+    from minirl import recipes
     from minirl.publish.export import export
     from minirl.store import Checkpoint
     from minirl.train.hf_io import save_hf_folder
@@ -28,7 +28,7 @@ def test_a_cuda_checkpoint_round_trips_and_exports_for_transformers(device, path
                           tokenizer_dir=build_tokenizer(tmp_path / "tok", TINY.vocab_size, TINY.max_seq_len))
     run = tmp_path / "ws" / "runs" / "r1"
     run.mkdir(parents=True)
-    rec = recipe.load(None, [f"model.path={base}"])
+    rec = recipes.load(None, [f"model.path={base}"])
     (run / "recipe.toml").write_text(rec.to_toml())
 
     kw = dict(lr=1e-2, seed=0, device=device, param_dtype="bfloat16", shard=path == "fsdp2")

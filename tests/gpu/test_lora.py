@@ -39,7 +39,7 @@ def _steps(tr, batch, loss_fn, n: int) -> float:
 
 
 def test_lora_holds_a_bf16_base_within_the_plan_and_its_step_time_beside_full_rls(device, shape, one_rank_group):
-    from minirl import recipe
+    from minirl import recipes
     from minirl.train.lora import is_adapter
     from minirl.setup.plan import GiB, make_plan
     from minirl.train.trainer import Trainer, lora_settings
@@ -48,7 +48,7 @@ def test_lora_holds_a_bf16_base_within_the_plan_and_its_step_time_beside_full_rl
     sets = [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}", f"data.max_prompt_tokens={prompt_len}",
             f"rollout.max_tokens={response_len}", "rollout.sleep_level=2", f"train.lora.rank={RANK}",
             f"train.lora.alpha={2 * RANK}", "parallel.gpus_per_node=1"]
-    rec = recipe.load(None, sets)
+    rec = recipes.load(None, sets)
     batch = kit.rl_batch(shape, prompts=PROMPTS, group=GROUP, prompt_len=prompt_len, response_len=response_len)
     batch = kit.with_rollout_logp(batch, torch.zeros(batch.mask_BT.shape) - 12.0)
     loss_fn = kit.minirl_loss()

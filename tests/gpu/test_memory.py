@@ -20,14 +20,14 @@ PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 4, 8, 64, 448  # 32 rows of up to 512
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_peak_memory_of_a_step_is_within_the_plan(device, one_rank_group, ac):
-    from minirl import recipe
+    from minirl import recipes
     from minirl.setup.plan import GiB, make_plan
     from minirl.train.trainer import Trainer
 
     if device.type != "cuda":
         pytest.skip("peak memory is read from the CUDA allocator")
     shape = kit.moe_shape()
-    rec = recipe.load(None, [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}",
+    rec = recipes.load(None, [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}",
                              f"data.max_prompt_tokens={PROMPT_LEN}", f"rollout.max_tokens={RESPONSE_LEN}",
                              f"train.activation_checkpoint={ac}",
                              # as the GPU recipes run: the engine asleep while the trainer works (the

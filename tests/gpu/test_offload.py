@@ -23,13 +23,13 @@ def _cuda(device) -> bool:
 
 
 def test_offloaded_moments_leave_the_gpu_between_updates_within_the_plan(device, shape, one_rank_group):
-    from minirl import recipe
+    from minirl import recipes
     from minirl.train import offload
     from minirl.setup.plan import GiB, make_plan
     from minirl.train.trainer import Trainer
 
     prompt_len, response_len = (64, 448) if shape.max_seq_len >= 512 else (8, 24)  # dry mode: the tiny model's context
-    rec = recipe.load(None, [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}",
+    rec = recipes.load(None, [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}",
                              f"data.max_prompt_tokens={prompt_len}", f"rollout.max_tokens={response_len}",
                              "rollout.sleep_level=2", "train.offload=optimizer"])
     batch = kit.rl_batch(shape, prompts=PROMPTS, group=GROUP, prompt_len=prompt_len, response_len=response_len)

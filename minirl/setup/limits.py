@@ -1,0 +1,113 @@
+"""What the machine and the model allow a recipe (`check`): the rules that need them, run by
+preflight where a run, a dry run or `init` knows the machine it is on and the model it runs.
+Refused with the key to change, never quietly changed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from minirl.engine_sizing import cpu_kv_cache_bytes
+from minirl.errors import UsageError
+from minirl.models import ModelShape, lora_targets, lora_widths
+from minirl.precisions import PRECISIONS
+
+if TYPE_CHECKING:
+    from minirl.recipe import Recipe, RolloutConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Platform:
+    """Where a recipe is about to run: what the rules that depend on the machine check."""
+
+    device: str  # "cpu" or "cuda"
+    world_size: int = 1  # ranks of the job
+    cores: int = 2  # CPU cores this process may use
+    memory_gib: float = math.inf  # what one engine can allocate at most: the machine's RAM, or one GPU's memory
+
+    @classmethod
+    def here(cls, world_size: int = 1) -> "Platform":
+        import torch
+
+        if torch.cuda.is_available():
+            return cls("cuda", world_size, len(os.sched_getaffinity(0)),
+                       torch.cuda.get_device_properties(0).total_memory / 2**30)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return cls("cpu", world_size, len(os.sched_getaffinity(0)), ram)
+
+
+def check(r: Recipe, platform: Platform | None = None, model: ModelShape | None = None) -> None:
+    """With `platform` the rules of the machine the recipe runs on; with `model` what the engines can
+    hold of it and what LoRA can adapt in it."""
+    if platform is not None:
+        _check_platform(r.rollout, platform)
+    if model is not None:
+        _check_engine_sizes(r, model, platform)
+        if r.train.lora.rank:
+            _check_lora_model(r.train.lora, model)
+
+
+def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None) -> None:
+    """Every length and count the rollout engine receives, against the model's context and (on a
+    CPU, whose KV cache is sized by rollout.kv_cache_gib) the cache that must hold them."""
+    ctx, prompt, new = model.max_seq_len, r.data.max_prompt_tokens, r.rollout.max_tokens
+    if prompt + 2 > ctx:
+        raise UsageError(f"data.max_prompt_tokens = {prompt}: the model's context is {ctx} tokens (max_position_embeddings "
+                         f"in its config.json), so a prompt may take at most {ctx - 2}")
+    if prompt + new + 1 > ctx:
+        raise UsageError(f"rollout.max_tokens = {new}: with data.max_prompt_tokens = {prompt} a sequence would need "
+                         f"{prompt + new + 1} positions, and the model's context is {ctx} tokens (max_position_embeddings "
+                         f"in its config.json); at most {ctx - prompt - 1}")
+    tp = r.rollout.tensor_parallel
+    if model.n_heads % tp:  # vLLM splits the attention heads over the engine's GPUs (and refuses at its start)
+        raise UsageError(f"rollout.tensor_parallel = {tp} must divide the model's {model.n_heads} attention heads "
+                         "(vLLM splits them over the engine's GPUs)")
+    if platform is None or platform.device != "cpu":
+        return  # a GPU engine's KV cache is the plan's; it schedules what does not fit in waves
+    sequences = r.train.prompts_per_step * r.train.group_size
+    dtype_bytes = 4 if r.rollout.precision == "fp32" else 2
+    need = cpu_kv_cache_bytes(model, sequences, prompt + new + 1, dtype_bytes)
+    have = r.rollout.kv_cache_gib * 2**30 if r.rollout.kv_cache_gib > 0 else platform.memory_gib * 2**30
+    if need > have:
+        given = (f"rollout.kv_cache_gib = {r.rollout.kv_cache_gib}" if r.rollout.kv_cache_gib > 0
+                 else f"this machine has {platform.memory_gib:.1f} GiB of RAM")
+        per_sequence = cpu_kv_cache_bytes(model, 1, prompt + new + 1, dtype_bytes) - cpu_kv_cache_bytes(model, 0, 1, dtype_bytes)
+        raise UsageError(f"train.prompts_per_step × train.group_size = {sequences:,} sequences of up to "
+                         f"{prompt + new + 1} tokens are sampled at once on a CPU and need {need / 2**30:,.2f} GiB of KV "
+                         f"cache; {given}, room for {int(have // per_sequence):,} of them")
+
+
+def _check_platform(ro: RolloutConfig, p: Platform) -> None:
+    """What the machine cannot do: refused, never quietly changed."""
+    if p.device != "cpu" and PRECISIONS[ro.precision].cpu_only:
+        raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
+                         "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
+    if ro.overlap and (p.world_size > 1 or p.device != "cpu"):
+        raise UsageError("rollout.overlap = true runs one process on CPU (an engine process beside the trainer); "
+                         "set rollout.overlap = false under torchrun or on GPUs")
+    if ro.overlap and p.cores < 2:
+        raise UsageError(f"rollout.overlap = true needs at least 2 cores for a trainer and an engine; this process "
+                         f"has {p.cores}: set rollout.overlap = false")
+    if p.device == "cpu" and ro.sleep_level:
+        raise UsageError(f"rollout.sleep_level = {ro.sleep_level}: vLLM's CPU backend has no sleep mode; set "
+                         "rollout.sleep_level = 0 on a machine without a GPU")
+    if ro.kv_cache_gib > p.memory_gib:
+        raise UsageError(f"rollout.kv_cache_gib = {ro.kv_cache_gib} is more than this machine can give one engine "
+                         f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
+
+
+def _check_lora_model(lora, model: ModelShape) -> None:
+    widths = lora_widths(model)
+    asked = lora_targets(lora.targets, model)
+    absent = [t for t in asked if t not in widths]
+    if absent:
+        has = "routed experts and no dense feed-forward" if model.is_moe else "a dense feed-forward and no experts"
+        raise UsageError(f"train.lora.targets names {', '.join(absent)}, which this model does not have (it has {has}); "
+                         f"targets here: {', '.join(widths)}")
+    narrow = min(asked, key=widths.__getitem__)
+    if lora.rank > widths[narrow]:
+        raise UsageError(f"train.lora.rank = {lora.rank} is above the width of the '{narrow}' weights ({widths[narrow]}): "
+                         f"a rank that large adapts nothing a full update would not; at most {widths[narrow]}")
