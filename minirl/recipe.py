@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,9 @@ def number(default: float, lo: float = -math.inf, hi: float | Callable[[], float
 
 
 def one_of(default: str, names) -> Any:
-    return field(default=default, metadata={"choices": tuple(names)})
+    """A field naming one of `names`: a registry (a mapping, read when checked: a test may add to
+    it) or a fixed list."""
+    return field(default=default, metadata={"choices": names if isinstance(names, Mapping) else tuple(names)})
 
 
 def rule(default: Any, check: Callable[[str, Any], str | None], lo: float | None = None,
@@ -267,7 +269,7 @@ class GuardConfig:
     """Collapse detection and rollback (minirl/run/guard.py)."""
 
     enabled: bool = True
-    max_kl: float = number(0.05, 0, above=True)  # KL(μ_old‖π_old) above this is a bad step
+    max_kl: float = number(0.05)  # KL(μ_old‖π_old) above this is a bad step (below 0: every step is)
     min_entropy_frac: float = number(0.05, 0, 1)  # entropy below this share of the first step's ...
     max_entropy_factor: float = number(1.25, 1, above=True)  # ... or above this multiple of it ...
     reward_drop: float = number(0.2, 0)  # ... with reward this far below its best ...
