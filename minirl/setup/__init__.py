@@ -1,6 +1,6 @@
 """The workspace: building it (`minirl init`, the embedded task's tokenizer and cold start) and
 checking what it holds before any engine starts (preflight: recipe against machine and model,
-checkpoints, data against its grader, which run to resume), and the plan of a run (`plan`: what
+whose rules are `limits`; checkpoints, data against its grader, which run to resume), and the plan of a run (`plan`: what
 `--dry-run` prints, and what a GPU run checks against its device).
 
 May import: the top-level modules, rewards, train. Must not import eval, run, publish, lab or cli:
