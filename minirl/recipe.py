@@ -159,10 +159,12 @@ class RolloutConfig:
     # check vLLM vs trainer log-probs on a fixed batch after the first sync, every k-th and every
     # rollback (0 = never); each check costs about a π_old forward of 16 responses
     parity_every: int = number(10, 0)
-    # sample the next step's batch in the engine's own process while this step trains (one step
-    # off-policy: each batch comes from the weights before the last update; rollout/process.py).
-    # One process on CPU, 2+ cores: the trainer takes half of them, the engine the rest
-    overlap: bool = False
+    # k: how many updates the weights that sample a step's batch may be behind the weights it
+    # trains (rollout/controller.py, docs/async.md). 0: synchronous. k ≥ 1: the engine, in a
+    # process of its own, samples up to k steps ahead while the trainer trains (1: the next step's
+    # batch while this one trains). One process on CPU, 2+ cores: the trainer takes half of them,
+    # the engine the rest
+    max_staleness: int = number(0, 0)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -66,6 +66,9 @@ def _apply(recipe: Recipe, section: str, key: str, value: Any) -> None:
     if section == "rollout" and key in ("dtype", "fp8"):
         raise UsageError(f"rollout.{key} was replaced by rollout.precision = \"fp32\" | \"bf16\" | \"fp8\" "
                          "(dtype \"bfloat16\" → \"bf16\", \"float32\" → \"fp32\", fp8 = true → \"fp8\")")
+    if section == "rollout" and key == "overlap":
+        raise UsageError("rollout.overlap was replaced by rollout.max_staleness (overlap = true → max_staleness = 1, "
+                         "false → 0; docs/async.md)")
     head, dot, rest = key.partition(".")
     if dot and head in hints and dataclasses.is_dataclass(getattr(obj, head)):  # `--set train.lora.rank=16`
         _apply_fields(getattr(obj, head), f"{section}.{head}", {rest: value})

@@ -36,8 +36,5 @@ def validate(r: Recipe) -> None:
     if r.cold_start.dev_size >= r.cold_start.train_size:
         raise UsageError(f"cold_start.dev_size ({r.cold_start.dev_size}) must be smaller than cold_start.train_size "
                          f"({r.cold_start.train_size}): the dev split is carved from the train split")
-    if r.train.lora.rank and r.rollout.overlap:
-        raise UsageError("train.lora with rollout.overlap = true: the overlapped engine copies the trainer's own "
-                         "parameters, not the merged W + (α/r)·B·A; set rollout.overlap = false")
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")

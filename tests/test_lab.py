@@ -179,8 +179,15 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     for section, key in (("train", "lora"), ("train", "warmup_steps"), ("train", "offload"), ("rollout", "cuda_graphs"),
                          ("guard", "slide_window"), ("guard", "slide_z"), ("guard", "slide_drop_frac")):  # the recipe as it read before the fields existed
         del before[section][key]
+    before["rollout"]["overlap"] = before["rollout"].pop("max_staleness") == 1  # #66 renamed it
     digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert f"#recipe={digest}" in L._recorded([])
+    (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[rollout]\nmax_staleness = 1\n")
+    overlapped = hashlib.sha256(json.dumps({**before, "rollout": {**before["rollout"], "overlap": True}},
+                                           sort_keys=True).encode()).hexdigest()[:16]
+    assert f"#recipe={overlapped}" in L._recorded([])  # k = 1 is what overlap = true recorded
+    (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[rollout]\nmax_staleness = 2\n")
+    assert not {f"#recipe={digest}", f"#recipe={overlapped}"} & set(L._recorded([]))
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[train.lora]\nrank = 8\n")
     assert f"#recipe={digest}" not in L._recorded([])
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\nwarmup_steps = 10\n")

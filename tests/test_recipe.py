@@ -83,3 +83,12 @@ def test_a_recipe_built_in_code_checks_its_fields_too():
         recipe.Recipe(train=recipe.TrainConfig(lr=-1.0))
     with pytest.raises(UsageError, match="loss.name = 'ppo'; choose one of minirl, grpo, cispo"):
         recipe.Recipe(loss=recipe.LossConfig(name="ppo"))
+
+
+def test_an_old_recipe_with_overlap_names_its_replacement(tmp_path):
+    """#66: rollout.overlap became rollout.max_staleness; a recipe written before says so in one line."""
+    p = tmp_path / "old.toml"
+    p.write_text("[rollout]\noverlap = true\n")
+    with pytest.raises(UsageError, match=r"rollout.overlap was replaced by rollout.max_staleness \(overlap = true → "
+                                         r"max_staleness = 1"):
+        R.load(p)

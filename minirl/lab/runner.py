@@ -125,6 +125,10 @@ class Lab:
                                       ("guard", "slide_z", 4.0), ("guard", "slide_drop_frac", 0.25)):
             if resolved[section][key] == default:
                 del resolved[section][key]
+        k = resolved["rollout"]["max_staleness"]  # it replaced `overlap`, which runs recorded before hold
+        if k <= 1:
+            del resolved["rollout"]["max_staleness"]
+            resolved["rollout"]["overlap"] = bool(k)
         resolved = json.dumps(resolved, sort_keys=True)
         return [*sets, f"#recipe={hashlib.sha256(resolved.encode()).hexdigest()[:16]}", f"#sampling={SAMPLING}"]
 

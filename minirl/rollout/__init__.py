@@ -3,7 +3,9 @@
     engine.py    the engine's contract (`Engine`, `Completion`) and its in-process build;
                  `make_engine` here is the one factory every caller uses
     vllm.py      the vLLM engine (CPU and CUDA arguments from one function, `engine_args`)
-    process.py   the engine in a process of its own (`rollout.overlap`)
+    controller.py  bounded staleness: which step's batch may be sampled now, in what order batches
+                 are trained, the bound every trained token keeps (`rollout.max_staleness`)
+    process.py   the engine in a process of its own (`rollout.max_staleness` ≥ 1)
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
@@ -11,8 +13,8 @@
 
 The loop asks for a step's batch (`next`), hands over the trainer after an update (`sync`), and
 borrows the engine for scoring and evaluation (`score`, `generate`). Whether the engine runs in
-this process or samples the next batch in its own while this one trains is decided here, once,
-from the recipe: the loop never learns which.
+this process or samples ahead in its own while the trainer trains is decided here, once, from
+the recipe: the loop never learns which.
 
 May import: the top-level modules and train (the HF names of the trainer's weights). Must not
 import setup, eval, run, publish, lab or cli.
@@ -27,7 +29,8 @@ from typing import TYPE_CHECKING
 from minirl import engine_sizing as sizing
 from minirl.rollout import sync as weight_sync
 from minirl.rollout.engine import Completion, Engine, build
-from minirl.rollout.process import start_overlapped
+from minirl.rollout.controller import Controller, Ticket
+from minirl.rollout.process import start_engine_process
 
 if TYPE_CHECKING:  # annotations only
     from minirl.data import PromptSampler
@@ -41,20 +44,25 @@ def make_engine(model_dir: Path, rollout, *, seed: int, max_model_len: int, own_
                 **settings) -> Engine:
     """The one factory of rollout engines, for every caller (the run, eval, export, the doctor): the
     engine the recipe's [rollout] section names (minirl/engines.py), for `model_dir`, in this process
-    or with `own_process` in a process of its own on half of this one's cores (`rollout.overlap`:
-    process.py). `settings` add to or replace what [rollout] says."""
+    or with `own_process` in a process of its own on half of this one's cores (`rollout.max_staleness`
+    ≥ 1: process.py). `settings` add to or replace what [rollout] says."""
     if own_process:
-        return start_overlapped(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
+        return start_engine_process(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
     return build(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
 
 
 class Rollouts:
-    """A step's prompts and their G sampled completions each, from the weights last synced.
+    """A step's prompts and their G sampled completions each, at most `rollout.max_staleness` = k
+    updates behind the weights the step trains (controller.py).
 
-    In-process (the default), `next(step)` samples the step's batch from the current weights. With
-    `rollout.overlap` the engine runs in its own process and `next(step)` returns the batch it
-    sampled while the step before trained (one step off-policy), then starts the next one at once.
-    Each rank gets its share of the prompts; ranks of one tensor-parallel group sample together.
+    k = 0 (the default): `next(step)` samples the step's batch from the weights just synced, in
+    this process. k ≥ 1: the engine runs in a process of its own and samples ahead while the
+    trainer trains: `next(step)` returns the batch admitted for this step and admits every next
+    one the bound allows; a sync is queued behind the batches already sent (the engine applies it
+    between two of them, and the trainer does not wait for it), so each batch is sampled by the
+    weights of the syncs sent before it: a version known when it is admitted. k = 1 samples the
+    next step's batch while this one trains (one step off-policy). Each rank gets its share of
+    the prompts; ranks of one tensor-parallel group sample together.
 
     Time spent waiting on the engine is booked on the run's stopwatch: "rollout" for sampling,
     "sync" for weights being written.
@@ -63,10 +71,10 @@ class Rollouts:
     def __init__(self, engine, *, sampler: PromptSampler, world: World, rollout, train, clock: Stopwatch):
         self._engine, self._sampler, self._world, self._clock = engine, sampler, world, clock
         self._rollout, self._train = rollout, train
-        self._overlap = rollout.overlap
+        self._k = rollout.max_staleness
         self._tp = rollout.tensor_parallel
-        self._pending = None  # overlapped: (prompts, answer handle) of the next step's batch, under way
-        self._position = None  # overlapped: the sampler's state before the batch under way was drawn
+        self._control = Controller(self._k, step=0)
+        self._taken: Ticket | None = None  # the batch of the step under way
 
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
@@ -77,49 +85,64 @@ class Rollouts:
                   max_num_seqs=sizing.max_num_seqs(rec, world.size // rec.rollout.tensor_parallel))
         if memory_fraction is not None:
             kw["memory_fraction"] = memory_fraction
-        engine = make_engine(model_dir, rec.rollout, own_process=rec.rollout.overlap, **kw)
-        if rec.rollout.overlap:
-            trainer.share_memory()  # the engine's process copies the weights from here at each sync
+        engine = make_engine(model_dir, rec.rollout, own_process=rec.rollout.max_staleness > 0, **kw)
         rollouts = cls(engine, sampler=sampler, world=world, rollout=rec.rollout, train=rec.train, clock=clock)
         rollouts.sync(trainer)  # resumed weights, or FP8-rounded ones; the same weights otherwise
         return rollouts
 
     def record(self) -> dict:
-        """The rollouts' part of a checkpoint's record: the prompt sampler's state after this step's
-        prompts. The batch sampled ahead is not counted; a resumed run draws its prompts again."""
-        return {"sampler": self._position if self._pending is not None else self._sampler.state()}
+        """The rollouts' part of a checkpoint's record: the prompt sampler's state after the steps
+        trained. Batches admitted ahead are not counted; a resumed run draws their prompts again."""
+        return {"sampler": self._control.position(self._sampler.state())}
 
     def restore(self, record: dict) -> None:
-        """Where a checkpoint's run was in its prompts (before anything is sampled)."""
-        assert self._pending is None, "restored after the first batch was drawn"
+        """Where a checkpoint's run was in its prompts and steps (before anything is sampled)."""
+        if len(self._control):
+            raise RuntimeError("rollouts restored after a batch was admitted")
         self._sampler.restore(record["sampler"])
+        self._control = Controller(self._k, step=record["step"])  # the engine holds that step's weights
 
     def next(self, step: int) -> tuple[list, list[list[Completion]]]:
         """This step's problems and their G completions each (this rank's share of both)."""
-        self._engine.settle()  # overlapped: the engine's share of the last sync, written while the step before ended
-        self._clock.lap("sync")
-        asked, answer = self._pending or self._sample(step)
-        self._pending = None
-        if self._overlap:
-            answer = self._engine.result(answer)
-            self._position = self._sampler.state()
-            self._pending = self._sample(step + 1)
+        if self._control.head() is None:  # nothing ahead: a new run, k = 0, after a rollback
+            self._admit()
+        head = self._control.head()
+        if not head.done:  # k ≥ 1: under way in the engine's process
+            asked, handle = head.handle
+            self._control.finish(head, (asked, self._engine.result(handle)))
+        self._taken = ticket = self._control.take(step)
+        while self._k and self._control.may_admit():  # what the bound allows, sampled while this step trains
+            self._admit()
         self._engine.sleep()  # frees its memory for training (CUDA); the sync wakes it
+        asked, answer = ticket.handle
         mine = self._world.member_share
         return mine(asked, self._tp), mine(answer, self._tp)
 
+    def metrics(self) -> dict:
+        """The staleness of the step's batch and what is ahead (k ≥ 1; none at k = 0, which is
+        always 0 stale): updates behind the trained weights, mean and max over its tokens."""
+        if not self._k or self._taken is None:
+            return {}
+        lag = self._taken.step - 1 - self._taken.admitted
+        return {"rollout/staleness_mean": float(lag), "rollout/staleness_max": lag,
+                "rollout/batches_ahead": len(self._control),
+                "timing/engine_busy_s": round(self._engine.busy_s, 4)}
+
     def sync(self, trainer) -> None:
-        """The trainer's weights into the engine, in place (sync.py). Overlapped, the batch under
-        way is finished first: it was sampled from the weights before this update."""
-        self._finish_pending()
-        weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20)
+        """The trainer's weights into the engine, in place (sync.py); k ≥ 1: queued behind the
+        batches sent before it, which it does not change."""
+        if self._k:
+            # a slot per sync that may wait behind batches sent before it: at most k
+            weight_sync.queue(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20, slots=self._k)
+        else:
+            weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20)
+        self._control.updated(self._control.trained)
 
     def discard(self) -> None:
-        """Forget the batch sampled ahead (from weights a rollback undoes; the prompts are not
-        drawn again) and wait until the engine reads nothing of the trainer's parameters."""
-        self._finish_pending()
-        self._pending = None
-        self._engine.settle()
+        """A rollback: forget the batches admitted ahead (sampled, or to be, by weights it undoes;
+        their prompts are not drawn again); the next sync is queued behind what the engine still
+        has under way of them."""
+        self._control.discard()
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """log μ of given response tokens under the weights last synced (once they are written whole)."""
@@ -128,28 +151,26 @@ class Rollouts:
         return self._engine.score(prompts, responses)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kw) -> list[list[Completion]]:
-        """The engine's own `generate` (held-out evaluation, fixed parity pairs)."""
+        """The engine's own `generate` (held-out evaluation, fixed parity pairs): after the batches
+        and syncs sent before it, so under the weights last synced."""
         return self._engine.generate(prompts, **kw)
 
     def close(self) -> None:
-        """Stop the engine's process (overlapped; an in-process engine ends with this process)."""
-        if self._overlap:
+        """Stop the engine's process (k ≥ 1; an in-process engine ends with this process)."""
+        if self._k:
             self._engine.close()
 
-    def _sample(self, step: int) -> tuple[list, list]:
-        """Draw a step's prompts and sample G responses to each: the same draw on every rank; each
-        rollout (TP) group generates its share. Overlapped, the answer is a handle the engine's
-        process fills in while this process goes on."""
+    def _admit(self) -> None:
+        """Draw the next step's prompts and sample G responses to each: the same draw on every
+        rank; each rollout (TP) group generates its share. k ≥ 1: sent to the engine's process,
+        which samples it while this one goes on."""
+        position = self._sampler.state()
         asked = self._world.group_share(self._sampler.next_batch(self._train.prompts_per_step), self._tp)
+        ticket = self._control.admit(position)
         args = ([p.prompt_ids for p in asked],)
         kw = dict(n=self._train.group_size, temperature=self._rollout.temperature,
-                  max_tokens=self._rollout.max_tokens, seed=self._train.seed * 1_000_003 + step)
-        if self._overlap:
-            return asked, self._engine.submit("generate", *args, **kw)
-        return asked, self._engine.generate(*args, **kw)
-
-    def _finish_pending(self) -> None:
-        """Overlapped: wait for the batch under way (what of it the update did not hide)."""
-        if self._pending is not None:
-            self._engine.result(self._pending[1])
-            self._clock.lap("rollout")
+                  max_tokens=self._rollout.max_tokens, seed=self._train.seed * 1_000_003 + ticket.step)
+        if self._k:
+            ticket.handle = (asked, self._engine.submit("generate", *args, **kw))
+        else:
+            self._control.finish(ticket, (asked, self._engine.generate(*args, **kw)))

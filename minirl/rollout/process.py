@@ -1,19 +1,16 @@
-"""The rollout engine in a process of its own (`rollout.overlap`): the next step's rollout runs
-on its cores while the trainer's process trains on this step's batch.
+"""The rollout engine in a process of its own (`rollout.max_staleness` ≥ 1): the batches ahead are
+sampled on its cores while the trainer's process trains on this step's batch.
 
-`EngineProcess` has the engine's interface (`generate`, `score`, `load_live_weights`,
-`load_weights`, `settle`, `sleep`, `wake`); each call is a message to the engine's process,
-answered in order. `submit` sends a call without waiting; later calls return only after it has
-(the engine runs one call at a time, in the order sent), so a weight sync sent after a submitted
-rollout waits for that rollout and never writes weights it is reading.
+`EngineProcess` has the engine's interface (`generate`, `score`, `settle`, `sleep`, `wake`); each
+call is a message to the engine's process, answered in order. `submit` sends a call without
+waiting: the engine runs one call at a time, in the order sent, so a batch sampled before a sync
+sent after it is sampled by the weights before.
 
-Weights pass by reference, and no tensor is sent at a sync: the engine's weights move into
-shared memory once (`VLLMEngine.share_weights`). At each sync, once the engine runs no other
-call, both processes write them in place, casting and prepacking from the trainer's parameters
-(also shared): the engine's process most of the expert layers, while the trainer writes the rest
-and ends its step; the next step starts by waiting for it (`settle`), before anything changes the
-parameters it reads (cpu_weights.Writer.share). Where an engine's weights cannot be shared,
-its process copies them all from the trainer's shared parameters (`Trainer.share_memory`).
+A sync is queued and returns at once (`queue_weights`): the trainer's process copies its weights
+into a snapshot slot in shared memory, and the engine's process loads that slot when it gets to
+the call, copying and prepacking from it (bound once per slot: rollout/cpu/weights.py). The
+trainer's parameters may change right after; a slot is written again only once the engine has
+read it. Engines that do not write their own tensors are sent copies (sync.py `queue`).
 
 Cores are split: the trainer keeps the first half of this process's cores, the engine takes the
 rest, each with one intra-op thread per core (two OpenMP pools spinning on the same cores cost
@@ -28,6 +25,7 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -48,14 +46,14 @@ def split_cores(cores: set[int]) -> tuple[list[int], list[int]]:
     ([4, 5], [6, 7, 8])
     """
     if len(cores) < 2:
-        raise UsageError(f"rollout.overlap needs at least 2 cores for a trainer and an engine; this process has "
-                         f"{len(cores)}: set rollout.overlap = false")
+        raise UsageError(f"rollout.max_staleness ≥ 1 needs at least 2 cores for a trainer and an engine; this "
+                         f"process has {len(cores)}: set rollout.max_staleness = 0")
     ordered = sorted(cores)
     half = len(ordered) // 2
     return ordered[:half], ordered[half:]
 
 
-def start_overlapped(model_dir: Path, rollout, **kw: Any) -> "EngineProcess":
+def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess":
     """The engine on the second half of this process's cores; this process (the trainer) keeps
     the first half, one intra-op thread each."""
     mine, theirs = split_cores(os.sched_getaffinity(0))
@@ -71,29 +69,31 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     try:
         engine = build(Path(model_dir), rollout, **kw)
         conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8,
-                          "weight_format": engine.weight_format}))
+                          "weight_format": engine.weight_format, "direct_sync": getattr(engine, "direct_sync", False)},
+                   0.0))
     except BaseException as e:  # noqa: BLE001 - the parent raises it
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
         return
-    views = None  # the trainer's shared parameters under HF names, once sent
+    slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
     while True:
         try:
             method, args, kwargs = conn.recv()
         except EOFError:  # the trainer's process is gone
             return
         if method == "stop":
-            conn.send(("ok", None))
+            conn.send(("ok", None, 0.0))
             return
         try:
-            if method == "bind_views":
-                views, out = args[0], None
-            elif method == "sync_views":
-                out = engine.load_live_weights(views)
+            t0 = time.perf_counter()
+            if method == "bind_slot":
+                slots[args[0]], out = args[1], None
+            elif method == "sync_slot":
+                out = engine.load_live_weights(slots[args[0]], key=args[0])
             else:
                 out = getattr(engine, method)(*args, **kwargs)
-            conn.send(("ok", out))
+            conn.send(("ok", out, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - the parent raises it
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
 
 
 class EngineProcess:
@@ -117,12 +117,14 @@ class EngineProcess:
                 else:
                     os.environ[k] = v
         child.close()
+        self.busy_s = 0.0  # the engine's seconds in calls answered so far (its idle time is the rest)
         self._pending: collections.deque[list] = collections.deque()  # answers not yet read, oldest first
-        self._views = None  # the trainer's HF-named views last synced from
-        self._shared = None  # this process's share of the engine's weights, in shared memory
         info = self._answer()
         self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
-        self.weight_format = info["weight_format"]
+        self.weight_format, self.direct_sync = info["weight_format"], info["direct_sync"]
+        self._slots: list[dict] = []  # snapshots of the trainer's weights in shared memory (`queue_weights`)
+        self._slot_reads: list[list | None] = []  # the sync that last read each slot, until answered
+        self._next_slot = 0
 
     # ----- calls --------------------------------------------------------------------------------
     def submit(self, method: str, *args, **kwargs) -> list:
@@ -148,9 +150,10 @@ class EngineProcess:
 
     def _answer(self):
         try:
-            status, out = self._conn.recv()
+            status, out, seconds = self._conn.recv()
         except (EOFError, ConnectionError):
             raise RuntimeError(f"the rollout engine's process died (exit code {self._proc.exitcode})") from None
+        self.busy_s += seconds
         if status == "error":
             raise RuntimeError(f"in the rollout engine's process: {out}")
         return out
@@ -169,35 +172,33 @@ class EngineProcess:
     def wake(self) -> None:
         pass
 
-    def load_live_weights(self, views: dict) -> bool:
-        """Write the trainer's weights into the engine's, which live in shared memory
-        (`VLLMEngine.share_weights`), once the engine is idle: this process writes its share and
-        returns while the engine's process writes the rest (`settle` waits for it); where the
-        engine cannot share its weights, its process copies them all from `views` (shared
-        parameters). False when `views` are not shared (the caller then sends the weights:
-        `load_weights`). The trainer's parameters must not change until `settle`."""
-        if views is not self._views:
-            if not all(t.is_shared() for t in views.values()):
-                return False
-            self._shared = self.call("share_weights", views)  # answered after every call sent before it
-            if self._shared is None:
-                self.call("bind_views", views)
-            self._views = views
-        self._idle()  # the engine computes with the tensors written next: no call of its may be running
-        if self._shared is None:
-            self.submit("sync_views")
-            return True
-        self.submit("write_own_share")  # under way while this process writes its share and goes on
-        self._shared.write(views)
+    def queue_weights(self, views: dict[str, torch.Tensor], slots: int) -> bool:
+        """The weights in `views` (the trainer's, HF-named, fp32) copied into one of `slots`
+        snapshot slots in shared memory, and the engine told to load that slot after the calls
+        sent before: this returns at once, and the trainer may change its parameters right after.
+        A slot is written again only once the engine has read it (the sync `slots` syncs before;
+        waited for here where it has not). False where the engine has no direct path (then the
+        caller sends copies: `submit("load_weights", ...)`)."""
+        if not self.direct_sync or self.emulate_fp8:
+            return False
+        i = self._next_slot % slots
+        self._next_slot += 1
+        if i == len(self._slots):
+            self._slots.append({n: torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
+                                for n, t in views.items()})
+            self._slot_reads.append(None)
+            self.submit("bind_slot", i, self._slots[i])
+        elif self._slot_reads[i] is not None:
+            self.result(self._slot_reads[i])  # its last sync: read before it is written again
+        with torch.no_grad():
+            for n, t in self._slots[i].items():
+                t.copy_(views[n])
+        self._slot_reads[i] = self.submit("sync_slot", i)
         return True
 
     def settle(self) -> None:
-        """Return once the last sync is written whole (the engine's share finishes after
-        `load_live_weights` returns; its next call would wait for it anyway)."""
+        """Return once every call sent has been answered (the syncs queued included)."""
         self._idle()
-
-    def load_weights(self, hf_named_tensors) -> None:
-        self.call("load_weights", list(hf_named_tensors))
 
     def close(self) -> None:
         if self._proc.is_alive():

@@ -179,7 +179,7 @@ class VLLMEngine:
         self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
         self.direct_sync = False  # the CPU fast path (rollout/cpu/weights.py), where it knows every module
-        self._bound = None  # the live views `load_live_weights` copies from
+        self._bound: dict[int, dict] = {}  # the views `load_live_weights` copies from, by key
         if self.on_cpu:
             self.direct_sync = all(self._llm.collective_rpc(cpu_weights.install))
         if self.emulate_fp8 and s.emulate != "w8":  # low-precision activations, as FP8 / NVFP4 serving computes
@@ -305,37 +305,23 @@ class VLLMEngine:
             self._asleep = 0
         self._reset_prefix_cache()
 
-    def load_live_weights(self, views: dict[str, torch.Tensor]) -> bool:
+    def load_live_weights(self, views: dict[str, torch.Tensor], key: int = 0) -> bool:
         """Sync from HF-named tensors that stay live (views of the trainer's parameters, one
-        process): bound once, names and shapes checked then, and every later call with the same
-        dict copies them in place, with no renaming and no intermediate tensors. False where the
-        engine has no direct path (CUDA, quantized or sharded engines): stream `load_weights`."""
+        process; or one of the snapshot slots an engine process is sent, each under its `key`):
+        bound once, names and shapes checked then, and every later call with the same dict copies
+        them in place, with no renaming and no intermediate tensors. False where the engine has no
+        direct path (CUDA, quantized or sharded engines): stream `load_weights`."""
         if not self.direct_sync:
             return False
-        if views is not self._bound:
-            self._llm.collective_rpc(cpu_weights.bind, args=(views,))
-            self._bound = views
-        self._llm.collective_rpc(cpu_weights.write_bound)
+        if views is not self._bound.get(key):
+            self._llm.collective_rpc(cpu_weights.bind, args=(views, key))
+            self._bound[key] = views
+        self._llm.collective_rpc(cpu_weights.write_bound, args=(key,))
         self._reset_prefix_cache()
         return True
 
-    def share_weights(self, views: dict[str, torch.Tensor]) -> "cpu_weights.SharedWeights | None":
-        """The engine's weights in shared memory for the trainer's process to write
-        (`rollout.overlap`; cpu_weights.SharedWeights), checked against `views` by name and
-        shape; the engine writes the rest of each sync itself (`write_own_share`). None where
-        the engine has no direct path or its experts cannot be prepacked in place: the caller
-        then binds `views` here (`load_live_weights`)."""
-        if not self.direct_sync or self._prefix_caching or self._asleep:
-            return None
-        (shared,) = self._llm.collective_rpc(cpu_weights.share, args=(views,))
-        return shared
-
     def settle(self) -> None:
         """A sync here is whole when it returns (an engine in its own process: engine_process)."""
-
-    def write_own_share(self) -> None:
-        """The engine's share of a sync split with the trainer's process (`share_weights`)."""
-        self._llm.collective_rpc(cpu_weights.write_own_share)
 
     def _reset_prefix_cache(self) -> None:
         """Cached prompt KV was computed with the old weights (a no-op call without the cache

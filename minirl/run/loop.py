@@ -194,6 +194,7 @@ class RLRun:
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             "sync/parity_abs_dlogp": parity,
+            **self.rollouts.metrics(),  # k ≥ 1: how stale the step's batch was, what is ahead
             **{k: sum(m[k] for m in mb_metrics) / len(mb_metrics) for k in mb_metrics[0]},
             "loss/is_weight_max": max(m["loss/is_weight_max"] for m in mb_metrics),
             "loss/clip_frac_per_mb": [m["loss/clip_frac"] for m in mb_metrics],

@@ -6,7 +6,7 @@ for the job and the other ranks learn its answer (loop.py). A second writer is r
 line naming the holder. The lock is a POSIX record lock (`lockf`): the kernel drops it when its
 process dies (SIGKILL, an OOM kill, power loss), so a dead writer never blocks a resume and
 nobody unlocks by hand; unlike `flock`, it is not inherited by the forked children a run keeps
-(the grading pool, the overlapped engine), which could outlive it. Readers (`status`, `export`,
+(the grading pool, the engine in its own process), which could outlive it. Readers (`status`, `export`,
 `eval`, `doctor`) take no lock: checkpoints appear by the rename of a whole folder (atomic.py)
 and readers list only complete ones (store.complete_checkpoints).
 """

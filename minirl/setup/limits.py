@@ -85,12 +85,14 @@ def _check_platform(ro: RolloutConfig, p: Platform) -> None:
     if p.device != "cpu" and PRECISIONS[ro.precision].cpu_only:
         raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
                          "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
-    if ro.overlap and (p.world_size > 1 or p.device != "cpu"):
-        raise UsageError("rollout.overlap = true runs one process on CPU (an engine process beside the trainer); "
-                         "set rollout.overlap = false under torchrun or on GPUs")
-    if ro.overlap and p.cores < 2:
-        raise UsageError(f"rollout.overlap = true needs at least 2 cores for a trainer and an engine; this process "
-                         f"has {p.cores}: set rollout.overlap = false")
+    k = ro.max_staleness
+    if k and (p.world_size > 1 or p.device != "cpu"):
+        raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process on a CPU; "
+                         "rollout ranks beside training ranks are not built yet: set rollout.max_staleness = 0 "
+                         "under torchrun or on GPUs")
+    if k and p.cores < 2:
+        raise UsageError(f"rollout.max_staleness = {k} needs at least 2 cores for a trainer and an engine; this "
+                         f"process has {p.cores}: set rollout.max_staleness = 0")
     if p.device == "cpu" and ro.sleep_level:
         raise UsageError(f"rollout.sleep_level = {ro.sleep_level}: vLLM's CPU backend has no sleep mode; set "
                          "rollout.sleep_level = 0 on a machine without a GPU")

@@ -218,12 +218,6 @@ class Trainer:
             self._views = (key, views if ok else None)
         return self._views[1]
 
-    def share_memory(self) -> None:
-        """Parameters into shared memory (one process), where another process reads them in
-        place: the overlapped engine's (rollout/process.py). Views made before are stale after."""
-        for p in self.model.parameters():
-            p.data.share_memory_()
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """TorchTitan names to whole tensors (shards gathered: a collective when sharded); with
         LoRA, the merged weights W + s·B·A."""

@@ -4,12 +4,11 @@ vLLM's `reload_weights` is general: it restores every layer's checkpoint-format 
 loads them through the model's `load_weights` and re-runs each layer's post-processing, most of a
 small model's sync. The CPU backend's kernel format is simple, so this module writes it directly.
 
-Three ways in: `write` takes an HF-named stream (checked name by name at every sync); `bind` keeps
-HF-named views of the trainer's own parameters (one process: `Trainer.hf_views`), checked once,
-and `write_bound` then copies from them with nothing renamed or allocated; `share` (the engine in
-a process of its own: rollout/process.py) moves the engine's weights into shared memory and splits
-each sync between the trainer's process (`SharedWeights.write`) and the engine's
-(`write_own_share`). What goes where:
+Two ways in: `write` takes an HF-named stream (checked name by name at every sync); `bind` keeps
+HF-named tensors, checked once, and `write_bound` then copies from them with nothing renamed or
+allocated: the trainer's own parameters' views (one process: `Trainer.hf_views`), or a snapshot
+slot the trainer's process writes before each sync (the engine in a process of its own:
+rollout/process.py `queue_weights`). What goes where:
 
 - a linear layer: vLLM computes it with a oneDNN handle (`cpu_linear`, set by
   `dispatch_cpu_unquantized_gemm`) that holds its own reordered copy of the weight, and empties
@@ -39,13 +38,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
-
-# The engine's process's share of a sync split with the trainer's (`Writer.share`): it finishes
-# while the trainer ends its step, and the trainer's share is the part its step waits for.
-# 0.7 (three of four expert layers here) gave the shortest sync of the shares tried on the tiny
-# default overlapped; the figures of each are in docs/results/speed.md (the split-sync round).
-ENGINE_SHARE = 0.7
-
 
 class Writer:
     """Built once per engine (in its worker); `write` is one sync."""
@@ -153,42 +145,6 @@ class Writer:
                 kernel.process_weights_after_loading(mod)
         return len(pairs)
 
-    def share(self, views: dict[str, torch.Tensor]) -> "SharedWeights | None":
-        """The engine's weights for a writer in another process (`SharedWeights`), checked
-        against `views` by name and shape, with the layers relinked to compute with them. A sync
-        is split in two, whole expert layers at a time: this process keeps expert layers up to
-        `ENGINE_SHARE` of the weights (`write_own_share`, from `views`: the writer's parameters
-        in shared memory) and the writer takes the rest and everything outside the experts. None
-        where the experts' prepack cannot write in place (it would allocate new tensors the
-        writer never sees)."""
-        if self._packs() is None:
-            return None
-        dests = dict(zip(views, (d for d, _ in self.pairs(views.items()))))
-        budget = ENGINE_SHARE * sum(t.numel() for t in views.values())
-        their_packs, mine, my_packs, my_n = [], [], [], 0
-        for hf, mod, w13, w2, kernel in self.experts:
-            names = [n for n in dests if n.startswith(hf + ".")]
-            packs = _layer_packs(mod, w13, w2, kernel)
-            layer = sum(views[n].numel() for n in names)
-            if my_n + layer <= budget:
-                mine += [(dests.pop(n), views[n]) for n in names]
-                my_packs += packs
-                my_n += layer
-            else:
-                their_packs += packs
-        self.own_share = (coalesced(mine), my_packs)
-        for t in (*dests.values(), *(t for pack in their_packs for t in pack[:2])):
-            t.share_memory_()  # moves the storage (every view of it follows); a no-op once shared
-        self._relink()
-        return SharedWeights(dests, their_packs)
-
-    def write_own_share(self) -> int:
-        """This process's share of a split sync (`share`)."""
-        pairs, packs = self.own_share
-        with torch.no_grad():
-            _copy_and_pack(pairs, packs)
-        return len(pairs)
-
     def _relink(self) -> None:
         for mod, linear in self.relink:
             if mod.cpu_linear is not linear:
@@ -207,27 +163,6 @@ def _layer_packs(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor,
     """(checkpoint-layout weight, the packed weight the kernel computes with, its ISA) for one
     expert layer's in-place prepack."""
     return [(w13, mod.w13_weight.data, kernel.isa), (w2, mod.w2_weight.data, kernel.isa)]
-
-
-class SharedWeights:
-    """A CPU engine's weights in shared memory, written by the trainer's process
-    (`rollout.overlap`): `dests` by HF name, and the experts' prepacks, for the writer's share
-    of the sync (`Writer.share`). The writer casts from its own parameters, whose bytes sit in
-    its cache after the optimizer step. Only while the engine runs no call of its own: it
-    computes with these very tensors."""
-
-    def __init__(self, dests: dict[str, torch.Tensor], packs: list[tuple[torch.Tensor, torch.Tensor, str]]):
-        self.dests, self.packs = dests, packs
-        self._views = self._pairs = None
-
-    def write(self, views: dict[str, torch.Tensor]) -> int:
-        if views is not self._views:  # once per set of views: nothing of this on the sync's hot path
-            import vllm._custom_ops  # noqa: F401 - registers the CPU kernels' ops (prepack) in this process
-
-            self._views, self._pairs = views, coalesced([(d, views[n]) for n, d in self.dests.items()])
-        with torch.no_grad():
-            _copy_and_pack(self._pairs, self.packs)
-        return len(self.dests)
 
 
 def coalesced(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -324,25 +259,18 @@ def write(worker, weights_iterator) -> int:
     return worker._minirl_writer.write(weights_iterator)
 
 
-def bind(worker, views: dict[str, torch.Tensor]) -> int:
+def bind(worker, views: dict[str, torch.Tensor], key: int = 0) -> int:
     """collective_rpc target: keep `views` (HF-named tensors that follow the trainer's weights in
-    place, one process only) as the sources of every later `write_bound`; checked once, here."""
+    place, or a snapshot slot that is written before each use) as the sources of every later
+    `write_bound(key)`; checked once, here."""
     pairs = worker._minirl_writer.pairs(views.items())
-    worker._minirl_bound = coalesced(pairs)
+    if not hasattr(worker, "_minirl_bound"):
+        worker._minirl_bound = {}
+    worker._minirl_bound[key] = coalesced(pairs)
     return len(pairs)
 
 
-def share(worker, views: dict[str, torch.Tensor]) -> SharedWeights | None:
-    """collective_rpc target: the worker's weights for a writer in another process."""
-    return worker._minirl_writer.share(views)
-
-
-def write_own_share(worker) -> int:
-    """collective_rpc target: the worker's share of a split sync (`Writer.share`)."""
-    return worker._minirl_writer.write_own_share()
-
-
-def write_bound(worker) -> int:
-    """collective_rpc target: one sync from the bound views: copies and the kernels' repack, no
-    renaming, no intermediate tensors."""
-    return worker._minirl_writer.copy(worker._minirl_bound)
+def write_bound(worker, key: int = 0) -> int:
+    """collective_rpc target: one sync from the views bound under `key`: copies and the kernels'
+    repack, no renaming, no intermediate tensors."""
+    return worker._minirl_writer.copy(worker._minirl_bound[key])

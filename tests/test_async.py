@@ -1,0 +1,167 @@
+"""`rollout.max_staleness` = k ≥ 1: the engine in a process of its own (rollout/process.py) that
+samples ahead of the trainer, syncs queued behind what it samples, and runs at k = 2 (the bound,
+checkpoints, a SIGKILL and a rollback).
+
+The engine's process runs the real vLLM engine on the tiny model; the trainer's weights reach it
+through shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minirl.errors import UsageError
+from minirl.rollout.process import EngineProcess, split_cores
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 3, 3, 3, 16], [9, 9, 9, 13, 9, 9, 9, 16]]
+SAMPLE = dict(n=4, temperature=1.0, max_tokens=6, seed=11)
+
+
+def tokens(groups) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in g] for g in groups]
+
+
+@pytest.fixture(scope="module")
+def proc(tiny_dir):
+    from minirl.recipe import RolloutConfig
+
+    cores = sorted(os.sched_getaffinity(0))[-1:]  # the engine's process on one core, as overlapped on 2 cores
+    p = EngineProcess(tiny_dir, RolloutConfig(precision="bf16", kv_cache_gib=0.25), cores=cores, seed=0,
+                      max_model_len=32)
+    yield p
+    p.close()
+    assert not p._proc.is_alive()
+
+
+def test_split_cores_needs_two():
+    with pytest.raises(UsageError, match="rollout.max_staleness ≥ 1 needs at least 2 cores"):
+        split_cores({3})
+
+
+def test_engine_process_samples_as_the_engine_in_this_process(proc, engine):
+    """Same weights, seed and settings: the same tokens and log-probs (seeded sampling does not
+    depend on which process samples)."""
+    theirs = proc.generate(PROMPTS, **SAMPLE)
+    ours = engine.generate(PROMPTS, **SAMPLE)
+    assert tokens(theirs) == tokens(ours)
+    a = torch.tensor([x for g in theirs for c in g for x in c.logprobs])
+    b = torch.tensor([x for g in ours for c in g for x in c.logprobs])
+    torch.testing.assert_close(a, b)
+
+
+def test_a_queued_sync_leaves_the_rollouts_sent_before_it_and_the_trainer_free(proc, engine, tiny_dir):
+    """A sync queued behind a rollout returns at once; the rollout samples by the weights before
+    it, the next one by the weights after, and the trainer's parameters may change at once (the
+    engine loads a snapshot). After it the engine's process scores exactly as an engine in this
+    process given the same weights, by either path: the snapshot slots of an engine that writes its
+    own tensors, and the copies any other engine is sent."""
+    from minirl.models import TINY
+    from minirl.rollout import sync as weight_sync
+    from minirl.train.trainer import Trainer
+
+    tr = Trainer(TINY, lr=0.0)
+    tr.load_hf(tiny_dir)
+    weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)
+    before = tokens(proc.generate(PROMPTS, **SAMPLE))
+    try:
+        with torch.no_grad():
+            for p in tr.model.parameters():
+                p.mul_(1.5)
+        handle = proc.submit("generate", PROMPTS, **SAMPLE)
+        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)  # sent while the rollout runs; returns at once
+        assert len(proc._pending) == 3  # the rollout, the second slot's binding and the sync: all under way
+        with torch.no_grad():
+            for p in tr.model.parameters():  # the trainer moves on: the engine holds a snapshot
+                p.mul_(0.0)
+        assert tokens(proc.result(handle)) == before  # sampled before the new weights were loaded
+        after = proc.generate(PROMPTS, **SAMPLE)
+        assert tokens(after) != before
+        resp = [list(c.token_ids) for g in after for c in g]
+        prompts = [p for p, g in zip(PROMPTS, after) for _ in g]
+        tr.load_hf(tiny_dir)  # the weights the engine's process holds, for the engine here
+        with torch.no_grad():
+            for p in tr.model.parameters():
+                p.mul_(1.5)
+        weight_sync.sync(tr, engine, bucket_bytes=2**30)
+        ours = torch.tensor(sum(engine.score(prompts, resp), []))
+        torch.testing.assert_close(torch.tensor(sum(proc.score(prompts, resp), [])), ours, rtol=0, atol=0)
+        assert proc.direct_sync and len(proc._slots) == 2  # both slots, each bound once in the engine's process
+        proc.direct_sync = False  # an engine that does not write its own tensors: sent copies
+        try:
+            weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)
+        finally:
+            proc.direct_sync = True
+        torch.testing.assert_close(torch.tensor(sum(proc.score(prompts, resp), [])), ours, rtol=0, atol=0)
+    finally:  # leave both engines as the module found them
+        tr.load_hf(tiny_dir)
+        weight_sync.sync(tr, engine, bucket_bytes=2**30)
+        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)
+    assert tokens(proc.generate(PROMPTS, **SAMPLE)) == before
+
+
+def test_answers_keep_their_callers_and_errors_come_back_named(proc):
+    first = proc.submit("generate", PROMPTS[:1], **SAMPLE)
+    second = proc.submit("generate", PROMPTS[1:], **SAMPLE)
+    alone = tokens(proc.generate(PROMPTS[1:], **SAMPLE))  # answered after both submitted ones
+    assert tokens(proc.result(second)) == alone
+    assert len(proc.result(first)) == 1
+    with pytest.raises(RuntimeError, match="in the rollout engine's process: AttributeError"):
+        proc.call("no_such_method")
+    assert tokens(proc.generate(PROMPTS[1:], **SAMPLE)) == alone  # still serving
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_k2_runs_ahead_within_the_bound_and_survives_a_sigkill_and_a_rollback(tiny_dir, tmp_path):
+    """k = 2 through the CLI. Each batch is sampled by the weights of the syncs sent before it
+    (a version known when it is admitted): staleness 0, 1, then 2 for every step. A checkpoint
+    records the prompts of the steps trained (those of the batches ahead are drawn again by a
+    resume). A SIGKILL as step 4 begins, then a resume: every step trained once, one row each,
+    the bound held after the restart (which starts with nothing ahead). A rollback discards what
+    was ahead: the step after it trains a batch sampled by the restored weights."""
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    shutil.copytree(tiny_dir, ws / "model/coldstart")
+    args = ["--set", "rollout.max_staleness=2", "--set", "train.prompts_per_step=8", "--set", "train.group_size=4",
+            "--set", "checkpoint.every=2", "--set", "eval.k=1"]
+    run = [sys.executable, "-m", "cli.main", "run", str(ws)]
+    env = {**os.environ, "MINIRL_INJECT_KILL": "0@4"}
+    r = subprocess.run([*run, "--steps", "6", *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == -9, r.stderr[-3000:]
+    run_dir = next((ws / "runs").iterdir())
+    assert [m["rollout/staleness_max"] for m in _rows(run_dir)] == [0, 1, 2]
+    extra = json.loads((run_dir / "checkpoints/step_000002/minirl.json").read_text())
+    assert extra["sampler"] == {"epoch": 0, "pos": 16}  # batches 3 and 4 were drawn too; a resume draws them again
+
+    r = subprocess.run([*run, "--steps", "6", "--resume", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
+    assert [m["rollout/staleness_max"] for m in rows] == [0, 1, 0, 1, 2, 2]  # resumed after step 2: nothing ahead
+    assert all(m["rollout/batches_ahead"] <= 2 for m in rows)
+    extra = json.loads((run_dir / "checkpoints/step_000006/minirl.json").read_text())
+    assert extra["sampler"] == {"epoch": 0, "pos": 48}
+
+    # every step is a bad one (KL above −1): the guard rolls back after 2, once, then stops
+    r = subprocess.run([*run, "--steps", "6", *args, "--set", "guard.max_kl=-1", "--set", "guard.patience=2",
+                        "--set", "guard.max_rollbacks=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run_dir = max((ws / "runs").iterdir())
+    rows = _rows(run_dir)
+    back = [m["step"] for m in rows if m.get("guard/action") == "rollback"]
+    assert back, r.stderr[-3000:]
+    after = [m for m in rows if m["step"] == back[0] + 1]
+    assert not after or after[0]["rollout/staleness_max"] == 0  # sampled by the restored weights
+    assert all(m["rollout/staleness_max"] <= 2 for m in rows) and len({m["step"] for m in rows}) == len(rows)
