@@ -85,8 +85,8 @@ def engine(tiny_dir):
     return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32)  # its KV cache sized for the job
 
 
-# Engines live for the session: an in-process vLLM engine torn down mid-session takes vLLM's global
-# process groups with it, and every engine still alive stops working.
+# Engines live for the session: each costs seconds to build (an engine dropped mid-session leaves the
+# others working: rollout/lifetime.py).
 @pytest.fixture(scope="session")
 def engine32(tiny_dir):
     from minirl.rollout.vllm import VLLMEngine

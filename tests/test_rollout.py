@@ -585,3 +585,23 @@ def test_a_second_engine_is_one_class_and_a_registry_line(tiny_dir, tmp_path, mo
     final = load_hf_weights(Path(summary["hf_folder"]))  # the last sync gave the engine the final weights
     assert FakeEngine.last.weights.keys() == final.keys()
     assert all(torch.equal(FakeEngine.last.weights[k], final[k]) for k in final)
+
+
+def test_an_engine_dropped_in_process_leaves_the_others_working(engine, tiny_dir):
+    """vLLM's in-process engine core tears down the process's parallel groups when it is collected;
+    another engine alive then fails at its next forward (lifetime.py: the last one alive does it)."""
+    import gc
+
+    from minirl.rollout import lifetime
+    from minirl.rollout.vllm import VLLMEngine
+
+    before = engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=4, seed=3)
+    alive = lifetime._alive
+    own = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.25)
+    assert lifetime._alive == alive + 1
+    assert len(own.generate(PROMPTS, n=1, temperature=1.0, max_tokens=4, seed=3)) == len(PROMPTS)
+    del own
+    gc.collect()
+    assert lifetime._alive == alive
+    again = engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=4, seed=3)
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in before]

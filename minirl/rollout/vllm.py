@@ -42,6 +42,7 @@ from minirl.models import param_count, read_shape
 from minirl.precisions import PRECISIONS
 from minirl import engine_sizing as sizing
 from minirl.engine_sizing import cpu_kv_cache_bytes
+from minirl.rollout.lifetime import share_process_groups
 from minirl.rollout.engine import Completion
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
@@ -165,6 +166,7 @@ class VLLMEngine:
         if spmd and not cuda and s.tensor_parallel > 1:
             _clear_stale_cpu_shm()
         self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
+        share_process_groups(self._llm)  # the last in-process engine alive tears vLLM's groups down
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
         self._prefix_caching = self._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         self.sleep_level = s.sleep_level  # 0 on a CPU: engine_args refuses more

@@ -1,0 +1,58 @@
+"""In-process vLLM engines share the process's parallel groups; the last one alive tears them down.
+
+vLLM's in-process engine core (`InprocClient`) shuts down when its client is collected and then
+calls `cleanup_dist_env_and_memory`, which destroys the process-global model-parallel groups every
+engine of the process computes with: any other engine still alive fails at its next forward
+("pipeline model parallel group is not initialized"). minirl builds engines one after another in
+one process (the doctor's precisions, a run's engine beside an evaluation's, the test suite's
+session engines beside a test's own), so each engine built here counts itself in, and only the
+last one alive releases the groups; the others shut down their core alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+_lock = threading.Lock()
+_alive = 0  # in-process engines built and not yet shut down
+
+
+def share_process_groups(llm) -> None:
+    """Take over the shutdown of `llm`'s in-process engine core (nothing to do for an engine whose
+    core runs in processes of its own: those tear down their own groups)."""
+    global _alive
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    core = getattr(client, "engine_core", None)
+    if finalizer is None or core is None or not finalizer.detach():
+        return
+    with _lock:
+        _alive += 1
+    client._finalizer = weakref.finalize(client, _shutdown, core)
+
+
+def _shutdown(core) -> None:
+    global _alive
+    from vllm.v1.engine import core as core_module
+
+    with _lock:
+        _alive -= 1
+        last = _alive == 0
+    if last:
+        core.shutdown()
+        return
+    with _keep_groups(core_module):
+        core.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_groups(core_module):
+    """`EngineCore.shutdown` without its process-wide teardown (other engines still use it)."""
+    saved = core_module.cleanup_dist_env_and_memory
+    core_module.cleanup_dist_env_and_memory = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        core_module.cleanup_dist_env_and_memory = saved
