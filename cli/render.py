@@ -30,6 +30,13 @@ LIVE_KEYS = [
     ("rollout/resp_len", "len", "{:.2f}"),
     ("sync/parity_abs_dlogp", "|Δlogp| sync", "{:.1e}"),
 ]
+# a run with rollout.max_staleness ≥ 1 writes these too: how many updates behind its batch was
+ASYNC_KEYS = [("rollout/staleness_mean", "stale", "{:.2f}"), ("rollout/batches_ahead", "ahead", "{:d}")]
+
+
+def live_keys(row: dict) -> list[tuple[str, str, str]]:
+    """The columns of a run's live table: its staleness too where the run samples ahead."""
+    return LIVE_KEYS + (ASYNC_KEYS if "rollout/staleness_mean" in row else [])
 
 
 class RunView:
@@ -50,10 +57,11 @@ class RunView:
 
     def _render(self):
         table = Table(box=None, pad_edge=False)
-        for _, title, _ in LIVE_KEYS:
+        keys = live_keys(self.last)
+        for _, title, _ in keys:
             table.add_column(title, justify="right")
         if self.last:
-            table.add_row(*[_fmt(self.last.get(k), f) for k, _, f in LIVE_KEYS])
+            table.add_row(*[_fmt(self.last.get(k), f) for k, _, f in keys])
         return Group(self.progress, table)
 
     def on_event(self, kind: str, data: dict) -> None:
@@ -181,9 +189,10 @@ def status_view(st) -> Group:
     parts = [head]
     if st.last:
         table = Table(box=None, pad_edge=False)
-        for _, title, _ in LIVE_KEYS:
+        keys = live_keys(st.last)
+        for _, title, _ in keys:
             table.add_column(title, justify="right")
-        table.add_row(*[_fmt(st.last.get(k), f) for k, _, f in LIVE_KEYS])
+        table.add_row(*[_fmt(st.last.get(k), f) for k, _, f in keys])
         parts.append(table)
     h = st.heldout
     if h.get("start"):

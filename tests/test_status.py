@@ -74,3 +74,33 @@ def test_rollbacks_and_skips_are_listed(tmp_path):
     assert st.state == "finished" and st.eta_s is None
     assert st.skipped == [4] and st.rollbacks == [{"step": 5, "reason": "KL 0.2 > 0.1", "back_to": 2}]
     assert st.heldout["end"] == {"avg@4": 0.6}
+
+
+def test_a_run_that_samples_ahead_shows_its_staleness_in_status_and_the_plot(tmp_path, monkeypatch):
+    """#66: with rollout.max_staleness ≥ 1 the rows carry how stale each batch was; `status` shows it
+    as columns and the figure as a panel of its own; a synchronous run's view is unchanged."""
+    import matplotlib.axes
+    from rich.console import Console
+
+    from cli.render import status_view
+    from minirl.run import plots
+
+    def shown() -> str:
+        c = Console(width=200, record=True)
+        c.print(status_view(status.read(run)))
+        return c.export_text()
+
+    run = make_run(tmp_path, summary={"status": "finished"})
+    assert "stale" not in shown()
+    with (run / "metrics.jsonl").open("a") as f:
+        for s in (4, 5):
+            f.write(json.dumps({"step": s, "rollout/reward_mean": 0.4, "rollout/staleness_mean": 2.0,
+                                "rollout/staleness_max": 2, "rollout/batches_ahead": 2}) + "\n")
+    out = shown()
+    assert "stale" in out and "ahead" in out and "2.00" in out
+    titles = []
+    set_title = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, t, *a, **k: (titles.append(t), set_title(self, t, *a, **k))[1])
+    plots.plot_metrics(run / "metrics.jsonl", tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 0 and titles[-1] == plots.STALENESS[1] and len(titles) == 7

@@ -1,5 +1,5 @@
 """One PNG per run: the curves people look at first (reward, entropy, KL, IS weights, clipping,
-parity), with the guard's rollbacks (red dashed) and skipped updates (orange dotted) on every panel."""
+parity; staleness where the run samples ahead), with the guard's rollbacks (red dashed) and skipped updates (orange dotted) on every panel."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ PANELS = [
     ("loss/clip_frac", "clip fraction"),
     ("sync/parity_abs_dlogp", "|Δ log p| vLLM vs trainer after sync"),
 ]
+# a run with rollout.max_staleness ≥ 1: how many updates behind each step's batch was
+STALENESS = ("rollout/staleness_mean", "staleness: updates behind (mean)")
 
 
 def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None) -> Path:
@@ -29,8 +31,12 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     rows = metric_rows(metrics_jsonl, upto=upto)
     marks = [(r["step"], "tab:red", "--", "rollback") for r in rows if r.get("guard/action") in ("rollback", "stop")]
     marks += [(r["step"], "tab:orange", ":", "skipped update") for r in rows if r.get("guard/action") == "skip"]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    panels = PANELS + ([STALENESS] if any(STALENESS[0] in r for r in rows) else [])
+    cols = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, cols, figsize=(13 * cols / 3, 6.5), constrained_layout=True)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (key, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
         if pts:
             ax.plot(*zip(*pts), lw=1.2)
