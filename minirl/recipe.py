@@ -165,6 +165,11 @@ class RolloutConfig:
     # batch while this one trains). One process on CPU, 2+ cores: the trainer takes half of them,
     # the engine the rest
     max_staleness: int = number(0, 0)
+    # k ≥ 1: a sync that reaches the engine while it samples a batch is loaded between two of its
+    # forward steps, and the requests in flight go on (each token stamped with the version that
+    # sampled it: fresher tokens, a run no longer reproducible); false: between two batches (every
+    # batch sampled by one version, known when it is admitted: a seeded run repeats exactly)
+    inflight_updates: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

@@ -36,5 +36,8 @@ def validate(r: Recipe) -> None:
     if r.cold_start.dev_size >= r.cold_start.train_size:
         raise UsageError(f"cold_start.dev_size ({r.cold_start.dev_size}) must be smaller than cold_start.train_size "
                          f"({r.cold_start.train_size}): the dev split is carved from the train split")
+    if r.rollout.inflight_updates and not r.rollout.max_staleness:
+        raise UsageError("rollout.inflight_updates = true loads a sync while the engine samples ahead of the trainer; "
+                         "with rollout.max_staleness = 0 nothing is sampled ahead: set max_staleness ≥ 1 or drop it")
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")

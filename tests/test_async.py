@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,14 +70,14 @@ def test_a_queued_sync_leaves_the_rollouts_sent_before_it_and_the_trainer_free(p
 
     tr = Trainer(TINY, lr=0.0)
     tr.load_hf(tiny_dir)
-    weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)
+    weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2, version=0)
     before = tokens(proc.generate(PROMPTS, **SAMPLE))
     try:
         with torch.no_grad():
             for p in tr.model.parameters():
                 p.mul_(1.5)
         handle = proc.submit("generate", PROMPTS, **SAMPLE)
-        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)  # sent while the rollout runs; returns at once
+        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2, version=0)  # sent while the rollout runs; returns at once
         assert len(proc._pending) == 3  # the rollout, the second slot's binding and the sync: all under way
         with torch.no_grad():
             for p in tr.model.parameters():  # the trainer moves on: the engine holds a snapshot
@@ -96,14 +97,14 @@ def test_a_queued_sync_leaves_the_rollouts_sent_before_it_and_the_trainer_free(p
         assert proc.direct_sync and len(proc._slots) == 2  # both slots, each bound once in the engine's process
         proc.direct_sync = False  # an engine that does not write its own tensors: sent copies
         try:
-            weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)
+            weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2, version=0)
         finally:
             proc.direct_sync = True
         torch.testing.assert_close(torch.tensor(sum(proc.score(prompts, resp), [])), ours, rtol=0, atol=0)
     finally:  # leave both engines as the module found them
         tr.load_hf(tiny_dir)
         weight_sync.sync(tr, engine, bucket_bytes=2**30)
-        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2)
+        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=2, version=0)
     assert tokens(proc.generate(PROMPTS, **SAMPLE)) == before
 
 
@@ -165,3 +166,85 @@ def test_k2_runs_ahead_within_the_bound_and_survives_a_sigkill_and_a_rollback(ti
     after = [m for m in rows if m["step"] == back[0] + 1]
     assert not after or after[0]["rollout/staleness_max"] == 0  # sampled by the restored weights
     assert all(m["rollout/staleness_max"] <= 2 for m in rows) and len({m["step"] for m in rows}) == len(rows)
+
+
+@pytest.fixture(scope="module")
+def inflight(tiny_dir):
+    """An fp32 engine in its own process that loads a sync between two forward steps of a batch."""
+    from minirl.recipe import RolloutConfig
+
+    cores = sorted(os.sched_getaffinity(0))[-1:]
+    rollout = RolloutConfig(precision="fp32", kv_cache_gib=0.25, max_staleness=1, inflight_updates=True)
+    p = EngineProcess(tiny_dir, rollout, cores=cores, seed=0, max_model_len=32, capture_routes=True)
+    yield p
+    p.close()
+
+
+def test_a_sync_mid_batch_is_loaded_between_two_forward_steps_and_every_token_says_by_which(inflight, tiny_dir):
+    """#66: the engine holds the batch after 4 forward steps (a test's pause), the sync comes in, and
+    the requests go on. Each completion's first 4 tokens carry version 0 and the rest version 1;
+    those first tokens, their log μ (θ_0's own score of them) and the routes of every position
+    computed before the update are exactly what the same seeded call gives without an update; the
+    first token after it, where the same token was drawn, has another log μ: the new weights
+    sampled it. (Not any single-version forward's: its prefix's KV was computed by θ_0; which is
+    why μ is recorded as sampled, never re-scored.)"""
+    from minirl.models import TINY
+    from minirl.rollout import sync as weight_sync
+    from minirl.train.trainer import Trainer
+
+    tr = Trainer(TINY, lr=0.0)
+    tr.load_hf(tiny_dir)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=0)
+    ask = dict(n=2, temperature=1.0, max_tokens=14, seed=5)
+    ref = inflight.generate(PROMPTS, **ask)
+    assert all(c.versions == (0,) * len(c.token_ids) for g in ref for c in g)
+    theta0 = inflight.score(*_pairs(ref))
+
+    inflight.call("hold_after", 4)
+    handle = inflight.submit("generate", PROMPTS, **ask)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.mul_(1.5)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=1)  # its slot was read: sent at once
+    got = inflight.result(handle)
+    tr.load_hf(tiny_dir)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=2)  # as the module found it
+
+    prompt_len, moved = len(PROMPTS[0]), 0
+    for g_ref, g, scores in zip(ref, got, [theta0[i:i + 2] for i in range(0, len(theta0), 2)]):
+        for c_ref, c, score in zip(g_ref, g, scores):
+            before = min(4, len(c.token_ids))
+            assert c.versions == (0,) * before + (1,) * (len(c.token_ids) - before)
+            assert c.token_ids[:before] == c_ref.token_ids[:before] and c.logprobs[:before] == c_ref.logprobs[:before]
+            np.testing.assert_allclose(c.logprobs[:before], score[:before], rtol=0, atol=1e-5)
+            np.testing.assert_array_equal(c.routes[:prompt_len + before - 1], c_ref.routes[:prompt_len + before - 1])
+            assert c.routes.shape[0] == prompt_len + len(c.token_ids) - 1
+            if len(c.token_ids) > 4 and len(c_ref.token_ids) > 4 and c.token_ids[4] == c_ref.token_ids[4]:
+                assert abs(c.logprobs[4] - c_ref.logprobs[4]) > 1e-3
+                moved += 1
+    assert moved > 0
+
+
+def _pairs(groups):
+    return ([p for p, g in zip(PROMPTS, groups) for _ in g], [list(c.token_ids) for g in groups for c in g])
+
+
+@pytest.mark.slow
+def test_k2_with_inflight_updates_through_the_cli_keeps_the_bound_token_by_token(tiny_dir, tmp_path):
+    """k = 2 with syncs loaded mid-batch: each row's histogram of token staleness adds up to the
+    batch's tokens, and no token is more than 2 updates behind."""
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    shutil.copytree(tiny_dir, ws / "model/coldstart")
+    args = ["--set", "rollout.max_staleness=2", "--set", "rollout.inflight_updates=true", "--set",
+            "train.prompts_per_step=8", "--set", "train.group_size=4", "--set", "eval.k=1"]
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "4", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(next((ws / "runs").iterdir()))
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+    for m in rows:
+        hist = m["rollout/staleness_tokens"]
+        assert len(hist) == 3 and sum(hist) == round(m["rollout/resp_len"] * 8 * 4)
+        assert m["rollout/staleness_max"] <= 2 and hist[m["rollout/staleness_max"]] > 0

@@ -308,6 +308,9 @@ CASES = [
      "rollout.max_staleness = -1; it must be ≥ 0"),
     ("staleness-not-an-integer", ["run", "{ws}", "--set", "rollout.max_staleness=1.5"], None,
      "rollout.max_staleness: expected int, got '1.5'"),
+    ("inflight-without-staleness", ["run", "{ws}", "--set", "rollout.inflight_updates=true"], None,
+     "rollout.inflight_updates = true loads a sync while the engine samples ahead of the trainer; with "
+     "rollout.max_staleness = 0 nothing is sampled ahead"),
     ("overlap-in-an-old-recipe", ["run", "{ws}", "--set", "rollout.overlap=true"], None,
      "rollout.overlap was replaced by rollout.max_staleness (overlap = true → max_staleness = 1, false → 0"),
     ("unknown-model", ["run", "{ws}", "--model", "gpt-5"], None, "model.id = 'gpt-5'"),

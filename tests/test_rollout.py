@@ -547,6 +547,9 @@ class FakeEngine:
     def load_live_weights(self, views):
         return False
 
+    def set_version(self, version):
+        pass
+
     def settle(self):
         pass
 

@@ -121,7 +121,8 @@ class Lab:
         # keys added after runs were recorded: at their defaults they change nothing those runs computed
         for section, key, default in (("train", "lora", dataclasses.asdict(recipe_mod.LoraConfig())),
                                       ("train", "warmup_steps", 0), ("train", "offload", "none"),
-                                      ("rollout", "cuda_graphs", True), ("guard", "slide_window", 30),
+                                      ("rollout", "cuda_graphs", True), ("rollout", "inflight_updates", False),
+                                      ("guard", "slide_window", 30),
                                       ("guard", "slide_z", 4.0), ("guard", "slide_drop_frac", 0.25)):
             if resolved[section][key] == default:
                 del resolved[section][key]

@@ -100,7 +100,8 @@ class Rollouts:
         if len(self._control):
             raise RuntimeError("rollouts restored after a batch was admitted")
         self._sampler.restore(record["sampler"])
-        self._control = Controller(self._k, step=record["step"])  # the engine holds that step's weights
+        self._control = Controller(self._k, step=record["step"])  # the engine holds that step's weights ...
+        self._engine.set_version(record["step"])  # ... and stamps what it samples with its number
 
     def next(self, step: int) -> tuple[list, list[list[Completion]]]:
         """This step's problems and their G completions each (this rank's share of both)."""
@@ -109,7 +110,8 @@ class Rollouts:
         head = self._control.head()
         if not head.done:  # k ≥ 1: under way in the engine's process
             asked, handle = head.handle
-            self._control.finish(head, (asked, self._engine.result(handle)))
+            answer = self._engine.result(handle)
+            self._control.finish(head, (asked, answer), tokens=_by_version(answer, head.admitted))
         self._taken = ticket = self._control.take(step)
         while self._k and self._control.may_admit():  # what the bound allows, sampled while this step trains
             self._admit()
@@ -123,8 +125,11 @@ class Rollouts:
         always 0 stale): updates behind the trained weights, mean and max over its tokens."""
         if not self._k or self._taken is None:
             return {}
-        lag = self._taken.step - 1 - self._taken.admitted
-        return {"rollout/staleness_mean": float(lag), "rollout/staleness_max": lag,
+        lags = self._taken.staleness()  # updates behind → tokens
+        n = sum(lags.values())
+        return {"rollout/staleness_mean": sum(lag * c for lag, c in lags.items()) / n if n else 0.0,
+                "rollout/staleness_max": max(lags),
+                "rollout/staleness_tokens": [lags.get(lag, 0) for lag in range(self._k + 1)],  # histogram 0…k
                 "rollout/batches_ahead": len(self._control),
                 "timing/engine_busy_s": round(self._engine.busy_s, 4)}
 
@@ -133,7 +138,8 @@ class Rollouts:
         batches sent before it, which it does not change."""
         if self._k:
             # a slot per sync that may wait behind batches sent before it: at most k
-            weight_sync.queue(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20, slots=self._k)
+            weight_sync.queue(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20, slots=self._k,
+                              version=self._control.trained)
         else:
             weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20)
         self._control.updated(self._control.trained)
@@ -174,3 +180,13 @@ class Rollouts:
             ticket.handle = (asked, self._engine.submit("generate", *args, **kw))
         else:
             self._control.finish(ticket, (asked, self._engine.generate(*args, **kw)))
+
+
+def _by_version(groups: list[list[Completion]], admitted: int) -> dict[int, int]:
+    """Tokens of a batch by the policy version that sampled them (an engine that stamps none: all by
+    the version it was admitted at)."""
+    out: dict[int, int] = {}
+    for c in (c for g in groups for c in g):
+        for v in c.versions if c.versions is not None else (admitted,) * len(c.token_ids):
+            out[v] = out.get(v, 0) + 1
+    return out or {admitted: 0}

@@ -39,6 +39,9 @@ class Completion:
     logprobs: tuple[float, ...]
     finish: str
     routes: object = None  # R3: np.int16 [len(prompt) + len(response) − 1, n_moe_layers, top_k], else None
+    # [L] the policy version whose weights sampled each token (a CPU engine counts the syncs it was
+    # told of; with rollout.inflight_updates a batch's tokens may span several), else None
+    versions: tuple[int, ...] | None = None
 
 
 @runtime_checkable
@@ -64,6 +67,9 @@ class Engine(Protocol):
     def load_live_weights(self, views: dict[str, torch.Tensor]) -> bool:
         """Copy from HF-named views of the trainer's parameters it may keep between syncs; False
         where it cannot (the caller then streams `load_weights`)."""
+
+    def set_version(self, version: int) -> None:
+        """The policy version of the weights it holds, which the tokens it samples next carry."""
 
     def settle(self) -> None:
         """Return once the last sync is written whole."""

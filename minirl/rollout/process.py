@@ -64,36 +64,67 @@ def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess"
 
 
 def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
-    """The engine's process: build the engine, then answer calls in order until told to stop."""
+    """The engine's process: build the engine, then answer calls until told to stop. Calls run one
+    at a time, in the order sent, but for the weights: with `rollout.inflight_updates` a sync that
+    arrives while a batch is sampled is loaded between two of its forward steps (the requests in
+    flight go on, their next tokens sampled by the new version), and every answer names its call."""
     os.sched_setaffinity(0, cores)
     try:
         engine = build(Path(model_dir), rollout, **kw)
-        conn.send(("ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8,
-                          "weight_format": engine.weight_format, "direct_sync": getattr(engine, "direct_sync", False)},
-                   0.0))
+        conn.send((0, "ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8,
+                             "weight_format": engine.weight_format,
+                             "direct_sync": getattr(engine, "direct_sync", False)}, 0.0))
     except BaseException as e:  # noqa: BLE001 - the parent raises it
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
+        conn.send((0, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
         return
     slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
+    deferred: collections.deque = collections.deque()  # calls that came in while a batch was sampled
+    hold = {"after": None}  # a test's pause: wait for the next call after this many forward steps
+
+    def run(call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            if method == "bind_slot":
+                slots[args[0]], out = args[1], None
+            elif method == "sync_slot":  # (slot, the policy version it holds)
+                out = engine.load_live_weights(slots[args[0]], key=args[0])
+                engine.set_version(args[1])
+            elif method == "hold_after":
+                hold["after"], out = args[0], None
+            elif method == "generate" and getattr(rollout, "inflight_updates", False):
+                out = engine.generate(*args, **kwargs, between_steps=between_steps)
+            else:
+                out = getattr(engine, method)(*args, **kwargs)
+            conn.send((call_id, "ok", out, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - the parent raises it
+            conn.send((call_id, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
+
+    def between_steps(step: int) -> None:
+        """Between two forward steps of a batch: load the syncs that came in (and the slots they
+        name); keep every other call for after the batch."""
+        if hold["after"] is not None:  # a test's pause: nothing is read before it, then it waits for a call
+            if step < hold["after"]:
+                return
+            hold["after"] = None
+            deferred_or_now(conn.recv())
+        while conn.poll():
+            deferred_or_now(conn.recv())
+
+    def deferred_or_now(message) -> None:
+        if message[1] in ("bind_slot", "sync_slot"):
+            run(*message)
+        else:
+            deferred.append(message)
+
     while True:
         try:
-            method, args, kwargs = conn.recv()
+            call_id, method, args, kwargs = deferred.popleft() if deferred else conn.recv()
         except EOFError:  # the trainer's process is gone
             return
         if method == "stop":
-            conn.send(("ok", None, 0.0))
+            conn.send((call_id, "ok", None, 0.0))
             return
-        try:
-            t0 = time.perf_counter()
-            if method == "bind_slot":
-                slots[args[0]], out = args[1], None
-            elif method == "sync_slot":
-                out = engine.load_live_weights(slots[args[0]], key=args[0])
-            else:
-                out = getattr(engine, method)(*args, **kwargs)
-            conn.send(("ok", out, time.perf_counter() - t0))
-        except Exception as e:  # noqa: BLE001 - the parent raises it
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
+        run(call_id, method, args, kwargs)
 
 
 class EngineProcess:
@@ -118,8 +149,9 @@ class EngineProcess:
                     os.environ[k] = v
         child.close()
         self.busy_s = 0.0  # the engine's seconds in calls answered so far (its idle time is the rest)
-        self._pending: collections.deque[list] = collections.deque()  # answers not yet read, oldest first
-        info = self._answer()
+        self._sent = 0  # calls sent; each answer names its call's number
+        self._pending: dict[int, list] = {0: []}  # handles of calls not yet answered, by number (0: the build)
+        info = self.result(self._pending[0])
         self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
         self.weight_format, self.direct_sync = info["weight_format"], info["direct_sync"]
         self._slots: list[dict] = []  # snapshots of the trainer's weights in shared memory (`queue_weights`)
@@ -129,16 +161,21 @@ class EngineProcess:
     # ----- calls --------------------------------------------------------------------------------
     def submit(self, method: str, *args, **kwargs) -> list:
         """Send a call and return at once; `result(handle)` waits for its answer."""
+        self._sent += 1
         handle: list = []
-        self._conn.send((method, args, kwargs))
-        self._pending.append(handle)
+        self._conn.send((self._sent, method, args, kwargs))
+        self._pending[self._sent] = handle
         return handle
 
     def result(self, handle: list):
-        """The answer of a submitted call (answers before it are read and kept for their callers)."""
+        """The answer of a submitted call (answers that come before it are kept for their callers);
+        an error in the engine's process is raised here, by the call it answers."""
         while not handle:
-            self._pending.popleft().append(self._answer())
-        return handle[0]
+            self._answer()
+        status, out = handle[0]
+        if status == "error":
+            raise RuntimeError(f"in the rollout engine's process: {out}")
+        return out
 
     def call(self, method: str, *args, **kwargs):
         return self.result(self.submit(method, *args, **kwargs))
@@ -146,20 +183,18 @@ class EngineProcess:
     def _idle(self) -> None:
         """Wait until every call sent has been answered (answers kept for their callers)."""
         while self._pending:
-            self._pending.popleft().append(self._answer())
+            self._answer()
 
-    def _answer(self):
+    def _answer(self) -> None:
         try:
-            status, out, seconds = self._conn.recv()
+            call_id, status, out, seconds = self._conn.recv()
         except (EOFError, ConnectionError):
             raise RuntimeError(f"the rollout engine's process died (exit code {self._proc.exitcode})") from None
         self.busy_s += seconds
-        if status == "error":
-            raise RuntimeError(f"in the rollout engine's process: {out}")
-        return out
+        self._pending.pop(call_id).append((status, out))
 
     # ----- the engine's contract (engine.py) ----------------------------------------------------
-    FORWARDED = ("generate", "score")  # answered by the engine as they are; the rest are below
+    FORWARDED = ("generate", "score", "set_version")  # answered by the engine as they are; the rest are below
 
     def __getattr__(self, name: str):
         if name in EngineProcess.FORWARDED:
@@ -172,10 +207,11 @@ class EngineProcess:
     def wake(self) -> None:
         pass
 
-    def queue_weights(self, views: dict[str, torch.Tensor], slots: int) -> bool:
-        """The weights in `views` (the trainer's, HF-named, fp32) copied into one of `slots`
-        snapshot slots in shared memory, and the engine told to load that slot after the calls
-        sent before: this returns at once, and the trainer may change its parameters right after.
+    def queue_weights(self, views: dict[str, torch.Tensor], slots: int, version: int) -> bool:
+        """The weights in `views` (the trainer's, HF-named, fp32: policy `version`) copied into one of
+        `slots` snapshot slots in shared memory, and the engine told to load that slot after the
+        calls sent before (with `rollout.inflight_updates`, between two forward steps of the batch
+        under way): this returns at once, and the trainer may change its parameters right after.
         A slot is written again only once the engine has read it (the sync `slots` syncs before;
         waited for here where it has not). False where the engine has no direct path (then the
         caller sends copies: `submit("load_weights", ...)`)."""
@@ -193,7 +229,7 @@ class EngineProcess:
         with torch.no_grad():
             for n, t in self._slots[i].items():
                 t.copy_(views[n])
-        self._slot_reads[i] = self.submit("sync_slot", i)
+        self._slot_reads[i] = self.submit("sync_slot", i, version)
         return True
 
     def settle(self) -> None:

@@ -103,15 +103,16 @@ def sync(trainer, engine, *, bucket_bytes: int) -> None:
     engine.load_weights(itertools.chain.from_iterable(buckets))
 
 
-def queue(trainer, engine, *, bucket_bytes: int, slots: int) -> None:
+def queue(trainer, engine, *, bucket_bytes: int, slots: int, version: int) -> None:
     """The trainer's weights sent to an engine in its own process behind the calls sent before
     (rollout.max_staleness ≥ 1), and returned at once: the engine applies them between two of its
     calls, so what it samples before them is sampled by the weights before. What is sent is a copy,
     so the trainer's parameters may change while it waits: a CPU engine that writes its own tensors
     gets a snapshot of the trainer's HF-named views in one of `slots` shared-memory slots
     (process.py `queue_weights`); any other engine the weights cast to its dtype (FP8-rounded where
-    emulated, cloned where the dtype is the trainer's own), passed by shared memory."""
-    if (views := trainer.hf_views()) is not None and engine.queue_weights(views, slots=slots):
+    emulated, cloned where the dtype is the trainer's own), passed by shared memory. `version`: the
+    policy version the weights are (the step they end), which the tokens sampled after carry."""
+    if (views := trainer.hf_views()) is not None and engine.queue_weights(views, slots=slots, version=version):
         return  # a CPU engine that writes its own tensors: a snapshot of the views, nothing converted
     buckets = trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
                               transform=(lambda w: fp8_roundtrip(w, fmt=engine.weight_format)) if engine.emulate_fp8
@@ -119,3 +120,4 @@ def queue(trainer, engine, *, bucket_bytes: int, slots: int) -> None:
     live = {t.untyped_storage().data_ptr() for t in trainer.model.parameters()}
     engine.submit("load_weights", [(n, t.clone() if t.untyped_storage().data_ptr() in live else t)
                                    for n, t in itertools.chain.from_iterable(buckets)])
+    engine.submit("set_version", version)

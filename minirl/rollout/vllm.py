@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,8 +216,11 @@ class VLLMEngine:
         temperature: float,
         max_tokens: int,
         seed: int | None = None,
+        between_steps: Callable[[int], None] | None = None,
     ) -> list[list[Completion]]:
-        """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order."""
+        """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order.
+        `between_steps(steps done)` runs before each forward step (an engine in its own process
+        loads a sync that came in there: rollout/process.py)."""
         from vllm import SamplingParams
 
         self.wake()
@@ -232,7 +235,7 @@ class VLLMEngine:
         if self.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.start)
         try:
-            with seeded_sampling(seed, stream=self.stream):
+            with seeded_sampling(seed, stream=self.stream), _stepping(self._llm.llm_engine, between_steps):
                 outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         except BaseException:
             # cut short mid-forward (a second Ctrl-C), the captures are torn: drop them, so what
@@ -243,7 +246,7 @@ class VLLMEngine:
                         self._llm.collective_rpc(recorder.discard)
             raise
         routes = self._llm.collective_rpc(cpu_routes.stop)[0] if cpu_capture else {}
-        logps = self._llm.collective_rpc(cpu_logprobs.stop)[0] if self.capture_logprobs else {}
+        logps, stamps = self._llm.collective_rpc(cpu_logprobs.stop)[0] if self.capture_logprobs else ({}, {})
         result = []
         for prompt, out in zip(prompts, outs):
             group = []
@@ -264,9 +267,16 @@ class VLLMEngine:
                         got = None if r is None else r.shape[0]
                         raise RuntimeError(f"captured routes for request {out.request_id}/{c.index}: {got} positions, need {want}")
                     r = r[:want]
-                group.append(Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r))
+                versions = tuple(stamps[(out.request_id, c.index)]) if self.capture_logprobs and c.token_ids else None
+                group.append(Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r, versions))
             result.append(group)
         return result
+
+    def set_version(self, version: int) -> None:
+        """The policy version of the weights just loaded: what the tokens sampled next are stamped
+        with (`Completion.versions`; the CPU engine, whose log-prob capture stamps them)."""
+        if self.capture_logprobs:
+            self._llm.collective_rpc(cpu_logprobs.set_version, args=(version,))
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """log μ(y_t | x, y_<t) of given response tokens, through vLLM's prompt log-probs."""
@@ -446,3 +456,24 @@ def _repack_cpu_experts(worker) -> int:
         routed.quant_method.moe_kernel.fused_experts.process_weights_after_loading(routed)
         n += 1
     return n
+
+
+@contextlib.contextmanager
+def _stepping(llm_engine, between_steps: Callable[[int], None] | None):
+    """`between_steps(steps done)` before each of `llm_engine`'s steps while the block runs (the
+    offline `LLM.generate` steps the engine until its requests finish)."""
+    if between_steps is None:
+        yield
+        return
+    step, done = llm_engine.step, [0]
+
+    def stepping():
+        between_steps(done[0])
+        done[0] += 1
+        return step()
+
+    llm_engine.step = stepping
+    try:
+        yield
+    finally:
+        del llm_engine.step  # the instance attribute: back to the class's own

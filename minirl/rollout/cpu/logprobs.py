@@ -34,6 +34,7 @@ class LogprobRecorder:
 
         runner = worker.model_runner
         self.enabled = False
+        self.version = 0  # the policy version of the weights: each step's samples are stamped with it
         self._reset()
         original = runner._sample
 
@@ -46,13 +47,13 @@ class LogprobRecorder:
             out = original(logits, spec_decode_metadata)
             n = out.sampled_token_ids.shape[0]
             self.steps.append((runner.input_batch.req_ids[:n],
-                               raw.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1)))
+                               raw.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1), self.version))
             return out
 
         runner._sample = sample
 
     def _reset(self) -> None:
-        self.steps: list[tuple[list[str], torch.Tensor]] = []
+        self.steps: list[tuple[list[str], torch.Tensor, int]] = []
 
     def start(self) -> None:
         self.enabled = True
@@ -63,18 +64,23 @@ class LogprobRecorder:
         self.enabled = False
         self._reset()
 
-    def stop(self) -> dict[tuple[str, int], list[float]]:
-        """{(external request id, completion index): log μ of its sampled tokens, in order}."""
+    def stop(self) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[int]]]:
+        """({(external request id, completion index): log μ of its sampled tokens, in order}, and the
+        same keys → the policy version that sampled each)."""
         self.enabled = False
         if not self.steps:
-            return {}
-        rids = [r for ids, _ in self.steps for r in ids]
-        values = torch.cat([v for _, v in self.steps]).tolist()
+            return {}, {}
+        rids = [r for ids, _, _ in self.steps for r in ids]
+        values = torch.cat([v for _, v, _ in self.steps]).tolist()
+        versions = [version for ids, _, version in self.steps for _ in ids]
         self._reset()
         out: dict[tuple[str, int], list[float]] = {}
-        for rid, v in zip(rids, values):
-            out.setdefault(split_request_id(rid), []).append(v)
-        return out
+        stamps: dict[tuple[str, int], list[int]] = {}
+        for rid, v, version in zip(rids, values, versions):
+            key = split_request_id(rid)
+            out.setdefault(key, []).append(v)
+            stamps.setdefault(key, []).append(version)
+        return out, stamps
 
 
 def install(worker) -> bool:
@@ -88,8 +94,12 @@ def start(worker) -> None:
     worker._minirl_logprobs.start()
 
 
-def stop(worker) -> dict[tuple[str, int], list[float]]:
+def stop(worker) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[int]]]:
     return worker._minirl_logprobs.stop()
+
+
+def set_version(worker, version: int) -> None:
+    worker._minirl_logprobs.version = version
 
 
 def discard(worker) -> None:
