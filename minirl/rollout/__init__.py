@@ -3,9 +3,11 @@
     engine.py    the engine's contract (`Engine`, `Completion`) and its in-process build;
                  `make_engine` here is the one factory every caller uses
     vllm.py      the vLLM engine (CPU and CUDA arguments from one function, `engine_args`)
+    lifetime.py  in-process engines share the process's parallel groups: the last one alive tears them down
     controller.py  bounded staleness: which step's batch may be sampled now, in what order batches
                  are trained, the bound every trained token keeps (`rollout.max_staleness`)
-    process.py   the engine in a process of its own (`rollout.max_staleness` ≥ 1)
+    process.py   the engine in a process of its own (`rollout.max_staleness` ≥ 1; syncs queued, or
+                 loaded between two forward steps with `rollout.inflight_updates`)
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
