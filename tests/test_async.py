@@ -248,3 +248,26 @@ def test_k2_with_inflight_updates_through_the_cli_keeps_the_bound_token_by_token
         hist = m["rollout/staleness_tokens"]
         assert len(hist) == 3 and sum(hist) == round(m["rollout/resp_len"] * 8 * 4)
         assert m["rollout/staleness_max"] <= 2 and hist[m["rollout/staleness_max"]] > 0
+
+
+def test_two_processes_move_the_weights_by_broadcast(tiny_dir, tmp_path):
+    """#66: a trainer's process and an engine's process, each with its own torch.distributed world
+    (vLLM sets one up inside the engine's), joined by a gloo group of their own: the trainer moves
+    its weights and broadcasts them; the engine binds the received buffer and then scores fixed
+    pairs as the trainer does (fp32), where before it scored them as the old weights did."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "broadcast_worker.py"), "--rank", str(rank),
+                               "--port", str(port), "--model", str(tiny_dir), "--out", str(tmp_path / f"{rank}.json")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    trainer = json.loads((tmp_path / "0.json").read_text())["trainer"]
+    engine = json.loads((tmp_path / "1.json").read_text())
+    flat = lambda rows: [x for r in rows for x in r]
+    np.testing.assert_allclose(flat(engine["after"]), flat(trainer), rtol=0, atol=1e-4)
+    assert max(abs(a - b) for a, b in zip(flat(engine["before"]), flat(trainer))) > 0.05

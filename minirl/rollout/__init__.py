@@ -9,6 +9,7 @@
     process.py   the engine in a process of its own (`rollout.max_staleness` ≥ 1; syncs queued, or
                  loaded between two forward steps with `rollout.inflight_updates`)
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
+    broadcast.py the same across processes: a gloo group of their own (not wired into a run yet)
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
     cpu/         CPU-only pieces inside the engine: weights, norms, log-probs, routes
