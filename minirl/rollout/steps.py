@@ -1,0 +1,69 @@
+"""What minirl does around vLLM's engine steps, on CPU and CUDA alike: run a callback between two
+forward steps (an engine in its own process loads a sync there: process.py), see which requests
+the scheduler preempts (their KV cache dropped when it ran short, then recomputed), and read
+vLLM's request ids. Both hooks need vLLM's engine core in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vllm.py sets it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable
+
+# Runner request ids: "<child index>_<external id>-<8 random chars>" for n > 1, else "<external id>-<8>".
+_REQ_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$")
+
+
+def split_request_id(rid: str) -> tuple[str, int]:
+    """A runner request id as (external request id, completion index)."""
+    m = _REQ_ID.match(rid)
+    if m is None:
+        raise RuntimeError(f"vLLM request id {rid!r}: not the form minirl reads (vLLM changed it?)")
+    return m.group(2), int(m.group(1) or 0)
+
+
+@contextlib.contextmanager
+def preemptions(llm_engine):
+    """{(request id, completion index): times preempted} of the requests the scheduler preempts
+    while the block runs (read from each step's scheduler output; the engine core runs in this
+    process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
+    core = getattr(llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the vLLM engine core is not in this process: preempted requests cannot be seen")
+    scheduler, seen = core.scheduler, {}
+    schedule = scheduler.schedule
+
+    def watching(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for rid in out.preempted_req_ids or ():
+            key = split_request_id(rid)
+            seen[key] = seen.get(key, 0) + 1
+        return out
+
+    scheduler.schedule = watching
+    try:
+        yield seen
+    finally:
+        del scheduler.schedule  # the instance attribute: back to the class's own
+
+
+@contextlib.contextmanager
+def between(llm_engine, between_steps: Callable[[int], None] | None):
+    """`between_steps(steps done)` before each of `llm_engine`'s steps while the block runs (the
+    offline `LLM.generate` steps the engine until its requests finish)."""
+    if between_steps is None:
+        yield
+        return
+    step, done = llm_engine.step, [0]
+
+    def stepping():
+        between_steps(done[0])
+        done[0] += 1
+        return step()
+
+    llm_engine.step = stepping
+    try:
+        yield
+    finally:
+        del llm_engine.step  # the instance attribute: back to the class's own
