@@ -30,8 +30,10 @@ LIVE_KEYS = [
     ("rollout/resp_len", "len", "{:.2f}"),
     ("sync/parity_abs_dlogp", "|Δlogp| sync", "{:.1e}"),
 ]
-# a run with rollout.max_staleness ≥ 1 writes these too: how many updates behind its batch was
-ASYNC_KEYS = [("rollout/staleness_mean", "stale", "{:.2f}"), ("rollout/batches_ahead", "ahead", "{:d}")]
+# a run with rollout.max_staleness ≥ 1 writes these too: how many updates behind its batch was, what
+# is ahead, and the shares of the wall time the engine had nothing to do and the trainer waited on it
+ASYNC_KEYS = [("rollout/staleness_mean", "stale", "{:.2f}"), ("rollout/batches_ahead", "ahead", "{:d}"),
+              ("timing/engine_idle_frac", "engine idle", "{:.0%}"), ("timing/trainer_idle_frac", "trainer idle", "{:.0%}")]
 
 
 def live_keys(row: dict) -> list[tuple[str, str, str]]:
@@ -204,6 +206,9 @@ def status_view(st) -> Group:
         parts.append(f"[red]rollback at step {rb['step']}[/]: {rb['reason']}{back}")
     if st.skipped:
         parts.append(f"[yellow]skipped updates[/] at steps {', '.join(map(str, st.skipped))}")
+    if st.preempted or st.regenerated:
+        again = f"; {st.regenerated} R3 sample(s) drawn again, their routes recomputed" if st.regenerated else ""
+        parts.append(f"[yellow]preempted[/] {st.preempted} request(s): the engine's KV cache ran short{again}")
     if st.newest_checkpoint is not None:
         parts.append(f"newest checkpoint: {st.newest_checkpoint}")
     return Group(*parts)

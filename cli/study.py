@@ -88,6 +88,9 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     for mode in ("off", "r2", "r3") if report["moe"] else ("off",):
         table.add_row("staleness", f"KL(π_θ‖π_θold) after 1/2/4/8 updates, {mode}",
                       " / ".join(f"{f[f'staleness/{mode}/{n}']['mean']:.1e}" for n in doc.STALENESS_UPDATES))
+    if "staleness/behind" in f:  # sampling ahead: the KL over how far behind the trained tokens were
+        table.add_row("staleness", f"sampling {report['max_staleness']} ahead: KL(π_θ‖π_θold) over the trained tokens' "
+                      f"lag ({report['staleness_source']})", pm("staleness/behind"))
     console.print(table)
     js, png = doc.write(report, out or ws.root / "doctor")
     for line in report["advice"]:

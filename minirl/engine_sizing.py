@@ -41,8 +41,10 @@ def max_model_len(rec) -> int:
 
 def max_num_seqs(rec, engines: int = 1) -> int:
     """Sequences a run's engine may schedule at once: its share of a step's B × G (the step's
-    sequences over the job's `engines`), at least MIN_SEQS."""
-    return max(MIN_SEQS, -(-rec.train.prompts_per_step * rec.train.group_size // engines))
+    sequences over the job's `engines`), at least MIN_SEQS; an engine that keeps stepping across
+    calls (rollout.inflight_updates) holds the k + 1 batches the bound lets be in flight."""
+    batches = rec.rollout.max_staleness + 1 if rec.rollout.inflight_updates else 1
+    return max(MIN_SEQS, -(-rec.train.prompts_per_step * rec.train.group_size * batches // engines))
 
 
 def kv_cache_bytes(model: ModelShape, sequences: int, tokens: int, dtype_bytes: int, *, block: int,

@@ -165,10 +165,11 @@ class RolloutConfig:
     # batch while this one trains). One process on CPU, 2+ cores: the trainer takes half of them,
     # the engine the rest
     max_staleness: int = number(0, 0)
-    # k ≥ 1: a sync that reaches the engine while it samples a batch is loaded between two of its
-    # forward steps, and the requests in flight go on (each token stamped with the version that
-    # sampled it: fresher tokens, a run no longer reproducible); false: between two batches (every
-    # batch sampled by one version, known when it is admitted: a seeded run repeats exactly)
+    # k ≥ 1: the engine keeps stepping across calls: an admitted batch joins the requests in flight
+    # at once (the batches of several steps sampled together), and a sync is loaded between two
+    # forward steps while they go on (each token stamped with the version that sampled it: fresher
+    # tokens, a run no longer reproducible); false: one batch at a time, syncs between two batches
+    # (every batch sampled by one version, known when it is admitted: a seeded run repeats exactly)
     inflight_updates: bool = False
 
 

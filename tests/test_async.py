@@ -153,6 +153,7 @@ def test_k2_runs_ahead_within_the_bound_and_survives_a_sigkill_and_a_rollback(ti
     assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
     assert [m["rollout/staleness_max"] for m in rows] == [0, 1, 0, 1, 2, 2]  # resumed after step 2: nothing ahead
     assert all(m["rollout/batches_ahead"] <= 2 for m in rows)
+    assert all(0 <= m["timing/engine_idle_frac"] <= 1 and 0 <= m["timing/trainer_idle_frac"] <= 1 for m in rows)
     extra = json.loads((run_dir / "checkpoints/step_000006/minirl.json").read_text())
     assert extra["sampler"] == {"epoch": 0, "pos": 48}
 

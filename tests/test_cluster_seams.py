@@ -269,11 +269,11 @@ def test_stale_cpu_tp_shared_memory_of_a_killed_attempt_is_cleared_and_live_segm
     behind and the restarted rank's create fails (EEXIST). The engine clears unmapped ones first."""
     import mmap
 
-    from minirl.rollout.vllm import _clear_stale_cpu_shm
+    from minirl.rollout.cpu.shm import clear_stale
 
     stale, live, other = (tmp_path / n for n in ("-tp:0-[0-1]-cpushm_1", "-tp:0-[0-1]-cpushm_0", "psm_1234"))
     for f in (stale, live, other):
         f.write_bytes(b"\0" * 4096)
     with live.open("r+b") as fh, mmap.mmap(fh.fileno(), 4096):  # mapped by a live process (this one)
-        removed = _clear_stale_cpu_shm(tmp_path)
+        removed = clear_stale(tmp_path)
     assert removed == [stale] and not stale.exists() and live.exists() and other.exists()

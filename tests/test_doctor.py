@@ -25,7 +25,7 @@ def test_doctor_measures_each_source(tiny_dir, tmp_path):
 
     ws = data_workspace(tmp_path / "ws")
     r = minirl("doctor", "-w", str(ws), "--seeds", "2", "--checkpoint", str(tiny_dir),
-               "--set", f"model.id={tiny_dir}", "--set", "model.path=",
+               "--set", f"model.id={tiny_dir}", "--set", "model.path=", "--set", "rollout.max_staleness=2",
                "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}')
     assert r.returncode == 0, r.stderr[-3000:]
     reports = list((ws / "doctor").glob("doctor-*.json"))
@@ -50,10 +50,39 @@ def test_doctor_measures_each_source(tiny_dir, tmp_path):
         # first mini-batches may all have zero advantage, and no gradient)
         assert 0 <= f[f"staleness/{mode}/1"] <= f[f"staleness/{mode}/8"]
         assert f[f"staleness/{mode}/8"] > 0
-    assert len(rep["advice"]) == 5 and all("e-" in line or "%" in line or "spreads by" in line for line in rep["advice"])
+    assert len(rep["advice"]) == 6 and all("e-" in line or "%" in line or "spreads by" in line for line in rep["advice"])
     assert "advice:" in r.stdout and "staleness" in r.stdout
+    # sampling 2 ahead with no run of it yet: the controller's steady state, every token 2 steps behind,
+    # so the KL after 2 × N = 2 updates of the recipe's replay (off)
+    assert rep["staleness_mix"] == {"2": 1.0} and "steady state" in rep["staleness_source"]
+    assert f["staleness/behind"] == pytest.approx(f["staleness/off/2"])
+    assert "sampling ahead (rollout.max_staleness = 2): trained tokens 0% / 0% / 100% steps behind" in rep["advice"][-1]
 
 
 def test_doctor_refuses_zero_seeds(tmp_path):
     r = minirl("doctor", "-w", str(tmp_path), "--seeds", "0")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["minirl: error: --seeds 0: at least 1"]
+
+
+def test_the_staleness_mix_is_read_from_the_newest_run_that_sampled_ahead_at_k(tmp_path):
+    """The doctor's staleness line weighs its KL by the run's own distribution of how far behind the
+    trained tokens were: the token histograms of the newest run at this k, summed over its steps."""
+    from minirl.lab.doctor import staleness_mix
+    from minirl.setup.workspace import Workspace
+    from tests.conftest import data_workspace
+
+    ws = Workspace.open(data_workspace(tmp_path / "ws", train=8, heldout=2))
+    assert staleness_mix(ws, 2)[0] == {2: 1.0}  # no run: the controller's steady state
+
+    def run(name, rows):
+        (ws.runs / name).mkdir(parents=True)
+        (ws.runs / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    run("20261128-010000", [{"step": 1, "rollout/staleness_tokens": [30, 0, 0]},
+                            {"step": 2, "rollout/staleness_tokens": [0, 10, 0]},
+                            {"step": 3, "rollout/staleness_tokens": [0, 0, 60]}])
+    run("20261128-020000", [{"step": 1, "rollout/staleness_tokens": [5, 5]}])  # newer, but k = 1
+    run("20261128-030000", [{"step": 1, "rollout/reward_mean": 0.5}])  # newest, synchronous
+    mix, source = staleness_mix(ws, 2)
+    assert mix == {0: 0.3, 1: 0.1, 2: 0.6} and "20261128-010000" in source and "3 steps, 100 tokens" in source
+    assert staleness_mix(ws, 1)[0] == {0: 0.5, 1: 0.5}

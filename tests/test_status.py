@@ -95,12 +95,16 @@ def test_a_run_that_samples_ahead_shows_its_staleness_in_status_and_the_plot(tmp
     with (run / "metrics.jsonl").open("a") as f:
         for s in (4, 5):
             f.write(json.dumps({"step": s, "rollout/reward_mean": 0.4, "rollout/staleness_mean": 2.0,
-                                "rollout/staleness_max": 2, "rollout/batches_ahead": 2}) + "\n")
+                                "rollout/staleness_max": 2, "rollout/batches_ahead": 2,
+                                "timing/engine_idle_frac": 0.25, "timing/trainer_idle_frac": 0.03,
+                                "rollout/preempted": 3, "rollout/regenerated": 2}) + "\n")
     out = shown()
-    assert "stale" in out and "ahead" in out and "2.00" in out
+    assert "stale" in out and "ahead" in out and "2.00" in out and "25%" in out and "3%" in out
+    assert "preempted 6 request(s)" in out and "4 R3 sample(s) drawn again" in out
     titles = []
     set_title = matplotlib.axes.Axes.set_title
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
                         lambda self, t, *a, **k: (titles.append(t), set_title(self, t, *a, **k))[1])
     plots.plot_metrics(run / "metrics.jsonl", tmp_path / "m.png")
-    assert (tmp_path / "m.png").stat().st_size > 0 and titles[-1] == plots.STALENESS[1] and len(titles) == 7
+    assert (tmp_path / "m.png").stat().st_size > 0 and titles[-2:] == [plots.STALENESS[1], plots.IDLE[1]]
+    assert len(titles) == 8

@@ -13,7 +13,11 @@ one fixed batch of rollouts (the recipe's B prompts × G responses, drawn with f
                 the trainer; KL(μ‖π) without and with R3 (vLLM's routes replayed in the trainer)
     staleness   KL(π_θ‖π_θold) after 1, 2, 4 and 8 mini-batch updates of the recipe's loss,
                 without replay, with R2 and with R3 (estimated on the batch as
-                mean_t [r·log r − (r − 1)], r = π_θ/π_θold, tokens drawn from μ ≈ π_θold)
+                mean_t [r·log r − (r − 1)], r = π_θ/π_θold, tokens drawn from μ ≈ π_θold);
+                sampling ahead (rollout.max_staleness = k ≥ 1): the same KL over the distribution
+                of how many updates behind the trained tokens were, read from the newest run that
+                sampled ahead at this k (`rollout/staleness_tokens`), else the controller's
+                steady state (every token k steps behind); a step counted as N mini-batch updates
 
 KL(μ‖π) is estimated with k3 (`objective.train_inference_kl_k3`): unbiased like the run's k1
 (mean of log μ − log π, the paper's) and far less noisy at these sizes; k1 is kept in the JSON
@@ -33,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic
+from minirl import atomic, store
 from minirl import engine_sizing as sizing
 from minirl.train import objective
 from minirl.train.batch import build_batch
@@ -47,6 +51,38 @@ from minirl.rollout import make_engine
 from minirl.train.trainer import Trainer
 
 STALENESS_UPDATES = (1, 2, 4, 8)
+
+
+def staleness_mix(ws, k: int) -> tuple[dict[int, float], str]:
+    """The share of trained tokens by steps behind the trained weights at rollout.max_staleness = k,
+    and where it comes from: the newest run of the workspace that sampled ahead at k (its rows'
+    token histograms, summed), else the controller's steady state once the engine is ahead."""
+    for run in ws.runs_newest_first():
+        hists = [r["rollout/staleness_tokens"] for r in store.metric_rows(run / store.METRICS)
+                 if len(r.get("rollout/staleness_tokens") or ()) == k + 1]
+        total = [sum(col) for col in zip(*hists)]
+        if sum(total):
+            return ({lag: c / sum(total) for lag, c in enumerate(total) if c},
+                    f"run {run.name}: {len(hists)} steps, {sum(total)} tokens")
+    return {k: 1.0}, "no run sampled ahead at this k yet: the controller's steady state, every token k steps behind"
+
+
+def kl_behind(fig: dict, mode: str, mix: dict[int, float], updates_per_step: int) -> float:
+    """KL(π_θ‖π_θold) a token's lag adds, averaged over `mix` (steps behind → share): the KL after
+    j = lag × N updates, linear between the measured j (0 at 0) and beyond 8 along the last segment.
+
+    >>> fig = {f"staleness/off/{j}": 0.1 * j for j in (1, 2, 4, 8)}
+    >>> round(kl_behind(fig, "off", {0: 0.5, 3: 0.5}, 1), 3), round(kl_behind(fig, "off", {2: 1.0}, 8), 3)
+    (0.15, 1.6)
+    """
+    xs = (0, *STALENESS_UPDATES)
+    ys = (0.0, *(fig[f"staleness/{mode}/{j}"] for j in STALENESS_UPDATES))
+
+    def at(j: float) -> float:
+        i = next((i for i in range(1, len(xs)) if j <= xs[i]), len(xs) - 1)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (j - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    return sum(share * at(lag * updates_per_step) for lag, share in mix.items())
 
 
 def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
@@ -78,6 +114,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     levels = tuple((p, engines["bf16" if p == "fp8-weights" else p], holds[p]) for p in NAMES)
     B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
     pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
+    k = rec.rollout.max_staleness
+    mix, mix_source = staleness_mix(ws, k) if k else ({0: 1.0}, "")
     per_seed = []
     for seed in range(seeds):
         progress(f"seed {seed + 1}/{seeds}")
@@ -146,6 +184,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
                 if j in STALENESS_UPDATES:
                     now, _, _ = trainer.logprobs(b, routes=replay)
                     fig[f"staleness/{mode}/{j}"] = _kl_from_old(now, old, batch.mask_BT)
+        if k:
+            fig["staleness/behind"] = kl_behind(fig, rec.train.replay if moe else "off", mix, rec.train.minibatches)
         trainer.model.load_state_dict(start)
         trainer.optim.state.clear()
         per_seed.append(fig)
@@ -154,7 +194,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     return {"checkpoint": str(folder), "seeds": seeds, "batch": f"{B} prompts × {G} responses",
             "moe": moe, "rollout_precision": r.precision, "minibatches": rec.train.minibatches,
             "replay": rec.train.replay, "is_mode": rec.loss.is_mode, "figures": summary, "per_seed": per_seed,
-            "advice": advice(summary, moe=moe, rec=rec)}
+            "max_staleness": k, "staleness_mix": mix, "staleness_source": mix_source,
+            "advice": advice(summary, moe=moe, rec=rec, mix=mix, mix_source=mix_source)}
 
 
 def per_response(mu_BT: torch.Tensor, pi_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
@@ -213,8 +254,9 @@ def _aggregate(per_seed: list[dict]) -> dict:
     return out
 
 
-def advice(f: dict, *, moe: bool, rec) -> list[str]:
-    """The paper's rules, each with the figure that triggered it."""
+def advice(f: dict, *, moe: bool, rec, mix: dict[int, float] | None = None, mix_source: str = "") -> list[str]:
+    """The paper's rules, each with the figure that triggered it; with rollout.max_staleness ≥ 1, the
+    staleness of `mix` (steps behind → share of tokens, from `mix_source`)."""
     m = lambda k: f[k]["mean"]  # noqa: E731
     out = []
     p = rec.rollout.precision
@@ -256,6 +298,16 @@ def advice(f: dict, *, moe: bool, rec) -> list[str]:
     else:
         out.append(f"staleness after 8 mini-batch updates: KL(π_θ‖π_θold) {m('staleness/off/8'):.2e} "
                    f"(after 1: {m('staleness/off/1'):.2e}); dense model: no routing to replay.")
+    if "staleness/behind" in f:
+        k, N, gap = rec.rollout.max_staleness, rec.train.minibatches, m(f"kl/{p}")
+        behind, shares = m("staleness/behind"), " / ".join(f"{(mix or {}).get(lag, 0.0):.0%}" for lag in range(k + 1))
+        verdict = (f"{behind / max(gap, 1e-30):.1f}× the precision gap KL(μ‖π) {gap:.2e} at {p}: the IS weight (capped at "
+                   f"C = {rec.loss.tis_cap:g}) and clipping must absorb it; lower k if loss/is_weight_max and the "
+                   "guard's KL climb" if behind > gap else
+                   f"under the precision gap KL(μ‖π) {gap:.2e} at {p}: sampling ahead costs less than the precision does")
+        out.append(f"sampling ahead (rollout.max_staleness = {k}): trained tokens {shares} steps behind (0…{k}; "
+                   f"{mix_source}); at N = {N} update(s) a step the policy moves KL(π_θ‖π_θold) ≈ {behind:.2e} between "
+                   f"the weights that sampled a token and θ_old, {verdict}.")
     return out
 
 

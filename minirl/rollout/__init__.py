@@ -3,6 +3,7 @@
     engine.py    the engine's contract (`Engine`, `Completion`) and its in-process build;
                  `make_engine` here is the one factory every caller uses
     vllm.py      the vLLM engine (CPU and CUDA arguments from one function, `engine_args`)
+    steps.py     around vLLM's engine steps: a callback between two of them, the requests preempted
     lifetime.py  in-process engines share the process's parallel groups: the last one alive tears them down
     controller.py  bounded staleness: which step's batch may be sampled now, in what order batches
                  are trained, the bound every trained token keeps (`rollout.max_staleness`)
@@ -12,7 +13,9 @@
     broadcast.py the same across processes: a gloo group of their own (not wired into a run yet)
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
-    cpu/         CPU-only pieces inside the engine: weights, norms, log-probs, routes
+    stream.py    an engine that keeps stepping across calls (`rollout.inflight_updates`): batches of
+                 several steps sampled together, syncs loaded between two forward steps
+    cpu/         CPU-only pieces inside the engine: weights, norms, log-probs, routes; stale shm segments
 
 The loop asks for a step's batch (`next`), hands over the trainer after an update (`sync`), and
 borrows the engine for scoring and evaluation (`score`, `generate`). Whether the engine runs in
@@ -25,6 +28,7 @@ import setup, eval, run, publish, lab or cli.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,6 +82,9 @@ class Rollouts:
         self._tp = rollout.tensor_parallel
         self._control = Controller(self._k, step=0)
         self._taken: Ticket | None = None  # the batch of the step under way
+        # k ≥ 1, since the last metrics row: (its time, the engine's busy seconds then), the trainer's wait
+        self._since: tuple[float, float] | None = None
+        self._waited = 0.0
 
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
@@ -108,12 +115,16 @@ class Rollouts:
 
     def next(self, step: int) -> tuple[list, list[list[Completion]]]:
         """This step's problems and their G completions each (this rank's share of both)."""
+        if self._k and self._since is None:
+            self._since = (time.perf_counter(), self._engine.busy_s)
         if self._control.head() is None:  # nothing ahead: a new run, k = 0, after a rollback
             self._admit()
         head = self._control.head()
         if not head.done:  # k ≥ 1: under way in the engine's process
             asked, handle = head.handle
+            t0 = time.perf_counter()
             answer = self._engine.result(handle)
+            self._waited += time.perf_counter() - t0
             self._control.finish(head, (asked, answer), tokens=_by_version(answer, head.admitted))
         self._taken = ticket = self._control.take(step)
         while self._k and self._control.may_admit():  # what the bound allows, sampled while this step trains
@@ -124,17 +135,33 @@ class Rollouts:
         return mine(asked, self._tp), mine(answer, self._tp)
 
     def metrics(self) -> dict:
-        """The staleness of the step's batch and what is ahead (k ≥ 1; none at k = 0, which is
-        always 0 stale): updates behind the trained weights, mean and max over its tokens."""
-        if not self._k or self._taken is None:
+        """The step's batch: requests preempted (the KV cache ran short) and, with R3, samples drawn
+        again because of it (only when there were any). k ≥ 1 (at k = 0 every token is 0 stale):
+        updates behind the trained weights, mean and max over its tokens and their histogram; the
+        batches admitted ahead; since the last row, the shares of the wall time the engine had
+        nothing to do and the trainer waited on it."""
+        if self._taken is None:
             return {}
+        comps = [c for g in self._taken.handle[1] for c in g]
+        out = {}
+        if (preempted := sum(c.preempted for c in comps)) or any(c.regenerated for c in comps):
+            out |= {"rollout/preempted": preempted, "rollout/regenerated": sum(c.regenerated for c in comps)}
+        if not self._k:
+            return out
         lags = self._taken.staleness()  # updates behind → tokens
         n = sum(lags.values())
-        return {"rollout/staleness_mean": sum(lag * c for lag, c in lags.items()) / n if n else 0.0,
-                "rollout/staleness_max": max(lags),
-                "rollout/staleness_tokens": [lags.get(lag, 0) for lag in range(self._k + 1)],  # histogram 0…k
-                "rollout/batches_ahead": len(self._control),
-                "timing/engine_busy_s": round(self._engine.busy_s, 4)}
+        now, busy = time.perf_counter(), self._engine.busy_s
+        (then, busy_then), waited = self._since or (now, busy), self._waited
+        wall = max(now - then, 1e-9)
+        self._since, self._waited = (now, busy), 0.0
+        return out | {"rollout/staleness_mean": sum(lag * c for lag, c in lags.items()) / n if n else 0.0,
+                      "rollout/staleness_max": max(lags),
+                      "rollout/staleness_tokens": [lags.get(lag, 0) for lag in range(self._k + 1)],  # histogram 0…k
+                      "rollout/batches_ahead": len(self._control),
+                      "timing/engine_busy_s": round(busy, 4),
+                      # an engine's call is counted when it is answered: one row may count a call begun before it
+                      "timing/engine_idle_frac": round(max(0.0, 1 - (busy - busy_then) / wall), 4),
+                      "timing/trainer_idle_frac": round(min(1.0, waited / wall), 4)}
 
     def sync(self, trainer) -> None:
         """The trainer's weights into the engine, in place (sync.py); k ≥ 1: queued behind the

@@ -42,6 +42,9 @@ class Completion:
     # [L] the policy version whose weights sampled each token (a CPU engine counts the syncs it was
     # told of; with rollout.inflight_updates a batch's tokens may span several), else None
     versions: tuple[int, ...] | None = None
+    preempted: int = 0  # times the scheduler preempted the request that sampled it (its KV cache recomputed)
+    # R3: draws of this sample thrown away because a preemption recomputed their routes (rollout/vllm.py)
+    regenerated: int = 0
 
 
 @runtime_checkable

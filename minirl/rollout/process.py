@@ -12,6 +12,10 @@ the call, copying and prepacking from it (bound once per slot: rollout/cpu/weigh
 trainer's parameters may change right after; a slot is written again only once the engine has
 read it. Engines that do not write their own tensors are sent copies (sync.py `queue`).
 
+With `rollout.inflight_updates` the engine keeps stepping across calls (stream.py): the batches
+of several steps are sampled together, each `generate` joining the requests in flight, and a sync
+is loaded between two forward steps as soon as it comes.
+
 Cores are split: the trainer keeps the first half of this process's cores, the engine takes the
 rest, each with one intra-op thread per core (two OpenMP pools spinning on the same cores cost
 more than either gains).
@@ -63,11 +67,17 @@ def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess"
     return engine
 
 
+# calls that bring weights and their version: loaded as they come, between two forward steps of the
+# requests in flight (snapshot slots, or copies: sync.py `queue`)
+WEIGHTS = ("bind_slot", "sync_slot", "load_weights", "set_version")
+
+
 def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
-    """The engine's process: build the engine, then answer calls until told to stop. Calls run one
-    at a time, in the order sent, but for the weights: with `rollout.inflight_updates` a sync that
-    arrives while a batch is sampled is loaded between two of its forward steps (the requests in
-    flight go on, their next tokens sampled by the new version), and every answer names its call."""
+    """The engine's process: build the engine, then answer calls until told to stop, each answer
+    naming its call. Calls run one at a time, in the order sent, but for the weights, which are
+    loaded as they come. With `rollout.inflight_updates` the engine keeps stepping across calls
+    (stream.py): a `generate` joins the requests in flight at once, a sync is loaded between two
+    forward steps while they go on, and every other call waits until none is in flight."""
     os.sched_setaffinity(0, cores)
     try:
         engine = build(Path(model_dir), rollout, **kw)
@@ -77,9 +87,14 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     except BaseException as e:  # noqa: BLE001 - the parent raises it
         conn.send((0, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
         return
+    from minirl.rollout.stream import Stream  # deferred: it imports vLLM's CPU captures
+    from minirl.rollout.vllm import MAX_REDRAWS
+
+    stream = Stream(engine, max_redraws=MAX_REDRAWS) if rollout.inflight_updates else None
     slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
-    deferred: collections.deque = collections.deque()  # calls that came in while a batch was sampled
+    deferred: collections.deque = collections.deque()  # calls that wait for the requests in flight
     hold_after: int | None = None  # a test's pause: wait for the next call after this many forward steps
+    stepped, stepping = 0, 0.0  # forward steps since the stream began; seconds since its last answer
 
     def run(call_id: int, method: str, args: tuple, kwargs: dict) -> None:
         nonlocal hold_after
@@ -92,33 +107,43 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
                 engine.set_version(args[1])
             elif method == "hold_after":
                 hold_after, out = args[0], None
-            elif method == "generate" and rollout.inflight_updates:
-                out = engine.generate(*args, **kwargs, between_steps=between_steps)
+            elif method == "generate" and stream is not None:
+                stream.add(call_id, *args, **kwargs)  # answered when its requests have finished
+                return
             else:
                 out = getattr(engine, method)(*args, **kwargs)
             conn.send((call_id, "ok", out, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send((call_id, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
 
-    def between_steps(step: int) -> None:
-        """Between two forward steps of a batch: load the syncs that came in (and the slots they
-        name); keep every other call for after the batch."""
-        nonlocal hold_after
-        if hold_after is not None:  # a test's pause: nothing is read before it, then it waits for a call
-            if step < hold_after:
-                return
-            hold_after = None
-            deferred_or_now(conn.recv())
-        while conn.poll():
-            deferred_or_now(conn.recv())
-
-    def deferred_or_now(message) -> None:
-        if message[1] in ("bind_slot", "sync_slot"):
+    def arrived(message) -> None:
+        """A call that came in while requests are in flight: weights now, a generate now unless
+        calls wait before it, anything else after them."""
+        if message[1] in WEIGHTS or message[1] == "hold_after" or (message[1] == "generate" and not deferred):
             run(*message)
         else:
             deferred.append(message)
 
     while True:
+        if stream is not None and stream.busy:  # between two forward steps
+            if hold_after is not None and stepped >= hold_after:  # nothing is read before it, then one call
+                hold_after = None
+                arrived(conn.recv())
+            while conn.poll():
+                arrived(conn.recv())
+            t0 = time.perf_counter()
+            try:
+                done = stream.step()
+            except Exception as e:  # noqa: BLE001 - every call in flight gets it
+                for tag in stream.fail():
+                    conn.send((tag, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
+                continue
+            stepped, stepping = stepped + 1, stepping + time.perf_counter() - t0
+            for tag, groups in done:
+                conn.send((tag, "ok", groups, stepping))
+                stepping = 0.0
+            continue
+        stepped = 0
         try:
             call_id, method, args, kwargs = deferred.popleft() if deferred else conn.recv()
         except EOFError:  # the trainer's process is gone

@@ -41,11 +41,8 @@ def preemptions(llm_engine):
             seen[key] = seen.get(key, 0) + 1
         return out
 
-    scheduler.schedule = watching
-    try:
+    with _replaced(scheduler, "schedule", watching):
         yield seen
-    finally:
-        del scheduler.schedule  # the instance attribute: back to the class's own
 
 
 @contextlib.contextmanager
@@ -62,8 +59,19 @@ def between(llm_engine, between_steps: Callable[[int], None] | None):
         done[0] += 1
         return step()
 
-    llm_engine.step = stepping
+    with _replaced(llm_engine, "step", stepping):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(obj, name: str, value):
+    """`obj.name` is `value` while the block runs, then what it was (another hook's, or the class's own)."""
+    own = obj.__dict__.get(name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        del llm_engine.step  # the instance attribute: back to the class's own
+        if own is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)

