@@ -187,10 +187,13 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 @click.option("--nodes", type=int, default=None, help="Nodes for the plan (sets parallel.nodes).")
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node for the plan (sets parallel.gpus_per_node).")
 @click.option("--gpu-mem-gib", type=POSITIVE_FINITE, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
+@click.option("--rollout-gpus", type=int, default=None,
+              help="GPUs of each node that only sample, apart from the trainer's (sets parallel.rollout_gpus; "
+                   "planned by --dry-run, a run with them is not built yet).")
 def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
         rollout_precision: str | None, overrides: tuple[str, ...], resume: str | None, dry_run: bool,
         recipe_name: str | None, nodes: int | None, gpus_per_node: int | None,
-        gpu_mem_gib: float) -> None:
+        gpu_mem_gib: float, rollout_gpus: int | None) -> None:
     """Run RL in WORKSPACE (default ./minirl-ws) with its recipe.
 
     Every step: sample prompts, generate G responses each with vLLM (keeping log μ_old), grade,
@@ -206,13 +209,14 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         extra += [f"model.id={model_id}"] + ([] if model_id == TINY_ID else ["model.path="])
     for key, value in (("train.replay", replay), ("train.steps", steps), ("rollout.precision", rollout_precision),
                        ("parallel.nodes", nodes),
-                       ("parallel.gpus_per_node", gpus_per_node)):
+                       ("parallel.gpus_per_node", gpus_per_node), ("parallel.rollout_gpus", rollout_gpus)):
         if value is not None:
             extra.append(f"{key}={value}")
     if dry_run:
         report = plan_dry_run(workspace, model_id=model_id, recipe_name=recipe_name, sets=extra,
                               user_sets=list(overrides), nodes=nodes, gpus_per_node=gpus_per_node, gpu_gib=gpu_mem_gib,
-                              launch_flags=[("--model", model_id), ("--replay", replay), ("--steps", steps)])
+                              launch_flags=[("--model", model_id), ("--replay", replay), ("--steps", steps),
+                                            ("--rollout-gpus", rollout_gpus)])
         for note in report.notes:
             console.print(note, soft_wrap=True)
         print_plan(console, report.plan, recipe=report.recipe_label, resolved=report.recipe.to_toml(),

@@ -147,7 +147,8 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
                   f"{plan.micro_batch_tokens:,} tokens per GPU")
     console.print(f"  FLOPs per step: training {plan.train_flops_per_step:.3g} (π_old + update), rollout "
                   f"{plan.rollout_flops_per_step:.3g}")
-    table = Table(title="memory per GPU", box=None)
+    table = Table(title="memory per GPU" + (" (a training GPU; \"rollout GPU:\" a rollout GPU's)" if plan.rollout_gpus
+                                             else ""), box=None)
     table.add_column("component")
     table.add_column("GiB", justify="right")
     for k, v in plan.memory_gib.items():
@@ -157,9 +158,15 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
     console.print(table)
     console.print(f"  vLLM: {plan.in_flight} full-length sequences in flight per engine, "
                   f"{plan.sequences_per_engine} to sample per step; KV cache {plan.kv_sizing}")
-    console.print(f"  vLLM's start: gpu_memory_utilization {plan.engine_fraction:g} "
-                  f"({plan.engine_fraction * plan.gpu_gib:.1f} GiB of each GPU), beside the trainer's state between "
-                  f"updates: {plan.engine_start_free_gib:.1f} GiB free then, within {HEADROOM:.0%}")
+    if plan.rollout_gpus:
+        console.print(f"  vLLM's start: gpu_memory_utilization {plan.engine_fraction:g} "
+                      f"({plan.engine_fraction * plan.gpu_gib:.1f} GiB of each rollout GPU), alone on its GPU(s): "
+                      f"{plan.engine_start_free_gib:.1f} GiB within {HEADROOM:.0%}, the weight broadcast's bucket "
+                      "beside it")
+    else:
+        console.print(f"  vLLM's start: gpu_memory_utilization {plan.engine_fraction:g} "
+                      f"({plan.engine_fraction * plan.gpu_gib:.1f} GiB of each GPU), beside the trainer's state between "
+                      f"updates: {plan.engine_start_free_gib:.1f} GiB free then, within {HEADROOM:.0%}")
     parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.host_gib.items() if k != "peak")
     console.print(f"  host memory per node: {plan.host_gib_per_node:.1f} GiB at its peak ({parts} GiB)"
                   + (f"; Adam's moments cross the host link in ~{plan.offload_s_per_step:.1f} s a step "

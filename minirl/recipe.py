@@ -323,6 +323,15 @@ class ParallelConfig:
     gpus_per_node: int = number(1, 1)
     dp_shard: int = number(-1, -1)  # FSDP2 degree (-1: all ranks)
     ep: int = number(1, 1)  # expert-parallel degree
+    # GPUs of each node that only sample (rollout engines apart from the trainer, whose ranks are
+    # the node's other GPUs; weights broadcast to them at each sync); 0: every GPU trains, and
+    # samples with an engine beside the trainer. Planned by --dry-run; a run is not built yet
+    rollout_gpus: int = number(0, 0)
+
+    @property
+    def training_gpus(self) -> int:
+        """The GPUs of the whole job that train (the trainer's world size)."""
+        return self.nodes * (self.gpus_per_node - self.rollout_gpus)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -39,5 +39,15 @@ def validate(r: Recipe) -> None:
     if r.rollout.inflight_updates and not r.rollout.max_staleness:
         raise UsageError("rollout.inflight_updates = true loads a sync while the engine samples ahead of the trainer; "
                          "with rollout.max_staleness = 0 nothing is sampled ahead: set max_staleness ≥ 1 or drop it")
+    p = r.parallel
+    if p.rollout_gpus >= p.gpus_per_node:
+        raise UsageError(f"parallel.rollout_gpus = {p.rollout_gpus} leaves none of each node's {p.gpus_per_node} GPU(s) "
+                         f"to train: at most {p.gpus_per_node - 1} (or more GPUs: parallel.gpus_per_node)")
+    if p.rollout_gpus % r.rollout.tensor_parallel:
+        raise UsageError(f"parallel.rollout_gpus = {p.rollout_gpus} must hold whole engines of rollout.tensor_parallel "
+                         f"= {r.rollout.tensor_parallel} GPU(s) each")
+    if p.rollout_gpus and r.rollout.sleep_level:
+        raise UsageError(f"rollout.sleep_level = {r.rollout.sleep_level} frees the engine's memory for the trainer; on "
+                         f"rollout GPUs of its own (parallel.rollout_gpus = {p.rollout_gpus}) it has nothing to free: set 0")
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")

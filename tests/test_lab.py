@@ -177,7 +177,7 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     L = lab.Lab(ws, ws / "lab" / "x")
     before = recipes.load(ws / "minirl.toml").to_dict()
     for section, key in (("train", "lora"), ("train", "warmup_steps"), ("train", "offload"), ("rollout", "cuda_graphs"),
-                         ("rollout", "inflight_updates"),
+                         ("rollout", "inflight_updates"), ("parallel", "rollout_gpus"),
                          ("guard", "slide_window"), ("guard", "slide_z"), ("guard", "slide_drop_frac")):  # the recipe as it read before the fields existed
         del before[section][key]
     before["rollout"]["overlap"] = before["rollout"].pop("max_staleness") == 1  # #66 renamed it

@@ -448,3 +448,59 @@ def test_every_printed_advice_replans_to_its_quoted_figures(args, tmp_path):
         assert _figures(again.output) == {k: a.group(k) for k in ("train", "sync", "rollout", "n")}, a.group(0)
     if "--gpus-per-node" in args and "--nodes" not in args:
         assert "mesh: 1 node(s) × 1 GPU(s)" in first.output and "--nnodes" not in first.output
+
+
+def test_rollout_gpus_are_planned_apart_from_the_trainers_and_the_run_refuses_them(tmp_path):
+    """#66: `--rollout-gpus 2` on one node of 8 H200s: the trainer's state sharded over the other 6
+    GPUs, which hold no engine; each rollout GPU holds its engine alone (weights, working memory, a
+    KV cache within its GPU, the bucket the weights arrive in), and vLLM's start takes its own GPU.
+    The launch line starts 6 training ranks and says the flag; the dry run says the run is not
+    built yet, and `minirl run` refuses it in one line. Bad layouts: one line each."""
+    def h200(*sets):
+        rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=8", "rollout.sleep_level=0",
+                                                              *sets])
+        return make_plan(rec, KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B", gpu_gib=141)
+
+    plan, beside = h200("parallel.rollout_gpus=2", "parallel.ep=2"), h200()
+    P = plan.params
+    assert plan.fits, plan.problems
+    # on 80 GiB GPUs the trainer's state over 6 of 8 does not fit: said, naming the phase
+    assert "training needs" in plan_30b(1, 8, "parallel.rollout_gpus=2", "rollout.sleep_level=0",
+                                        "parallel.ep=2").problems[0]
+    assert plan.mesh["world"] == 6 and plan.mesh["rollout GPUs"] == 2 and plan.mesh["vLLM engines"] == 1
+    assert plan.memory_gib["fp32 weights (sharded)"] == pytest.approx(4 * P / 6 / GiB)
+    assert not any(k.startswith("vLLM") for k in plan.memory_gib)  # the training GPUs hold no engine
+    engine = {k.removeprefix("rollout GPU: "): v for k, v in plan.memory_gib.items() if k.startswith("rollout GPU: ")}
+    assert engine["vLLM weights (fp8, TP 2)"] == pytest.approx(P / 2 / GiB)
+    assert sum(engine.values()) == pytest.approx(plan.phases_gib["sampling (rollout GPUs)"])
+    assert plan.phases_gib["sampling (rollout GPUs)"] <= 0.9 * 141 + 1e-9
+    # alone on its GPU the engine holds more sequences than beside a trainer, at the same precision and TP
+    assert plan.in_flight > beside.in_flight and plan.engine_start_free_gib == pytest.approx(0.9 * 141)
+    assert plan.phases_gib["weight sync"] < beside.phases_gib["weight sync"]
+
+    def minirl(*args):
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={"PYTHONPATH": str(ROOT), "COLUMNS": "250", "HF_HUB_OFFLINE": "1",
+                                                "PATH": "/usr/bin:/bin"})
+
+    r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--gpus-per-node", "8",
+               "--rollout-gpus", "2", "--gpu-mem-gib", "141", "--set", "rollout.sleep_level=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "not start rollout GPUs apart from the trainer's yet" in r.stdout
+    assert re.search(r"launch: torchrun --nproc-per-node 6 .*--rollout-gpus 2", r.stdout)
+    assert "rollout GPU: vLLM KV cache" in r.stdout and "alone on its GPU(s)" in r.stdout
+    from tests.conftest import data_workspace
+
+    r = minirl("run", str(data_workspace(tmp_path / "ws", train=8, heldout=2)), "--gpus-per-node", "2",
+               "--rollout-gpus", "1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "minirl: error: parallel.rollout_gpus = 1: rollout GPUs apart from the trainer's are planned (`minirl run "
+        "--dry-run`) but a run with them is not built yet: set 0"]
+    for sets, says in ((["--rollout-gpus", "8"], "parallel.rollout_gpus = 8 leaves none of each node's 8 GPU(s) to "
+                                                  "train: at most 7"),
+                       (["--rollout-gpus", "3"], "parallel.rollout_gpus = 3 must hold whole engines of "
+                                                  "rollout.tensor_parallel = 2"),
+                       (["--rollout-gpus", "2", "--set", "rollout.sleep_level=2"], "rollout.sleep_level = 2 frees the "
+                                                                                   "engine's memory for the trainer")):
+        r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--gpus-per-node", "8", *sets)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr

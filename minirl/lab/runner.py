@@ -122,7 +122,7 @@ class Lab:
         for section, key, default in (("train", "lora", dataclasses.asdict(recipe_mod.LoraConfig())),
                                       ("train", "warmup_steps", 0), ("train", "offload", "none"),
                                       ("rollout", "cuda_graphs", True), ("rollout", "inflight_updates", False),
-                                      ("guard", "slide_window", 30),
+                                      ("parallel", "rollout_gpus", 0), ("guard", "slide_window", 30),
                                       ("guard", "slide_z", 4.0), ("guard", "slide_drop_frac", 0.25)):
             if resolved[section][key] == default:
                 del resolved[section][key]

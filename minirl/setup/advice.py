@@ -32,7 +32,9 @@ def _ladder(rec, plan: Plan) -> list[list[dict]]:
         micro.append({**ac, "train.micro_batch_tokens": m})
         m //= 2
     world = p.nodes * p.gpus_per_node
-    tps = [tp for tp in (2, 4, 8) if tp > r.tensor_parallel and tp <= p.gpus_per_node and world % tp == 0]
+    # an engine's GPUs: of one node, among the training ranks (colocated) or the rollout GPUs
+    per_node, ranks = (p.rollout_gpus, p.nodes * p.rollout_gpus) if p.rollout_gpus else (p.gpus_per_node, world)
+    tps = [tp for tp in (2, 4, 8) if tp > r.tensor_parallel and tp <= per_node and ranks % tp == 0]
     gpus = [(n, g) for n in (1, 2, 4, 8, 16, 32, 64) for g in (1, 2, 4, 8)
             if n * g > world and (n == 1 or g == 8) and n >= p.nodes]
     return [[{"rollout.memory_fraction": 0.0, "rollout.kv_cache_gib": 0.0}] if r.memory_fraction or r.kv_cache_gib else [],

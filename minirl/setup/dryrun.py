@@ -62,6 +62,10 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
                      + " (the recipe's mesh needs more GPUs; the launch line below sets them)")
     if resolution(rec.model.id):
         notes.append(resolution(rec.model.id))
+    if rec.parallel.rollout_gpus:  # planned, not yet run: said before the plan, not discovered at the run
+        notes.append(f"parallel.rollout_gpus = {rec.parallel.rollout_gpus}: planned below; `minirl run` does not start "
+                     "rollout GPUs apart from the trainer's yet (#66) and refuses it in one line: the launch line is "
+                     "the one it will take")
     plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)  # rec: fitted above, as plan_for would
     has_ws = (Path(workspace) / RECIPE_NAME).exists()
     args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),
@@ -69,8 +73,9 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
     init = " ".join(["minirl init WORKSPACE", f"--model {model_id or rec.model.id}",
                      *([f"--recipe {recipe_name}"] if recipe_name else [])])
     first = [] if has_ws or not (model_id or recipe_name) else [init]
-    report = DryRun(rec, label, plan, fitted, first + launch_commands(rec.parallel.nodes, rec.parallel.gpus_per_node, args),
-                    notes=notes)
+    # the trainer's ranks: every GPU but each node's rollout GPUs, which the job's engines take
+    ranks = rec.parallel.gpus_per_node - rec.parallel.rollout_gpus
+    report = DryRun(rec, label, plan, fitted, first + launch_commands(rec.parallel.nodes, ranks, args), notes=notes)
     if not plan.fits:
         for lora in (True, False):
             found = advise(base, shape, model=rec.model.id, gpu_gib=gpu_gib, lora=lora, fit=machine, keep=given)

@@ -43,7 +43,7 @@ def check(r: Recipe, platform: Platform | None = None, model: ModelShape | None 
     """With `platform` the rules of the machine the recipe runs on; with `model` what the engines can
     hold of it and what LoRA can adapt in it."""
     if platform is not None:
-        _check_platform(r.rollout, platform)
+        _check_platform(r.rollout, platform, r.parallel.rollout_gpus)
     if model is not None:
         _check_engine_sizes(r, model, platform)
         if r.train.lora.rank:
@@ -80,11 +80,14 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
                          f"cache; {given}, room for {int(have // per_sequence):,} of them")
 
 
-def _check_platform(ro: RolloutConfig, p: Platform) -> None:
+def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
     """What the machine cannot do: refused, never quietly changed."""
     if p.device != "cpu" and PRECISIONS[ro.precision].cpu_only:
         raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
                          "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
+    if rollout_gpus:
+        raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: rollout GPUs apart from the trainer's are planned "
+                         "(`minirl run --dry-run`) but a run with them is not built yet: set 0")
     k = ro.max_staleness
     if k and (p.world_size > 1 or p.device != "cpu"):
         raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process on a CPU; "

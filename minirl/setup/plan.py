@@ -33,7 +33,12 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      between updates and refuses to start without; the plan derives it (fraction 0)
                      or refuses the recipe's where it is more than is free then
 
-Rollouts and training alternate: vLLM sleeps (frees its KV cache) while the trainer runs, and the
+With rollout GPUs of their own (parallel.rollout_gpus = R per node) the trainer's W is nodes × (GPUs
+per node − R) and its GPUs hold no engine (training, then the weight sync, whose gathered buckets
+are broadcast to the engines); each engine holds its R-share alone: weights, working memory, a KV
+cache sized for the job within its GPU, and the bucket the weights arrive in.
+
+Colocated (R = 0), rollouts and training alternate: vLLM sleeps (frees its KV cache) while the trainer runs, and the
 trainer's activations are gone while vLLM samples, so the peak is the largest of the phases:
 
     training         weights + gradients + the activations, gathered layers and logits of a micro-batch
@@ -76,7 +81,7 @@ def trainer_state(rec, shape: ModelShape, *, device: str) -> tuple[dict, dict, d
     gradients, Adam's moments; and the LoRA adapters' parameter count (0: every weight trains).
     FSDP2 shards all of it over the world; with LoRA the base is frozen in the compute dtype
     ("auto": bfloat16 on a GPU, float32 on a CPU) and the adapters train in fp32."""
-    t, world, P = rec.train, rec.parallel.nodes * rec.parallel.gpus_per_node, param_count(shape)
+    t, world, P = rec.train, rec.parallel.training_gpus, param_count(shape)
     if not t.lora.rank:
         return ({"fp32 weights (sharded)": 4 * P / world}, {"fp32 gradients (sharded)": 4 * P / world},
                 {"Adam moments (sharded)": 8 * P / world}, 0)
@@ -97,7 +102,7 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
     updates (offloaded moments, engines asleep at level 1; on a CPU the trainer's state and the
     engines). `checkpoint_bytes`: the safetensors' size, else the bf16 files Qwen3 releases are."""
     p, t, r = rec.parallel, rec.train, rec.rollout
-    world, ranks = p.nodes * p.gpus_per_node, p.gpus_per_node
+    world, ranks = p.training_gpus, p.gpus_per_node - p.rollout_gpus
     P = param_count(shape)
     file_bytes = 2 * P if checkpoint_bytes is None else checkpoint_bytes
     experts = shape.n_layers * shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim if shape.is_moe else 0
@@ -149,6 +154,7 @@ class Plan:
     host_gib: dict[str, float]  # that, by part (`host_memory`)
     offload_s_per_step: float  # the offloaded moments' trips over the host link (an estimate: HOST_LINK_BYTES_S)
     problems: list[str] = field(default_factory=list)
+    rollout_gpus: int = 0  # per node, GPUs that only sample (parallel.rollout_gpus); 0: the engines beside the trainer
 
     @property
     def fits(self) -> bool:
@@ -184,6 +190,7 @@ _REMEDY = {
     "activations (full AC)": "lower train.micro_batch_tokens",
     "logits": "lower train.micro_batch_tokens",
     "weight sync bucket": "lower rollout.sync_bucket_mib",
+    "weight broadcast bucket": "lower rollout.sync_bucket_mib",
     "vLLM working memory (estimate)": "fewer sequences a step (train.prompts_per_step × train.group_size: the sampler's rows)",
     "largest parameter gathered in fp32": "a GPU with more memory (it is gathered whole)",
     "base weights (bf16, frozen, sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
@@ -226,24 +233,62 @@ def _start_refusal(r, *, asked: float, free: float, room: float, resident: float
             "sized for the job)")
 
 
+def _rollout_gpu(r, *, vllm_w: float, working: float, job_kv: float, bucket: float, budget: float, gpu_gib: float,
+                 seq: int, kv_per_token: float) -> dict:
+    """An engine alone on rollout GPUs of its own (parallel.rollout_gpus): its weights, working
+    memory, a KV cache (sized for the job within the GPU, or the recipe's memory_fraction /
+    kv_cache_gib), and the bucket the trainer's weights arrive in at each sync (broadcast). What
+    it holds by part, its KV cache and what decided it, vLLM's gpu_memory_utilization, the
+    full-length sequences it holds at once, and what does not fit."""
+    gpu_bytes, tp = gpu_gib * GiB, r.tensor_parallel
+    room = budget - vllm_w - working - bucket  # what the KV cache may take
+    if r.kv_cache_gib > 0:
+        kv, kv_sizing = r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
+    elif r.memory_fraction > 0:
+        kv, kv_sizing = max(0.0, r.memory_fraction * gpu_bytes - vllm_w - working), "rollout.memory_fraction"
+    else:
+        kv = max(0.0, min(room, job_kv))
+        kv_sizing = "sized for the job" if job_kv <= room else "what its GPU holds"
+    engine_bytes = vllm_w + working + kv
+    fraction = r.memory_fraction or sizing.fraction(engine_bytes, gpu_bytes, limit=max(0.0, budget - bucket))
+    in_flight = int(kv * tp // (seq * kv_per_token))
+    parts = {f"vLLM weights ({r.precision}, TP {tp})": vllm_w, "vLLM working memory (estimate)": working,
+             "vLLM KV cache": kv, "weight broadcast bucket": bucket}
+    problems = []
+    if fraction * gpu_bytes > budget - bucket:
+        key = "rollout.kv_cache_gib" if r.kv_cache_gib > 0 else "rollout.memory_fraction"
+        problems.append(f"vLLM's start on a rollout GPU: {key} gives the engine {fraction * gpu_bytes / GiB:.1f} GiB, and "
+                        f"{max(0.0, budget - bucket) / GiB:.1f} GiB are left beside the weight broadcast's bucket within "
+                        f"{HEADROOM:.0%} of {gpu_gib:g} GiB: lower it, or 0 (the plan's: sized for the job)")
+    elif in_flight < 1:
+        problems.append(f"rollouts: on a rollout GPU, vLLM's weights and working memory ({(vllm_w + working) / GiB:.1f} "
+                        f"GiB) leave no KV cache for one {seq}-token sequence; "
+                        f"{_largest({k: v for k, v in parts.items() if k != 'vLLM KV cache'}, r)}")
+    return {"parts": parts, "kv": kv, "kv_sizing": kv_sizing, "fraction": fraction, "in_flight": in_flight,
+            "problems": problems}
+
+
 def fit_mesh(rec, shape: ModelShape, keep=frozenset()) -> dict[str, int]:
     """The recipe's expert parallelism and rollout tensor parallelism, each lowered to the largest
     degree the machine in its [parallel] section has room for (a recipe written for two nodes of 8
     planned on one GPU), as `--set` keys and values; empty when the recipe's mesh fits as it is.
     Keys in `keep` (what the user set with --set) are never lowered: a run would refuse them."""
-    p, world = rec.parallel, rec.parallel.nodes * rec.parallel.gpus_per_node
+    p, world = rec.parallel, rec.parallel.training_gpus
     out = {}
     if shape.is_moe and (world % p.ep or shape.num_experts % p.ep):
         out["parallel.ep"] = max(d for d in range(1, p.ep + 1) if world % d == 0 and shape.num_experts % d == 0)
     tp = rec.rollout.tensor_parallel
-    if world % tp or tp > p.gpus_per_node:
-        out["rollout.tensor_parallel"] = max(d for d in range(1, tp + 1) if world % d == 0 and d <= p.gpus_per_node)
+    # an engine spans GPUs of one node: the training ranks' (colocated), or the rollout GPUs'
+    ranks, per_node = (p.nodes * p.rollout_gpus, p.rollout_gpus) if p.rollout_gpus else (world, p.gpus_per_node)
+    if ranks % tp or tp > per_node:
+        out["rollout.tensor_parallel"] = max(d for d in range(1, tp + 1) if ranks % d == 0 and d <= per_node)
     return {k: v for k, v in out.items() if k not in keep}
 
 
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
     p, t, r = rec.parallel, rec.train, rec.rollout
-    world = p.nodes * p.gpus_per_node
+    world = p.training_gpus  # the trainer's ranks (every GPU, unless parallel.rollout_gpus keeps some to sample)
+    split = p.rollout_gpus > 0
     dp_shard = world if p.dp_shard == -1 else p.dp_shard
     ep = p.ep if shape.is_moe else 1
     tp_vllm = r.tensor_parallel
@@ -253,7 +298,9 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
                         "parallelism is planned yet)")
     if ep > 1 and (world % ep or shape.num_experts % ep):
         problems.append(f"parallel.ep = {ep} must divide the world size {world} and the {shape.num_experts} experts")
-    if world % tp_vllm or tp_vllm > p.gpus_per_node:
+    if split and p.rollout_gpus % tp_vllm:
+        problems.append(f"rollout.tensor_parallel = {tp_vllm} must divide each node's {p.rollout_gpus} rollout GPU(s)")
+    elif not split and (world % tp_vllm or tp_vllm > p.gpus_per_node):
         problems.append(f"rollout.tensor_parallel = {tp_vllm} must divide the world size and fit in one node "
                         f"({p.gpus_per_node} GPUs)")
 
@@ -282,7 +329,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     logits = (chunk * shape.vocab_size * (2 + 3 * 4) if chunk else
               micro * shape.vocab_size * 2 * 2 + min(micro, LOGIT_CHUNK) * shape.vocab_size * 4 * 2)
     weight_bytes = PRECISIONS[r.precision].weight_bytes
-    engines = max(1, world // tp_vllm)
+    engines = max(1, (p.nodes * p.rollout_gpus if split else world) // tp_vllm)
     kv_per_token = shape.kv_bytes_per_token(2)
     weights, grads, moments, adapters = trainer_state(rec, shape, device="cuda")
     state = {**weights, **grads, **moments}
@@ -332,60 +379,77 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     working = sizing.working_bytes(shape, sizing.max_num_seqs(rec, engines))
     seqs_engine = math.ceil(sequences / engines)
     job_kv = sizing.kv_cache_bytes(shape, seqs_engine, seq, 2, block=sizing.CUDA_KV_BLOCK, tensor_parallel=tp_vllm)
-    room = budget - trainer_peak - vllm_w - working  # what the trainer leaves the KV cache
-    if r.kv_cache_gib > 0:
-        kv, kv_sizing = r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
-    elif r.memory_fraction > 0:  # vLLM's own sizing: the rest of its share once weights and working memory are in
-        kv, kv_sizing = max(0.0, r.memory_fraction * gpu_bytes - vllm_w - working), "rollout.memory_fraction"
+    if split:  # the engines on GPUs of their own: nothing of them on the trainer's, nothing else on theirs
+        del mem[next(k for k in mem if k.startswith("vLLM weights"))]
+        mem["weight sync bucket"] = bucket
+        gpu = _rollout_gpu(r, vllm_w=vllm_w, working=working, job_kv=job_kv, bucket=bucket, budget=budget,
+                           gpu_gib=gpu_gib, seq=seq, kv_per_token=kv_per_token)
+        mem.update({f"rollout GPU: {k}": v for k, v in gpu["parts"].items()})
+        kv, kv_sizing, engine_fraction, in_flight = gpu["kv"], gpu["kv_sizing"], gpu["fraction"], gpu["in_flight"]
+        start_free = budget  # the engine starts alone on its GPU(s)
+        phases = {f"training ({ac})": training_state, "weight sync": in_sync,
+                  "sampling (rollout GPUs)": sum(gpu["parts"].values())}
+        parts = {f"training ({ac})": {**state, "gathered bf16 layers": mem["gathered bf16 layers"],
+                                      f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits},
+                 "weight sync": {**kept, "weight sync bucket": bucket, "largest parameter gathered in fp32": 4 * largest}}
     else:
-        kv = max(0.0, min(room, job_kv))
-        kv_sizing = "sized for the job" if job_kv <= room else "what the trainer leaves"
-    mem["vLLM working memory (estimate)"] = working
-    mem["vLLM KV cache"] = kv
-    engine_bytes = vllm_w + working + kv
-    start_free = budget - resident  # free when the engine starts: the trainer's weights (and moments) are in
-    if r.memory_fraction > 0:
-        engine_fraction = r.memory_fraction
-    else:  # what the engine needs, rounded up to vLLM's thousandths, never past what is free then
-        engine_fraction = sizing.fraction(engine_bytes, gpu_bytes, limit=max(0.0, min(start_free, budget - trainer_peak)))
-    asked = engine_fraction * gpu_bytes
-    training = training_state + (engine_bytes if awake else 0.0)
-    if r.sleep_level == 1:
-        mem["host memory: vLLM weights asleep"] = vllm_w
-    mem["weight sync bucket"] = bucket
-    in_flight = int(kv * tp_vllm // (seq * kv_per_token))
-    # an engine that never sleeps keeps its KV cache through the sync too
-    sync = in_sync + vllm_w + working + (kv if awake else 0.0)
-    phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + engine_bytes}
-    # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
-    # setting that shrinks it (`_REMEDY`)
-    engine = next(k for k in mem if k.startswith("vLLM weights"))
-    vllm_parts = {engine: vllm_w, "vLLM working memory (estimate)": working}
-    parts = {
-        f"training ({ac})": {**state, "gathered bf16 layers": mem["gathered bf16 layers"],
-                             f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits,
-                             **({**vllm_parts, "vLLM KV cache": kv} if awake else {})},
-        "weight sync": {**kept, **vllm_parts, "weight sync bucket": bucket,
-                        "largest parameter gathered in fp32": 4 * largest, **({"vLLM KV cache": kv} if awake else {})},
-        "rollout": {**kept, **vllm_parts},
-    }
+        room = budget - trainer_peak - vllm_w - working  # what the trainer leaves the KV cache
+        if r.kv_cache_gib > 0:
+            kv, kv_sizing = r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
+        elif r.memory_fraction > 0:  # vLLM's own sizing: the rest of its share once weights and working memory are in
+            kv, kv_sizing = max(0.0, r.memory_fraction * gpu_bytes - vllm_w - working), "rollout.memory_fraction"
+        else:
+            kv = max(0.0, min(room, job_kv))
+            kv_sizing = "sized for the job" if job_kv <= room else "what the trainer leaves"
+        mem["vLLM working memory (estimate)"] = working
+        mem["vLLM KV cache"] = kv
+        engine_bytes = vllm_w + working + kv
+        start_free = budget - resident  # free when the engine starts: the trainer's weights (and moments) are in
+        if r.memory_fraction > 0:
+            engine_fraction = r.memory_fraction
+        else:  # what the engine needs, rounded up to vLLM's thousandths, never past what is free then
+            engine_fraction = sizing.fraction(engine_bytes, gpu_bytes, limit=max(0.0, min(start_free, budget - trainer_peak)))
+        asked = engine_fraction * gpu_bytes
+        training = training_state + (engine_bytes if awake else 0.0)
+        if r.sleep_level == 1:
+            mem["host memory: vLLM weights asleep"] = vllm_w
+        mem["weight sync bucket"] = bucket
+        in_flight = int(kv * tp_vllm // (seq * kv_per_token))
+        # an engine that never sleeps keeps its KV cache through the sync too
+        sync = in_sync + vllm_w + working + (kv if awake else 0.0)
+        phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + engine_bytes}
+        # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
+        # setting that shrinks it (`_REMEDY`)
+        engine = next(k for k in mem if k.startswith("vLLM weights"))
+        vllm_parts = {engine: vllm_w, "vLLM working memory (estimate)": working}
+        parts = {
+            f"training ({ac})": {**state, "gathered bf16 layers": mem["gathered bf16 layers"],
+                                 f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits,
+                                 **({**vllm_parts, "vLLM KV cache": kv} if awake else {})},
+            "weight sync": {**kept, **vllm_parts, "weight sync bucket": bucket,
+                            "largest parameter gathered in fp32": 4 * largest, **({"vLLM KV cache": kv} if awake else {})},
+            "rollout": {**kept, **vllm_parts},
+        }
     # every phase that overflows, at once (a fix for one must not reveal the next only on the next try)
     overflows = [f"{phase.split(' (')[0]} needs {phases[phase] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
                  f"{gpu_gib:g} GiB; {_largest(parts[phase], r, offloaded=moments if offloaded else None)}"
                  for phase in (f"training ({ac})", "weight sync") if phases[phase] > budget]
-    limit = min(start_free, budget - trainer_peak)  # the most the engine may take
-    if asked > limit >= vllm_w + working and (r.memory_fraction > 0 or r.kv_cache_gib > 0):
-        overflows.append(_start_refusal(r, asked=asked, free=start_free, room=budget - trainer_peak, resident=resident,
-                                        gpu_gib=gpu_gib, awake=awake, fixed=vllm_w + working))
-    elif in_flight < 1 and r.memory_fraction > 0 and r.kv_cache_gib <= 0 and limit - vllm_w - working >= seq * kv_per_token / tp_vllm:
-        overflows.append(f"rollouts: rollout.memory_fraction = {r.memory_fraction:g} gives the engine {asked / GiB:.1f} GiB, "
-                         f"and its weights and working memory take {(vllm_w + working) / GiB:.1f} GiB of it, leaving no KV "
-                         f"cache for one {seq}-token sequence: raise it (at most {int(limit / gpu_bytes * 1000) / 1000:g}), "
-                         "or 0 (the plan's: what the trainer leaves, sized for the job)")
-    elif in_flight < 1 or asked > limit:
-        overflows.append(f"rollouts: after the trainer's state between updates, vLLM's weights and its working memory "
-                         f"({(resident + vllm_w + working) / GiB:.1f} GiB) no KV cache is left for one {seq}-token "
-                         f"sequence; {_largest(parts['rollout'], r)}")
+    if split:
+        overflows += gpu["problems"]
+    else:
+        limit = min(start_free, budget - trainer_peak)  # the most the engine may take
+        if asked > limit >= vllm_w + working and (r.memory_fraction > 0 or r.kv_cache_gib > 0):
+            overflows.append(_start_refusal(r, asked=asked, free=start_free, room=budget - trainer_peak, resident=resident,
+                                            gpu_gib=gpu_gib, awake=awake, fixed=vllm_w + working))
+        elif in_flight < 1 and r.memory_fraction > 0 and r.kv_cache_gib <= 0 and limit - vllm_w - working >= seq * kv_per_token / tp_vllm:
+            overflows.append(f"rollouts: rollout.memory_fraction = {r.memory_fraction:g} gives the engine {asked / GiB:.1f} GiB, "
+                             f"and its weights and working memory take {(vllm_w + working) / GiB:.1f} GiB of it, leaving no KV "
+                             f"cache for one {seq}-token sequence: raise it (at most {int(limit / gpu_bytes * 1000) / 1000:g}), "
+                             "or 0 (the plan's: what the trainer leaves, sized for the job)")
+        elif in_flight < 1 or asked > limit:
+            overflows.append(f"rollouts: after the trainer's state between updates, vLLM's weights and its working memory "
+                             f"({(resident + vllm_w + working) / GiB:.1f} GiB) no KV cache is left for one {seq}-token "
+                             f"sequence; {_largest(parts['rollout'], r)}")
     problems = overflows + problems
     # Adam's moments cross the host link twice an update (to the GPU for the step, back after it)
     n_updates = t.minibatches
@@ -403,14 +467,15 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
 
     return Plan(
         model=model, shape=shape, nodes=p.nodes, gpus_per_node=p.gpus_per_node, gpu_gib=gpu_gib,
-        mesh={"world": world, "dp_shard (FSDP2)": dp_shard, "ep": ep, "vLLM tp": tp_vllm, "vLLM engines": engines},
+        mesh={"world": world, "dp_shard (FSDP2)": dp_shard, "ep": ep, "vLLM tp": tp_vllm, "vLLM engines": engines,
+              **({"rollout GPUs": p.nodes * p.rollout_gpus} if split else {})},
         params=P, active=A, adapters=adapters, tokens_per_step=tokens, micro_batch_tokens=micro,
         train_flops_per_step=float(train_flops), rollout_flops_per_step=float(rollout_flops),
         memory_gib={k: v / GiB for k, v in mem.items()}, phases_gib={k: v / GiB for k, v in phases.items()},
         in_flight=in_flight, engine_fraction=engine_fraction, engine_start_free_gib=start_free / GiB, kv_sizing=kv_sizing,
         sequences_per_engine=seqs_engine,
         host_gib_per_node=host_per_node / GiB, host_gib={k: v / GiB for k, v in host.items()},
-        offload_s_per_step=offload_s, problems=problems,
+        offload_s_per_step=offload_s, problems=problems, rollout_gpus=p.rollout_gpus,
     )
 
 
