@@ -126,11 +126,15 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
 
     while True:
         if stream is not None and stream.busy:  # between two forward steps
-            if hold_after is not None and stepped >= hold_after:  # nothing is read before it, then one call
-                hold_after = None
-                arrived(conn.recv())
-            while conn.poll():
-                arrived(conn.recv())
+            try:
+                if hold_after is None:
+                    while conn.poll():
+                        arrived(conn.recv())
+                elif stepped >= hold_after:  # a test's pause: nothing is read before it, then one call
+                    hold_after = None
+                    arrived(conn.recv())
+            except EOFError:  # the trainer's process is gone
+                return
             t0 = time.perf_counter()
             try:
                 done = stream.step()
