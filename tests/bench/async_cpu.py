@@ -89,7 +89,7 @@ def main() -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     ws = Path(tmp) / "ws"
                     shutil.copytree(src, ws, ignore=shutil.ignore_patterns("runs", "evals", "doctor", "lab"))
-                    results[k].append(_run(ws, *k, seed, a.wall))
+                    results[k].append(_run(ws, k[0], seed, a.wall, inflight=k[1]))
                 r = results[k][-1]
                 print(f"  {task} seed {seed} k={_label(k)}: {r['steps']} steps, {r['steps_per_s']:.2f}/s, held-out "
                       f"{r['start']:.3f} → {r['heldout']:.3f}", flush=True)
