@@ -162,8 +162,8 @@ class RolloutConfig:
     # k: how many updates the weights that sample a step's batch may be behind the weights it
     # trains (rollout/controller.py, docs/async.md). 0: synchronous. k ≥ 1: the engine, in a
     # process of its own, samples up to k steps ahead while the trainer trains (1: the next step's
-    # batch while this one trains). One process on CPU, 2+ cores: the trainer takes half of them,
-    # the engine the rest
+    # batch while this one trains). One trainer process: on a CPU (2+ cores) the trainer takes half
+    # of them, the engine the rest; on one GPU the engine shares it, awake (sleep_level 0)
     max_staleness: int = number(0, 0)
     # k ≥ 1: the engine keeps stepping across calls: an admitted batch joins the requests in flight
     # at once (the batches of several steps sampled together), and a sync is loaded between two

@@ -232,23 +232,29 @@ def _pairs(groups):
 
 @pytest.mark.slow
 def test_k2_with_inflight_updates_through_the_cli_keeps_the_bound_token_by_token(tiny_dir, tmp_path):
-    """k = 2 with syncs loaded mid-batch: each row's histogram of token staleness adds up to the
-    batch's tokens, and no token is more than 2 updates behind."""
+    """k = 2 with the engine stepping across calls and syncs loaded mid-batch: each row's histogram
+    of token staleness adds up to the batch's tokens, and no token is more than 2 updates behind;
+    a SIGKILL as step 4 begins (the engine's process with calls in flight ends with it) and a
+    resume: every step trained once, one row each, the bound held after the restart."""
     from tests.conftest import data_workspace
 
     ws = data_workspace(tmp_path / "ws")
     shutil.copytree(tiny_dir, ws / "model/coldstart")
     args = ["--set", "rollout.max_staleness=2", "--set", "rollout.inflight_updates=true", "--set",
-            "train.prompts_per_step=8", "--set", "train.group_size=4", "--set", "eval.k=1"]
-    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "4", *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+            "train.prompts_per_step=8", "--set", "train.group_size=4", "--set", "eval.k=1", "--set", "checkpoint.every=2"]
+    run = [sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "6", *args]
+    r = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "MINIRL_INJECT_KILL": "0@4"})
+    assert r.returncode == -9, r.stderr[-3000:]
+    r = subprocess.run([*run, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(next((ws / "runs").iterdir()))
-    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
     for m in rows:
         hist = m["rollout/staleness_tokens"]
         assert len(hist) == 3 and sum(hist) == round(m["rollout/resp_len"] * 8 * 4)
         assert m["rollout/staleness_max"] <= 2 and hist[m["rollout/staleness_max"]] > 0
+    assert rows[2]["rollout/staleness_max"] == 0  # resumed after step 2: nothing ahead, the restored weights
 
 
 def test_two_processes_move_the_weights_by_broadcast(tiny_dir, tmp_path):

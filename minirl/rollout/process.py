@@ -20,8 +20,9 @@ Cores are split: the trainer keeps the first half of this process's cores, the e
 rest, each with one intra-op thread per core (two OpenMP pools spinning on the same cores cost
 more than either gains).
 
-One process, CPU only: under torchrun every rank would need an engine of its own on cores of
-its own, and on CUDA the two processes would share one GPU; neither is built.
+One trainer process: under torchrun every rank would need an engine of its own, not built. On a
+GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the weights
+reach it as copies passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU.
 """
 
 from __future__ import annotations

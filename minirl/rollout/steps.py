@@ -1,15 +1,12 @@
-"""What minirl does around vLLM's engine steps, on CPU and CUDA alike: run a callback between two
-forward steps (an engine in its own process loads a sync there: process.py), see which requests
-the scheduler preempts (their KV cache dropped when it ran short, then recomputed), and read
-vLLM's request ids. Both hooks need vLLM's engine core in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vllm.py sets it).
+"""Around vLLM's engine steps, on CPU and CUDA alike: which requests the scheduler preempts (their
+KV cache dropped when it ran short, then recomputed), and vLLM's request ids. The hook needs vLLM's
+engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vllm.py sets it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable
 
 # Runner request ids: "<child index>_<external id>-<8 random chars>" for n > 1, else "<external id>-<8>".
 _REQ_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$")
@@ -43,24 +40,6 @@ def preemptions(llm_engine):
 
     with _replaced(scheduler, "schedule", watching):
         yield seen
-
-
-@contextlib.contextmanager
-def between(llm_engine, between_steps: Callable[[int], None] | None):
-    """`between_steps(steps done)` before each of `llm_engine`'s steps while the block runs (the
-    offline `LLM.generate` steps the engine until its requests finish)."""
-    if between_steps is None:
-        yield
-        return
-    step, done = llm_engine.step, [0]
-
-    def stepping():
-        between_steps(done[0])
-        done[0] += 1
-        return step()
-
-    with _replaced(llm_engine, "step", stepping):
-        yield
 
 
 @contextlib.contextmanager

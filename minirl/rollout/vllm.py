@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,18 +223,15 @@ class VLLMEngine:
         temperature: float,
         max_tokens: int,
         seed: int | None = None,
-        between_steps: Callable[[int], None] | None = None,
     ) -> list[list[Completion]]:
         """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order.
-        `between_steps(steps done)` runs before each forward step (an engine in its own process
-        loads a sync that came in there: rollout/process.py).
 
         A request the scheduler preempted (the KV cache ran short) was recomputed by another
         forward; its tokens and their log μ are still those of the forwards that sampled them, but
         with R3 the routes of its recomputed positions need not be: such a sample is drawn again,
         as a request of its own, until one keeps its routes (`Completion.regenerated` counts the
         draws thrown away, `Completion.preempted` the preemptions of the one kept)."""
-        kw = dict(temperature=temperature, max_tokens=max_tokens, between_steps=between_steps)
+        kw = dict(temperature=temperature, max_tokens=max_tokens)
         result, preempted = self._sample(prompts, n=n, seed=seed, **kw)
         lost = sorted(preempted) if self.capture_routes else []
         for c, times in preempted.items():
@@ -255,8 +252,7 @@ class VLLMEngine:
         return result
 
     def _sample(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_tokens: int,
-                seed: int | None, between_steps: Callable[[int], None] | None,
-                ) -> tuple[list[list[Completion]], dict[tuple[int, int], int]]:
+                seed: int | None) -> tuple[list[list[Completion]], dict[tuple[int, int], int]]:
         """One vLLM call: [len(prompts)][n] Completions, and {(prompt, completion): times preempted}
         for the requests the scheduler preempted (with R3, their routes are left empty)."""
         self.wake()
@@ -267,8 +263,7 @@ class VLLMEngine:
         if self.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.start)
         try:
-            with seeded_sampling(seed, stream=self.stream), steps.between(self._llm.llm_engine, between_steps), \
-                    steps.preemptions(self._llm.llm_engine) as preempted:
+            with seeded_sampling(seed, stream=self.stream), steps.preemptions(self._llm.llm_engine) as preempted:
                 outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         except BaseException:
             # cut short mid-forward (a second Ctrl-C), the captures are torn: drop them, so what

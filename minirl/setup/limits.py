@@ -89,10 +89,16 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
         raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: rollout GPUs apart from the trainer's are planned "
                          "(`minirl run --dry-run`) but a run with them is not built yet: set 0")
     k = ro.max_staleness
-    if k and (p.world_size > 1 or p.device != "cpu"):
-        raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process on a CPU; "
-                         "rollout ranks beside training ranks are not built yet: set rollout.max_staleness = 0 "
-                         "under torchrun or on GPUs")
+    if k and p.world_size > 1:
+        raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process; under "
+                         "torchrun every rank would need an engine process of its own, not built yet: set "
+                         "rollout.max_staleness = 0 under torchrun")
+    if k and p.device != "cpu" and ro.sleep_level:
+        raise UsageError(f"rollout.max_staleness = {k}: the engine samples on the trainer's GPU while it trains, so it "
+                         f"cannot sleep (rollout.sleep_level = {ro.sleep_level}): set rollout.sleep_level = 0")
+    if ro.inflight_updates and p.device != "cpu":
+        raise UsageError("rollout.inflight_updates = true: each token's policy version comes from the CPU engine's "
+                         "log-prob capture, not built on GPUs yet: set it false (syncs between two batches)")
     if k and p.cores < 2:
         raise UsageError(f"rollout.max_staleness = {k} needs at least 2 cores for a trainer and an engine; this "
                          f"process has {p.cores}: set rollout.max_staleness = 0")

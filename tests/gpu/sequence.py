@@ -62,6 +62,9 @@ STEPS = [
     Step("moe-r3", "(b) `minirl run --replay r3` on the 0.76B MoE (random weights: responses run to the cap), "
          "10 steps of 32 prompts x 8 x 1,024 tokens, the 30B recipe's rollout settings (FP8, sleep 2, "
          "the plan's engine share): whole-loop tokens/s, phases, memory vs plan", 330),
+    Step("default-k1", "(#66) the embedded default with rollout.max_staleness = 1: the engine in a process of its "
+         "own on the trainer's GPU, awake, sampling the next batch while the trainer trains; weights by CUDA IPC "
+         "copies: steps/s against default-bf16's, staleness rows, held-out", 240, carry=(".gpu", ".gpu-ws")),
     Step("moe-r3-eager", "(b, #63) the same with CUDA graphs off: decode tokens/s both ways", 330),
     Step("moe-r3-offload", "(b) the same with train.offload = \"optimizer\"", 330),
     Step("moe-r3-lora", "(b) the same with LoRA rank 16", 330),
@@ -195,10 +198,12 @@ def _one_run(out: Path, name: str, args: list[str], timeout: int) -> dict:
     return {"seconds": round(time.time() - t0, 1), **_run_figures(run, _gpu_gib())}
 
 
-def default_run(out: Path, precision: str) -> dict:
+def default_run(out: Path, precision: str, *, name: str | None = None, sets: tuple[str, ...] = ()) -> dict:
     """(a): the embedded default workspace `minirl init` made on the CPU, run as shipped on the GPU,
-    the engine asleep during each update (level 2, as the GPU recipes) and woken by the sync."""
-    ws = SCRATCH / f"ws-default-{precision}"
+    the engine asleep during each update (level 2, as the GPU recipes) and woken by the sync; with
+    `sets`, run so instead (k = 1: the engine awake in a process of its own)."""
+    name = name or f"default-{precision}"
+    ws = SCRATCH / f"ws-{name}"
     shutil.rmtree(ws, ignore_errors=True)
     if WORKSPACE.is_dir():
         shutil.copytree(WORKSPACE, ws, ignore=shutil.ignore_patterns("runs", "evals"))
@@ -216,7 +221,8 @@ def default_run(out: Path, precision: str) -> dict:
     args = ["run", str(ws), "--rollout-precision", precision]
     args += (["--steps", "3", "--set", "eval.max_problems=16", "--set", "rollout.sleep_level=0"] if DRY
              else ["--set", "rollout.sleep_level=2"])
-    figures = _one_run(out, f"default-{precision}", args, timeout=200 if DRY else 420)
+    args += [x for kv in sets for x in ("--set", kv)]  # after the defaults above: they win
+    figures = _one_run(out, name, args, timeout=200 if DRY else 420)
     reference = WORKSPACE / "cpu-reference.json"  # the same workspace's run on the CPU that made it (prepare.sh)
     return {**figures, "cpu_reference": json.loads(reference.read_text()) if reference.exists() else None}
 
@@ -305,6 +311,8 @@ def importlib_missing(name: str) -> bool:
 
 
 RUNNERS = {"default-bf16": lambda out: default_run(out, "bf16"), "default-fp8": lambda out: default_run(out, "fp8"),
+           "default-k1": lambda out: default_run(out, "bf16", name="default-k1",
+                                                 sets=("rollout.max_staleness=1", "rollout.sleep_level=0")),
            **{v: (lambda out, v=v: moe_run(out, v)) for v in VARIANTS}, "trl-peer": trl_peer}
 
 
