@@ -504,3 +504,24 @@ def test_rollout_gpus_are_planned_apart_from_the_trainers_and_the_run_refuses_th
                                                                                    "engine's memory for the trainer")):
         r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--gpus-per-node", "8", *sets)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+
+
+def test_sampling_ahead_plans_the_weights_queued_for_the_engines_process():
+    """#66: k ≥ 1 beside the trainer on one GPU, the engine awake: every sync waiting behind the
+    engine's batch is a copy of the weights in its dtype (CUDA IPC), up to k of them, in the
+    training and the weight-sync phases; on a CPU, k snapshots of the fp32 weights in the host's
+    shared memory. A refusal names them and what shrinks them."""
+    from minirl.setup.plan import _REMEDY, host_memory
+
+    shape = KNOWN_SHAPES["Qwen3-0.6B"]
+    plans = {k: make_plan(recipes.load(None, ["rollout.sleep_level=0", f"rollout.max_staleness={k}"]), shape,
+                          model="Qwen3-0.6B") for k in (0, 2)}
+    P, row = param_count(shape), "weight copies queued for the engine (k ≥ 1)"
+    assert row not in plans[0].memory_gib and plans[2].memory_gib[row] == pytest.approx(2 * 2 * P / GiB)
+    for phase in ("training (no AC)", "weight sync"):
+        assert plans[2].phases_gib[phase] - plans[0].phases_gib[phase] == pytest.approx(4 * P / GiB)
+    assert _REMEDY[row] == "lower rollout.max_staleness"
+    cpu = {k: host_memory(recipes.load(None, [f"rollout.max_staleness={k}"]), shape, device="cpu") for k in (0, 2)}
+    assert cpu[2]["weight snapshots for the engine's process (k ≥ 1)"] == 2 * 4 * P
+    assert "weight snapshots for the engine's process (k ≥ 1)" not in cpu[0]
+    assert cpu[2]["peak"] - cpu[0]["peak"] == pytest.approx(8 * P)

@@ -118,6 +118,9 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
         parts["trainer (weights, gradients, Adam)"] = ranks * (weights + rest)
         parts["vLLM engines (weights, KV cache)"] = ranks * (wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(
             shape, seqs, sizing.max_model_len(rec), wbytes))
+        # k ≥ 1: the engine's process reads each sync from one of k snapshots of the fp32 weights
+        # in shared memory (rollout/process.py `queue_weights`)
+        parts["weight snapshots for the engine's process (k ≥ 1)"] = r.max_staleness * 4 * P
     else:
         parts["Adam moments offloaded"] = ranks * moments if t.offload == "optimizer" else 0.0
         parts["vLLM weights asleep"] = ranks * P * PRECISIONS[r.precision].weight_bytes / r.tensor_parallel \
@@ -191,6 +194,7 @@ _REMEDY = {
     "logits": "lower train.micro_batch_tokens",
     "weight sync bucket": "lower rollout.sync_bucket_mib",
     "weight broadcast bucket": "lower rollout.sync_bucket_mib",
+    "weight copies queued for the engine (k ≥ 1)": "lower rollout.max_staleness",
     "vLLM working memory (estimate)": "fewer sequences a step (train.prompts_per_step × train.group_size: the sampler's rows)",
     "largest parameter gathered in fp32": "a GPU with more memory (it is gathered whole)",
     "base weights (bf16, frozen, sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
@@ -366,6 +370,13 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
     layer_bytes = full_layer * min(weight_bytes * 2, 4)
     bucket = max(min(r.sync_bucket_mib * 2**20, P * weight_bytes), layer_bytes)
     in_sync = resident + bucket + 4 * largest
+    # k ≥ 1 beside the trainer (one process, the engine awake on its GPU): a sync queued behind the
+    # engine's batch is a copy of the weights in its dtype, alive until the engine loads it (CUDA
+    # IPC, rollout/sync.py `queue`), through the training step and the next sync: up to k of them
+    queued = r.max_staleness * P * (4 if r.precision == "fp32" else 2) if r.max_staleness and not split else 0.0
+    copies = {"weight copies queued for the engine (k ≥ 1)": queued} if queued else {}
+    mem.update(copies)
+    training_state, in_sync = training_state + queued, in_sync + queued
     # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
     # while the trainer works; at 0 both stay, and the engine gets what the trainer's larger phase
     # (training, or the sync) leaves. The engine (engine_sizing.py) is its weights, its working memory
@@ -424,9 +435,9 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         vllm_parts = {engine: vllm_w, "vLLM working memory (estimate)": working}
         parts = {
             f"training ({ac})": {**state, "gathered bf16 layers": mem["gathered bf16 layers"],
-                                 f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits,
+                                 f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits, **copies,
                                  **({**vllm_parts, "vLLM KV cache": kv} if awake else {})},
-            "weight sync": {**kept, **vllm_parts, "weight sync bucket": bucket,
+            "weight sync": {**kept, **vllm_parts, "weight sync bucket": bucket, **copies,
                             "largest parameter gathered in fp32": 4 * largest, **({"vLLM KV cache": kv} if awake else {})},
             "rollout": {**kept, **vllm_parts},
         }
