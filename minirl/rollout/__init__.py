@@ -13,8 +13,8 @@
     broadcast.py the same across processes: a gloo group of their own (not wired into a run yet)
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
-    stream.py    an engine that keeps stepping across calls (`rollout.inflight_updates`): batches of
-                 several steps sampled together, syncs loaded between two forward steps
+    stream.py    an engine's calls as requests in flight (`generate` is a stream of one call); with
+                 `rollout.inflight_updates` the engine's process keeps stepping across calls
     cpu/         CPU-only pieces inside the engine: weights, norms, log-probs, routes; stale shm segments
 
 The loop asks for a step's batch (`next`), hands over the trainer after an update (`sync`), and

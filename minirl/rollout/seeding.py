@@ -46,16 +46,10 @@ def seeded_sampling(seed: int | None, *, stream: int = 0):
     numpy_state = np.random.get_state()
     try:
         with torch.random.fork_rng(devices=devices):
-            seed_generators(seed, stream=stream)
+            s = call_seed(seed, stream=stream)
+            torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
+            # vLLM's CUDA runner gives each unseeded request a seed from NumPy's global generator
+            np.random.seed(s % 2**32)
             yield
     finally:
         np.random.set_state(numpy_state)
-
-
-def seed_generators(seed: int, *, stream: int = 0) -> None:
-    """Seed the process's generators for one call, for good (no state given back: an engine's own
-    process, where nothing else draws from them)."""
-    s = call_seed(seed, stream=stream)
-    torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
-    # vLLM's CUDA runner gives each unseeded request a seed from NumPy's global generator
-    np.random.seed(s % 2**32)

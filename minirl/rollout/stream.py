@@ -9,10 +9,12 @@ forward step and returns the calls whose requests have all finished, their compl
 the captures (log μ, versions, R3 routes: rollout/cpu/) while the others go on. A request the
 scheduler preempted keeps its tokens and log μ but, with R3, not its routes: that sample is asked
 again as a request of its own, and its call waits for it (`Completion.regenerated`). A call's
-seed seeds the engine's generators when it comes to an idle engine: alone, a call repeats; beside
-others, its noise depends on theirs (with in-flight updates a run does not repeat exactly anyway).
+seed seeds the process's generators when it comes to an idle engine, and they get their state back
+when it is idle again: alone, a call repeats; beside others, its noise depends on theirs (with
+in-flight updates a run does not repeat exactly anyway).
 
-Runs in the engine's process (process.py), around the `VLLMEngine` of that process (vllm.py).
+`VLLMEngine.generate` is a stream of one call; the engine's process (process.py) keeps one across
+calls (`rollout.inflight_updates`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ from minirl.rollout import steps
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.engine import Completion
-from minirl.rollout.seeding import seed_generators
+from minirl.rollout.seeding import seeded_sampling
 
 
 @dataclass
 class _Call:
     prompts: list[list[int]]
-    groups: list[list[Completion | None]]  # [prompt][completion], filled as requests finish
-    left: int  # completions not yet kept
+    n: int
     params: dict  # temperature, max_tokens
+    waiting: int = 0  # its requests in flight
+    finished: list = field(default_factory=list)  # (vLLM's output, prompt, completion or all n) of those done
     redrawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (prompt, completion) → draws thrown away
 
 
@@ -54,46 +57,53 @@ class Stream:
         """Call `tag`'s n samples of each prompt, into the engine at once (between two forward steps)."""
         if not self._calls:
             self._begin(seed)
-        call = _Call([list(p) for p in prompts], [[None] * n for _ in prompts], len(prompts) * n,
-                     dict(temperature=temperature, max_tokens=max_tokens))
-        self._calls[tag] = call
+        self._calls[tag] = _Call([list(p) for p in prompts], n, dict(temperature=temperature, max_tokens=max_tokens))
         for i in range(len(prompts)):
             self._ask(tag, i, None, n)
 
     def step(self) -> list[tuple[int, list[list[Completion]]]]:
-        """One forward step of every request in flight; the calls it completed, with their completions."""
+        """One forward step of every request in flight; the calls it completed, with their completions
+        (cut from the captures once a call's requests have all finished)."""
         finished = [o for o in self._llm.llm_engine.step() if o.finished]
-        if not finished:
-            return []
-        ids = [o.request_id for o in finished]
-        routes = self._llm.collective_rpc(cpu_routes.take, args=(ids,))[0] if self._cpu_routes else {}
-        logps, stamps = self._llm.collective_rpc(cpu_logprobs.take, args=(ids,))[0] \
-            if self.engine.capture_logprobs else ({}, {})
-        done = []
         for o in finished:
             tag, i, j = self._owner.pop(o.request_id)
             call = self._calls[tag]
-            for c in o.outputs:
-                slot = c.index if j is None else j
-                times = self._preempted.pop((o.request_id, c.index), 0)
-                lost = bool(times) and self.engine.capture_routes
-                got = self.engine.completion(call.prompts[i], o.request_id, c, logps, stamps, routes, preempted=lost)
-                if lost:  # its routes were recomputed: asked again
+            call.waiting -= 1
+            call.finished.append((o, i, j))
+            if not self.engine.capture_routes:
+                continue
+            for c in o.outputs:  # a preempted sample's routes were recomputed: asked again at once
+                if (o.request_id, c.index) in self._preempted:
+                    slot = c.index if j is None else j
                     call.redrawn[(i, slot)] = call.redrawn.get((i, slot), 0) + 1
                     if call.redrawn[(i, slot)] > self.max_redraws:
                         raise RuntimeError(f"an R3 sample preempted {self.max_redraws + 1} times in a row: the "
                                            "engine's KV cache cannot hold what it is asked to sample "
                                            "(rollout.kv_cache_gib, rollout.memory_fraction)")
                     self._ask(tag, i, slot, 1)
-                    continue
-                call.groups[i][slot] = dataclasses.replace(got, preempted=times,
-                                                           regenerated=call.redrawn.get((i, slot), 0))
-                call.left -= 1
-            if not call.left:
-                done.append((tag, self._calls.pop(tag).groups))
+        done = [(tag, self._complete(tag)) for tag in [t for t, call in self._calls.items() if not call.waiting]]
         if not self._calls:
             self._end()
         return done
+
+    def _complete(self, tag: int) -> list[list[Completion]]:
+        """A call whose requests have all finished: its completions, [prompt][n], from vLLM's outputs
+        and what the captures hold for them (taken out of them)."""
+        call = self._calls.pop(tag)
+        ids = [o.request_id for o, _, _ in call.finished]
+        routes = self._llm.collective_rpc(cpu_routes.take, args=(ids,))[0] if self._cpu_routes else {}
+        logps, stamps = self._llm.collective_rpc(cpu_logprobs.take, args=(ids,))[0] \
+            if self.engine.capture_logprobs else ({}, {})
+        groups: list[list[Completion | None]] = [[None] * call.n for _ in call.prompts]
+        for o, i, j in call.finished:
+            for c in o.outputs:
+                times = self._preempted.pop((o.request_id, c.index), 0)
+                if times and self.engine.capture_routes:
+                    continue  # drawn again
+                slot = c.index if j is None else j
+                got = self.engine.completion(call.prompts[i], o.request_id, c, logps, stamps, routes)
+                groups[i][slot] = dataclasses.replace(got, preempted=times, regenerated=call.redrawn.get((i, slot), 0))
+        return groups
 
     def fail(self) -> list[int]:
         """Drop every call in flight (an error in a step): their requests aborted, the captures
@@ -120,13 +130,15 @@ class Stream:
         call = self._calls[tag]
         rid = f"{tag}.{i}" if slot is None else f"{tag}.{i}.{slot}.{call.redrawn[(i, slot)]}"
         self._owner[rid] = (tag, i, slot)
+        call.waiting += 1
         self._llm.llm_engine.add_request(rid, {"prompt_token_ids": call.prompts[i]},
                                          self.engine.sampling(n=n, **call.params))
 
     def _begin(self, seed: int | None) -> None:
         self.engine.wake()
-        if seed is not None:
-            seed_generators(seed, stream=self.engine.stream)
+        # the process's generators seeded for the calls in flight, given back their state when none is
+        # (an engine in the trainer's process: the trainer's draws are not disturbed)
+        self._open.enter_context(seeded_sampling(seed, stream=self.engine.stream))
         if self._cpu_routes:
             self._llm.collective_rpc(cpu_routes.start)
         if self.engine.capture_logprobs:

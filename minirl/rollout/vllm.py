@@ -49,8 +49,7 @@ from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.cpu import shm as cpu_shm
 from minirl.rollout.cpu import weights as cpu_weights
-from minirl.rollout import steps
-from minirl.rollout.seeding import seeded_sampling
+from minirl.rollout.stream import Stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +89,6 @@ CPU_WORKAROUNDS = {
                      "(rollout/cpu/norms.py): a faster rollout, closer to the fp32 trainer",
 }
 MAX_REDRAWS = 8  # an R3 sample preempted this many times more in a row: the KV cache cannot hold the job
-REDRAW_SEED = 1_000_003  # a redraw's call seed: the call's + this × attempt (seeding.py hashes it)
 
 # Outside engine_args, one more: vLLM's reload skips the CPU MoE kernel's prepack (`_repack_cpu_experts`).
 
@@ -231,58 +229,18 @@ class VLLMEngine:
         with R3 the routes of its recomputed positions need not be: such a sample is drawn again,
         as a request of its own, until one keeps its routes (`Completion.regenerated` counts the
         draws thrown away, `Completion.preempted` the preemptions of the one kept)."""
-        kw = dict(temperature=temperature, max_tokens=max_tokens)
-        result, preempted = self._sample(prompts, n=n, seed=seed, **kw)
-        lost = sorted(preempted) if self.capture_routes else []
-        for c, times in preempted.items():
-            result[c[0]][c[1]] = dataclasses.replace(result[c[0]][c[1]], preempted=times)
-        for attempt in range(1, MAX_REDRAWS + 1):
-            if not lost:
-                break
-            again, still = self._sample([prompts[i] for i, _ in lost], n=1, **kw,
-                                        seed=None if seed is None else seed + REDRAW_SEED * attempt)
-            for at, (i, j) in enumerate(lost):
-                result[i][j] = dataclasses.replace(again[at][0], preempted=still.get((at, 0), 0),
-                                                   regenerated=result[i][j].regenerated + 1)
-            lost = [lost[at] for at, _ in sorted(still)]
-        if lost:
-            raise RuntimeError(f"{len(lost)} R3 sample(s) preempted {MAX_REDRAWS + 1} times in a row: the engine's KV "
-                               "cache cannot hold what it is asked to sample (rollout.kv_cache_gib, "
-                               "rollout.memory_fraction)")
-        return result
-
-    def _sample(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_tokens: int,
-                seed: int | None) -> tuple[list[list[Completion]], dict[tuple[int, int], int]]:
-        """One vLLM call: [len(prompts)][n] Completions, and {(prompt, completion): times preempted}
-        for the requests the scheduler preempted (with R3, their routes are left empty)."""
-        self.wake()
-        sp = self.sampling(n=n, temperature=temperature, max_tokens=max_tokens)
-        cpu_capture = self.capture_routes and self.on_cpu
-        if cpu_capture:
-            self._llm.collective_rpc(cpu_routes.start)
-        if self.capture_logprobs:
-            self._llm.collective_rpc(cpu_logprobs.start)
+        stream = Stream(self, max_redraws=MAX_REDRAWS)  # one call: answered when its requests finish
         try:
-            with seeded_sampling(seed, stream=self.stream), steps.preemptions(self._llm.llm_engine) as preempted:
-                outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+            stream.add(0, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
+            while stream.busy:
+                if done := stream.step():
+                    return done[0][1]
         except BaseException:
             # cut short mid-forward (a second Ctrl-C), the captures are torn: drop them, so what
             # the caller sees is the interruption itself, not a capture's complaint about it
-            for on, recorder in ((cpu_capture, cpu_routes), (self.capture_logprobs, cpu_logprobs)):
-                if on:
-                    with contextlib.suppress(Exception):
-                        self._llm.collective_rpc(recorder.discard)
+            stream.fail()
             raise
-        routes = self._llm.collective_rpc(cpu_routes.stop)[0] if cpu_capture else {}
-        logps, stamps = self._llm.collective_rpc(cpu_logprobs.stop)[0] if self.capture_logprobs else ({}, {})
-        result, lost = [], {}
-        for i, (prompt, out) in enumerate(zip(prompts, outs)):
-            for c in out.outputs:
-                if times := preempted.get((out.request_id, c.index), 0):
-                    lost[(i, c.index)] = times
-            result.append([self.completion(prompt, out.request_id, c, logps, stamps, routes,
-                                           preempted=(out.request_id, c.index) in preempted) for c in out.outputs])
-        return result, lost
+        raise AssertionError("unreachable: the stream ends with its call answered")
 
     def sampling(self, *, n: int, temperature: float, max_tokens: int):
         """vLLM's `SamplingParams` for a rollout call (its final outputs only)."""
@@ -296,11 +254,10 @@ class VLLMEngine:
                               logprobs=None if self.capture_logprobs else 0, flat_logprobs=True,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def completion(self, prompt: Sequence[int], request_id: str, c, logps: dict, stamps: dict, routes: dict, *,
-                   preempted: bool) -> Completion:
+    def completion(self, prompt: Sequence[int], request_id: str, c, logps: dict, stamps: dict,
+                   routes: dict) -> Completion:
         """vLLM's `CompletionOutput` `c` of request `request_id` as a `Completion`, with the log μ,
-        versions and (R3) routes the captures hold under (request_id, c.index); a preempted
-        request's routes are left out (its sample is drawn again)."""
+        versions and (R3) routes the captures hold under (request_id, c.index)."""
         key = (request_id, c.index)
         if self.capture_logprobs:
             lps = tuple(logps.get(key, ()))
@@ -310,7 +267,7 @@ class VLLMEngine:
         else:
             lps = _sampled_logprobs(c.token_ids, c.logprobs)
         r = None
-        if self.capture_routes and not preempted:
+        if self.capture_routes:
             r = routes.get(key) if self.on_cpu else routes_from_vllm(c.routed_experts, self.moe_layers)
             want = len(prompt) + len(c.token_ids) - 1
             if r is None or r.shape[0] < want:
