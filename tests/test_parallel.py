@@ -20,7 +20,7 @@ def two_ranks(tmp_path, *args: str) -> dict:
     """tests/dist_worker.py on 2 gloo ranks; what rank 0 saved."""
     out = tmp_path / "out.pt"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                        "--standalone",  # a port the OS picks as torchrun binds it: none to race for
                         str(ROOT / "tests" / "dist_worker.py"), *args, "--out", str(out)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -156,7 +156,7 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
             "--set", "rollout.parity_every=1", "--set", "rollout.precision=fp32"]
     env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                        "--standalone",  # a port the OS picks as torchrun binds it: none to race for
                         "-m", "cli.main", *args, "--set", "parallel.ep=2", "--steps", "3", "--resume", "auto"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**env, "MINIRL_INJECT_KILL": "1@3"})
     assert r.returncode == 0, r.stderr[-4000:]

@@ -142,10 +142,12 @@ class Rollouts:
         nothing to do and the trainer waited on it."""
         if self._taken is None:
             return {}
-        comps = [c for g in self._taken.handle[1] for c in g]
-        out = {}
-        if (preempted := sum(c.preempted for c in comps)) or any(c.regenerated for c in comps):
-            out |= {"rollout/preempted": preempted, "rollout/regenerated": sum(c.regenerated for c in comps)}
+        comps = [c for g in self._taken.handle[1] for c in g]  # this rank's rollout group's
+        counts = {"rollout/preempted": sum(c.preempted for c in comps),
+                  "rollout/regenerated": sum(c.regenerated for c in comps)}
+        if self._world.size > 1:  # every engine's: summed over ranks, each group counted once
+            counts = {k: v // self._tp for k, v in self._world.mean(counts, sums=tuple(counts)).items()}
+        out = counts if any(counts.values()) else {}
         if not self._k:
             return out
         lags = self._taken.staleness()  # updates behind → tokens
