@@ -46,7 +46,7 @@ class Stream:
         self._llm = engine._llm
         self._calls: dict[int, _Call] = {}
         self._owner: dict[str, tuple[int, int, int | None]] = {}  # request id → (call, prompt, completion or all n)
-        self._open = contextlib.ExitStack()  # while busy: the preemption watch
+        self._open = contextlib.ExitStack()  # while busy: the seeded generators, the preemption watch
         self._preempted: dict[tuple[str, int], int] = {}
 
     @property
