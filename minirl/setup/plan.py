@@ -237,6 +237,17 @@ def _start_refusal(r, *, asked: float, free: float, room: float, resident: float
             "sized for the job)")
 
 
+def _kv_cache(r, *, room: float, job_kv: float, fixed: float, gpu_bytes: float, short: str) -> tuple[float, str]:
+    """An engine's KV cache and what decided it: rollout.kv_cache_gib; vLLM's own sizing from
+    rollout.memory_fraction (the rest of its share once its weights and working memory, `fixed`,
+    are in); else sized for the job (`job_kv`) within `room`, or `room` where the job needs more."""
+    if r.kv_cache_gib > 0:
+        return r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
+    if r.memory_fraction > 0:
+        return max(0.0, r.memory_fraction * gpu_bytes - fixed), "rollout.memory_fraction"
+    return max(0.0, min(room, job_kv)), "sized for the job" if job_kv <= room else short
+
+
 def _rollout_gpu(r, *, vllm_w: float, working: float, job_kv: float, bucket: float, budget: float, gpu_gib: float,
                  seq: int, kv_per_token: float) -> dict:
     """An engine alone on rollout GPUs of its own (parallel.rollout_gpus): its weights, working
@@ -245,14 +256,8 @@ def _rollout_gpu(r, *, vllm_w: float, working: float, job_kv: float, bucket: flo
     it holds by part, its KV cache and what decided it, vLLM's gpu_memory_utilization, the
     full-length sequences it holds at once, and what does not fit."""
     gpu_bytes, tp = gpu_gib * GiB, r.tensor_parallel
-    room = budget - vllm_w - working - bucket  # what the KV cache may take
-    if r.kv_cache_gib > 0:
-        kv, kv_sizing = r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
-    elif r.memory_fraction > 0:
-        kv, kv_sizing = max(0.0, r.memory_fraction * gpu_bytes - vllm_w - working), "rollout.memory_fraction"
-    else:
-        kv = max(0.0, min(room, job_kv))
-        kv_sizing = "sized for the job" if job_kv <= room else "what its GPU holds"
+    kv, kv_sizing = _kv_cache(r, room=budget - vllm_w - working - bucket, job_kv=job_kv, fixed=vllm_w + working,
+                              gpu_bytes=gpu_bytes, short="what its GPU holds")
     engine_bytes = vllm_w + working + kv
     fraction = r.memory_fraction or sizing.fraction(engine_bytes, gpu_bytes, limit=max(0.0, budget - bucket))
     in_flight = int(kv * tp // (seq * kv_per_token))
@@ -404,14 +409,8 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
                                       f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits},
                  "weight sync": {**kept, "weight sync bucket": bucket, "largest parameter gathered in fp32": 4 * largest}}
     else:
-        room = budget - trainer_peak - vllm_w - working  # what the trainer leaves the KV cache
-        if r.kv_cache_gib > 0:
-            kv, kv_sizing = r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
-        elif r.memory_fraction > 0:  # vLLM's own sizing: the rest of its share once weights and working memory are in
-            kv, kv_sizing = max(0.0, r.memory_fraction * gpu_bytes - vllm_w - working), "rollout.memory_fraction"
-        else:
-            kv = max(0.0, min(room, job_kv))
-            kv_sizing = "sized for the job" if job_kv <= room else "what the trainer leaves"
+        kv, kv_sizing = _kv_cache(r, room=budget - trainer_peak - vllm_w - working, job_kv=job_kv,
+                                  fixed=vllm_w + working, gpu_bytes=gpu_bytes, short="what the trainer leaves")
         mem["vLLM working memory (estimate)"] = working
         mem["vLLM KV cache"] = kv
         engine_bytes = vllm_w + working + kv
