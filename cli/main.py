@@ -188,8 +188,8 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node for the plan (sets parallel.gpus_per_node).")
 @click.option("--gpu-mem-gib", type=POSITIVE_FINITE, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
 @click.option("--rollout-gpus", type=int, default=None,
-              help="GPUs of each node that only sample, apart from the trainer's (sets parallel.rollout_gpus; "
-                   "planned by --dry-run, a run with them is not built yet).")
+              help="GPUs of each node that only sample, apart from the trainer's (sets parallel.rollout_gpus): "
+                   "launch one rank per training GPU; rank 0 starts the engines on the GPUs after them (one node).")
 def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
         rollout_precision: str | None, overrides: tuple[str, ...], resume: str | None, dry_run: bool,
         recipe_name: str | None, nodes: int | None, gpus_per_node: int | None,
@@ -224,6 +224,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if not report.fits:
             raise UsageError(report.refused)
         return
+    if rollout_gpus and gpus_per_node is None:  # the job's node: its training ranks and the rollout GPUs after them
+        extra.append(f"parallel.gpus_per_node={int(os.environ.get('LOCAL_WORLD_SIZE', '1')) + rollout_gpus}")
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's
     if resolution(rec.model.id):

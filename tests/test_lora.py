@@ -280,19 +280,11 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
 
     from safetensors.torch import load_file
 
-    from tests.conftest import ROOT, data_workspace
+    from tests.conftest import ROOT, data_workspace, last_digit_rewards
 
     ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
     shutil.copytree(tiny_dir, ws / "model" / "coldstart")
-    # a reward the random model earns now and then (the answer's last digit is its last digit), so
-    # that the advantages, and with them the adapters' updates, are not all zero
-    for split in ("train", "heldout"):
-        f = ws / "data" / f"{split}.jsonl"
-        f.write_text("".join(json.dumps({**row, "answer": row["answer"][-1]}) + "\n"
-                             for row in map(json.loads, f.read_text().splitlines())))
-    recipe_file = ws / "minirl.toml"
-    recipe_file.write_text(recipe_file.read_text().replace('grader = "arith"',
-                                                           'grader = "regex"\nparams = { pattern = "([0-9])" }'))
+    last_digit_rewards(ws)  # the adapters' updates are not all zero
     sets = ["train.lora.rank=4", "train.lora.alpha=16", "train.lr=3e-3", "train.replay=r3", "train.prompts_per_step=4",
             "train.group_size=4", "eval.k=1", "eval.every=0", "checkpoint.every=2", "train.warmup_steps=3"]
 

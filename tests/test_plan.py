@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minirl import recipes
+from minirl.errors import UsageError
 from minirl.models import KNOWN_SHAPES, param_count
 from minirl.models import active_params
 from minirl.setup.plan import GiB, fit_mesh, make_plan
@@ -450,12 +451,13 @@ def test_every_printed_advice_replans_to_its_quoted_figures(args, tmp_path):
         assert "mesh: 1 node(s) × 1 GPU(s)" in first.output and "--nnodes" not in first.output
 
 
-def test_rollout_gpus_are_planned_apart_from_the_trainers_and_the_run_refuses_them(tmp_path):
+def test_rollout_gpus_are_planned_apart_from_the_trainers(tmp_path):
     """#66: `--rollout-gpus 2` on one node of 8 H200s: the trainer's state sharded over the other 6
     GPUs, which hold no engine; each rollout GPU holds its engine alone (weights, working memory, a
     KV cache within its GPU, the bucket the weights arrive in), and vLLM's start takes its own GPU.
-    The launch line starts 6 training ranks and says the flag; the dry run says the run is not
-    built yet, and `minirl run` refuses it in one line. Bad layouts: one line each."""
+    The launch line starts 6 training ranks and says the flag; on two nodes the dry run says a run
+    starts rollout GPUs on one node only, and a job that cannot place them is refused in one line
+    (across nodes; more rollout GPUs than the node has left). Bad layouts: one line each."""
     def h200(*sets):
         rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), ["parallel.nodes=1", "parallel.gpus_per_node=8", "rollout.sleep_level=0",
                                                               *sets])
@@ -483,19 +485,32 @@ def test_rollout_gpus_are_planned_apart_from_the_trainers_and_the_run_refuses_th
                               timeout=300, env={"PYTHONPATH": str(ROOT), "COLUMNS": "250", "HF_HUB_OFFLINE": "1",
                                                 "PATH": "/usr/bin:/bin"})
 
+    six = ["--set", "rollout.sleep_level=0", "--set", "train.prompts_per_step=48"]  # a batch 6 training ranks split
     r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--gpus-per-node", "8",
                "--rollout-gpus", "2", "--gpu-mem-gib", "141", "--set", "rollout.sleep_level=0")
+    assert r.returncode == 2 and "train.prompts_per_step = 64 must split evenly into 1 mini-batch(es) on each of 6 " \
+        "rank(s)" in r.stderr  # the training ranks' share, as the run would refuse it
+    r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--gpus-per-node", "8",
+               "--rollout-gpus", "2", "--gpu-mem-gib", "141", *six)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "not start rollout GPUs apart from the trainer's yet" in r.stdout
+    assert "one node only" not in r.stdout
     assert re.search(r"launch: torchrun --nproc-per-node 6 .*--rollout-gpus 2", r.stdout)
     assert "rollout GPU: vLLM KV cache" in r.stdout and "alone on its GPU(s)" in r.stdout
-    from tests.conftest import data_workspace
+    r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--nodes", "2",
+               "--gpus-per-node", "8", "--rollout-gpus", "2", "--gpu-mem-gib", "141", *six)
+    assert r.returncode == 0 and "starts rollout GPUs on one node only (rank 0's)" in r.stdout, r.stderr[-2000:]
+    from minirl.setup.limits import Platform, check
 
-    r = minirl("run", str(data_workspace(tmp_path / "ws", train=8, heldout=2)), "--gpus-per-node", "2",
-               "--rollout-gpus", "1")
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "minirl: error: parallel.rollout_gpus = 1: rollout GPUs apart from the trainer's are planned (`minirl run "
-        "--dry-run`) but a run with them is not built yet: set 0"]
+    rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), ["parallel.gpus_per_node=8", "parallel.rollout_gpus=2",
+                                                          "rollout.sleep_level=0"])
+    check(rec, Platform("cuda", world_size=6, local_ranks=6, gpus=8))  # 6 training ranks, 2 engines' GPUs: placed
+    for platform, says in ((Platform("cuda", world_size=12, local_ranks=6, gpus=8), "across 2 nodes that is not built"),
+                           (Platform("cuda", world_size=7, local_ranks=7, gpus=8), "this node shows 8 GPU(s) and its 7 "
+                                                                                    "training rank(s) take 7; launch at "
+                                                                                    "most 6 rank(s)"),
+                           (Platform("cpu", cores=1), "needs at least 2 cores for rank 0 and the engines")):
+        with pytest.raises(UsageError, match=re.escape(says)):
+            check(rec, platform)
     for sets, says in ((["--rollout-gpus", "8"], "parallel.rollout_gpus = 8 leaves none of each node's 8 GPU(s) to "
                                                   "train: at most 7"),
                        (["--rollout-gpus", "3"], "parallel.rollout_gpus = 3 must hold whole engines of "

@@ -10,7 +10,9 @@
     process.py   the engine in a process of its own (`rollout.max_staleness` ≥ 1; syncs queued, or
                  loaded between two forward steps with `rollout.inflight_updates`)
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
-    broadcast.py the same across processes: a gloo group of their own (not wired into a run yet)
+    broadcast.py the same across processes: a group of their own (gloo; NCCL between GPUs)
+    remote.py    engines on rollout GPUs of their own (`parallel.rollout_gpus`), started by rank 0,
+                 which splits calls over them, gives every training rank the answers, broadcasts syncs
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
     stream.py    an engine's calls as requests in flight (`generate` is a stream of one call); with
@@ -19,8 +21,9 @@
 
 The loop asks for a step's batch (`next`), hands over the trainer after an update (`sync`), and
 borrows the engine for scoring and evaluation (`score`, `generate`). Whether the engine runs in
-this process or samples ahead in its own while the trainer trains is decided here, once, from
-the recipe: the loop never learns which.
+this process, samples ahead in its own while the trainer trains, or runs on rollout GPUs of its
+own is decided here, once, from the recipe: the loop never learns which (it asks `group_ranks`
+which ranks send the same requests).
 
 May import: the top-level modules and train (the HF names of the trainer's weights). Must not
 import setup, eval, run, publish, lab or cli.
@@ -28,6 +31,7 @@ import setup, eval, run, publish, lab or cli.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +42,7 @@ from minirl.rollout import sync as weight_sync
 from minirl.rollout.engine import Completion, Engine, build
 from minirl.rollout.controller import Controller, Ticket
 from minirl.rollout.process import start_engine_process
+from minirl.rollout.remote import RemoteEngines
 
 if TYPE_CHECKING:  # annotations only
     from minirl.data import PromptSampler
@@ -79,7 +84,10 @@ class Rollouts:
         self._engine, self._sampler, self._world, self._clock = engine, sampler, world, clock
         self._rollout, self._train = rollout, train
         self._k = rollout.max_staleness
-        self._tp = rollout.tensor_parallel
+        self._remote = isinstance(engine, RemoteEngines)  # engines on rollout GPUs of their own
+        # ranks that send one engine the same requests, each keeping its part of the answers: a
+        # tensor-parallel group beside the trainer, or every training rank (rank 0 asks remote engines)
+        self._tp = world.size if self._remote else rollout.tensor_parallel
         self._control = Controller(self._k, step=0)
         self._taken: Ticket | None = None  # the batch of the step under way
         # k ≥ 1, since the last metrics row: (its time, the engine's busy seconds then), the trainer's wait
@@ -91,14 +99,26 @@ class Rollouts:
                     clock: Stopwatch, memory_fraction: float | None = None) -> "Rollouts":
         """The engine the recipe asks for, holding the trainer's current weights. `memory_fraction`:
         its share of the GPU as the run's plan derived it (preflight), instead of the recipe's."""
+        p, tp = rec.parallel, rec.rollout.tensor_parallel
+        engines = p.rollout_gpus // tp if p.rollout_gpus else world.size // tp
         kw = dict(seed=rec.train.seed, max_model_len=sizing.max_model_len(rec), capture_routes=rec.train.replay == "r3",
-                  max_num_seqs=sizing.max_num_seqs(rec, world.size // rec.rollout.tensor_parallel))
+                  max_num_seqs=sizing.max_num_seqs(rec, engines))
         if memory_fraction is not None:
             kw["memory_fraction"] = memory_fraction
-        engine = make_engine(model_dir, rec.rollout, own_process=rec.rollout.max_staleness > 0, **kw)
+        if p.rollout_gpus:  # one node's (limits.py): the engines on the GPUs after its training ranks'
+            engine = RemoteEngines(model_dir, rec.rollout, world=world, engines=engines,
+                                   training_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), **kw)
+        else:
+            engine = make_engine(model_dir, rec.rollout, own_process=rec.rollout.max_staleness > 0, **kw)
         rollouts = cls(engine, sampler=sampler, world=world, rollout=rec.rollout, train=rec.train, clock=clock)
         rollouts.sync(trainer)  # resumed weights, or FP8-rounded ones; the same weights otherwise
         return rollouts
+
+    @property
+    def group_ranks(self) -> int:
+        """Ranks that ask for the same prompts and each keep their part (`World.group_share` /
+        `member_share`): rollout.tensor_parallel, or every training rank with rollout GPUs."""
+        return self._tp
 
     def record(self) -> dict:
         """The rollouts' part of a checkpoint's record: the prompt sampler's state after the steps
@@ -168,7 +188,10 @@ class Rollouts:
     def sync(self, trainer) -> None:
         """The trainer's weights into the engine, in place (sync.py); k ≥ 1: queued behind the
         batches sent before it, which it does not change."""
-        if self._k:
+        if self._remote:  # by broadcast to the rollout GPUs; taken by each engine behind the batches sent before
+            weight_sync.broadcast(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20,
+                                  version=self._control.trained)
+        elif self._k:
             # a slot per sync that may wait behind batches sent before it: at most k
             weight_sync.queue(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20, slots=self._k,
                               version=self._control.trained)
@@ -194,8 +217,8 @@ class Rollouts:
         return self._engine.generate(prompts, **kw)
 
     def close(self) -> None:
-        """Stop the engine's process (k ≥ 1; an in-process engine ends with this process)."""
-        if self._k:
+        """Stop the engines' processes (k ≥ 1, rollout GPUs; an in-process engine ends with this process)."""
+        if self._k or self._remote:
             self._engine.close()
 
     def _admit(self) -> None:

@@ -20,9 +20,11 @@ Cores are split: the trainer keeps the first half of this process's cores, the e
 rest, each with one intra-op thread per core (two OpenMP pools spinning on the same cores cost
 more than either gains).
 
-One trainer process: under torchrun every rank would need an engine of its own, not built. On a
-GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the weights
-reach it as copies passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU.
+Beside one trainer process (under torchrun every rank would need an engine of its own, not built),
+on a GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the
+weights reach it as copies passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU. On rollout
+GPUs of their own (remote.py) engine processes are started by the training job's rank 0 and take
+their weights by broadcast (`receive_weights`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
 from minirl.errors import UsageError
+from minirl.rollout.broadcast import WeightChannel
 from minirl.rollout.engine import build
 
 
@@ -70,7 +73,11 @@ def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess"
 
 # calls that bring weights and their version: loaded as they come, between two forward steps of the
 # requests in flight (snapshot slots, or copies: sync.py `queue`)
-WEIGHTS = ("bind_slot", "sync_slot", "load_weights", "set_version")
+WEIGHTS = ("bind_slot", "sync_slot", "load_weights", "set_version", "receive_weights")
+# what torchrun tells its ranks: an engine's process is none of them (vLLM would take it for one)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
@@ -80,8 +87,11 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     (stream.py): a `generate` joins the requests in flight at once, a sync is loaded between two
     forward steps while they go on, and every other call waits until none is in flight."""
     os.sched_setaffinity(0, cores)
+    stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)  # rollout GPUs (remote.py): which engine, where to join
+    channel = None
     try:
         engine = build(Path(model_dir), rollout, **kw)
+        engine.stream = stream_no  # its own stream of call seeds, apart from the other engines'
         conn.send((0, "ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8,
                              "weight_format": engine.weight_format,
                              "direct_sync": getattr(engine, "direct_sync", False)}, 0.0))
@@ -98,7 +108,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     stepped, stepping = 0, 0.0  # forward steps since the stream began; seconds since its last answer
 
     def run(call_id: int, method: str, args: tuple, kwargs: dict) -> None:
-        nonlocal hold_after
+        nonlocal hold_after, channel
         t0 = time.perf_counter()
         try:
             if method == "bind_slot":
@@ -106,6 +116,16 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             elif method == "sync_slot":  # (slot, the policy version it holds)
                 out = engine.load_live_weights(slots[args[0]], key=args[0])
                 engine.set_version(args[1])
+            elif method == "receive_weights":  # (the policy version, one flat buffer or buckets): remote.py
+                if channel is None:
+                    host, port, rank, size, backend = joins
+                    channel = WeightChannel.join(host, port, rank, size, backend,
+                                                 device="cuda" if torch.cuda.is_available() else "cpu")
+                if args[1]:
+                    out = engine.load_live_weights(channel.receive(), key=-1)
+                else:
+                    out = engine.load_weights(x for bucket in channel.receive_buckets() for x in bucket)
+                engine.set_version(args[0])
             elif method == "hold_after":
                 hold_after, out = args[0], None
             elif method == "generate" and stream is not None:
@@ -160,15 +180,23 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
 
 
 class EngineProcess:
-    """The recipe's engine (engine.py's `build`) built and run in a child process on `cores`. One intra-op thread per core, set before the child starts (OpenMP reads its
-    settings once, when it loads)."""
+    """The recipe's engine (engine.py's `build`) built and run in a child process on `cores`, one
+    intra-op thread per core, set before the child starts (OpenMP reads its settings once, when it
+    loads). The child is no rank of a torchrun job: torchrun's variables are not passed on."""
 
-    def __init__(self, model_dir: Path, rollout, *, cores: list[int], **kw: Any):
+    def __init__(self, model_dir: Path, rollout, *, cores: list[int], gpus: list[str] | None = None, wait: bool = True,
+                 **kw: Any):
+        """`gpus`: the devices it sees (CUDA_VISIBLE_DEVICES; rollout GPUs of its own, remote.py);
+        `wait`: return once it is built (else `ready()` waits, so several build side by side)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         env = {"OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cores)))}
-        saved = {k: os.environ.get(k) for k in env}
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        saved = {k: os.environ.get(k) for k in (*env, *TORCHRUN_ENV)}
         os.environ.update(env)  # the spawned interpreter inherits the environment as it is at start()
+        for k in TORCHRUN_ENV:
+            os.environ.pop(k, None)
         try:
             self._proc = ctx.Process(target=_serve, args=(child, str(model_dir), rollout, kw, cores), daemon=True,
                                      name="minirl-engine")
@@ -183,12 +211,18 @@ class EngineProcess:
         self.busy_s = 0.0  # the engine's seconds in calls answered so far (its idle time is the rest)
         self._sent = 0  # calls sent; each answer names its call's number
         self._pending: dict[int, list] = {0: []}  # handles of calls not yet answered, by number (0: the build)
-        info = self.result(self._pending[0])
-        self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
-        self.weight_format, self.direct_sync = info["weight_format"], info["direct_sync"]
+        self._built = self._pending[0]
         self._slots: list[dict] = []  # snapshots of the trainer's weights in shared memory (`queue_weights`)
         self._slot_reads: list[list | None] = []  # the sync that last read each slot, until answered
         self._next_slot = 0
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until the engine is built (its build's error raised here)."""
+        info = self.result(self._built)
+        self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
+        self.weight_format, self.direct_sync = info["weight_format"], info["direct_sync"]
 
     # ----- calls --------------------------------------------------------------------------------
     def submit(self, method: str, *args, **kwargs) -> list:
@@ -216,6 +250,12 @@ class EngineProcess:
         """Wait until every call sent has been answered (answers kept for their callers)."""
         while self._pending:
             self._answer()
+
+    def drain(self, timeout_s: float) -> None:
+        """Take the answers that have come (waiting up to `timeout_s` for one), kept for their callers."""
+        while self._pending and self._conn.poll(timeout_s):
+            self._answer()
+            timeout_s = 0.0
 
     def _answer(self) -> None:
         try:

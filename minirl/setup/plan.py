@@ -112,15 +112,17 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
     rest = sum(g.values()) + moments
     parts = {}
     if device == "cpu":  # every rank's trainer, and its engine (TP 1 on a CPU), in host memory
-        engines = max(1, world // r.tensor_parallel)  # a TP the job cannot hold is check_layout's to refuse
+        # a TP the job cannot hold is check_layout's to refuse; rollout "GPUs" on a CPU: engine processes
+        engines = max(1, (p.rollout_gpus or world) // r.tensor_parallel)
         seqs = sizing.max_num_seqs(rec, engines)
         wbytes = 4 if r.precision == "fp32" else 2  # the CPU engine serves FP8 as rounded bf16
         parts["trainer (weights, gradients, Adam)"] = ranks * (weights + rest)
-        parts["vLLM engines (weights, KV cache)"] = ranks * (wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(
-            shape, seqs, sizing.max_model_len(rec), wbytes))
-        # k ≥ 1: the engine's process reads each sync from one of k snapshots of the fp32 weights
-        # in shared memory (rollout/process.py `queue_weights`)
-        parts["weight snapshots for the engine's process (k ≥ 1)"] = r.max_staleness * 4 * P
+        parts["vLLM engines (weights, KV cache)"] = (p.rollout_gpus or ranks) * (
+            wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(shape, seqs, sizing.max_model_len(rec), wbytes))
+        if p.rollout_gpus:  # the fp32 weights as one broadcast buffer, the sender's and each engine's (rollout/broadcast.py)
+            parts["weight broadcast buffers"] = (1 + engines) * 4 * P
+        else:  # k ≥ 1: the engine's process reads a sync from one of k fp32 snapshots in shared memory (`queue_weights`)
+            parts["weight snapshots for the engine's process (k ≥ 1)"] = r.max_staleness * 4 * P
     else:
         parts["Adam moments offloaded"] = ranks * moments if t.offload == "optimizer" else 0.0
         parts["vLLM weights asleep"] = ranks * P * PRECISIONS[r.precision].weight_bytes / r.tensor_parallel \

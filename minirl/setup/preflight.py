@@ -118,10 +118,10 @@ def check_model_folder(folder: Path) -> ModelShape:
 
 def on_this_job(rec, platform: Platform):
     """The recipe with the [parallel] layout of the job that runs it: this node's ranks
-    (LOCAL_WORLD_SIZE, set by torchrun) and the nodes the world size makes."""
+    (LOCAL_WORLD_SIZE, set by torchrun) with its rollout GPUs, and the nodes the world size makes."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", platform.world_size))
     return recipes.with_sets(rec, {"parallel.nodes": max(1, platform.world_size // local),
-                                      "parallel.gpus_per_node": local})
+                                      "parallel.gpus_per_node": local + rec.parallel.rollout_gpus})
 
 
 def check_fits(rec, shape: ModelShape, platform: Platform, folder: Path | None = None) -> None:
@@ -173,7 +173,7 @@ def check_planned(rec, shape: ModelShape) -> None:
     checks in the same order, so both refuse with the same line."""
     limits.check(rec, None, shape)
     check_replay(rec.train.replay, shape, rec.model.id)
-    check_layout(rec, shape, rec.parallel.nodes * rec.parallel.gpus_per_node)
+    check_layout(rec, shape, rec.parallel.training_gpus)
 
 
 def check_replay(replay: str, shape: ModelShape, model_id: str) -> None:
@@ -340,7 +340,7 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
                          f"{shape.num_experts} experts (launch with torchrun --nproc-per-node N, or --set "
                          f"parallel.ep=1; a checkpoint resumes on any number of ranks)")
     tp = rec.rollout.tensor_parallel
-    if world_size % tp or (world_size == 1 and tp > 1):
+    if not p.rollout_gpus and (world_size % tp or (world_size == 1 and tp > 1)):  # rollout GPUs: the validator's
         where = ("one process runs a single-GPU engine; launch with torchrun --nproc-per-node "
                  f"{tp} (or more)" if world_size == 1 else f"it must divide the job's {world_size} ranks")
         raise UsageError(f"rollout.tensor_parallel = {tp}: each vLLM engine spans {tp} ranks of the job; {where}")

@@ -1,0 +1,179 @@
+"""Rollout engines on GPUs of their own (`parallel.rollout_gpus`; #66): the training ranks train,
+and E = rollout GPUs / rollout.tensor_parallel engine processes sample, each on its own GPUs (on a
+CPU, the last of rank 0's cores: the same code, "GPUs" being processes there).
+
+The training job's rank 0 starts the engines (process.py, one `EngineProcess` each) and is the only
+rank that talks to them: a call's prompts are split over the engines in contiguous parts, their
+answers joined in order, and the whole answer given to every training rank. The training ranks
+thus form one rollout group, each keeping its own part of what it asked (`World.member_share`).
+Weights move by broadcast from rank 0 to every engine (broadcast.py: NCCL between GPUs, gloo on
+CPUs): every training rank walks the sync's buckets (gathering FSDP / expert shards is a
+collective), rank 0 sends them; an engine receives when it gets to the sync, and loads it.
+
+A sync waits until every engine has taken it. Without `rollout.inflight_updates` an engine takes it
+after the batches sent before it, so at k ≥ 2 the trainer waits for the older batches too (k = 1
+loses nothing: the next step needs the batch sampled before the sync anyway); with it, between two
+forward steps. Answers are read while a sync is under way, so neither side waits on the other's pipe.
+
+One node: the engines are rank 0's children. Across nodes each node's rollout GPUs would need its
+own starter (not built: refused in setup/limits.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minirl.rollout.broadcast import WeightChannel
+from minirl.rollout.process import EngineProcess, split_cores
+
+
+def placements(engines: int, tp: int, training_ranks: int, cores: set[int], cuda: bool) -> tuple[list[int], list[dict]]:
+    """(the trainer's cores, each engine's `cores` and `gpus`): on CUDA an engine's GPUs are the node's
+    after the training ranks' (its visible devices, in order); its cores, rank 0's second half split
+    among the engines (shared where there are fewer cores than engines).
+
+    >>> placements(2, 1, 6, {0, 1, 2, 3, 4, 5, 6, 7}, cuda=False)
+    ([0, 1, 2, 3], [{'cores': [4, 5], 'gpus': None}, {'cores': [6, 7], 'gpus': None}])
+    >>> placements(1, 2, 6, {0, 1}, cuda=True)[1]
+    [{'cores': [1], 'gpus': ['6', '7']}]
+    """
+    mine, theirs = split_cores(cores)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(training_ranks + engines * tp)]
+    out = []
+    for e in range(engines):
+        share = theirs[e * len(theirs) // engines:(e + 1) * len(theirs) // engines] or [theirs[e % len(theirs)]]
+        gpus = devices[training_ranks + e * tp:training_ranks + (e + 1) * tp] if cuda else None
+        out.append({"cores": share, "gpus": gpus})
+    return mine, out
+
+
+class RemoteEngines:
+    """The engines of the rollout GPUs behind the engine's contract (engine.py), held by every
+    training rank; rank 0's calls reach the engines, every rank gets the answers."""
+
+    def __init__(self, model_dir: Path, rollout, *, world, engines: int, training_ranks: int, **kw: Any):
+        self._world = world
+        self._engines: list[EngineProcess] = []
+        self._channel: WeightChannel | None = None
+        info = None
+        if world.main:
+            cuda = world.device.type == "cuda"
+            self._channel = WeightChannel.host(engines + 1, backend="nccl" if cuda else "gloo", device=str(world.device))
+            host, port = self._channel.address
+            mine, places = placements(engines, rollout.tensor_parallel, training_ranks, os.sched_getaffinity(0), cuda)
+            backend = self._channel.backend
+            self._engines = [EngineProcess(model_dir, rollout, wait=False, cores=p["cores"], gpus=p["gpus"], stream=e,
+                                           channel=(host, port, e + 1, engines + 1, backend), **kw)
+                             for e, p in enumerate(places)]
+            for e in self._engines:  # built side by side; answered in order
+                e.ready()
+            os.sched_setaffinity(0, mine)
+            torch.set_num_threads(len(mine))
+            first = self._engines[0]
+            info = {"torch_dtype": first.torch_dtype, "emulate_fp8": first.emulate_fp8,
+                    "weight_format": first.weight_format, "direct_sync": first.direct_sync}
+        info = world.broadcast(info)
+        self.torch_dtype, self.emulate_fp8 = info["torch_dtype"], info["emulate_fp8"]
+        self.weight_format, self.direct_sync = info["weight_format"], info["direct_sync"]
+
+    @property
+    def busy_s(self) -> float:
+        """The engines' mean seconds in calls answered so far (rank 0's count; 0 elsewhere)."""
+        return sum(e.busy_s for e in self._engines) / len(self._engines) if self._engines else 0.0
+
+    # ----- calls --------------------------------------------------------------------------------
+    def submit(self, method: str, *args, **kwargs) -> Any:
+        """Send a call to the engines and return at once (rank 0; None elsewhere): `generate` and
+        `score` split their lists over the engines, anything else goes to each."""
+        if not self._world.main:
+            return None
+        if method not in ("generate", "score"):
+            return ("each", [e.submit(method, *args, **kwargs) for e in self._engines])
+        n, parts = len(args[0]), len(self._engines)
+        handles = []
+        for i, e in enumerate(self._engines):
+            lo, hi = i * n // parts, (i + 1) * n // parts
+            if hi > lo:
+                handles.append((e, e.submit(method, *(a[lo:hi] for a in args), **kwargs)))
+        return ("split", handles)
+
+    def result(self, handle: Any) -> Any:
+        """Every training rank: the call's answer (a split call's parts joined in order)."""
+        out = None
+        if self._world.main:
+            how, handles = handle
+            if how == "split":
+                out = [x for e, h in handles for x in e.result(h)]
+            else:
+                out = [e.result(h) for e, h in zip(self._engines, handles)][0]
+        return self._world.broadcast(out)
+
+    def call(self, method: str, *args, **kwargs):
+        return self.result(self.submit(method, *args, **kwargs))
+
+    def generate(self, prompts, **kwargs):
+        return self.call("generate", prompts, **kwargs)
+
+    def score(self, prompts, responses):
+        return self.call("score", prompts, responses)
+
+    def set_version(self, version: int) -> None:
+        self.call("set_version", version)
+
+    def settle(self) -> None:
+        """Return once every call sent has been answered (rank 0; the others have nothing under way)."""
+        for e in self._engines:
+            e.settle()
+
+    def sleep(self) -> None:  # alone on their GPUs: nothing to free for the trainer
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def queue_weights(self, views, slots: int, version: int) -> bool:  # no shared memory across GPUs
+        return False
+
+    # ----- weights ------------------------------------------------------------------------------
+    def send_weights(self, version: int, *, views: dict[str, torch.Tensor] | None = None, buckets=None) -> None:
+        """One sync from every training rank (a collective where the trainer is sharded): `views`,
+        the trainer's HF-named tensors, as one buffer an engine binds once; or `buckets`, the sync's
+        bucket stream, which every rank walks to its end (rank 0 sends it). Returns once every
+        engine has taken it; the engines' answers that come meanwhile are kept for their callers."""
+        if not self._world.main:
+            for _ in buckets if buckets is not None else ():
+                pass
+            return
+        for e in self._engines:
+            e.submit("receive_weights", version, views is not None)
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                if self._world.device.type == "cuda":  # the current device is a thread's own
+                    torch.cuda.set_device(self._world.device)
+                if views is not None:
+                    self._channel.send(views)
+                else:
+                    self._channel.send_buckets(buckets)
+            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
+                failed.append(err)
+
+        sender = threading.Thread(target=send, name="minirl-weights", daemon=True)
+        sender.start()
+        while sender.is_alive():  # an engine may answer a batch before it gets to the sync
+            for e in self._engines:
+                e.drain(timeout_s=0.01)
+            sender.join(timeout=0.0)
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        for e in self._engines:
+            e.close()
