@@ -18,7 +18,7 @@ RESPONSES = [[11, 29, 31, 14, 2], [24, 26, 7, 30]]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=Path, required=True, help="rank 0 writes the port it hosts on here; rank 1 reads it")
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
@@ -27,7 +27,12 @@ def main() -> None:
 
     from minirl.rollout.broadcast import WeightChannel
 
-    channel = WeightChannel.join("127.0.0.1", a.port, a.rank, 2)
+    if a.rank == 0:  # a port the OS picks as the store binds it, published by a rename once bound
+        channel = WeightChannel.host(2)
+        a.port.with_suffix(".tmp").write_text(str(channel.address[1]))
+        a.port.with_suffix(".tmp").rename(a.port)
+    else:
+        channel = WeightChannel.join("127.0.0.1", int(a.port.read_text()), 1, 2)
     if a.rank == 0:
         from minirl.models import TINY
         from minirl.train.batch import build_batch

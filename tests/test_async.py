@@ -262,14 +262,20 @@ def test_two_processes_move_the_weights_by_broadcast(tiny_dir, tmp_path):
     (vLLM sets one up inside the engine's), joined by a gloo group of their own: the trainer moves
     its weights and broadcasts them; the engine binds the received buffer and then scores fixed
     pairs as the trainer does (fp32), where before it scored them as the old weights did."""
-    import socket
+    import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "broadcast_worker.py"), "--rank", str(rank),
-                               "--port", str(port), "--model", str(tiny_dir), "--out", str(tmp_path / f"{rank}.json")],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    port = tmp_path / "port"
+
+    def start(rank):
+        return subprocess.Popen([sys.executable, str(ROOT / "tests" / "broadcast_worker.py"), "--rank", str(rank),
+                                 "--port", str(port), "--model", str(tiny_dir), "--out", str(tmp_path / f"{rank}.json")],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs, deadline = [start(0)], time.monotonic() + 300
+    while not port.exists():  # the trainer's store is bound (its port published by a rename)
+        assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate(timeout=5)[1][-3000:]
+        time.sleep(0.1)
+    procs.append(start(1))
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]

@@ -300,8 +300,6 @@ CASES = [
      "rollout.sleep_level = 2: vLLM's CPU backend has no sleep mode; set rollout.sleep_level = 0"),
     ("staleness-on-gpu-asleep", ["run", "{ws}", "--set", "rollout.max_staleness=1", "--set", "rollout.sleep_level=1"],
      platform(device="cuda"), "the engine samples on the trainer's GPU while it trains, so it cannot sleep"),
-    ("inflight-on-gpu", ["run", "{ws}", "--set", "rollout.max_staleness=1", "--set", "rollout.inflight_updates=true"],
-     platform(device="cuda"), "rollout.inflight_updates = true: each token's policy version comes from the CPU"),
     ("staleness-under-torchrun", ["run", "{ws}", "--set", "rollout.max_staleness=2"], platform(world_size=2),
      "set rollout.max_staleness = 0 under torchrun"),
     ("staleness-one-core", ["run", "{ws}", "--set", "rollout.max_staleness=1"], platform(cores=1),

@@ -493,16 +493,22 @@ def test_rollout_gpus_are_planned_apart_from_the_trainers(tmp_path):
     r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--gpus-per-node", "8",
                "--rollout-gpus", "2", "--gpu-mem-gib", "141", *six)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "one node only" not in r.stdout
+    assert "starts rollout GPUs on one node only (rank 0's), one GPU an engine" in r.stdout  # the recipe's TP 2
     assert re.search(r"launch: torchrun --nproc-per-node 6 .*--rollout-gpus 2", r.stdout)
     assert "rollout GPU: vLLM KV cache" in r.stdout and "alone on its GPU(s)" in r.stdout
     r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--nodes", "2",
                "--gpus-per-node", "8", "--rollout-gpus", "2", "--gpu-mem-gib", "141", *six)
-    assert r.returncode == 0 and "starts rollout GPUs on one node only (rank 0's)" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0 and "on 2 nodes with rollout.tensor_parallel = 2: planned below" in r.stdout, r.stderr[-2000:]
+    r = minirl("run", str(tmp_path / "none"), "--dry-run", "--model", "Qwen3-30B-A3B", "--gpus-per-node", "8",
+               "--rollout-gpus", "2", "--gpu-mem-gib", "141", *six, "--set", "rollout.tensor_parallel=1")
+    assert r.returncode == 0 and "planned below" not in r.stdout, r.stderr[-2000:]
     from minirl.setup.limits import Platform, check
 
     rec = recipes.load(recipes.for_model("Qwen3-30B-A3B"), ["parallel.gpus_per_node=8", "parallel.rollout_gpus=2",
                                                           "rollout.sleep_level=0"])
+    with pytest.raises(UsageError, match="rollout.tensor_parallel = 2 on rollout GPUs: an engine there is one process"):
+        check(rec, Platform("cuda", world_size=6, local_ranks=6, gpus=8))
+    rec = recipes.with_sets(rec, {"rollout.tensor_parallel": 1})
     check(rec, Platform("cuda", world_size=6, local_ranks=6, gpus=8))  # 6 training ranks, 2 engines' GPUs: placed
     for platform, says in ((Platform("cuda", world_size=12, local_ranks=6, gpus=8), "across 2 nodes that is not built"),
                            (Platform("cuda", world_size=7, local_ranks=7, gpus=8), "this node shows 8 GPU(s) and its 7 "

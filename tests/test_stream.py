@@ -70,3 +70,44 @@ def test_calls_join_the_requests_in_flight_and_come_back_whole_with_preemptions_
         _, _, own = tr.logprobs(batch, record_routes=True)
         routes = rollout_routes(comps, batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
         assert route_agreement(routes, own, fed).tolist() == [1.0] * TINY.n_layers
+
+
+def test_each_tokens_version_follows_the_syncs_between_forward_steps_on_either_log_prob_path(tiny_dir):
+    """Versions 1 and 2 set between forward steps (a sync's stamp; the weights are left as they
+    are), with a second call joining after the first: each token carries the version of the step
+    that sampled it. Two ways to know it, run on the same seeds: the CPU engine's log-prob capture
+    (stamped inside the sampler) and the CUDA path (vLLM's own log-probs, versions from what each
+    request had sampled when the version changed): the same tokens, the same versions, log μ
+    within 1e-4."""
+    from minirl.rollout.stream import Stream
+    from minirl.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=64, kv_cache_gib=0.25)
+
+    def run():
+        engine.set_version(0)
+        stream, got = Stream(engine, max_redraws=8), {}
+        stream.add(1, PROMPTS, n=4, temperature=1.0, max_tokens=12, seed=5)
+        for version in (1, 2):
+            for _ in range(3):
+                got.update(stream.step())
+            engine.set_version(version)
+            if version == 1:
+                stream.add(2, PROMPTS[:2], n=2, temperature=1.0, max_tokens=12)
+        while stream.busy:
+            got.update(stream.step())
+        return [c for tag in (1, 2) for g in got[tag] for c in g]
+
+    captured = run()
+    engine.capture_logprobs = False  # as on CUDA
+    try:
+        derived = run()
+    finally:
+        engine.capture_logprobs = True
+    assert [c.token_ids for c in derived] == [c.token_ids for c in captured]
+    assert [c.versions for c in derived] == [c.versions for c in captured]
+    np.testing.assert_allclose(np.concatenate([c.logprobs for c in derived]),
+                               np.concatenate([c.logprobs for c in captured]), rtol=0, atol=1e-4)
+    first = [c.versions for c in captured[:12]]
+    assert any(v[:3] == (0, 0, 0) and v[3:6] == (1, 1, 1) and 2 in v for v in first)  # one response, three versions
+    assert all(set(v) <= {1, 2} and v[0] == 1 for v in (c.versions for c in captured[12:]) if v)  # asked at version 1

@@ -39,8 +39,8 @@ class Completion:
     logprobs: tuple[float, ...]
     finish: str
     routes: object = None  # R3: np.int16 [len(prompt) + len(response) − 1, n_moe_layers, top_k], else None
-    # [L] the policy version whose weights sampled each token (a CPU engine counts the syncs it was
-    # told of; with rollout.inflight_updates a batch's tokens may span several), else None
+    # [L] the policy version whose weights sampled each token (the versions the engine was told of,
+    # `set_version`; with rollout.inflight_updates a batch's tokens may span several), else None
     versions: tuple[int, ...] | None = None
     preempted: int = 0  # times the scheduler preempted the request that sampled it (its KV cache recomputed)
     # R3: draws of this sample thrown away because a preemption recomputed their routes (rollout/vllm.py)

@@ -119,8 +119,8 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             elif method == "receive_weights":  # (the policy version, one flat buffer or buckets): remote.py
                 if channel is None:
                     host, port, rank, size, backend = joins
-                    channel = WeightChannel.join(host, port, rank, size, backend,
-                                                 device="cuda" if torch.cuda.is_available() else "cpu")
+                    channel = WeightChannel.join(host, port, rank, size, backend,  # its first GPU: the buffers' device
+                                                 device="cuda:0" if torch.cuda.is_available() else "cpu")
                 if args[1]:
                     out = engine.load_live_weights(channel.receive(), key=-1)
                 else:

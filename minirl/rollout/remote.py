@@ -111,7 +111,7 @@ class RemoteEngines:
             if how == "split":
                 out = [x for e, h in handles for x in e.result(h)]
             else:
-                out = [e.result(h) for e, h in zip(self._engines, handles)][0]
+                out = [e.result(h) for e, h in zip(self._engines, handles, strict=True)][0]
         return self._world.broadcast(out)
 
     def call(self, method: str, *args, **kwargs):

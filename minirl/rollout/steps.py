@@ -1,5 +1,6 @@
 """Around vLLM's engine steps, on CPU and CUDA alike: which requests the scheduler preempts (their
-KV cache dropped when it ran short, then recomputed), and vLLM's request ids. The hook needs vLLM's
+KV cache dropped when it ran short, then recomputed), how many tokens each request has sampled so
+far, and vLLM's request ids. The hook needs vLLM's
 engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vllm.py sets it).
 """
 
@@ -20,15 +21,16 @@ def split_request_id(rid: str) -> tuple[str, int]:
     return m.group(2), int(m.group(1) or 0)
 
 
+def progress(llm_engine) -> dict[tuple[str, int], int]:
+    """{(request id, completion index): tokens sampled so far} of every request the scheduler holds."""
+    return {split_request_id(rid): req.num_output_tokens for rid, req in _scheduler(llm_engine).requests.items()}
+
+
 @contextlib.contextmanager
 def preemptions(llm_engine):
     """{(request id, completion index): times preempted} of the requests the scheduler preempts
-    while the block runs (read from each step's scheduler output; the engine core runs in this
-    process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
-    core = getattr(llm_engine.engine_core, "engine_core", None)
-    if core is None:
-        raise RuntimeError("the vLLM engine core is not in this process: preempted requests cannot be seen")
-    scheduler, seen = core.scheduler, {}
+    while the block runs (read from each step's scheduler output)."""
+    scheduler, seen = _scheduler(llm_engine), {}
     schedule = scheduler.schedule
 
     def watching(*args, **kwargs):
@@ -40,6 +42,14 @@ def preemptions(llm_engine):
 
     with _replaced(scheduler, "schedule", watching):
         yield seen
+
+
+def _scheduler(llm_engine):
+    """vLLM's scheduler: its engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
+    core = getattr(llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the vLLM engine core is not in this process: its requests cannot be seen")
+    return core.scheduler
 
 
 @contextlib.contextmanager

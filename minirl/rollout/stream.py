@@ -48,6 +48,12 @@ class Stream:
         self._owner: dict[str, tuple[int, int, int | None]] = {}  # request id → (call, prompt, completion or all n)
         self._open = contextlib.ExitStack()  # while busy: the seeded generators, the preemption watch
         self._preempted: dict[tuple[str, int], int] = {}
+        # each token's policy version, from the syncs seen between forward steps (CUDA's stamps; the
+        # CPU capture stamps its own): a request's version when asked, and (tokens sampled before, the
+        # version after) at each sync while it ran
+        self._asked_at: dict[str, int] = {}
+        self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._seen = 0  # the engine's version at the last forward step
 
     @property
     def busy(self) -> bool:
@@ -64,6 +70,10 @@ class Stream:
     def step(self) -> list[tuple[int, list[list[Completion]]]]:
         """One forward step of every request in flight; the calls it completed, with their completions
         (cut from the captures once a call's requests have all finished)."""
+        if self.engine.version != self._seen:  # a sync loaded since the last step: what was sampled was the old weights'
+            for key, sampled in steps.progress(self._llm.llm_engine).items():
+                self._marks.setdefault(key, []).append((sampled, self.engine.version))
+            self._seen = self.engine.version
         finished = [o for o in self._llm.llm_engine.step() if o.finished]
         for o in finished:
             tag, i, j = self._owner.pop(o.request_id)
@@ -96,14 +106,29 @@ class Stream:
             if self.engine.capture_logprobs else ({}, {})
         groups: list[list[Completion | None]] = [[None] * call.n for _ in call.prompts]
         for o, i, j in call.finished:
+            start = self._asked_at.pop(o.request_id)
             for c in o.outputs:
+                versions = self._versions(start, self._marks.pop((o.request_id, c.index), ()), len(c.token_ids))
                 times = self._preempted.pop((o.request_id, c.index), 0)
                 if times and self.engine.capture_routes:
                     continue  # drawn again
                 slot = c.index if j is None else j
                 got = self.engine.completion(call.prompts[i], o.request_id, c, logps, stamps, routes)
-                groups[i][slot] = dataclasses.replace(got, preempted=times, regenerated=call.redrawn.get((i, slot), 0))
+                groups[i][slot] = dataclasses.replace(got, versions=got.versions if got.versions is not None else versions,
+                                                      preempted=times, regenerated=call.redrawn.get((i, slot), 0))
         return groups
+
+    @staticmethod
+    def _versions(start: int, marks, length: int) -> tuple[int, ...]:
+        """Each of `length` tokens' version: `start`, then each sync's from the token it came before.
+
+        >>> Stream._versions(3, [(2, 4), (2, 5), (4, 6)], 5)
+        (3, 3, 5, 5, 6)
+        """
+        out = [start] * length
+        for at, version in marks:
+            out[at:] = [version] * (length - at)
+        return tuple(out)
 
     def fail(self) -> list[int]:
         """Drop every call in flight (an error in a step): their requests aborted, the captures
@@ -113,6 +138,8 @@ class Stream:
             self._llm.llm_engine.abort_request(list(self._owner))
         self._calls.clear()
         self._owner.clear()
+        self._asked_at.clear()
+        self._marks.clear()
         for on, recorder in ((self._cpu_routes, cpu_routes), (self.engine.capture_logprobs, cpu_logprobs)):
             if on:
                 with contextlib.suppress(Exception):
@@ -130,12 +157,14 @@ class Stream:
         call = self._calls[tag]
         rid = f"{tag}.{i}" if slot is None else f"{tag}.{i}.{slot}.{call.redrawn[(i, slot)]}"
         self._owner[rid] = (tag, i, slot)
+        self._asked_at[rid] = self.engine.version
         call.waiting += 1
         self._llm.llm_engine.add_request(rid, {"prompt_token_ids": call.prompts[i]},
                                          self.engine.sampling(n=n, **call.params))
 
     def _begin(self, seed: int | None) -> None:
         self.engine.wake()
+        self._seen = self.engine.version
         # the process's generators seeded for the calls in flight, given back their state when none is
         # (an engine in the trainer's process: the trainer's draws are not disturbed)
         self._open.enter_context(seeded_sampling(seed, stream=self.engine.stream))

@@ -184,6 +184,7 @@ class VLLMEngine:
         # rollout groups of a torchrun job get different prompts and the same call seeds: their own
         # stream of call seeds keeps their noise apart (TP ranks of one group share it)
         self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
+        self.version = 0  # the policy version of the weights it holds (`set_version`)
         self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
         self.direct_sync = False  # the CPU fast path (rollout/cpu/weights.py), where it knows every module
         self._bound: dict[int, dict] = {}  # the views `load_live_weights` copies from, by key
@@ -279,7 +280,9 @@ class VLLMEngine:
 
     def set_version(self, version: int) -> None:
         """The policy version of the weights just loaded: what the tokens sampled next are stamped
-        with (`Completion.versions`; the CPU engine, whose log-prob capture stamps them)."""
+        with (`Completion.versions`: by the CPU log-prob capture, else by the stream from what each
+        request had sampled when the version changed)."""
+        self.version = version
         if self.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.set_version, args=(version,))
 

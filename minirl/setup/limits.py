@@ -90,7 +90,7 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
                          "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
     k = ro.max_staleness
     if rollout_gpus:
-        _check_rollout_gpus(rollout_gpus, p)
+        _check_rollout_gpus(rollout_gpus, p, ro.tensor_parallel)
     elif k and p.world_size > 1:
         raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process; under "
                          "torchrun every rank would need an engine process of its own, not built yet: set "
@@ -98,9 +98,6 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
     if k and p.device != "cpu" and ro.sleep_level:
         raise UsageError(f"rollout.max_staleness = {k}: the engine samples on the trainer's GPU while it trains, so it "
                          f"cannot sleep (rollout.sleep_level = {ro.sleep_level}): set rollout.sleep_level = 0")
-    if ro.inflight_updates and p.device != "cpu":
-        raise UsageError("rollout.inflight_updates = true: each token's policy version comes from the CPU engine's "
-                         "log-prob capture, not built on GPUs yet: set it false (syncs between two batches)")
     if k and p.cores < 2:
         raise UsageError(f"rollout.max_staleness = {k} needs at least 2 cores for a trainer and an engine; this "
                          f"process has {p.cores}: set rollout.max_staleness = 0")
@@ -115,8 +112,13 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
                          f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
 
 
-def _check_rollout_gpus(rollout_gpus: int, p: Platform) -> None:
-    """Rollout GPUs of their own (rollout/remote.py): one node's, after its training ranks' GPUs."""
+def _check_rollout_gpus(rollout_gpus: int, p: Platform, tp: int) -> None:
+    """Rollout GPUs of their own (rollout/remote.py): one node's, after its training ranks' GPUs,
+    one GPU an engine (the dry run plans more; a run does not start them yet)."""
+    if tp > 1:  # vLLM's TP workers are processes of the engine's: each would have to join the broadcast
+        raise UsageError(f"rollout.tensor_parallel = {tp} on rollout GPUs: an engine there is one process on one GPU "
+                         "(its tensor-parallel workers would each need the weights' broadcast, not built yet): set "
+                         "rollout.tensor_parallel = 1")
     if p.world_size > p.local_ranks:
         raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: engines on rollout GPUs are started by rank 0 on its "
                          f"own node; across {p.world_size // p.local_ranks} nodes that is not built yet: one node, or "
