@@ -6,7 +6,8 @@ A world of one is the same code with every operation an identity.
 
 Under torchrun every rank runs the whole loop (SPMD): a vLLM engine (vLLM's `external_launcher`
 executor) shared with the other ranks of its tensor-parallel group, which all send it their
-group's share of the prompts (`group_share`) and then keep their own part (`member_share`); its shard of
+group's share of the prompts (`group_share`) and then keep their own part (`member_share`) (with
+rollout GPUs of their own, no engine: rank 0 asks theirs for every rank, rollout/remote.py); its shard of
 the trainer (FSDP2 / expert parallel, `parallel.py`), and the collectives the two need. Rank 0
 alone writes metrics, summaries, JSON beside checkpoints and exported folders; checkpoints
 themselves are DCP, written by every rank.
@@ -120,6 +121,16 @@ class World:
 
         box = [obj]
         dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def scatter(self, items: list[T] | None) -> list[T]:
+        """This rank's share (`share`) of rank 0's `items` (None elsewhere): each rank receives only its own."""
+        if self.size == 1:
+            return list(items)
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, [_part(items, self.size, r) for r in range(self.size)] if self.main else None, src=0)
         return box[0]
 
 

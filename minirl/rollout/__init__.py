@@ -143,16 +143,16 @@ class Rollouts:
         if not head.done:  # k ≥ 1: under way in the engine's process
             asked, handle = head.handle
             t0 = time.perf_counter()
-            answer = self._engine.result(handle)
+            answer, tokens = self._answer(handle, head.admitted)
             self._waited += time.perf_counter() - t0
-            self._control.finish(head, (asked, answer), tokens=_by_version(answer, head.admitted))
+            self._control.finish(head, (asked, answer), tokens=tokens)
         self._taken = ticket = self._control.take(step)
         while self._k and self._control.may_admit():  # what the bound allows, sampled while this step trains
             self._admit()
         self._engine.sleep()  # frees its memory for training (CUDA); the sync wakes it
         asked, answer = ticket.handle
         mine = self._world.member_share
-        return mine(asked, self._tp), mine(answer, self._tp)
+        return mine(asked, self._tp), answer if self._remote else mine(answer, self._tp)
 
     def metrics(self) -> dict:
         """The step's batch: requests preempted (the KV cache ran short) and, with R3, samples drawn
@@ -165,8 +165,9 @@ class Rollouts:
         comps = [c for g in self._taken.handle[1] for c in g]  # this rank's rollout group's
         counts = {"rollout/preempted": sum(c.preempted for c in comps),
                   "rollout/regenerated": sum(c.regenerated for c in comps)}
-        if self._world.size > 1:  # every engine's: summed over ranks, each group counted once
-            counts = {k: v // self._tp for k, v in self._world.mean(counts, sums=tuple(counts)).items()}
+        if self._world.size > 1:  # every engine's: summed over ranks, each group counted once (a share each: rollout GPUs)
+            once = 1 if self._remote else self._tp
+            counts = {k: v // once for k, v in self._world.mean(counts, sums=tuple(counts)).items()}
         out = counts if any(counts.values()) else {}
         if not self._k:
             return out
@@ -233,8 +234,24 @@ class Rollouts:
                   max_tokens=self._rollout.max_tokens, seed=self._train.seed * 1_000_003 + ticket.step)
         if self._k:
             ticket.handle = (asked, self._engine.submit("generate", *args, **kw))
+        elif self._remote:
+            answer, tokens = self._answer(self._engine.submit("generate", *args, **kw), ticket.admitted)
+            self._control.finish(ticket, (asked, answer), tokens=tokens)
         else:
             self._control.finish(ticket, (asked, self._engine.generate(*args, **kw)))
+
+    def _answer(self, handle, admitted: int) -> tuple[list, dict[int, int]]:
+        """A batch's answer as this rank keeps it (its rollout group's; with rollout GPUs its own
+        share alone), and the whole batch's tokens by the version that sampled them."""
+        if not self._remote:
+            answer = self._engine.result(handle)
+            return answer, _by_version(answer, admitted)
+        answer = self._engine.result(handle, share=True)
+        tokens: dict[int, int] = {}
+        for part in self._world.gather([_by_version(answer, admitted)]):
+            for version, n in part.items():
+                tokens[version] = tokens.get(version, 0) + n
+        return answer, tokens
 
 
 def _by_version(groups: list[list[Completion]], admitted: int) -> dict[int, int]:

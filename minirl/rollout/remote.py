@@ -4,8 +4,9 @@ CPU, the last of rank 0's cores: the same code, "GPUs" being processes there).
 
 The training job's rank 0 starts the engines (process.py, one `EngineProcess` each) and is the only
 rank that talks to them: a call's prompts are split over the engines in contiguous parts, their
-answers joined in order, and the whole answer given to every training rank. The training ranks
-thus form one rollout group, each keeping its own part of what it asked (`World.member_share`).
+answers joined in order, and given to the training ranks: a step's batch each rank's share of it
+(scattered), an evaluation's or a parity check's the whole (each keeps its part). The training
+ranks thus form one rollout group, asking for the same prompts (`World.group_share`).
 Weights move by broadcast from rank 0 to every engine (broadcast.py: NCCL between GPUs, gloo on
 CPUs): every training rank walks the sync's buckets (gathering FSDP / expert shards is a
 collective), rank 0 sends them; an engine receives when it gets to the sync, and loads it.
@@ -103,8 +104,10 @@ class RemoteEngines:
                 handles.append((e, e.submit(method, *(a[lo:hi] for a in args), **kwargs)))
         return ("split", handles)
 
-    def result(self, handle: Any) -> Any:
-        """Every training rank: the call's answer (a split call's parts joined in order)."""
+    def result(self, handle: Any, *, share: bool = False) -> Any:
+        """Every training rank: the call's answer (a split call's parts joined in order); with
+        `share`, this rank's share of it alone (`World.share`: a step's batch, R3 routes and all,
+        is not sent whole to every rank)."""
         out = None
         if self._world.main:
             how, handles = handle
@@ -112,7 +115,7 @@ class RemoteEngines:
                 out = [x for e, h in handles for x in e.result(h)]
             else:
                 out = [e.result(h) for e, h in zip(self._engines, handles, strict=True)][0]
-        return self._world.broadcast(out)
+        return self._world.scatter(out) if share else self._world.broadcast(out)
 
     def call(self, method: str, *args, **kwargs):
         return self.result(self.submit(method, *args, **kwargs))
