@@ -60,15 +60,19 @@ def test_an_engine_on_a_rollout_gpu_samples_as_the_engine_process_beside_the_tra
 def test_two_training_ranks_and_an_engine_on_a_rollout_gpu_keep_the_bound_and_every_sync(tiny_dir, tmp_path):
     """torchrun: two gloo training ranks (FSDP2 shards) and, from rank 0, one engine process at
     k = 2: every sync walks the trainer's buckets on both ranks (the shards gathered) and rank 0
-    broadcasts them bucket by bucket; both ranks train on their half of every answer. Rows once
-    each; no token more than 2 updates behind; after every sync (a rollback's included) the engine
+    broadcasts them bucket by bucket; each rank is sent its half of every batch. Rank 0 is
+    SIGKILLed as step 4 begins and the job resumed (a new engine, a new group): rows once each;
+    no token more than 2 updates behind; after every sync the engine
     scores a fixed batch as the trainer does (the parity check: 0.01–0.03 here; 0.3–1.2 measured with
     the engine's loading of the broadcast switched off)."""
     ws = _workspace(tmp_path, tiny_dir)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "cli.main", "run", str(ws), "--steps", "5", "--rollout-gpus", "1",
-                        "--set", "rollout.max_staleness=2", *SMALL],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cli.main",
+           "run", str(ws), "--steps", "5", "--rollout-gpus", "1", "--set", "rollout.max_staleness=2",
+           "--set", "checkpoint.every=2", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**env, "MINIRL_INJECT_KILL": "0@4"})
+    assert r.returncode != 0 and len(_rows(ws)) == 3, r.stderr[-3000:]  # rank 0, the engine's parent, killed at step 4
+    r = subprocess.run([*run, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(ws)
     assert [m["step"] for m in rows] == [1, 2, 3, 4, 5]
