@@ -65,6 +65,9 @@ STEPS = [
     Step("default-k1", "(#66) the embedded default with rollout.max_staleness = 1: the engine in a process of its "
          "own on the trainer's GPU, awake, sampling the next batch while the trainer trains; weights by CUDA IPC "
          "copies: steps/s against default-bf16's, staleness rows, held-out", 240, carry=(".gpu", ".gpu-ws")),
+    Step("default-k2-inflight", "(#66) the same at rollout.max_staleness = 2 with rollout.inflight_updates: the "
+         "engine keeps stepping across batches and loads each sync between two forward steps (versions from the "
+         "stream, log mu from vLLM's own path): steps/s, staleness rows, held-out", 240, carry=(".gpu", ".gpu-ws")),
     Step("moe-r3-eager", "(b, #63) the same with CUDA graphs off: decode tokens/s both ways", 330),
     Step("moe-r3-offload", "(b) the same with train.offload = \"optimizer\"", 330),
     Step("moe-r3-lora", "(b) the same with LoRA rank 16", 330),
@@ -313,6 +316,9 @@ def importlib_missing(name: str) -> bool:
 RUNNERS = {"default-bf16": lambda out: default_run(out, "bf16"), "default-fp8": lambda out: default_run(out, "fp8"),
            "default-k1": lambda out: default_run(out, "bf16", name="default-k1",
                                                  sets=("rollout.max_staleness=1", "rollout.sleep_level=0")),
+           "default-k2-inflight": lambda out: default_run(out, "bf16", name="default-k2-inflight",
+                                                          sets=("rollout.max_staleness=2", "rollout.sleep_level=0",
+                                                                "rollout.inflight_updates=true")),
            **{v: (lambda out, v=v: moe_run(out, v)) for v in VARIANTS}, "trl-peer": trl_peer}
 
 
