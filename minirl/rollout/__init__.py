@@ -12,7 +12,7 @@
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
     broadcast.py the same across processes: a group of their own (gloo; NCCL between GPUs)
     remote.py    engines on rollout GPUs of their own (`parallel.rollout_gpus`), started by rank 0,
-                 which splits calls over them, gives every training rank the answers, broadcasts syncs
+                 which splits calls over them, sends each training rank its share, broadcasts syncs
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
     stream.py    an engine's calls as requests in flight (`generate` is a stream of one call); with
@@ -165,8 +165,8 @@ class Rollouts:
         comps = [c for g in self._taken.handle[1] for c in g]  # this rank's rollout group's
         counts = {"rollout/preempted": sum(c.preempted for c in comps),
                   "rollout/regenerated": sum(c.regenerated for c in comps)}
-        if self._world.size > 1:  # every engine's: summed over ranks, each group counted once (a share each: rollout GPUs)
-            once = 1 if self._remote else self._tp
+        if self._world.size > 1:  # every engine's: summed over ranks, each group counted once
+            once = 1 if self._remote else self._tp  # rollout GPUs: each rank holds a share of the batch
             counts = {k: v // once for k, v in self._world.mean(counts, sums=tuple(counts)).items()}
         out = counts if any(counts.values()) else {}
         if not self._k:

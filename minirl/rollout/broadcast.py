@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
+WAIT = timedelta(hours=2)
 Bucket = list[tuple[str, torch.Tensor]]
 
 
@@ -128,13 +129,17 @@ class WeightChannel:
 
 
 def _group(store: dist.Store, rank: int, size: int, backend: str, device: torch.device):
-    """A process group of `size` ranks on `store`, outside torch.distributed's default group."""
+    """A process group of `size` ranks on `store`, outside torch.distributed's default group. Its
+    collectives wait up to WAIT: an engine takes a sync after the batches sent before it, and a
+    batch of long responses takes longer than the groups' defaults (gloo 30 min, NCCL 10)."""
     store = dist.PrefixStore("minirl/group", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size)
+        return dist.ProcessGroupGloo(store, rank, size, WAIT)
     # NCCL: never run here (no GPU on the machine that built it; docs/verification.md)
     torch.cuda.set_device(device)
-    return dist.ProcessGroupNCCL(store, rank, size)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = WAIT
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
 def _views(flat: torch.Tensor, manifest) -> dict[str, torch.Tensor]:

@@ -40,8 +40,8 @@ def placements(engines: int, tp: int, training_ranks: int, cores: set[int], cuda
 
     >>> placements(2, 1, 6, {0, 1, 2, 3, 4, 5, 6, 7}, cuda=False)
     ([0, 1, 2, 3], [{'cores': [4, 5], 'gpus': None}, {'cores': [6, 7], 'gpus': None}])
-    >>> placements(1, 2, 6, {0, 1}, cuda=True)[1]
-    [{'cores': [1], 'gpus': ['6', '7']}]
+    >>> placements(2, 1, 6, {0, 1}, cuda=True)[1]
+    [{'cores': [1], 'gpus': ['6']}, {'cores': [1], 'gpus': ['7']}]
     """
     mine, theirs = split_cores(cores)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -56,7 +56,7 @@ def placements(engines: int, tp: int, training_ranks: int, cores: set[int], cuda
 
 class RemoteEngines:
     """The engines of the rollout GPUs behind the engine's contract (engine.py), held by every
-    training rank; rank 0's calls reach the engines, every rank gets the answers."""
+    training rank; rank 0's calls reach the engines, every rank gets the answers (or its share)."""
 
     def __init__(self, model_dir: Path, rollout, *, world, engines: int, training_ranks: int, **kw: Any):
         self._world = world

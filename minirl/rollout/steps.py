@@ -1,7 +1,7 @@
 """Around vLLM's engine steps, on CPU and CUDA alike: which requests the scheduler preempts (their
 KV cache dropped when it ran short, then recomputed), how many tokens each request has sampled so
-far, and vLLM's request ids. The hook needs vLLM's
-engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vllm.py sets it).
+far, and vLLM's request ids. Both read vLLM's engine core in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vllm.py sets it).
 """
 
 from __future__ import annotations
