@@ -189,7 +189,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 @click.option("--gpu-mem-gib", type=POSITIVE_FINITE, default=80.0, show_default=True, help="Memory of one GPU, for the plan.")
 @click.option("--rollout-gpus", type=int, default=None,
               help="GPUs of each node that only sample, apart from the trainer's (sets parallel.rollout_gpus): "
-                   "launch one rank per training GPU; rank 0 starts the engines on the GPUs after them (one node).")
+                   "launch one rank per training GPU; each node's first rank starts its engines on the GPUs after them.")
 def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | None,
         rollout_precision: str | None, overrides: tuple[str, ...], resume: str | None, dry_run: bool,
         recipe_name: str | None, nodes: int | None, gpus_per_node: int | None,

@@ -32,6 +32,21 @@ class World:
     size: int = 1
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: Any = None  # the process group of a `part` of the job's ranks; None: the whole job's
+
+    def part(self, size: int) -> "World":
+        """The block of `size` consecutive ranks this rank is in (a node's ranks under torchrun), as
+        a World of its own: its collectives among them alone. A collective: every rank calls it."""
+        if size == self.size:
+            return self
+        import torch.distributed as dist
+
+        mine = None
+        for start in range(0, self.size, size):  # every block's group, built by every rank in one order
+            g = dist.new_group(list(range(start, start + size))) if size > 1 else None
+            if start <= self.rank < start + size:
+                mine = g
+        return World(size=size, rank=self.rank % size, device=self.device, group=mine)
 
     @property
     def main(self) -> bool:
@@ -60,7 +75,7 @@ class World:
         import torch.distributed as dist
 
         parts: list[Any] = [None] * self.size
-        dist.all_gather_object(parts, list(items))
+        dist.all_gather_object(parts, list(items), group=self.group)
         return [x for part in parts for x in part]
 
     def mean(self, values: dict[str, Any], *, weight: float = 1.0, sums: Sequence[str] = ()) -> dict[str, Any]:
@@ -79,8 +94,8 @@ class World:
         is_sum = torch.tensor([k in sums for k, _, _ in slots], dtype=torch.bool)
         packed = torch.cat([torch.where(is_sum, x, x * weight), torch.tensor([float(weight)], dtype=torch.float64)])
         biggest = x.clone()
-        dist.all_reduce(packed)
-        dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(packed, group=self.group)
+        dist.all_reduce(biggest, op=dist.ReduceOp.MAX, group=self.group)
         total = torch.where(is_sum, packed[:-1], packed[:-1] / packed[-1])
         total = torch.where(is_max, biggest, total).tolist()
         out = {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
@@ -98,7 +113,7 @@ class World:
         import torch.distributed as dist
 
         t = torch.tensor([int(bool(flag))])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
     def gpu_memory(self) -> dict[str, float]:
@@ -114,13 +129,13 @@ class World:
         return {"gpu/peak_alloc_gib": round(peak / 2**30, 3), "gpu/used_gib": round((total - free) / 2**30, 3)}
 
     def broadcast(self, obj: T) -> T:
-        """Rank 0's `obj` on every rank (a run folder's name)."""
+        """Rank 0's `obj` on every rank (a run folder's name; a part's first rank's, to its ranks)."""
         if self.size == 1:
             return obj
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
     def scatter(self, items: list[T] | None) -> list[T]:
@@ -130,7 +145,8 @@ class World:
         import torch.distributed as dist
 
         box: list[Any] = [None]
-        dist.scatter_object_list(box, [_part(items, self.size, r) for r in range(self.size)] if self.main else None, src=0)
+        dist.scatter_object_list(box, [_part(items, self.size, r) for r in range(self.size)] if self.main else None,
+                                 group=self.group, group_src=0)
         return box[0]
 
 

@@ -52,6 +52,17 @@ def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:
     return root
 
 
+def free_port() -> int:
+    """A free port for a rendezvous of several torchrun agents on this machine, which must agree on
+    it before any binds it (one agent, `--standalone`, needs none): another process could take it
+    in between, a window of milliseconds."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def last_digit_rewards(ws: Path) -> None:
     """Make a workspace's task one a random model earns now and then (the answer's last digit is the
     response's last digit), so that advantages, and with them the updates, are not all zero."""

@@ -4,7 +4,6 @@ weights of one process on the whole batch."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -124,13 +123,6 @@ def same_update(got: torch.Tensor, want: torch.Tensor, grad: torch.Tensor | None
     torch.testing.assert_close(got[tiny], want[tiny], rtol=0, atol=1e-2)
 
 
-def _free_port() -> int:
-    """A free port for a rendezvous on this machine."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path):
     """`torchrun --nproc-per-node 2 --max-restarts 1 minirl run --resume auto`: each rank rolls out
@@ -215,13 +207,13 @@ def test_a_killed_rank_restarts_across_nodes_and_resumes_from_the_newest_checkpo
     import json
     import os
 
-    from tests.conftest import data_workspace
+    from tests.conftest import data_workspace, free_port
 
     ws = data_workspace(tmp_path / "ws")
     env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "MINIRL_INJECT_KILL": "1@3",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts",
-           "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "restart-test",
+           "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "restart-test",
            "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--resume", "auto", "--steps", "4",
            "--set", "rollout.tensor_parallel=2",
            "--set", "train.prompts_per_step=8", "--set", "eval.k=1", "--set", "checkpoint.every=1",

@@ -102,7 +102,7 @@ def test_two_engines_split_a_call_join_its_answer_in_order_and_take_a_sync_bucke
     prompts = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 3, 3, 3, 16], [9, 9, 9, 13, 9, 9, 9, 16]]
     sample = dict(n=2, temperature=1.0, max_tokens=6, seed=11)
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    remote = RemoteEngines(tiny_dir, RolloutConfig(precision="bf16"), world=World(), engines=2, training_ranks=1,
+    remote = RemoteEngines(tiny_dir, RolloutConfig(precision="bf16"), world=World(), engines=2,
                            seed=0, max_model_len=32)
     try:
         tokens = lambda groups: [[list(c.token_ids) for c in g] for g in groups]
@@ -134,3 +134,29 @@ def test_two_engines_split_a_call_join_its_answer_in_order_and_take_a_sync_bucke
         tr = Trainer(TINY, lr=0.0)
         tr.load_hf(tiny_dir)
         weight_sync.sync(tr, engine, bucket_bytes=2**30)  # the session's engine as it was
+
+
+@pytest.mark.slow
+def test_two_nodes_each_ask_their_own_rollout_gpu(tiny_dir, tmp_path):
+    """`torchrun --nnodes 2` as two agents of one training rank each on this machine (c10d
+    rendezvous), `--rollout-gpus 1`: each node's rank starts its own engine, asks it for its node's
+    half of every batch and broadcasts every sync to it within the node. k = 1, 4 steps: rows once
+    each, the bound, and after every sync the parity check (each node's half of the fixed pairs
+    scored by its node's engine, averaged over both) as small as on one node: an engine that missed
+    a sync would not be."""
+    from tests.conftest import free_port
+
+    ws = _workspace(tmp_path, tiny_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "rollout-gpus", "-m", "cli.main", "run",
+           str(ws), "--steps", "4", "--rollout-gpus", "1", "--set", "rollout.max_staleness=1", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    out = "\n".join(p.communicate(timeout=900)[0] for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], out[-4000:]
+    rows = _rows(ws)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+    for m in rows:
+        assert m["rollout/staleness_max"] <= 1 and sum(m["rollout/staleness_tokens"]) == round(m["rollout/resp_len"] * 32)
+        assert m["sync/parity_abs_dlogp"] < 0.05, m["sync/parity_abs_dlogp"]

@@ -11,8 +11,8 @@
                  loaded between two forward steps with `rollout.inflight_updates`)
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
     broadcast.py the same across processes: a group of their own (gloo; NCCL between GPUs)
-    remote.py    engines on rollout GPUs of their own (`parallel.rollout_gpus`), started by rank 0,
-                 which splits calls over them, sends each training rank its share, broadcasts syncs
+    remote.py    engines on rollout GPUs of their own (`parallel.rollout_gpus`), started by each node's
+                 first rank, which splits calls over them, sends each rank its share, broadcasts syncs
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
     stream.py    an engine's calls as requests in flight (`generate` is a stream of one call); with
@@ -86,8 +86,8 @@ class Rollouts:
         self._k = rollout.max_staleness
         self._remote = isinstance(engine, RemoteEngines)  # engines on rollout GPUs of their own
         # ranks that send one engine the same requests, each keeping its part of the answers: a
-        # tensor-parallel group beside the trainer, or every training rank (rank 0 asks remote engines)
-        self._tp = world.size if self._remote else rollout.tensor_parallel
+        # tensor-parallel group beside the trainer, or a node's training ranks (its first asks its engines)
+        self._tp = engine.ranks if self._remote else rollout.tensor_parallel
         self._control = Controller(self._k, step=0)
         self._taken: Ticket | None = None  # the batch of the step under way
         # k ≥ 1, since the last metrics row: (its time, the engine's busy seconds then), the trainer's wait
@@ -100,14 +100,16 @@ class Rollouts:
         """The engine the recipe asks for, holding the trainer's current weights. `memory_fraction`:
         its share of the GPU as the run's plan derived it (preflight), instead of the recipe's."""
         p, tp = rec.parallel, rec.rollout.tensor_parallel
-        engines = p.rollout_gpus // tp if p.rollout_gpus else world.size // tp
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's training ranks
+        per_node = p.rollout_gpus // tp  # engines on each node's rollout GPUs
+        engines = per_node * world.size // local if p.rollout_gpus else world.size // tp
         kw = dict(seed=rec.train.seed, max_model_len=sizing.max_model_len(rec), capture_routes=rec.train.replay == "r3",
                   max_num_seqs=sizing.max_num_seqs(rec, engines))
         if memory_fraction is not None:
             kw["memory_fraction"] = memory_fraction
-        if p.rollout_gpus:  # one node's (limits.py): the engines on the GPUs after its training ranks'
-            engine = RemoteEngines(model_dir, rec.rollout, world=world, engines=engines,
-                                   training_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), **kw)
+        if p.rollout_gpus:  # each node's, on the GPUs after its training ranks', asked by its first rank
+            engine = RemoteEngines(model_dir, rec.rollout, world=world.part(local), engines=per_node,
+                                   first_stream=world.rank // local * per_node, **kw)
         else:
             engine = make_engine(model_dir, rec.rollout, own_process=rec.rollout.max_staleness > 0, **kw)
         rollouts = cls(engine, sampler=sampler, world=world, rollout=rec.rollout, train=rec.train, clock=clock)
@@ -117,7 +119,7 @@ class Rollouts:
     @property
     def group_ranks(self) -> int:
         """Ranks that ask for the same prompts and each keep their part (`World.group_share` /
-        `member_share`): rollout.tensor_parallel, or every training rank with rollout GPUs."""
+        `member_share`): rollout.tensor_parallel, or a node's training ranks with rollout GPUs."""
         return self._tp
 
     def record(self) -> dict:

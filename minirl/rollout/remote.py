@@ -1,23 +1,27 @@
-"""Rollout engines on GPUs of their own (`parallel.rollout_gpus`; #66): the training ranks train,
-and E = rollout GPUs / rollout.tensor_parallel engine processes sample, each on its own GPUs (on a
-CPU, the last of rank 0's cores: the same code, "GPUs" being processes there).
+"""Rollout engines on GPUs of their own (`parallel.rollout_gpus`; #66): on each node the training
+ranks train, and its rollout GPUs run one engine process each (on a CPU, the last of the first
+rank's cores: the same code, "GPUs" being processes there).
 
-The training job's rank 0 starts the engines (process.py, one `EngineProcess` each) and is the only
-rank that talks to them: a call's prompts are split over the engines in contiguous parts, their
-answers joined in order, and given to the training ranks: a step's batch each rank's share of it
-(scattered), an evaluation's or a parity check's the whole (each keeps its part). The training
-ranks thus form one rollout group, asking for the same prompts (`World.group_share`).
-Weights move by broadcast from rank 0 to every engine (broadcast.py: NCCL between GPUs, gloo on
-CPUs): every training rank walks the sync's buckets (gathering FSDP / expert shards is a
-collective), rank 0 sends them; an engine receives when it gets to the sync, and loads it.
+Each node's first training rank starts its node's engines (process.py, one `EngineProcess` each)
+and is the only rank that talks to them: a call's prompts (the node's share of a batch) are split
+over the engines in contiguous parts, their answers joined in order, and given to the node's
+training ranks: a step's batch each rank's share of it (scattered), an evaluation's or a parity
+check's the whole (each keeps its part). A node's training ranks thus form one rollout group,
+asking for the same prompts (`World.group_share`), as a tensor-parallel group does beside the
+trainer; here `world` is the node's (`World.part`). Weights move by broadcast from that first rank
+to its engines, within the node (broadcast.py: NCCL between GPUs, gloo on CPUs): every training
+rank walks the sync's buckets (gathering FSDP / expert shards is a collective of the whole job, so
+every first rank has them whole), and the first ranks send them; an engine receives when it gets
+to the sync, and loads it.
 
 A sync waits until every engine has taken it. Without `rollout.inflight_updates` an engine takes it
 after the batches sent before it, so at k ≥ 2 the trainer waits for the older batches too (k = 1
 loses nothing: the next step needs the batch sampled before the sync anyway); with it, between two
 forward steps. Answers are read while a sync is under way, so neither side waits on the other's pipe.
 
-One node: the engines are rank 0's children. Across nodes each node's rollout GPUs would need its
-own starter (not built: refused in setup/limits.py).
+An engine is one process on one GPU (rollout.tensor_parallel = 1): vLLM's tensor-parallel
+workers are processes of their own, each of which would have to join the broadcast (refused in
+setup/limits.py).
 """
 
 from __future__ import annotations
@@ -55,11 +59,15 @@ def placements(engines: int, tp: int, training_ranks: int, cores: set[int], cuda
 
 
 class RemoteEngines:
-    """The engines of the rollout GPUs behind the engine's contract (engine.py), held by every
-    training rank; rank 0's calls reach the engines, every rank gets the answers (or its share)."""
+    """A node's engines on its rollout GPUs behind the engine's contract (engine.py), held by each
+    of its training ranks; the first rank's calls reach the engines, every rank of the node gets
+    the answers (or its share)."""
 
-    def __init__(self, model_dir: Path, rollout, *, world, engines: int, training_ranks: int, **kw: Any):
+    def __init__(self, model_dir: Path, rollout, *, world, engines: int, first_stream: int = 0, **kw: Any):
+        """`world`: the node's training ranks; `engines`: the node's; `first_stream`: its first
+        engine's stream of call seeds (each engine of the job has its own)."""
         self._world = world
+        self.ranks = world.size
         self._engines: list[EngineProcess] = []
         self._channel: WeightChannel | None = None
         info = None
@@ -67,10 +75,11 @@ class RemoteEngines:
             cuda = world.device.type == "cuda"
             self._channel = WeightChannel.host(engines + 1, backend="nccl" if cuda else "gloo", device=str(world.device))
             host, port = self._channel.address
-            mine, places = placements(engines, rollout.tensor_parallel, training_ranks, os.sched_getaffinity(0), cuda)
+            mine, places = placements(engines, rollout.tensor_parallel, world.size, os.sched_getaffinity(0), cuda)
             backend = self._channel.backend
-            self._engines = [EngineProcess(model_dir, rollout, wait=False, cores=p["cores"], gpus=p["gpus"], stream=e,
-                                           channel=(host, port, e + 1, engines + 1, backend), **kw)
+            self._engines = [EngineProcess(model_dir, rollout, wait=False, cores=p["cores"], gpus=p["gpus"],
+                                           stream=first_stream + e, channel=(host, port, e + 1, engines + 1, backend),
+                                           **kw)
                              for e, p in enumerate(places)]
             for e in self._engines:  # built side by side; answered in order
                 e.ready()
@@ -85,12 +94,12 @@ class RemoteEngines:
 
     @property
     def busy_s(self) -> float:
-        """The engines' mean seconds in calls answered so far (rank 0's count; 0 elsewhere)."""
+        """The node's engines' mean seconds in calls answered so far (its first rank's count; 0 elsewhere)."""
         return sum(e.busy_s for e in self._engines) / len(self._engines) if self._engines else 0.0
 
     # ----- calls --------------------------------------------------------------------------------
     def submit(self, method: str, *args, **kwargs) -> Any:
-        """Send a call to the engines and return at once (rank 0; None elsewhere): `generate` and
+        """Send a call to the engines and return at once (the node's first rank; None elsewhere): `generate` and
         `score` split their lists over the engines, anything else goes to each."""
         if not self._world.main:
             return None
@@ -105,7 +114,7 @@ class RemoteEngines:
         return ("split", handles)
 
     def result(self, handle: Any, *, share: bool = False) -> Any:
-        """Every training rank: the call's answer (a split call's parts joined in order); with
+        """Every rank of the node: the call's answer (a split call's parts joined in order); with
         `share`, this rank's share of it alone (`World.share`: a step's batch, R3 routes and all,
         is not sent whole to every rank)."""
         out = None
@@ -130,7 +139,7 @@ class RemoteEngines:
         self.call("set_version", version)
 
     def settle(self) -> None:
-        """Return once every call sent has been answered (rank 0; the others have nothing under way)."""
+        """Return once every call sent has been answered (the first rank; the others have nothing under way)."""
         for e in self._engines:
             e.settle()
 
@@ -147,8 +156,9 @@ class RemoteEngines:
     def send_weights(self, version: int, *, views: dict[str, torch.Tensor] | None = None, buckets=None) -> None:
         """One sync from every training rank (a collective where the trainer is sharded): `views`,
         the trainer's HF-named tensors, as one buffer an engine binds once; or `buckets`, the sync's
-        bucket stream, which every rank walks to its end (rank 0 sends it). Returns once every
-        engine has taken it; the engines' answers that come meanwhile are kept for their callers."""
+        bucket stream, which every rank walks to its end (each node's first rank sends it to its
+        engines). Returns once every engine of the node has taken it; the engines' answers that
+        come meanwhile are kept for their callers."""
         if not self._world.main:
             for _ in buckets if buckets is not None else ():
                 pass

@@ -62,11 +62,10 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
                      + " (the recipe's mesh needs more GPUs; the launch line below sets them)")
     if resolution(rec.model.id):
         notes.append(resolution(rec.model.id))
-    p, tp = rec.parallel, rec.rollout.tensor_parallel
-    if p.rollout_gpus and (p.nodes > 1 or tp > 1):  # planned, not yet run: said before the plan
-        notes.append(f"parallel.rollout_gpus = {p.rollout_gpus}" + (f" on {p.nodes} nodes" if p.nodes > 1 else "")
-                     + (f" with rollout.tensor_parallel = {tp}" if tp > 1 else "") + ": planned below; `minirl run` "
-                     "starts rollout GPUs on one node only (rank 0's), one GPU an engine, and refuses more in one line")
+    tp = rec.rollout.tensor_parallel
+    if rec.parallel.rollout_gpus and tp > 1:  # planned, not yet run: said before the plan
+        notes.append(f"parallel.rollout_gpus = {rec.parallel.rollout_gpus} with rollout.tensor_parallel = {tp}: planned "
+                     "below; `minirl run` starts engines of one GPU each on rollout GPUs and refuses TP > 1 in one line")
     plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)  # rec: fitted above, as plan_for would
     has_ws = (Path(workspace) / RECIPE_NAME).exists()
     args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),

@@ -113,16 +113,12 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
 
 
 def _check_rollout_gpus(rollout_gpus: int, p: Platform, tp: int) -> None:
-    """Rollout GPUs of their own (rollout/remote.py): one node's, after its training ranks' GPUs,
+    """Rollout GPUs of their own (rollout/remote.py): each node's, after its training ranks' GPUs,
     one GPU an engine (the dry run plans more; a run does not start them yet)."""
     if tp > 1:  # vLLM's TP workers are processes of the engine's: each would have to join the broadcast
         raise UsageError(f"rollout.tensor_parallel = {tp} on rollout GPUs: an engine there is one process on one GPU "
                          "(its tensor-parallel workers would each need the weights' broadcast, not built yet): set "
                          "rollout.tensor_parallel = 1")
-    if p.world_size > p.local_ranks:
-        raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: engines on rollout GPUs are started by rank 0 on its "
-                         f"own node; across {p.world_size // p.local_ranks} nodes that is not built yet: one node, or "
-                         "parallel.rollout_gpus = 0")
     if p.device == "cuda" and p.local_ranks + rollout_gpus > p.gpus:
         raise UsageError(f"parallel.rollout_gpus = {rollout_gpus}: this node shows {p.gpus} GPU(s) and its "
                          f"{p.local_ranks} training rank(s) take {p.local_ranks}; launch at most "
