@@ -1,7 +1,8 @@
 """Rollout GPUs apart from the trainer's (`parallel.rollout_gpus`, rollout/remote.py) on this CPU,
-where a "GPU" of the [parallel] section is a process: the training job's rank 0 starts the engine's
-process, which takes every sync by broadcast over a gloo group of their own (NCCL between GPUs),
-and gives every training rank the answers. Real vLLM engine, real TorchTitan trainer, tiny model."""
+where a "GPU" of the [parallel] section is a process: each node's first training rank starts its
+engine processes, which take every sync by broadcast over a gloo group of their own (NCCL between
+GPUs), and gives each of the node's ranks its share of the answers. Real vLLM engine, real
+TorchTitan trainer, tiny model, on one node and on two (two torchrun agents)."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ more than either gains).
 Beside one trainer process (under torchrun every rank would need an engine of its own, not built),
 on a GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the
 weights reach it as copies passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU. On rollout
-GPUs of their own (remote.py) engine processes are started by the training job's rank 0 and take
-their weights by broadcast (`receive_weights`).
+GPUs of their own (remote.py) engine processes are started by each node's first training rank
+and take their weights by broadcast (`receive_weights`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from minirl.rollout.process import EngineProcess, split_cores
 
 def placements(engines: int, tp: int, training_ranks: int, cores: set[int], cuda: bool) -> tuple[list[int], list[dict]]:
     """(the trainer's cores, each engine's `cores` and `gpus`): on CUDA an engine's GPUs are the node's
-    after the training ranks' (its visible devices, in order); its cores, rank 0's second half split
+    after the training ranks' (its visible devices, in order); its cores, the starting rank's second half split
     among the engines (shared where there are fewer cores than engines).
 
     >>> placements(2, 1, 6, {0, 1, 2, 3, 4, 5, 6, 7}, cuda=False)
@@ -94,13 +94,13 @@ class RemoteEngines:
 
     @property
     def busy_s(self) -> float:
-        """The node's engines' mean seconds in calls answered so far (its first rank's count; 0 elsewhere)."""
+        """The node's engines' mean seconds in calls answered so far (its first rank's; 0 elsewhere)."""
         return sum(e.busy_s for e in self._engines) / len(self._engines) if self._engines else 0.0
 
     # ----- calls --------------------------------------------------------------------------------
     def submit(self, method: str, *args, **kwargs) -> Any:
-        """Send a call to the engines and return at once (the node's first rank; None elsewhere): `generate` and
-        `score` split their lists over the engines, anything else goes to each."""
+        """Send a call to the engines and return at once (the node's first rank; None elsewhere):
+        `generate` and `score` split their lists over the engines, anything else goes to each."""
         if not self._world.main:
             return None
         if method not in ("generate", "score"):

@@ -121,9 +121,10 @@ def queue(trainer, engine, *, bucket_bytes: int, slots: int, version: int) -> No
 
 def broadcast(trainer, engines, *, bucket_bytes: int, version: int) -> None:
     """The trainer's weights to engines on rollout GPUs of their own (remote.py), by broadcast from
-    rank 0: CPU engines that write their own tensors get the trainer's HF-named views as one buffer
-    (one process, unsharded: nothing converted); any other engine the sync's buckets as they come,
-    in its dtype. Every training rank calls it (the buckets gather shards); `version` as in `queue`."""
+    each node's first rank: CPU engines that write their own tensors get the trainer's HF-named
+    views as one buffer (one process, unsharded: nothing converted); any other engine the sync's
+    buckets as they come, in its dtype. Every training rank calls it (the buckets gather shards);
+    `version` as in `queue`."""
     views = trainer.hf_views() if engines.direct_sync and not engines.emulate_fp8 else None
     if views is not None:
         engines.send_weights(version, views=views)
