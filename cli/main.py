@@ -224,7 +224,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if not report.fits:
             raise UsageError(report.refused)
         return
-    if rollout_gpus and gpus_per_node is None:  # the job's node: its training ranks and the rollout GPUs after them
+    if rollout_gpus is not None and rollout_gpus > 0 and gpus_per_node is None:  # the job's node: its ranks, then those GPUs
         extra.append(f"parallel.gpus_per_node={int(os.environ.get('LOCAL_WORLD_SIZE', '1')) + rollout_gpus}")
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's
