@@ -50,9 +50,8 @@ class WeightChannel:
     @classmethod
     def join(cls, host: str, port: int, rank: int, size: int, backend: str = "gloo", device: str = "cpu",
              timeout_s: float = 600.0) -> "WeightChannel":
-        """An engine's rank, or (`rank` 0, tests) the trainer's on a given port."""
-        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        """An engine's rank (1 …): the store rank 0 hosts at `host`:`port`."""
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
         return cls(store, rank, size, backend, device)
 
     @property

@@ -108,14 +108,15 @@ class Stream:
         for o, i, j in call.finished:
             start = self._asked_at.pop(o.request_id)
             for c in o.outputs:
-                versions = self._versions(start, self._marks.pop((o.request_id, c.index), ()), len(c.token_ids))
+                marks = self._marks.pop((o.request_id, c.index), ())
                 times = self._preempted.pop((o.request_id, c.index), 0)
                 if times and self.engine.capture_routes:
                     continue  # drawn again
                 slot = c.index if j is None else j
                 got = self.engine.completion(call.prompts[i], o.request_id, c, logps, stamps, routes)
-                groups[i][slot] = dataclasses.replace(got, versions=got.versions if got.versions is not None else versions,
-                                                      preempted=times, regenerated=call.redrawn.get((i, slot), 0))
+                if got.versions is None:  # no CPU capture stamped them
+                    got = dataclasses.replace(got, versions=self._versions(start, marks, len(c.token_ids)))
+                groups[i][slot] = dataclasses.replace(got, preempted=times, regenerated=call.redrawn.get((i, slot), 0))
         return groups
 
     @staticmethod
