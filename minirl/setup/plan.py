@@ -113,14 +113,14 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
     parts = {}
     if device == "cpu":  # every rank's trainer, and its engine (TP 1 on a CPU), in host memory
         # a TP the job cannot hold is check_layout's to refuse; rollout "GPUs" on a CPU: engine processes
-        engines = max(1, (p.rollout_gpus or world) // r.tensor_parallel)
+        engines = max(1, (p.nodes * p.rollout_gpus or world) // r.tensor_parallel)  # the job's
         seqs = sizing.max_num_seqs(rec, engines)
         wbytes = 4 if r.precision == "fp32" else 2  # the CPU engine serves FP8 as rounded bf16
         parts["trainer (weights, gradients, Adam)"] = ranks * (weights + rest)
         parts["vLLM engines (weights, KV cache)"] = (p.rollout_gpus or ranks) * (
             wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(shape, seqs, sizing.max_model_len(rec), wbytes))
         if p.rollout_gpus:  # the fp32 weights as one broadcast buffer, the sender's and each engine's (rollout/broadcast.py)
-            parts["weight broadcast buffers"] = (1 + engines) * 4 * P
+            parts["weight broadcast buffers"] = (1 + p.rollout_gpus) * 4 * P  # this node's
         else:  # k ≥ 1: the engine's process reads a sync from one of k fp32 snapshots in shared memory (`queue_weights`)
             parts["weight snapshots for the engine's process (k ≥ 1)"] = r.max_staleness * 4 * P
     else:
