@@ -202,7 +202,9 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     runs/<id>/summary.json is written at the end. Ctrl-C stops after the current step and saves a
     checkpoint (a second Ctrl-C aborts at once; exit code 130). Guardrails ([guard] in the recipe)
     watch KL(μ‖π_old) and entropy and roll back to the last good checkpoint on collapse; when
-    their rollbacks are used up the run ends as "collapsed" (exit code 3).
+    their rollbacks are used up the run ends as "collapsed" (exit code 3). A rollout engine that
+    returns log-probs no loss may use (non-finite) stops the run before it trains on them, in one
+    line naming the setting that avoids it (exit code 5).
     """
     extra = list(overrides)
     if model_id is not None:
@@ -256,6 +258,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         sys.exit(128 + lifecycle.Stop.signal)  # 130 (SIGINT) or 143 (SIGTERM); `--resume` continues
     if summary["status"] == "collapsed":
         sys.exit(3)  # the guard used up its rollbacks; the final checkpoint holds the last good weights
+    if summary["status"] == "engine_fault":  # the engine broke (errors.EngineFault): what, and what avoids it
+        _fail(summary.get("error", "the rollout engine broke"), code=5)
 
 
 @cli.command("eval")
@@ -359,13 +363,13 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
         console.print(f"plot: {plot_metrics(run_dir / 'metrics.jsonl', out)}")
     st = status_mod.read(run_dir)
     if not follow:
-        console.print(status_view(st))
+        console.print(status_view(st, console.width))
         return
-    with Live(status_view(st), console=console, refresh_per_second=1) as live:
+    with Live(status_view(st, console.width), console=console, refresh_per_second=1) as live:
         while st.state == "running":
             time.sleep(2)
             st = status_mod.read(run_dir)
-            live.update(status_view(st))
+            live.update(status_view(st, console.width))
 
 
 for command in (doctor, lab, export_cmd, push_cmd):
@@ -390,7 +394,8 @@ def main() -> None:
 
 def _fail(message: str, code: int = 2) -> None:
     """One line on stderr (plain print: rich would wrap it at the terminal width), exit code 2
-    (bad input) or 4 (a run could not write its files). Under torchrun rank 0 alone says it."""
+    (bad input), 4 (a run could not write its files) or 5 (the rollout engine broke). Under
+    torchrun rank 0 alone says it."""
     if os.environ.get("RANK", "0") == "0":
         print(f"minirl: error: {' '.join(message.split())}", file=sys.stderr)
     sys.exit(code)

@@ -19,26 +19,56 @@ console = Console(stderr=False, highlight=False, soft_wrap=not sys.stdout.isatty
 
 SET_HELP = "Override a recipe value, e.g. --set train.lr=1e-4 (repeatable). Keys are [section].key of the TOML recipe."
 
+def _tokens(row: dict) -> str:
+    """The tokens the loss trained on; "trained/sampled" where it dropped any (non-finite log μ)."""
+    trained, sampled = row.get("loss/tokens"), row.get("rollout/resp_tokens")
+    if trained is None:
+        return "-"
+    if sampled is None or trained >= sampled:
+        return _si(trained)
+    return f"[bold red]{_si(trained)}/{_si(sampled)}[/]"
+
+
+def _si(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:,.0f}"
+
+
+# (metrics key, title, format: a str.format pattern, or a function of the whole row)
 LIVE_KEYS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("rollout/acc", "acc", "{:.3f}"),
     ("train/entropy", "entropy", "{:.3f}"),
-    ("train/kl_mu_pi_old", "KL(μ‖π_old) k1", "{:.2e}"),  # the paper's estimator: can read below 0 (doctor: k3)
+    ("train/kl_mu_pi_old", "KL(μ‖π_old)", "{:.2e}"),  # k1, the paper's estimator: can read below 0 (doctor: k3)
     ("loss/is_weight_mean", "IS mean", "{:.3f}"),
     ("loss/is_weight_max", "IS max", "{:.2f}"),
     ("loss/clip_frac", "clip", "{:.3f}"),
-    ("rollout/resp_len", "len", "{:.2f}"),
-    ("sync/parity_abs_dlogp", "|Δlogp| sync", "{:.1e}"),
+    ("rollout/resp_len", "len", "{:.1f}"),
+    ("loss/tokens", "tokens", _tokens),  # trained on, of those sampled (#72: never fewer in silence)
+    ("rollout/logp_nonfinite_frac", "log μ NaN", "{:.1%}"),
+    ("sync/parity_abs_dlogp", "parity", "{:.1e}"),  # |Δ log p| vLLM vs trainer after the last checked sync
 ]
 # a run with rollout.max_staleness ≥ 1 writes these too: how many updates behind its batch was, what
 # is ahead, and the shares of the wall time the engine had nothing to do and the trainer waited on it
 ASYNC_KEYS = [("rollout/staleness_mean", "stale", "{:.2f}"), ("rollout/batches_ahead", "ahead", "{:d}"),
               ("timing/engine_idle_frac", "engine idle", "{:.0%}"), ("timing/trainer_idle_frac", "trainer idle", "{:.0%}")]
+CELL = 24  # the widest "title value" cell, and its gap: a grid of width // CELL columns
 
 
-def live_keys(row: dict) -> list[tuple[str, str, str]]:
-    """The columns of a run's live table: its staleness too where the run samples ahead."""
+def live_keys(row: dict) -> list[tuple[str, str, object]]:
+    """The cells of a run's live table: its staleness too where the run samples ahead."""
     return LIVE_KEYS + (ASYNC_KEYS if "rollout/staleness_mean" in row else [])
+
+
+def metrics_grid(row: dict, width: int):
+    """A row's metrics as "title value" cells, as many a line as `width` holds (80 columns: 3)."""
+    grid = Table.grid(padding=(0, 2))
+    cells = [f"[dim]{title}[/] {_fmt(row.get(k), f, row)}" for k, title, f in live_keys(row)]
+    per_line = max(1, min(len(cells), width // CELL))
+    for _ in range(per_line):
+        grid.add_column()
+    for i in range(0, len(cells), per_line):
+        grid.add_row(*cells[i : i + per_line])
+    return grid
 
 
 class RunView:
@@ -58,13 +88,9 @@ class RunView:
             self.live.__exit__(*exc)
 
     def _render(self):
-        table = Table(box=None, pad_edge=False)
-        keys = live_keys(self.last)
-        for _, title, _ in keys:
-            table.add_column(title, justify="right")
-        if self.last:
-            table.add_row(*[_fmt(self.last.get(k), f) for k, _, f in keys])
-        return Group(self.progress, table)
+        if not self.last:
+            return self.progress
+        return Group(self.progress, metrics_grid(self.last, self.console.width))
 
     def on_event(self, kind: str, data: dict) -> None:
         if kind == "start":
@@ -82,8 +108,7 @@ class RunView:
             self.console.print(f"held-out {data['which']}: {self.eval_key} = [bold]{data[self.eval_key]:.3f}[/] "
                                f"over {data['problems']} problems (T={data['temperature']})")
         elif kind == "step":
-            parity = data.get("sync/parity_abs_dlogp")
-            if isinstance(parity, float) and math.isnan(parity):  # not checked this step: show the last check
+            if "sync/parity_abs_dlogp" not in data:  # not checked this step: show the last check
                 data = {**data, "sync/parity_abs_dlogp": self.last.get("sync/parity_abs_dlogp")}
             self.last = data
             self.progress.update(self.task, completed=data["step"])
@@ -122,7 +147,9 @@ class RunView:
             self.console.print(f"plot: {s['plot']}")
 
 
-def _fmt(v, f: str) -> str:
+def _fmt(v, f, row: dict | None = None) -> str:
+    if callable(f):
+        return f(row or {})
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f.format(v)
@@ -181,10 +208,10 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
 
 
 STATUS_COLORS = {"running": "green", "finished": "green", "interrupted": "yellow", "time_limit": "yellow",
-                 "killed": "red", "collapsed": "red"}
+                 "killed": "red", "collapsed": "red", "engine_fault": "red"}
 
 
-def status_view(st) -> Group:
+def status_view(st, width: int = 80) -> Group:
     """`minirl status`: the run's state line, its last metrics, held-out figures and guard events."""
     color = STATUS_COLORS.get(st.state, "cyan")
     pace = []
@@ -197,12 +224,10 @@ def status_view(st) -> Group:
                  f"step {st.step}/{st.total_steps}", *pace)
     parts = [head]
     if st.last:
-        table = Table(box=None, pad_edge=False)
-        keys = live_keys(st.last)
-        for _, title, _ in keys:
-            table.add_column(title, justify="right")
-        table.add_row(*[_fmt(st.last.get(k), f) for k, _, f in keys])
-        parts.append(table)
+        parity = {"sync/parity_abs_dlogp": st.parity} if st.parity is not None else {}
+        parts.append(metrics_grid({**st.last, **parity}, width))
+    if st.error:
+        parts.append(f"[bold red]stopped:[/] {st.error}")
     h = st.heldout
     if h.get("start"):
         metric = h.get("metric") or next(k for k in h["start"] if k.startswith("avg@"))

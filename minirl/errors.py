@@ -8,3 +8,16 @@ class UsageError(Exception):
 class RunIOError(Exception):
     """A run could not write its files (full disk, read-only folder). The CLI prints one line and
     exits with code 4; the newest complete checkpoint is intact and `--resume` continues from it."""
+
+
+class EngineFault(Exception):
+    """The rollout engine returned what no loss may train on (non-finite log-probs for a share of a
+    step's tokens, a parity check that is not finite): the engine is broken, not the policy, so the
+    guard's rollback would not help. The run stops before training on it (summary status
+    "engine_fault"); the CLI prints one line naming what broke and the setting that avoids it, and
+    exits with code 5. `row`: the step's metrics row, where the step's update was already applied
+    (a parity fault comes after the sync), so the run's files stay one row per step."""
+
+    def __init__(self, message: str, row: dict | None = None):
+        super().__init__(message)
+        self.row = row

@@ -5,7 +5,11 @@ would), on a job's first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT), s
 `torchrun --max-restarts` has something to restart.
 
 MINIRL_INJECT_NAN="loss@3,grad@5" makes step 3's loss and step 5's gradients NaN, to show that the
-guard keeps them out of the weights: `at_step` returns what to poison ("loss", "grad" or None).
+guard keeps them out of the weights: `at_step` returns what to poison ("loss", "grad", "logp", "parity" or None).
+
+MINIRL_INJECT_NAN="logp@2" breaks the rollout engine's output at step 2 as the FP8 engine broke on a
+GPU (#72): every sampled token's log μ after a response's first is NaN (`break_logprobs`), which
+the run must stop on before training. "parity@3": step 3's parity check comes back NaN.
 
 MINIRL_INJECT_INVERT="100" trains on the rewards inverted (1 − r) from step 100 on, while the
 reward logged and judged stays the grader's: the policy unlearns the task and the reward slides
@@ -14,6 +18,8 @@ with the entropy calm, the slide the guard must catch (#64). `at_step` returns "
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import signal
 
@@ -24,9 +30,15 @@ def at_step(step: int, rank: int) -> str | None:
         os.kill(os.getpid(), signal.SIGKILL)
     for item in os.environ.get("MINIRL_INJECT_NAN", "").split(","):
         what, _, at = item.strip().partition("@")
-        if what in ("loss", "grad") and at.isdigit() and int(at) == step:
+        if what in ("loss", "grad", "logp", "parity") and at.isdigit() and int(at) == step:
             return what
     invert = os.environ.get("MINIRL_INJECT_INVERT", "")
     if invert.isdigit() and step >= int(invert):
         return "invert"
     return None
+
+
+def break_logprobs(groups: list[list]) -> list[list]:
+    """Completions as a broken engine returns them: log μ NaN after each response's first token."""
+    return [[dataclasses.replace(c, logprobs=tuple(c.logprobs[:1]) + (math.nan,) * (len(c.logprobs) - 1))
+             for c in g] for g in groups]

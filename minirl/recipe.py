@@ -288,6 +288,10 @@ class GuardConfig:
     slide_window: int = number(30, 0)  # 0: no slide rule
     slide_z: float = number(4.0, 0, above=True)
     slide_drop_frac: float = number(0.25, 0, 1)
+    # the share of a step's response tokens whose log μ from the engine may be non-finite (dropped
+    # from the loss) before the run stops: more is a broken engine, not a bad policy, and no rollback
+    # mends it (errors.EngineFault); 0: none may be
+    max_nonfinite_logp: float = number(0.001, 0, 1)
     patience: int = number(3, 1)  # consecutive bad steps before a rollback
     max_rollbacks: int = number(3, 0)  # then the run stops as "collapsed"
     lr_factor: float = number(0.5, 0, 1, above=True)  # learning rate multiplier applied at each rollback

@@ -98,7 +98,7 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
         (1, "step"), (2, "rollback"), (3, "step"), (4, "rollback"), (5, "step"), (6, "stop")]
     assert [m["train/lr"] for m in rows] == pytest.approx([3e-4, 3e-4, 1.5e-4, 1.5e-4, 7.5e-5, 7.5e-5])  # halved
     # parity (every 10th sync by default) also checks the run's first sync and every rollback's
-    assert [not math.isnan(m["sync/parity_abs_dlogp"]) for m in rows] == [True, True, False, True, False, True]
+    assert ["sync/parity_abs_dlogp" in m for m in rows] == [True, True, False, True, False, True]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "collapsed" and summary["guard"]["rollbacks"] == 2
     assert [Path(p).name for p in summary["guard"]["rolled_back_to"]] == ["step_000000"] * 3

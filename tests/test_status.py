@@ -108,3 +108,28 @@ def test_a_run_that_samples_ahead_shows_its_staleness_in_status_and_the_plot(tmp
     plots.plot_metrics(run / "metrics.jsonl", tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 0 and titles[-2:] == [plots.STALENESS[1], plots.IDLE[1]]
     assert len(titles) == 8
+
+
+def test_status_shows_trained_tokens_nonfinite_share_the_last_parity_and_an_engine_fault_in_80_columns(tmp_path):
+    """#72: what a step trained on beside what was sampled, the share of log μ that was not finite,
+    the newest parity (a row has one only where a check was due) and what stopped the run; #74:
+    the cells fit 80 columns, the async ones included."""
+    from rich.console import Console
+
+    from cli.render import status_view
+
+    run = make_run(tmp_path, summary={"status": "engine_fault", "written_at": time.time(),
+                                      "error": "step 4: the rollout engine returned non-finite log-probs"})
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 4, "sync/parity_abs_dlogp": 0.029, "loss/tokens": 262144,
+                            "rollout/resp_tokens": 262144, "rollout/logp_nonfinite_frac": 0.0}) + "\n")
+        f.write(json.dumps({"step": 5, "loss/tokens": 256, "rollout/resp_tokens": 262144,
+                            "rollout/logp_nonfinite_frac": 0.999, "train/kl_mu_pi_old": 1.5e-3,
+                            "rollout/staleness_mean": 1.0, "rollout/batches_ahead": 1,
+                            "timing/engine_idle_frac": 0.5, "timing/trainer_idle_frac": 0.25}) + "\n")
+    c = Console(width=80, record=True)
+    c.print(status_view(status.read(run), 80))
+    out = c.export_text()
+    assert "engine_fault" in out and "stopped: step 4: the rollout engine returned non-finite log-probs" in out
+    assert "tokens 256/262.1k" in out and "log μ NaN 99.9%" in out and "parity 2.9e-02" in out
+    assert max(len(line) for line in out.splitlines()) <= 80

@@ -17,7 +17,7 @@ from pathlib import Path
 from minirl import atomic, store
 from minirl import recipes
 from minirl.run import status as status_mod
-from minirl.errors import RunIOError, UsageError
+from minirl.errors import EngineFault, RunIOError, UsageError
 from minirl.train.hf_io import save_hf_folder
 from minirl.launch import World
 from minirl.run.loop import RLRun
@@ -168,7 +168,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     metrics_path = run_dir / "metrics.jsonl"
     if world.main:
         store.truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
-    status = "finished"
+    status, fault = "finished", None
     last_eval = (None, {})  # (step, held-out result) of the newest periodic eval (eval.every)
     t_rl = time.time()
     timing = rl.state.timing  # summed over the run's attempts (a checkpoint carries it)
@@ -185,7 +185,15 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 status = "time_limit"
                 break
             rl_clock.start()
-            m = rl.step()
+            try:
+                m = rl.step()
+            except EngineFault as e:  # the engine broke: nothing untrained-on is lost, no rollback mends it
+                status, fault = "engine_fault", str(e)
+                if e.row is not None:  # the step trained before its parity check failed: its row stays
+                    mf.write(json.dumps(e.row) + "\n")
+                    mf.flush()
+                on_event("fault", {"text": fault})
+                break
             rl_clock.lap("loop")  # "loop": the RL clock, every step's wall, held-out evals left out
             m["timing/loop_s"] = round(timing["loop"], 4)
             if rec.eval.every and rl.state.step % rec.eval.every == 0:
@@ -219,13 +227,16 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             rl_clock.lap("loop")  # writing the row, the sinks and the checkpoint are RL time too
     rl_s = time.time() - t_rl
 
-    final = rl.save(f"step_{rl.state.step:06d}")
-    rl.prune(rec.checkpoint.keep)
-    on_event("checkpoint", {"path": str(final), "step": rl.state.step})
+    final = rl.state.run_dir / "checkpoints" / f"step_{rl.state.step:06d}"
+    if not (fault and final.is_dir()):  # a fault right after a scheduled checkpoint: it holds these weights
+        final = rl.save(final.name)
+        rl.prune(rec.checkpoint.keep)
+        on_event("checkpoint", {"path": str(final), "step": rl.state.step})
     # A stop signal asks for a prompt exit (a scheduler's grace period is seconds): the checkpoint
     # above is all `--resume` needs, so the held-out eval and the HF folder, minutes each on a large
-    # model, wait for the run's real end (or `minirl export`); a periodic eval of these weights counts
-    stopping = status == "interrupted"
+    # model, wait for the run's real end (or `minirl export`); a periodic eval of these weights counts.
+    # A broken engine cannot evaluate anything
+    stopping = status in ("interrupted", "engine_fault")
     heldout_end = last_eval[1] if last_eval[0] == rl.state.step else None  # the same weights: once
     if heldout_end is None and not stopping:
         t0 = time.time()
@@ -241,7 +252,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s,
               **{k: v - before.get(k, 0.0) for k, v in rl.state.timing.items()}}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
-                            heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path)
+                            heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path,
+                            error=fault)
     sinks.close(summary)
     on_event("done", summary)
     return summary

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from minirl import atomic, faults, store
+from minirl.errors import EngineFault
 from minirl.train import objective
 from minirl.train.batch import Batch, build_batch
 from minirl.data import PromptSampler
@@ -106,6 +107,8 @@ class RLRun:
         clock.start()
 
         problems, groups = self.rollouts.next(step)
+        if inject == "logp":  # faults.py: the engine's output as a broken engine returns it
+            groups = faults.break_logprobs(groups)
         B = len(problems)
         clock.lap("rollout")
 
@@ -118,6 +121,7 @@ class RLRun:
         adv_PG = objective.group_advantages(1 - rewards_PG if inject == "invert" else rewards_PG, std_scale=r.loss.adv_std)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad)
+        tokens = self._check_engine_logp(batch, step)  # stops here, before any loss, on a broken engine
         clock.lap("grade")
 
         # π_θold. On-policy (N = 1) the one update's forward is at θ_old: it yields log π_θold itself
@@ -171,7 +175,7 @@ class RLRun:
         clock.lap("sync")
         every = r.rollout.parity_every  # after the run's first sync, every k-th, and every rollback
         due = every and (step == self.first_step + 1 or step % every == 0 or rollback_to)
-        parity = self.parity() if due else float("nan")
+        parity = (math.nan if inject == "parity" else self.parity()) if due else None  # None: not due, no value
         clock.lap("parity")
 
         self.state.step = step
@@ -185,17 +189,19 @@ class RLRun:
             "rollout/zero_adv_groups": float((adv_PG.abs().sum(-1) == 0).float().mean()),
             **replay_metrics,
         }, sums=("rollout/grader_errors", "rollout/grader_timeouts"))
-        return {
+        row = {
             "step": step,
             "rollout/reward_mean": reward,
             **rollout_metrics,
+            **tokens,
             "train/entropy": entropy,
             "train/kl_mu_pi_old": kl,
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "sync/parity_abs_dlogp": parity,
+            **({"sync/parity_abs_dlogp": parity} if parity is not None else {}),
             **self.rollouts.metrics(),  # k ≥ 1: how stale the step's batch was, what is ahead
-            **{k: sum(m[k] for m in mb_metrics) / len(mb_metrics) for k in mb_metrics[0]},
+            # means over the mini-batches, but the tokens the loss saw are the step's: summed
+            **{k: sum(m[k] for m in mb_metrics) / (1 if k == "loss/tokens" else len(mb_metrics)) for k in mb_metrics[0]},
             "loss/is_weight_max": max(m["loss/is_weight_max"] for m in mb_metrics),
             "loss/clip_frac_per_mb": [m["loss/clip_frac"] for m in mb_metrics],
             **{f"timing/{k}_s": round(v, 4) for k, v in self.state.timing.items()},
@@ -208,6 +214,12 @@ class RLRun:
                else {}),
             **rollback_to,
         }
+        if parity is not None and not math.isfinite(parity):  # the step trained: its row stays, the run stops
+            del row["sync/parity_abs_dlogp"]  # no NaN in the file: the summary's error says what failed
+            raise EngineFault(f"step {step}: the parity check after the sync is {parity} (mean |log μ − log π| over "
+                              f"{PARITY_BATCH} fixed responses): the engine's log-probs are broken, not the policy; "
+                              f"{self._engine_advice()}", row=row)
+        return row
 
     # ----- pieces of a step ---------------------------------------------------------------------
     def _old_policy(self, batch: Batch, comps: list, fused: bool):
@@ -233,6 +245,37 @@ class RLRun:
                     batch.rollout_logp_BT, own_logp, batch.mask_BT),
             })
         return routes, metrics, old
+
+    def _check_engine_logp(self, batch: Batch, step: int) -> dict:
+        """The step's response tokens and the share whose log μ is not finite (over all ranks), for
+        its row; above guard.max_nonfinite_logp the engine is broken and the run stops before any
+        loss sees the batch (`valid_mask` would drop those tokens, the step would train on the rest)."""
+        n = self.world.mean({"resp": float(batch.mask_BT.sum()),
+                             "bad": float(objective.nonfinite_tokens(batch.mask_BT, batch.rollout_logp_BT))},
+                            sums=("resp", "bad"))
+        frac = n["bad"] / max(n["resp"], 1.0)
+        limit = self.rec.guard.max_nonfinite_logp
+        if frac > limit:
+            raise EngineFault(f"step {step}: the rollout engine returned non-finite log-probs for {frac:.1%} of the "
+                              f"step's {int(n['resp']):,} response tokens (guard.max_nonfinite_logp = {limit:g}); "
+                              f"nothing was trained on them: {self._engine_advice()}")
+        return {"rollout/resp_tokens": n["resp"], "rollout/logp_nonfinite_frac": frac}
+
+    def _engine_advice(self) -> str:
+        """The settings that avoid what broke the engine before, and how the run goes on."""
+        r = self.rec.rollout
+        cuda = self.world.device.type == "cuda"
+        if cuda and r.precision == "fp8" and r.cuda_graphs:
+            fix = ("FP8 decode through CUDA graphs after a weight reload is the suspect (docs/precision.md): set "
+                   "rollout.cuda_graphs = false, or rollout.precision = \"bf16\"")
+        elif cuda and r.cuda_graphs:
+            fix = "rule out CUDA graphs with rollout.cuda_graphs = false, FP8 with rollout.precision = \"bf16\""
+        elif r.precision != "bf16":
+            fix = f"rule out the rollout precision ({r.precision}) with rollout.precision = \"bf16\""
+        else:
+            fix = "no setting is known to cause it here (bf16, eager): keep the run's log for a report"
+        return (f"{fix}, then `minirl run {self.ws.root} --resume --set ...` continues from the newest checkpoint, "
+                "which is intact")
 
     def _guard_view(self, batch: Batch, old_logp: torch.Tensor, ent: torch.Tensor) -> tuple[float, float]:
         """KL(μ_old ‖ π_old) and the entropy of π_old, over all ranks (token-weighted; every rank has

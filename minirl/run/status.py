@@ -5,7 +5,8 @@ What a run leaves: `process.json` (who runs it: pid, host, start), `metrics.json
 step), `checkpoints/step_*`, `recipe.toml`, and `summary.json` at the end. The state is
 - running:     process.json names a live minirl process on this host (the pid is checked against
                its command line, so a reused pid is not mistaken for the run);
-- finished / interrupted / time_limit / collapsed: what summary.json says, once no process runs it;
+- finished / interrupted / time_limit / collapsed / engine_fault: what summary.json says, once no
+               process runs it (engine_fault: the rollout engine broke; its `error` says how);
 - killed:      neither (the process died without a summary: `minirl run --resume` continues it);
 - running on HOST?: the process is on another host and the run has no summary yet.
 """
@@ -48,6 +49,8 @@ class RunStatus:
     process: dict = field(default_factory=dict)
     preempted: int = 0  # requests the engine's scheduler preempted, over the rows read
     regenerated: int = 0  # of their samples, drawn again because their routes were recomputed (R3)
+    parity: float | None = None  # the newest parity check's |Δ log p| (a row has one only where one was due)
+    error: str | None = None  # what stopped the run, where the summary says (an engine fault)
 
 
 def latest_run(ws_root: Path) -> Path:
@@ -85,6 +88,8 @@ def read(run_dir: Path) -> RunStatus:
         newest_checkpoint=ckpts[-1] if ckpts else None, process=proc,
         preempted=sum(r.get("rollout/preempted", 0) for r in rows),
         regenerated=sum(r.get("rollout/regenerated", 0) for r in rows),
+        parity=next((r["sync/parity_abs_dlogp"] for r in reversed(rows) if "sync/parity_abs_dlogp" in r), None),
+        error=summary.get("error") if state != "running" else None,
     )
 
 

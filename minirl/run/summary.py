@@ -14,7 +14,8 @@ from minirl import store
 from minirl.run.plots import plot_metrics
 
 
-def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path) -> dict:
+def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path,
+                  error: str | None = None) -> dict:
     """runs/<id>/summary.json (fields documented in docs/runs.md) plus the metrics plot."""
     key = f"avg@{rl.rec.eval.k}"
     run_dir = rl.state.run_dir
@@ -37,6 +38,7 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
         "recipe": rl.rec.to_dict(),
         "env": _environment(),
         **({"signal": signal.Signals(stop_signal).name} if status == "interrupted" else {}),
+        **({"error": error} if error else {}),  # what stopped it (status "engine_fault")
     }
     try:
         summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))

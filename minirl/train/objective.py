@@ -39,6 +39,12 @@ def valid_mask(mask_BT: torch.Tensor, rollout_logp_BT: torch.Tensor) -> torch.Te
     return mask_BT * torch.isfinite(rollout_logp_BT).to(mask_BT.dtype)
 
 
+def nonfinite_tokens(mask_BT: torch.Tensor, rollout_logp_BT: torch.Tensor) -> int:
+    """How many response tokens have a log μ that is not finite: what `valid_mask` would drop.
+    Counted before any loss, so a batch the engine broke is never trained on in silence."""
+    return int((mask_BT.bool() & ~torch.isfinite(rollout_logp_BT)).sum())
+
+
 def group_advantages(rewards_PG: torch.Tensor, *, std_scale: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """A(x, y_i) = R(x, y_i) − mean_j R(x, y_j) over the G responses of the same prompt x.
 

@@ -1,0 +1,107 @@
+"""A broken rollout engine stops the run in one line (#72): the FP8 engine on the H200 returned
+non-finite log μ for every decoded token after its first sleep, and the run trained on one token a
+response without a word. Here the engine's output is broken the same way at the narrowest seam
+(faults.py: log μ NaN after each response's first token), and a parity check comes back NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["--set", "train.prompts_per_step=8", "--set", "train.group_size=4", "--set", "eval.k=1",
+         "--set", "rollout.max_tokens=4", "--set", "eval.max_problems=8"]
+
+
+def minirl(*args, **env):
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1", **env})
+
+
+def said(r) -> list[str]:
+    """minirl's own lines on stderr (libraries may warn there too): one, and no traceback."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("minirl:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    return lines
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    from minirl.models import TINY
+    from minirl.train.trainer import Trainer
+
+    tr = Trainer(TINY, lr=1e-3)
+    tr.load(ckpt, with_optim=False)
+    return {k: v.clone() for k, v in tr.model.state_dict().items()}
+
+
+@pytest.fixture()
+def ws(tiny_dir, tmp_path) -> Path:
+    from tests.conftest import data_workspace, last_digit_rewards
+
+    ws = data_workspace(tmp_path / "ws")
+    last_digit_rewards(ws)  # rewards the random model earns: every step's update moves the weights
+    return ws
+
+
+@pytest.mark.slow
+def test_nonfinite_engine_logprobs_stop_the_run_before_any_update_and_resume_continues(ws, tiny_dir):
+    # the same seeded run for one step: the weights a run holds after step 1
+    r = minirl("run", str(ws), "--model", str(tiny_dir), "--steps", "1", *STEPS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [one] = sorted((ws / "runs").iterdir())
+    after_step_1 = weights(one / "checkpoints" / "step_000001")
+
+    r = minirl("run", str(ws), "--model", str(tiny_dir), "--steps", "3", *STEPS, MINIRL_INJECT_NAN="logp@2")
+    assert r.returncode == 5, r.stderr[-3000:]
+    err = said(r)
+    # log μ NaN after each response's first token: every token but one a response
+    assert re.fullmatch(r"minirl: error: step 2: the rollout engine returned non-finite log-probs for 7\d\.\d% of the "
+                        r"step's 1\d\d response tokens \(guard.max_nonfinite_logp = 0.001\); nothing was trained on "
+                        r"them: .*--resume.*", err[0]), err[0]
+    run_dir = sorted((ws / "runs").iterdir())[-1]
+    got = rows(run_dir)
+    assert [m["step"] for m in got] == [1]
+    assert got[0]["rollout/logp_nonfinite_frac"] == 0 and got[0]["loss/tokens"] == got[0]["rollout/resp_tokens"] > 100
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "engine_fault" and summary["steps"] == 1 and summary["error"] in err[0]
+    assert summary["heldout"]["end"] is None and summary["hf_folder"] is None  # a broken engine evaluates nothing
+    # nothing of the damaged batch reached the weights: the run ends on step 1's, bit for bit
+    final = Path(summary["checkpoint"])
+    assert final.name == "step_000001" and not (run_dir / "checkpoints" / "step_000002").exists()
+    assert all(torch.equal(v, after_step_1[k]) for k, v in weights(final).items())
+
+    st = minirl("status", str(ws))
+    assert st.returncode == 0 and "engine_fault" in st.stdout and "stopped: step 2: the rollout engine" in st.stdout
+
+    # the engine mended (no fault this time), --resume trains on from step 1: one row a step
+    r = minirl("run", str(ws), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_parity_check_that_is_not_finite_stops_the_run_with_its_step_kept(ws, tiny_dir):
+    r = minirl("run", str(ws), "--model", str(tiny_dir), "--steps", "4", *STEPS, "--set", "rollout.parity_every=1",
+               MINIRL_INJECT_NAN="parity@2")
+    assert r.returncode == 5, r.stderr[-3000:]
+    err = said(r)
+    assert err[0].startswith("minirl: error: step 2: the parity check after the sync is nan"), err
+    run_dir = sorted((ws / "runs").iterdir())[-1]
+    got = rows(run_dir)
+    # step 2 trained (its parity comes after its sync): its row and checkpoint stay, without a NaN
+    assert [m["step"] for m in got] == [1, 2] and "sync/parity_abs_dlogp" not in got[1]
+    assert 0 < got[0]["sync/parity_abs_dlogp"] < 5e-2
+    assert all(m["rollout/logp_nonfinite_frac"] == 0 for m in got)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "engine_fault" and Path(summary["checkpoint"]).name == "step_000002"
