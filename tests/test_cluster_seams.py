@@ -48,6 +48,8 @@ def test_engine_args_alone_and_without_sleep():
     # CUDA graphs on a GPU unless the recipe says otherwise (rollout.cuda_graphs); the CPU engine is eager
     assert alone["enforce_eager"] is False and engine_args(s, cuda=False, spmd=False)["enforce_eager"] is True
     assert engine_args(dataclasses.replace(s, cuda_graphs=False), cuda=True, spmd=False)["enforce_eager"] is True
+    # #73: graphs captured for the batches a decode step can have, not vLLM's default of twice as many
+    assert alone["compilation_config"] == {"max_cudagraph_capture_size": s.max_num_seqs}
 
 
 def test_a_gpu_run_plans_against_its_device_and_gives_vllm_the_plans_share(monkeypatch):

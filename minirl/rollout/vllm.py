@@ -126,6 +126,9 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         quantization="fp8_per_channel" if s.fp8 and cuda else None,
         use_tqdm_on_load=False,
         kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib > 0 else None,
+        # a decode step runs at most max_num_seqs sequences: vLLM's default captures graphs up to
+        # twice that, and each capture costs start-up time and graph memory (#73)
+        compilation_config={"max_cudagraph_capture_size": s.max_num_seqs},
     )
     if s.kv_block:
         args["block_size"] = s.kv_block

@@ -12,6 +12,8 @@ What each checks, with its figures in the report:
   following the trainer after a real update (mean |Δ log p| engine vs trainer);
 - R3: routes captured by the engine, replayed in the trainer, used on every fed position;
 - sleep at level 1 and 2, then wake: memory freed and given back, the same samples after;
+- FP8 decode, through CUDA graphs and eager, after a reload awake, a level-1 and two level-2 sleeps:
+  every log μ finite and the same tokens (#72: which stage breaks, and whether eager avoids it);
 - a few steps of `minirl run` on that model with vLLM on CUDA, end to end.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -228,6 +231,50 @@ def test_sleep_frees_memory_and_wake_gives_the_same_samples(device, shape, model
     kit.record(f"sleep level {level}", {"freed_gib": freed, "taken_back_gib": (free_asleep - free_woken) / 2**30})
     assert freed > 3.5  # at least the 4 GiB KV cache (and at level 2 the weights)
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_fp8_decode_survives_reloads_and_sleep_with_the_same_tokens_and_finite_logprobs(device, shape, model_dir,
+                                                                                        graphs):
+    """#72: on the H200 the FP8 engine with CUDA graphs decoded non-finite log μ after its first
+    level-2 sleep (prefill, eager, stayed right). One engine, the same weights synced back each
+    time, the same seeded call (≥ 32 decode steps) after each of: a reload awake, a level-1 sleep,
+    and two level-2 sleeps: each stage's share of finite log μ and whether its tokens are the first
+    call's go to the report before anything is asserted, so one visit tells which stage breaks
+    (the cause) and whether eager decode (the shipped recipes' setting) avoids it."""
+    if device.type != "cuda":
+        pytest.skip("vLLM's CPU backend has no FP8 kernels, CUDA graphs or sleep mode")
+    from minirl.rollout.vllm import VLLMEngine
+    from minirl.train.hf_io import load_hf_weights
+
+    key = f"fp8-sleep-{'graphs' if graphs else 'eager'}"
+    if key not in _ENGINES:  # sleep mode on, few sequences: few graphs to capture, a short start
+        _ENGINES[key] = VLLMEngine(model_dir, dtype="bfloat16", fp8=True, seed=0, max_model_len=512, max_num_seqs=32,
+                                   memory_fraction=0.05, kv_cache_gib=1.0, sleep_level=2, cuda_graphs=graphs)
+    engine = _ENGINES[key]
+    weights = load_hf_weights(model_dir)
+    prompts = _prompts(shape, 32, seed=7)
+
+    def call():
+        groups = engine.generate(prompts, n=1, temperature=1.0, max_tokens=48, seed=11)
+        comps = [g[0] for g in groups]
+        lps = [x for c in comps for x in c.logprobs]
+        return [c.token_ids for c in comps], sum(math.isfinite(x) for x in lps) / len(lps)
+
+    first, finite = call()
+    stages = {"first call": (finite, True)}
+    for stage, level in (("reload awake", 0), ("level-1 sleep, wake, reload", 1), ("level-2 sleep, reload", 2),
+                         ("second level-2 sleep, reload", 2)):
+        engine.sleep_level = level
+        engine.sleep()  # a no-op at level 0
+        engine.load_weights(weights.items())  # what each step's sync does (wakes the engine first)
+        tokens, finite = call()
+        stages[stage] = (finite, tokens == first)
+    engine.sleep_level = 2
+    kit.record(f"FP8 decode after reloads and sleep [{'CUDA graphs' if graphs else 'eager'}]",
+               {stage: f"finite {f:.3f}, same tokens {same}" for stage, (f, same) in stages.items()})
+    assert all(f == 1.0 for f, _ in stages.values()), stages
+    assert all(same for _, same in stages.values()), stages
 
 
 def test_a_few_steps_of_minirl_run_on_this_model(device, shape, model_dir, tmp_path):
