@@ -170,8 +170,12 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
                       f"({plan.adapters / plan.params:.2%} of the model); the base is frozen")
     console.print(f"  mesh: {plan.nodes} node(s) × {plan.gpus_per_node} GPU(s) of {plan.gpu_gib:g} GiB; "
                   + ", ".join(f"{k} {v}" for k, v in plan.mesh.items()))
+    chosen = ("" if not plan.micro_batch_chosen else " (the plan's: the largest with which every phase fits)"
+              if plan.fits else " (the plan's: none fits, so the whole mini-batch)")
     console.print(f"  tokens per step ≤ {plan.tokens_per_step:,} (prompt + max response); micro-batch "
-                  f"{plan.micro_batch_tokens:,} tokens per GPU")
+                  f"{plan.micro_batch_tokens:,} tokens per GPU{chosen}; the trainer computes "
+                  + ("in one process under bf16 autocast" if plan.trainer_path == "one process"
+                     else "under FSDP2 in bf16 parameters"))
     console.print(f"  FLOPs per step: training {plan.train_flops_per_step:.3g} (π_old + update), rollout "
                   f"{plan.rollout_flops_per_step:.3g}")
     table = Table(title="memory per GPU" + (" (a training GPU; \"rollout GPU:\" a rollout GPU's)" if plan.rollout_gpus

@@ -116,18 +116,6 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
-    def gpu_memory(self) -> dict[str, float]:
-        """This rank's GPU memory for the step's metrics row (nothing on a CPU): the most torch's
-        allocator held at once since the last call (`gpu/peak_alloc_gib`, reset here), and what the
-        device has in use now (`gpu/used_gib`: after the sync, the engine awake beside the
-        trainer's state, the plan's rollout phase; with the CUDA context and anything outside torch)."""
-        if self.device.type != "cuda":
-            return {}
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return {"gpu/peak_alloc_gib": round(peak / 2**30, 3), "gpu/used_gib": round((total - free) / 2**30, 3)}
-
     def broadcast(self, obj: T) -> T:
         """Rank 0's `obj` on every rank (a run folder's name; a part's first rank's, to its ranks)."""
         if self.size == 1:

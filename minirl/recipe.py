@@ -207,7 +207,9 @@ class TrainConfig:
     prompts_per_step: int = number(32, 1)  # B
     group_size: int = rule(8, _a_group, 1, max_samples_per_prompt)  # G (vLLM's n per request bounds it)
     minibatches: int = number(1, 1)  # N: updates per step (N > 1 = off-policy mini-batches)
-    micro_batch_tokens: int = number(0, 0)  # tokens per forward/backward (gradient accumulation); 0 = a whole mini-batch
+    # tokens per forward/backward (gradient accumulation, and π_old's chunks); 0 = the plan's: on a GPU
+    # the largest with which every phase fits (--dry-run prints it), on a CPU a whole mini-batch
+    micro_batch_tokens: int = number(0, 0)
     lr: float = number(3e-4, 0, above=True)
     # the learning rate rises linearly to `lr` over the first warmup_steps RL steps (lr·s/warmup at
     # step s): LoRA's first Adam steps move every adapter entry by about lr at once (docs/lora.md)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 
 class Stopwatch:
@@ -13,8 +14,9 @@ class Stopwatch:
     ['rollout', 'update']
     """
 
-    def __init__(self, totals: dict[str, float]):
-        self.totals = totals
+    def __init__(self, totals: dict[str, float], *, on_lap: Callable[[str], None] | None = None):
+        """on_lap(phase): called as each lap ends a phase (run/gpumem.py reads the GPU's memory there)."""
+        self.totals, self.on_lap = totals, on_lap
         self._t = time.perf_counter()
 
     def start(self) -> None:
@@ -25,4 +27,6 @@ class Stopwatch:
         """Book the time since the last lap (or `start`) to `phase`."""
         now = time.perf_counter()
         self.totals[phase] = self.totals.get(phase, 0.0) + (now - self._t)
-        self._t = now
+        if self.on_lap is not None:
+            self.on_lap(phase)
+        self._t = time.perf_counter()  # what on_lap costs is booked nowhere

@@ -1,14 +1,26 @@
-"""The grader interface and its registry (entry-point group `minirl.graders`)."""
+"""The grader interface and its registry: the built-ins, then whatever the entry-point group
+`minirl.graders` adds (third-party packages)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol
 
 from minirl.errors import UsageError
 
 GROUP = "minirl.graders"
+# minirl's own graders, registered here rather than as entry points of its package metadata: they
+# are there wherever minirl's folder is importable, installed or not (the GPU kit runs minirl from a
+# checkout on PYTHONPATH, where entry points do not exist: #72)
+BUILTIN = {
+    "exact": "rewards.builtin:ExactGrader",
+    "numeric": "rewards.builtin:NumericGrader",
+    "regex": "rewards.builtin:RegexGrader",
+    "math": "rewards.math:MathGrader",
+    "arith": "rewards.builtin:ArithGrader",
+    "code": "rewards.code:CodeGrader",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +62,10 @@ def describe(fields: tuple[tuple[str, ...], ...]) -> str:
 
 
 def available() -> dict[str, Any]:
-    return {ep.name: ep for ep in entry_points(group=GROUP)}
+    """Name → entry point of every grader: the built-ins, and the plug-ins' (a plug-in cannot
+    take a built-in's name)."""
+    plugins = {ep.name: ep for ep in entry_points(group=GROUP)}
+    return {**plugins, **{name: EntryPoint(name, value, GROUP) for name, value in BUILTIN.items()}}
 
 
 def load_grader(name: str, params: dict[str, Any] | None = None) -> Grader:

@@ -101,7 +101,7 @@ def test_a_model_too_large_for_this_node_is_refused_before_any_download(monkeypa
     from minirl import recipes
     from minirl.errors import UsageError
     from minirl.setup.preflight import check_fits
-    from minirl.setup.plan import host_memory
+    from minirl.setup.footprint import host_memory
     from minirl.setup.limits import Platform
 
     cpu = Platform("cpu", 1, 2, 24.0)

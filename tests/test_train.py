@@ -205,3 +205,24 @@ def test_a_full_disk_inside_a_dcp_save_is_found_in_torchs_wrapped_failures():
     found = _os_error(CheckpointException("write", {0: wrapped}))
     assert isinstance(found, OSError) and found.errno == errno.ENOSPC
     assert _os_error(CheckpointException("write", {0: _wrap_exception(ValueError("x"))})) is None
+
+
+def test_logprobs_forwards_at_most_the_micro_batchs_tokens_at_once():
+    """#72: π_old of an off-policy step's mini-batch (or of 32k-token responses) is forwarded in
+    chunks of at most train.micro_batch_tokens tokens (one row at least), and equals the whole
+    batch's forward."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 30, (4,), generator=g).tolist() for _ in range(7)]
+    batch = build_batch(prompts, [torch.randint(3, 30, (6,), generator=g).tolist() for _ in prompts], None, None,
+                        pad_id=0)
+    L = batch.tokens_BL.shape[1]
+    whole = Trainer(TINY, lr=1e-3, seed=0)
+    chunked = Trainer(TINY, lr=1e-3, seed=0, micro_batch_tokens=3 * L + 1)  # 3 rows a forward
+    seen = []
+    chunked.model.register_forward_hook(lambda mod, args, out: seen.append(int(args[0].shape[0])))
+    lp, ent, _ = chunked.logprobs(batch)
+    assert seen == [3, 3, 1]
+    want_lp, want_ent, _ = whole.logprobs(batch)
+    m = batch.mask_BT.bool()
+    torch.testing.assert_close(lp[m], want_lp[m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[m], want_ent[m], rtol=0, atol=1e-5)

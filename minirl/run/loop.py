@@ -33,6 +33,7 @@ from minirl.train.batch import Batch, build_batch
 from minirl.data import PromptSampler
 from minirl.data import response_text
 from minirl.eval.evaluate import evaluate
+from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
 from minirl.launch import World
 from minirl.setup.preflight import RunInputs
@@ -77,7 +78,8 @@ class RLRun:
         self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
         self.grading = inputs.grading
         self.state = RunState(run_dir=run_dir, lr=rec.train.lr)
-        self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device)
+        self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device,
+                                           micro_batch_tokens=inputs.micro_batch_tokens)  # a GPU run's: its plan's
         sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
         self.guard = Guard.from_settings(rec.guard, prompts=rec.train.prompts_per_step)
         self.last_good: Path | None = inputs.resume_from
@@ -89,7 +91,8 @@ class RLRun:
             self.state.restore(record)
             self.guard.restore(record)
             self.trainer.set_lr(self.state.lr)
-        self.clock = Stopwatch(self.state.timing)
+        self.gpu = PhasePeaks(world.device, resident=self.trainer.device_bytes)  # the step's memory, phase by phase
+        self.clock = Stopwatch(self.state.timing, on_lap=self.gpu.lap)
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
                                              clock=self.clock, memory_fraction=inputs.engine_fraction)
         if record is not None:
@@ -141,8 +144,7 @@ class RLRun:
             mb = batch.select(idx)
             loss, m, *own = self.trainer.forward_backward(
                 mb, objective.loss_for(r.loss, poison=inject == "loss"),
-                routes=routes[:, idx] if routes is not None else None,
-                micro_batch_tokens=r.train.micro_batch_tokens, with_logp=fused)
+                routes=routes[:, idx] if routes is not None else None, with_logp=fused)
             if fused:  # the one mini-batch is the whole batch, its forward π_θold
                 kl, entropy = self._guard_view(mb, *own)
             if inject == "grad":
@@ -209,7 +211,7 @@ class RLRun:
             "guard/rollbacks": self.guard.rollbacks,
             "guard/skipped_updates": self.guard.skipped,
             "train/lr": lr,  # the rate this step's updates used (a rollback lowers the next one)
-            **world.gpu_memory(),  # on a GPU: the step's peak and what the device holds after the sync
+            **self.gpu.row(),  # on a GPU: the step's peak, the trainer's own, what the device holds after the sync
             **({"guard/action": verdict.action, "guard/reason": verdict.reason} if verdict.action != "step" or verdict.reason
                else {}),
             **rollback_to,

@@ -41,7 +41,9 @@ def _ladder(rec, plan: Plan) -> list[list[dict]]:
             micro,
             [{"train.offload": "optimizer"}] if t.offload == "none" else [],
             [{"rollout.tensor_parallel": tp} for tp in tps],
-            [{"rollout.precision": "fp8"}] if not PRECISIONS[r.precision].rounds else [],
+            # FP8 decodes eagerly after a level-2 sleep until a GPU confirms a fix (validator.py, #72)
+            [{"rollout.precision": "fp8", **({"rollout.cuda_graphs": False} if r.sleep_level == 2 and r.cuda_graphs
+                                              else {})}] if not PRECISIONS[r.precision].rounds else [],
             [{"train.lora.rank": 16, "train.lr": float(f"{t.lr * LORA_LR_FACTOR:.3g}")}] if not t.lora.rank else [],
             [{"parallel.nodes": n, "parallel.gpus_per_node": g} for n, g in sorted(gpus, key=lambda x: x[0] * x[1])]]
 

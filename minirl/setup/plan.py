@@ -11,11 +11,19 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      one process (W = 1) holds its bf16 base whole and gathers nothing
     gathered layer   bf16 weights of the layers being computed, unsharded: 2 B × 2 layers (one prefetched);
                      of an MoE layer's experts only this rank's EP share
-    activations      per micro-batch of T tokens on this GPU, bf16, flash attention (Korthikanti et al.
-                     2022, 34·T·d bytes a dense layer; an MoE layer's FFN part scales with top-k ×
-                     its expert width); with activation checkpointing (train.activation_checkpoint
-                     = "full"; the row that counts follows it) only each layer's input
-                     (2·T·d bytes) is kept, plus one layer in full
+    activations      per micro-batch of T tokens on this GPU: what the forward keeps for the backward,
+                     on the path the run takes (`activation_bytes`): one process computes under
+                     bf16 autocast, FSDP2 (more than one rank) in bf16 parameters; both keep
+                     TorchTitan's fp32 residual stream and fp32 expert outputs, and autocast more
+                     (fp32 routed rows, norm outputs). Per MoE layer and token, read from the
+                     tensors saved (tests/test_memory_model.py holds it within 20% on the tiny and
+                     a 0.76B Qwen3-MoE): FSDP2 24d + 12(q + kv widths) + 2E + 12kd + 8kf bytes,
+                     one process 32d + 12(q + kv) + 4E + 16kd + 8kf (d the model width, E experts,
+                     k of them per token, f their width); a dense layer 34·d (Korthikanti et al.
+                     2022; not measured here). With activation checkpointing
+                     (train.activation_checkpoint = "full"; the row that counts follows it) only
+                     each layer's input is kept (3d bytes a token under FSDP2, 5d in one process),
+                     plus one layer in full; both, the final norm's fp32 input (4d)
     logits           the output head a chunk of 1,024 positions at a time where a micro-batch's bf16
                      logits pass 1 GiB (train/head.py): that chunk's bf16 logits and three fp32
                      [chunk, vocab] tensors; else T × vocab in bf16 and their gradient, plus one fp32
@@ -62,11 +70,11 @@ import math
 from dataclasses import dataclass, field
 
 from minirl import engine_sizing as sizing
-from minirl.models import ModelShape, active_params, lora_param_count, param_count
+from minirl.models import ModelShape, active_params, param_count
 from minirl.precisions import PRECISIONS
 from minirl.train.head import head_chunk
 from minirl.recipes import with_sets
-from minirl.models import lora_targets
+from minirl.setup.footprint import activation_bytes, host_memory, trainer_path, trainer_state
 
 GiB = 2**30
 HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUDA context, NCCL buffers)
@@ -74,63 +82,6 @@ LOGIT_CHUNK = 4096
 # pinned host <-> GPU copies, each GPU on its own PCIe Gen5 x16 link (64 GB/s a direction on paper):
 # an assumption for the transfer-time estimate, not a measurement
 HOST_LINK_BYTES_S = 25e9
-
-
-def trainer_state(rec, shape: ModelShape, *, device: str) -> tuple[dict, dict, dict, int]:
-    """One rank's training state in three groups, bytes by part: what it keeps (weights), the
-    gradients, Adam's moments; and the LoRA adapters' parameter count (0: every weight trains).
-    FSDP2 shards all of it over the world; with LoRA the base is frozen in the compute dtype
-    ("auto": bfloat16 on a GPU, float32 on a CPU) and the adapters train in fp32."""
-    t, world, P = rec.train, rec.parallel.training_gpus, param_count(shape)
-    if not t.lora.rank:
-        return ({"fp32 weights (sharded)": 4 * P / world}, {"fp32 gradients (sharded)": 4 * P / world},
-                {"Adam moments (sharded)": 8 * P / world}, 0)
-    adapters = lora_param_count(shape, t.lora.rank, lora_targets(t.lora.targets, shape))
-    base_bytes = 4 if t.param_dtype == "float32" or (t.param_dtype == "auto" and device == "cpu") else 2
-    return ({f"base weights ({'fp32' if base_bytes == 4 else 'bf16'}, frozen, sharded)": base_bytes * P / world,
-             "fp32 LoRA adapters (sharded)": 4 * adapters / world},
-            {"fp32 LoRA gradients (sharded)": 4 * adapters / world},
-            {"Adam moments of the adapters (sharded)": 8 * adapters / world}, adapters)
-
-
-def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float | None = None) -> dict[str, float]:
-    """What one node's host memory holds for the job on `device` ("cuda", or "cpu": the trainer and
-    the engine in host memory), by part, and its peak, in bytes; the layout is the recipe's
-    [parallel] section. Two moments: the start, when the trainer reads its checkpoint (rank 0 alone
-    reads it whole when sharded over several ranks: train.Trainer.load_hf; TorchTitan's layout
-    stacks an MoE's experts while the file's are still held, so they count twice), and between
-    updates (offloaded moments, engines asleep at level 1; on a CPU the trainer's state and the
-    engines). `checkpoint_bytes`: the safetensors' size, else the bf16 files Qwen3 releases are."""
-    p, t, r = rec.parallel, rec.train, rec.rollout
-    world, ranks = p.training_gpus, p.gpus_per_node - p.rollout_gpus
-    P = param_count(shape)
-    file_bytes = 2 * P if checkpoint_bytes is None else checkpoint_bytes
-    experts = shape.n_layers * shape.num_experts * 3 * shape.dim * shape.moe_hidden_dim if shape.is_moe else 0
-    read = file_bytes * (1 + experts / P)
-    w, g, m, _ = trainer_state(rec, shape, device=device)
-    weights, moments = sum(w.values()), sum(m.values())
-    rest = sum(g.values()) + moments
-    parts = {}
-    if device == "cpu":  # every rank's trainer, and its engine (TP 1 on a CPU), in host memory
-        # a TP the job cannot hold is check_layout's to refuse; rollout "GPUs" on a CPU: engine processes
-        engines = max(1, (p.nodes * p.rollout_gpus or world) // r.tensor_parallel)  # the job's
-        seqs = sizing.max_num_seqs(rec, engines)
-        wbytes = 4 if r.precision == "fp32" else 2  # the CPU engine serves FP8 as rounded bf16
-        parts["trainer (weights, gradients, Adam)"] = ranks * (weights + rest)
-        parts["vLLM engines (weights, KV cache)"] = (p.rollout_gpus or ranks) * (
-            wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(shape, seqs, sizing.max_model_len(rec), wbytes))
-        if p.rollout_gpus:  # the fp32 weights as one broadcast buffer, the sender's and each engine's (rollout/broadcast.py)
-            parts["weight broadcast buffers"] = (1 + p.rollout_gpus) * 4 * P  # this node's
-        else:  # k ≥ 1: the engine's process reads a sync from one of k fp32 snapshots in shared memory (`queue_weights`)
-            parts["weight snapshots for the engine's process (k ≥ 1)"] = r.max_staleness * 4 * P
-    else:
-        parts["Adam moments offloaded"] = ranks * moments if t.offload == "optimizer" else 0.0
-        parts["vLLM weights asleep"] = ranks * P * PRECISIONS[r.precision].weight_bytes / r.tensor_parallel \
-            if r.sleep_level == 1 else 0.0
-    start = read + (ranks * weights if device == "cpu" else 0.0)
-    parts = {k: v for k, v in parts.items() if v}
-    between = sum(parts.values())
-    return {"checkpoint read at start (rank 0)": read, **parts, "peak": max(start, between)}
 
 
 @dataclass
@@ -160,6 +111,8 @@ class Plan:
     offload_s_per_step: float  # the offloaded moments' trips over the host link (an estimate: HOST_LINK_BYTES_S)
     problems: list[str] = field(default_factory=list)
     rollout_gpus: int = 0  # per node, GPUs that only sample (parallel.rollout_gpus); 0: the engines beside the trainer
+    micro_batch_chosen: bool = False  # the plan chose micro_batch_tokens (the recipe's 0), and the run trains with it
+    trainer_path: str = "one process"  # how the trainer computes: "one process" (autocast) or "fsdp2" (trainer_path)
 
     @property
     def fits(self) -> bool:
@@ -297,6 +250,25 @@ def fit_mesh(rec, shape: ModelShape, keep=frozenset()) -> dict[str, int]:
 
 
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
+    """The plan of `rec` for GPUs of `gpu_gib`. With train.micro_batch_tokens = 0 the plan chooses
+    the micro-batch: the whole mini-batch of a GPU where it fits, else the largest power of two
+    tokens (at least one full-length sequence) with which every phase fits, else the whole
+    mini-batch (the plan then says what does not fit). `minirl run` on a GPU trains with the plan's."""
+    if rec.train.micro_batch_tokens:
+        return _make_plan(rec, shape, model=model, gpu_gib=gpu_gib)
+    seq = rec.data.max_prompt_tokens + rec.rollout.max_tokens
+    t = rec.train
+    whole = math.ceil(t.prompts_per_step * t.group_size * seq / t.minibatches / rec.parallel.training_gpus)
+    sizes = [whole] + [2**e for e in range(int(math.log2(max(whole - 1, 1))), -1, -1) if seq <= 2**e < whole]
+    plans = (_make_plan(with_sets(rec, {"train.micro_batch_tokens": m}), shape, model=model, gpu_gib=gpu_gib)
+             for m in sizes)
+    # none fits: the whole mini-batch's plan says what overflows (the advice then tries smaller ones)
+    plan = next((p for p in plans if p.fits), None) or _make_plan(rec, shape, model=model, gpu_gib=gpu_gib)
+    plan.micro_batch_chosen = True
+    return plan
+
+
+def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     p, t, r = rec.parallel, rec.train, rec.rollout
     world = p.training_gpus  # the trainer's ranks (every GPU, unless parallel.rollout_gpus keeps some to sample)
     split = p.rollout_gpus > 0
@@ -324,16 +296,12 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
 
     d, L = shape.dim, shape.n_layers
     layer_params = (P - shape.vocab_size * d * (1 if shape.tie_embeddings else 2)) // L
-    if shape.is_moe:  # attention and router (~10·T·d) + the top-k experts' gate/up/act/down
-        per_layer_act = 10 * micro * d + shape.top_k * micro * (2 * d + 8 * shape.moe_hidden_dim)
+    if shape.is_moe:
         experts = shape.num_experts * 3 * d * shape.moe_hidden_dim
         layer_params += experts // ep - experts  # FSDP gathers only this rank's EP share of the experts
-    else:
-        per_layer_act = 34 * micro * d
-    acts = {
-        "activations (no AC)": L * per_layer_act,
-        "activations (full AC)": L * 2 * micro * d + per_layer_act,
-    }
+    path = trainer_path(rec)
+    acts = {f"activations ({name})": sum(activation_bytes(shape, micro, path=path, ac=ac).values())
+            for name, ac in (("no AC", "none"), ("full AC", "full"))}
     chunk = head_chunk(micro, shape.vocab_size)
     # chunked head: a chunk's bf16 logits and three float32 [chunk, vocab] at most (head.py); else the
     # micro-batch's bf16 logits and their gradient, and one float32 chunk and its softmax
@@ -487,7 +455,7 @@ def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> P
         in_flight=in_flight, engine_fraction=engine_fraction, engine_start_free_gib=start_free / GiB, kv_sizing=kv_sizing,
         sequences_per_engine=seqs_engine,
         host_gib_per_node=host_per_node / GiB, host_gib={k: v / GiB for k, v in host.items()},
-        offload_s_per_step=offload_s, problems=problems, rollout_gpus=p.rollout_gpus,
+        offload_s_per_step=offload_s, problems=problems, rollout_gpus=p.rollout_gpus, trainer_path=path,
     )
 
 

@@ -130,7 +130,7 @@ def check_fits(rec, shape: ModelShape, platform: Platform, folder: Path | None =
     offloaded moments and sleeping engines; at the start, the checkpoint read (rank 0 alone when
     the trainer is sharded; `folder`'s safetensors, once known). Refused in one line before any
     weight is downloaded or engine started."""
-    from minirl.setup.plan import host_memory  # deferred: only a run that starts needs it
+    from minirl.setup.footprint import host_memory  # deferred: only a run that starts needs it
 
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     files = sorted(Path(folder).glob("*.safetensors")) if folder is not None else []
@@ -145,11 +145,13 @@ def check_fits(rec, shape: ModelShape, platform: Platform, folder: Path | None =
                          "`minirl run --dry-run` plans it for GPUs and other layouts")
 
 
-def check_gpu_plan(rec, shape: ModelShape, platform: Platform) -> float | None:
+def check_gpu_plan(rec, shape: ModelShape, platform: Platform):
     """On a GPU, the run's plan (what `--dry-run` prints) for the device it is on and the job's
     layout (this node's ranks, and nodes from the world size): refused in the dry run's line when
-    any phase would not fit, the engine's start included. Returns the engine's share of each GPU
-    that vLLM is given (`gpu_memory_utilization`); None on a CPU, whose engine is sized for the job."""
+    any phase would not fit, the engine's start included. Returns the plan: the run gives vLLM its
+    share of each GPU (`engine_fraction`, vLLM's gpu_memory_utilization) and trains with its
+    micro-batch where the recipe left it to the plan; None on a CPU, whose engine is sized for the
+    job and whose trainer takes a whole mini-batch at once."""
     if platform.device != "cuda":
         return None
     from minirl.setup.advice import advise, describe, refusal  # deferred, with the plan: only a GPU run plans
@@ -162,7 +164,7 @@ def check_gpu_plan(rec, shape: ModelShape, platform: Platform) -> float | None:
         raise UsageError(refusal(plan, [describe(*found)] if found else [])
                          + f" (planned for this job: {plan.nodes} × {plan.gpus_per_node} GPU(s) of "
                            f"{platform.memory_gib:.1f} GiB)")
-    return plan.engine_fraction
+    return plan
 
 
 def check_planned(rec, shape: ModelShape) -> None:
@@ -281,6 +283,9 @@ class RunInputs:
     grading: Any  # rewards.pool.GradingPool
     resume_from: Path | None  # the checkpoint to continue from (--resume)
     engine_fraction: float | None = None  # on a GPU: the engine's share of it, from the run's plan (check_gpu_plan)
+    # tokens a forward/backward takes at once: the recipe's train.micro_batch_tokens, or where it is
+    # 0, on a GPU the plan's (the largest with which every phase fits), on a CPU 0 (a whole mini-batch)
+    micro_batch_tokens: int = 0
 
 
 def load_tokenizer(folder: Path):
@@ -363,7 +368,7 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     check_replay(rec.train.replay, shape, rec.model.id)  # in check_planned's order: the dry run's lines
     check_layout(rec, shape, world_size)
     check_fits(rec, shape, platform, model_dir)
-    engine_fraction = check_gpu_plan(rec, shape, platform)
+    plan = check_gpu_plan(rec, shape, platform)
     resume_from = None
     if resume in ("latest", "auto"):
         resume_from = pick_resume_checkpoint(ws, shape, rec.model.id, auto=resume == "auto")
@@ -388,7 +393,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     grading = GradingPool(rec.reward.grader, rec.reward.params, workers=rec.reward.workers,
                           timeout_s=rec.reward.timeout_s)
     return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from,
-                     engine_fraction)
+                     engine_fraction=plan.engine_fraction if plan else None,
+                     micro_batch_tokens=plan.micro_batch_tokens if plan else rec.train.micro_batch_tokens)
 
 
 def run_recipe(ws, resume: str | None, overrides: list[str]):

@@ -210,3 +210,18 @@ class Merged(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def record(lora: dict) -> dict:
+    """A trainer's `lora` as a checkpoint's minirl.json records it."""
+    return {"rank": lora["rank"], "alpha": float(lora["alpha"]), "targets": list(lora["targets"])}
+
+
+def settings(rec, shape) -> dict | None:
+    """The Trainer's `lora` argument for a recipe's [train.lora] (None: every weight trains)."""
+    lora = rec.train.lora
+    if not lora.rank:
+        return None
+    from minirl.models import lora_targets  # deferred: only where LoRA is on
+
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": lora_targets(lora.targets, shape)}

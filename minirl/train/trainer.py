@@ -38,6 +38,9 @@ from minirl.train.parallel import full_ac, full_state_dict, global_count, global
 from minirl.train.replay import RoutingReplay
 
 
+LOGPROB_TOKENS = 2**16  # tokens of one no-grad forward of `logprobs` where no micro-batch is set
+
+
 class Trainer:
     def __init__(
         self,
@@ -56,6 +59,7 @@ class Trainer:
         lora: dict | None = None,
         head_chunk: int | None = None,
         offload: str = "none",
+        micro_batch_tokens: int = 0,
     ):
         """Under torchrun (an initialised process group of more than one rank) the model is
         sharded with TorchTitan's FSDP2 over all ranks and its experts over `ep` of them; each
@@ -82,12 +86,17 @@ class Trainer:
         logits, forward or backward); None chooses by the logits' size (`_head_chunk`), 0 never.
 
         offload "optimizer": Adam's moments live in host memory between updates (offload.py), so
-        the rollout engine gets their GPU memory; each update brings them back for its step."""
+        the rollout engine gets their GPU memory; each update brings them back for its step.
+
+        micro_batch_tokens: the most tokens one forward takes (`forward_backward`'s gradient
+        accumulation, `logprobs`'s chunks; 0: a whole mini-batch, and LOGPROB_TOKENS a `logprobs`
+        chunk); a GPU run's comes from its plan (setup/plan.py)."""
         import torch.distributed as dist
 
         torch.manual_seed(seed)
         self.shape, self.grad_clip, self.device, self.ep = shape, grad_clip, torch.device(device), ep
         self.pack_prompts, self.head_chunk, self.offload = pack_prompts, head_chunk, offload
+        self.micro_batch_tokens = micro_batch_tokens
         self._pair_cost = attention_pair_cost(shape)  # what packing weighs its dense attention by
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -136,19 +145,23 @@ class Trainer:
         )
 
     @classmethod
-    def from_recipe(cls, rec, shape: ModelShape, *, device: str | torch.device) -> "Trainer":
-        """The trainer a recipe's [train] and [parallel] sections ask for."""
+    def from_recipe(cls, rec, shape: ModelShape, *, device: str | torch.device,
+                    micro_batch_tokens: int | None = None) -> "Trainer":
+        """The trainer a recipe's [train] and [parallel] sections ask for; `micro_batch_tokens`, where
+        given, instead of train.micro_batch_tokens (a GPU run's plan chooses it when that is 0)."""
         t = rec.train
+        micro = t.micro_batch_tokens if micro_batch_tokens is None else micro_batch_tokens
         return cls(shape, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed, device=device,
                    ep=rec.parallel.ep, param_dtype=t.param_dtype, activation_checkpoint=t.activation_checkpoint,
-                   pack_prompts=t.pack_prompts, lora=lora_settings(rec, shape), offload=t.offload)
+                   pack_prompts=t.pack_prompts, lora=lora_mod.settings(rec, shape), offload=t.offload,
+                   micro_batch_tokens=micro)
 
     @classmethod
     def for_checkpoint(cls, rec, shape: ModelShape, base: Path, *, device: str | torch.device = "cpu") -> "Trainer":
         """A trainer to read one of a run's checkpoints into (export, evaluation): the model the
         run's recipe trained, its LoRA adapters included, with no optimizer worth keeping. With
         LoRA it holds the base (the model folder `base`) the checkpoint's adapters apply to."""
-        trainer = cls(shape, lr=0.0, device=device, lora=lora_settings(rec, shape))
+        trainer = cls(shape, lr=0.0, device=device, lora=lora_mod.settings(rec, shape))
         if trainer.lora:
             trainer.load_hf(base)
         return trainer
@@ -291,12 +304,16 @@ class Trainer:
 
     @torch.no_grad()
     def logprobs(
-        self, batch: Batch, *, chunk: int = 512, routes: torch.Tensor | None = None, record_routes: bool = False
+        self, batch: Batch, *, routes: torch.Tensor | None = None, record_routes: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """log π(y_t) and full-vocabulary entropy H_t at every position, [B, L-1] each, on the CPU.
+        Forwarded a chunk of rows at a time, each of at most `micro_batch_tokens` tokens (one row
+        at least; LOGPROB_TOKENS where that is 0): an off-policy step's whole mini-batch, or a
+        batch of 32k-token responses, never at once.
 
         routes [n_layers, B, L-1, K]: replay these expert choices (R3). record_routes: also return
         the experts this forward used (R2 records them while computing π_old)."""
+        chunk = max(1, (self.micro_batch_tokens or LOGPROB_TOKENS) // batch.tokens_BL.shape[1])
         self.model.eval()
         lps, ents = [], []
         if record_routes:
@@ -319,7 +336,7 @@ class Trainer:
         *,
         scale: float = 1.0,
         routes: torch.Tensor | None = None,
-        micro_batch_tokens: int = 0,
+        micro_batch_tokens: int | None = None,
         with_logp: bool = False,
     ) -> tuple[float, dict] | tuple[float, dict, torch.Tensor, torch.Tensor]:
         """Accumulate grads of `scale * loss_fn(logp_BT, batch)`, replaying `routes` if given.
@@ -328,11 +345,13 @@ class Trainer:
         on the CPU, as `logprobs` would before any update: the one forward of an on-policy step
         (N = 1) is at θ_old, so its log-probs are π_θold and need no forward of their own.
 
-        micro_batch_tokens > 0 splits the rows into micro-batches of at most that many tokens
+        micro_batch_tokens > 0 (None: the trainer's own) splits the rows into micro-batches of at most that many tokens
         (gradient accumulation). The losses average over responses, so micro-batch j of n_j of
         the B rows is weighted n_j / B and the gradient equals the whole batch's; metrics are
         combined weighted by their token counts (maxima by max)."""
         rows, length = batch.tokens_BL.shape
+        if micro_batch_tokens is None:
+            micro_batch_tokens = self.micro_batch_tokens
         n_micro = -(-rows // max(1, micro_batch_tokens // length)) if micro_batch_tokens else 1
         if self.sharded:  # gradients are summed over ranks: weigh this rank's mean by its share
 
@@ -375,6 +394,23 @@ class Trainer:
         if not with_entropy:  # no device-to-host copy unless the caller keeps π_old from this forward
             return float(loss.detach()), metrics, None, None
         return float(loss.detach()), metrics, logp.detach().cpu(), ent.cpu()
+
+    def device_bytes(self) -> int:
+        """What this trainer holds on its device now: weights (this rank's shards), gradients,
+        the optimizer's state and buffers (run/gpumem.py: its peak apart from the engine's)."""
+        seen, total = set(), 0
+        tensors = [*self.model.parameters(), *self.model.buffers(),
+                   *(p.grad for p in self.model.parameters() if p.grad is not None),
+                   *(v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v))]
+        for t in tensors:
+            local = getattr(t, "_local_tensor", t)
+            if local.device.type != self.device.type:
+                continue
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
 
     def clip_grads(self) -> float:
         """Clip accumulated gradients in place; returns their norm before clipping (of the whole
@@ -423,7 +459,7 @@ class Trainer:
         if self.lora:
             if self.base is None:
                 raise RuntimeError("a LoRA checkpoint names its base: load_hf(folder) before save")
-            extra = {**(extra or {}), "lora": lora_record(self.lora), "base": self.base}
+            extra = {**(extra or {}), "lora": lora_mod.record(self.lora), "base": self.base}
         return checkpoint.save(self.model, self.optim, Path(path), extra, sharded=self.sharded, main=self.rank == 0,
                                adapters_only=bool(self.lora))
 
@@ -440,21 +476,6 @@ class Trainer:
         if self.offload == "optimizer":
             offload_mod.to_host(self.optim)
         return extra
-
-
-def lora_record(lora: dict) -> dict:
-    """A trainer's `lora` as a checkpoint's minirl.json records it."""
-    return {"rank": lora["rank"], "alpha": float(lora["alpha"]), "targets": list(lora["targets"])}
-
-
-def lora_settings(rec, shape: ModelShape) -> dict | None:
-    """The Trainer's `lora` argument for a recipe's [train.lora] (None: every weight trains)."""
-    lora = rec.train.lora
-    if not lora.rank:
-        return None
-    from minirl.models import lora_targets  # deferred: only where LoRA is on
-
-    return {"rank": lora.rank, "alpha": lora.alpha, "targets": lora_targets(lora.targets, shape)}
 
 
 def _merge_metrics(parts: list[dict]) -> dict:

@@ -66,12 +66,17 @@ if [ $half = piece ]; then  # a piece's call: it arrived intact; the first says 
   fi
   exit $rc
 fi
+boot() {  # every process started from here on loads the torch 2.11 stand-in first (tests/gpu/boot/sitecustomize.py)
+  export PYTHONPATH="${MINIRL_GPU_BOOT:-$PWD/tests/gpu/boot}:$1:$PYTHONPATH"
+}
 if [ $half = step ]; then  # a step of the sequence: the kits installed once per machine, then the step
   if [ $dry = 1 ]; then
     export MINIRL_GPU_DRY=1
+    boot "$(cd "${MINIRL_GPU_SHIM_DIR:-../shared/tools/gpu}" && pwd)"  # the stand-in from where prepare.sh copies it
   else
     install_site || exit 2
-    export PYTHONPATH="$(cd "$site" && pwd):$(cd "$kit" && pwd):$PYTHONPATH" VLLM_USE_DEEP_GEMM=0
+    export PYTHONPATH="$(cd "$site" && pwd):$PYTHONPATH" VLLM_USE_DEEP_GEMM=0
+    boot "$(cd "$kit" && pwd)"
     [ -f "$site/.vllm" ] && export MINIRL_VLLM_KIT_VERSION=$(cat "$site/.vllm")
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   fi
@@ -113,7 +118,8 @@ else
     exit 2
   fi
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$kit"/*.whl || exit 2
-  export PYTHONPATH="$site:$(cd "$kit" && pwd):$PYTHONPATH"
+  export PYTHONPATH="$site:$PYTHONPATH"
+  boot "$(cd "$kit" && pwd)"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 if [ $half = vllm ]; then

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -52,30 +53,43 @@ class Step:
     gpu_s: int  # expected device seconds of its call on an H100 / H200, transfers included (docs/gpu.md)
     vllm: bool = True  # needs vLLM's pieces on the machine
     carry: tuple[str, ...] = (".gpu",)
+    # a step passed on a GPU is not planned again unless what it checks changed since: its revision
+    # is then raised, and a ledger entry of an older one no longer counts (default-bf16 again after #73)
+    revision: int = 1
 
 
+# in the order of the next visits (#72, #73): the flagship path with its fix first, the engine's
+# ceiling beside it (both fit one visit), its bf16 control, the FP8 engine's cause, then the
+# default's again and the rest
 STEPS = [
-    Step("default-bf16", "(a) `minirl run` on the embedded default, colocated (engine asleep at level 2 during "
-         "the update), 300 steps, bf16 rollouts, CUDA graphs: held-out gain, steps/s, phases, memory vs plan",
-         240, carry=(".gpu", ".gpu-ws")),
-    Step("default-fp8", "(a) the same with FP8 rollouts", 240, carry=(".gpu", ".gpu-ws")),
     Step("moe-r3", "(b) `minirl run --replay r3` on the 0.76B MoE (random weights: responses run to the cap), "
-         "10 steps of 32 prompts x 8 x 1,024 tokens, the 30B recipe's rollout settings (FP8, sleep 2, "
-         "the plan's engine share): whole-loop tokens/s, phases, memory vs plan", 330),
+         "10 steps of 32 prompts x 8 x 1,024 tokens, the 30B recipe's rollout settings (FP8 decoding eagerly since "
+         "#72, sleep 2, the plan's engine share and micro-batch): loss/tokens = the response tokens at every step, "
+         "parity finite, route agreement steady, the trainer's peak within 20% of the plan; tokens/s, phases", 330,
+         revision=2),
+    Step("engine-alone", "(#73) vLLM alone on moe-r3's model, prompts, lengths, precision and batch: the rollout "
+         "phase's ceiling in tokens/s", 200),
+    Step("moe-r3-bf16", "(#72) the same with bf16 rollouts through CUDA graphs: the control of moe-r3", 330),
+    Step("fp8-sleep", "(#72) tests/gpu/test_vllm.py's FP8 decode after a reload awake, a level-1 and two level-2 "
+         "sleeps, through CUDA graphs and eager: which stage breaks (the cause)", 300),
+    Step("default-bf16", "(a) `minirl run` on the embedded default, colocated (the engine asleep at level 2 during "
+         "the update), 300 steps, bf16 rollouts, CUDA graphs: held-out gain, steps/s, phases, memory vs plan",
+         240, carry=(".gpu", ".gpu-ws"), revision=2),
+    Step("default-fp8", "(a) the same with FP8 rollouts", 240, carry=(".gpu", ".gpu-ws")),
     Step("default-k1", "(#66) the embedded default with rollout.max_staleness = 1: the engine in a process of its "
          "own on the trainer's GPU, awake, sampling the next batch while the trainer trains; weights by CUDA IPC "
          "copies: steps/s against default-bf16's, staleness rows, held-out", 240, carry=(".gpu", ".gpu-ws")),
     Step("default-k2-inflight", "(#66) the same at rollout.max_staleness = 2 with rollout.inflight_updates: the "
          "engine keeps stepping across batches and loads each sync between two forward steps (versions from the "
          "stream, log mu from vLLM's own path): steps/s, staleness rows, held-out", 240, carry=(".gpu", ".gpu-ws")),
-    Step("moe-r3-eager", "(b, #63) the same with CUDA graphs off: decode tokens/s both ways", 330),
-    Step("moe-r3-offload", "(b) the same with train.offload = \"optimizer\"", 330),
-    Step("moe-r3-lora", "(b) the same with LoRA rank 16", 330),
-    Step("trainer-half", "(c) the trainer's half of the check and the bench (whole-head row, test_lora, "
-         "test_offload)", 480, vllm=False),
-    Step("vllm-half", "(c) the rollout half (generation, R3, the in-place sync, sleep, 3 steps of minirl run)", 450),
     Step("trl-peer", "(d) TRL's GRPOTrainer with colocated vLLM beside `minirl run`, same model, batch and "
          "lengths as (b), alternately, 3 steps each: time per step, tokens/s, the ratio", 420),
+    Step("moe-r3-offload", "(b) the same as moe-r3 with train.offload = \"optimizer\"", 330),
+    Step("moe-r3-lora", "(b) the same as moe-r3 with LoRA rank 16", 330),
+    Step("trainer-half", "(c) the trainer's half of the check and the bench (whole-head row, test_lora, "
+         "test_offload, test_memory at 128k tokens)", 480, vllm=False),
+    Step("vllm-half", "(c) the rollout half (generation, R3, the in-place sync, sleep, FP8 after sleep, 3 steps of "
+         "minirl run)", 450),
 ]
 BY_ID = {s.id: s for s in STEPS}
 
@@ -90,7 +104,9 @@ def plan(budget: int = BUDGET_S, *, pieces: int = 4, done: set[str] | None = Non
     "seconds": total, the start included}. Steps that passed on a GPU (the ledger) are not run
     again; the rest go in order while they fit, and the first that does not ends the visit (none
     is skipped ahead of). vLLM's pieces come first when any step left needs them."""
-    done = {k for k, v in ledger()["steps"].items() if v.get("outcome") == "passed"} if done is None else done
+    if done is None:  # passed at the step's present revision
+        done = {k for k, v in ledger()["steps"].items()
+                if v.get("outcome") == "passed" and k in BY_ID and v.get("revision", 1) == BY_ID[k].revision}
     todo = [s for s in STEPS if s.id not in done]
     calls, steps, spent = [], [], START_S
     if any(s.vllm for s in todo):  # vLLM's pieces, one a call; the last call also installs the kits
@@ -118,7 +134,8 @@ def record(outs: list[Path], *, commit: str, device: str, date: str) -> dict:
             if f.stem in BY_ID:
                 r = json.loads(f.read_text())
                 book["steps"][f.stem] = {"outcome": r["outcome"], "seconds": r["seconds"], "commit": commit,
-                                         "device": device, "date": date}
+                                         "device": device, "date": date, "revision": BY_ID[f.stem].revision,
+                                         **({"error": r["error"]} if r.get("error") else {})}
     LEDGER.write_text(json.dumps(book, indent=2, sort_keys=True) + "\n")
     return book
 
@@ -130,8 +147,35 @@ def _cuda() -> bool:
     return not DRY and torch.cuda.is_available()
 
 
+def _child_env() -> dict:
+    """The environment of every process a step starts (run-on-device.sh's PYTHONPATH among it)."""
+    return {**os.environ, "COLUMNS": "160", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+# what a process the sequence starts must find, checked in one before each step (#72: on the first
+# visit both were patched in by hand): the torch 2.11 stand-in loaded at its start
+# (tests/gpu/boot/sitecustomize.py), and minirl's graders with minirl run from the checkout, not installed
+PROBE = ("import json, sys; from rewards.base import BUILTIN, available; "
+         "print(json.dumps({'stand_in': 'torch211_shim' in sys.modules, "
+         "'graders_missing': sorted(set(BUILTIN) - set(available()))}))")
+
+
+def probe() -> None:
+    """Fail the step in one line where a process it starts would not have what it needs."""
+    r = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=_child_env(), capture_output=True, text=True,
+                       timeout=120, check=False)
+    got = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
+    if got is None:
+        raise RuntimeError(f"a process this step starts cannot import minirl's graders: {r.stderr.strip()[-300:]}")
+    if not got["stand_in"]:
+        raise RuntimeError("the torch 2.11 stand-in is not loaded in the processes this step starts: run the step "
+                           "through run-on-device.sh, which puts tests/gpu/boot (its sitecustomize) on PYTHONPATH")
+    if got["graders_missing"]:
+        raise RuntimeError(f"minirl's graders {got['graders_missing']} are not found where minirl is not installed")
+
+
 def _minirl(args: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "160", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = _child_env()
     with log.open("a") as f:
         f.write(f"$ minirl {' '.join(args)}\n")
         f.flush()
@@ -148,13 +192,18 @@ def _run_figures(run: Path, gpu_gib: float | None) -> dict:
 
     summary = json.loads((run / "summary.json").read_text())
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rec = recipes.load(run / "recipe.toml", [])
     phases = summary.get("phases_s", {})
     rl = phases.get("rl") or sum(r.get("timing/loop_s", 0.0) for r in rows[-1:]) or float("nan")
-    tokens = sum(r.get("loss/tokens", 0.0) for r in rows)
+
+    def sampled(r: dict) -> float:  # the step's response tokens: what the engine sampled, not what trained (#72)
+        return r.get("rollout/resp_tokens") or rec.train.prompts_per_step * rec.train.group_size * r["rollout/resp_len"]
+
+    tokens = sum(sampled(r) for r in rows)
     # after the first step (its engine's first wake and compiles), as TRL's side counts it
     loop = [r.get("timing/loop_s", 0.0) for r in rows]
     steady_s = (loop[-1] - loop[0]) / (len(rows) - 1) if len(rows) > 1 else float("nan")
-    steady_tokens = sum(r.get("loss/tokens", 0.0) for r in rows[1:]) / max(1, len(rows) - 1)
+    steady_tokens = sum(sampled(r) for r in rows[1:]) / max(1, len(rows) - 1)
     held = summary.get("heldout", {})
     out = {"status": summary["status"], "steps": summary["steps"], "wall_s": summary.get("wall_s"),
            "steps_per_s": round(summary["steps"] / rl, 3), "response_tokens_per_s": round(tokens / rl, 1),
@@ -164,17 +213,35 @@ def _run_figures(run: Path, gpu_gib: float | None) -> dict:
                "start": (held.get("start") or {}).get(held.get("metric")), "end": (held.get("end") or {}).get(held.get("metric"))},
            "resp_len": rows[-1].get("rollout/resp_len"), "truncated_frac": rows[-1].get("rollout/truncated_frac"),
            "kl_mu_pi_old": rows[-1].get("train/kl_mu_pi_old")}
+    checks = _checks(rows)
     if gpu_gib:
-        rec = recipes.load(run / "recipe.toml", [])
         ws = run.parent.parent
         shape = read_shape(Path(rec.model.path) if Path(rec.model.path).is_absolute() else
                            (ws / rec.model.path if rec.model.path else Path(rec.model.id)))
         p = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)
         peak = max((r.get("gpu/peak_alloc_gib", 0.0) for r in rows), default=0.0)
         used = max((r.get("gpu/used_gib", 0.0) for r in rows), default=0.0)
-        out["memory_gib"] = {"peak_alloc": peak, "used_after_sync": used, "plan": p.phases_gib,
+        trainer = max((r["gpu/train_peak_gib"] for r in rows[1:] if "gpu/train_peak_gib" in r), default=None)
+        planned = next(v for k, v in p.phases_gib.items() if k.startswith("training"))
+        out["memory_gib"] = {"peak_alloc": peak, "trainer_peak": trainer, "used_after_sync": used, "plan": p.phases_gib,
                              "plan_engine_fraction": p.engine_fraction, "plan_kv": p.memory_gib["vLLM KV cache"],
-                             "plan_fits": p.fits}
+                             "plan_micro_batch_tokens": p.micro_batch_tokens, "plan_fits": p.fits}
+        if trainer is not None and rec.rollout.sleep_level:  # asleep, the plan's training phase is the trainer's
+            checks["trainer_peak_within_20pct_of_plan"] = abs(planned - trainer) <= 0.2 * trainer
+    out["checks"] = checks
+    return out
+
+
+def _checks(rows: list[dict]) -> dict[str, bool]:
+    """What a run must show to pass (#72's acceptance), where its rows say: the loss trained on every
+    token sampled, every parity checked finite, and with R3 a route agreement that stays within
+    0.05 of its first step's (it fell from 0.48 to 0.10 when the engine broke)."""
+    out = {"trained_on_every_response_token": all(r.get("loss/tokens") == r.get("rollout/resp_tokens") for r in rows)}
+    parity = [r["sync/parity_abs_dlogp"] for r in rows if "sync/parity_abs_dlogp" in r]
+    out["parity_checked_and_finite"] = bool(parity) and all(math.isfinite(x) for x in parity)
+    agree = [r["replay/route_agreement"] for r in rows if "replay/route_agreement" in r]
+    if len(agree) > 1:
+        out["route_agreement_within_0.05_of_step_1"] = all(abs(a - agree[0]) <= 0.05 for a in agree[1:])
     return out
 
 
@@ -243,15 +310,16 @@ def reference(workspace: Path, out: Path) -> dict:
     return got
 
 
-MOE_SETS = {  # the 30B recipe's rollout settings, (b)'s batch and lengths
-    "rollout.precision": "fp8", "rollout.sleep_level": "2", "rollout.memory_fraction": "0", "rollout.kv_cache_gib": "0",
+MOE_SETS = {  # the 30B recipe's rollout settings (FP8 decoding eagerly since #72), (b)'s batch and lengths
+    "rollout.precision": "fp8", "rollout.sleep_level": "2", "rollout.cuda_graphs": "false",
+    "rollout.memory_fraction": "0", "rollout.kv_cache_gib": "0",
     "rollout.max_tokens": "1024", "rollout.parity_every": "5", "train.prompts_per_step": "32", "train.group_size": "8",
     "train.activation_checkpoint": "full", "eval.max_problems": "32", "eval.k": "1", "checkpoint.every": "5",
     "checkpoint.keep": "1",
 }
 DRY_SETS = {"rollout.sleep_level": "0", "rollout.max_tokens": "8", "train.prompts_per_step": "8", "train.group_size": "4",
             "eval.max_problems": "8", "rollout.kv_cache_gib": "0"}
-VARIANTS = {"moe-r3": {}, "moe-r3-eager": {"rollout.cuda_graphs": "false"},
+VARIANTS = {"moe-r3": {}, "moe-r3-bf16": {"rollout.precision": "bf16", "rollout.cuda_graphs": "true"},
             "moe-r3-offload": {"train.offload": "optimizer"},
             "moe-r3-lora": {"train.lora.rank": "16", "train.lora.alpha": "32", "train.lr": "5e-4"}}
 
@@ -284,6 +352,55 @@ def moe_run(out: Path, variant: str, steps: int = 10) -> dict:
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
     return _one_run(out, variant, args, timeout=200 if DRY else 560)
+
+
+def engine_alone(out: Path) -> dict:
+    """(#73) vLLM alone, as moe-r3's run builds it (its settings, its job's sequences and KV cache) on
+    the same model, prompts, lengths, precision and batch: one warm-up call, then one step's worth
+    of sampling timed. The rollout phase of `minirl run` is read against this ceiling."""
+    from transformers import AutoTokenizer
+
+    from minirl import engine_sizing, recipes
+    from minirl.rollout.vllm import VLLMEngine
+
+    ws, model = moe_workspace(out)
+    rec = recipes.load(ws / "minirl.toml", [f"{k}={v}" for k, v in {**MOE_SETS, **(DRY_SETS if DRY else {})}.items()])
+    B, G, T = rec.train.prompts_per_step, rec.train.group_size, rec.rollout.max_tokens
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rows = [json.loads(x) for x in (ws / "data" / "train.jsonl").read_text().splitlines()[:B]]
+    prompts = [tok(r[rec.data.prompt_field])["input_ids"] for r in rows]
+    t0 = time.time()
+    engine = VLLMEngine.from_config(model, rec.rollout, seed=0, max_model_len=rec.data.max_prompt_tokens + T,
+                                    max_num_seqs=engine_sizing.max_num_seqs(rec))
+    start_s = time.time() - t0
+    engine.generate(prompts[:4], n=2, temperature=1.0, max_tokens=8, seed=0)  # warm-up
+    t0 = time.time()
+    groups = engine.generate(prompts, n=G, temperature=1.0, max_tokens=T, seed=1)
+    seconds = time.time() - t0
+    tokens = sum(len(c.token_ids) for g in groups for c in g)
+    return {"start_s": round(start_s, 1), "sequences": B * G, "max_tokens": T, "tokens": tokens,
+            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+            "preempted": sum(c.preempted for g in groups for c in g), "precision": rec.rollout.precision,
+            "cuda_graphs": rec.rollout.cuda_graphs}
+
+
+def fp8_sleep(out: Path) -> dict:
+    """(#72) tests/gpu/test_vllm.py's FP8 decode after reloads and sleeps, graphs and eager: each
+    stage's finite share and whether its tokens are the first call's (the figures of the report)."""
+    env = {**_child_env(), "MINIRL_GPU_REPORT": str(out)}
+    log = out / "fp8-sleep.log"
+    with log.open("a") as f:
+        r = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu/test_vllm.py", "-m", "vllm", "-k",
+                            "fp8_decode_survives", "-p", "no:cacheprovider", "-q", "-rs"], cwd=ROOT, stdout=f,
+                           stderr=subprocess.STDOUT, env=env, timeout=500, check=False)
+    figures = [json.loads(x) for x in (out / "figures.jsonl").read_text().splitlines()] \
+        if (out / "figures.jsonl").exists() else []
+    stages = {f.pop("name"): f for f in figures if f.get("name", "").startswith("FP8 decode after")}
+    if not stages and r.returncode == 0:  # no CUDA device: both cases skip, saying why
+        return {"skipped": "no CUDA device: FP8, CUDA graphs and sleep exist on a GPU only"}
+    if len(stages) < 2:  # a diagnosis: it passes when both ways were measured, whatever they show
+        raise RuntimeError(f"pytest exited {r.returncode} with {len(stages)} of 2 cases measured: {log.name}")
+    return {"stages": stages, "tests_passed": r.returncode == 0}
 
 
 def trl_peer(out: Path) -> dict:
@@ -319,7 +436,8 @@ RUNNERS = {"default-bf16": lambda out: default_run(out, "bf16"), "default-fp8": 
            "default-k2-inflight": lambda out: default_run(out, "bf16", name="default-k2-inflight",
                                                           sets=("rollout.max_staleness=2", "rollout.sleep_level=0",
                                                                 "rollout.inflight_updates=true")),
-           **{v: (lambda out, v=v: moe_run(out, v)) for v in VARIANTS}, "trl-peer": trl_peer}
+           **{v: (lambda out, v=v: moe_run(out, v)) for v in VARIANTS}, "trl-peer": trl_peer,
+           "engine-alone": engine_alone, "fp8-sleep": fp8_sleep}
 
 
 def run(step: str, out: Path) -> dict:
@@ -329,8 +447,12 @@ def run(step: str, out: Path) -> dict:
     t0 = time.time()
     result = {"step": step, "what": BY_ID[step].what, "dry": DRY, "budget_s": BY_ID[step].gpu_s}
     try:
+        probe()
         figures = RUNNERS[step](out)
-        result.update(outcome="skipped" if "skipped" in figures else "passed", figures=figures)
+        failed = [k for f in (figures, figures.get("minirl") or {}) for k, ok in f.get("checks", {}).items() if not ok]
+        result.update(outcome="skipped" if "skipped" in figures else "failed" if failed else "passed", figures=figures)
+        if failed:  # it ran, and shows what #72 asks never to pass unnoticed
+            result["error"] = f"checks failed: {', '.join(failed)}"
     except Exception as e:  # noqa: BLE001 - the report says what broke; the exit code says that it did
         result.update(outcome="failed", error=f"{type(e).__name__}: {e}")
     result["seconds"] = round(time.time() - t0, 1)

@@ -42,7 +42,8 @@ def test_lora_holds_a_bf16_base_within_the_plan_and_its_step_time_beside_full_rl
     from minirl import recipes
     from minirl.train.lora import is_adapter
     from minirl.setup.plan import GiB, make_plan
-    from minirl.train.trainer import Trainer, lora_settings
+    from minirl.train import lora as lora_mod
+    from minirl.train.trainer import Trainer
 
     prompt_len, response_len = (64, 448) if shape.max_seq_len >= 512 else (8, 24)  # dry mode: the tiny model's context
     sets = [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}", f"data.max_prompt_tokens={prompt_len}",
@@ -53,7 +54,7 @@ def test_lora_holds_a_bf16_base_within_the_plan_and_its_step_time_beside_full_rl
     batch = kit.with_rollout_logp(batch, torch.zeros(batch.mask_BT.shape) - 12.0)
     loss_fn = kit.minirl_loss()
 
-    lora = Trainer(shape, lr=1e-5, seed=0, device=device, param_dtype="bfloat16", lora=lora_settings(rec, shape))
+    lora = Trainer(shape, lr=1e-5, seed=0, device=device, param_dtype="bfloat16", lora=lora_mod.settings(rec, shape))
     base = {p.dtype for n, p in lora.model.named_parameters() if not is_adapter(n)}
     assert base == {torch.bfloat16}  # no float32 copy of the base
     lora_s = _steps(lora, batch, loss_fn, 3)
