@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+
+STARTED = time.time()  # the process's start, near enough: the run's summary counts its imports from here
 
 import click
 
@@ -251,7 +254,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     if not world.main:
         console.quiet = True
     with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
-        summary = lifecycle.run(ws, rec, resume=resume, on_event=view.on_event, world=world)
+        summary = lifecycle.run(ws, rec, resume=resume, on_event=view.on_event, world=world, started=STARTED)
     if world.main:
         view.print_summary(summary)
     if summary["status"] == "interrupted":
@@ -312,6 +315,10 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
                       f"(scored with {bench}'s prompt and grader)")
     model_dir = resolve_checkpoint(ws, rec, checkpoint)
     out_dir = ws.root / "evals" if ws else Path("minirl-evals")
+    if ws:  # the workspace's vLLM compile cache, which its runs fill (#73)
+        from minirl.rollout import cache as engine_cache  # deferred: the rollout package imports torch
+
+        engine_cache.use(ws.root)
     with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as prog:
         task = prog.add_task("eval", total=None)

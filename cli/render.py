@@ -99,6 +99,14 @@ class RunView:
             skipped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in data["skipped_rows"].items() if n)
             self.console.print(f"[bold]{what}[/] in {data['run_dir']} (engines up in {data['startup_s']} s; "
                                f"{data['train_rows']:,} train prompts{'; skipped ' + skipped if skipped else ''})")
+            parts = data.get("startup_parts") or {}
+            if parts:
+                self.console.print("start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items())
+                                   + " (compile and graphs are within engine)" * ("compile" in parts))
+            cache = data.get("engine_cache")
+            if cache:
+                self.console.print(f"vLLM compile cache: {'reused' if cache['reused'] else 'filled'} {cache['path']}"
+                                   + ("" if cache["reused"] else " (the next run or eval of this model reuses it)"))
             changes = data.get("recipe_changes") or {}
             if changes:
                 self.console.print("[yellow]the run's recipe changed as it resumed[/] (recorded in "

@@ -16,6 +16,10 @@ if "OMP_NUM_THREADS" not in os.environ or os.environ.get("MINIRL_TEST_THREADS") 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one vLLM cache for the whole suite, as before workspaces had their own (rollout/cache.py): a cold one
+# costs each fresh workspace's engine a subprocess that inspects the model class; the test of the
+# workspace's own cache runs without it
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
 
 from pathlib import Path  # noqa: E402
 

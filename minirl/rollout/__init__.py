@@ -96,9 +96,12 @@ class Rollouts:
 
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
-                    clock: Stopwatch, memory_fraction: float | None = None) -> "Rollouts":
-        """The engine the recipe asks for, holding the trainer's current weights. `memory_fraction`:
-        its share of the GPU as the run's plan derived it (preflight), instead of the recipe's."""
+                    clock: Stopwatch, memory_fraction: float | None = None,
+                    kv_cache_gib: float | None = None) -> "Rollouts":
+        """The engine the recipe asks for, holding the trainer's current weights. `memory_fraction`
+        and `kv_cache_gib`: its share of the GPU and its KV cache as the run's plan derived them
+        (preflight), instead of the recipe's: given its KV cache's size, vLLM skips the profiling
+        pass that captures every CUDA graph once before the real capture (#73)."""
         p, tp = rec.parallel, rec.rollout.tensor_parallel
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's training ranks
         per_node = p.rollout_gpus // tp  # engines on each node's rollout GPUs
@@ -107,6 +110,8 @@ class Rollouts:
                   max_num_seqs=sizing.max_num_seqs(rec, engines))
         if memory_fraction is not None:
             kw["memory_fraction"] = memory_fraction
+        if kv_cache_gib:
+            kw["kv_cache_gib"] = kv_cache_gib
         if p.rollout_gpus:  # each node's, on the GPUs after its training ranks', asked by its first rank
             engine = RemoteEngines(model_dir, rec.rollout, world=world.part(local), engines=per_node,
                                    first_stream=world.rank // local * per_node, **kw)
@@ -115,6 +120,13 @@ class Rollouts:
         rollouts = cls(engine, sampler=sampler, world=world, rollout=rec.rollout, train=rec.train, clock=clock)
         rollouts.sync(trainer)  # resumed weights, or FP8-rounded ones; the same weights otherwise
         return rollouts
+
+    @property
+    def startup(self) -> dict[str, float]:
+        """Seconds of the engine's start vLLM spent compiling and capturing CUDA graphs (`compile`,
+        `graphs`), where the engine is in this process; else nothing."""
+        got = getattr(self._engine, "startup", None) or {}
+        return {k: round(got[f"{k}_s"], 2) for k in ("compile", "graphs") if f"{k}_s" in got}
 
     @property
     def group_ranks(self) -> int:

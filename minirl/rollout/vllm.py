@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,7 +174,13 @@ class VLLMEngine:
         spmd = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if spmd and not cuda and s.tensor_parallel > 1:
             cpu_shm.clear_stale()
-        self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
+        t0 = time.perf_counter()
+        with _timed_graph_capture() as graphs:
+            self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
+        compile_s = float(self._llm.llm_engine.vllm_config.compilation_config.compilation_time or 0.0)
+        # seconds of its start, by part (the run's summary): torch.compile, CUDA graph capture, the rest
+        # (loading weights, allocating the KV cache; profiling where no KV size was given)
+        self.startup = {"engine_s": time.perf_counter() - t0, "compile_s": compile_s, "graphs_s": graphs[0]}
         share_process_groups(self._llm)  # the last in-process engine alive tears vLLM's groups down
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
         self._prefix_caching = self._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
@@ -369,6 +376,32 @@ class VLLMEngine:
             _release_cached()
             self._llm.wake_up()
             self._asleep = 0
+
+
+@contextlib.contextmanager
+def _timed_graph_capture():
+    """Seconds vLLM's GPU model runner spends capturing CUDA graphs while the engine starts, in
+    [0] (0 where it captures none: eager, or the CPU backend)."""
+    spent = [0.0]
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # the CPU build has no GPU runner
+        yield spent
+        return
+    capture = GPUModelRunner.capture_model
+
+    def timed(runner, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return capture(runner, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    GPUModelRunner.capture_model = timed
+    try:
+        yield spent
+    finally:
+        GPUModelRunner.capture_model = capture
 
 
 def _fraction_alone(s: EngineSettings, shape, cuda: bool) -> float:

@@ -20,6 +20,7 @@ from minirl.run import status as status_mod
 from minirl.errors import EngineFault, RunIOError, UsageError
 from minirl.train.hf_io import save_hf_folder
 from minirl.launch import World
+from minirl.rollout import cache as engine_cache
 from minirl.run.loop import RLRun
 from minirl.setup.preflight import RunInputs, prepare_run
 from minirl.recipe import Recipe
@@ -44,6 +45,7 @@ def run(
     resume: str | None = None,
     on_event: Callable[[str, dict], None] = lambda kind, data: None,
     world: World | None = None,
+    started: float | None = None,
 ) -> dict:
     """Run (or resume) RL in `ws`; returns the summary dict (also written to summary.json).
 
@@ -53,12 +55,15 @@ def run(
 
     on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done"; called on
     the main rank only. world: this process's place in a torchrun job (default: the whole job).
+    started: when the process began (the CLI's clock), for the summary's start-up by part.
     """
     t_start = time.time()
+    imports = {"imports": t_start - started} if started else {}
     world = world or World()
     inputs = prepare_run(ws, rec, resume=resume, world_size=world.size)  # every check that can fail on input
     try:
-        return _start_and_train(ws, rec, inputs, on_event if world.main else _quiet, t_start=t_start, world=world)
+        return _start_and_train(ws, rec, inputs, on_event if world.main else _quiet, t_start=t_start, world=world,
+                                imports=imports)
     except OSError as e:
         if e.errno not in _DISK_ERRORS:
             raise
@@ -77,7 +82,7 @@ def _quiet(kind: str, data: dict) -> None:
 
 
 def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float,
-                     world: World) -> dict:
+                     world: World, imports: dict) -> dict:
     resume_from = inputs.resume_from
     if resume_from:
         run_dir = resume_from.parent.parent
@@ -85,7 +90,8 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
         run_dir = world.broadcast(_new_run_dir(ws.runs) if world.main else None)
     lock = _writer_lock(run_dir, world)  # before anything in the folder changes; refused: nothing did
     try:
-        return _locked_start_and_train(ws, rec, inputs, on_event, t_start=t_start, world=world, run_dir=run_dir)
+        return _locked_start_and_train(ws, rec, inputs, on_event, t_start=t_start, world=world, run_dir=run_dir,
+                                       imports=imports)
     finally:
         if lock is not None:
             lock.release()
@@ -125,7 +131,7 @@ def _writer_lock(run_dir: Path, world: World) -> RunLock | None:
 
 
 def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *, t_start: float,
-                            world: World, run_dir: Path) -> dict:
+                            world: World, run_dir: Path, imports: dict) -> dict:
     resume_from = inputs.resume_from
     changed = {}
     try:
@@ -135,17 +141,23 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
             atomic.write_text(run_dir / "recipe.toml", rec.to_toml())
             atomic.write_text(run_dir / status_mod.PROCESS_FILE,  # who runs it, for `minirl status`
                               json.dumps(status_mod.process_record(str(resume_from) if resume_from else None)))
+        cache = engine_cache.use(ws.root)  # vLLM's compile cache in the workspace: later runs and evals reuse it
+        t_built = time.time()
         rl = RLRun(ws, rec, inputs, run_dir=run_dir, world=world)
     except BaseException:
         if resume_from is None and world.main:  # a run that never started leaves no folder for --resume to pick
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     startup_s = time.time() - t_start  # input checks, data, trainer and vLLM
+    # the start by part: imports (before the run began), the input checks and data, then RLRun's own
+    # (the trainer, the engine and within it vLLM's compile and graph capture)
+    startup = {k: round(v, 2) for k, v in {**imports, "inputs": t_built - t_start, **rl.startup}.items()}
     if rec.loss.is_mode == "off":  # allowed explicitly (the validator); said once, recorded in the summary
         on_event("warning", {"text": f"IS correction is off: the gap between vLLM ({rec.rollout.precision}) and the "
                                      "trainer is left uncorrected (loss.allow_uncorrected = true)"})
     on_event("start", {"run_dir": str(run_dir), "step": rl.state.step, "startup_s": round(startup_s, 1),
-                       "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems),
+                       "skipped_rows": rl.skipped, "train_rows": len(rl.train_problems), "startup_parts": startup,
+                       "engine_cache": cache.describe(),
                        "resumed_from": str(resume_from) if resume_from else None,
                        "recipe_changes": {k: list(v) for k, v in changed.items()}})
 
@@ -155,12 +167,13 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
             rl.state.heldout_start = rl.heldout_eval()
             on_event("eval", {"which": "start", **rl.state.heldout_start})
         eval_s = time.time() - t0
-        return _train(rl, on_event, t_start=t_start, startup_s=startup_s, eval_s=eval_s)
+        return _train(rl, on_event, t_start=t_start, startup_s=startup_s, eval_s=eval_s,
+                      startup={"parts_s": startup, "engine_cache": cache.describe()})
     finally:
         rl.close()
 
 
-def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float) -> dict:
+def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float, startup: dict) -> dict:
     """The steps, the checkpoints and the end of a run (final checkpoint, held-out eval, summary)."""
     rec, run_dir, world = rl.rec, rl.state.run_dir, rl.world
     if rl.last_good is None:  # a fresh run: its starting point is the first rollback target
@@ -253,7 +266,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
               **{k: v - before.get(k, 0.0) for k, v in rl.state.timing.items()}}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path,
-                            error=fault)
+                            error=fault, startup=startup)
     sinks.close(summary)
     on_event("done", summary)
     return summary

@@ -78,6 +78,7 @@ class RLRun:
         self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
         self.grading = inputs.grading
         self.state = RunState(run_dir=run_dir, lr=rec.train.lr)
+        t0 = time.perf_counter()
         self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device,
                                            micro_batch_tokens=inputs.micro_batch_tokens)  # a GPU run's: its plan's
         sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
@@ -91,10 +92,16 @@ class RLRun:
             self.state.restore(record)
             self.guard.restore(record)
             self.trainer.set_lr(self.state.lr)
+        trainer_s = time.perf_counter() - t0
         self.gpu = PhasePeaks(world.device, resident=self.trainer.device_bytes)  # the step's memory, phase by phase
         self.clock = Stopwatch(self.state.timing, on_lap=self.gpu.lap)
+        t0 = time.perf_counter()
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
-                                             clock=self.clock, memory_fraction=inputs.engine_fraction)
+                                             clock=self.clock, memory_fraction=inputs.engine_fraction,
+                                             kv_cache_gib=inputs.kv_cache_gib)
+        # the start by part (the summary's `startup_s`): the trainer built and loaded; the engine, of
+        # which vLLM's torch.compile and CUDA graph capture
+        self.startup = {"trainer": trainer_s, "engine": time.perf_counter() - t0, **self.rollouts.startup}
         if record is not None:
             self.rollouts.restore(record)
         self.tp = self.rollouts.group_ranks  # ranks that ask one engine for the same prompts

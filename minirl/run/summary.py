@@ -15,7 +15,7 @@ from minirl.run.plots import plot_metrics
 
 
 def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, checkpoint, hf_dir, metrics_path,
-                  error: str | None = None) -> dict:
+                  error: str | None = None, startup: dict | None = None) -> dict:
     """runs/<id>/summary.json (fields documented in docs/runs.md) plus the metrics plot."""
     key = f"avg@{rl.rec.eval.k}"
     run_dir = rl.state.run_dir
@@ -25,6 +25,8 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
         "steps": rl.state.step,
         "wall_s": round(wall_s, 1),
         "phases_s": {k: round(v, 1) for k, v in phases.items()},
+        # this attempt's start by part, and vLLM's compile cache (in the workspace; reused or filled)
+        **({"startup_s": startup["parts_s"], "engine_cache": startup["engine_cache"]} if startup else {}),
         "heldout": {"metric": key, "start": rl.state.heldout_start, "end": heldout_end,
                     "gain_points": round(100 * (heldout_end[key] - rl.state.heldout_start[key]), 1)
                     if heldout_end else None},

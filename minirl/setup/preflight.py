@@ -167,6 +167,14 @@ def check_gpu_plan(rec, shape: ModelShape, platform: Platform):
     return plan
 
 
+def engine_kv_gib(plan) -> float | None:
+    """The KV cache per GPU an engine beside the trainer is built with: the plan's (None on a CPU,
+    and for engines on rollout GPUs of their own, which size theirs within their GPU)."""
+    if plan is None or plan.rollout_gpus:
+        return None
+    return round(plan.memory_gib["vLLM KV cache"], 3)
+
+
 def check_planned(rec, shape: ModelShape) -> None:
     """What `run` refuses before any engine starts that the recipe, the model's shape and the job's
     layout decide alone (no machine, no weights): the model's rules (lengths, LoRA targets and
@@ -286,6 +294,8 @@ class RunInputs:
     # tokens a forward/backward takes at once: the recipe's train.micro_batch_tokens, or where it is
     # 0, on a GPU the plan's (the largest with which every phase fits), on a CPU 0 (a whole mini-batch)
     micro_batch_tokens: int = 0
+    # on a GPU: the engine's KV cache per GPU, the plan's, given to vLLM so it need not profile to size it
+    kv_cache_gib: float | None = None
 
 
 def load_tokenizer(folder: Path):
@@ -394,7 +404,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                           timeout_s=rec.reward.timeout_s)
     return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from,
                      engine_fraction=plan.engine_fraction if plan else None,
-                     micro_batch_tokens=plan.micro_batch_tokens if plan else rec.train.micro_batch_tokens)
+                     micro_batch_tokens=plan.micro_batch_tokens if plan else rec.train.micro_batch_tokens,
+                     kv_cache_gib=engine_kv_gib(plan))
 
 
 def run_recipe(ws, resume: str | None, overrides: list[str]):

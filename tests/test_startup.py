@@ -1,0 +1,79 @@
+"""The engine's start (#73): on a GPU built with the plan's KV cache (so vLLM skips the profiling
+pass that captures every CUDA graph once before the real capture), graphs captured only up to the
+engine's sequences, and vLLM's cache kept in the workspace, reused by the next run and said so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine_settings(monkeypatch, rec, **kw) -> dict:
+    """What `Rollouts.from_recipe` asks the engine factory for (the factory is the seam: no GPU here)."""
+    import minirl.rollout as rollout_pkg
+    from minirl.launch import World
+
+    asked = {}
+
+    class Stub:
+        startup = {"compile_s": 1.5, "graphs_s": 2.25, "engine_s": 9.0}
+
+    monkeypatch.setattr(rollout_pkg, "make_engine", lambda model_dir, rollout, **k: asked.update(k) or Stub())
+    monkeypatch.setattr(rollout_pkg.Rollouts, "sync", lambda self, trainer: None)
+    made = rollout_pkg.Rollouts.from_recipe(rec, Path("/m"), trainer=None, sampler=None, world=World(), clock=None, **kw)
+    assert made.startup == {"compile": 1.5, "graphs": 2.25}  # the start's parts, for the summary
+    return asked
+
+
+def test_a_gpu_run_builds_its_engine_with_the_plans_kv_cache_and_bounded_graphs(monkeypatch):
+    from minirl import recipes
+    from minirl.models import KNOWN_SHAPES
+    from minirl.rollout.vllm import EngineSettings, engine_args
+    from minirl.setup.limits import Platform
+    from minirl.setup.preflight import check_gpu_plan, engine_kv_gib
+
+    shape = KNOWN_SHAPES["Qwen3-30B-A3B"]
+    rec = recipes.load(recipes.shipped("qwen3-30b-a3b-lora"), [])
+    plan = check_gpu_plan(rec, shape, Platform("cuda", 1, 16, 139.8))
+    kv = engine_kv_gib(plan)  # what preflight hands the run (RunInputs.kv_cache_gib)
+    assert kv == pytest.approx(plan.memory_gib["vLLM KV cache"], abs=1e-3) and kv > 1
+    asked = _engine_settings(monkeypatch, rec, memory_fraction=plan.engine_fraction, kv_cache_gib=kv)
+    assert asked["kv_cache_gib"] == kv and asked["memory_fraction"] == plan.engine_fraction
+    args = engine_args(EngineSettings("/m", kv_cache_gib=kv, max_num_seqs=asked["max_num_seqs"], sleep_level=2),
+                       cuda=True, spmd=False)
+    assert args["kv_cache_memory_bytes"] == int(kv * 2**30)  # given, vLLM sizes nothing and profiles nothing
+    assert args["compilation_config"] == {"max_cudagraph_capture_size": asked["max_num_seqs"]}
+    assert engine_kv_gib(None) is None  # a CPU run: its engine sizes its KV cache for the job itself
+    assert "kv_cache_gib" not in _engine_settings(monkeypatch, rec)
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_workspace_reuses_its_vllm_cache_and_says_so(tiny_dir, tmp_path):
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}  # the workspace's own, as a user has it
+    said, summaries = [], []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "1",
+                            "--set", "train.prompts_per_step=8", "--set", "eval.max_problems=8", "--set", "eval.k=1"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**env, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        said.append(next(ln for ln in r.stdout.splitlines() if ln.startswith("vLLM compile cache:")))
+        run = sorted((ws / "runs").iterdir())[-1]
+        summaries.append(json.loads((run / "summary.json").read_text()))
+    cache = ws / ".cache" / "vllm"
+    assert said == [f"vLLM compile cache: filled {cache} (the next run or eval of this model reuses it)",
+                    f"vLLM compile cache: reused {cache}"]
+    assert [s["engine_cache"]["reused"] for s in summaries] == [False, True]
+    parts = summaries[1]["startup_s"]
+    assert set(parts) == {"imports", "inputs", "trainer", "engine", "compile", "graphs"}
+    assert parts["engine"] > 0 and parts["graphs"] == 0  # the CPU engine captures no graphs
