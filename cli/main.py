@@ -156,7 +156,7 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
     import torch  # deferred: after _prepare_env
 
     asleep = recipes.load(workspace / RECIPE_NAME).rollout.sleep_level
-    if asleep and not torch.cuda.is_available():  # the recipe is the GPUs'; this machine's vLLM cannot sleep
+    if asleep > 0 and not torch.cuda.is_available():  # the recipe is the GPUs'; this machine's vLLM cannot sleep
         console.print(f"  next, on GPUs: [bold]minirl run {workspace}[/]; on this machine (no GPU): "
                       f"[bold]minirl run {workspace} --set rollout.sleep_level=0[/]", soft_wrap=True)
     else:

@@ -195,6 +195,11 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
     for k, v in plan.phases_gib.items():
         table.add_row(f"[bold]peak: {k}[/]", f"[bold]{v:.2f}[/]")
     console.print(table)
+    what = {0: "stays awake", 1: "sleeps at level 1 (weights to host memory, KV cache dropped)",
+            2: "sleeps at level 2 (weights and KV cache dropped, reloaded by each sync)"}[plan.sleep_level]
+    console.print(f"  while the trainer trains the engine {what}: "
+                  + (f"the plan's (rollout.sleep_level = -1): {plan.sleep_why}" if plan.sleep_chosen
+                     else f"rollout.sleep_level = {plan.sleep_level}"), soft_wrap=True)
     console.print(f"  vLLM: {plan.in_flight} full-length sequences in flight per engine, "
                   f"{plan.sequences_per_engine} to sample per step; KV cache {plan.kv_sizing}")
     if plan.rollout_gpus:

@@ -152,9 +152,11 @@ class RolloutConfig:
     # CUDA graphs for decoding (vLLM's default); false: eager, as the CPU engine always runs
     cuda_graphs: bool = True
     tensor_parallel: int = number(1, 1)  # GPUs per vLLM engine; under torchrun every tensor_parallel consecutive ranks share one
-    # between rollouts (CUDA; CPU has no sleep mode): 0 stay awake, 1 offload weights to host and drop
-    # the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost)
-    sleep_level: int = number(0, 0, 2)
+    # while the trainer trains (CUDA; CPU has no sleep mode): 0 stay awake, 1 offload weights to host
+    # and drop the KV cache, 2 drop both (every sync reloads every weight, so nothing is lost);
+    # -1 = the plan's: on a GPU 0 where the trainer's larger phase and the engine with its whole job's
+    # KV cache fit together, else 2 (--dry-run says which and why); on a CPU 0
+    sleep_level: int = number(-1, -1, 2)
     sync_bucket_mib: int = number(1024, 1)  # weight sync: whole decoder layers gathered and loaded at most this much at a time
     # check vLLM vs trainer log-probs on a fixed batch after the first sync, every k-th and every
     # rollback (0 = never); each check costs about a π_old forward of 16 responses

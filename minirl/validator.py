@@ -46,7 +46,7 @@ def validate(r: Recipe) -> None:
     if p.rollout_gpus % r.rollout.tensor_parallel:
         raise UsageError(f"parallel.rollout_gpus = {p.rollout_gpus} must hold whole engines of rollout.tensor_parallel "
                          f"= {r.rollout.tensor_parallel} GPU(s) each")
-    if p.rollout_gpus and r.rollout.sleep_level:
+    if p.rollout_gpus and r.rollout.sleep_level > 0:
         raise UsageError(f"rollout.sleep_level = {r.rollout.sleep_level} frees the engine's memory for the trainer; on "
                          f"rollout GPUs of its own (parallel.rollout_gpus = {p.rollout_gpus}) it has nothing to free: set 0")
     if r.train.replay == "r3" and r.rollout.engine != "vllm":

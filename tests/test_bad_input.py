@@ -377,8 +377,8 @@ CASES = [
     ("dry-run-engine-start", ["run", "{new}", "--recipe", "qwen3-30b-a3b", "--dry-run", "--gpus-per-node", "8",
                               "--set", "rollout.memory_fraction=0.85"], None,
      "vLLM's start: rollout.memory_fraction = 0.85 gives the engine 68.0 GiB of each GPU, and 57.8 GiB are free"),
-    ("fp8-graphs-sleep-2", ["run", "{new}", "--recipe", "qwen3-30b-a3b", "--dry-run", "--set", "rollout.cuda_graphs=true"],
-     None, "with rollout.cuda_graphs = true and rollout.sleep_level = 2: vLLM's FP8 MoE decode through CUDA graphs "
+    ("fp8-graphs-sleep-2", ["run", "{new}", "--recipe", "qwen3-30b-a3b", "--dry-run", "--set", "rollout.cuda_graphs=true",
+                            "--set", "rollout.sleep_level=2"], None, "with rollout.cuda_graphs = true and rollout.sleep_level = 2: vLLM's FP8 MoE decode through CUDA graphs "
      "returned non-finite log-probs after the engine's first sleep on an H200 (#72"),
     ("run-plan-on-this-gpu", ["run", "{ws}"], platform(device="cuda", memory_gib=1.0),
      "(planned for this job: 1 × 1 GPU(s) of 1.0 GiB)"),

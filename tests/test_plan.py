@@ -236,14 +236,15 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
 
 
 def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_shrinks_it(tmp_path):
-    """The tiny workspace's recipe with --model Qwen3-30B-A3B on 2 × 8 GPUs: its engine stays awake
-    (sleep_level 0), so training overflows because of vLLM's bf16 weights at TP 1 beside it, and
+    """The tiny workspace's recipe with --model Qwen3-30B-A3B on 2 × 8 GPUs, its engine kept awake
+    (sleep_level 0, set: the plan's own choice would sleep), so training overflows because of vLLM's bf16 weights at TP 1 beside it, and
     the advice is tensor parallel or FP8, and the model's own recipe."""
     from tests.conftest import data_workspace
 
     ws = data_workspace(tmp_path / "ws")
     r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", "Qwen3-30B-A3B", "--replay", "r3",
-                        "--dry-run", "--nodes", "2", "--gpus-per-node", "8"], cwd=ROOT, capture_output=True, text=True,
+                        "--dry-run", "--nodes", "2", "--gpus-per-node", "8", "--set", "rollout.sleep_level=0"],
+                       cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1",
                                          "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2
@@ -593,3 +594,42 @@ def test_on_a_gpu_the_plan_chooses_the_micro_batch_and_the_run_trains_with_it(tm
     kept = recipes.load(ws / "minirl.toml", [*sets, "train.replay=r3", "train.micro_batch_tokens=8192"])
     plan = check_gpu_plan(kept, shape, Platform("cuda", 1, 16, 79.2))
     assert plan.micro_batch_tokens == 8192 and not plan.micro_batch_chosen
+
+
+def test_the_plan_sleeps_the_engine_only_where_it_must_and_the_dry_run_says_why(tmp_path):
+    """#73: on the H200 the tiny default slept its engine through every update (unmapping 12 GiB of KV
+    cache and reloading every weight) for a trainer of 0.08 GiB. rollout.sleep_level = -1 (the
+    default) is now the plan's: awake where the trainer's larger phase and the engine with its whole
+    job's KV cache fit together, level 2 where not (the 30B recipes); a level set by hand wins, and is
+    planned as set; a CPU stays awake."""
+    from minirl.setup.limits import Platform
+    from minirl.setup.preflight import check_gpu_plan
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+
+    def dry(*args, cwd=tmp_path):
+        r = subprocess.run([sys.executable, "-m", "cli.main", "run", "--dry-run", *args], cwd=cwd, capture_output=True,
+                           text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250", "HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return next(ln for ln in r.stdout.splitlines() if "while the trainer trains the engine" in ln)
+
+    assert dry(str(ws), "--gpu-mem-gib", "139.8").startswith(
+        "  while the trainer trains the engine stays awake: the plan's (rollout.sleep_level = -1): the trainer's larger "
+        "phase and the engine with its whole job's KV cache fit together")
+    assert dry("--model", "Qwen3-30B-A3B").startswith(
+        "  while the trainer trains the engine sleeps at level 2 (weights and KV cache dropped, reloaded by each sync): "
+        "the plan's (rollout.sleep_level = -1): awake beside the trainer it would leave too small a KV cache for the job")
+    assert dry(str(ws), "--gpu-mem-gib", "139.8", "--set", "rollout.sleep_level=2").endswith("rollout.sleep_level = 2")
+    rec = recipes.load(ws / "minirl.toml", [])
+    from minirl.models import TINY
+
+    assert check_gpu_plan(rec, TINY, Platform("cuda", 1, 16, 139.8)).sleep_level == 0  # what the run sleeps at
+    full = recipes.load(recipes.shipped("qwen3-30b-a3b"), [])
+    plan = check_gpu_plan(full, KNOWN_SHAPES["Qwen3-30B-A3B"], Platform("cuda", 16, 16, 79.2))
+    assert (plan.sleep_level, plan.sleep_chosen) == (2, True)
+    # the plan choosing level 2 for FP8 decoded through CUDA graphs refuses it, as the validator would (#72)
+    graphs = make_plan(recipes.load(recipes.shipped("qwen3-30b-a3b"), ["rollout.cuda_graphs=true"]),
+                       KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B")
+    assert not graphs.fits and "set rollout.cuda_graphs = false" in graphs.problems[-1]

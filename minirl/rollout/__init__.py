@@ -97,11 +97,12 @@ class Rollouts:
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
                     clock: Stopwatch, memory_fraction: float | None = None,
-                    kv_cache_gib: float | None = None) -> "Rollouts":
+                    kv_cache_gib: float | None = None, sleep_level: int | None = None) -> "Rollouts":
         """The engine the recipe asks for, holding the trainer's current weights. `memory_fraction`
         and `kv_cache_gib`: its share of the GPU and its KV cache as the run's plan derived them
         (preflight), instead of the recipe's: given its KV cache's size, vLLM skips the profiling
-        pass that captures every CUDA graph once before the real capture (#73)."""
+        pass that captures every CUDA graph once before the real capture (#73). `sleep_level`: the
+        plan's where the recipe left it to the plan (rollout.sleep_level = -1)."""
         p, tp = rec.parallel, rec.rollout.tensor_parallel
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's training ranks
         per_node = p.rollout_gpus // tp  # engines on each node's rollout GPUs
@@ -112,6 +113,8 @@ class Rollouts:
             kw["memory_fraction"] = memory_fraction
         if kv_cache_gib:
             kw["kv_cache_gib"] = kv_cache_gib
+        if sleep_level is not None:
+            kw["sleep_level"] = sleep_level
         if p.rollout_gpus:  # each node's, on the GPUs after its training ranks', asked by its first rank
             engine = RemoteEngines(model_dir, rec.rollout, world=world.part(local), engines=per_node,
                                    first_stream=world.rank // local * per_node, **kw)

@@ -216,7 +216,8 @@ class VLLMEngine:
         p = PRECISIONS[rollout.precision]  # minirl/precisions.py
         settings = dict(dtype=p.dtype, fp8=p.rounds, emulate=p.emulate or "w8a8", seed=seed, max_model_len=max_model_len,
                         memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
-                        tensor_parallel=rollout.tensor_parallel, sleep_level=rollout.sleep_level,
+                        # -1 is a run's plan's to decide (Rollouts passes it); an engine outside a run stays awake
+                        tensor_parallel=rollout.tensor_parallel, sleep_level=max(0, rollout.sleep_level),
                         cuda_graphs=rollout.cuda_graphs)
         return cls(model_dir, **{**settings, **kw})
 

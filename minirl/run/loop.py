@@ -98,7 +98,7 @@ class RLRun:
         t0 = time.perf_counter()
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
                                              clock=self.clock, memory_fraction=inputs.engine_fraction,
-                                             kv_cache_gib=inputs.kv_cache_gib)
+                                             kv_cache_gib=inputs.kv_cache_gib, sleep_level=inputs.sleep_level)
         # the start by part (the summary's `startup_s`): the trainer built and loaded; the engine, of
         # which vLLM's torch.compile and CUDA graph capture
         self.startup = {"trainer": trainer_s, "engine": time.perf_counter() - t0, **self.rollouts.startup}

@@ -38,11 +38,13 @@ def _ladder(rec, plan: Plan) -> list[list[dict]]:
     gpus = [(n, g) for n in (1, 2, 4, 8, 16, 32, 64) for g in (1, 2, 4, 8)
             if n * g > world and (n == 1 or g == 8) and n >= p.nodes]
     return [[{"rollout.memory_fraction": 0.0, "rollout.kv_cache_gib": 0.0}] if r.memory_fraction or r.kv_cache_gib else [],
+            # FP8 decoding eagerly, where the engine must sleep at level 2 (#72; validator.py)
+            [{"rollout.cuda_graphs": False}] if r.precision == "fp8" and r.cuda_graphs else [],
             micro,
             [{"train.offload": "optimizer"}] if t.offload == "none" else [],
             [{"rollout.tensor_parallel": tp} for tp in tps],
             # FP8 decodes eagerly after a level-2 sleep until a GPU confirms a fix (validator.py, #72)
-            [{"rollout.precision": "fp8", **({"rollout.cuda_graphs": False} if r.sleep_level == 2 and r.cuda_graphs
+            [{"rollout.precision": "fp8", **({"rollout.cuda_graphs": False} if r.sleep_level in (-1, 2) and r.cuda_graphs
                                               else {})}] if not PRECISIONS[r.precision].rounds else [],
             [{"train.lora.rank": 16, "train.lr": float(f"{t.lr * LORA_LR_FACTOR:.3g}")}] if not t.lora.rank else [],
             [{"parallel.nodes": n, "parallel.gpus_per_node": g} for n, g in sorted(gpus, key=lambda x: x[0] * x[1])]]
@@ -91,7 +93,8 @@ def describe(sets: dict, plan: Plan) -> str:
     Z GiB per GPU; N full-length sequences in flight per engine'."""
     flags = [f"--nodes {sets['parallel.nodes']}"] if "parallel.nodes" in sets else []
     flags += [f"--gpus-per-node {sets['parallel.gpus_per_node']}"] if "parallel.gpus_per_node" in sets else []
-    flags += [f"--set {k}={v:g}" if isinstance(v, float) else f"--set {k}={v}"
+    flags += [f"--set {k}={str(v).lower()}" if isinstance(v, bool) else f"--set {k}={v:g}" if isinstance(v, float)
+              else f"--set {k}={v}"
               for k, v in sets.items() if k not in ("parallel.nodes", "parallel.gpus_per_node")]
     peaks = ", ".join(f"{k.split(' (')[0]} {v:.1f}" for k, v in plan.phases_gib.items())
     return f"{' '.join(flags)}: {peaks} GiB per GPU; {plan.in_flight} full-length sequences in flight per engine"

@@ -66,12 +66,12 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
     if rec.parallel.rollout_gpus and tp > 1:  # planned, not yet run: said before the plan
         notes.append(f"parallel.rollout_gpus = {rec.parallel.rollout_gpus} with rollout.tensor_parallel = {tp}: planned "
                      "below; `minirl run` starts engines of one GPU each on rollout GPUs and refuses TP > 1 in one line")
+    plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)  # rec: fitted above, as plan_for would
     ro = rec.rollout
-    if ro.precision == "fp8" and ro.sleep_level == 2 and not ro.cuda_graphs:  # the validator's #72 rule, said
+    if ro.precision == "fp8" and plan.sleep_level == 2 and not ro.cuda_graphs:  # the validator's #72 rule, said
         notes.append("FP8 rollouts decode eagerly (rollout.cuda_graphs = false; slower than through CUDA graphs): "
                      "with graphs, vLLM's FP8 MoE decode returned non-finite log-probs after a level-2 sleep on an "
                      "H200 (#72), refused until a GPU visit confirms a fix (docs/precision.md)")
-    plan = make_plan(rec, shape, model=rec.model.id, gpu_gib=gpu_gib)  # rec: fitted above, as plan_for would
     has_ws = (Path(workspace) / RECIPE_NAME).exists()
     args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),
                      *(f"--set {x}" for x in [*user_sets, *(f"{k}={v}" for k, v in fitted.items())])])

@@ -95,7 +95,7 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
         raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process; under "
                          "torchrun every rank would need an engine process of its own, not built yet: set "
                          "rollout.max_staleness = 0 under torchrun")
-    if k and p.device != "cpu" and ro.sleep_level:
+    if k and p.device != "cpu" and ro.sleep_level > 0:
         raise UsageError(f"rollout.max_staleness = {k}: the engine samples on the trainer's GPU while it trains, so it "
                          f"cannot sleep (rollout.sleep_level = {ro.sleep_level}): set rollout.sleep_level = 0")
     if k and p.cores < 2:
@@ -104,7 +104,7 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
     if rollout_gpus and p.cores < 2:
         raise UsageError(f"parallel.rollout_gpus = {rollout_gpus} needs at least 2 cores for rank 0 and the engines "
                          f"it starts; this process has {p.cores}: set parallel.rollout_gpus = 0")
-    if p.device == "cpu" and ro.sleep_level:
+    if p.device == "cpu" and ro.sleep_level > 0:
         raise UsageError(f"rollout.sleep_level = {ro.sleep_level}: vLLM's CPU backend has no sleep mode; set "
                          "rollout.sleep_level = 0 on a machine without a GPU")
     if ro.kv_cache_gib > p.memory_gib:

@@ -112,6 +112,9 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     rollout_gpus: int = 0  # per node, GPUs that only sample (parallel.rollout_gpus); 0: the engines beside the trainer
     micro_batch_chosen: bool = False  # the plan chose micro_batch_tokens (the recipe's 0), and the run trains with it
+    sleep_level: int = 0  # the engine's while the trainer trains: the recipe's, or the plan's (`_with_sleep`)
+    sleep_chosen: bool = False  # the plan chose it (the recipe's -1), and the run sleeps so
+    sleep_why: str = ""  # what decided the plan's choice
     trainer_path: str = "one process"  # how the trainer computes: "one process" (autocast) or "fsdp2" (trainer_path)
 
     @property
@@ -250,6 +253,46 @@ def fit_mesh(rec, shape: ModelShape, keep=frozenset()) -> dict[str, int]:
 
 
 def make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float = 80.0) -> Plan:
+    """The plan of `rec` for GPUs of `gpu_gib`, with the choices the recipe leaves to it made: the
+    engine's sleep (`rollout.sleep_level = -1`: `_with_sleep`) and the micro-batch (`_with_micro`)."""
+    if rec.rollout.sleep_level < 0:
+        return _with_sleep(rec, shape, model=model, gpu_gib=gpu_gib)
+    return _with_micro(rec, shape, model=model, gpu_gib=gpu_gib)
+
+
+def _with_sleep(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
+    """rollout.sleep_level = -1: the engine stays awake (0) where the trainer's larger phase and the
+    engine with its whole job's KV cache fit together within the headroom, or where it must (its
+    own GPUs, or sampling ahead beside the trainer); else it sleeps at level 2 while the trainer
+    trains, dropping its KV cache and weights (each sync reloads them). Sleeping costs every step an
+    unmap, a map and a reload of every weight; on the H200 the tiny default slept through updates
+    that needed 0.08 GiB (#73)."""
+    r = rec.rollout
+    awake = _with_micro(with_sets(rec, {"rollout.sleep_level": 0}), shape, model=model, gpu_gib=gpu_gib)
+    if rec.parallel.rollout_gpus or r.max_staleness:
+        why = "its own GPUs: nothing to free" if rec.parallel.rollout_gpus else \
+            "it samples ahead on the trainer's GPU while the trainer trains (rollout.max_staleness ≥ 1)"
+        plan, level = awake, 0
+    elif awake.fits and awake.in_flight >= awake.sequences_per_engine:
+        plan, level = awake, 0
+        why = (f"the trainer's larger phase and the engine with its whole job's KV cache fit together "
+               f"({max(awake.phases_gib.values()):.1f} GiB of {HEADROOM:.0%} of {gpu_gib:g})")
+    else:
+        refused = r.precision == "fp8" and r.cuda_graphs  # validator.py's #72 rule, where the plan made the choice
+        asleep = {"rollout.sleep_level": 2, **({"rollout.cuda_graphs": False} if refused else {})}  # the same memory
+        plan = _with_micro(with_sets(rec, asleep), shape, model=model, gpu_gib=gpu_gib)
+        level = 2
+        why = ("awake beside the trainer it would leave " + ("no room" if not awake.fits else "too small a KV cache")
+               + " for the job; asleep its KV cache and weights are freed while the trainer trains")
+        if refused:
+            plan.problems.append("the engine must sleep at level 2 here, and FP8 decode through CUDA graphs after a "
+                                 "level-2 sleep is refused (#72, docs/precision.md): set rollout.cuda_graphs = false, "
+                                 "or rollout.precision = \"bf16\"")
+    plan.sleep_level, plan.sleep_chosen, plan.sleep_why = level, True, why
+    return plan
+
+
+def _with_micro(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     """The plan of `rec` for GPUs of `gpu_gib`. With train.micro_batch_tokens = 0 the plan chooses
     the micro-batch: the whole mini-batch of a GPU where it fits, else the largest power of two
     tokens (at least one full-length sequence) with which every phase fits, else the whole
@@ -456,6 +499,7 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
         sequences_per_engine=seqs_engine,
         host_gib_per_node=host_per_node / GiB, host_gib={k: v / GiB for k, v in host.items()},
         offload_s_per_step=offload_s, problems=problems, rollout_gpus=p.rollout_gpus, trainer_path=path,
+        sleep_level=r.sleep_level,
     )
 
 

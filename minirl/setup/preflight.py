@@ -296,6 +296,8 @@ class RunInputs:
     micro_batch_tokens: int = 0
     # on a GPU: the engine's KV cache per GPU, the plan's, given to vLLM so it need not profile to size it
     kv_cache_gib: float | None = None
+    # while the trainer trains: the recipe's rollout.sleep_level, or where it is -1 the plan's on a GPU (0 on a CPU)
+    sleep_level: int = 0
 
 
 def load_tokenizer(folder: Path):
@@ -405,7 +407,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from,
                      engine_fraction=plan.engine_fraction if plan else None,
                      micro_batch_tokens=plan.micro_batch_tokens if plan else rec.train.micro_batch_tokens,
-                     kv_cache_gib=engine_kv_gib(plan))
+                     kv_cache_gib=engine_kv_gib(plan),
+                     sleep_level=plan.sleep_level if plan else max(0, rec.rollout.sleep_level))
 
 
 def run_recipe(ws, resume: str | None, overrides: list[str]):

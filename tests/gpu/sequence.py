@@ -72,8 +72,9 @@ STEPS = [
     Step("moe-r3-bf16", "(#72) the same with bf16 rollouts through CUDA graphs: the control of moe-r3", 330),
     Step("fp8-sleep", "(#72) tests/gpu/test_vllm.py's FP8 decode after a reload awake, a level-1 and two level-2 "
          "sleeps, through CUDA graphs and eager: which stage breaks (the cause)", 300),
-    Step("default-bf16", "(a) `minirl run` on the embedded default, colocated (the engine asleep at level 2 during "
-         "the update), 300 steps, bf16 rollouts, CUDA graphs: held-out gain, steps/s, phases, memory vs plan",
+    Step("default-bf16", "(a) `minirl run` on the embedded default, colocated (the engine's sleep the plan's: awake "
+         "where everything fits, #73), 300 steps, bf16 rollouts, CUDA graphs: held-out gain, start-up, steps/s, "
+         "phases, memory vs plan",
          240, carry=(".gpu", ".gpu-ws"), revision=2),
     Step("default-fp8", "(a) the same with FP8 rollouts", 240, carry=(".gpu", ".gpu-ws")),
     Step("default-k1", "(#66) the embedded default with rollout.max_staleness = 1: the engine in a process of its "
@@ -223,11 +224,14 @@ def _run_figures(run: Path, gpu_gib: float | None) -> dict:
         used = max((r.get("gpu/used_gib", 0.0) for r in rows), default=0.0)
         trainer = max((r["gpu/train_peak_gib"] for r in rows[1:] if "gpu/train_peak_gib" in r), default=None)
         planned = next(v for k, v in p.phases_gib.items() if k.startswith("training"))
+        if p.sleep_level == 0:  # the plan's training phase holds the engine beside the trainer: the trainer's own part
+            planned -= sum(v for k, v in p.memory_gib.items() if k.startswith("vLLM"))
         out["memory_gib"] = {"peak_alloc": peak, "trainer_peak": trainer, "used_after_sync": used, "plan": p.phases_gib,
                              "plan_engine_fraction": p.engine_fraction, "plan_kv": p.memory_gib["vLLM KV cache"],
                              "plan_micro_batch_tokens": p.micro_batch_tokens, "plan_fits": p.fits}
-        if trainer is not None and rec.rollout.sleep_level:  # asleep, the plan's training phase is the trainer's
+        if trainer is not None:
             checks["trainer_peak_within_20pct_of_plan"] = abs(planned - trainer) <= 0.2 * trainer
+        out["memory_gib"]["plan_sleep_level"] = p.sleep_level
     out["checks"] = checks
     return out
 
@@ -269,9 +273,9 @@ def _one_run(out: Path, name: str, args: list[str], timeout: int) -> dict:
 
 
 def default_run(out: Path, precision: str, *, name: str | None = None, sets: tuple[str, ...] = ()) -> dict:
-    """(a): the embedded default workspace `minirl init` made on the CPU, run as shipped on the GPU,
-    the engine asleep during each update (level 2, as the GPU recipes) and woken by the sync; with
-    `sets`, run so instead (k = 1: the engine awake in a process of its own)."""
+    """(a): the embedded default workspace `minirl init` made on the CPU, run as shipped on the GPU
+    (the engine's sleep the plan's: awake where everything fits, #73); with `sets`, run so instead
+    (k = 1: the engine awake in a process of its own)."""
     name = name or f"default-{precision}"
     ws = SCRATCH / f"ws-{name}"
     shutil.rmtree(ws, ignore_errors=True)
@@ -289,8 +293,8 @@ def default_run(out: Path, precision: str, *, name: str | None = None, sets: tup
     else:
         raise RuntimeError(f"no {WORKSPACE.name}: run bash tests/gpu/prepare.sh on the dev machine and carry it")
     args = ["run", str(ws), "--rollout-precision", precision]
-    args += (["--steps", "3", "--set", "eval.max_problems=16", "--set", "rollout.sleep_level=0"] if DRY
-             else ["--set", "rollout.sleep_level=2"])
+    # on the GPU the engine sleeps as the plan says (#73: awake, where everything fits)
+    args += ["--steps", "3", "--set", "eval.max_problems=16"] if DRY else []
     args += [x for kv in sets for x in ("--set", kv)]  # after the defaults above: they win
     figures = _one_run(out, name, args, timeout=200 if DRY else 420)
     reference = WORKSPACE / "cpu-reference.json"  # the same workspace's run on the CPU that made it (prepare.sh)
