@@ -44,8 +44,10 @@ def test_a_gpu_run_builds_its_engine_with_the_plans_kv_cache_and_bounded_graphs(
     plan = check_gpu_plan(rec, shape, Platform("cuda", 1, 16, 139.8))
     kv = engine_kv_gib(plan)  # what preflight hands the run (RunInputs.kv_cache_gib)
     assert kv == pytest.approx(plan.memory_gib["vLLM KV cache"], abs=1e-3) and kv > 1
-    asked = _engine_settings(monkeypatch, rec, memory_fraction=plan.engine_fraction, kv_cache_gib=kv)
+    asked = _engine_settings(monkeypatch, rec, memory_fraction=plan.engine_fraction, kv_cache_gib=kv,
+                             sleep_level=plan.sleep_level)
     assert asked["kv_cache_gib"] == kv and asked["memory_fraction"] == plan.engine_fraction
+    assert asked["sleep_level"] == plan.sleep_level == 2  # the 30B LoRA on one H200: awake it would not fit
     args = engine_args(EngineSettings("/m", kv_cache_gib=kv, max_num_seqs=asked["max_num_seqs"], sleep_level=2),
                        cuda=True, spmd=False)
     assert args["kv_cache_memory_bytes"] == int(kv * 2**30)  # given, vLLM sizes nothing and profiles nothing
