@@ -169,6 +169,26 @@ def test_k2_runs_ahead_within_the_bound_and_survives_a_sigkill_and_a_rollback(ti
     assert all(m["rollout/staleness_max"] <= 2 for m in rows) and len({m["step"] for m in rows}) == len(rows)
 
 
+@pytest.mark.slow
+def test_a_huge_k_neither_hangs_nor_samples_batches_the_run_will_not_train(tiny_dir, tmp_path):
+    """#75: rollout.max_staleness = 1000 queued up to 1,000 batches at once after step 1, and the
+    trainer and the engine's process each blocked sending to the other. Answers are now read as they
+    come (EngineProcess's reader thread) and no batch is admitted past the run's last step: every
+    async run also ended having sampled k batches it never trained (`batches_ahead` 1 at k = 1)."""
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    for k in (1000, 1):
+        r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "4",
+                            "--set", f"rollout.max_staleness={k}", "--set", "train.prompts_per_step=8",
+                            "--set", "train.group_size=4", "--set", "eval.k=1", "--set", "eval.max_problems=8"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # a hang guard
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = _rows(max((ws / "runs").iterdir()))
+        assert [m["step"] for m in rows] == [1, 2, 3, 4]
+        assert [m["rollout/batches_ahead"] for m in rows] == ([3, 2, 1, 0] if k == 1000 else [1, 1, 1, 0]), k
+
+
 @pytest.fixture(scope="module")
 def inflight(tiny_dir):
     """An fp32 engine in its own process that loads a sync between two forward steps of a batch."""

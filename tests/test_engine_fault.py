@@ -105,3 +105,65 @@ def test_a_parity_check_that_is_not_finite_stops_the_run_with_its_step_kept(ws, 
     assert all(m["rollout/logp_nonfinite_frac"] == 0 for m in got)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "engine_fault" and Path(summary["checkpoint"]).name == "step_000002"
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]
+
+
+def _engine_child(run_pid: int, proc) -> int:
+    """The engine's process of a run at k ≥ 1 (a spawned child running multiprocessing's spawn main)."""
+    from tests.test_faults import wait_until
+
+    found = []
+
+    def spawned() -> bool:
+        for c in _children(run_pid):
+            try:
+                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes():  # not the resource tracker
+                    found.append(c)
+                    return True
+            except OSError:
+                pass
+        return False
+
+    wait_until(spawned, proc)
+    return found[0]
+
+
+@pytest.mark.slow
+def test_a_dead_engine_is_named_in_one_line_and_ctrl_c_is_quiet_in_every_process(ws, tiny_dir):
+    """#75: at k = 1 a SIGKILL of the engine's child ended the run with exit 1 and only library
+    warnings; Ctrl-C to the process group printed the engine's KeyboardInterrupt traceback."""
+    import signal
+
+    from tests.test_faults import wait_for_rows
+
+    args = [sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "200", *STEPS,
+            "--set", "rollout.max_staleness=1", "--set", "checkpoint.every=1"]
+    env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run_dir = lambda: next((ws / "runs").iterdir(), None) if (ws / "runs").exists() else None  # noqa: E731
+    wait_for_rows(run_dir, 2, proc)
+    os.kill(_engine_child(proc.pid, proc), signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 5, err[-3000:]
+    [line] = [ln for ln in err.splitlines() if ln.startswith("minirl:")]
+    assert "Traceback" not in err
+    assert line.startswith("minirl: error: the rollout engine's process died (killed by SIGKILL") and \
+        f"`minirl run {ws} --resume`" in line, line
+    steps = [m["step"] for m in rows(run_dir())]
+    assert steps == list(range(1, len(steps) + 1))
+
+    # Ctrl-C to the whole process group (as a terminal sends it): a quiet stop, in every process
+    proc = subprocess.Popen([*args, "--resume"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    wait_for_rows(run_dir, len(steps) + 2, proc)
+    _engine_child(proc.pid, proc)  # it is up
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    steps = [m["step"] for m in rows(run_dir())]
+    assert steps == list(range(1, len(steps) + 1))

@@ -173,3 +173,14 @@ def test_the_slide_window_travels_with_checkpoints_and_restarts_after_a_rollback
     assert Guard(prompts=32).load_state_dict({"best_reward": 0.5}) is None  # a checkpoint from before #64 loads
     at, reason = _first_action(h, [0.0] * 10)
     assert at is not None and reason.startswith("reward slid") and h.window == []  # the next window is the restored weights'
+
+
+def test_the_slide_rule_is_well_defined_at_zero_reward():
+    """#75: rewards of 0 from the start (an ordinary start on a hard task) divided by the best
+    window's mean, 0: a ZeroDivisionError killed the run. No window has earned anything: no slide."""
+    for window in (1, 3, 30):
+        g = Guard(prompts=8, slide_window=window)
+        got = [g.decide(**{**OK, "reward": 0.0}).action for _ in range(40)]
+        assert got == ["step"] * 40 and g.slide == (0.0, 0.0)
+    g = Guard(prompts=8, slide_window=2)  # negative rewards (a graded penalty) neither
+    assert [g.decide(**{**OK, "reward": -0.5}).action for _ in range(5)] == ["step"] * 5

@@ -164,7 +164,8 @@ class Rollouts:
             self._waited += time.perf_counter() - t0
             self._control.finish(head, (asked, answer), tokens=tokens)
         self._taken = ticket = self._control.take(step)
-        while self._k and self._control.may_admit():  # what the bound allows, sampled while this step trains
+        # what the bound allows, sampled while this step trains; never a batch past the run's last step
+        while self._k and self._control.may_admit() and self._control.next_step <= self._train.steps:
             self._admit()
         self._engine.sleep()  # frees its memory for training (CUDA); the sync wakes it
         asked, answer = ticket.handle
@@ -210,9 +211,9 @@ class Rollouts:
             weight_sync.broadcast(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20,
                                   version=self._control.trained)
         elif self._k:
-            # a slot per sync that may wait behind batches sent before it: at most k
-            weight_sync.queue(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20, slots=self._k,
-                              version=self._control.trained)
+            # a slot per sync that may wait behind batches sent before it: at most k, and no more than the run's steps
+            weight_sync.queue(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20,
+                              slots=max(1, min(self._k, self._train.steps)), version=self._control.trained)
         else:
             weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20)
         self._control.updated(self._control.trained)

@@ -32,6 +32,9 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import os
+import queue
+import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
-from minirl.errors import UsageError
+from minirl.errors import EngineFault, UsageError
 from minirl.rollout.broadcast import WeightChannel
 from minirl.rollout.engine import build
 
@@ -86,6 +89,9 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     loaded as they come. With `rollout.inflight_updates` the engine keeps stepping across calls
     (stream.py): a `generate` joins the requests in flight at once, a sync is loaded between two
     forward steps while they go on, and every other call waits until none is in flight."""
+    # Ctrl-C goes to the whole process group: the trainer's process stops after its step and then
+    # stops this one; a KeyboardInterrupt here would only print a traceback (#75)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.sched_setaffinity(0, cores)
     stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)  # rollout GPUs (remote.py): which engine, where to join
     channel = None
@@ -208,6 +214,12 @@ class EngineProcess:
                 else:
                     os.environ[k] = v
         child.close()
+        # every answer is read as it comes, by a thread of its own: the engine's process never waits
+        # to send one, so a trainer sending many calls ahead (rollout.max_staleness = 1000) cannot meet
+        # an engine blocked on a full pipe, each waiting on the other (#75)
+        self._answers: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True, name="minirl-engine-answers")
+        self._reader.start()
         self.busy_s = 0.0  # the engine's seconds in calls answered so far (its idle time is the rest)
         self._sent = 0  # calls sent; each answer names its call's number
         self._pending: dict[int, list] = {0: []}  # handles of calls not yet answered, by number (0: the build)
@@ -229,7 +241,10 @@ class EngineProcess:
         """Send a call and return at once; `result(handle)` waits for its answer."""
         self._sent += 1
         handle: list = []
-        self._conn.send((self._sent, method, args, kwargs))
+        try:
+            self._conn.send((self._sent, method, args, kwargs))
+        except (BrokenPipeError, ConnectionError, EOFError):  # never EPIPE up to click, which exits 1 in silence
+            raise self._died() from None
         self._pending[self._sent] = handle
         return handle
 
@@ -253,17 +268,38 @@ class EngineProcess:
 
     def drain(self, timeout_s: float) -> None:
         """Take the answers that have come (waiting up to `timeout_s` for one), kept for their callers."""
-        while self._pending and self._conn.poll(timeout_s):
-            self._answer()
+        while self._pending:
+            try:
+                self._answer(timeout_s)
+            except queue.Empty:
+                return
             timeout_s = 0.0
 
-    def _answer(self) -> None:
+    def _read(self) -> None:
+        """The reader thread: every answer off the pipe as it comes; None once the process is gone."""
         try:
-            call_id, status, out, seconds = self._conn.recv()
-        except (EOFError, ConnectionError):
-            raise RuntimeError(f"the rollout engine's process died (exit code {self._proc.exitcode})") from None
+            while True:
+                self._answers.put(self._conn.recv())
+        except (EOFError, ConnectionError, OSError):
+            self._answers.put(None)
+
+    def _answer(self, timeout_s: float | None = None) -> None:
+        """The next answer, kept for its caller (queue.Empty after `timeout_s` without one)."""
+        got = self._answers.get(timeout=timeout_s) if timeout_s is not None else self._answers.get()
+        if got is None:
+            self._answers.put(None)  # every later wait learns it too
+            raise self._died()
+        call_id, status, out, seconds = got
         self.busy_s += seconds
         self._pending.pop(call_id).append((status, out))
+
+    def _died(self) -> EngineFault:
+        """The engine's process is gone (killed, out of memory, crashed): named, with how it ended."""
+        self._proc.join(timeout=5)
+        code = self._proc.exitcode
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
+               signal.valid_signals() else f"exit code {code}")
+        return EngineFault(f"the rollout engine's process died ({how}; pid {self._proc.pid})")
 
     # ----- the engine's contract (engine.py) ----------------------------------------------------
     FORWARDED = ("generate", "score", "set_version")  # answered by the engine as they are; the rest are below
@@ -318,3 +354,4 @@ class EngineProcess:
             if self._proc.is_alive():
                 self._proc.kill()
         self._conn.close()
+        self._reader.join(timeout=5)

@@ -148,6 +148,9 @@ class Guard:
             self.slide = (0.0, 0.0)
             return ""
         best = self.best_window[0]
+        if best <= 0:  # no window has earned anything yet (an ordinary start on a hard task): no slide from it
+            self.slide = (0.0, 0.0)
+            return ""
         z, lost = (best - mean) / math.sqrt(max(var + self.best_window[1], 1e-12)), (best - mean) / best
         self.slide = (z, lost)
         if z <= self.slide_z or lost <= self.slide_drop_frac:

@@ -201,7 +201,9 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             try:
                 m = rl.step()
             except EngineFault as e:  # the engine broke: nothing untrained-on is lost, no rollback mends it
-                status, fault = "engine_fault", str(e)
+                status = "engine_fault"
+                fault = (f"{e}; the newest checkpoint is intact: `minirl run {rl.ws.root} --resume` continues from "
+                         "it (a --set given with it applies from there)")
                 if e.row is not None:  # the step trained before its parity check failed: its row stays
                     mf.write(json.dumps(e.row) + "\n")
                     mf.flush()

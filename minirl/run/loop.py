@@ -271,7 +271,7 @@ class RLRun:
         return {"rollout/resp_tokens": n["resp"], "rollout/logp_nonfinite_frac": frac}
 
     def _engine_advice(self) -> str:
-        """The settings that avoid what broke the engine before, and how the run goes on."""
+        """The settings that avoid what broke the engine before (the run's end adds how it goes on)."""
         r = self.rec.rollout
         cuda = self.world.device.type == "cuda"
         if cuda and r.precision == "fp8" and r.cuda_graphs:
@@ -283,8 +283,7 @@ class RLRun:
             fix = f"rule out the rollout precision ({r.precision}) with rollout.precision = \"bf16\""
         else:
             fix = "no setting is known to cause it here (bf16, eager): keep the run's log for a report"
-        return (f"{fix}, then `minirl run {self.ws.root} --resume --set ...` continues from the newest checkpoint, "
-                "which is intact")
+        return fix
 
     def _guard_view(self, batch: Batch, old_logp: torch.Tensor, ent: torch.Tensor) -> tuple[float, float]:
         """KL(μ_old ‖ π_old) and the entropy of π_old, over all ranks (token-weighted; every rank has

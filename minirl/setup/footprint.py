@@ -86,7 +86,7 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
         if p.rollout_gpus:  # the fp32 weights as one broadcast buffer, the sender's and each engine's (rollout/broadcast.py)
             parts["weight broadcast buffers"] = (1 + p.rollout_gpus) * 4 * P  # this node's
         else:  # k ≥ 1: the engine's process reads a sync from one of k fp32 snapshots in shared memory (`queue_weights`)
-            parts["weight snapshots for the engine's process (k ≥ 1)"] = r.max_staleness * 4 * P
+            parts["weight snapshots for the engine's process (k ≥ 1)"] = min(r.max_staleness, t.steps) * 4 * P
     else:
         parts["Adam moments offloaded"] = ranks * moments if t.offload == "optimizer" else 0.0
         parts["vLLM weights asleep"] = ranks * P * PRECISIONS[r.precision].weight_bytes / r.tensor_parallel \
