@@ -269,7 +269,7 @@ def test_a_refusal_names_the_largest_part_of_the_phase_that_overflows_and_what_s
 def test_the_slurm_example_launches_what_the_plan_says():
     """recipes/qwen3-30b-a3b.sbatch: valid bash, one torchrun per node with the plan's restart and
     rendezvous flags, and `--resume auto`, so a requeued or restarted job continues its run."""
-    from minirl.setup.plan import launch_commands
+    from minirl.setup.dryrun import launch_commands
 
     script = ROOT / "recipes" / "qwen3-30b-a3b.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -18,9 +18,28 @@ from minirl.models import TINY_ID
 from minirl.recipe import Recipe
 from minirl.recipes import with_sets
 from minirl.setup.advice import advise, describe, refusal
-from minirl.setup.plan import Plan, fit_mesh, launch_commands, make_plan
+from minirl.setup.plan import Plan, fit_mesh, make_plan
 from minirl.setup.preflight import check_planned
 from minirl.setup.workspace import RECIPE_NAME, planned_recipe
+
+
+MAX_RESTARTS = 3  # a job that loses ranks more often than this needs a person
+
+
+def launch_commands(nodes: int, gpus_per_node: int, args: str) -> list[str]:
+    """How to start `minirl <args>` on the plan's layout: one process, or torchrun on every node
+    (each rank then runs the same loop on its share; launch.py). A torchrun job restarts itself
+    after a lost rank (`--max-restarts`) and continues from the newest checkpoint (`--resume auto`)."""
+    if nodes * gpus_per_node == 1:
+        return [f"minirl {args}"]
+    restart = f"--max-restarts {MAX_RESTARTS}"
+    if nodes == 1:
+        return [f"torchrun --nproc-per-node {gpus_per_node} {restart} -m cli.main {args} --resume auto"]
+    # a fresh rendezvous store per attempt, or a restart meets the dead attempt's addresses (launch.py)
+    return [f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} "
+            f"{restart} --rdzv-backend c10d "
+            f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main {args} --resume auto"
+            f"   # on each of the {nodes} nodes"]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`minirl run --dry-run`: the plan of a run, computed from the recipe and the model's shape alone
 (no GPU, no weights, no workspace): the device mesh, memory per GPU by component, tokens and
-FLOPs per step, and the launch command. A plan that cannot fit is refused naming what overflows.
+FLOPs per step. A plan that cannot fit is refused naming what overflows (the launch lines: dryrun.py).
 
 The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per node):
 
@@ -120,25 +120,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return not self.problems
-
-
-MAX_RESTARTS = 3  # a job that loses ranks more often than this needs a person
-
-
-def launch_commands(nodes: int, gpus_per_node: int, args: str) -> list[str]:
-    """How to start `minirl <args>` on the plan's layout: one process, or torchrun on every node
-    (each rank then runs the same loop on its share; launch.py). A torchrun job restarts itself
-    after a lost rank (`--max-restarts`) and continues from the newest checkpoint (`--resume auto`)."""
-    if nodes * gpus_per_node == 1:
-        return [f"minirl {args}"]
-    restart = f"--max-restarts {MAX_RESTARTS}"
-    if nodes == 1:
-        return [f"torchrun --nproc-per-node {gpus_per_node} {restart} -m cli.main {args} --resume auto"]
-    # a fresh rendezvous store per attempt, or a restart meets the dead attempt's addresses (launch.py)
-    return [f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} "
-            f"{restart} --rdzv-backend c10d "
-            f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID -m cli.main {args} --resume auto"
-            f"   # on each of the {nodes} nodes"]
 
 
 # what shrinks each part of a phase (the refusal's advice)
