@@ -245,6 +245,8 @@ def status_view(st, width: int = 80) -> Group:
         parts.append(metrics_grid({**st.last, **parity}, width))
     if st.error:
         parts.append(f"[bold red]stopped:[/] {st.error}")
+    if st.damaged:
+        parts.append(f"[yellow]damaged, read without it:[/] {st.damaged}")
     h = st.heldout
     if h.get("start"):
         metric = h.get("metric") or next(k for k in h["start"] if k.startswith("avg@"))

@@ -151,9 +151,42 @@ def is_checkpoint(folder: Path) -> bool:
 
 
 # ----- the summary ------------------------------------------------------------------------------
+# the summary's fields its readers use, and the types they must have (a hand-edited or damaged file
+# is read as no summary, and `summary_problem` says why: #75)
+_NUMBER, _TEXT = (int, float), (str,)
+SUMMARY_TYPES = {"status": _TEXT, "written_at": _NUMBER, "steps": (int,), "wall_s": _NUMBER, "phases_s": (dict,),
+                 "heldout": (dict,), "last_metrics": (dict,), "checkpoint": _TEXT, "hf_folder": (str, type(None)),
+                 "metrics": _TEXT, "run_dir": _TEXT, "guard": (dict,), "recipe": (dict,), "error": _TEXT,
+                 "startup_s": (dict,), "engine_cache": (dict,)}
+HELDOUT_TYPES = {"metric": _TEXT, "start": (dict, type(None)), "end": (dict, type(None)),
+                 "gain_points": (int, float, type(None))}
+
+
+def summary_problem(run: Path) -> str | None:
+    """What is wrong with a run's summary.json, in words, or None (sound, or not there)."""
+    path = Path(run) / SUMMARY
+    if not path.exists():
+        return None
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return f"{path} is not readable JSON"
+    if not isinstance(got, dict):
+        return f"{path} holds {type(got).__name__}, not the summary's fields"
+    held = got.get("heldout") if isinstance(got.get("heldout"), dict) else {}
+    fields = [(key, got, types) for key, types in SUMMARY_TYPES.items()]
+    fields += [(f"heldout.{key}", held, types) for key, types in HELDOUT_TYPES.items()]
+    for name, where, types in fields:
+        key = name.rsplit(".", 1)[-1]
+        if key in where and (not isinstance(where[key], types) or isinstance(where[key], bool)):
+            kinds = " or ".join(t.__name__ for t in types if t is not type(None))
+            return f"{path}: {name} is {where[key]!r}, not a {kinds}"
+    return None
+
+
 def read_summary(run: Path) -> dict:
-    """The run's summary, or {} (a run killed before it wrote one, or a damaged one)."""
-    return json_or_empty(Path(run) / SUMMARY)
+    """The run's summary, or {} (a run killed before it wrote one, or a damaged one: `summary_problem`)."""
+    return {} if summary_problem(run) else json_or_empty(Path(run) / SUMMARY)
 
 
 def has_summary(run: Path) -> bool:
@@ -218,30 +251,33 @@ def resume_checkpoint(ws, *, check: Callable[[Path], object], auto: bool = False
 
 
 # ----- the metrics file -------------------------------------------------------------------------
-def metric_rows(path: Path, *, upto: int | None = None) -> list[dict]:
-    """The rows of a run's metrics.jsonl (steps ≤ `upto` if given); a line a kill cut short is skipped."""
-    rows = []
+def _good_lines(path: Path) -> list[tuple[str, dict]]:
+    """The rows of a metrics.jsonl a run wrote, in order, damage left out: a line a kill cut short,
+    and a row whose step is not above the last good one (out of order or twice: hand-edited or
+    torn). #75: `status` read "step 1/3" of a run that had finished 3, and a resume kept step 1 twice."""
+    out: list[tuple[str, dict]] = []
     for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and (upto is None or row["step"] <= upto):
-            rows.append(row)
-    return rows
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
+            continue
+        if out and row["step"] <= out[-1][1]["step"]:
+            continue
+        out.append((line, row))
+    return out
+
+
+def metric_rows(path: Path, *, upto: int | None = None) -> list[dict]:
+    """The good rows of a run's metrics.jsonl (`_good_lines`; steps ≤ `upto` if given)."""
+    return [row for _, row in _good_lines(path) if upto is None or row["step"] <= upto]
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the rows of steps ≤ `step` (the checkpoint a run resumes from), in one atomic rewrite.
-    A line a kill cut short is not JSON and goes too."""
+    """Keep the good rows of steps ≤ `step` (the checkpoint a run resumes from), in one atomic
+    rewrite: a line a kill cut short, and a row out of order or twice, go."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line)
+    kept = [line for line, row in _good_lines(path) if row["step"] <= step]
     atomic.write_text(path, "".join(x + "\n" for x in kept))

@@ -380,6 +380,8 @@ CASES = [
     ("fp8-graphs-sleep-2", ["run", "{new}", "--recipe", "qwen3-30b-a3b", "--dry-run", "--set", "rollout.cuda_graphs=true",
                             "--set", "rollout.sleep_level=2"], None, "with rollout.cuda_graphs = true and rollout.sleep_level = 2: vLLM's FP8 MoE decode through CUDA graphs "
      "returned non-finite log-probs after the engine's first sleep on an H200 (#72"),
+    ("runs-is-a-file", ["run", "{ws}"], lambda ws: (shutil.rmtree(ws / "runs"), (ws / "runs").write_text("x")),
+     "runs is a file, where the workspace keeps its runs' folders: move it away"),
     ("run-plan-on-this-gpu", ["run", "{ws}"], platform(device="cuda", memory_gib=1.0),
      "(planned for this job: 1 × 1 GPU(s) of 1.0 GiB)"),
     ("dry-run-replay-on-dense", ["run", "{new}", "--model", "Qwen3-8B", "--replay", "r3", "--dry-run"], None,

@@ -97,9 +97,7 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
            eval_results: list[dict] | None = None, repo_id: str | None = None, adapter: bool = False) -> Path:
     """Write the HF folder of `ckpt` with its card and curves into `out` (aside, then renamed).
     adapter: a LoRA run's adapters alone, as a PEFT adapter folder for its base model."""
-    from minirl.train.hf_io import save_hf_folder, save_peft_folder  # deferred, as below: torch (the CLI imports this module at start)
-    from minirl.train.lora import adapter_state
-    from minirl.train.trainer import Trainer
+    from minirl.train.trainer import Trainer  # deferred: torch (the CLI imports this module at start)
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -116,6 +114,25 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     trainer.load(ckpt.path, with_optim=False)
     tmp = out.with_name(out.name + ".tmp")
     atomic.remove_dir(tmp)
+    try:
+        _write(tmp, run_dir, rec, ckpt, trainer, shape, base, adapter=adapter, why=why, out=out,
+               max_shard_size=max_shard_size, eval_results=eval_results, repo_id=repo_id)
+    except BaseException:
+        atomic.remove_dir(tmp)  # nothing half-written is left beside the folder asked for
+        raise
+    if out.exists():
+        out.rmdir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(tmp), str(out))
+    return out
+
+
+def _write(tmp: Path, run_dir: Path, rec, ckpt: Checkpoint, trainer, shape, base: Path, *, adapter: bool, why: str,
+           out: Path, max_shard_size, eval_results, repo_id) -> None:
+    """The export's folder's files, in `tmp`."""
+    from minirl.train.hf_io import save_hf_folder, save_peft_folder  # deferred, as export's: torch
+    from minirl.train.lora import adapter_state
+
     adapter_of = base_name(rec, base) if adapter else None
     if adapter:
         save_peft_folder(tmp, shape, adapter_state(trainer.model), rank=trainer.lora["rank"],
@@ -132,11 +149,6 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     atomic.write_text(tmp / "minirl_export.json", json.dumps(
         {"run": run_dir.name, "step": ckpt.step, "checkpoint": str(ckpt.path), "why": why,
          "kind": "peft-adapter" if adapter else "model"}, indent=2))
-    if out.exists():
-        out.rmdir()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(tmp), str(out))
-    return out
 
 
 def base_name(rec, folder: Path) -> str:

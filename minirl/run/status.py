@@ -51,6 +51,7 @@ class RunStatus:
     regenerated: int = 0  # of their samples, drawn again because their routes were recomputed (R3)
     parity: float | None = None  # the newest parity check's |Δ log p| (a row has one only where one was due)
     error: str | None = None  # what stopped the run, where the summary says (an engine fault)
+    damaged: str | None = None  # what is wrong with the run's summary.json, which is then read as absent
 
 
 def latest_run(ws_root: Path) -> Path:
@@ -90,6 +91,7 @@ def read(run_dir: Path) -> RunStatus:
         regenerated=sum(r.get("rollout/regenerated", 0) for r in rows),
         parity=next((r["sync/parity_abs_dlogp"] for r in reversed(rows) if "sync/parity_abs_dlogp" in r), None),
         error=summary.get("error") if state != "running" else None,
+        damaged=store.summary_problem(run_dir),
     )
 
 

@@ -369,6 +369,8 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
 def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
+    if ws.runs.exists() and not ws.runs.is_dir():  # where every run's folder goes
+        raise UsageError(f"{ws.runs} is a file, where the workspace keeps its runs' folders: move it away")
     platform = Platform.here(world_size)
     limits.check(rec, platform)  # what this machine cannot do, before anything is read
     check_sinks_ready(rec.metrics)  # a sink that would fail after the engines started

@@ -1,0 +1,75 @@
+"""A run folder damaged by hand or by a torn write (#75): readers say which file is damaged and go on
+without it; a resume keeps the good rows alone; an export leaves nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def minirl(*args):
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "250", "HF_HUB_OFFLINE": "1"})
+
+
+def _run(tiny_dir, tmp_path, *, summary: dict, steps=(1, 2, 3)) -> Path:
+    """A workspace with one run: a checkpoint at step 3, its rows, and `summary`."""
+    import shutil
+
+    from minirl import recipes
+    from minirl.models import TINY
+    from minirl.train.trainer import Trainer
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    shutil.copytree(tiny_dir, ws / "model/coldstart")
+    rec = recipes.load(ws / "minirl.toml", ["train.steps=3"])
+    run = ws / "runs" / "20261128-010203"
+    tr = Trainer(TINY, lr=1e-3)
+    tr.load_hf(ws / "model/coldstart")
+    tr.save(run / "checkpoints" / "step_000003", {"step": 3, "sampler": {"epoch": 0, "pos": 96}, "recipe": rec.to_dict(),
+                                                  "heldout_start": {"avg@4": 0.1}})
+    (run / "recipe.toml").write_text(rec.to_toml())
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "rollout/reward_mean": 0.1 * s}) + "\n"
+                                               for s in steps))
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_a_summary_with_wrong_types_is_named_and_read_without(tiny_dir, tmp_path):
+    run = _run(tiny_dir, tmp_path, summary={"status": "finished", "written_at": "yesterday", "steps": 3,
+                                            "checkpoint": "x", "heldout": {"metric": "avg@4", "start": "?"}})
+    ws = run.parent.parent
+    r = minirl("status", str(ws))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"damaged, read without it: {run / 'summary.json'}: written_at is 'yesterday', not a int or float" in r.stdout
+    out = tmp_path / "export"
+    r = minirl("export", str(ws), str(out))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (out / "config.json").exists() and not list(tmp_path.glob("*.tmp"))
+    from minirl import store
+
+    assert store.read_summary(run) == {}
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "heldout": {"start": "?"}}))
+    assert store.summary_problem(run).endswith("heldout.start is '?', not a dict")
+
+
+def test_a_row_out_of_order_is_left_out_by_status_and_by_a_resume(tiny_dir, tmp_path):
+    from minirl import store
+
+    run = _run(tiny_dir, tmp_path, summary={"status": "finished", "written_at": time.time(), "steps": 3},
+               steps=(1, 2, 3, 1))
+    r = minirl("status", str(run.parent.parent))
+    assert r.returncode == 0 and "finished  step 3/3" in r.stdout, r.stdout
+    assert [m["step"] for m in store.metric_rows(run / "metrics.jsonl")] == [1, 2, 3]
+    store.truncate_metrics(run / "metrics.jsonl", 3)  # what a resume from step 3 does first
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 2, 3)))
+    store.truncate_metrics(run / "metrics.jsonl", 3)  # a step twice: the second goes, one row a step stays
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
