@@ -20,10 +20,11 @@ from minirl.recipe import Recipe, check_fields
 from minirl.validator import validate
 
 
-def _coerce(key: str, typ: Any, value: Any) -> Any:
-    """Check (TOML) or parse (`--set` strings) one value against its declared type."""
+def _coerce(key: str, typ: Any, value: Any, *, flag: bool) -> Any:
+    """Check (a TOML value: typed as TOML types it, #75) or parse (`flag`: a `--set` string) one
+    value against its declared type."""
     typ = typing.get_origin(typ) or typ
-    from_flag = isinstance(value, str) and typ is not str
+    from_flag = flag and isinstance(value, str) and typ is not str
     try:
         if typ is bool:
             if from_flag:
@@ -57,7 +58,7 @@ def _coerce(key: str, typ: Any, value: Any) -> Any:
     raise UsageError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
 
 
-def _apply(recipe: Recipe, section: str, key: str, value: Any) -> None:
+def _apply(recipe: Recipe, section: str, key: str, value: Any, *, flag: bool) -> None:
     sections = {f.name: f for f in dataclasses.fields(Recipe)}
     if section not in sections:
         raise UsageError(f"unknown recipe section [{section}]; known: {', '.join(sections)}")
@@ -71,25 +72,25 @@ def _apply(recipe: Recipe, section: str, key: str, value: Any) -> None:
                          "false → 0; docs/async.md)")
     head, dot, rest = key.partition(".")
     if dot and head in hints and dataclasses.is_dataclass(getattr(obj, head)):  # `--set train.lora.rank=16`
-        _apply_fields(getattr(obj, head), f"{section}.{head}", {rest: value})
+        _apply_fields(getattr(obj, head), f"{section}.{head}", {rest: value}, flag=flag)
         return
     if key not in hints:
         raise UsageError(f"unknown recipe key {section}.{key}; known in [{section}]: {', '.join(hints)}")
     if dataclasses.is_dataclass(getattr(obj, key)):  # a [section.sub] table
         if not isinstance(value, dict):
             raise UsageError(f"{section}.{key} is a table: [{section}.{key}] in a recipe, or --set {section}.{key}.KEY=VALUE")
-        _apply_fields(getattr(obj, key), f"{section}.{key}", value)
+        _apply_fields(getattr(obj, key), f"{section}.{key}", value, flag=flag)
         return
-    setattr(obj, key, _coerce(f"{section}.{key}", hints[key], value))
+    setattr(obj, key, _coerce(f"{section}.{key}", hints[key], value, flag=flag))
 
 
-def _apply_fields(obj, where: str, values: dict[str, Any]) -> None:
+def _apply_fields(obj, where: str, values: dict[str, Any], *, flag: bool) -> None:
     """Keys of a subsection ([train.lora]) onto its dataclass."""
     hints = typing.get_type_hints(type(obj))
     for key, value in values.items():
         if key not in hints:
             raise UsageError(f"unknown recipe key {where}.{key}; known in [{where}]: {', '.join(hints)}")
-        setattr(obj, key, _coerce(f"{where}.{key}", hints[key], value))
+        setattr(obj, key, _coerce(f"{where}.{key}", hints[key], value, flag=flag))
 
 
 def load(path: Path | None, overrides: list[str] = ()) -> Recipe:
@@ -107,13 +108,13 @@ def load(path: Path | None, overrides: list[str] = ()) -> Recipe:
             if not isinstance(values, dict):
                 raise UsageError(f"{path}: top-level key {section!r} must be a [section]")
             for key, value in values.items():
-                _apply(recipe, section, key, value)
+                _apply(recipe, section, key, value, flag=False)
     for item in overrides:
         dotted, sep, value = item.partition("=")
         section, dot, key = dotted.strip().partition(".")
         if not sep or not dot or not key:
             raise UsageError(f"--set expects section.key=value, got {item!r}")
-        _apply(recipe, section, key.strip(), value.strip())
+        _apply(recipe, section, key.strip(), value.strip(), flag=True)
     check_fields(recipe)
     validate(recipe)
     return recipe
@@ -124,7 +125,7 @@ def with_sets(recipe: Recipe, sets: dict[str, Any]) -> Recipe:
     out = copy.deepcopy(recipe)
     for dotted, value in sets.items():
         section, _, key = dotted.partition(".")
-        _apply(out, section, key, value)
+        _apply(out, section, key, value, flag=True)
     check_fields(out)
     validate(out)
     return out

@@ -380,6 +380,8 @@ CASES = [
     ("fp8-graphs-sleep-2", ["run", "{new}", "--recipe", "qwen3-30b-a3b", "--dry-run", "--set", "rollout.cuda_graphs=true",
                             "--set", "rollout.sleep_level=2"], None, "with rollout.cuda_graphs = true and rollout.sleep_level = 2: vLLM's FP8 MoE decode through CUDA graphs "
      "returned non-finite log-probs after the engine's first sleep on an H200 (#72"),
+    ("rollout-gpus-64-on-cpu", ["run", "{ws}", "--rollout-gpus", "64"], platform(memory_gib=24.0),
+     "engine processes' own memory (measured) 32.0"),  # #75: an engine process at ~33 MB had passed it
     ("runs-is-a-file", ["run", "{ws}"], lambda ws: (shutil.rmtree(ws / "runs"), (ws / "runs").write_text("x")),
      "runs is a file, where the workspace keeps its runs' folders: move it away"),
     ("run-plan-on-this-gpu", ["run", "{ws}"], platform(device="cuda", memory_gib=1.0),
@@ -393,6 +395,11 @@ CASES = [
     ("toml-syntax", ["run", "{ws}"], write("minirl.toml", "[train\nsteps = 1\n"), "malformed recipe"),
     ("toml-top-level-key", ["run", "{ws}"], write("minirl.toml", "steps = 1\n"), "must be a [section]"),
     ("toml-wrong-type", ["run", "{ws}"], write("minirl.toml", "[train]\nsteps = 'ten'\n"), "train.steps: expected int"),
+    # #75: a TOML value is typed as TOML types it: a string is no bool (or number), as --set's would be parsed
+    ("toml-string-for-bool", ["run", "{ws}"], write("minirl.toml", "[rollout]\ninflight_updates = \"yes\"\n"),
+     "rollout.inflight_updates: expected bool, got 'yes'"),
+    ("toml-string-for-int", ["run", "{ws}"], write("minirl.toml", "[train]\nsteps = \"10\"\n"),
+     "train.steps: expected int, got '10'"),
     ("toml-unknown-section", ["run", "{ws}"], write("minirl.toml", "[trian]\nlr = 1\n"), "unknown recipe section [trian]"),
     ("toml-nan", ["run", "{ws}"], write("minirl.toml", "[train]\nlr = nan\n"), "train.lr = nan"),
     ("not-a-workspace", ["run", "{ws}"], delete("minirl.toml"), "is not a minirl workspace"),

@@ -552,7 +552,10 @@ def test_sampling_ahead_plans_the_weights_queued_for_the_engines_process():
     cpu = {k: host_memory(recipes.load(None, [f"rollout.max_staleness={k}"]), shape, device="cpu") for k in (0, 2)}
     assert cpu[2]["weight snapshots for the engine's process (k ≥ 1)"] == 2 * 4 * P
     assert "weight snapshots for the engine's process (k ≥ 1)" not in cpu[0]
-    assert cpu[2]["peak"] - cpu[0]["peak"] == pytest.approx(8 * P)
+    # the k snapshots, and the engine's process itself (#75: measured, setup/footprint.py)
+    from minirl.setup.footprint import ENGINE_PROCESS_BYTES
+
+    assert cpu[2]["peak"] - cpu[0]["peak"] == pytest.approx(8 * P + ENGINE_PROCESS_BYTES)
 
 
 def test_on_a_gpu_the_plan_chooses_the_micro_batch_and_the_run_trains_with_it(tmp_path):
@@ -633,3 +636,27 @@ def test_the_plan_sleeps_the_engine_only_where_it_must_and_the_dry_run_says_why(
     graphs = make_plan(recipes.load(recipes.shipped("qwen3-30b-a3b"), ["rollout.cuda_graphs=true"]),
                        KNOWN_SHAPES["Qwen3-30B-A3B"], model="Qwen3-30B-A3B")
     assert not graphs.fits and "set rollout.cuda_graphs = false" in graphs.problems[-1]
+
+
+@pytest.mark.parametrize("args, needle", [
+    # #75: each of these was planned "fits" above the GPU, or refused without the most that fits
+    (["--model", "Qwen3-30B-A3B", "--replay", "r3", "--nodes", "1", "--gpus-per-node", "8",
+      "--set", "rollout.kv_cache_gib=200"],
+     "rollouts need 230.9 GiB per GPU, over 90% of 80 GiB, the largest part vLLM's KV cache (200.0 GiB): set "
+     "rollout.kv_cache_gib at most "),
+    (["--model", "Qwen3-30B-A3B", "--gpus-per-node", "8", "--rollout-gpus", "2", "--gpu-mem-gib", "141",
+      "--set", "train.prompts_per_step=48", "--set", "rollout.tensor_parallel=1", "--set", "rollout.kv_cache_gib=500"],
+     "sampling on a rollout GPU needs 532.2 GiB, over 90% of 141 GiB: rollout.kv_cache_gib = 500 is more than is left "
+     "beside its weights, working memory and the bucket: set it at most 94.7"),
+    (["--model", "Qwen3-30B-A3B", "--gpus-per-node", "8", "--rollout-gpus", "2", "--gpu-mem-gib", "141",
+      "--set", "train.prompts_per_step=48", "--set", "rollout.tensor_parallel=1", "--set", "rollout.memory_fraction=0.99"],
+     "vLLM's start on a rollout GPU: rollout.memory_fraction gives the engine 139.6 GiB, and 125.7 GiB are left beside "
+     "the weight broadcast's bucket within 90% of 141 GiB: set it at most 0.891"),
+])
+def test_no_plan_says_fits_above_the_gpu_and_every_refusal_names_the_most_that_fits(args, needle, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", "--dry-run", *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250",
+                                                    "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2, r.stdout[-2000:]
+    [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("minirl:")]
+    assert needle in line, line

@@ -11,6 +11,12 @@ from minirl.models import ModelShape, lora_param_count, lora_targets, param_coun
 from minirl.precisions import PRECISIONS
 
 
+# what an engine's process holds of its own, beyond its weights and KV cache: the anonymous memory of
+# the tiny default's engine process at k = 1 on the 2-core CPU (docs/results/memory.md); the file-backed
+# part (libraries) is shared through the page cache
+ENGINE_PROCESS_BYTES = 512 * 2**20
+
+
 def activation_bytes(shape: ModelShape, tokens: int, *, path: str, ac: str) -> dict[str, float]:
     """What the trainer's forward keeps for its backward over `tokens` tokens on `path` ("one
     process": bf16 autocast; "fsdp2": bf16 parameters gathered by FSDP2), by part: "layers" (every
@@ -19,7 +25,11 @@ def activation_bytes(shape: ModelShape, tokens: int, *, path: str, ac: str) -> d
     forward saves (torch.autograd.graph.saved_tensors_hooks) on TorchTitan 0.3's Qwen3-MoE layer:
     the fp32 residual stream and norms (8d each), q/k norms kept in fp32, the routed rows once or
     twice in bf16, the expert outputs scaled in fp32 (TorchTitan's combine), the experts' hidden
-    activations in bf16; autocast keeps fp32 copies of what FSDP2 holds in bf16."""
+    activations in bf16; autocast keeps fp32 copies of what FSDP2 holds in bf16. A token of an MoE
+    layer: FSDP2 24d + 12(q + kv widths) + 2E + 12kd + 8kf bytes, one process 32d + 12(q + kv) +
+    4E + 16kd + 8kf (d the model width, E experts, k of them a token, f their width); a dense layer
+    34·d (Korthikanti et al. 2022; not measured here). Under full AC each layer keeps its input
+    (3d a token under FSDP2, 5d in one process); either way the final norm's fp32 input (4d)."""
     d, q, kv = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     one = path == "one process"
     if shape.is_moe:
@@ -83,6 +93,10 @@ def host_memory(rec, shape: ModelShape, *, device: str, checkpoint_bytes: float 
         parts["trainer (weights, gradients, Adam)"] = ranks * (weights + rest)
         parts["vLLM engines (weights, KV cache)"] = (p.rollout_gpus or ranks) * (
             wbytes * P / r.tensor_parallel + sizing.cpu_kv_cache_bytes(shape, seqs, sizing.max_model_len(rec), wbytes))
+        # an engine in a process of its own (k ≥ 1, or each rollout "GPU") carries its own Python, torch and
+        # vLLM besides its weights and KV cache (#75: counted at about 33 MB, measured at 780 MB resident)
+        processes = p.rollout_gpus if p.rollout_gpus else (ranks if r.max_staleness else 0)
+        parts["engine processes' own memory (measured)"] = processes * ENGINE_PROCESS_BYTES
         if p.rollout_gpus:  # the fp32 weights as one broadcast buffer, the sender's and each engine's (rollout/broadcast.py)
             parts["weight broadcast buffers"] = (1 + p.rollout_gpus) * 4 * P  # this node's
         else:  # k ≥ 1: the engine's process reads a sync from one of k fp32 snapshots in shared memory (`queue_weights`)

@@ -11,19 +11,11 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      one process (W = 1) holds its bf16 base whole and gathers nothing
     gathered layer   bf16 weights of the layers being computed, unsharded: 2 B × 2 layers (one prefetched);
                      of an MoE layer's experts only this rank's EP share
-    activations      per micro-batch of T tokens on this GPU: what the forward keeps for the backward,
-                     on the path the run takes (`activation_bytes`): one process computes under
-                     bf16 autocast, FSDP2 (more than one rank) in bf16 parameters; both keep
-                     TorchTitan's fp32 residual stream and fp32 expert outputs, and autocast more
-                     (fp32 routed rows, norm outputs). Per MoE layer and token, read from the
-                     tensors saved (tests/test_memory_model.py holds it within 20% on the tiny and
-                     a 0.76B Qwen3-MoE): FSDP2 24d + 12(q + kv widths) + 2E + 12kd + 8kf bytes,
-                     one process 32d + 12(q + kv) + 4E + 16kd + 8kf (d the model width, E experts,
-                     k of them per token, f their width); a dense layer 34·d (Korthikanti et al.
-                     2022; not measured here). With activation checkpointing
-                     (train.activation_checkpoint = "full"; the row that counts follows it) only
-                     each layer's input is kept (3d bytes a token under FSDP2, 5d in one process),
-                     plus one layer in full; both, the final norm's fp32 input (4d)
+    activations      per micro-batch of T tokens on this GPU: what the forward keeps for the backward
+                     on the path the run takes, one process (autocast) or FSDP2, read from the tensors
+                     it saves (footprint.activation_bytes; tests/test_memory_model.py holds it within
+                     20%); with activation checkpointing (train.activation_checkpoint = "full"; the
+                     row that counts follows it) each layer's input, plus one layer in full
     logits           the output head a chunk of 1,024 positions at a time where a micro-batch's bf16
                      logits pass 1 GiB (train/head.py): that chunk's bf16 logits and three fp32
                      [chunk, vocab] tensors; else T × vocab in bf16 and their gradient, plus one fp32
@@ -203,11 +195,19 @@ def _rollout_gpu(r, *, vllm_w: float, working: float, job_kv: float, bucket: flo
     parts = {f"vLLM weights ({r.precision}, TP {tp})": vllm_w, "vLLM working memory (estimate)": working,
              "vLLM KV cache": kv, "weight broadcast bucket": bucket}
     problems = []
-    if fraction * gpu_bytes > budget - bucket:
+    room = max(0.0, budget - bucket)  # what the engine may take beside the bucket the weights arrive in
+    if r.kv_cache_gib > 0 and vllm_w + working + kv > room:  # #75: "fits" at a sampling peak of 532 GiB on 141
+        problems.append(f"sampling on a rollout GPU needs {(vllm_w + working + kv + bucket) / GiB:.1f} GiB, over "
+                        f"{HEADROOM:.0%} of {gpu_gib:g} GiB: rollout.kv_cache_gib = {r.kv_cache_gib:g} is more than is "
+                        f"left beside its weights, working memory and the bucket: set it at most "
+                        f"{max(0.0, room - vllm_w - working) / GiB:.1f}, or 0 (the plan's: sized for the job)")
+    elif fraction * gpu_bytes > room:
         key = "rollout.kv_cache_gib" if r.kv_cache_gib > 0 else "rollout.memory_fraction"
+        most = f"at most {int(room / gpu_bytes * 1000) / 1000:g}" if key == "rollout.memory_fraction" else \
+            f"at most {max(0.0, room - vllm_w - working) / GiB:.1f}"
         problems.append(f"vLLM's start on a rollout GPU: {key} gives the engine {fraction * gpu_bytes / GiB:.1f} GiB, and "
-                        f"{max(0.0, budget - bucket) / GiB:.1f} GiB are left beside the weight broadcast's bucket within "
-                        f"{HEADROOM:.0%} of {gpu_gib:g} GiB: lower it, or 0 (the plan's: sized for the job)")
+                        f"{room / GiB:.1f} GiB are left beside the weight broadcast's bucket within "
+                        f"{HEADROOM:.0%} of {gpu_gib:g} GiB: set it {most}, or 0 (the plan's: sized for the job)")
     elif in_flight < 1:
         problems.append(f"rollouts: on a rollout GPU, vLLM's weights and working memory ({(vllm_w + working) / GiB:.1f} "
                         f"GiB) leave no KV cache for one {seq}-token sequence; "
@@ -454,6 +454,12 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
             overflows.append(f"rollouts: after the trainer's state between updates, vLLM's weights and its working memory "
                              f"({(resident + vllm_w + working) / GiB:.1f} GiB) no KV cache is left for one {seq}-token "
                              f"sequence; {_largest(parts['rollout'], r)}")
+        elif phases["rollout"] > budget:  # #75: a KV cache set by hand past the GPU: "fits" at 230.9 GiB on 80
+            most = max(0.0, budget - resident - vllm_w - working) / GiB
+            overflows.append(f"rollouts need {phases['rollout'] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
+                             f"{gpu_gib:g} GiB, the largest part vLLM's KV cache ({kv / GiB:.1f} GiB): set "
+                             f"rollout.kv_cache_gib at most {most:.1f}, or 0 (the plan's: sized for the job within what "
+                             "the trainer leaves)")
     problems = overflows + problems
     # Adam's moments cross the host link twice an update (to the GPU for the step, back after it)
     n_updates = t.minibatches
