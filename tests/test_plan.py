@@ -599,7 +599,7 @@ def test_on_a_gpu_the_plan_chooses_the_micro_batch_and_the_run_trains_with_it(tm
     assert plan.micro_batch_tokens == 8192 and not plan.micro_batch_chosen
 
 
-def test_the_plan_sleeps_the_engine_only_where_it_must_and_the_dry_run_says_why(tmp_path):
+def test_the_plan_sleeps_the_engine_only_where_it_must_and_the_dry_run_says_why(tmp_path, monkeypatch):
     """#73: on the H200 the tiny default slept its engine through every update (unmapping 12 GiB of KV
     cache and reloading every weight) for a trainer of 0.08 GiB. rollout.sleep_level = -1 (the
     default) is now the plan's: awake where the trainer's larger phase and the engine with its whole
@@ -630,6 +630,7 @@ def test_the_plan_sleeps_the_engine_only_where_it_must_and_the_dry_run_says_why(
 
     assert check_gpu_plan(rec, TINY, Platform("cuda", 1, 16, 139.8)).sleep_level == 0  # what the run sleeps at
     full = recipes.load(recipes.shipped("qwen3-30b-a3b"), [])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # one rank of a torchrun job of 2 nodes × 8
     plan = check_gpu_plan(full, KNOWN_SHAPES["Qwen3-30B-A3B"], Platform("cuda", 16, 16, 79.2))
     assert (plan.sleep_level, plan.sleep_chosen) == (2, True)
     # the plan choosing level 2 for FP8 decoded through CUDA graphs refuses it, as the validator would (#72)
