@@ -201,7 +201,10 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
 
     Every step: sample prompts, generate G responses each with vLLM (keeping log μ_old), grade,
     compute group advantages, recompute log π_old in TorchTitan, apply N mini-batch updates of the
-    MiniRL loss, sync weights into vLLM in place. Metrics stream to runs/<id>/metrics.jsonl;
+    MiniRL loss, sync weights into vLLM in place. With --set rollout.max_staleness=k the engine
+    samples up to k steps ahead in a process of its own while the trainer trains (every token at
+    most k updates stale, nothing dropped; the guard allows the KL that lag adds: docs/async.md).
+    Metrics stream to runs/<id>/metrics.jsonl;
     runs/<id>/summary.json is written at the end. Ctrl-C stops after the current step and saves a
     checkpoint (a second Ctrl-C aborts at once; exit code 130). Guardrails ([guard] in the recipe)
     watch KL(μ‖π_old) and entropy and roll back to the last good checkpoint on collapse; when
@@ -229,8 +232,12 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         if not report.fits:
             raise UsageError(report.refused)
         return
-    if rollout_gpus is not None and rollout_gpus > 0 and gpus_per_node is None:  # the job's node: its ranks, then those GPUs
-        extra.append(f"parallel.gpus_per_node={int(os.environ.get('LOCAL_WORLD_SIZE', '1')) + rollout_gpus}")
+    # the job's node: its ranks, then its rollout GPUs (given by the flag or by --set alike, #74)
+    given = {k.strip(): v.strip() for k, _, v in (x.partition("=") for x in overrides)}
+    asked = rollout_gpus if rollout_gpus is not None else given.get("parallel.rollout_gpus")
+    if str(asked or "0").isdigit() and int(asked or 0) > 0 and gpus_per_node is None \
+            and "parallel.gpus_per_node" not in given:
+        extra.append(f"parallel.gpus_per_node={int(os.environ.get('LOCAL_WORLD_SIZE', '1')) + int(asked)}")
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's
     if resolution(rec.model.id):

@@ -332,8 +332,9 @@ class ParallelConfig:
     dp_shard: int = number(-1, -1)  # FSDP2 degree (-1: all ranks)
     ep: int = number(1, 1)  # expert-parallel degree
     # GPUs of each node that only sample (rollout engines apart from the trainer, whose ranks are
-    # the node's other GPUs; weights broadcast to them at each sync); 0: every GPU trains, and
-    # samples with an engine beside the trainer. Planned by --dry-run; a run is not built yet
+    # the node's other GPUs; weights broadcast to them at each sync: rollout/remote.py); 0: every GPU
+    # trains, and samples with an engine beside the trainer. `--rollout-gpus R` sets it; on a CPU
+    # each "GPU" is an engine process
     rollout_gpus: int = number(0, 0)
 
     @property

@@ -50,6 +50,10 @@ def test_engine_args_alone_and_without_sleep():
     assert engine_args(dataclasses.replace(s, cuda_graphs=False), cuda=True, spmd=False)["enforce_eager"] is True
     # #73: graphs captured for the batches a decode step can have, not vLLM's default of twice as many
     assert alone["compilation_config"] == {"max_cudagraph_capture_size": s.max_num_seqs}
+    # #74: the stream's version stamps read the scheduler between forward steps: no async scheduling
+    # where the engine steps across calls (vLLM's default on CUDA is on), vLLM's own choice elsewhere
+    assert "async_scheduling" not in alone
+    assert engine_args(dataclasses.replace(s, steps_across_calls=True), cuda=True, spmd=False)["async_scheduling"] is False
 
 
 def test_a_gpu_run_plans_against_its_device_and_gives_vllm_the_plans_share(monkeypatch):

