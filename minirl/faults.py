@@ -11,6 +11,10 @@ MINIRL_INJECT_NAN="logp@2" breaks the rollout engine's output at step 2 as the F
 GPU (#72): every sampled token's log μ after a response's first is NaN (`break_logprobs`), which
 the run must stop on before training. "parity@3": step 3's parity check comes back NaN.
 
+MINIRL_INJECT_SKEW="3" shifts every log μ the engine returns by +0.5 from step 3 on: a mismatch
+between engine and trainer that grows KL(μ‖π_old) beyond any lag (`skew_logprobs`), which the guard
+must still roll back at k ≥ 1 (#74). `at_step` returns "skew".
+
 MINIRL_INJECT_INVERT="100" trains on the rewards inverted (1 − r) from step 100 on, while the
 reward logged and judged stays the grader's: the policy unlearns the task and the reward slides
 with the entropy calm, the slide the guard must catch (#64). `at_step` returns "invert".
@@ -35,7 +39,15 @@ def at_step(step: int, rank: int) -> str | None:
     invert = os.environ.get("MINIRL_INJECT_INVERT", "")
     if invert.isdigit() and step >= int(invert):
         return "invert"
+    skew = os.environ.get("MINIRL_INJECT_SKEW", "")
+    if skew.isdigit() and step >= int(skew):
+        return "skew"
     return None
+
+
+def skew_logprobs(groups: list[list], by: float = 0.5) -> list[list]:
+    """Completions as an engine that drifted from the trainer returns them: log μ shifted by `by`."""
+    return [[dataclasses.replace(c, logprobs=tuple(x + by for x in c.logprobs)) for c in g] for g in groups]
 
 
 def break_logprobs(groups: list[list]) -> list[list]:

@@ -282,6 +282,11 @@ class GuardConfig:
 
     enabled: bool = True
     max_kl: float = number(0.05)  # KL(μ_old‖π_old) above this is a bad step (below 0: every step is)
+    # sampling k updates ahead (rollout.max_staleness) puts the policy's own move over those updates
+    # into KL(μ‖π_old): the threshold grows by this much per update of the batch's mean lag, so the
+    # guard acts on a mismatch beyond what the lag explains (healthy runs of the default at k = 1–4,
+    # lr 3e-4: at most 0.133 per update, docs/async.md)
+    max_kl_per_update_behind: float = number(0.15, 0)
     min_entropy_frac: float = number(0.05, 0, 1)  # entropy below this share of the first step's ...
     max_entropy_factor: float = number(1.25, 1, above=True)  # ... or above this multiple of it ...
     reward_drop: float = number(0.2, 0)  # ... with reward this far below its best ...

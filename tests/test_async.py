@@ -189,6 +189,33 @@ def test_a_huge_k_neither_hangs_nor_samples_batches_the_run_will_not_train(tiny_
         assert [m["rollout/batches_ahead"] for m in rows] == ([3, 2, 1, 0] if k == 1000 else [1, 1, 1, 0]), k
 
 
+@pytest.mark.slow
+def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(tmp_path):
+    """#74: the embedded default at k = 2 (its own cold start, seeded): the lag's KL (0.11–0.24 in its
+    first steps) rolled it back at step 4 with max_kl = 0.05 and halved the learning rate. With the
+    guard's lag allowance no step of a healthy run is even bad; an engine whose log μ drifts from the
+    trainer's (+0.5 from step 6 on: MINIRL_INJECT_SKEW) is still rolled back, the line saying it is a
+    mismatch the lag does not explain."""
+    ws = tmp_path / "ws"
+    r = subprocess.run([sys.executable, "-m", "cli.main", "init", str(ws)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    args = [sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "40", "--set", "rollout.max_staleness=2",
+            "--set", "eval.max_problems=16", "--set", "eval.k=1"]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(max((ws / "runs").iterdir()))
+    assert len(rows) == 40 and not [m for m in rows if "guard/action" in m or "guard/reason" in m], \
+        [(m["step"], m.get("guard/reason")) for m in rows if "guard/reason" in m]
+    assert max(m["train/kl_mu_pi_old"] for m in rows) > 0.05  # what the old threshold rolled back
+    r = subprocess.run([*args[:6], "12", *args[7:]], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "MINIRL_INJECT_SKEW": "6"})
+    rows = _rows(max((ws / "runs").iterdir()))
+    back = [m for m in rows if m.get("guard/action") == "rollback"]
+    assert back and back[0]["step"] == 8, [(m["step"], m.get("guard/action")) for m in rows]  # patience 3
+    assert "a mismatch beyond what sampling" in back[0]["guard/reason"]
+
+
 @pytest.fixture(scope="module")
 def inflight(tiny_dir):
     """An fp32 engine in its own process that loads a sync between two forward steps of a batch."""

@@ -184,3 +184,19 @@ def test_the_slide_rule_is_well_defined_at_zero_reward():
         assert got == ["step"] * 40 and g.slide == (0.0, 0.0)
     g = Guard(prompts=8, slide_window=2)  # negative rewards (a graded penalty) neither
     assert [g.decide(**{**OK, "reward": -0.5}).action for _ in range(5)] == ["step"] * 5
+
+
+def test_at_k_behind_the_guard_allows_the_lag_and_still_acts_on_a_mismatch():
+    """#74: KL(μ‖π_old) includes the policy's own move over the updates a batch was sampled behind;
+    on the default at k = 2 healthy steps read 0.11–0.24 and a max_kl of 0.05 rolled them back. The
+    threshold grows by `max_kl_per_update_behind` per update of the batch's mean lag; beyond it, the
+    reason says it is a mismatch the lag does not explain."""
+    g = Guard()
+    healthy = [(0.183, 1.0), (0.243, 2.0), (0.35, 4.0), (0.398, 4.0), (0.31, 4.0)]  # measured: docs/async.md
+    assert [g.decide(**{**OK, "kl": kl}, lag=lag).action for kl, lag in healthy * 3] == ["step"] * 15
+    g = Guard()
+    got = [g.decide(**{**OK, "kl": 0.6}, lag=2.0) for _ in range(3)]
+    assert [v.action for v in got] == ["step", "step", "rollback"]
+    assert got[-1].reason == ("KL(μ‖π_old) 0.6 > 0.05 + 0.15 × 2.00 updates of lag: a mismatch beyond what sampling "
+                              "2.00 updates behind explains (guard.max_kl_per_update_behind, rollout.max_staleness)")
+    assert Guard().decide(**{**OK, "kl": 0.2}).reason == "KL(μ‖π_old) 0.2 > 0.05"  # synchronous: as before

@@ -172,6 +172,14 @@ class Rollouts:
         mine = self._world.member_share
         return mine(asked, self._tp), answer if self._remote else mine(answer, self._tp)
 
+    def lag(self) -> float:
+        """The mean staleness of the step's batch, in updates (0 at k = 0): what the guard allows."""
+        if not self._k or self._taken is None:
+            return 0.0
+        lags = self._taken.staleness()
+        n = sum(lags.values())
+        return sum(lag * c for lag, c in lags.items()) / n if n else 0.0
+
     def metrics(self) -> dict:
         """The step's batch: requests preempted (the KV cache ran short) and, with R3, samples drawn
         again because of it (only when there were any). k ≥ 1 (at k = 0 every token is 0 stale):

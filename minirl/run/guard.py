@@ -55,6 +55,7 @@ class Verdict:
 @dataclass
 class Guard:
     max_kl: float = _SET.max_kl
+    max_kl_per_update_behind: float = _SET.max_kl_per_update_behind
     min_entropy_frac: float = _SET.min_entropy_frac
     max_entropy_factor: float = _SET.max_entropy_factor
     # with the entropy out of its band, the reward must also be `reward_drop` below its best, or
@@ -80,8 +81,8 @@ class Guard:
     skipped: int = 0
     reasons: list[str] = field(default_factory=list)
 
-    SETTINGS = ("max_kl", "min_entropy_frac", "max_entropy_factor", "reward_drop", "reward_drop_frac", "slide_window",
-                "slide_z", "slide_drop_frac", "patience", "max_rollbacks", "enabled")
+    SETTINGS = ("max_kl", "max_kl_per_update_behind", "min_entropy_frac", "max_entropy_factor", "reward_drop",
+                "reward_drop_frac", "slide_window", "slide_z", "slide_drop_frac", "patience", "max_rollbacks", "enabled")
 
     @classmethod
     def from_settings(cls, settings: Mapping, **over) -> Guard:
@@ -92,13 +93,15 @@ class Guard:
         return cls(**{**{k: get(k, defaults[k]) for k in cls.SETTINGS}, **over})
 
     def decide(
-        self, *, kl: float, entropy: float, reward: float, loss: float, grad_norm: float, new_step: bool = True
+        self, *, kl: float, entropy: float, reward: float, loss: float, grad_norm: float, new_step: bool = True,
+        lag: float = 0.0,
     ) -> Verdict:
         """The one decision point. Call after backward, before optimizer.step(). The step's signals
         (KL, entropy, reward) are judged once, on its first mini-batch (new_step); every mini-batch's
         update is checked for non-finite values, and skipped when it has any, whether the guard is
         enabled or only observing (`enabled = false`, every lab cell): a NaN in the weights is no
-        outcome to observe."""
+        outcome to observe. `lag`: the batch's mean staleness in updates (rollout.max_staleness ≥ 1):
+        the KL that sampling behind adds is allowed, the rest is a mismatch."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.skipped += 1
             return Verdict("skip", f"non-finite update (loss {loss}, grad norm {grad_norm})")
@@ -110,8 +113,12 @@ class Guard:
         reason = ""
         down = self._down(reward)
         self.recent = [*self.recent, reward][-self.patience:]
-        if kl > self.max_kl:
-            reason = f"KL(μ‖π_old) {kl:.3g} > {self.max_kl}"
+        allowed = self.max_kl + self.max_kl_per_update_behind * lag
+        if kl > allowed:
+            reason = (f"KL(μ‖π_old) {kl:.3g} > {self.max_kl}" if not lag else
+                      f"KL(μ‖π_old) {kl:.3g} > {self.max_kl} + {self.max_kl_per_update_behind} × {lag:.2f} updates "
+                      f"of lag: a mismatch beyond what sampling {lag:.2f} updates behind explains "
+                      f"(guard.max_kl_per_update_behind, rollout.max_staleness)")
         elif down and entropy < self.min_entropy_frac * self.entropy0:
             reason = (f"entropy {entropy:.3g} < {self.min_entropy_frac} × {self.entropy0:.3g} with reward "
                       f"{reward:.3g} down from {self.best_reward:.3g}")

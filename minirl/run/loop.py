@@ -119,6 +119,8 @@ class RLRun:
         problems, groups = self.rollouts.next(step)
         if inject == "logp":  # faults.py: the engine's output as a broken engine returns it
             groups = faults.break_logprobs(groups)
+        elif inject == "skew":  # faults.py: an engine whose log μ drifted from the trainer's
+            groups = faults.skew_logprobs(groups)
         B = len(problems)
         clock.lap("rollout")
 
@@ -158,7 +160,8 @@ class RLRun:
                 self.trainer.fill_grads(math.nan)
             norm = self.trainer.clip_grads()
             # The guard's one decision point: after the loss, before the optimizer step.
-            v = self.guard.decide(kl=kl, entropy=entropy, reward=reward, loss=loss, grad_norm=norm, new_step=j == 0)
+            v = self.guard.decide(kl=kl, entropy=entropy, reward=reward, loss=loss, grad_norm=norm, new_step=j == 0,
+                                  lag=self.rollouts.lag())
             if v.action == "step":
                 self.trainer.apply_update()
             else:
