@@ -108,6 +108,20 @@ def test_a_queued_sync_leaves_the_rollouts_sent_before_it_and_the_trainer_free(p
     assert tokens(proc.generate(PROMPTS, **SAMPLE)) == before
 
 
+def test_a_rollback_cancels_the_batches_the_engine_has_not_answered(proc):
+    """#74: at k = 4 a rollback's restored weights waited behind up to 4 discarded batches (trainer
+    idle 80–89% for 5 steps). The engine's process drops the calls it is told to, queued or under
+    way, and goes on to what was sent after; what it answered is counted at the seam."""
+    big = dict(SAMPLE, max_tokens=24, n=8)
+    under_way = proc.submit("generate", PROMPTS * 8, **big)
+    queued = [proc.submit("generate", PROMPTS * 8, **big) for _ in range(3)]
+    after = proc.submit("generate", PROMPTS[1:], **SAMPLE)  # the restored weights' batch
+    assert proc.cancel([under_way, *queued]) == 4
+    alone = tokens(proc.generate(PROMPTS[1:], **SAMPLE))
+    assert tokens(proc.result(after)) == alone  # answered, and first after the cancel
+    assert [h[0][0] for h in (under_way, *queued)] == ["cancelled"] * 4  # none finished
+
+
 def test_answers_keep_their_callers_and_errors_come_back_named(proc):
     first = proc.submit("generate", PROMPTS[:1], **SAMPLE)
     second = proc.submit("generate", PROMPTS[1:], **SAMPLE)

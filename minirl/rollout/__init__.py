@@ -93,6 +93,7 @@ class Rollouts:
         # k ≥ 1, since the last metrics row: (its time, the engine's busy seconds then), the trainer's wait
         self._since: tuple[float, float] | None = None
         self._waited = 0.0
+        self._cancelled: tuple[int, int] | None = None  # a rollback's: (batches discarded, of them dropped unanswered)
 
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
@@ -195,6 +196,9 @@ class Rollouts:
             once = 1 if self._remote else self._tp  # rollout GPUs: each rank holds a share of the batch
             counts = {k: v // once for k, v in self._world.mean(counts, sums=tuple(counts)).items()}
         out = counts if any(counts.values()) else {}
+        if self._cancelled is not None:  # the row of a rollback: what it threw away, and the engine never finished
+            out |= {"rollout/batches_discarded": self._cancelled[0], "rollout/batches_cancelled": self._cancelled[1]}
+            self._cancelled = None
         if not self._k:
             return out
         lags = self._taken.staleness()  # updates behind → tokens
@@ -228,9 +232,12 @@ class Rollouts:
 
     def discard(self) -> None:
         """A rollback: forget the batches admitted ahead (sampled, or to be, by weights it undoes;
-        their prompts are not drawn again); the next sync is queued behind what the engine still
-        has under way of them."""
-        self._control.discard()
+        their prompts are not drawn again), and have the engine drop those it has not answered,
+        queued or under way, so that the restored weights sample next instead of behind them (#74)."""
+        gone = self._control.discard()
+        under_way = [t.handle[1] for t in gone if not t.done and t.handle is not None]
+        cancel = getattr(self._engine, "cancel", None)  # an engine in a process of its own
+        self._cancelled = (len(gone), cancel(under_way) if cancel and under_way else 0)
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """log μ of given response tokens under the weights last synced (once they are written whole)."""

@@ -107,7 +107,11 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     from minirl.rollout.stream import Stream  # deferred: it imports vLLM's CPU captures
     from minirl.rollout.vllm import MAX_REDRAWS
 
-    stream = Stream(engine, max_redraws=MAX_REDRAWS) if rollout.inflight_updates else None
+    # every `generate` steps here, between which calls are read: a rollback's cancel aborts a batch under
+    # way. With rollout.inflight_updates calls join the requests in flight and syncs load between two
+    # forward steps; without, one call runs at a time, in the order sent
+    inflight = rollout.inflight_updates
+    stream = Stream(engine, max_redraws=MAX_REDRAWS)
     slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
     deferred: collections.deque = collections.deque()  # calls that wait for the requests in flight
     hold_after: int | None = None  # a test's pause: wait for the next call after this many forward steps
@@ -134,7 +138,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
                 engine.set_version(args[0])
             elif method == "hold_after":
                 hold_after, out = args[0], None
-            elif method == "generate" and stream is not None:
+            elif method == "generate":
                 stream.add(call_id, *args, **kwargs)  # answered when its requests have finished
                 return
             else:
@@ -144,15 +148,30 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             conn.send((call_id, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
 
     def arrived(message) -> None:
-        """A call that came in while requests are in flight: weights now, a generate now unless
-        calls wait before it, anything else after them."""
-        if message[1] in WEIGHTS or message[1] == "hold_after" or (message[1] == "generate" and not deferred):
+        """A call read while requests are in flight, or before the next call runs: a cancel at once;
+        with in-flight updates weights now and a generate now unless calls wait before it; anything
+        else after them, in order."""
+        method = message[1]
+        if method == "cancel":
+            cancel(message[0], set(message[2][0]))
+        elif method == "hold_after" or (inflight and (method in WEIGHTS or (method == "generate" and not deferred))):
             run(*message)
         else:
             deferred.append(message)
 
+    def cancel(call_id: int, tags: set[int]) -> None:
+        """A rollback's: the `generate` calls `tags`, queued or under way, answered "cancelled" and
+        never sampled further, so the restored weights' batch comes next (#74)."""
+        kept = [m for m in deferred if not (m[1] == "generate" and m[0] in tags)]
+        dropped = [m[0] for m in deferred if m[1] == "generate" and m[0] in tags]
+        deferred.clear()
+        deferred.extend(kept)
+        for tag in dropped + stream.cancel(tags):
+            conn.send((tag, "cancelled", None, 0.0))
+        conn.send((call_id, "ok", None, 0.0))
+
     while True:
-        if stream is not None and stream.busy:  # between two forward steps
+        if stream.busy:  # between two forward steps
             try:
                 if hold_after is None:
                     while conn.poll():
@@ -176,7 +195,14 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             continue
         stepped = 0
         try:
-            call_id, method, args, kwargs = deferred.popleft() if deferred else conn.recv()
+            while conn.poll() and not stream.busy:  # what came before the next call runs: a cancel among it
+                arrived(conn.recv())
+            if stream.busy:  # a generate that came in started (in-flight updates)
+                continue
+            if not deferred:
+                arrived(conn.recv())
+                continue
+            call_id, method, args, kwargs = deferred.popleft()
         except EOFError:  # the trainer's process is gone
             return
         if method == "stop":
@@ -221,6 +247,7 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, daemon=True, name="minirl-engine-answers")
         self._reader.start()
         self.busy_s = 0.0  # the engine's seconds in calls answered so far (its idle time is the rest)
+        self.cancelled = 0  # `generate` calls dropped unanswered (rollbacks)
         self._sent = 0  # calls sent; each answer names its call's number
         self._pending: dict[int, list] = {0: []}  # handles of calls not yet answered, by number (0: the build)
         self._built = self._pending[0]
@@ -343,6 +370,16 @@ class EngineProcess:
     def settle(self) -> None:
         """Return once every call sent has been answered (the syncs queued included)."""
         self._idle()
+
+    def cancel(self, handles: list[list]) -> int:
+        """Drop these `generate` calls, queued or under way (a rollback): the engine answers them
+        "cancelled" and goes on to what was sent after. Returns how many were not yet answered."""
+        self.drain(0.0)  # answers already here are no longer to cancel
+        ids = [i for i, h in self._pending.items() if not h and any(h is x for x in handles)]
+        if ids:
+            self.submit("cancel", ids)
+        self.cancelled += len(ids)
+        return len(ids)
 
     def close(self) -> None:
         if self._proc.is_alive():

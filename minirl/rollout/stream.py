@@ -131,6 +131,30 @@ class Stream:
             out[at:] = [version] * (length - at)
         return tuple(out)
 
+    def cancel(self, tags) -> list[int]:
+        """Drop the calls `tags` still in flight (a rollback undid the weights they were asked for):
+        their requests aborted, their captures taken and thrown away. Returns the tags dropped."""
+        gone = [t for t in tags if t in self._calls]
+        if not gone:
+            return []
+        rids = [rid for rid, (tag, _, _) in self._owner.items() if tag in gone]
+        self._llm.llm_engine.abort_request(rids)
+        if self._cpu_routes:
+            self._llm.collective_rpc(cpu_routes.take, args=(rids,))
+        if self.engine.capture_logprobs:
+            self._llm.collective_rpc(cpu_logprobs.take, args=(rids,))
+        for rid in rids:
+            self._owner.pop(rid, None)
+            self._asked_at.pop(rid, None)
+        self._marks = {k: v for k, v in self._marks.items() if k[0] not in rids}
+        for key in [k for k in self._preempted if k[0] in rids]:  # in place: the preemption watch writes into it
+            del self._preempted[key]
+        for t in gone:
+            self._calls.pop(t)
+        if not self._calls:
+            self._end()
+        return gone
+
     def fail(self) -> list[int]:
         """Drop every call in flight (an error in a step): their requests aborted, the captures
         discarded. Returns their tags."""
