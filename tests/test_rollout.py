@@ -562,7 +562,7 @@ class FakeEngine:
 
         return cls(read_shape(model_dir), {"precision": rollout.precision, **settings})
 
-    def generate(self, prompts, *, n, temperature, max_tokens, seed=None):
+    def generate(self, prompts, *, n, temperature, max_tokens, seed=None, seeded_requests=False):
         from minirl.rollout.engine import Completion
 
         g = torch.Generator().manual_seed(seed or 0)
@@ -682,3 +682,25 @@ def test_the_prefix_cache_never_serves_a_request_from_an_older_version(tiny_dir,
     monkeypatch.undo()
     engine.settle_prefix_cache()  # done now
     assert not engine._reset_refused
+
+
+def test_seeded_requests_sample_the_same_whatever_the_engine_schedules_beside_them(tiny_dir):
+    """#74: the held-out eval's start score differed between arms (0.375 synchronous, 0.360 with the
+    engine stepping across batches: an engine holding k + 1 batches schedules more sequences at once,
+    and an unseeded request's noise depends on its batch rows). The eval's requests are seeded each
+    (`seeded_requests`): the same samples from an engine of 16 sequences and one of 512, and their
+    log μ still what the engine scores."""
+    from minirl.rollout.vllm import VLLMEngine
+
+    wide = VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, max_num_seqs=512)
+    engine = VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, max_num_seqs=16)
+    prompts = [[4, 5, 6, 13], [5, 5, 5, 13], [9, 9, 9, 13], [7, 1, 2, 13]] * 5
+    ask = dict(n=8, temperature=1.0, max_tokens=6, seed=1234)
+    narrow = engine.generate(prompts, **ask, seeded_requests=True)  # 16 sequences at a time: 160 asked
+    got = wide.generate(prompts, **ask, seeded_requests=True)
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in narrow]
+    flat = [c for g in got for c in g]
+    scored = wide.score([p for p in prompts for _ in range(8)], [c.token_ids for c in flat])
+    assert max(abs(a - b) for c, s in zip(flat, scored) for a, b in zip(c.logprobs, s)) < 2e-2
+    unseeded = [[c.token_ids for c in g] for g in wide.generate(prompts, **ask)]
+    assert unseeded != [[c.token_ids for c in g] for g in got]  # the request seeds are what made them equal

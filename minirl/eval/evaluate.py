@@ -83,9 +83,10 @@ def evaluate(
     """k samples per problem, graded: {avg@k, pass@k, maj@k, problems, k, temperature}.
 
     gather: joins the per-problem results of every rank (each passed its share of the problems)."""
-    groups = engine.generate(
-        [p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens, seed=seed
-    )
+    # each problem's samples from a generator of its own: the score does not depend on what else the
+    # engine holds or how many sequences it schedules (an engine sampling ahead at k ≥ 1, #74)
+    groups = engine.generate([p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens,
+                             seed=seed, seeded_requests=True)
     items = [(prob.record, response_text(c.token_ids, decode, eos_id)) for prob, g in zip(problems, groups) for c in g]
     scores = grading.grade(items)
     per_problem = gather([[(s.score >= 1.0, s.info.get("extracted")) for s in scores[i * k : (i + 1) * k]]

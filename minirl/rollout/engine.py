@@ -58,8 +58,10 @@ class Engine(Protocol):
     weight_format: str
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_tokens: int,
-                 seed: int | None = None) -> list[list[Completion]]:
-        """n completions per prompt, [len(prompts)][n], in prompt order; `seed` makes a call repeat."""
+                 seed: int | None = None, seeded_requests: bool = False) -> list[list[Completion]]:
+        """n completions per prompt, [len(prompts)][n], in prompt order; `seed` makes a call repeat.
+        `seeded_requests`: each prompt's samples from a generator of its own, so that they do not
+        depend on which other requests the engine holds (the held-out evaluation, #74)."""
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """log μ of each given response token under the weights last synced."""

@@ -11,8 +11,9 @@ import torch
 
 # How `generate` seeds its samples; runs recorded under another scheme (the lab's cells) are not
 # reused. 1: one seed per call (every prompt drew the same noise); 2: one seed per prompt;
-# 3: unseeded requests under a per-call seed of the process's generators.
-SAMPLING = 3
+# 3: unseeded requests under a per-call seed of the process's generators; 4: the same, and the
+# held-out evaluation's requests seeded each (`seeded_requests`, #74).
+SAMPLING = 4
 
 
 def call_seed(seed: int, *, stream: int = 0) -> int:

@@ -27,7 +27,7 @@ from minirl.rollout import steps
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.engine import Completion
-from minirl.rollout.seeding import seeded_sampling
+from minirl.rollout.seeding import call_seed, seeded_sampling
 
 
 @dataclass
@@ -38,6 +38,7 @@ class _Call:
     waiting: int = 0  # its requests in flight
     finished: list = field(default_factory=list)  # (vLLM's output, prompt, completion or all n) of those done
     redrawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (prompt, completion) → draws thrown away
+    seed: int | None = None  # seeded requests: the call's base seed (a prompt's is base + its index)
 
 
 class Stream:
@@ -59,11 +60,16 @@ class Stream:
     def busy(self) -> bool:
         return bool(self._calls)
 
-    def add(self, tag: int, prompts, *, n: int, temperature: float, max_tokens: int, seed: int | None = None) -> None:
-        """Call `tag`'s n samples of each prompt, into the engine at once (between two forward steps)."""
+    def add(self, tag: int, prompts, *, n: int, temperature: float, max_tokens: int, seed: int | None = None,
+            seeded_requests: bool = False) -> None:
+        """Call `tag`'s n samples of each prompt, into the engine at once (between two forward steps).
+        `seeded_requests`: prompt i's samples drawn from a generator of their own, seeded from the
+        call's seed and i, whatever else is in flight or how many sequences the engine schedules."""
         if not self._calls:
             self._begin(seed)
-        self._calls[tag] = _Call([list(p) for p in prompts], n, dict(temperature=temperature, max_tokens=max_tokens))
+        base = call_seed(seed if seed is not None else 0, stream=self.engine.stream) if seeded_requests else None
+        self._calls[tag] = _Call([list(p) for p in prompts], n, dict(temperature=temperature, max_tokens=max_tokens),
+                                 seed=base)
         for i in range(len(prompts)):
             self._ask(tag, i, None, n)
 
@@ -184,7 +190,10 @@ class Stream:
         self._owner[rid] = (tag, i, slot)
         self._asked_at[rid] = self.engine.version
         call.waiting += 1
-        self._llm.llm_engine.add_request(rid, self.engine.prompt(call.prompts[i]), self.engine.sampling(n=n, **call.params))
+        redraws = call.redrawn.get((i, slot), 0) if slot is not None else 0  # a redrawn R3 sample draws anew
+        seed = None if call.seed is None else (call.seed + i + 1_000_003 * ((slot or 0) + 1) * redraws) % 2**63
+        self._llm.llm_engine.add_request(rid, self.engine.prompt(call.prompts[i]),
+                                         self.engine.sampling(n=n, seed=seed, **call.params))
 
     def _begin(self, seed: int | None) -> None:
         self.engine.wake()

@@ -241,6 +241,7 @@ class VLLMEngine:
         temperature: float,
         max_tokens: int,
         seed: int | None = None,
+        seeded_requests: bool = False,
     ) -> list[list[Completion]]:
         """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order.
 
@@ -251,7 +252,8 @@ class VLLMEngine:
         draws thrown away, `Completion.preempted` the preemptions of the one kept)."""
         stream = Stream(self, max_redraws=MAX_REDRAWS)  # one call: answered when its requests finish
         try:
-            stream.add(0, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
+            stream.add(0, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                       seeded_requests=seeded_requests)
             while stream.busy:
                 if done := stream.step():
                     return done[0][1]
@@ -262,15 +264,16 @@ class VLLMEngine:
             raise
         raise AssertionError("unreachable: the stream ends with its call answered")
 
-    def sampling(self, *, n: int, temperature: float, max_tokens: int):
-        """vLLM's `SamplingParams` for a rollout call (its final outputs only)."""
+    def sampling(self, *, n: int, temperature: float, max_tokens: int, seed: int | None = None):
+        """vLLM's `SamplingParams` for a rollout call (its final outputs only); `seed`: the request's
+        own generator (noise independent of the other requests in the engine)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
         # (graders decode what they need themselves), and so would its per-token Logprob dicts
         # over flat lists (`flat_logprobs`)
-        return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False,
+        return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False, seed=seed,
                               logprobs=None if self.capture_logprobs else 0, flat_logprobs=True,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
