@@ -122,6 +122,31 @@ def test_a_rollback_cancels_the_batches_the_engine_has_not_answered(proc):
     assert [h[0][0] for h in (under_way, *queued)] == ["cancelled"] * 4  # none finished
 
 
+def test_every_wait_on_the_engine_is_booked_as_the_trainers(proc, tiny_dir):
+    """#74: the trainer's idle share missed waits booked as sync: a snapshot slot still being read, a
+    parity check's settle (13.7 s of one k = 4 step read as 0.0001). Every wait goes through the
+    engine process's answers now: the time a caller is blocked, measured around the call here,
+    equals what `waited_s` books, within 5%."""
+    import time as clock
+
+    from minirl.models import TINY
+    from minirl.rollout import sync as weight_sync
+    from minirl.train.trainer import Trainer
+
+    tr = Trainer(TINY, lr=0.0)
+    tr.load_hf(tiny_dir)
+    big = dict(SAMPLE, max_tokens=24, n=8)
+    blocked, booked = 0.0, proc.waited_s
+    for version in (1, 2):
+        proc.submit("generate", PROMPTS * 8, **big)  # the engine busy with a batch ...
+        t0 = clock.perf_counter()
+        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=1, version=version)  # ... the slot read? waited for
+        proc.settle()  # as the parity check does before scoring
+        blocked += clock.perf_counter() - t0
+    booked = proc.waited_s - booked
+    assert blocked > 0.05 and abs(booked - blocked) <= 0.05 * blocked, (booked, blocked)
+
+
 def test_answers_keep_their_callers_and_errors_come_back_named(proc):
     first = proc.submit("generate", PROMPTS[:1], **SAMPLE)
     second = proc.submit("generate", PROMPTS[1:], **SAMPLE)

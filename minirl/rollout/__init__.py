@@ -90,9 +90,8 @@ class Rollouts:
         self._tp = engine.ranks if self._remote else rollout.tensor_parallel
         self._control = Controller(self._k, step=0)
         self._taken: Ticket | None = None  # the batch of the step under way
-        # k ≥ 1, since the last metrics row: (its time, the engine's busy seconds then), the trainer's wait
-        self._since: tuple[float, float] | None = None
-        self._waited = 0.0
+        # k ≥ 1, since the last metrics row: (its time, the engine's busy seconds, the trainer's waits then)
+        self._since: tuple[float, float, float] | None = None
         self._cancelled: tuple[int, int] | None = None  # a rollback's: (batches discarded, of them dropped unanswered)
 
     @classmethod
@@ -154,15 +153,13 @@ class Rollouts:
     def next(self, step: int) -> tuple[list, list[list[Completion]]]:
         """This step's problems and their G completions each (this rank's share of both)."""
         if self._k and self._since is None:
-            self._since = (time.perf_counter(), self._engine.busy_s)
+            self._since = (time.perf_counter(), self._engine.busy_s, self._engine.waited_s)
         if self._control.head() is None:  # nothing ahead: a new run, k = 0, after a rollback
             self._admit()
         head = self._control.head()
         if not head.done:  # k ≥ 1: under way in the engine's process
             asked, handle = head.handle
-            t0 = time.perf_counter()
-            answer, tokens = self._answer(handle, head.admitted)
-            self._waited += time.perf_counter() - t0
+            answer, tokens = self._answer(handle, head.admitted)  # a wait the engine's process books
             self._control.finish(head, (asked, answer), tokens=tokens)
         self._taken = ticket = self._control.take(step)
         # what the bound allows, sampled while this step trains; never a batch past the run's last step
@@ -203,18 +200,22 @@ class Rollouts:
             return out
         lags = self._taken.staleness()  # updates behind → tokens
         n = sum(lags.values())
-        now, busy = time.perf_counter(), self._engine.busy_s
-        (then, busy_then), waited = self._since or (now, busy), self._waited
+        # one definition, every bench's and the live table's: the engine idle outside its calls, the
+        # trainer idle while blocked on the engine, for whatever reason (the batch, a snapshot slot,
+        # a parity check's settle, a rollback's drain)
+        now, busy, waits = time.perf_counter(), self._engine.busy_s, self._engine.waited_s
+        then, busy_then, waits_then = self._since or (now, busy, waits)
         wall = max(now - then, 1e-9)
-        self._since, self._waited = (now, busy), 0.0
+        self._since = (now, busy, waits)
         return out | {"rollout/staleness_mean": sum(lag * c for lag, c in lags.items()) / n if n else 0.0,
                       "rollout/staleness_max": max(lags),
                       "rollout/staleness_tokens": [lags.get(lag, 0) for lag in range(self._k + 1)],  # histogram 0…k
                       "rollout/batches_ahead": len(self._control),
                       "timing/engine_busy_s": round(busy, 4),
+                      "timing/trainer_wait_s": round(waits, 4),
                       # an engine's call is counted when it is answered: one row may count a call begun before it
                       "timing/engine_idle_frac": round(max(0.0, 1 - (busy - busy_then) / wall), 4),
-                      "timing/trainer_idle_frac": round(min(1.0, waited / wall), 4)}
+                      "timing/trainer_idle_frac": round(min(1.0, (waits - waits_then) / wall), 4)}
 
     def sync(self, trainer) -> None:
         """The trainer's weights into the engine, in place (sync.py); k ≥ 1: queued behind the

@@ -248,6 +248,10 @@ class EngineProcess:
         self._reader.start()
         self.busy_s = 0.0  # the engine's seconds in calls answered so far (its idle time is the rest)
         self.cancelled = 0  # `generate` calls dropped unanswered (rollbacks)
+        # seconds this process spent blocked on the engine, whatever it waited for: a batch's answer,
+        # a snapshot slot still being read, a sync to settle before a parity check, a rollback's drain
+        # (every wait goes through `_answer`: the trainer's idle time, #74)
+        self.waited_s = 0.0
         self._sent = 0  # calls sent; each answer names its call's number
         self._pending: dict[int, list] = {0: []}  # handles of calls not yet answered, by number (0: the build)
         self._built = self._pending[0]
@@ -312,7 +316,11 @@ class EngineProcess:
 
     def _answer(self, timeout_s: float | None = None) -> None:
         """The next answer, kept for its caller (queue.Empty after `timeout_s` without one)."""
-        got = self._answers.get(timeout=timeout_s) if timeout_s is not None else self._answers.get()
+        t0 = time.perf_counter()
+        try:
+            got = self._answers.get(timeout=timeout_s) if timeout_s is not None else self._answers.get()
+        finally:
+            self.waited_s += time.perf_counter() - t0
         if got is None:
             self._answers.put(None)  # every later wait learns it too
             raise self._died()

@@ -93,6 +93,11 @@ class RemoteEngines:
         self.weight_format, self.direct_sync = info["weight_format"], info["direct_sync"]
 
     @property
+    def waited_s(self) -> float:
+        """Seconds this rank spent blocked on its node's engines (its first rank's; 0 elsewhere)."""
+        return sum(e.waited_s for e in self._engines)
+
+    @property
     def busy_s(self) -> float:
         """The node's engines' mean seconds in calls answered so far (its first rank's; 0 elsewhere)."""
         return sum(e.busy_s for e in self._engines) / len(self._engines) if self._engines else 0.0

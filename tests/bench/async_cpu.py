@@ -7,8 +7,9 @@ Each run is a `minirl run` of a copy of a workspace (the embedded default, and t
 task, whose response lengths vary: `minirl init WS --task scratchpad`, built when missing) with
 `train.time_limit_s = --wall` and `train.seed` = the seed; the k's of one seed run back to back,
 in an order that rotates with the seed (no k always first on a cold page cache). Prints per task
-and k, mean ± spread over seeds: RL steps/s, the trainer's idle share (its wait for the batch,
-`timing/rollout_s`), the engine's idle share (k ≥ 1: the wall time outside its calls), the mean
+and k, mean ± spread over seeds: RL steps/s over the RL clock (`timing/loop_s`), the trainer's idle
+share (every wait on the engine: `timing/trainer_wait_s`; at k = 0 the rollout phase), the engine's
+idle share (k ≥ 1: the wall time outside its calls), the mean
 staleness of the trained batches, and the held-out score at the end (equal wall time). With
 `--inflight` each k ≥ 1 also runs with `rollout.inflight_updates = true` (arm "k+": the engine
 keeps stepping across calls, the batches of several steps sampled together, syncs loaded between
@@ -40,13 +41,12 @@ def _run(ws: Path, k: int, seed: int, wall: float, inflight: bool) -> dict:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
     last = rows[-1]
-    loop = sum(v for key, v in last.items() if key.startswith("timing/") and key.endswith("_s")
-               and key not in ("timing/elapsed_s", "timing/engine_busy_s"))
+    loop = last["timing/loop_s"]  # the RL clock; the phases are parts of it, never added to it (#74)
     metric = next(m for m in summary["heldout"]["end"] if m.startswith("avg@"))
     return {
         "steps": len(rows),
         "steps_per_s": len(rows) / loop,
-        "trainer_idle": last.get("timing/rollout_s", 0.0) / loop,
+        "trainer_idle": last.get("timing/trainer_wait_s", last.get("timing/rollout_s", 0.0)) / loop,
         "engine_idle": max(0.0, 1 - last["timing/engine_busy_s"] / loop) if k else None,
         "staleness": statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in rows),
         "heldout": summary["heldout"]["end"][metric],
