@@ -257,6 +257,12 @@ def status_view(st, width: int = 80) -> Group:
         parts.append(f"[red]rollback at step {rb['step']}[/]: {rb['reason']}{back}")
     if st.skipped:
         parts.append(f"[yellow]skipped updates[/] at steps {', '.join(map(str, st.skipped))}")
+    if st.ahead:
+        a, n = st.ahead, max(1, sum(st.ahead["tokens_behind"]))
+        shares = ", ".join(f"{i}: {c / n:.0%}" for i, c in enumerate(a["tokens_behind"]))
+        waits = f"; the trainer waited {a['trainer_wait_s']:.1f} s on the engine" if a.get("trainer_wait_s") else ""
+        parts.append(f"sampling ahead, k = {a['k']}: trained tokens by updates behind {shares}; idle on average: "
+                     f"engine {a['engine_idle']:.0%}, trainer {a['trainer_idle']:.0%}{waits}")
     if st.preempted or st.regenerated:
         again = f"; {st.regenerated} R3 sample(s) drawn again, their routes recomputed" if st.regenerated else ""
         parts.append(f"[yellow]preempted[/] {st.preempted} request(s): the engine's KV cache ran short{again}")

@@ -98,8 +98,15 @@ def test_a_run_that_samples_ahead_shows_its_staleness_in_status_and_the_plot(tmp
                                 "rollout/staleness_max": 2, "rollout/batches_ahead": 2,
                                 "timing/engine_idle_frac": 0.25, "timing/trainer_idle_frac": 0.03,
                                 "rollout/preempted": 3, "rollout/regenerated": 2}) + "\n")
+    (run / "recipe.toml").write_text("[train]\nsteps = 10\n[rollout]\nmax_staleness = 2\n")
+    with (run / "metrics.jsonl").open("a") as f:  # the histogram and the trainer's waits (#74)
+        f.write(json.dumps({"step": 6, "rollout/staleness_mean": 1.0, "rollout/staleness_tokens": [10, 20, 10],
+                            "timing/engine_idle_frac": 0.25, "timing/trainer_idle_frac": 0.03,
+                            "timing/trainer_wait_s": 4.5}) + "\n")
     out = shown()
-    assert "stale" in out and "ahead" in out and "2.00" in out and "25%" in out and "3%" in out
+    assert "stale" in out and "ahead" in out and "25%" in out and "3%" in out
+    assert ("sampling ahead, k = 2: trained tokens by updates behind 0: 25%, 1: 50%, 2: 25%; idle on average: "
+            "engine 25%, trainer 3%; the trainer waited 4.5 s on the engine") in out
     assert "preempted 6 request(s)" in out and "4 R3 sample(s) drawn again" in out
     titles = []
     set_title = matplotlib.axes.Axes.set_title

@@ -52,6 +52,9 @@ class RunStatus:
     parity: float | None = None  # the newest parity check's |Δ log p| (a row has one only where one was due)
     error: str | None = None  # what stopped the run, where the summary says (an engine fault)
     damaged: str | None = None  # what is wrong with the run's summary.json, which is then read as absent
+    # sampling ahead (rollout.max_staleness = k ≥ 1), over the rows read: k, the trained tokens by how many
+    # updates behind they were, the mean idle shares and the trainer's waits on the engine
+    ahead: dict = field(default_factory=dict)
 
 
 def latest_run(ws_root: Path) -> Path:
@@ -92,7 +95,22 @@ def read(run_dir: Path) -> RunStatus:
         parity=next((r["sync/parity_abs_dlogp"] for r in reversed(rows) if "sync/parity_abs_dlogp" in r), None),
         error=summary.get("error") if state != "running" else None,
         damaged=store.summary_problem(run_dir),
+        ahead=_ahead(rows, int(recipe.get("rollout", {}).get("max_staleness", 0) or 0)),
     )
+
+
+def _ahead(rows: list[dict], k: int) -> dict:
+    """What sampling ahead did over the run's rows (k ≥ 1), for `status`; {} otherwise."""
+    hist = [r["rollout/staleness_tokens"] for r in rows if isinstance(r.get("rollout/staleness_tokens"), list)]
+    if not k or not hist:
+        return {}
+    tokens = [sum(h[i] for h in hist if i < len(h)) for i in range(max(map(len, hist)))]
+    def mean(key: str) -> float:
+        got = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return sum(got) / len(got) if got else 0.0
+
+    return {"k": k, "tokens_behind": tokens, "engine_idle": mean("timing/engine_idle_frac"),
+            "trainer_idle": mean("timing/trainer_idle_frac"), "trainer_wait_s": rows[-1].get("timing/trainer_wait_s")}
 
 
 def _state(proc: dict, summary: dict) -> str:
