@@ -10,7 +10,8 @@ in an order that rotates with the seed (no k always first on a cold page cache).
 and k, mean ± spread over seeds: RL steps/s over the RL clock (`timing/loop_s`), the trainer's idle
 share (every wait on the engine: `timing/trainer_wait_s`; at k = 0 the rollout phase), the engine's
 idle share (k ≥ 1: the wall time outside its calls), the mean
-staleness of the trained batches, and the held-out score at the end (equal wall time). With
+staleness of the trained batches, the held-out score at the end (equal wall time) and the guard's
+rollbacks over the seeds. With
 `--inflight` each k ≥ 1 also runs with `rollout.inflight_updates = true` (arm "k+": the engine
 keeps stepping across calls, the batches of several steps sampled together, syncs loaded between
 two forward steps).
@@ -49,6 +50,7 @@ def _run(ws: Path, k: int, seed: int, wall: float, inflight: bool) -> dict:
         "trainer_idle": last.get("timing/trainer_wait_s", last.get("timing/rollout_s", 0.0)) / loop,
         "engine_idle": max(0.0, 1 - last["timing/engine_busy_s"] / loop) if k else None,
         "staleness": statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in rows),
+        "rollbacks": sum(r.get("guard/action") in ("rollback", "stop") for r in rows),
         "heldout": summary["heldout"]["end"][metric],
         "start": summary["heldout"]["start"][metric],
     }
@@ -92,14 +94,16 @@ def main() -> None:
                     results[k].append(_run(ws, k[0], seed, a.wall, inflight=k[1]))
                 r = results[k][-1]
                 print(f"  {task} seed {seed} k={_label(k)}: {r['steps']} steps, {r['steps_per_s']:.2f}/s, held-out "
-                      f"{r['start']:.3f} → {r['heldout']:.3f}", flush=True)
+                      f"{r['start']:.3f} → {r['heldout']:.3f}, {r['rollbacks']} rollback(s)", flush=True)
         print(f"\n{task}: {a.wall:g} s of RL per run, {a.seeds} seeds (mean ± spread)")
-        print(f"{'k':>2} {'steps/s':>13} {'trainer idle':>13} {'engine idle':>13} {'staleness':>9} {'held-out':>15}")
+        print(f"{'k':>2} {'steps/s':>13} {'trainer idle':>13} {'engine idle':>13} {'staleness':>9} {'held-out':>15} "
+              f"{'rollbacks':>9}")
         for k in ks:
             rs = results[k]
             print(f"{_label(k):>2} {_fmt([r['steps_per_s'] for r in rs], '{:.2f}'):>13} "
                   f"{_fmt([r['trainer_idle'] for r in rs], '{:.0%}'):>13} {_fmt([r['engine_idle'] for r in rs], '{:.0%}'):>13} "
-                  f"{statistics.mean(r['staleness'] for r in rs):>9.2f} {_fmt([r['heldout'] for r in rs], '{:.3f}'):>15}")
+                  f"{statistics.mean(r['staleness'] for r in rs):>9.2f} {_fmt([r['heldout'] for r in rs], '{:.3f}'):>15} "
+                  f"{sum(r['rollbacks'] for r in rs):>9}")
         print()
 
 
