@@ -477,7 +477,7 @@ def test_cuda_routed_experts_become_the_same_routes_as_the_cpu_capture(engine_r3
     import numpy as np
 
     from minirl.train.replay import rollout_routes
-    from minirl.rollout.vllm import routes_from_vllm
+    from minirl.rollout.outputs import routes_from_vllm
 
     comps, batch, routes = capture_batch(engine_r3, n_prompts=6)
     cfg = engine_r3._llm.llm_engine.vllm_config

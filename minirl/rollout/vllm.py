@@ -44,6 +44,7 @@ from minirl.precisions import PRECISIONS
 from minirl import engine_sizing as sizing
 from minirl.engine_sizing import cpu_kv_cache_bytes
 from minirl.rollout.lifetime import share_process_groups
+from minirl.rollout import outputs
 from minirl.rollout.engine import Completion
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
@@ -203,7 +204,7 @@ class VLLMEngine:
         # stream of call seeds keeps their noise apart (TP ranks of one group share it)
         self.stream = torch.distributed.get_rank() // s.tensor_parallel if spmd else 0
         self.version = 0  # the policy version of the weights it holds (`set_version`)
-        self.moe_layers = _moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
+        self.moe_layers = outputs.moe_layer_ids(self._llm.llm_engine.vllm_config.model_config.hf_config)
         self.direct_sync = False  # the CPU fast path (rollout/cpu/weights.py), where it knows every module
         self._bound: dict[int, dict] = {}  # the views `load_live_weights` copies from, by key
         if self.on_cpu:
@@ -288,10 +289,10 @@ class VLLMEngine:
                 raise RuntimeError(f"log-prob capture for request {request_id}/{c.index}: {len(lps)} "
                                    f"log-probs for {len(c.token_ids)} sampled tokens")
         else:
-            lps = _sampled_logprobs(c.token_ids, c.logprobs)
+            lps = outputs.sampled_logprobs(c.token_ids, c.logprobs)
         r = None
         if self.capture_routes:
-            r = routes.get(key) if self.on_cpu else routes_from_vllm(c.routed_experts, self.moe_layers)
+            r = routes.get(key) if self.on_cpu else outputs.routes_from_vllm(c.routed_experts, self.moe_layers)
             want = len(prompt) + len(c.token_ids) - 1
             if r is None or r.shape[0] < want:
                 got = None if r is None else r.shape[0]
@@ -460,43 +461,6 @@ def _release_cached() -> None:
     those blocks go back to the device before the engine wakes (docs/cluster.md's plan counts on it)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def _sampled_logprobs(token_ids: Sequence[int], flat) -> tuple[float, ...]:
-    """log μ of each sampled token from vLLM's `FlatLogprobs` (asked with logprobs=0: the sampled
-    token alone at each position, first in its range)."""
-    starts = flat.start_indices
-    if len(starts) != len(token_ids) or any(flat.token_ids[s] != t for s, t in zip(starts, token_ids)):
-        raise RuntimeError(f"vLLM returned log-probs for {len(starts)} positions that are not the "
-                           f"{len(token_ids)} sampled tokens")
-    return tuple(flat.logprobs[s] for s in starts)
-
-
-def _moe_layer_ids(hf_config) -> list[int]:
-    """Decoder layers with routed experts, by HF Qwen3-MoE's rule (all of them for dense-free MoE)."""
-    n, experts = hf_config.num_hidden_layers, getattr(hf_config, "num_experts", 0) or 0
-    if experts <= 0:
-        return []
-    step, dense = getattr(hf_config, "decoder_sparse_step", 1) or 1, set(getattr(hf_config, "mlp_only_layers", []) or [])
-    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-
-
-def routes_from_vllm(rows, moe_layers: Sequence[int]):
-    """CUDA vLLM's `CompletionOutput.routed_experts` -> the CPU capture's layout.
-
-    vLLM (0.32, `RoutedExpertsCapturer`): [positions, every decoder layer, top_k], uint8 (≤ 256
-    experts) or uint16, one row per position fed through the model (prompt and response, the last
-    sampled token excluded), dense layers' rows left zero. rollout/cpu/routes.py: [positions, MoE layers,
-    top_k] int16. None (vLLM returned nothing) stays None; the caller's length check reports it."""
-    if rows is None:
-        return None
-    import numpy as np
-
-    rows = np.asarray(rows)
-    if rows.ndim != 3 or rows.shape[1] <= max(moe_layers, default=-1):
-        raise RuntimeError(f"vLLM routed_experts of shape {rows.shape}: expected [positions, layers, top_k] "
-                           f"covering MoE layers {list(moe_layers)[:4]}...")
-    return np.ascontiguousarray(rows[:, list(moe_layers)].astype(np.int16))
 
 
 def _repack_cpu_experts(worker) -> int:

@@ -93,7 +93,8 @@ def test_replay_is_exact_and_takes_routes_in_vllms_layout(device, shape):
     decoder layer, K], uint8), through `routes_from_vllm` and `rollout_routes`, give the same
     log-probs on every real position."""
     from minirl.train.replay import rollout_routes, route_dtype
-    from minirl.rollout.vllm import Completion, routes_from_vllm
+    from minirl.rollout.engine import Completion
+    from minirl.rollout.outputs import routes_from_vllm
     from minirl.train.trainer import Trainer
 
     tr = Trainer(shape, lr=1e-5, seed=0, device=device, param_dtype="bfloat16")
