@@ -1,14 +1,23 @@
-"""A simulated cluster that drives the real staleness controller (minirl/rollout/controller.py) on
-a simulated clock: one trainer and E rollout engines that keep going across weight updates.
+"""A simulated cluster that drives the real staleness controller (minirl/rollout/controller.py) and
+the real dispatch (minirl/rollout/remote.py `shares`) on a simulated clock: one trainer and E
+rollout engines, in either of minirl's two modes.
 
 Each engine decodes its running sequences in lockstep (continuous batching, at most `slots` at a
-time; one decode step costs `step_floor_s + step_per_seq_s × running`, the shape of a memory-bound
-decoder); a sequence queued behind full slots starts when one frees. A weight update pauses every
-engine for `sync_s` and the trainer with it; requests in flight are kept, and every token carries
-the version of the decode step that sampled it. The trainer takes step s's batch once all of its
-sequences have finished, trains it at `train_tokens_per_s`, then syncs. Nothing is dropped.
+time: the KV cache's limit, in sequences; one decode step costs `step_floor_s + step_per_seq_s ×
+running`, the shape of a memory-bound decoder); a sequence queued behind full slots starts when
+one frees, after its prompt's prefill (`prefill_s`, the engine paused). A batch's prompt groups go
+to the engines as `shares` sends them: each to the engine with the fewest sequences not finished.
+The trainer takes step s's batch once all of its sequences have finished, trains it at
+`train_tokens_per_s`, then syncs:
+- `inflight=True` (`rollout.inflight_updates`): the sync pauses every engine for `sync_s` at once;
+  requests in flight are kept, and every token carries the version of the decode step that
+  sampled it; batches of several steps share the engines' slots;
+- `inflight=False` (minirl's default at k ≥ 1): an engine takes a sync after the batches sent
+  before it, and the broadcast waits for the last engine (remote.py), the trainer with it; a batch
+  sent after the sync starts after it, so every batch is one version's.
+Nothing is dropped.
 
-Used by tests/test_controller.py (small, random response times) and tests/bench/async_sim.py
+Used by tests/test_controller.py (small, random response times) and tests/bench/async_cluster.py
 (cluster scale). No wall clock is read anywhere: the same seed gives the same run.
 """
 
@@ -22,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minirl.rollout.controller import Controller
+from minirl.rollout.remote import shares
 
 
 @dataclass
@@ -35,6 +45,8 @@ class Cluster:
     prompts: int = 64  # B
     group: int = 16  # G
     lengths: Callable[[random.Random], int] = lambda rng: 1 + int(rng.expovariate(1 / 500))
+    inflight: bool = True  # rollout.inflight_updates (else a sync waits for the batches sent before it)
+    prefill_s: float = 0.0  # an engine's pause to prefill one sequence's prompt as it starts
 
 
 @dataclass
@@ -105,6 +117,7 @@ def simulate(k: int, steps: int, cluster: Cluster, seed: int = 0) -> Result:
             s.start_tau = e.tau
             seq_id += 1
             heapq.heappush(e.running, (e.tau + s.length, seq_id, s))
+            e.paused_until = max(now, e.paused_until) + c.prefill_s
 
     def admit() -> None:
         nonlocal max_in_flight
@@ -113,9 +126,11 @@ def simulate(k: int, steps: int, cluster: Cluster, seed: int = 0) -> Result:
             seqs = [_Seq(c.lengths(rng), t) for _ in range(c.prompts * c.group)]
             members[t.step], remaining[t.step], tokens_by_version[t.step] = seqs, len(seqs), {}
             generated[t.step] = [s.length for s in seqs]
-            for s in seqs:  # to the engine with the least work in hand
-                e = min(engines, key=lambda e: len(e.running) + len(e.queue))
-                e.queue.append(s)
+            counts = shares(c.prompts, c.group, [len(e.running) + len(e.queue) for e in engines])
+            lo = 0
+            for e, n in zip(engines, counts):  # each its contiguous part, as remote.py sends it
+                e.queue.extend(seqs[lo:lo + n * c.group])
+                lo += n * c.group
                 start_queued(e)
             max_in_flight = max(max_in_flight, len(control))
 
@@ -137,8 +152,10 @@ def simulate(k: int, steps: int, cluster: Cluster, seed: int = 0) -> Result:
 
     admit()
     while trained < steps:
-        # the trainer: a finished update syncs; an idle trainer takes the next batch when it is done
-        if training is not None and now >= trainer_busy_until - 1e-12:
+        # the trainer: a finished update syncs; an idle trainer takes the next batch when it is done.
+        # One call at a time, the sync waits until every engine has finished what was sent before it
+        drained = c.inflight or not any(e.running or e.queue for e in engines)
+        if training is not None and now >= trainer_busy_until - 1e-12 and drained:
             training = None
             for e in engines:  # every engine pauses for the broadcast, then samples with the new version
                 e.paused_until = now + c.sync_s
@@ -162,13 +179,13 @@ def simulate(k: int, steps: int, cluster: Cluster, seed: int = 0) -> Result:
             admit()
             continue
         # the next event: an engine's next finish, or the end of the update under way
-        nxt = trainer_busy_until if training is not None else math.inf
+        nxt = trainer_busy_until if training is not None and trainer_busy_until > now + 1e-12 else math.inf
         for e in engines:
             if e.running:
                 nxt = min(nxt, max(now, e.paused_until) + (e.running[0][0] - e.tau) * step_time(e))
         if nxt == math.inf:
             raise RuntimeError("the simulated cluster stalled: nothing running and nothing to take")
-        if training is None:
+        if training is None or now >= trainer_busy_until - 1e-12:  # waiting for a batch, or for the sync to be taken
             trainer_idle += nxt - now
         for e in engines:  # advance each engine's decode to `nxt`
             if e.running:

@@ -4,6 +4,8 @@ by a simulated cluster of engines with random response times that keep sampling 
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 from collections import Counter
 
@@ -74,9 +76,10 @@ def _noisy(rng: random.Random) -> int:
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_with_random_response_times_the_bound_holds_and_nothing_is_dropped(k, seed):
+@pytest.mark.parametrize("inflight", [True, False])
+def test_with_random_response_times_the_bound_holds_and_nothing_is_dropped(k, seed, inflight):
     cluster = Cluster(engines=3, slots=8, prompts=4, group=4, train_tokens_per_s=2000.0, sync_s=0.05,
-                      lengths=_noisy)
+                      lengths=_noisy, inflight=inflight)
     r = simulate(k, steps=40, cluster=cluster, seed=seed)
     assert max(r.staleness) <= k and r.max_in_flight <= k + 1
     if k:
@@ -86,8 +89,20 @@ def test_with_random_response_times_the_bound_holds_and_nothing_is_dropped(k, se
     assert sum(r.trained_lengths) == r.tokens == sum(r.staleness.values())
 
 
-def test_running_ahead_is_faster_when_response_times_vary():
+@pytest.mark.parametrize("inflight", [True, False])
+def test_running_ahead_is_faster_when_response_times_vary(inflight):
     cluster = Cluster(engines=3, slots=8, prompts=4, group=4, train_tokens_per_s=2000.0, sync_s=0.05,
-                      lengths=_noisy)
+                      lengths=_noisy, inflight=inflight)
     rate = {k: simulate(k, steps=40, cluster=cluster, seed=0).tokens_per_s for k in (0, 1, 2)}
     assert rate[0] < rate[1] <= rate[2] * 1.05
+
+
+def test_with_in_flight_updates_the_batches_share_the_engines_and_run_faster_than_one_call_at_a_time():
+    """#74: what the cluster figures of docs/results/async.md rest on: one call at a time, a sync waits
+    for every engine to finish what was sent before it, so the slots empty behind each batch's
+    longest response; with in-flight updates the next batches fill them."""
+    cluster = Cluster(engines=3, slots=8, prompts=4, group=4, train_tokens_per_s=2000.0, sync_s=0.05, lengths=_noisy)
+    one = simulate(2, steps=40, cluster=dataclasses.replace(cluster, inflight=False), seed=0)
+    both = simulate(2, steps=40, cluster=cluster, seed=0)
+    assert both.slot_use > one.slot_use and both.tokens_per_s > one.tokens_per_s
+    assert both.mean_staleness < one.mean_staleness  # a sync lands mid-batch: fresher tokens

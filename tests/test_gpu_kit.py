@@ -180,17 +180,23 @@ def test_the_sequence_plans_each_visit_from_where_the_last_stopped(tmp_path, mon
     assert "default-bf16" in seq.plan(pieces=4)["left"]
 
 
+# one step of each kind (the others are these with other settings: `bash tests/gpu/run-on-device.sh
+# --dry` runs every step, 4–5 minutes here, before a visit, docs/gpu.md)
+DRY_STEPS = ("moe-r3-lora", "default-k2-inflight", "engine-alone", "fp8-sleep", "trl-peer")
+
+
 def test_the_sequence_runs_in_dry_mode(tmp_path):
-    """Every step of the sequence (but the two halves, which the tests above run) through its device
-    command on this CPU: (a) on a workspace of the embedded task, (b) with R3 (bf16, offload, LoRA)
-    on the tiny model, the engine alone, FP8 after sleep (skipped: no GPU), (d) TRL's peer where TRL
-    is here (it travels only in the GPU kit):
+    """One step of each kind of the sequence through its device command on this CPU: (a) on a
+    workspace of the embedded task (at k = 2, in-flight), (b) with R3 and LoRA on the tiny model, the
+    engine alone, FP8 after sleep (skipped: no GPU), (d) TRL's peer where TRL is here (it travels
+    only in the GPU kit):
     outcome, seconds and the figures the results page reads, the plan's among them, and the device
     budget it was planned with (docs/gpu.md has the dry seconds measured against it)."""
     seq = _sequence()
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "MINIRL_GPU_OUT": str(out), "MINIRL_GPU_SCRATCH": str(tmp_path / "s")}
-    for step in [s.id for s in seq.STEPS if s.id not in ("trainer-half", "vllm-half")]:
+    assert set(DRY_STEPS) <= set(seq.BY_ID)
+    for step in DRY_STEPS:
         r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--step", step], cwd=ROOT, capture_output=True,
                            text=True, timeout=400, env=env)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

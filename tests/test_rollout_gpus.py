@@ -89,7 +89,7 @@ def test_two_training_ranks_and_an_engine_on_a_rollout_gpu_keep_the_bound_and_ev
 
 def test_two_engines_split_a_call_join_its_answer_in_order_and_take_a_sync_bucket_by_bucket(tiny_dir, engine):
     """Two engine processes behind one `RemoteEngines` (a world of one rank): a call's prompts are
-    split over them in order, each samples its part with its own stream of call seeds, and the
+    split over them in order (by demand: a busy engine gets fewer; a rollback cancels), each samples its part with its own stream of call seeds, and the
     answer is the parts joined: the tokens the engine in this process samples for each part with
     that stream. A sync sent bucket by bucket (three buckets of whole layers here) reaches both, and
     they then score as the engine here given the same weights, exactly."""
@@ -114,6 +114,23 @@ def test_two_engines_split_a_call_join_its_answer_in_order_and_take_a_sync_bucke
             want += tokens(engine.generate(part, **sample))
         engine.stream = 0
         assert got == want
+
+        # by demand: engine 1 stops after 2 forward steps of its part of a call (a test's pause: an
+        # engine slowed by long responses) while engine 0 answers its own; the next call's prompts
+        # go to the engine with fewer sequences outstanding: 4 of 6 to engine 0
+        busy = remote._engines[1]
+        busy.call("hold_after", 2)
+        first = remote.submit("generate", prompts * 2, **sample)
+        (e0, h0), _ = first[1]
+        e0.result(h0)
+        second = remote.submit("generate", prompts * 2, **sample)
+        assert [(e is busy, len(e.result(h))) for e, h in second[1]] == [(False, 4), (True, 2)]
+        assert [len(g) for g in remote.result(first)] == [2] * 6
+        # a rollback drops a call that is under way on an engine, and the engines go on
+        busy.call("hold_after", 1)  # its part waits, queued or held after one step, for the cancel
+        assert remote.cancel([remote.submit("generate", prompts * 2, **sample)]) == 1
+        busy.call("hold_after", None)  # a part cancelled while queued leaves the pause set
+        assert len(remote.generate(prompts, **sample)) == 3
 
         tr = Trainer(TINY, lr=0.0)
         tr.load_hf(tiny_dir)

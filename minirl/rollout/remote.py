@@ -4,7 +4,11 @@ rank's cores: the same code, "GPUs" being processes there).
 
 Each node's first training rank starts its node's engines (process.py, one `EngineProcess` each)
 and is the only rank that talks to them: a call's prompts (the node's share of a batch) are split
-over the engines in contiguous parts, their answers joined in order, and given to the node's
+over the engines by demand (`shares`: each prompt's G samples to the engine with the fewest
+sequences not yet answered, so with in-flight updates an engine still busy with long responses of
+an earlier batch gets fewer of the next (one call at a time, a sync has drained every engine
+first); equal loads give equal contiguous parts, as a static split would), their
+answers joined in order, and given to the node's
 training ranks: a step's batch each rank's share of it (scattered), an evaluation's or a parity
 check's the whole (each keeps its part). A node's training ranks thus form one rollout group,
 asking for the same prompts (`World.group_share`), as a tensor-parallel group does beside the
@@ -58,6 +62,23 @@ def placements(engines: int, tp: int, training_ranks: int, cores: set[int], cuda
     return mine, out
 
 
+def shares(prompts: int, per_prompt: int, outstanding: list[int]) -> list[int]:
+    """Prompts for each engine: one at a time to the engine with the fewest sequences outstanding
+    (ties: the later engine, so equal loads split as `i * n // parts` does), each adding its
+    `per_prompt` samples to that engine's load. The counts are all that matter (a call's prompts
+    are alike to the dispatcher), so each engine's are one contiguous part, one call.
+
+    >>> shares(3, 2, [0, 0]), shares(8, 2, [0, 8]), shares(4, 1, [0, 0, 0])
+    ([1, 2], [6, 2], [1, 1, 2])
+    """
+    load, counts = list(outstanding), [0] * len(outstanding)
+    for _ in range(prompts):
+        e = min(range(len(load)), key=lambda i: (load[i], -i))
+        counts[e] += 1
+        load[e] += per_prompt
+    return counts
+
+
 class RemoteEngines:
     """A node's engines on its rollout GPUs behind the engine's contract (engine.py), held by each
     of its training ranks; the first rank's calls reach the engines, every rank of the node gets
@@ -69,6 +90,7 @@ class RemoteEngines:
         self._world = world
         self.ranks = world.size
         self._engines: list[EngineProcess] = []
+        self._asked: list[list[tuple[list, int]]] = []  # each engine's generate calls not yet answered: (handle, sequences)
         self._channel: WeightChannel | None = None
         info = None
         if world.main:
@@ -83,6 +105,7 @@ class RemoteEngines:
                              for e, p in enumerate(places)]
             for e in self._engines:  # built side by side; answered in order
                 e.ready()
+            self._asked = [[] for _ in self._engines]
             os.sched_setaffinity(0, mine)
             torch.set_num_threads(len(mine))
             first = self._engines[0]
@@ -105,18 +128,39 @@ class RemoteEngines:
     # ----- calls --------------------------------------------------------------------------------
     def submit(self, method: str, *args, **kwargs) -> Any:
         """Send a call to the engines and return at once (the node's first rank; None elsewhere):
-        `generate` and `score` split their lists over the engines, anything else goes to each."""
+        `generate` and `score` split their lists over the engines (a generate's by demand: `shares`),
+        anything else goes to each."""
         if not self._world.main:
             return None
         if method not in ("generate", "score"):
             return ("each", [e.submit(method, *args, **kwargs) for e in self._engines])
-        n, parts = len(args[0]), len(self._engines)
-        handles = []
-        for i, e in enumerate(self._engines):
-            lo, hi = i * n // parts, (i + 1) * n // parts
-            if hi > lo:
-                handles.append((e, e.submit(method, *(a[lo:hi] for a in args), **kwargs)))
+        per_prompt = kwargs.get("n", 1) if method == "generate" else 0
+        counts = shares(len(args[0]), per_prompt, self._outstanding() if per_prompt else [0] * len(self._engines))
+        handles, lo = [], 0
+        for i, (e, c) in enumerate(zip(self._engines, counts)):
+            if c:
+                h = e.submit(method, *(a[lo:lo + c] for a in args), **kwargs)
+                handles.append((e, h))
+                if per_prompt:
+                    self._asked[i].append((h, c * per_prompt))
+            lo += c
         return ("split", handles)
+
+    def _outstanding(self) -> list[int]:
+        """Each engine's sampled sequences asked and not yet answered (the answers that came taken first)."""
+        for e, asked in zip(self._engines, self._asked):
+            e.drain(0.0)
+            asked[:] = [(h, n) for h, n in asked if not h]
+        return [sum(n for _, n in asked) for asked in self._asked]
+
+    def cancel(self, handles: list) -> int:
+        """A rollback's (rollout/__init__.py `discard`): drop these calls' parts, queued or under way,
+        on every engine; how many of the calls were not yet answered whole."""
+        dropped = 0
+        for handle in handles:
+            if handle is not None and handle[0] == "split":  # None: a rank that asks nothing itself
+                dropped += sum([e.cancel([h]) for e, h in handle[1]]) > 0
+        return dropped
 
     def result(self, handle: Any, *, share: bool = False) -> Any:
         """Every rank of the node: the call's answer (a split call's parts joined in order); with
