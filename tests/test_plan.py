@@ -661,3 +661,21 @@ def test_no_plan_says_fits_above_the_gpu_and_every_refusal_names_the_most_that_f
     assert r.returncode == 2, r.stdout[-2000:]
     [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("minirl:")]
     assert needle in line, line
+
+
+def test_a_dry_run_at_k_one_batch_at_a_time_says_what_in_flight_updates_would_change(tmp_path):
+    """#74: at k ≥ 1 without in-flight updates a sync drains the engines, so the next batch cannot fill
+    the slots a batch's stragglers leave: the simulated cluster's gain (docs/results/async.md) is the
+    in-flight mode's. The dry run says so; with in-flight updates, or synchronous, it says nothing."""
+    from minirl.setup.dryrun import dry_run
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+
+    def notes(*sets):
+        return " ".join(dry_run(ws, model_id=None, recipe_name=None, sets=list(sets), user_sets=list(sets),
+                                launch_flags=[], nodes=None, gpus_per_node=None, gpu_gib=79.2).notes)
+
+    assert "rollout.max_staleness = 2, one batch at a time" in notes("rollout.max_staleness=2")
+    assert "one batch at a time" not in notes("rollout.max_staleness=2", "rollout.inflight_updates=true")
+    assert "one batch at a time" not in notes()

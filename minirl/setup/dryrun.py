@@ -91,6 +91,11 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
         notes.append("FP8 rollouts decode eagerly (rollout.cuda_graphs = false; slower than through CUDA graphs): "
                      "with graphs, vLLM's FP8 MoE decode returned non-finite log-probs after a level-2 sleep on an "
                      "H200 (#72), refused until a GPU visit confirms a fix (docs/precision.md)")
+    if ro.max_staleness and not ro.inflight_updates:  # what k buys depends on it (docs/results/async.md)
+        notes.append(f"rollout.max_staleness = {ro.max_staleness}, one batch at a time: each sync waits until the "
+                     "engines have finished the batches sent before it, so the next batch cannot fill the slots a "
+                     "batch's longest responses leave empty; rollout.inflight_updates = true lets it (fresher "
+                     "tokens, the run no longer repeats exactly; simulated in docs/results/async.md)")
     has_ws = (Path(workspace) / RECIPE_NAME).exists()
     args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),
                      *(f"--set {x}" for x in [*user_sets, *(f"{k}={v}" for k, v in fitted.items())])])
