@@ -213,19 +213,19 @@ def test_a_huge_k_neither_hangs_nor_samples_batches_the_run_will_not_train(tiny_
     """#75: rollout.max_staleness = 1000 queued up to 1,000 batches at once after step 1, and the
     trainer and the engine's process each blocked sending to the other. Answers are now read as they
     come (EngineProcess's reader thread) and no batch is admitted past the run's last step: every
-    async run also ended having sampled k batches it never trained (`batches_ahead` 1 at k = 1)."""
+    async run also ended having sampled k batches it never trained (`batches_ahead` 1 at k = 1; k = 1's
+    rows: tests/test_rollout_gpus.py)."""
     from tests.conftest import data_workspace
 
     ws = data_workspace(tmp_path / "ws")
-    for k in (1000, 1):
-        r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "4",
-                            "--set", f"rollout.max_staleness={k}", "--set", "train.prompts_per_step=8",
-                            "--set", "train.group_size=4", "--set", "eval.k=1", "--set", "eval.max_problems=8"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # a hang guard
-        assert r.returncode == 0, r.stderr[-3000:]
-        rows = _rows(max((ws / "runs").iterdir()))
-        assert [m["step"] for m in rows] == [1, 2, 3, 4]
-        assert [m["rollout/batches_ahead"] for m in rows] == ([3, 2, 1, 0] if k == 1000 else [1, 1, 1, 0]), k
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "4",
+                        "--set", "rollout.max_staleness=1000", "--set", "train.prompts_per_step=8",
+                        "--set", "train.group_size=4", "--set", "eval.k=1", "--set", "eval.max_problems=8"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # a hang guard
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(max((ws / "runs").iterdir()))
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+    assert [m["rollout/batches_ahead"] for m in rows] == [3, 2, 1, 0]
 
 
 @pytest.mark.slow
@@ -247,7 +247,7 @@ def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(tmp_p
     assert len(rows) == 40 and not [m for m in rows if "guard/action" in m or "guard/reason" in m], \
         [(m["step"], m.get("guard/reason")) for m in rows if "guard/reason" in m]
     assert max(m["train/kl_mu_pi_old"] for m in rows) > 0.05  # what the old threshold rolled back
-    r = subprocess.run([*args[:6], "12", *args[7:]], cwd=ROOT, capture_output=True, text=True, timeout=900,
+    r = subprocess.run([*args[:6], "9", *args[7:]], cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "MINIRL_INJECT_SKEW": "6"})
     rows = _rows(max((ws / "runs").iterdir()))
     back = [m for m in rows if m.get("guard/action") == "rollback"]

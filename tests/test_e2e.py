@@ -47,6 +47,7 @@ def install_throwaway_grader(site: Path) -> None:
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text(text)
     ENV.update({**os.environ, "COLUMNS": "200", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"})
+    ENV.pop("VLLM_CACHE_ROOT", None)  # the workspace's own vLLM cache, as a user has it (#73)
 
 
 def minirl(*args, **kw):
@@ -127,6 +128,9 @@ def test_init_run_kill_resume(tmp_path):
         assert all(m[f"timing/{k}_s"] > 0 for k in ("rollout", "old_logp", "update", "sync"))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 3
+    cache = ws / ".cache" / "vllm"  # #73: vLLM's cache in the workspace, filled by its first run, reused after
+    assert f"vLLM compile cache: filled {cache} (the next run or eval of this model reuses it)" in r.stdout
+    assert summary["engine_cache"]["reused"] is False
     assert set(summary["heldout"]) == {"metric", "start", "end", "gain_points"}
     assert summary["heldout"]["metric"] == "avg@2" and 0 <= summary["heldout"]["end"]["avg@2"] <= 1
     assert Path(summary["checkpoint"]).name == "step_000003" and (Path(summary["hf_folder"]) / "config.json").exists()
@@ -149,7 +153,12 @@ def test_init_run_kill_resume(tmp_path):
     before_kill = metrics(run2)
     r = minirl("run", str(ws), "--resume", "--steps", str(logged[-1] + 1))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed at step {ckpt_steps[-1]}" in r.stdout
+    assert f"resumed at step {ckpt_steps[-1]}" in r.stdout and f"vLLM compile cache: reused {cache}" in r.stdout
+    resumed = json.loads((run2 / "summary.json").read_text())
+    assert resumed["engine_cache"]["reused"] is True
+    parts = resumed["startup_s"]  # the start-up split (#73)
+    assert set(parts) == {"imports", "inputs", "trainer", "engine", "compile", "graphs"}
+    assert parts["engine"] > 0 and parts["graphs"] == 0  # the CPU engine captures no graphs
     assert [m["step"] for m in metrics(run2)] == list(range(1, logged[-1] + 2))  # redone steps replace, not repeat
     ph = json.loads((run2 / "summary.json").read_text())["phases_s"]  # this leg's phases, not the run's totals
     assert ph["loop"] <= ph["rl"] + 0.5 and metrics(run2)[-1]["timing/loop_s"] > ph["loop"]

@@ -191,13 +191,14 @@ def test_the_sequence_runs_in_dry_mode(tmp_path):
     engine alone, FP8 after sleep (skipped: no GPU), (d) TRL's peer where TRL is here (it travels
     only in the GPU kit):
     outcome, seconds and the figures the results page reads, the plan's among them, and the device
-    budget it was planned with (docs/gpu.md has the dry seconds measured against it)."""
+    budget it was planned with (docs/gpu.md has the dry seconds measured against it). Run as on the
+    device (#72): from a copy of the checkout, by a Python where minirl is not installed."""
     seq = _sequence()
+    tree, env = _as_on_the_device(tmp_path)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "MINIRL_GPU_OUT": str(out), "MINIRL_GPU_SCRATCH": str(tmp_path / "s")}
     assert set(DRY_STEPS) <= set(seq.BY_ID)
     for step in DRY_STEPS:
-        r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--step", step], cwd=ROOT, capture_output=True,
+        r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--step", step], cwd=tree, capture_output=True,
                            text=True, timeout=400, env=env)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         got = json.loads((out / f"{step}.json").read_text())
@@ -263,14 +264,11 @@ def _python_without_minirl_installed(tmp_path: Path) -> Path:
     return python
 
 
-def test_a_step_runs_with_minirl_not_installed_and_fails_without_the_stand_in(tmp_path):
-    """#72: on the first GPU visit two things were patched in by hand before a step ran: the torch
-    2.11 stand-in, missing from the CLI's process, and minirl's graders, which came from entry points
-    that exist only where minirl is pip-installed. Now every process of a step loads the stand-in
-    (tests/gpu/boot/sitecustomize.py, put on PYTHONPATH by run-on-device.sh), the graders are
-    minirl's own (rewards/base.py), and each step first checks both in a process like its own."""
+def _as_on_the_device(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """(the checkout as the device gets it, the environment of its device command): tracked and
+    unignored files (no minirl.egg-info of an install), a Python where minirl is not installed, the
+    stand-in where the device has it, nothing of this machine's PYTHONPATH."""
     python = _python_without_minirl_installed(tmp_path)
-    # the checkout as the device gets it: tracked and unignored files (no minirl.egg-info of an install)
     tree = tmp_path / "checkout"
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.splitlines()
@@ -278,14 +276,22 @@ def test_a_step_runs_with_minirl_not_installed_and_fails_without_the_stand_in(tm
         if (ROOT / rel).is_file():
             (tree / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, tree / rel)
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": str(python), "MINIRL_GPU_OUT": str(out), "MINIRL_GPU_SCRATCH": str(tmp_path / "s"),
-           "MINIRL_GPU_SHIM_DIR": str(ROOT.parent / "shared" / "tools" / "gpu")}
+    env = {**os.environ, "PYTHON": str(python), "MINIRL_GPU_OUT": str(tmp_path / "out"),
+           "MINIRL_GPU_SCRATCH": str(tmp_path / "s"), "MINIRL_GPU_SHIM_DIR": str(ROOT.parent / "shared" / "tools" / "gpu")}
     env.pop("PYTHONPATH", None)
-    r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--step", "moe-r3"], cwd=tree, capture_output=True,
-                       text=True, timeout=400, env=env)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert json.loads((out / "moe-r3.json").read_text())["outcome"] == "passed"
+    return tree, env
+
+
+def test_a_step_fails_in_one_line_without_the_stand_in(tmp_path):
+    """#72: on the first GPU visit two things were patched in by hand before a step ran: the torch
+    2.11 stand-in, missing from the CLI's process, and minirl's graders, which came from entry points
+    that exist only where minirl is pip-installed. Now every process of a step loads the stand-in
+    (tests/gpu/boot/sitecustomize.py, put on PYTHONPATH by run-on-device.sh), the graders are
+    minirl's own (rewards/base.py), and each step first checks both in a process like its own: the
+    steps pass so (`test_the_sequence_runs_in_dry_mode`), and without the stand-in a step fails
+    saying so."""
+    tree, env = _as_on_the_device(tmp_path)
+    out = tmp_path / "out"
     r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--step", "moe-r3"], cwd=tree, capture_output=True,
                        text=True, timeout=400, env={**env, "MINIRL_GPU_BOOT": str(tmp_path / "no-boot")})
     assert r.returncode == 1

@@ -53,6 +53,7 @@ def test_an_engine_on_a_rollout_gpu_samples_as_the_engine_process_beside_the_tra
         rows.append(_rows(ws))
     assert [m["step"] for m in rows[1]] == [1, 2, 3, 4]
     assert rows[1] == rows[0]
+    assert [m["rollout/batches_ahead"] for m in rows[0]] == [1, 1, 1, 0]  # none sampled past the last step (#75)
     recorded = (sorted((ws / "runs").iterdir())[-1] / "recipe.toml").read_text()
     assert "rollout_gpus = 1" in recorded and "gpus_per_node = 2" in recorded  # the job's node: 1 training rank + 1
 

@@ -1,18 +1,13 @@
 """The engine's start (#73): on a GPU built with the plan's KV cache (so vLLM skips the profiling
 pass that captures every CUDA graph once before the real capture), graphs captured only up to the
-engine's sequences, and vLLM's cache kept in the workspace, reused by the next run and said so."""
+engine's sequences, and vLLM's cache kept in the workspace, reused by the next run and said so
+(a run's first start fills it and a resume reuses it: tests/test_e2e.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _engine_settings(monkeypatch, rec, **kw) -> dict:
@@ -54,28 +49,3 @@ def test_a_gpu_run_builds_its_engine_with_the_plans_kv_cache_and_bounded_graphs(
     assert args["compilation_config"] == {"max_cudagraph_capture_size": asked["max_num_seqs"]}
     assert engine_kv_gib(None) is None  # a CPU run: its engine sizes its KV cache for the job itself
     assert "kv_cache_gib" not in _engine_settings(monkeypatch, rec)
-
-
-@pytest.mark.slow
-def test_a_second_run_of_a_workspace_reuses_its_vllm_cache_and_says_so(tiny_dir, tmp_path):
-    from tests.conftest import data_workspace
-
-    ws = data_workspace(tmp_path / "ws")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}  # the workspace's own, as a user has it
-    said, summaries = [], []
-    for _ in range(2):
-        r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "1",
-                            "--set", "train.prompts_per_step=8", "--set", "eval.max_problems=8", "--set", "eval.k=1"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**env, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
-        assert r.returncode == 0, r.stderr[-3000:]
-        said.append(next(ln for ln in r.stdout.splitlines() if ln.startswith("vLLM compile cache:")))
-        run = sorted((ws / "runs").iterdir())[-1]
-        summaries.append(json.loads((run / "summary.json").read_text()))
-    cache = ws / ".cache" / "vllm"
-    assert said == [f"vLLM compile cache: filled {cache} (the next run or eval of this model reuses it)",
-                    f"vLLM compile cache: reused {cache}"]
-    assert [s["engine_cache"]["reused"] for s in summaries] == [False, True]
-    parts = summaries[1]["startup_s"]
-    assert set(parts) == {"imports", "inputs", "trainer", "engine", "compile", "graphs"}
-    assert parts["engine"] > 0 and parts["graphs"] == 0  # the CPU engine captures no graphs
