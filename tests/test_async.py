@@ -193,6 +193,9 @@ def test_k2_runs_ahead_within_the_bound_and_survives_a_sigkill_and_a_rollback(ti
     assert [m["rollout/staleness_max"] for m in rows] == [0, 1, 0, 1, 2, 2]  # resumed after step 2: nothing ahead
     assert all(m["rollout/batches_ahead"] <= 2 for m in rows)
     assert all(0 <= m["timing/engine_idle_frac"] <= 1 and 0 <= m["timing/trainer_idle_frac"] <= 1 for m in rows)
+    # on the RL clock: the engine's start and the held-out evaluations are not the trainer's waits (#74)
+    assert all(m["timing/trainer_wait_s"] <= m["timing/loop_s"] for m in rows), \
+        [(m["timing/trainer_wait_s"], m["timing/loop_s"]) for m in rows]
     extra = json.loads((run_dir / "checkpoints/step_000006/minirl.json").read_text())
     assert extra["sampler"] == {"epoch": 0, "pos": 48}
 

@@ -92,6 +92,9 @@ class Rollouts:
         self._taken: Ticket | None = None  # the batch of the step under way
         # k ≥ 1, since the last metrics row: (its time, the engine's busy seconds, the trainer's waits then)
         self._since: tuple[float, float, float] | None = None
+        # (wall, engine busy, trainer waits) since the RL loop began that were off its clock: the
+        # engine's start and the held-out evaluations (`generate`), never counted in a row
+        self._off = (0.0, 0.0, 0.0)
         self._cancelled: tuple[int, int] | None = None  # a rollback's: (batches discarded, of them dropped unanswered)
 
     @classmethod
@@ -153,7 +156,8 @@ class Rollouts:
     def next(self, step: int) -> tuple[list, list[list[Completion]]]:
         """This step's problems and their G completions each (this rank's share of both)."""
         if self._k and self._since is None:
-            self._since = (time.perf_counter(), self._engine.busy_s, self._engine.waited_s)
+            self._off = (time.perf_counter(), self._engine.busy_s, self._engine.waited_s)  # the start: off the clock
+            self._since = (0.0, 0.0, 0.0)
         if self._control.head() is None:  # nothing ahead: a new run, k = 0, after a rollback
             self._admit()
         head = self._control.head()
@@ -203,7 +207,7 @@ class Rollouts:
         # one definition, every bench's and the live table's: the engine idle outside its calls, the
         # trainer idle while blocked on the engine, for whatever reason (the batch, a snapshot slot,
         # a parity check's settle, a rollback's drain)
-        now, busy, waits = time.perf_counter(), self._engine.busy_s, self._engine.waited_s
+        now, busy, waits = self._on_clock()
         then, busy_then, waits_then = self._since or (now, busy, waits)
         wall = max(now - then, 1e-9)
         self._since = (now, busy, waits)
@@ -248,8 +252,22 @@ class Rollouts:
 
     def generate(self, prompts: Sequence[Sequence[int]], **kw) -> list[list[Completion]]:
         """The engine's own `generate` (held-out evaluation, fixed parity pairs): after the batches
-        and syncs sent before it, so under the weights last synced."""
-        return self._engine.generate(prompts, **kw)
+        and syncs sent before it, so under the weights last synced. Off the RL clock: its wall time,
+        and the engine's and the trainer's seconds in it, are left out of the rows' timing."""
+        t0, busy0, waits0 = time.perf_counter(), self._engine.busy_s, self._engine.waited_s
+        try:
+            return self._engine.generate(prompts, **kw)
+        finally:
+            if self._since is not None:
+                w, b, t = self._off
+                self._off = (w + time.perf_counter() - t0, b + self._engine.busy_s - busy0,
+                             t + self._engine.waited_s - waits0)
+
+    def _on_clock(self) -> tuple[float, float, float]:
+        """(wall seconds, the engine's busy seconds, the trainer's waits on it) on the RL clock: since
+        the loop began, less what was off it."""
+        w, b, t = self._off
+        return time.perf_counter() - w, self._engine.busy_s - b, self._engine.waited_s - t
 
     def close(self) -> None:
         """Stop the engines' processes (k ≥ 1, rollout GPUs; an in-process engine ends with this process)."""
