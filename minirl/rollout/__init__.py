@@ -254,14 +254,14 @@ class Rollouts:
         """The engine's own `generate` (held-out evaluation, fixed parity pairs): after the batches
         and syncs sent before it, so under the weights last synced. Off the RL clock: its wall time,
         and the engine's and the trainer's seconds in it, are left out of the rows' timing."""
+        if self._since is None:  # before the loop, or k = 0 (no engine's process to time)
+            return self._engine.generate(prompts, **kw)
         t0, busy0, waits0 = time.perf_counter(), self._engine.busy_s, self._engine.waited_s
         try:
             return self._engine.generate(prompts, **kw)
         finally:
-            if self._since is not None:
-                w, b, t = self._off
-                self._off = (w + time.perf_counter() - t0, b + self._engine.busy_s - busy0,
-                             t + self._engine.waited_s - waits0)
+            w, b, t = self._off
+            self._off = (w + time.perf_counter() - t0, b + self._engine.busy_s - busy0, t + self._engine.waited_s - waits0)
 
     def _on_clock(self) -> tuple[float, float, float]:
         """(wall seconds, the engine's busy seconds, the trainer's waits on it) on the RL clock: since
