@@ -144,7 +144,9 @@ def test_two_engines_split_a_call_join_its_answer_in_order_and_take_a_sync_bucke
         weight_sync.sync(tr, engine, bucket_bytes=2**30)
         resp = [c for g in got for c in g]
         pairs = [p for p in prompts for _ in range(2)], resp
-        torch.testing.assert_close(torch.tensor(sum(remote.score(*pairs), [])),
+        scoring = remote.submit("score", *pairs)
+        assert len(scoring[1]) == 2  # both engines score their part
+        torch.testing.assert_close(torch.tensor(sum(remote.result(scoring), [])),
                                    torch.tensor(sum(engine.score(*pairs), [])), rtol=0, atol=0)
     finally:
         remote.close()

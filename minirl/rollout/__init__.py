@@ -203,15 +203,14 @@ class Rollouts:
         if not self._k:
             return out
         lags = self._taken.staleness()  # updates behind → tokens
-        n = sum(lags.values())
         # one definition, every bench's and the live table's: the engine idle outside its calls, the
         # trainer idle while blocked on the engine, for whatever reason (the batch, a snapshot slot,
         # a parity check's settle, a rollback's drain)
         now, busy, waits = self._on_clock()
-        then, busy_then, waits_then = self._since or (now, busy, waits)
+        then, busy_then, waits_then = self._since  # set by the first `next`
         wall = max(now - then, 1e-9)
         self._since = (now, busy, waits)
-        return out | {"rollout/staleness_mean": sum(lag * c for lag, c in lags.items()) / n if n else 0.0,
+        return out | {"rollout/staleness_mean": self.lag(),
                       "rollout/staleness_max": max(lags),
                       "rollout/staleness_tokens": [lags.get(lag, 0) for lag in range(self._k + 1)],  # histogram 0…k
                       "rollout/batches_ahead": len(self._control),

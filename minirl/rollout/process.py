@@ -247,7 +247,6 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, daemon=True, name="minirl-engine-answers")
         self._reader.start()
         self.busy_s = 0.0  # the engine's seconds in calls answered so far (its idle time is the rest)
-        self.cancelled = 0  # `generate` calls dropped unanswered (rollbacks)
         # seconds this process spent blocked on the engine, whatever it waited for: a batch's answer,
         # a snapshot slot still being read, a sync to settle before a parity check, a rollback's drain
         # (every wait goes through `_answer`: the trainer's idle time, #74)
@@ -386,7 +385,6 @@ class EngineProcess:
         ids = [i for i, h in self._pending.items() if not h and any(h is x for x in handles)]
         if ids:
             self.submit("cancel", ids)
-        self.cancelled += len(ids)
         return len(ids)
 
     def close(self) -> None:

@@ -134,14 +134,15 @@ class RemoteEngines:
             return None
         if method not in ("generate", "score"):
             return ("each", [e.submit(method, *args, **kwargs) for e in self._engines])
-        per_prompt = kwargs.get("n", 1) if method == "generate" else 0
-        counts = shares(len(args[0]), per_prompt, self._outstanding() if per_prompt else [0] * len(self._engines))
+        sampled = method == "generate"  # a score's pairs are one sequence each, and nothing is outstanding for it
+        per_prompt = kwargs.get("n", 1) if sampled else 1
+        counts = shares(len(args[0]), per_prompt, self._outstanding() if sampled else [0] * len(self._engines))
         handles, lo = [], 0
         for i, (e, c) in enumerate(zip(self._engines, counts)):
             if c:
                 h = e.submit(method, *(a[lo:lo + c] for a in args), **kwargs)
                 handles.append((e, h))
-                if per_prompt:
+                if sampled:
                     self._asked[i].append((h, c * per_prompt))
             lo += c
         return ("split", handles)
