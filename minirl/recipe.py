@@ -188,6 +188,11 @@ class LossConfig:
     length_norm: bool = False  # 1/|y| per response (ablation, F2)
     adv_std: bool = False  # divide advantages by the group std (GRPO)
     truncated_reward: str = one_of("grade", ("grade", "zero"))  # a response cut at max_tokens: "grade" it as is, or score "zero"
+    # what the clip's ratio r_t = π_θ/π_θold is anchored at for a token sampled behind the trained
+    # weights (rollout.max_staleness ≥ 1): "sampler", the weights that sampled it (their log μ; the
+    # paper's θ_old), or "proximal", π_old recomputed at the trained weights (decoupled PPO; r_t ≡ 1
+    # at N = 1). Fresh tokens are anchored at π_old either way (objective.sampler_logp)
+    clip_against: str = one_of("sampler", ("sampler", "proximal"))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -237,7 +237,8 @@ def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(tmp_p
     first steps) rolled it back at step 4 with max_kl = 0.05 and halved the learning rate. With the
     guard's lag allowance no step of a healthy run is even bad; an engine whose log μ drifts from the
     trainer's (+0.5 from step 6 on: MINIRL_INJECT_SKEW) is still rolled back, the line saying it is a
-    mismatch the lag does not explain."""
+    mismatch the lag does not explain. Tokens sampled behind are clipped against their sampler's
+    weights (objective.sampler_logp): the clip acts on the stale steps, never on a fresh one."""
     ws = tmp_path / "ws"
     r = subprocess.run([sys.executable, "-m", "cli.main", "init", str(ws)], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
@@ -250,6 +251,9 @@ def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(tmp_p
     assert len(rows) == 40 and not [m for m in rows if "guard/action" in m or "guard/reason" in m], \
         [(m["step"], m.get("guard/reason")) for m in rows if "guard/reason" in m]
     assert max(m["train/kl_mu_pi_old"] for m in rows) > 0.05  # what the old threshold rolled back
+    # N = 1: r = π_θ/π_old ≡ 1, so only a token sampled behind, anchored at its sampler, is ever clipped
+    assert all(m["loss/clip_frac"] == 0 for m in rows if m["rollout/staleness_max"] == 0)
+    assert sum(m["loss/clip_frac"] > 0 for m in rows if m["rollout/staleness_mean"] > 0) > 20
     r = subprocess.run([*args[:6], "9", *args[7:]], cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "MINIRL_INJECT_SKEW": "6"})
     rows = _rows(max((ws / "runs").iterdir()))

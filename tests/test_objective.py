@@ -137,3 +137,38 @@ def test_train_inference_kl_is_mean_logmu_minus_logpi_on_response_tokens():
 
 def test_entropy_from_logits_uniform():
     assert O.entropy_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(math.log(8), rel=1e-6)
+
+
+def test_a_token_sampled_behind_is_clipped_against_its_sampler_not_the_trained_weights():
+    """k ≥ 1, N = 1 (#74): π_old is π_θ itself, so r_t = π_θ/π_old ≡ 1 and the clip never acts. A token
+    sampled 2 updates behind by weights that gave it 0.4, which the policy now gives 0.6 (A > 0):
+    anchored at its sampler, r = 1.5 > 1 + ε_high and it carries no gradient; the fresh token beside
+    it is unchanged. Anchored at π_old (decoupled PPO's proximal policy) it is pushed by w = 1.5."""
+    from minirl.recipe import LossConfig
+    from minirl.train.batch import build_batch
+
+    batch = build_batch([[7, 8]], [[5, 6]], [[LN(0.4), LN(0.5)]], [1.0], pad_id=0, versions=[(3, 5)], trained=5)
+    assert batch.behind_BT.tolist() == [[0.0, 1.0, 0.0]]
+    grads = {}
+    for anchor in ("sampler", "proximal"):
+        logp = t([[0.0, LN(0.6), LN(0.5)]]).requires_grad_(True)
+        loss, m = O.loss_for(LossConfig(clip_against=anchor))(logp, batch)
+        loss.backward()
+        grads[anchor] = (logp.grad[0, 1:].tolist(), m["loss/clip_frac"])
+    assert grads["sampler"][0] == pytest.approx([0.0, -1.0]) and grads["sampler"][1] == 0.5
+    assert grads["proximal"][0] == pytest.approx([-1.5, -1.0]) and grads["proximal"][1] == 0.0
+
+
+def test_the_sampler_anchor_keeps_pi_old_for_fresh_tokens_and_a_broken_mu():
+    old, mu = t([[-1.0, -2.0, -3.0]]), t([[-1.5, -2.5, float("nan")]])
+    assert O.sampler_logp(old, mu, None) is old  # synchronous: nothing behind
+    assert O.sampler_logp(old, mu, t([[0.0, 1.0, 1.0]])).tolist() == [[-1.0, -2.5, -3.0]]
+
+
+def test_a_batch_without_version_stamps_has_nothing_behind():
+    from minirl.train.batch import build_batch
+
+    assert build_batch([[7, 8]], [[5, 6]], None, None, pad_id=0).behind_BT is None
+    assert build_batch([[7, 8]], [[5, 6]], None, None, pad_id=0, versions=[None], trained=4).behind_BT is None
+    b = build_batch([[7], [7, 8]], [[5, 6], [5]], None, None, pad_id=0, versions=[(2, 3), None], trained=3)
+    assert b.behind_BT.tolist() == [[1.0, 0.0], [0.0, 0.0]] and b.select(slice(0, 1)).behind_BT.shape == (1, 2)

@@ -31,6 +31,7 @@ import setup, eval, run, publish, lab or cli.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -232,6 +233,7 @@ class Rollouts:
                               slots=max(1, min(self._k, self._train.steps)), version=self._control.trained)
         else:
             weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20)
+            self._engine.set_version(self._control.trained)  # stamps true at k = 0 too: no token is behind
         self._control.updated(self._control.trained)
 
     def discard(self) -> None:
@@ -295,9 +297,9 @@ class Rollouts:
         """A batch's answer as this rank keeps it (its rollout group's; with rollout GPUs its own
         share alone), and the whole batch's tokens by the version that sampled them."""
         if not self._remote:
-            answer = self._engine.result(handle)
+            answer = _stamped(self._engine.result(handle), admitted)
             return answer, _by_version(answer, admitted)
-        answer = self._engine.result(handle, share=True)
+        answer = _stamped(self._engine.result(handle, share=True), admitted)
         tokens: dict[int, int] = {}
         for part in self._world.gather([_by_version(answer, admitted)]):
             for version, n in part.items():
@@ -305,11 +307,18 @@ class Rollouts:
         return answer, tokens
 
 
+def _stamped(groups: list[list[Completion]], admitted: int) -> list[list[Completion]]:
+    """Each token's version, where the engine stamped none: the version the batch was admitted at
+    (an engine that applies no update mid-batch). The loss reads them (a token behind is clipped
+    against its sampler: objective.sampler_logp)."""
+    return [[c if c.versions is not None else dataclasses.replace(c, versions=(admitted,) * len(c.token_ids))
+             for c in g] for g in groups]
+
+
 def _by_version(groups: list[list[Completion]], admitted: int) -> dict[int, int]:
-    """Tokens of a batch by the policy version that sampled them (an engine that stamps none: all by
-    the version it was admitted at)."""
+    """Tokens of a batch (stamped) by the policy version that sampled them."""
     out: dict[int, int] = {}
     for c in (c for g in groups for c in g):
-        for v in c.versions if c.versions is not None else (admitted,) * len(c.token_ids):
+        for v in c.versions:
             out[v] = out.get(v, 0) + 1
     return out or {admitted: 0}

@@ -21,6 +21,8 @@ class Batch:
     old_logp_BT:      float [B, L-1]  log π_θold at those positions, once the trainer computed it (else None)
     prompt_len_B:     int64 [B]       tokens of each row's prompt  } what shared-prompt packing needs
     seq_len_B:        int64 [B]       tokens of prompt + response   } (packing.py); None: never packed
+    behind_BT:        float [B, L-1]  1.0 where the token was sampled by weights older than those
+                                      trained (rollout.max_staleness ≥ 1); None: every token fresh
 
     Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
         tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
@@ -33,6 +35,7 @@ class Batch:
     old_logp_BT: torch.Tensor | None = None
     prompt_len_B: torch.Tensor | None = None
     seq_len_B: torch.Tensor | None = None
+    behind_BT: torch.Tensor | None = None
 
     def select(self, idx: torch.Tensor | slice) -> "Batch":
         return Batch(*(None if t is None else t[idx] for t in self._tensors()))
@@ -46,7 +49,7 @@ class Batch:
 
     def _tensors(self) -> tuple:
         return (self.tokens_BL, self.mask_BT, self.rollout_logp_BT, self.adv_B, self.old_logp_BT, self.prompt_len_B,
-                self.seq_len_B)
+                self.seq_len_B, self.behind_BT)
 
     def __len__(self) -> int:
         return self.tokens_BL.shape[0]
@@ -59,19 +62,29 @@ def build_batch(
     adv: Sequence[float] | None,
     *,
     pad_id: int,
+    versions: Sequence[Sequence[int] | None] | None = None,
+    trained: int = 0,
 ) -> Batch:
+    """`versions`: each response token's policy version (`Completion.versions`; None: the
+    trained weights'); a token of a version below `trained`, the weights the step trains, is behind."""
     B = len(prompts)
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
     tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a tensor per row is slower)
+    behind = [] if versions is not None and any(v is not None for v in versions) else None
     for i, (p, r) in enumerate(zip(prompts, responses)):
         n_p, n_r = len(p), len(r)
         tokens.append([*p, *r] + [pad_id] * (L - n_p - n_r))
         mask.append([0.0] * (n_p - 1) + [1.0] * n_r + [0.0] * (L - n_p - n_r))
         if rollout_logps is not None:
             rlp.append([0.0] * (n_p - 1) + [float(x) for x in rollout_logps[i]] + [0.0] * (L - n_p - n_r))
+        if behind is not None:
+            v = versions[i] or (trained,) * n_r
+            behind.append([0.0] * (n_p - 1) + [float(x < trained) for x in v] + [0.0] * (L - n_p - n_r))
     adv_t = torch.tensor(list(adv), dtype=torch.float32) if adv is not None else torch.zeros(B)
     n_p = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     n = n_p + torch.tensor([len(r) for r in responses], dtype=torch.long)
     mask_t = torch.tensor(mask, dtype=torch.float32)
     rlp_t = torch.tensor(rlp, dtype=torch.float32) if rollout_logps is not None else torch.zeros(B, L - 1)
-    return Batch(torch.tensor(tokens, dtype=torch.long), mask_t, rlp_t, adv_t, prompt_len_B=n_p, seq_len_B=n)
+    behind_t = torch.tensor(behind, dtype=torch.float32) if behind is not None else None
+    return Batch(torch.tensor(tokens, dtype=torch.long), mask_t, rlp_t, adv_t, prompt_len_B=n_p, seq_len_B=n,
+                 behind_BT=behind_t)

@@ -89,6 +89,30 @@ def is_weight(
         raise ValueError(f"unknown IS mode {mode!r} (use truncate, mask or off)")
 
 
+def sampler_logp(
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    behind_BT: torch.Tensor | None,
+) -> torch.Tensor:
+    """log π_θold(y_t) with θ_old the weights that *sampled* y_t, the anchor of M_t's ratio (Eq. 7).
+
+    The trainer recomputes π_old at the weights it trains. Synchronously those sampled the batch;
+    sampling k updates ahead (rollout.max_staleness), a token `behind` was sampled by older weights,
+    which the trainer no longer holds, and the engine's log μ_θold of them stands in (it differs
+    from the trainer's by the training–inference gap alone, KL ~1e-3 here). Anchored at π_old
+    instead (decoupled PPO's proximal policy), r_t ≡ 1 at N = 1 and nothing bounds how far an update
+    moves a token since its stale sampler drew it, and the async bar's gain fell short
+    (docs/results/async.md). Fresh tokens, and a μ that is not finite, keep π_old.
+
+    >>> sampler_logp(torch.tensor([[-1., -2.]]), torch.tensor([[-1.5, -3.]]), torch.tensor([[0., 1.]]))
+    tensor([[-1., -3.]])
+    """
+    if behind_BT is None:
+        return old_logp_BT
+    stale = (behind_BT > 0) & torch.isfinite(rollout_logp_BT)
+    return torch.where(stale, rollout_logp_BT, old_logp_BT)
+
+
 def clip_mask(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
@@ -282,6 +306,7 @@ __all__ = [
     "masked_mean",
     "minirl_loss",
     "policy_loss",
+    "sampler_logp",
     "train_inference_kl",
     "valid_mask",
 ]
@@ -307,10 +332,13 @@ def loss_for(loss, *, poison: bool = False) -> Callable[[torch.Tensor, "Batch"],
     → (loss, metrics). `poison`: the loss comes out NaN (fault injection, faults.py)."""
     kw = dict(eps_low=loss.eps_low, eps_high=loss.eps_high, tis_cap=loss.tis_cap, is_mode=loss.is_mode,
               length_norm=loss.length_norm)
+    anchor_sampler = loss.clip_against == "sampler"
 
     def fn(logp_BT: torch.Tensor, b: "Batch"):
         # on-policy (N = 1) the batch has no π_θold yet: it is this forward's π_θ, held fixed
         old = b.old_logp_BT if b.old_logp_BT is not None else logp_BT.detach()
+        if anchor_sampler:  # tokens sampled behind the trained weights: clipped against their sampler
+            old = sampler_logp(old, b.rollout_logp_BT, b.behind_BT)
         value, m = policy_loss(loss.name, logp_BT, old, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
         return (value * math.nan, m) if poison else (value, m)
 
