@@ -166,9 +166,9 @@ def test_a_run_cut_short_continues_from_its_checkpoint_and_is_then_reused(tmp_pa
     assert L2.finished(cell, 0, p) is None  # recorded under another sampling scheme: runs again
 
 def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp_path):
-    """[train.lora], train.warmup_steps, train.offload, rollout.cuda_graphs and the guard's slide
-    rule came after runs were recorded: at their defaults a recorded run stays its cell's; any of
-    them changed, the cell runs again."""
+    """[train.lora], train.warmup_steps, train.offload, rollout.cuda_graphs, the guard's slide rule
+    and loss.clip_against came after runs were recorded: at their defaults a recorded run stays its
+    cell's; any of them changed, the cell runs again."""
     import hashlib
 
     ws = tmp_path / "ws"
@@ -178,7 +178,8 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     before = recipes.load(ws / "minirl.toml").to_dict()
     for section, key in (("train", "lora"), ("train", "warmup_steps"), ("train", "offload"), ("rollout", "cuda_graphs"),
                          ("rollout", "inflight_updates"), ("parallel", "rollout_gpus"),
-                         ("guard", "slide_window"), ("guard", "slide_z"), ("guard", "slide_drop_frac")):  # the recipe as it read before the fields existed
+                         ("guard", "slide_window"), ("guard", "slide_z"), ("guard", "slide_drop_frac"),
+                         ("loss", "clip_against")):  # the recipe as it read before the fields existed
         del before[section][key]
     before["rollout"]["overlap"] = before["rollout"].pop("max_staleness") == 1  # #66 renamed it
     digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
@@ -186,7 +187,11 @@ def test_a_recipe_field_added_at_its_default_keeps_recorded_runs_their_cells(tmp
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[rollout]\nmax_staleness = 1\n")
     overlapped = hashlib.sha256(json.dumps({**before, "rollout": {**before["rollout"], "overlap": True}},
                                            sort_keys=True).encode()).hexdigest()[:16]
-    assert f"#recipe={overlapped}" in L._recorded([])  # k = 1 is what overlap = true recorded
+    # k = 1 was what overlap = true recorded, but its stale tokens are clipped against their sampler
+    # now (loss.clip_against, #74): the loss those runs computed changed, and they run again
+    assert f"#recipe={overlapped}" not in L._recorded([])
+    (ws / "minirl.toml").write_text('[train]\nlr = 3e-4\n\n[rollout]\nmax_staleness = 1\n\n[loss]\nclip_against = "proximal"\n')
+    assert f"#recipe={overlapped}" in L._recorded([])  # the loss those runs computed
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[rollout]\nmax_staleness = 2\n")
     assert not {f"#recipe={digest}", f"#recipe={overlapped}"} & set(L._recorded([]))
     (ws / "minirl.toml").write_text("[train]\nlr = 3e-4\n\n[train.lora]\nrank = 8\n")

@@ -127,6 +127,10 @@ class Lab:
             if resolved[section][key] == default:
                 del resolved[section][key]
         k = resolved["rollout"]["max_staleness"]  # it replaced `overlap`, which runs recorded before hold
+        # runs recorded before loss.clip_against clipped as "proximal" does, and nothing is behind at
+        # k = 0; "sampler" at k ≥ 1 changes what they computed: those cells run again
+        if k == 0 or resolved["loss"]["clip_against"] == "proximal":
+            del resolved["loss"]["clip_against"]
         if k <= 1:
             del resolved["rollout"]["max_staleness"]
             resolved["rollout"]["overlap"] = bool(k)
