@@ -39,6 +39,9 @@ def validate(r: Recipe) -> None:
     if r.rollout.inflight_updates and not r.rollout.max_staleness:
         raise UsageError("rollout.inflight_updates = true loads a sync while the engine samples ahead of the trainer; "
                          "with rollout.max_staleness = 0 nothing is sampled ahead: set max_staleness ≥ 1 or drop it")
+    if r.loss.clip_against != "sampler" and not r.rollout.max_staleness:
+        raise UsageError(f"loss.clip_against = {r.loss.clip_against!r} anchors the clip of tokens sampled behind the trained "
+                         "weights; with rollout.max_staleness = 0 none is: set max_staleness ≥ 1 or drop it")
     p = r.parallel
     if p.rollout_gpus >= p.gpus_per_node:
         raise UsageError(f"parallel.rollout_gpus = {p.rollout_gpus} leaves none of each node's {p.gpus_per_node} GPU(s) "

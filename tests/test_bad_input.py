@@ -314,6 +314,9 @@ CASES = [
     ("inflight-without-staleness", ["run", "{ws}", "--set", "rollout.inflight_updates=true"], None,
      "rollout.inflight_updates = true loads a sync while the engine samples ahead of the trainer; with "
      "rollout.max_staleness = 0 nothing is sampled ahead"),
+    ("clip-anchor-without-staleness", ["run", "{ws}", "--set", "loss.clip_against=proximal"], None,
+     "loss.clip_against = 'proximal' anchors the clip of tokens sampled behind the trained weights; with "
+     "rollout.max_staleness = 0 none is"),
     ("overlap-in-an-old-recipe", ["run", "{ws}", "--set", "rollout.overlap=true"], None,
      "rollout.overlap was replaced by rollout.max_staleness (overlap = true → max_staleness = 1, false → 0"),
     ("unknown-model", ["run", "{ws}", "--model", "gpt-5"], None, "model.id = 'gpt-5'"),
