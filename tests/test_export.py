@@ -143,6 +143,17 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", card.text):
         assert (out / image).is_file()
     assert "| rollback at step 5 |" not in card.text  # the card shows the run up to its checkpoint
+    assert "sampled ahead" not in card.text  # a synchronous run
+    # a run that sampled ahead says how far, and what its stale tokens were clipped against (#74)
+    from minirl import recipes
+    from minirl.publish.card import model_card
+    from minirl.store import checkpoints
+
+    rec = recipes.load(run_dir / "recipe.toml", ["rollout.max_staleness=2", "rollout.inflight_updates=true"])
+    ckpt = next(c for c in checkpoints(run_dir) if c.step == 3)
+    text = str(model_card(run_dir, rec, ckpt, why="", folder=out, eval_results=[], moe=True))
+    assert "| sampled ahead (k) | at most 2 update(s) behind, in-flight updates; stale tokens clipped against " \
+           "their sampler |" in text
     r = minirl("eval", "-w", str(ws), "--checkpoint", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
 

@@ -56,6 +56,9 @@ This folder is checkpoint **step {{ step }}** of run `{{ run_name }}`: {{ why }}
 | IS correction | `{{ rec.loss.is_mode }}`, cap {{ rec.loss.tis_cap }} |
 | clipping | ε_low {{ rec.loss.eps_low }}, ε_high {{ rec.loss.eps_high }} |
 | mini-batches per step (N) | {{ rec.train.minibatches }} |
+{%- if rec.rollout.max_staleness %}
+| sampled ahead (k) | at most {{ rec.rollout.max_staleness }} update(s) behind{{ ", in-flight updates" if rec.rollout.inflight_updates else "" }}; stale tokens clipped against {{ "their sampler" if rec.loss.clip_against == "sampler" else "π_old (proximal)" }} |
+{%- endif %}
 | routing replay | {{ rec.train.replay }} |
 | precision | rollouts {{ rollout_precision }} (vLLM), training {{ train_precision }} (TorchTitan) |
 | learning rate | {{ rec.train.lr }} |
