@@ -232,8 +232,8 @@ class Rollouts:
             weight_sync.queue(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20,
                               slots=max(1, min(self._k, self._train.steps)), version=self._control.trained)
         else:
-            weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20)
-            self._engine.set_version(self._control.trained)  # stamps true at k = 0 too: no token is behind
+            weight_sync.sync(trainer, self._engine, bucket_bytes=self._rollout.sync_bucket_mib * 2**20,
+                             version=self._control.trained)
         self._control.updated(self._control.trained)
 
     def discard(self) -> None:

@@ -92,14 +92,17 @@ def bucket_nbytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
-def sync(trainer, engine, *, bucket_bytes: int) -> None:
+def sync(trainer, engine, *, bucket_bytes: int, version: int | None = None) -> None:
     """The trainer's weights into the engine, in place. FP8 rollouts: CUDA vLLM quantizes what it
-    receives; an engine without FP8 kernels (CPU) gets weights rounded through FP8 here (rollout/fp8.py)."""
+    receives; an engine without FP8 kernels (CPU) gets weights rounded through FP8 here (rollout/fp8.py).
+    `version` as in `queue` (k = 0: no token is ever behind, and its stamps say so)."""
     # one process, an engine that writes its own tensors (CPU): it keeps views of the trainer's
     # parameters and copies from them, nothing converted or allocated per sync
-    if not engine.emulate_fp8 and (views := trainer.hf_views()) is not None and engine.load_live_weights(views):
-        return
-    engine.load_weights(itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes)))
+    live = not engine.emulate_fp8 and (views := trainer.hf_views()) is not None and engine.load_live_weights(views)
+    if not live:
+        engine.load_weights(itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes)))
+    if version is not None:
+        engine.set_version(version)
 
 
 def queue(trainer, engine, *, bucket_bytes: int, slots: int, version: int) -> None:
