@@ -58,7 +58,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     f = report["figures"]
     pm = lambda k: f"{f[k]['mean']:.2e} ± {f[k]['spread']:.1e}"  # noqa: E731
     table = Table(title=f"KL(μ‖π), k3 estimator (never below 0; runs log k1), and its sources ({report['batch']}, "
-                        f"{seeds} seed(s), checkpoint {folder})")
+                        f"sampled at T = {report['temperature']:g}, {seeds} seed(s), checkpoint {folder})")
     table.add_column("source")
     table.add_column("what is compared")
     table.add_column("KL", justify="right")
@@ -248,7 +248,8 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
     for cmp, text, _ in studies.decide(study, res.get(sp.level, {})):
         console.print(f"[bold]{cmp.finding}[/] {cmp.claim}: {text}", soft_wrap=True)
     path = study_report.write_report(study, sp, res, mech, lab_.out, confirmation=confirmation, follow_up=follow_up,
-                                lr_choice=stages.chosen_lr(lab_.ws_root), rescored=rescored)
+                                lr_choice=stages.chosen_lr(lab_.ws_root), rescored=rescored,
+                                temperature=recipes.load(lab_.ws_root / "minirl.toml").rollout.temperature)
     console.print(f"report: {path}", soft_wrap=True)
     return res, path
 

@@ -19,8 +19,9 @@ class Head(torch.nn.Linear):
         return super().forward(h)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 23, 64])
-def test_chunked_logprobs_entropy_and_their_gradients_are_the_whole_computations(chunk):
+@pytest.mark.parametrize("chunk,T", [(1, 1.0), (5, 1.0), (23, 1.0), (64, 1.0), (5, 0.6), (23, 1.7)])
+def test_chunked_logprobs_entropy_and_their_gradients_are_the_whole_computations(chunk, T):
+    """Of softmax(head(h) / T): the sampling temperature's policy, values and gradients."""
     g = torch.Generator().manual_seed(0)
     K, D, V = 23, 16, 50
     head = Head(D, V, bias=False)
@@ -30,7 +31,7 @@ def test_chunked_logprobs_entropy_and_their_gradients_are_the_whole_computations
     targets = torch.randint(0, V, (K,), generator=g)
     w_lp, w_h = torch.randn(K, generator=g), torch.randn(K, generator=g)
 
-    x = torch.nn.functional.linear(h, head.weight)
+    x = torch.nn.functional.linear(h, head.weight) / T
     logp_all = torch.log_softmax(x, dim=-1)
     want_lp = logp_all[torch.arange(K), targets]
     want_h = -(logp_all.exp() * logp_all).sum(-1)
@@ -39,7 +40,7 @@ def test_chunked_logprobs_entropy_and_their_gradients_are_the_whole_computations
     h.grad, head.weight.grad = None, None
 
     Head.most = 0
-    lp, ent = head_logprobs(h, targets, head, chunk=chunk)
+    lp, ent = head_logprobs(h, targets, head, chunk=chunk, temperature=T)
     assert Head.most == min(chunk, K)  # no more than one chunk of logits at a time
     torch.testing.assert_close(lp, want_lp, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ent, want_h, rtol=1e-6, atol=1e-6)

@@ -172,3 +172,33 @@ def test_a_batch_without_version_stamps_has_nothing_behind():
     assert build_batch([[7, 8]], [[5, 6]], None, None, pad_id=0, versions=[None], trained=4).behind_BT is None
     b = build_batch([[7], [7, 8]], [[5, 6], [5]], None, None, pad_id=0, versions=[(2, 3), None], trained=3)
     assert b.behind_BT.tolist() == [[1.0, 0.0], [0.0, 0.0]] and b.select(slice(0, 1)).behind_BT.shape == (1, 2)
+
+
+def test_each_clipped_token_is_counted_by_its_cause():
+    """#79: the rows split the clip. Four tokens, A > 0, after an update (N > 1: π_θ ≠ π_old):
+    fresh, moved 1.5× since π_old (movement); stale, π_old/μ = 1.5 with π_θ = π_old (the anchor's gap
+    alone: the mismatch, or the lag, which no setting separates per token); stale, π_old/μ = 1 and
+    moved 1.5× (movement); fresh, untouched. Each share is a quarter of the tokens, the stale and
+    fresh ones sum to clip_frac, and so do the mismatch and movement ones; π_old/μ is out of the
+    band for one token (what an anchor at μ would clip before any update). Anchored at π_old, no
+    token's anchor gap is out of the band: only the moved ones are clipped."""
+    from minirl.recipe import LossConfig
+    from minirl.train.batch import build_batch
+
+    mu = [LN(0.4), LN(0.4), LN(0.4), LN(0.4)]
+    batch = build_batch([[7]], [[5, 6, 7, 8]], [mu], [1.0], pad_id=0, versions=[(5, 3, 3, 5)], trained=5)
+    old = t([[LN(0.4), LN(0.6), LN(0.4), LN(0.4)]])
+    batch = batch.with_old_logp(old)
+    logp = t([[LN(0.6), LN(0.6), LN(0.6), LN(0.4)]])
+    _, m = O.loss_for(LossConfig(clip_against="sampler"))(logp, batch)
+    assert m["loss/clip_frac"] == pytest.approx(0.75)
+    assert (m["loss/clip_frac_stale"], m["loss/clip_frac_fresh"]) == pytest.approx((0.5, 0.25))
+    assert (m["loss/clip_frac_mismatch"], m["loss/clip_frac_movement"]) == pytest.approx((0.25, 0.5))
+    assert (m["loss/stale_frac"], m["loss/mismatch_out_of_band"]) == pytest.approx((0.5, 0.25))
+    _, m = O.loss_for(LossConfig(clip_against="proximal"))(logp, batch)
+    assert m["loss/clip_frac"] == pytest.approx(0.5) and m["loss/clip_frac_mismatch"] == 0.0
+    assert (m["loss/clip_frac_stale"], m["loss/clip_frac_fresh"]) == pytest.approx((0.25, 0.25))
+    # synchronous (no stamps): nothing stale, nothing of the anchor's own
+    sync = build_batch([[7]], [[5, 6, 7, 8]], [mu], [1.0], pad_id=0).with_old_logp(old)
+    _, m = O.loss_for(LossConfig())(logp, sync)
+    assert m["loss/stale_frac"] == 0.0 and m["loss/clip_frac_fresh"] == m["loss/clip_frac"] == pytest.approx(0.5)

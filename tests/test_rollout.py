@@ -163,25 +163,63 @@ def test_cpu_engine_norms_run_vllms_c_kernels_closer_to_the_trainer(engine, tiny
     assert mean_abs_diff(kernels, want) < mean_abs_diff(native, want)
 
 
+def _logprobs_mode(worker, mode: str) -> str:
+    """Set the worker's sampler to vLLM's log-prob `mode` (read at each call), returning the old one."""
+    sampler = worker.model_runner.sampler
+    old, sampler.logprobs_mode, sampler.topk_topp_sampler.logprobs_mode = sampler.logprobs_mode, mode, mode
+    return old
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_captured_logprobs_equal_vllms_own(dtype, request):
     """On CPU the sampled tokens' log-probs come from the sampler's tensors (rollout/cpu/logprobs.py),
     not from vLLM's per-request lists: the same call through both gives the same tokens and
-    exactly the same log-probs (prompts of several lengths, early stops and length cuts; at
-    T = 0.7, where an fp32 engine's sampler scales the logits in place after the capture)."""
+    exactly the same log-probs as vLLM's `processed_logprobs` mode, the one the CUDA engine asks
+    for (prompts of several lengths, early stops and length cuts; at T = 0.7, where an fp32
+    engine's sampler scales the logits in place after the capture)."""
     engine = request.getfixturevalue("engine" if dtype == "bfloat16" else "engine32")
     assert engine.capture_logprobs
     prompts = [PROMPTS[i % 3][: 4 + i % 5] for i in range(12)]
     try:
         engine.capture_logprobs = False
+        (before,) = engine._llm.collective_rpc(_logprobs_mode, args=("processed_logprobs",))
         own = engine.generate(prompts, n=4, temperature=0.7, max_tokens=6, seed=3)
+        engine._llm.collective_rpc(_logprobs_mode, args=("raw_logprobs",))
+        raw = engine.generate(prompts, n=4, temperature=0.7, max_tokens=6, seed=3)
     finally:
         engine.capture_logprobs = True
+        engine._llm.collective_rpc(_logprobs_mode, args=(before,))
+    assert before == "raw_logprobs"  # what the CPU engine is built with (it asks for no log-probs)
+    assert [[c.token_ids for c in g] for g in raw] == [[c.token_ids for c in g] for g in own]
+    assert mean_abs_diff([c.logprobs for g in raw for c in g], [c.logprobs for g in own for c in g]) > 0.05
     captured = engine.generate(prompts, n=4, temperature=0.7, max_tokens=6, seed=3)
     assert [[c.token_ids for c in g] for g in captured] == [[c.token_ids for c in g] for g in own]
     assert [[c.logprobs for c in g] for g in captured] == [[c.logprobs for c in g] for g in own]
     finishes = {c.finish for g in own for c in g}
     assert finishes == {"stop", "length"}, finishes
+
+
+@pytest.mark.parametrize("T", [0.6, 1.0])
+def test_log_mu_is_the_trainers_log_softmax_of_logits_over_t(engine32, tiny_dir, T):
+    """#79: the engine samples from softmax(z / T); log μ of every sampled token is that
+    distribution's (fp32 engine and trainer: within 1e-4 of the trainer's log-softmax of logits / T
+    at that position), and the trainer's π, taken at the batch's temperature, is the same policy.
+    Taken at T = 1 instead (what both sides did before), π is another policy than the sampler's."""
+    prompts = [PROMPTS[i % 3][: 4 + i % 5] for i in range(8)]
+    groups = engine32.generate(prompts, n=4, temperature=T, max_tokens=6, seed=5)
+    comps = [c for g in groups for c in g]
+    batch = build_batch([p for p in prompts for _ in range(4)], [c.token_ids for c in comps],
+                        [c.logprobs for c in comps], None, pad_id=0, temperature=T)
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.load_hf(tiny_dir)
+    pi, ent, _ = tr.logprobs(batch)
+    m = batch.mask_BT > 0
+    assert int(m.sum()) > 100
+    assert float((batch.rollout_logp_BT - pi)[m].abs().max()) < 1e-4
+    if T != 1.0:
+        at_one, _, _ = tr.logprobs(dataclasses.replace(batch, temperature=1.0))
+        assert float((batch.rollout_logp_BT - at_one)[m].abs().mean()) > 0.05
+        assert float(ent[m].mean()) < float(tr.logprobs(dataclasses.replace(batch, temperature=1.0))[1][m].mean())
 
 
 def test_each_prompt_of_a_seeded_call_draws_its_own_noise(engine):

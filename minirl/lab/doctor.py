@@ -127,7 +127,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             engine.load_weights(w.items())
             groups = engine.generate(prompts, n=G, temperature=r.temperature, max_tokens=r.max_tokens,
                                      seed=1000 + seed)
-            return groups, _batch(prompts, groups, G, pad)
+            return groups, _batch(prompts, groups, G, pad, temperature=r.temperature)
 
         # precision, as a run measures it: each rollout precision samples its own batch
         batches = {}
@@ -147,6 +147,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             batches[name] = (groups, batch, pi, rr, own, pi_r3)
         # weights alone: the fp32 sample's tokens, scored by the fp32 engine holding rounded weights
         groups, batch, pi, *_ = batches["fp32"]
+        if r.temperature != 1.0:  # `score` reads vLLM's prompt log-probs, which are the T = 1 policy's
+            pi = trainer.logprobs(dataclasses.replace(batch, temperature=1.0))[0]
         resps = [list(c.token_ids) for g in groups for c in g]
         prompts_flat = [p for p in prompts for _ in range(G)]
         for name in ("bf16", "fp8"):
@@ -192,7 +194,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     inputs.grading.close()
     summary = _aggregate(per_seed)
     return {"checkpoint": str(folder), "seeds": seeds, "batch": f"{B} prompts × {G} responses",
-            "moe": moe, "rollout_precision": r.precision, "minibatches": rec.train.minibatches,
+            "moe": moe, "rollout_precision": r.precision, "temperature": r.temperature,
+            "minibatches": rec.train.minibatches,
             "replay": rec.train.replay, "is_mode": rec.loss.is_mode, "figures": summary, "per_seed": per_seed,
             "max_staleness": k, "staleness_mix": mix, "staleness_source": mix_source,
             "advice": advice(summary, moe=moe, rec=rec, mix=mix, mix_source=mix_source)}
@@ -215,10 +218,10 @@ def per_response(mu_BT: torch.Tensor, pi_BT: torch.Tensor, mask_BT: torch.Tensor
             "response_sd_predicted": math.sqrt(2 * length * max(kl, 0.0))}
 
 
-def _batch(prompts, groups, G: int, pad: int):
+def _batch(prompts, groups, G: int, pad: int, *, temperature: float):
     comps = [c for g in groups for c in g]
     return build_batch([p for p in prompts for _ in range(G)], [c.token_ids for c in comps],
-                       [c.logprobs for c in comps], None, pad_id=pad)
+                       [c.logprobs for c in comps], None, pad_id=pad, temperature=temperature)
 
 
 def _as_batch(prompts, resps, logps, pad: int):

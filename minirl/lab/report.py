@@ -169,10 +169,12 @@ def _chosen_arms(declared: dict) -> str:
 
 def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict]]], mech: dict | None,
                  out: Path, *, confirmation: dict | None = None, follow_up: dict | None = None,
-                 lr_choice: dict | None = None, rescored: tuple[str, dict[str, dict]] | None = None) -> Path:
+                 lr_choice: dict | None = None, rescored: tuple[str, dict[str, dict]] | None = None,
+                 temperature: float | None = None) -> Path:
     """report.md of a study (or of its confirmation stage or a follow-up, `confirmation` or
     `follow_up` its declaration); `lr_choice`: the workspace's lr study's (chosen_lr); `rescored`:
-    a precision and the runs' last checkpoints scored at it (rescore.rescore), if asked for."""
+    a precision and the runs' last checkpoints scored at it (rescore.rescore), if asked for;
+    `temperature`: the workspace's rollout.temperature, which every run samples at."""
     p, here = sp.plan, res.get(sp.level, {})
     lrs = sorted({r["lr"] for arms in res.values() for runs in arms.values() for r in runs})
     stage = ": confirmation stage" if confirmation else f": follow-up at {follow_up['level']}" if follow_up else ""
@@ -197,8 +199,9 @@ def write_report(study: Study, sp: StudyPlan, res: dict[str, dict[str, list[dict
     whole = STUDIES.get(study.name)
     some = (f" (of its {len(whole.arms)}, chosen with --arm before the first run)"
             if whole and len(study.arms) < len(whole.arms) and not (follow_up or confirmation) else "")
+    sampled = f", sampled at T = {temperature:g} (rollout.temperature)" if temperature is not None else ""
     lines += [f"{len(study.arms)} arms{some} × {max(a.seeds for a in sp.arms)} paired seed(s) at the study's level, "
-             f"{p.steps} steps each, the guard observing only; held-out avg@k every {p.eval_every} steps; "
+             f"{p.steps} steps each{sampled}, the guard observing only; held-out avg@k every {p.eval_every} steps; "
              f"{lr_source(study, lr_choice, lrs)}. Final held-out score: {v.ENDPOINTS[sp.endpoint]}"
              f"{' (declared before the late-third endpoint existed)' if sp.endpoint == 'last' else ''}. "
              f"Collapsed: the rule of `minirl/lab/verdicts.py` (reward under "

@@ -94,6 +94,9 @@ CPU_WORKAROUNDS = {
                      "instead; never measured on this machine); CUDA graphs are CUDA's",
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
                      "(rollout/cpu/norms.py): a faster rollout, closer to the fp32 trainer",
+    "logprobs_mode": "the CPU engine asks for no log-probs: its capture takes log μ at the sampling temperature "
+                     "itself (rollout/cpu/logprobs.py), and vLLM's CPU sampler in processed mode would compute a "
+                     "log-softmax of every step's logits whether asked or not",
 }
 MAX_REDRAWS = 8  # an R3 sample preempted this many times more in a row: the KV cache cannot hold the job
 
@@ -148,6 +151,8 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         args["enable_sleep_mode"] = True
     if cuda and s.capture_routes:
         args["enable_return_routed_experts"] = True
+    if cuda:  # log μ of the distribution each token was drawn from: after temperature (#79), not vLLM's raw default
+        args["logprobs_mode"] = "processed_logprobs"
     return args
 
 
@@ -274,7 +279,11 @@ class VLLMEngine:
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
         # (graders decode what they need themselves), and so would its per-token Logprob dicts
         # over flat lists (`flat_logprobs`)
+        # no top-k, top-p or min-p, stated: log μ is softmax(z / T) only while nothing else reshapes it
+        # (the CPU capture refuses a step that has any; processed log-probs on CUDA would follow them,
+        # but the trainer's π would not)
         return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False, seed=seed,
+                              top_k=0, top_p=1.0, min_p=0.0,
                               logprobs=None if self.capture_logprobs else 0, flat_logprobs=True,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 

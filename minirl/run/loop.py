@@ -133,7 +133,7 @@ class RLRun:
         adv_PG = objective.group_advantages(1 - rewards_PG if inject == "invert" else rewards_PG, std_scale=r.loss.adv_std)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad,
-                            versions=[c.versions for c in comps], trained=step - 1)
+                            versions=[c.versions for c in comps], trained=step - 1, temperature=r.rollout.temperature)
         tokens = self._check_engine_logp(batch, step)  # stops here, before any loss, on a broken engine
         clock.lap("grade")
 

@@ -23,6 +23,8 @@ class Batch:
     seq_len_B:        int64 [B]       tokens of prompt + response   } (packing.py); None: never packed
     behind_BT:        float [B, L-1]  1.0 where the token was sampled by weights older than those
                                       trained (rollout.max_staleness ≥ 1); None: every token fresh
+    temperature:      float           T the responses were sampled at: the policy is softmax(z / T),
+                                      and every log π and entropy of the batch is taken at it
 
     Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
         tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
@@ -36,13 +38,15 @@ class Batch:
     prompt_len_B: torch.Tensor | None = None
     seq_len_B: torch.Tensor | None = None
     behind_BT: torch.Tensor | None = None
+    temperature: float = 1.0
 
     def select(self, idx: torch.Tensor | slice) -> "Batch":
-        return Batch(*(None if t is None else t[idx] for t in self._tensors()))
+        return Batch(*(None if t is None else t[idx] for t in self._tensors()), temperature=self.temperature)
 
     def to(self, device: torch.device) -> "Batch":
         """The whole batch on `device` (the trainer's): masks, advantages and log-probs included."""
-        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()))
+        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()),
+                     temperature=self.temperature)
 
     def with_old_logp(self, old_logp_BT: torch.Tensor) -> "Batch":
         return dataclasses.replace(self, old_logp_BT=old_logp_BT)
@@ -64,9 +68,11 @@ def build_batch(
     pad_id: int,
     versions: Sequence[Sequence[int] | None] | None = None,
     trained: int = 0,
+    temperature: float = 1.0,
 ) -> Batch:
     """`versions`: each response token's policy version (`Completion.versions`; None: the
-    trained weights'); a token of a version below `trained`, the weights the step trains, is behind."""
+    trained weights'); a token of a version below `trained`, the weights the step trains, is behind.
+    `temperature`: what the responses were sampled at (`rollout_logps` are log μ at it)."""
     B = len(prompts)
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
     tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a tensor per row is slower)
@@ -87,4 +93,4 @@ def build_batch(
     rlp_t = torch.tensor(rlp, dtype=torch.float32) if rollout_logps is not None else torch.zeros(B, L - 1)
     behind_t = torch.tensor(behind, dtype=torch.float32) if behind is not None else None
     return Batch(torch.tensor(tokens, dtype=torch.long), mask_t, rlp_t, adv_t, prompt_len_B=n_p, seq_len_B=n,
-                 behind_BT=behind_t)
+                 behind_BT=behind_t, temperature=float(temperature))

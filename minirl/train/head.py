@@ -7,8 +7,12 @@ the head itself is a [vocab, dim] matrix of 0.6 GiB. Here each chunk's logits ar
 reduced to what the objective reads (the target's log-prob, the log-sum-exp, the entropy) and
 dropped; the backward makes them once more and sends their gradient through the head:
 
-    log π(y) = x_y − logsumexp(x),      H = −Σ_v p_v log p_v,      x = head(h), p = softmax(x)
+    log π(y) = x_y − logsumexp(x),      H = −Σ_v p_v log p_v,      x = head(h) / T, p = softmax(x)
     ∂ log π(y) / ∂x = onehot(y) − p,    ∂H / ∂x = −p ⊙ (log p + H)
+
+T is the sampling temperature (`rollout.temperature`): the engine draws y from softmax(z / T), so
+that is the policy π whose log-probs the loss and the guard read (as verl and prime-rl take them);
+the division happens in float32, as vLLM's sampler divides, and at T = 1 not at all.
 
 (one more head product per chunk in backward: the trade of a fused linear cross-entropy). The head
 is called as a module, so FSDP2 gathers its weight as for any forward and reduces its gradient.
@@ -37,26 +41,33 @@ def head_chunk(positions: int, vocab: int) -> int:
 
 
 def head_logprobs(h_KD: torch.Tensor, targets_K: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], *,
-                  chunk: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log π(targets_K), H) per row of h_KD, [K] each in float32: row k is the hidden state whose
-    logits `head(h)` predict target k (a prompt's last position appears once per response it
-    starts). Differentiable in h_KD and in the head's parameters."""
+                  chunk: int, with_entropy: bool = True,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log π(targets_K), H) per row of h_KD, [K] each in float32, of softmax(head(h) / T): row k
+    is the hidden state whose logits `head(h)` predict target k (a prompt's last position appears
+    once per response it starts). Differentiable in h_KD and in the head's parameters."""
     device = h_KD.device.type
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-    logp, ent = _HeadLogProbs.apply(h_KD, targets_K, head, chunk, with_entropy, autocast)
+    logp, ent = _HeadLogProbs.apply(h_KD, targets_K, head, chunk, with_entropy, autocast, float(temperature))
     return logp, (ent if with_entropy else None)
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits in float32 divided by T (none at T = 1: the figures of T = 1 stay bit for bit)."""
+    x = x.float()
+    return x if temperature == 1.0 else x / temperature
 
 
 class _HeadLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_KD, targets_K, head, chunk, with_entropy, autocast):
+    def forward(ctx, h_KD, targets_K, head, chunk, with_entropy, autocast, temperature):
         K = h_KD.shape[0]
         lse = torch.empty(K, dtype=torch.float32, device=h_KD.device)  # logsumexp(x), for the backward
         target = torch.empty_like(lse)
         ent = torch.empty_like(lse) if with_entropy else torch.empty(0, device=h_KD.device)
         rows = torch.arange(K, device=h_KD.device)
         for s in range(0, K, chunk):
-            x = head(h_KD[s : s + chunk]).float()
+            x = _scaled(head(h_KD[s : s + chunk]), temperature)
             logp = torch.log_softmax(x, dim=-1)  # as the whole computation has it (objective.entropy_from_logits)
             lse[s : s + chunk] = x[:, 0] - logp[:, 0]
             del x
@@ -64,7 +75,7 @@ class _HeadLogProbs(torch.autograd.Function):
             if with_entropy:
                 ent[s : s + chunk] = -logp.exp().mul_(logp).sum(dim=-1)
         ctx.save_for_backward(h_KD, targets_K, lse, ent)
-        ctx.head, ctx.chunk, ctx.autocast = head, chunk, autocast
+        ctx.head, ctx.chunk, ctx.autocast, ctx.temperature = head, chunk, autocast, temperature
         ctx.set_materialize_grads(False)  # an output the loss does not read (the entropy) gets None, not zeros
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -83,7 +94,7 @@ class _HeadLogProbs(torch.autograd.Function):
             with torch.enable_grad(), torch.autocast(h.device.type, dtype=dtype, enabled=enabled):
                 x = ctx.head(h)
             # in place where it can: three [chunk, vocab] float32 tensors at most (plan.py counts them)
-            logp = x.detach().float().sub_(lse[s:e, None])
+            logp = _scaled(x.detach(), ctx.temperature).sub_(lse[s:e, None])
             p = logp.exp()
             if g_ent is not None and ent.numel():  # −p ⊙ (log p + H) · g_H, made in logp's storage
                 g = logp.add_(ent[s:e, None]).mul_(p).mul_(-g_ent[s:e, None].float())
@@ -95,24 +106,27 @@ class _HeadLogProbs(torch.autograd.Function):
                 g = p.zero_()
             if g_logp is not None:
                 g[rows[: e - s], targets_K[s:e]] += g_logp[s:e].float()
+            if ctx.temperature != 1.0:  # ∂/∂head(h) = (1/T) ∂/∂x
+                g.div_(ctx.temperature)
             torch.autograd.backward(x, g.to(x.dtype))  # the head's parameters accumulate theirs here
             grad_h[s:e] = h.grad
-        return grad_h, None, None, None, None, None
+        return grad_h, None, None, None, None, None, None
 
 
-def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
-    """log π(target_t) = logit_t[target] − logsumexp_v logit_t[v], in float32."""
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, chunk_tokens: int = 4096,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log π(target_t) = x_t[target] − logsumexp_v x_t[v], x = logits / T, in float32."""
     B, T, V = logits_BTV.shape
     rows = torch.arange(B * T, device=logits_BTV.device)
     return target_logprobs(logits_BTV.reshape(B * T, V), rows, targets_BT.reshape(B * T),
-                           chunk_tokens=chunk_tokens).view(B, T)
+                           chunk_tokens=chunk_tokens, temperature=temperature).view(B, T)
 
 
 def target_logprobs(x_NV: torch.Tensor, rows_K: torch.Tensor, targets_K: torch.Tensor, *,
-                    chunk_tokens: int = 4096) -> torch.Tensor:
-    """log softmax(x[rows_K])[targets_K], [K] in float32: the log-prob of target k read from
+                    chunk_tokens: int = 4096, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(x[rows_K] / T)[targets_K], [K] in float32: the log-prob of target k read from
     position rows_K[k] (a packed prompt position may predict several responses' first tokens)."""
-    return _TargetLogProbs.apply(x_NV, rows_K, targets_K, chunk_tokens)
+    return _TargetLogProbs.apply(x_NV, rows_K, targets_K, chunk_tokens, float(temperature))
 
 
 class _TargetLogProbs(torch.autograd.Function):
@@ -124,26 +138,26 @@ class _TargetLogProbs(torch.autograd.Function):
     gradient per chunk, which on an H100 (0.76B MoE, 16k tokens) dominated the step's kernels."""
 
     @staticmethod
-    def forward(ctx, x_NV, rows_K, targets_K, chunk):
+    def forward(ctx, x_NV, rows_K, targets_K, chunk, temperature):
         N = x_NV.shape[0]
         lse_N = torch.empty(N, dtype=torch.float32, device=x_NV.device)
         for s in range(0, N, chunk):
-            lse_N[s : s + chunk] = torch.logsumexp(x_NV[s : s + chunk].float(), dim=-1)
+            lse_N[s : s + chunk] = torch.logsumexp(_scaled(x_NV[s : s + chunk], temperature), dim=-1)
         ctx.save_for_backward(x_NV, rows_K, targets_K, lse_N)
-        ctx.chunk = chunk
-        return x_NV[rows_K, targets_K].float() - lse_N[rows_K]
+        ctx.chunk, ctx.temperature = chunk, temperature
+        return _scaled(x_NV[rows_K, targets_K], temperature) - lse_N[rows_K]
 
     @staticmethod
     def backward(ctx, g_K):
         x_NV, rows_K, targets_K, lse_N = ctx.saved_tensors
-        N, chunk = x_NV.shape[0], ctx.chunk
-        g_K = g_K.float()
+        N, chunk, T = x_NV.shape[0], ctx.chunk, ctx.temperature
+        g_K = g_K.float() / T  # ∂/∂x = (1/T) ∂/∂(x / T)
         g_N = torch.zeros(N, dtype=torch.float32, device=x_NV.device).index_add_(0, rows_K, g_K)
         grad_NV = torch.empty_like(x_NV)
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
-            p = torch.exp(x_NV[s:e].float() - lse_N[s:e, None]).mul_(-g_N[s:e, None])  # −softmax · Σ_k g_k
+            p = torch.exp(_scaled(x_NV[s:e], T) - lse_N[s:e, None]).mul_(-g_N[s:e, None])  # −softmax · Σ_k g_k
             here = (rows_K >= s) & (rows_K < e)
             p.index_put_((rows_K[here] - s, targets_K[here]), g_K[here], accumulate=True)
             grad_NV[s:e] = p
-        return grad_NV, None, None, None
+        return grad_NV, None, None, None, None

@@ -136,6 +136,62 @@ def clip_mask(
         return (~drop).to(logp_BT.dtype)
 
 
+@torch.no_grad()
+def clip_causes(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    anchor_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    behind_BT: torch.Tensor | None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+) -> dict[str, float]:
+    """Why the decoupled clip M_t dropped a token, as shares of the step's response tokens.
+
+    The clip's ratio factors as r_t = π_θ/θ_old = (π_θ/π_old) · (π_old/θ_old), θ_old the anchor
+    (`sampler_logp`: μ for a token sampled behind, π_old else). A token is out of the band
+    [1 − ε_low, 1 + ε_high] in its advantage's direction either because the anchor's gap alone
+    already puts it there (π_old/θ_old: for a stale token anchored at its sampler, the lag *and* the
+    training–inference mismatch, which no setting separates per token) or because the update moved
+    π_θ there since π_old (N > 1 mini-batches). Shares of all response tokens, so that they merge
+    over micro-batches and ranks like every other loss metric:
+
+        loss/clip_frac_stale, loss/clip_frac_fresh        clipped tokens sampled behind / not (sum: clip_frac)
+        loss/clip_frac_mismatch, loss/clip_frac_movement  clipped by π_old/θ_old alone / by π_θ/π_old (sum: clip_frac)
+        loss/stale_frac                                   tokens sampled behind the trained weights
+        loss/mismatch_out_of_band                         tokens whose π_old/μ is out of the band: what an
+                                                          anchor at μ would clip before any update (at
+                                                          k = 0 the precision gap alone: its floor)
+
+    Exactly the clipped tokens of the MiniRL and GRPO losses; CISPO clips no gradient (its weight is
+    clamped instead): there the same shares say where the clamp binds in the advantage's direction.
+    """
+    mask = valid_mask(mask_BT, rollout_logp_BT) > 0
+    n = float(mask.sum().clamp(min=1))
+    a = adv_B[:, None]
+
+    def out(log_ratio: torch.Tensor) -> torch.Tensor:  # clip_mask's own test, so the shares add up to its count
+        r = torch.exp(log_ratio)
+        return mask & (((a > 0) & (r > 1 + eps_high)) | ((a < 0) & (r < 1 - eps_low)))
+
+    clipped = out(logp_BT - anchor_BT)
+    by_gap = clipped & out(old_logp_BT - anchor_BT)
+    stale = (behind_BT > 0) & mask if behind_BT is not None else torch.zeros_like(mask)
+    mu = torch.where(mask, rollout_logp_BT, old_logp_BT)
+    share = lambda x: float(x.sum()) / n  # noqa: E731
+    return {
+        "loss/clip_frac_stale": share(clipped & stale),
+        "loss/clip_frac_fresh": share(clipped & ~stale),
+        "loss/clip_frac_mismatch": share(by_gap),
+        "loss/clip_frac_movement": share(clipped & ~by_gap),
+        "loss/stale_frac": share(stale),
+        "loss/mismatch_out_of_band": share(out(old_logp_BT - mu)),
+    }
+
+
 def aggregate(tok_BT: torch.Tensor, mask_BT: torch.Tensor, *, length_norm: bool = False) -> torch.Tensor:
     """Reduce a per-token quantity to a scalar.
 
@@ -279,14 +335,16 @@ def _ratio_metrics(
 
 
 @torch.no_grad()
-def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_tokens: int = 4096) -> torch.Tensor:
-    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v per position, [B, T], in float32 a chunk of
-    positions at a time (never a whole fp32 copy of the logits)."""
+def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_tokens: int = 4096, temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v per position, p = softmax(logits / T) (the
+    policy the engine samples at temperature T), [B, T], in float32 a chunk of positions at a time
+    (never a whole fp32 copy of the logits)."""
     B, T, V = logits_BTV.shape
     x_NV = logits_BTV.reshape(B * T, V)
     out = []
     for s in range(0, B * T, chunk_tokens):
-        logp = torch.log_softmax(x_NV[s : s + chunk_tokens].float(), dim=-1)
+        x = x_NV[s : s + chunk_tokens].float()
+        logp = torch.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)
         out.append(-(logp.exp() * logp).sum(dim=-1))
     return torch.cat(out).view(B, T)
 
@@ -298,6 +356,7 @@ def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
 __all__ = [
     "aggregate",
     "cispo_loss",
+    "clip_causes",
     "clip_mask",
     "entropy_from_logits",
     "group_advantages",
@@ -337,9 +396,11 @@ def loss_for(loss, *, poison: bool = False) -> Callable[[torch.Tensor, "Batch"],
     def fn(logp_BT: torch.Tensor, b: "Batch"):
         # on-policy (N = 1) the batch has no π_θold yet: it is this forward's π_θ, held fixed
         old = b.old_logp_BT if b.old_logp_BT is not None else logp_BT.detach()
-        if anchor_sampler:  # tokens sampled behind the trained weights: clipped against their sampler
-            old = sampler_logp(old, b.rollout_logp_BT, b.behind_BT)
-        value, m = policy_loss(loss.name, logp_BT, old, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+        # tokens sampled behind the trained weights: clipped against their sampler
+        anchor = sampler_logp(old, b.rollout_logp_BT, b.behind_BT) if anchor_sampler else old
+        value, m = policy_loss(loss.name, logp_BT, anchor, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
+        m.update(clip_causes(logp_BT.detach(), old, anchor, b.rollout_logp_BT, b.adv_B, b.mask_BT, b.behind_BT,
+                             eps_low=loss.eps_low, eps_high=loss.eps_high))
         return (value * math.nan, m) if poison else (value, m)
 
     return fn

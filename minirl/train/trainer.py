@@ -252,8 +252,9 @@ class Trainer:
 
     # ----- compute -----------------------------------------------------------------------------
     def _forward_logp(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log π(y_t) [B, L-1] (and H_t): at every position, or, packed, at response positions
-        only (0 elsewhere; every consumer masks to the response)."""
+        """log π(y_t) [B, L-1] (and H_t) of softmax(logits / T) at the batch's sampling temperature:
+        at every position, or, packed, at response positions only (0 elsewhere; every consumer masks
+        to the response)."""
         autocast = not self.sharded and self.param_dtype == "bfloat16"  # under FSDP2 its policy casts
         packed = self._packed(batch)
         if packed is not None:
@@ -262,6 +263,7 @@ class Trainer:
             full = batch.tokens_BL.to(self.device)
             tokens, kw = full[:, :-1], {}
         chunk = self._head_chunk(tokens.numel())
+        T = batch.temperature
         self.model._skip_lm_head = bool(chunk)  # TorchTitan's decoder then returns the final hidden states
         try:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -269,7 +271,8 @@ class Trainer:
                 if chunk:  # no [positions, vocab] logits: the head a chunk of positions at a time (head.py)
                     h = out.flatten(0, 1)
                     h, targets = (h[packed.src_N], packed.target_N) if packed is not None else (h, full[:, 1:].flatten())
-                    logp, ent = head_logprobs(h, targets, self.model.lm_head, chunk=chunk, with_entropy=with_entropy)
+                    logp, ent = head_logprobs(h, targets, self.model.lm_head, chunk=chunk, with_entropy=with_entropy,
+                                              temperature=T)
                     ent = ent.detach() if ent is not None else None
                     if packed is not None:
                         return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
@@ -279,13 +282,13 @@ class Trainer:
         if packed is not None:
             # per packed position, then picked per target: no [targets, vocab] copy of the logits
             x_MV = out.flatten(0, 1)
-            logp = packed.unpack(target_logprobs(x_MV, packed.src_N, packed.target_N))
+            logp = packed.unpack(target_logprobs(x_MV, packed.src_N, packed.target_N, temperature=T))
             ent = None
             if with_entropy:
-                ent = packed.unpack(entropy_from_logits(out.detach()).flatten()[packed.src_N])
+                ent = packed.unpack(entropy_from_logits(out.detach(), temperature=T).flatten()[packed.src_N])
             return logp, ent
-        logp = token_logprobs(out, full[:, 1:])
-        ent = entropy_from_logits(out.detach()) if with_entropy else None
+        logp = token_logprobs(out, full[:, 1:], temperature=T)
+        ent = entropy_from_logits(out.detach(), temperature=T) if with_entropy else None
         return logp, ent
 
     def _head_chunk(self, positions: int) -> int:

@@ -5,7 +5,9 @@
 With one run folder, prints its digest; with two, also whether they are identical and, if not,
 the first step and metric where they part. Timing (`timing/*`, and the summary's clocks) is left
 out: it differs between any two runs. Used to show that a change moved no number (a refactor, a
-memory cut): the same seeded run before and after, on the same machine.
+memory cut): the same seeded run before and after, on the same machine. Keys that only the second
+run's rows have (metrics a change added) are named and left out of the comparison; the digests
+then differ, and the line says the rows agree on every key the first run has.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def main() -> None:
               f"digest {digest(run)}")
     if len(runs) == 2:
         a, b = rows(runs[0]), rows(runs[1])
+        added = sorted({k for r in b for k in r} - {k for r in a for k in r})
+        if added:
+            print(f"keys only the second run has, left out: {', '.join(added)}")
+            b = [{k: v for k, v in r.items() if k not in added} for r in b]
         for ra, rb in zip(a, b):
             keys = sorted(ra.keys() | rb.keys())
             differ = [k for k in keys if json.dumps(ra.get(k)) != json.dumps(rb.get(k))]  # nan equals nan here
@@ -52,8 +58,11 @@ def main() -> None:
                 print(f"differ first at step {ra.get('step')}: {differ[0]} {ra.get(differ[0])} vs {rb.get(differ[0])}")
                 return
         same = len(a) == len(b) and heldout(runs[0]) == heldout(runs[1])
-        print("identical" if same else f"the rows agree as far as both go ({len(a)} and {len(b)}); held-out figures "
-                                       f"{'agree' if heldout(runs[0]) == heldout(runs[1]) else 'differ'}")
+        if same:
+            print("identical on every key the first run has" if added else "identical")
+        else:
+            print(f"the rows agree as far as both go ({len(a)} and {len(b)}); held-out figures "
+                  f"{'agree' if heldout(runs[0]) == heldout(runs[1]) else 'differ'}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ one `gather` over the step's logits.
 So the engine asks for none, and this recorder, inside the worker, wraps the model runner's
 `_sample`:
 - before the sampler runs (an fp32 engine's sampler scales the logits in place by temperature),
-  the raw log-probs with vLLM's own `Sampler.compute_logprobs`: exactly what `logprobs=0`
-  returns (its default `raw_logprobs` mode);
+  the log-probs of the distribution each row's token is drawn from: log softmax(z / T) in float32
+  with the row's own temperature, as the sampler divides it (`Sampler.apply_temperature`: a
+  greedy row's T taken as 1), with vLLM's own `Sampler.compute_logprobs`: what `logprobs=0`
+  returns in vLLM's `processed_logprobs` mode, which the CUDA engine asks for (#79: the default
+  `raw_logprobs` is the T = 1 policy, not what sampled the token). Top-k, top-p and penalties
+  would change that distribution again; minirl sets none, and a step that has any is refused;
 - after it, the log-prob of each row's sampled token, kept with the step's request ids (the rows
   are the runner's batch, in order).
 `stop` cuts them per request. Each request must have exactly one per token it sampled
@@ -43,11 +47,12 @@ class LogprobRecorder:
                 return original(logits, spec_decode_metadata)
             if spec_decode_metadata is not None:
                 raise RuntimeError("log-prob capture: speculative decoding is not supported")
-            raw = Sampler.compute_logprobs(logits)  # before the sampler: fp32 logits are scaled in place
+            # before the sampler: fp32 logits are scaled in place
+            drawn = Sampler.compute_logprobs(tempered(logits, runner.input_batch.sampling_metadata))
             out = original(logits, spec_decode_metadata)
             n = out.sampled_token_ids.shape[0]
             self.steps.append((runner.input_batch.req_ids[:n],
-                               raw.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1), self.version))
+                               drawn.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1), self.version))
             return out
 
         runner._sample = sample
@@ -95,6 +100,25 @@ class LogprobRecorder:
             lps, stamps = self.per_request.setdefault(split_request_id(rid), ([], []))
             lps.append(v)
             stamps.append(version)
+
+
+def tempered(logits: torch.Tensor, md) -> torch.Tensor:
+    """The step's logits as its sampler draws from them: float32, each row divided by its request's
+    temperature (a new tensor: the sampler's own input is left as it is). vLLM's rule
+    (`Sampler.apply_temperature`): no division where every row is greedy, and a greedy row beside
+    sampled ones divided by 1. Anything else that would reshape the distribution is refused."""
+    if md.top_k is not None or md.top_p is not None or not md.no_penalties:
+        raise RuntimeError("log-prob capture: top-k, top-p or a penalty is set on a rollout request; log μ would "
+                           "not be the distribution the token was drawn from (minirl sets none)")
+    x = logits.float()
+    if md.all_greedy or md.temperature is None:
+        return x
+    from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+    t = md.temperature[: x.shape[0]].to(x.device, torch.float32)
+    if not md.all_random:
+        t = torch.where(t < _SAMPLING_EPS, 1.0, t)
+    return x / t[:, None]
 
 
 def install(worker) -> bool:
