@@ -16,13 +16,14 @@ STARTED = time.time()  # the process's start, near enough: the run's summary cou
 import click
 
 from cli.options import DEFAULT_WORKSPACE, POSITIVE_FINITE, workspace_argument
+from cli.guard import guard_cmd
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
 from minirl import recipes
 from minirl.run import status as status_mod
 from minirl.eval.benchmarks import get as get_bench
-from minirl.errors import RunIOError, UsageError
+from minirl.errors import EngineFault, RunIOError, UsageError
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.hub import resolution
 from minirl.models import TINY_ID
@@ -386,7 +387,7 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
             live.update(status_view(st, console.width))
 
 
-for command in (doctor, lab, export_cmd, push_cmd):
+for command in (doctor, lab, export_cmd, push_cmd, guard_cmd):
     cli.add_command(command)
 
 
@@ -401,6 +402,8 @@ def main() -> None:
         _fail(str(e))
     except RunIOError as e:
         _fail(str(e), code=4)
+    except EngineFault as e:  # before a run's first step (its first sync): nothing started, no folder left
+        _fail(str(e), code=5)
     except (KeyboardInterrupt, click.exceptions.Abort):
         print("minirl: aborted", file=sys.stderr)
         sys.exit(130)

@@ -15,6 +15,10 @@ MINIRL_INJECT_SKEW="3" shifts every log μ the engine returns by +0.5 from step 
 between engine and trainer that grows KL(μ‖π_old) beyond any lag (`skew_logprobs`), which the guard
 must still roll back at k ≥ 1 (#74). `at_step` returns "skew".
 
+MINIRL_INJECT_DROP_WEIGHT="model.norm.weight" leaves that weight out of every weight sync, as a
+trainer whose names the engine does not map would (`drop_weight`, called by rollout/sync.py on
+what it sends): the first sync must stop the run in one line naming it (#79).
+
 MINIRL_INJECT_INVERT="100" trains on the rewards inverted (1 − r) from step 100 on, while the
 reward logged and judged stays the grader's: the policy unlearns the task and the reward slides
 with the entropy calm, the slide the guard must catch (#64). `at_step` returns "invert".
@@ -54,3 +58,14 @@ def break_logprobs(groups: list[list]) -> list[list]:
     """Completions as a broken engine returns them: log μ NaN after each response's first token."""
     return [[dataclasses.replace(c, logprobs=tuple(c.logprobs[:1]) + (math.nan,) * (len(c.logprobs) - 1))
              for c in g] for g in groups]
+
+
+def drop_weight(weights):
+    """What a sync sends (a bucket of (name, tensor) pairs, or a dict of views), less the weight
+    MINIRL_INJECT_DROP_WEIGHT names; unchanged when it names none."""
+    name = os.environ.get("MINIRL_INJECT_DROP_WEIGHT", "")
+    if not name:
+        return weights
+    if isinstance(weights, dict):
+        return {k: v for k, v in weights.items() if k != name}
+    return [(k, v) for k, v in weights if k != name]

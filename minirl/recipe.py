@@ -292,6 +292,16 @@ class GuardConfig:
     # guard acts on a mismatch beyond what the lag explains (healthy runs of the default at k = 1–4,
     # lr 3e-4: at most 0.133 per update, docs/async.md)
     max_kl_per_update_behind: float = number(0.15, 0)
+    # the lag allowance covers the policy's own move; the training–inference mismatch has signals of
+    # its own that no lag explains (guard.py): KL(μ‖π_old) over the tokens the trained weights sampled
+    # themselves (in-flight updates; judged against max_kl, with no allowance), and the parity check,
+    # mean |log μ − log π| on fixed responses with both engines at the same weights, a bad step when
+    # above max_parity or above parity_growth × the median of the run's parities so far (once 3 are
+    # in, and above parity_floor): calibrated on healthy seeded runs (docs/runs.md). A bad parity is
+    # checked again at every step until it is good
+    max_parity: float = number(0.5, 0, above=True)
+    parity_growth: float = number(6.0, 1, above=True)
+    parity_floor: float = number(1e-3, 0)
     min_entropy_frac: float = number(0.05, 0, 1)  # entropy below this share of the first step's ...
     max_entropy_factor: float = number(1.25, 1, above=True)  # ... or above this multiple of it ...
     reward_drop: float = number(0.2, 0)  # ... with reward this far below its best ...

@@ -112,6 +112,15 @@ def checkpoints(run_dir: Path) -> list[Checkpoint]:
     return out
 
 
+def rollback_target(resume_from: Path) -> Path:
+    """After a resume, where a rollback goes: the newest good checkpoint at or before the one resumed
+    from (#80: a run preempted in the middle of a collapse resumes from a checkpoint that is no
+    target), else that one (a run's step_000000, its start, is always good)."""
+    step = record_step(resume_from)
+    good = [c.path for c in checkpoints(Path(resume_from).parent.parent) if c.good and c.step <= step]
+    return good[-1] if good else Path(resume_from)
+
+
 def best_scored(ckpts: list[Path], metric: str) -> Path | None:
     """The good checkpoint (its record's `good`) with the highest `metric` among its scores, the
     newest among equals; None if none has a score."""

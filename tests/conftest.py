@@ -130,6 +130,44 @@ def engine_r3(tiny_dir):
     return VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32, kv_cache_gib=0.25, capture_routes=True)
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(folder)` run once for all xdist workers of this session (a file lock in the session's
+    shared folder, a marker once whole); the folder it built."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this session's folder, above every worker's own
+    root = shared / name
+    with FileLock(str(root) + ".lock"):
+        if not (root / "built").exists():
+            build(root)
+            (root / "built").touch()
+    return root
+
+
+@pytest.fixture(scope="session")
+def _embedded_default_built(tmp_path_factory) -> Path:
+    def init(root: Path) -> None:
+        import subprocess
+        import sys
+
+        r = subprocess.run([sys.executable, "-m", "cli.main", "init", str(root / "ws")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "embedded-default", init) / "ws"
+
+
+@pytest.fixture
+def embedded_default(_embedded_default_built, tmp_path) -> Path:
+    """`minirl init` of the embedded default (its own cold start, ~1 min), built once for the
+    session's workers; each test gets a copy of its own, so the runs in it are the test's."""
+    import shutil
+
+    return shutil.copytree(_embedded_default_built, tmp_path / "embedded-ws", symlinks=True)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
     from transformers import AutoTokenizer

@@ -232,34 +232,45 @@ def test_a_huge_k_neither_hangs_nor_samples_batches_the_run_will_not_train(tiny_
 
 
 @pytest.mark.slow
-def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(tmp_path):
+def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(embedded_default):
     """#74: the embedded default at k = 2 (its own cold start, seeded): the lag's KL (0.11–0.24 in its
     first steps) rolled it back at step 4 with max_kl = 0.05 and halved the learning rate. With the
     guard's lag allowance no step of a healthy run is even bad; an engine whose log μ drifts from the
     trainer's (+0.5 from step 6 on: MINIRL_INJECT_SKEW) is still rolled back, the line saying it is a
     mismatch the lag does not explain. Tokens sampled behind are clipped against their sampler's
-    weights (objective.sampler_logp): the clip acts on the stale steps, never on a fresh one."""
-    ws = tmp_path / "ws"
-    r = subprocess.run([sys.executable, "-m", "cli.main", "init", str(ws)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    weights (objective.sampler_logp): the clip acts on the stale steps, never on a fresh one, and
+    the rows say why (#79): every clipped token is a stale one, clipped by its anchor's gap alone
+    (N = 1: nothing moved since π_old)."""
+    ws = embedded_default
     args = [sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "40", "--set", "rollout.max_staleness=2",
             "--set", "eval.max_problems=16", "--set", "eval.k=1"]
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = _rows(max((ws / "runs").iterdir()))
+    healthy = max((ws / "runs").iterdir())
+    rows = _rows(healthy)
     assert len(rows) == 40 and not [m for m in rows if "guard/action" in m or "guard/reason" in m], \
         [(m["step"], m.get("guard/reason")) for m in rows if "guard/reason" in m]
     assert max(m["train/kl_mu_pi_old"] for m in rows) > 0.05  # what the old threshold rolled back
     # N = 1: r = π_θ/π_old ≡ 1, so only a token sampled behind, anchored at its sampler, is ever clipped
     assert all(m["loss/clip_frac"] == 0 for m in rows if m["rollout/staleness_max"] == 0)
     assert sum(m["loss/clip_frac"] > 0 for m in rows if m["rollout/staleness_mean"] > 0) > 20
+    for m in rows:  # k = 2: every row has the clip split by cause, and they add up
+        assert m["loss/clip_frac_stale"] + m["loss/clip_frac_fresh"] == pytest.approx(m["loss/clip_frac"], abs=1e-6)
+        assert m["loss/clip_frac_mismatch"] == pytest.approx(m["loss/clip_frac"], abs=1e-6)  # N = 1
+        assert m["loss/clip_frac_fresh"] == 0 and m["loss/clip_frac_movement"] == pytest.approx(0, abs=1e-6)
     r = subprocess.run([*args[:6], "9", *args[7:]], cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "MINIRL_INJECT_SKEW": "6"})
     rows = _rows(max((ws / "runs").iterdir()))
     back = [m for m in rows if m.get("guard/action") == "rollback"]
     assert back and back[0]["step"] == 8, [(m["step"], m.get("guard/action")) for m in rows]  # patience 3
     assert "a mismatch beyond what sampling" in back[0]["guard/reason"]
+    # #80: `minirl guard` on both runs' rows decides what the runs did
+    for run, want in ((healthy, []), (max((ws / "runs").iterdir()), [8])):
+        r = subprocess.run([sys.executable, "-m", "cli.main", "guard", str(run), "--json"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = [json.loads(x) for x in r.stdout.splitlines()]
+        assert [d["step"] for d in got if d["decision"] == "rollback"][:1] == want, got
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +328,89 @@ def test_a_sync_mid_batch_is_loaded_between_two_forward_steps_and_every_token_sa
                 assert abs(c.logprobs[4] - c_ref.logprobs[4]) > 1e-3
                 moved += 1
     assert moved > 0
+
+
+def test_a_streamed_sync_is_one_call_loaded_whole_between_two_forward_steps(inflight, tiny_dir, monkeypatch):
+    """#79: an engine that does not write its own tensors (CUDA; FP8 emulated on a CPU) took a sync
+    as two messages, the weights and then their version, with the engine free to step between them
+    (new-weight tokens stamped old), and as one list of every bucket (a copy of the whole model).
+    Now it is one call, `load_stream(version)`, whose buckets follow it one at a time, each made
+    only once the engine took the one before: the trainer never holds an earlier bucket when it
+    makes the next, and the engine loads them all and the version before its next forward step, so
+    the tokens after the sync carry the new version and those before the old, exactly."""
+    import weakref
+
+    from minirl.models import TINY
+    from minirl.rollout import sync as weight_sync
+    from minirl.train.trainer import Trainer
+
+    tr = Trainer(TINY, lr=0.0)
+    tr.load_hf(tiny_dir)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=0)
+    ask = dict(n=2, temperature=1.0, max_tokens=14, seed=5)
+    ref = inflight.generate(PROMPTS, **ask)
+    calls, made, alive_at, taken_at = [], [], [], []
+    submit, stream = inflight.submit, inflight.stream_weights
+
+    def recording(method, *args, **kwargs):
+        calls.append((method, args))
+        return submit(method, *args, **kwargs)
+
+    def watched(buckets, *, version):
+        def each():
+            for b in buckets:
+                alive_at.append(sum(any(r() is not None for r in refs) for refs in made))
+                taken_at.append(inflight._taken.get(inflight._sent, 0))
+                made.append([weakref.ref(t) for _, t in b])
+                yield b
+        return stream(each(), version=version)
+
+    inflight.call("hold_after", 4)
+    handle = inflight.submit("generate", PROMPTS, **ask)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.mul_(1.5)
+    monkeypatch.setattr(inflight, "direct_sync", False)  # the copy path: a CUDA engine's
+    monkeypatch.setattr(inflight, "submit", recording)
+    monkeypatch.setattr(inflight, "stream_weights", watched)
+    weight_sync.queue(tr, inflight, bucket_bytes=1, slots=1, version=1)  # a decoder layer a bucket
+    monkeypatch.undo()
+    got = inflight.result(handle)
+    tr.load_hf(tiny_dir)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=2)  # as the module found it
+
+    assert calls == [("load_stream", (1,))]  # weights and version: one call, nothing else sent
+    assert len(made) == 6 and alive_at == [0] * 6  # embeddings, 4 layers, the head: one at a time
+    assert taken_at == [1, 2, 3, 4, 5, 6]  # each made once the engine had asked for it
+    for g_ref, g in zip(ref, got):
+        for c_ref, c in zip(g_ref, g):
+            before = min(4, len(c.token_ids))
+            assert c.versions == (0,) * before + (1,) * (len(c.token_ids) - before)
+            assert c.token_ids[:before] == c_ref.token_ids[:before] and c.logprobs[:before] == c_ref.logprobs[:before]
+
+
+def test_a_sync_that_skips_a_weight_stops_naming_it_on_each_path_of_an_engine_process(proc, tiny_dir, monkeypatch):
+    """#79: the snapshot slot of an engine that writes its own tensors is checked here, before it is
+    queued; the streamed buckets of any other engine by the engine as they come, its refusal raised
+    by the sync itself. Both in one line (errors.EngineFault), and the engine goes on as it was."""
+    from minirl.errors import EngineFault
+    from minirl.models import TINY
+    from minirl.rollout import sync as weight_sync
+    from minirl.train.trainer import Trainer
+
+    tr = Trainer(TINY, lr=0.0)
+    tr.load_hf(tiny_dir)
+    slots = len(proc._slots)
+    monkeypatch.setenv("MINIRL_INJECT_DROP_WEIGHT", "model.layers.2.self_attn.q_norm.weight")
+    pending = dict(proc._pending)
+    with pytest.raises(EngineFault, match="left model.layers.2.self_attn.q_norm.weight unwritten"):
+        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=max(slots, 1), version=0)
+    assert proc._pending == pending and len(proc._slots) == slots  # nothing was sent
+    monkeypatch.setattr(proc, "direct_sync", False)  # the engine's process refuses what it is streamed
+    with pytest.raises(EngineFault, match=r"left .*model.layers.2.self_attn.q_norm.weight"):
+        weight_sync.queue(tr, proc, bucket_bytes=2**30, slots=1, version=0)
+    monkeypatch.undo()
+    assert tokens(proc.generate(PROMPTS, **SAMPLE))  # the fault was raised to the sync's caller, once
 
 
 def _pairs(groups):

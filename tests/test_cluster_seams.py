@@ -128,6 +128,7 @@ def _engine(level):
     e = object.__new__(VLLMEngine)
     e._llm, e.on_cpu, e.sleep_level, e._asleep, e._stale = _RecordingLLM(), False, level, 0, False
     e.direct_sync = False  # a CUDA engine: vLLM's reload_weights
+    e._expected = {"a": (1,), "b": (1,)}  # what coverage.py would read from its model folder
     e._prefix_caching = True  # so the order below includes the cache reset a sync needs then
     return e
 
@@ -148,6 +149,26 @@ def test_level_2_sleep_drops_weights_and_only_a_full_sync_wakes_the_engine():
     assert len(e._llm.calls) == 5
 
 
+def test_a_sync_through_vllms_reload_that_skips_a_weight_stops_naming_it():
+    """#79: vLLM's reload only logs what it was not given (nothing at all for a quantized model): the
+    engine checks every weight its folder holds was written, in its shape, on every path; a shape
+    is refused before vLLM sees it."""
+    from minirl.errors import EngineFault
+
+    e = _engine(0)
+    with pytest.raises(EngineFault, match="left b unwritten"):
+        e.load_weights(iter([("a", torch.ones(1))]), version=3)
+    assert getattr(e, "version", None) != 3  # not stamped: the sync did not happen
+    e = _engine(0)
+    with pytest.raises(EngineFault, match=r"sent a in shape \(2,\); the rollout engine holds it as \(1,\)"):
+        e.load_weights(iter([("a", torch.ones(2)), ("b", torch.ones(1))]))
+    assert e._llm.calls == []  # refused on its way in: vLLM was given nothing of it
+    e = _engine(0)
+    e.capture_logprobs, e.version = False, 0
+    e.load_weights(iter([("a", torch.ones(1)), ("b", torch.ones(1)), ("lm_head.weight", torch.ones(1))]), version=4)
+    assert e.version == 4  # a name the folder does not hold (a tied head) is vLLM's to take or skip
+
+
 def test_level_1_sleep_keeps_weights_and_level_0_never_sleeps():
     e = _engine(1)
     e.sleep()
@@ -156,8 +177,8 @@ def test_level_1_sleep_keeps_weights_and_level_0_never_sleeps():
     e0 = _engine(0)
     e0.sleep()
     e0.wake()
-    e0.load_weights(iter([("a", torch.ones(1))]))
-    assert e0._llm.calls == [("reload", ["a"]), ("reset_prefix_cache",)]
+    e0.load_weights(iter([("a", torch.ones(1)), ("b", torch.ones(1))]))
+    assert e0._llm.calls == [("reload", ["a", "b"]), ("reset_prefix_cache",)]
 
 
 def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bound():
@@ -284,3 +305,24 @@ def test_stale_cpu_tp_shared_memory_of_a_killed_attempt_is_cleared_and_live_segm
     with live.open("r+b") as fh, mmap.mmap(fh.fileno(), 4096):  # mapped by a live process (this one)
         removed = clear_stale(tmp_path)
     assert removed == [stale] and not stale.exists() and live.exists() and other.exists()
+
+
+def test_what_the_engine_holds_is_its_folders_weights_less_a_tied_head(tmp_path):
+    """coverage.py reads the names and shapes of the folder the engine loaded: a tied LM head a
+    checkpoint carries is not the engine's own weight (vLLM reads the embeddings for it), and the
+    trainer sends none, so a sync without it is whole."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from minirl.rollout.coverage import Coverage, expected_weights
+
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2), "lm_head.weight": torch.zeros(4, 2),
+               "model.norm.weight": torch.zeros(2), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(1)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert expected_weights(tmp_path) == {"model.embed_tokens.weight": (4, 2), "model.norm.weight": (2,)}
+    Coverage(expected_weights(tmp_path)).whole([("model.embed_tokens.weight", torch.zeros(4, 2)),
+                                                ("model.norm.weight", torch.zeros(2))])
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    assert "lm_head.weight" in expected_weights(tmp_path)

@@ -38,24 +38,18 @@ def export_ws(tiny_dir, tmp_path_factory) -> Path:
     trip: steps 4-5 are bad, step 5 rolls back to step 3, step 6 is bad again. Checkpoints 0..6,
     all kept. Built once for all xdist workers (a file lock in the session's shared folder): two
     `minirl run`s, about 70 s."""
-    from filelock import FileLock
+    from tests.conftest import built_once, data_workspace
 
-    from tests.conftest import data_workspace
+    def build(root: Path) -> None:
+        ws = data_workspace(root / "ws")
+        model = ["--model", str(tiny_dir)]
+        r = minirl("run", str(ws), *model, "--steps", "3", *RUN_SETS)
+        assert r.returncode == 0, r.stderr[-3000:]
+        r = minirl("run", str(ws), *model, "--steps", "6", "--resume", *RUN_SETS, "--set", "guard.max_kl=-1",
+                   "--set", "guard.patience=2", "--set", "guard.max_rollbacks=1")
+        assert r.returncode == 0, r.stderr[-3000:]
 
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # this session's folder, above every worker's own
-    root = shared / "export-run"
-    with FileLock(str(root) + ".lock"):
-        if not (root / "built").exists():
-            ws = data_workspace(root / "ws")
-            model = ["--model", str(tiny_dir)]
-            r = minirl("run", str(ws), *model, "--steps", "3", *RUN_SETS)
-            assert r.returncode == 0, r.stderr[-3000:]
-            r = minirl("run", str(ws), *model, "--steps", "6", "--resume", *RUN_SETS, "--set", "guard.max_kl=-1",
-                       "--set", "guard.patience=2", "--set", "guard.max_rollbacks=1")
-            assert r.returncode == 0, r.stderr[-3000:]
-            (root / "built").touch()
+    root = built_once(tmp_path_factory, "export-run", build)
     return root / "ws"
 
 

@@ -155,7 +155,7 @@ def test_the_sequence_plans_each_visit_from_where_the_last_stopped(tmp_path, mon
     seq = _sequence()
     monkeypatch.setattr(seq, "LEDGER", tmp_path / "ledger.json")
     first = seq.plan(pieces=4)
-    assert first["steps"] == ["moe-r3", "engine-alone"] and first["seconds"] <= seq.BUDGET_S
+    assert first["steps"] == ["moe-r3", "moe-r3-t06"] and first["seconds"] <= seq.BUDGET_S
     assert [c[0] for c in first["calls"][:4]] == [f"bash tests/gpu/run-on-device.sh --piece {k}" for k in (1, 2, 3)] + [
         "bash tests/gpu/run-on-device.sh --piece 4 --install"]
     assert all(s.gpu_s <= 570 for s in seq.STEPS)  # one call: 600 s at most, the step's own timeout 570
@@ -169,10 +169,10 @@ def test_the_sequence_plans_each_visit_from_where_the_last_stopped(tmp_path, mon
     # a visit's outcomes go into the ledger: the passed steps are not planned again, a failed one is
     out = tmp_path / "out"
     out.mkdir()
-    for step, outcome in (("moe-r3", "passed"), ("engine-alone", "failed")):
+    for step, outcome in (("moe-r3", "passed"), ("moe-r3-t06", "failed")):
         (out / f"{step}.json").write_text(json.dumps({"outcome": outcome, "seconds": 1.0}))
     seq.record([out], commit="abc1234", device="NVIDIA H200", date="2026-11-28")
-    assert seq.plan(pieces=4)["steps"][0] == "engine-alone"
+    assert seq.plan(pieces=4)["steps"][0] == "moe-r3-t06"
     # a step passed at an older revision runs again (default-bf16 after #73's start-up work)
     book = json.loads(seq.LEDGER.read_text())
     book["steps"]["default-bf16"] = {"outcome": "passed", "revision": seq.BY_ID["default-bf16"].revision - 1}

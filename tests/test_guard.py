@@ -14,10 +14,41 @@ def test_healthy_steps_are_applied():
 
 
 def test_non_finite_update_is_skipped_without_touching_the_streak():
-    g = Guard(patience=1)
+    g = Guard(patience=3)
     assert g.decide(**{**OK, "loss": math.nan}).action == "skip"
     assert g.decide(**{**OK, "grad_norm": math.inf}, new_step=False).action == "skip"
-    assert g.skipped == 2 and g.rollbacks == 0 and g.decide(**OK).action == "step"
+    assert g.skipped == 2 and g.rollbacks == 0 and g.decide(**OK).action == "step" and g.bad_streak == 0
+    assert g.decide(**{**OK, "loss": math.nan}).action == "skip"  # a finite update in between: counted anew
+
+
+def test_a_nan_update_every_step_stops_the_run_never_finishing_on_nothing():
+    """#80: 50 of 50 steps skipped, 0 rollbacks, "finished". Now `patience` non-finite updates in a
+    row act as a bad streak does, and go on acting after each rollback: a named stop within
+    patience + max_rollbacks steps. A guard that only observes (the lab) still only skips."""
+    g = Guard(patience=3, max_rollbacks=3)
+    got = [g.decide(**{**OK, "loss": math.nan}).action for _ in range(6)]
+    assert got == ["skip", "skip", "rollback", "rollback", "rollback", "stop"]
+    assert "non-finite update (loss nan" in g.reasons[0] and "3 updates in a row" in g.reasons[0]
+    g = Guard(patience=3, enabled=False)
+    assert {g.decide(**{**OK, "loss": math.nan}).action for _ in range(10)} == {"skip"}
+
+
+def test_a_non_finite_signal_is_a_bad_step_and_a_nan_first_entropy_waits_for_a_finite_one():
+    """#80: a NaN KL or entropy compared False with every threshold, so it never counted, and a NaN
+    first entropy turned both entropy rules off for the whole run."""
+    g = Guard(patience=2)
+    assert [g.decide(**{**OK, "kl": math.nan}).action for _ in range(2)] == ["step", "rollback"]
+    assert "non-finite signal (KL(μ‖π_old) nan" in g.reasons[-1]
+    g = Guard(min_entropy_frac=0.1, reward_drop=0.2, patience=1)
+    assert g.decide(**{**OK, "entropy": math.nan}).reason.startswith("a non-finite signal")
+    assert g.entropy0 is None
+    g.decide(**OK)
+    assert g.entropy0 == 0.3  # the first finite one
+    v = g.decide(**{**OK, "entropy": 0.01, "reward": 0.1})
+    assert v.action == "rollback" and v.reason.startswith("entropy 0.01 < 0.1 × 0.3")
+    g = Guard(patience=5)
+    g.decide(**{**OK, "reward": math.nan})
+    assert g.best_reward == -math.inf and not g.recent and not g.window  # a NaN reward is no best, no trend
 
 
 def test_high_kl_for_patience_steps_rolls_back_then_stops():
@@ -62,6 +93,15 @@ def test_state_round_trip():
     h = Guard()
     h.load_state_dict(g.state_dict())
     assert (h.entropy0, h.best_reward, h.rollbacks, h.reasons) == (g.entropy0, g.best_reward, 1, g.reasons)
+    # #80: a checkpoint saved with a bad streak pending carries it, and the trend behind `healthy`
+    g = Guard(patience=3)
+    g.decide(**OK)
+    g.decide(**{**OK, "kl": 1.0})
+    g.decide(**{**OK, "loss": math.nan})
+    h = Guard(patience=3)
+    h.load_state_dict(g.state_dict())
+    assert (h.bad_streak, h.skip_streak, h.recent, h.slide) == (1, 1, g.recent, g.slide) and not h.healthy
+    assert h.decide(**{**OK, "kl": 1.0}).action == "step" and h.decide(**{**OK, "kl": 1.0}).action == "rollback"
 
 
 def test_entropy_rising_out_of_its_band_with_the_reward_gone_rolls_back():
@@ -200,3 +240,110 @@ def test_at_k_behind_the_guard_allows_the_lag_and_still_acts_on_a_mismatch():
     assert got[-1].reason == ("KL(μ‖π_old) 0.6 > 0.05 + 0.15 × 2.00 updates of lag: a mismatch beyond what sampling "
                               "2.00 updates behind explains (guard.max_kl_per_update_behind, rollout.max_staleness)")
     assert Guard().decide(**{**OK, "kl": 0.2}).reason == "KL(μ‖π_old) 0.2 > 0.05"  # synchronous: as before
+
+
+# #79: parity checks of healthy seeded runs of the embedded default (seed 0, 300 steps, every 10th;
+# this repository's runs on an AMX host): a bf16 one at k = 0 and an FP8 one at k = 0
+BF16_K0 = [0.0089, 0.0098, 0.0134, 0.0185, 0.0072, 0.0177, 0.0113, 0.0102, 0.02, 0.0133, 0.011, 0.014, 0.0139,
+           0.0103, 0.03, 0.0124, 0.0138, 0.0118, 0.0178, 0.0126, 0.0184, 0.0115, 0.0108, 0.0122, 0.0162, 0.0094,
+           0.0106, 0.0133, 0.0064, 0.0094, 0.0083]
+# the embedded default's bf16 run on an H200 (2026-11-28 GPU visit, `../shared/gpu-visits/`): a 3.1× spike at step 150
+H200_BF16 = [0.0162, 0.0171, 0.0141, 0.0405, 0.0174, 0.0147, 0.0115, 0.0213, 0.0169, 0.0181, 0.0232, 0.0243, 0.0246,
+             0.0229, 0.0255, 0.0563, 0.0299, 0.0201, 0.0194, 0.0153, 0.0262, 0.0222, 0.0266, 0.0302, 0.0272, 0.0244,
+             0.0371, 0.0269, 0.0264, 0.0244, 0.0287]
+FP8_K0 = [0.0546, 0.0608, 0.0407, 0.0414, 0.0463, 0.0389, 0.04, 0.0349, 0.0537, 0.0706, 0.0283, 0.0475, 0.039,
+          0.0415, 0.0448, 0.0486, 0.0571, 0.0584, 0.0409, 0.0301, 0.0544, 0.0488, 0.0618, 0.0433, 0.0585, 0.0474,
+          0.0667, 0.0703, 0.0607, 0.049, 0.0555]
+
+
+def _parity_run(g: Guard, parities) -> list[str]:
+    """A step's decision after each parity check (the loop: parity after the sync, judged next step)."""
+    out = []
+    for p in parities:
+        g.observe_parity(p)
+        out.append(g.decide(**OK).action)
+    return out
+
+
+def test_a_healthy_runs_parity_wobble_is_never_a_bad_step():
+    for trace in (BF16_K0, FP8_K0, H200_BF16):
+        g = Guard()
+        assert _parity_run(g, trace) == ["step"] * len(trace) and not g.parity_due and g.healthy
+
+
+def test_a_parity_that_leaves_the_runs_own_level_is_checked_again_and_rolled_back():
+    """#79: an engine whose numerics moved away from the trainer's (the CPU MoE kernel's stale
+    prepack took 1.25e-3 to 3e-2, 24×) while KL and entropy stay calm: bad, due again at the next
+    step, and after `patience` bad checks a rollback (which syncs every weight again)."""
+    g = Guard(patience=3)
+    assert _parity_run(g, BF16_K0[:10]) == ["step"] * 10
+    assert _parity_run(g, [0.2]) == ["step"] and g.parity_due and not g.healthy
+    assert g.decide(**OK).reason.startswith("parity 0.2 > 6 × 0.0") and g.bad_streak == 2
+    g = Guard(patience=2)
+    _parity_run(g, BF16_K0[:10])
+    assert _parity_run(g, [0.2, 0.011]) == ["step", "step"] and not g.parity_due  # back at its level: good
+    assert _parity_run(g, [0.2, 0.2]) == ["step", "rollback"]
+    assert "the engine has moved away from the trainer" in g.reasons[-1]
+
+
+def test_a_first_parity_above_the_cap_is_bad_and_tiny_gaps_never_are():
+    g = Guard(patience=1)
+    assert _parity_run(g, [0.6]) == ["rollback"] and "parity 0.6 > 0.5" in g.reasons[-1]
+    g = Guard(patience=1)  # fp32: a gap at float noise may double; below parity_floor it is no mismatch
+    assert _parity_run(g, [4.7e-7, 4.6e-7, 4.7e-7, 5e-6, 2e-5]) == ["step"] * 5
+
+
+def test_a_mismatch_in_the_tokens_the_trained_weights_sampled_has_no_lag_allowance():
+    """k ≥ 1 with in-flight updates: the batch's tokens sampled by the trained weights themselves
+    carry no lag, so their KL is held to max_kl while the whole batch's gets its allowance."""
+    g = Guard(max_kl=0.05, patience=1)
+    assert g.decide(**{**OK, "kl": 0.2}, lag=1.5, kl_fresh=0.01).action == "step"  # the lag explains it
+    v = g.decide(**{**OK, "kl": 0.2}, lag=1.5, kl_fresh=0.08)
+    assert v.action == "rollback" and "over the tokens the trained weights sampled themselves" in v.reason
+
+
+def test_the_parity_reference_travels_with_checkpoints():
+    g = Guard()
+    _parity_run(g, [*FP8_K0[:5], 0.9])
+    h = Guard()
+    h.load_state_dict(g.state_dict())
+    assert h.parities == FP8_K0[:5] and h.parity_due and h.parity_bad == g.parity_bad
+    old = g.state_dict()
+    del old["parities"], old["parity_bad"]  # a checkpoint from before #79
+    h.load_state_dict(old)
+    assert h.parities == [] and not h.parity_due
+
+
+def test_the_guard_replayed_on_recorded_rows_decides_as_the_run_did(tmp_path):
+    """#80: `minirl guard ROWS` replays a run's rows through the real guard. On rows where the KL
+    left its bound from step 4 (what the skew fault makes) it rolls back at step 6, as a run with
+    patience 3 did (and again at 9); with --set guard.patience=5 at step 8; a torn last line (a kill mid-write) is
+    left out; a setting outside [guard] is refused in one line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from minirl.errors import UsageError
+    from minirl.run import guard_replay
+
+    row = {"train/entropy": 0.3, "rollout/reward_mean": 0.5, "train/loss": 1.0, "train/grad_norm": 0.5}
+    rows = [{"step": s, **row, "train/kl_mu_pi_old": 0.001 if s < 4 else 0.3} for s in range(1, 11)]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "train/k')
+    got = guard_replay.replay(*guard_replay.load(run, []))
+    assert [d["decision"] for d in got][:6] == ["step"] * 5 + ["rollback"] and len(got) == 10
+    assert got[3]["reason"].startswith("KL(μ‖π_old) 0.3 > 0.05")
+    got = guard_replay.replay(*guard_replay.load(run / "metrics.jsonl", ["guard.patience=5"]))
+    assert [d["step"] for d in got if d["decision"] == "rollback"] == [8]
+    with pytest.raises(UsageError, match="only guard"):
+        guard_replay.load(run, ["train.lr=1"])
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "cli.main", "guard", str(run), "--json"], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["step"] for x in lines if x["decision"] == "rollback"] == [6, 9] and set(lines[0]) == {"step", "decision", "reason"}

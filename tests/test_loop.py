@@ -52,3 +52,25 @@ def test_only_complete_checkpoints_count(tmp_path):
         if done:
             (ck / name / "minirl.json").write_text("{}")
     assert [c.name for c in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
+
+
+def test_a_resume_rolls_back_to_the_newest_good_checkpoint_not_the_one_it_resumed_from(tmp_path):
+    """#80: a run preempted in the middle of a collapse (its newest checkpoint saved with a bad streak
+    pending: not good) resumed with that checkpoint as its rollback target, and `prune` kept it in
+    place of the real last good one. The target is the newest good one at or before it; a rollback
+    that undid a stretch makes the checkpoints inside it no target either."""
+    import json
+
+    from minirl.store import rollback_target
+
+    ck = tmp_path / "checkpoints"
+    for step, good in ((0, True), (50, True), (100, True), (150, False)):
+        (ck / f"step_{step:06d}").mkdir(parents=True)
+        (ck / f"step_{step:06d}" / "minirl.json").write_text(json.dumps({"step": step, "good": good}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 151)))
+    assert rollback_target(ck / "step_000150").name == "step_000100"
+    assert rollback_target(ck / "step_000100").name == "step_000100"  # a good one is its own
+    rows = [{"step": s} for s in range(1, 151)]
+    rows[119] = {"step": 120, "guard/rollback_to_step": 50}  # step 120 rolled back to 50: 100 was undone
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert rollback_target(ck / "step_000150").name == "step_000050"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minirl.errors import EngineFault
 from minirl.train.batch import build_batch
 from minirl.models import TINY
 from minirl.rollout import sync as weight_sync
@@ -324,12 +325,15 @@ def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
         assert mean_abs_diff(direct, fresh) > 0.05
         assert mean_abs_diff(direct, via_reload) < 1e-6
 
-        with pytest.raises(KeyError, match="no weight 'model.layers.0.bogus.weight'"):
+        # each a one-line stop (errors.EngineFault), on this path as on vLLM's reload (test_cluster_seams.py)
+        with pytest.raises(EngineFault, match="no weight 'model.layers.0.bogus.weight'"):
             engine.load_weights([("model.layers.0.bogus.weight", torch.zeros(1))])
-        with pytest.raises(KeyError, match="left 1 rollout weights stale"):
+        with pytest.raises(EngineFault, match="left 1 rollout weights stale.*model.norm.weight"):
             engine.load_weights([(k, v) for k, v in updated.items() if k != "model.norm.weight"])
-        with pytest.raises(ValueError, match="shape"):
+        with pytest.raises(EngineFault, match=r"model.norm.weight in shape \(3,\)"):
             engine.load_weights([("model.norm.weight", torch.zeros(3))])
+        with pytest.raises(EngineFault, match="left model.norm.weight unwritten"):  # bound views: checked at bind
+            engine.load_live_weights({k: v for k, v in updated.items() if k != "model.norm.weight"}, key=99)
     finally:
         engine.direct_sync = True
         engine.load_weights(original.items())
@@ -620,14 +624,15 @@ class FakeEngine:
     def score(self, prompts, responses):
         return [[-math.log(self.shape.vocab_size)] * len(r) for r in responses]
 
-    def load_weights(self, hf_named_tensors):
+    def load_weights(self, hf_named_tensors, *, version=None):
         self.weights = {k: v.clone() for k, v in hf_named_tensors}
+        self.version = version
 
-    def load_live_weights(self, views):
+    def load_live_weights(self, views, key=0, *, version=None):
         return False
 
     def set_version(self, version):
-        pass
+        self.version = version
 
     def settle(self):
         pass

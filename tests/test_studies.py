@@ -349,6 +349,7 @@ def test_a_study_piped_to_a_log_says_each_run_in_a_line(tmp_path, capsys):
             self.state["runs"][f"{cell.id}/s{seed}"] = None
             del self.state["runs"][f"{cell.id}/s{seed}"]  # nothing left to read: the report says "not run yet"
 
+    (tmp_path / "minirl.toml").write_text('[rollout]\ntemperature = 0.6\n')  # the workspace every run samples from
     study = studies.STUDIES["lengthnorm"]
     sp = studies.plan(study, seeds=2, quick=True, level="e5m2")
     cli_study._run_and_report(Cells(), study, sp, None, report_only=False)
@@ -357,7 +358,7 @@ def test_a_study_piped_to_a_log_says_each_run_in_a_line(tmp_path, capsys):
         "run 2/4: lengthnorm: length norm @ e5m2 (seed 0)",
         "run 3/4: lengthnorm: MiniRL @ e5m2 (seed 1)", "run 4/4: lengthnorm: length norm @ e5m2 (seed 1)",
         "done: 4 runs"]
-    assert (tmp_path / "report.md").exists()
+    assert "sampled at T = 0.6" in (tmp_path / "report.md").read_text()
 
 
 def test_a_follow_up_runs_a_studys_arms_on_fresh_seeds_at_another_dial_level(tmp_path):

@@ -66,15 +66,18 @@ class Engine(Protocol):
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """log μ of each given response token under the weights last synced."""
 
-    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Every weight in place (HF names), consumed as a stream."""
+    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
+        """Every weight in place (HF names), consumed as a stream; every weight it holds written,
+        in its shape, or an errors.EngineFault naming what was not (coverage.py). `version`: the
+        policy version they are, set in the same call: no token sampled with the new weights
+        carries the old version."""
 
-    def load_live_weights(self, views: dict[str, torch.Tensor]) -> bool:
+    def load_live_weights(self, views: dict[str, torch.Tensor], key: int = 0, *, version: int | None = None) -> bool:
         """Copy from HF-named views of the trainer's parameters it may keep between syncs; False
-        where it cannot (the caller then streams `load_weights`)."""
+        where it cannot (the caller then streams `load_weights`). `version` as there."""
 
     def set_version(self, version: int) -> None:
-        """The policy version of the weights it holds, which the tokens it samples next carry."""
+        """The policy version of the weights it holds (a resumed run's), which the tokens it samples next carry."""
 
     def settle(self) -> None:
         """Return once the last sync is written whole."""

@@ -10,7 +10,8 @@ A sync is queued and returns at once (`queue_weights`): the trainer's process co
 into a snapshot slot in shared memory, and the engine's process loads that slot when it gets to
 the call, copying and prepacking from it (bound once per slot: rollout/cpu/weights.py). The
 trainer's parameters may change right after; a slot is written again only once the engine has
-read it. Engines that do not write their own tensors are sent copies (sync.py `queue`).
+read it. Engines that do not write their own tensors are streamed the sync's buckets, one at a
+time as they take them (`stream_weights`).
 
 With `rollout.inflight_updates` the engine keeps stepping across calls (stream.py): the batches
 of several steps are sampled together, each `generate` joining the requests in flight, and a sync
@@ -22,7 +23,7 @@ more than either gains).
 
 Beside one trainer process (under torchrun every rank would need an engine of its own, not built),
 on a GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the
-weights reach it as copies passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU. On rollout
+weights reach it a bucket at a time, passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU. On rollout
 GPUs of their own (remote.py) engine processes are started by each node's first training rank
 and take their weights by broadcast (`receive_weights`).
 """
@@ -30,6 +31,8 @@ and take their weights by broadcast (`receive_weights`).
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -45,6 +48,7 @@ import torch.multiprocessing  # noqa: F401 - registers the pickling that passes 
 
 from minirl.errors import EngineFault, UsageError
 from minirl.rollout.broadcast import WeightChannel
+from minirl.rollout.coverage import Coverage, expected_weights
 from minirl.rollout.engine import build
 
 
@@ -75,8 +79,8 @@ def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess"
 
 
 # calls that bring weights and their version: loaded as they come, between two forward steps of the
-# requests in flight (snapshot slots, or copies: sync.py `queue`)
-WEIGHTS = ("bind_slot", "sync_slot", "load_weights", "set_version", "receive_weights")
+# requests in flight (snapshot slots, or buckets streamed: sync.py `queue`)
+WEIGHTS = ("bind_slot", "sync_slot", "load_stream", "set_version", "receive_weights")
 # what torchrun tells its ranks: an engine's process is none of them (vLLM would take it for one)
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
@@ -124,18 +128,19 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             if method == "bind_slot":
                 slots[args[0]], out = args[1], None
             elif method == "sync_slot":  # (slot, the policy version it holds)
-                out = engine.load_live_weights(slots[args[0]], key=args[0])
-                engine.set_version(args[1])
+                out = engine.load_live_weights(slots[args[0]], key=args[0], version=args[1])
+            elif method == "load_stream":  # (the policy version): its buckets follow on the pipe, one at a time
+                out = engine.load_weights(_taken_buckets(conn, call_id, deferred.appendleft), version=args[0])
             elif method == "receive_weights":  # (the policy version, one flat buffer or buckets): remote.py
                 if channel is None:
                     host, port, rank, size, backend = joins
                     channel = WeightChannel.join(host, port, rank, size, backend,  # its first GPU: the buffers' device
                                                  device="cuda:0" if torch.cuda.is_available() else "cpu")
                 if args[1]:
-                    out = engine.load_live_weights(channel.receive(), key=-1)
+                    out = engine.load_live_weights(channel.receive(), key=-1, version=args[0])
                 else:
-                    out = engine.load_weights(x for bucket in channel.receive_buckets() for x in bucket)
-                engine.set_version(args[0])
+                    out = engine.load_weights((x for bucket in channel.receive_buckets() for x in bucket),
+                                              version=args[0])
             elif method == "hold_after":
                 hold_after, out = args[0], None
             elif method == "generate":
@@ -144,6 +149,8 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             else:
                 out = getattr(engine, method)(*args, **kwargs)
             conn.send((call_id, "ok", out, time.perf_counter() - t0))
+        except EngineFault as e:  # a named stop (coverage.py): the parent raises it as such, in one line
+            conn.send((call_id, "fault", str(e), 0.0))
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send((call_id, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
 
@@ -211,6 +218,23 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
         run(call_id, method, args, kwargs)
 
 
+def _taken_buckets(conn, call_id: int, put_back):
+    """The buckets of a streamed sync (`EngineProcess.stream_weights`), read off the pipe inside the
+    call that loads them: before each, the engine says it has taken the last ("taken"), and the
+    trainer sends the next; None ends the sync. The engine does not step in between, and neither
+    process holds more than the bucket being loaded. A call instead of a bucket (a trainer that gave
+    the sync up: a second Ctrl-C, then `stop`) ends the sync too, and is kept for its turn."""
+    while True:
+        conn.send((call_id, "taken", None, 0.0))
+        bucket = conn.recv()
+        if bucket is None or isinstance(bucket, tuple):
+            if bucket is not None:
+                put_back(bucket)
+            return
+        yield from bucket
+        del bucket
+
+
 class EngineProcess:
     """The recipe's engine (engine.py's `build`) built and run in a child process on `cores`, one
     intra-op thread per core, set before the child starts (OpenMP reads its settings once, when it
@@ -221,6 +245,7 @@ class EngineProcess:
         """`gpus`: the devices it sees (CUDA_VISIBLE_DEVICES; rollout GPUs of its own, remote.py);
         `wait`: return once it is built (else `ready()` waits, so several build side by side)."""
         ctx = mp.get_context("spawn")
+        self._model_dir = Path(model_dir)
         self._conn, child = ctx.Pipe()
         env = {"OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cores)))}
         if gpus is not None:
@@ -254,11 +279,21 @@ class EngineProcess:
         self._sent = 0  # calls sent; each answer names its call's number
         self._pending: dict[int, list] = {0: []}  # handles of calls not yet answered, by number (0: the build)
         self._built = self._pending[0]
+        self._taken: dict[int, int] = {}  # a streamed sync's call → buckets the engine has asked for
+        # syncs sent and not yet answered: one that fails is raised by every later answer waited for
+        # (a queued sync returns at once; the batch sampled after it must not stand)
+        self._syncs: set[int] = set()
+        self._broken: tuple[list, str, str] | None = None  # (its handle, status, what it said)
         self._slots: list[dict] = []  # snapshots of the trainer's weights in shared memory (`queue_weights`)
+        self._checked: dict | None = None  # the views last checked against what the engine holds
         self._slot_reads: list[list | None] = []  # the sync that last read each slot, until answered
         self._next_slot = 0
         if wait:
             self.ready()
+
+    @functools.cached_property
+    def _expected(self) -> dict[str, tuple[int, ...]]:  # what the engine loaded at its start (coverage.py)
+        return expected_weights(self._model_dir)
 
     def ready(self) -> None:
         """Wait until the engine is built (its build's error raised here)."""
@@ -271,11 +306,10 @@ class EngineProcess:
         """Send a call and return at once; `result(handle)` waits for its answer."""
         self._sent += 1
         handle: list = []
-        try:
-            self._conn.send((self._sent, method, args, kwargs))
-        except (BrokenPipeError, ConnectionError, EOFError):  # never EPIPE up to click, which exits 1 in silence
-            raise self._died() from None
+        self._send((self._sent, method, args, kwargs))  # never EPIPE up to click, which exits 1 in silence
         self._pending[self._sent] = handle
+        if method in WEIGHTS:
+            self._syncs.add(self._sent)
         return handle
 
     def result(self, handle: list):
@@ -284,6 +318,12 @@ class EngineProcess:
         while not handle:
             self._answer()
         status, out = handle[0]
+        if self._broken is not None and self._broken[0] is handle:
+            self._broken = None  # raised to the sync's own caller, here
+        elif status == "ok" and self._broken is not None:  # a sync queued before failed: nothing after it stands
+            status, out = self._broken[1:]
+        if status == "fault":
+            raise EngineFault(out)
         if status == "error":
             raise RuntimeError(f"in the rollout engine's process: {out}")
         return out
@@ -324,8 +364,15 @@ class EngineProcess:
             self._answers.put(None)  # every later wait learns it too
             raise self._died()
         call_id, status, out, seconds = got
+        if status == "taken":  # a streamed sync's engine is ready for its next bucket (`stream_weights`)
+            self._taken[call_id] = self._taken.get(call_id, 0) + 1
+            return
         self.busy_s += seconds
-        self._pending.pop(call_id).append((status, out))
+        handle = self._pending.pop(call_id)
+        if status in ("fault", "error") and call_id in self._syncs:
+            self._broken = (handle, status, out)
+        self._syncs.discard(call_id)
+        handle.append((status, out))
 
     def _died(self) -> EngineFault:
         """The engine's process is gone (killed, out of memory, crashed): named, with how it ended."""
@@ -356,11 +403,14 @@ class EngineProcess:
         under way): this returns at once, and the trainer may change its parameters right after.
         A slot is written again only once the engine has read it (the sync `slots` syncs before;
         waited for here where it has not). False where the engine has no direct path (then the
-        caller sends copies: `submit("load_weights", ...)`)."""
+        caller streams the buckets: `stream_weights`)."""
         if not self.direct_sync or self.emulate_fp8:
             return False
         i = self._next_slot % slots
         self._next_slot += 1
+        if views is not self._checked:  # here, before anything is queued (coverage.py); once a dict of views
+            Coverage(self._expected).whole(views.items())
+            self._checked = views
         if i == len(self._slots):
             self._slots.append({n: torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
                                 for n, t in views.items()})
@@ -373,6 +423,51 @@ class EngineProcess:
                 t.copy_(views[n])
         self._slot_reads[i] = self.submit("sync_slot", i, version)
         return True
+
+    def stream_weights(self, buckets, *, version: int) -> None:
+        """A sync to an engine that does not write its own tensors (CUDA; FP8 emulated on a CPU):
+        one call, `load_stream(version)`, behind the calls sent before, whose buckets follow it on
+        the pipe one at a time, each sent when the engine has taken the one before (`_taken_buckets`),
+        each made only then (`buckets` is lazy). So the weights and their version are one call, the
+        engine never steps with part of them, and this process holds one bucket beyond the engine's
+        own weights: never a copy of the model. Returns once the engine has loaded them, so the
+        trainer waits until the engine has come to the sync (with in-flight updates: the next
+        forward step; else after the batches sent before)."""
+        handle = self.submit("load_stream", version)
+        call_id, buckets, sent = self._sent, iter(buckets), 0
+        try:
+            while True:
+                self._wait_taken(call_id, sent + 1, handle)  # every bucket sent is taken: only now make the next
+                bucket = next(buckets, None)
+                self._send(bucket)
+                if bucket is None:
+                    break
+                sent += 1
+                del bucket
+        except BaseException:
+            # cut short here (the buckets' maker failed, Ctrl-C) while the engine waits for a bucket: end
+            # its sync, which its coverage check then refuses, so that it reads calls again
+            if not handle and self._taken.get(call_id, 0) > sent:
+                with contextlib.suppress(Exception):
+                    self._send(None)
+            raise
+        finally:
+            self._taken.pop(call_id, None)
+        self.result(handle)
+
+    def _wait_taken(self, call_id: int, n: int, handle: list) -> None:
+        """Until the engine has asked for its n-th bucket (or answered the call: an error, a fault)."""
+        while self._taken.get(call_id, 0) < n and not handle:
+            self._answer()
+        if handle:
+            self.result(handle)  # raises what stopped it
+            raise RuntimeError("the rollout engine answered a streamed sync before it took every bucket")
+
+    def _send(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, ConnectionError, EOFError):
+            raise self._died() from None
 
     def settle(self) -> None:
         """Return once every call sent has been answered (the syncs queued included)."""
@@ -391,7 +486,7 @@ class EngineProcess:
         if self._proc.is_alive():
             try:
                 self.call("stop")
-            except RuntimeError:
+            except (RuntimeError, EngineFault):  # a failed sync is raised by every answer; it stops all the same
                 pass
             self._proc.join(timeout=30)
             if self._proc.is_alive():

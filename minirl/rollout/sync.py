@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from minirl import faults
 from minirl.train.hf_io import adapter
 from minirl.rollout.fp8 import fp8_roundtrip
 
@@ -95,31 +96,36 @@ def bucket_nbytes(bucket: Bucket) -> int:
 def sync(trainer, engine, *, bucket_bytes: int, version: int | None = None) -> None:
     """The trainer's weights into the engine, in place. FP8 rollouts: CUDA vLLM quantizes what it
     receives; an engine without FP8 kernels (CPU) gets weights rounded through FP8 here (rollout/fp8.py).
-    `version` as in `queue` (k = 0: no token is ever behind, and its stamps say so)."""
+    `version` as in `queue`, loaded with the weights (k = 0: no token is ever behind, and its stamps
+    say so)."""
     # one process, an engine that writes its own tensors (CPU): it keeps views of the trainer's
     # parameters and copies from them, nothing converted or allocated per sync
-    live = not engine.emulate_fp8 and (views := trainer.hf_views()) is not None and engine.load_live_weights(views)
-    if not live:
-        engine.load_weights(itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes)))
-    if version is not None:
-        engine.set_version(version)
+    views = None if engine.emulate_fp8 else _views(trainer)
+    if views is None or not engine.load_live_weights(views, version=version):
+        engine.load_weights(itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes)),
+                            version=version)
 
 
 def queue(trainer, engine, *, bucket_bytes: int, slots: int, version: int) -> None:
-    """The trainer's weights sent to an engine in its own process behind the calls sent before
-    (rollout.max_staleness ≥ 1), and returned at once: the engine applies them between two of its
-    calls, so what it samples before them is sampled by the weights before. What is sent is a copy,
-    so the trainer's parameters may change while it waits: a CPU engine that writes its own tensors
-    gets a snapshot of the trainer's HF-named views in one of `slots` shared-memory slots
-    (process.py `queue_weights`); any other engine the weights cast to its dtype (FP8-rounded where
-    emulated, cloned where the dtype is the trainer's own), passed by shared memory. `version`: the
-    policy version the weights are (the step they end), which the tokens sampled after carry."""
-    if (views := trainer.hf_views()) is not None and engine.queue_weights(views, slots=slots, version=version):
+    """The trainer's weights to an engine in its own process, behind the calls sent before
+    (rollout.max_staleness ≥ 1): the engine applies them between two of its calls (with in-flight
+    updates, two forward steps), so what it samples before them is sampled by the weights before.
+    Weights and their `version` (the step they end, which the tokens sampled after carry) are one
+    call on every path, applied whole before the engine steps again (#79).
+
+    A CPU engine that writes its own tensors gets a snapshot of the trainer's HF-named views in one
+    of `slots` shared-memory slots (process.py `queue_weights`) and this returns at once: the
+    trainer's parameters may change right after. Any other engine (CUDA, FP8 emulated on a CPU) is
+    streamed the sync's buckets as it takes them (process.py `stream_weights`): the trainer waits
+    until the engine has come to the sync and taken every bucket, and holds one bucket at a time,
+    never a copy of the model (61 GB at 30B in bf16)."""
+    if (views := _views(trainer)) is not None and engine.queue_weights(views, slots=slots, version=version):
         return  # a CPU engine that writes its own tensors: a snapshot of the views, nothing converted
     live = {t.untyped_storage().data_ptr() for t in trainer.model.parameters()}
-    engine.submit("load_weights", [(n, t.clone() if t.untyped_storage().data_ptr() in live else t)
-                                   for n, t in itertools.chain.from_iterable(_engine_buckets(trainer, engine, bucket_bytes))])
-    engine.submit("set_version", version)
+    # a tensor that is a parameter's own storage is sent as a copy: sending moves a CPU tensor's
+    # storage into shared memory, which would move the parameter under the optimizer's feet
+    engine.stream_weights(([(n, t.clone() if t.untyped_storage().data_ptr() in live else t) for n, t in bucket]
+                           for bucket in _engine_buckets(trainer, engine, bucket_bytes)), version=version)
 
 
 def broadcast(trainer, engines, *, bucket_bytes: int, version: int) -> None:
@@ -128,7 +134,7 @@ def broadcast(trainer, engines, *, bucket_bytes: int, version: int) -> None:
     views as one buffer (one process, unsharded: nothing converted); any other engine the sync's
     buckets as they come, in its dtype. Every training rank calls it (the buckets gather shards);
     `version` as in `queue`."""
-    views = trainer.hf_views() if engines.direct_sync and not engines.emulate_fp8 else None
+    views = _views(trainer) if engines.direct_sync and not engines.emulate_fp8 else None
     if views is not None:
         engines.send_weights(version, views=views)
     else:
@@ -138,6 +144,13 @@ def broadcast(trainer, engines, *, bucket_bytes: int, version: int) -> None:
 def _engine_buckets(trainer, engine, bucket_bytes: int) -> Iterator[Bucket]:
     """The trainer's weights as `engine` takes them: in its dtype, rounded through FP8 where it
     emulates FP8 (an engine without FP8 kernels)."""
-    return trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
-                           transform=(lambda w: fp8_roundtrip(w, fmt=engine.weight_format)) if engine.emulate_fp8
-                           else None)
+    buckets = trainer_buckets(trainer, dtype=engine.torch_dtype, bucket_bytes=bucket_bytes,
+                              transform=(lambda w: fp8_roundtrip(w, fmt=engine.weight_format)) if engine.emulate_fp8
+                              else None)
+    return (faults.drop_weight(b) for b in buckets)
+
+
+def _views(trainer) -> dict[str, torch.Tensor] | None:
+    """The trainer's HF-named views (`Trainer.hf_views`), as the sync sends them (faults.py may drop one)."""
+    views = trainer.hf_views()
+    return None if views is None else faults.drop_weight(views)

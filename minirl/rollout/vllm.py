@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import os
 import time
@@ -45,6 +46,7 @@ from minirl import engine_sizing as sizing
 from minirl.engine_sizing import cpu_kv_cache_bytes
 from minirl.rollout.lifetime import share_process_groups
 from minirl.rollout import outputs
+from minirl.rollout.coverage import Coverage, expected_weights, named_faults
 from minirl.rollout.engine import Completion
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
@@ -94,9 +96,8 @@ CPU_WORKAROUNDS = {
                      "instead; never measured on this machine); CUDA graphs are CUDA's",
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
                      "(rollout/cpu/norms.py): a faster rollout, closer to the fp32 trainer",
-    "logprobs_mode": "the CPU engine asks for no log-probs: its capture takes log μ at the sampling temperature "
-                     "itself (rollout/cpu/logprobs.py), and vLLM's CPU sampler in processed mode would compute a "
-                     "log-softmax of every step's logits whether asked or not",
+    "logprobs_mode": "the CPU capture takes log μ at the sampling temperature itself (rollout/cpu/logprobs.py); "
+                     "vLLM's CPU sampler in processed mode makes a log-softmax of every step's logits, asked or not",
 }
 MAX_REDRAWS = 8  # an R3 sample preempted this many times more in a row: the KV cache cannot hold the job
 
@@ -311,9 +312,9 @@ class VLLMEngine:
         return Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r, versions)
 
     def set_version(self, version: int) -> None:
-        """The policy version of the weights just loaded: what the tokens sampled next are stamped
-        with (`Completion.versions`: by the CPU log-prob capture, else by the stream from what each
-        request had sampled when the version changed)."""
+        """The policy version of the weights it holds (a resumed run's; a sync's comes with its weights):
+        what the tokens sampled next are stamped with (`Completion.versions`: by the CPU capture, else
+        by the stream from what each request had sampled when the version changed)."""
         self.version = version
         if self.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.set_version, args=(version,))
@@ -337,40 +338,54 @@ class VLLMEngine:
             result.append([pl[i][seq[i]].logprob for i in range(len(p), len(seq))])
         return result
 
-    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """Sync every weight in place (HF names), consumed lazily: vLLM's in-place reload takes
         the stream layer by layer (weight_sync.hf_buckets keeps it bounded). No disk, no restart.
-        An engine asleep wakes its weights first and its KV cache after."""
+        Every weight the engine holds must come, in its shape (coverage.py). `version`: the policy
+        version they are, set in the same call (#79: no step samples new weights under the old
+        version). An engine asleep wakes its weights first and its KV cache after."""
         if self._asleep:
             _release_cached()
             self._llm.wake_up(tags=["weights"])
-        if self.direct_sync:
-            self._llm.collective_rpc(cpu_weights.write, kwargs={"weights_iterator": iter(hf_named_tensors)})
-        else:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_named_tensors)})
-            if self.on_cpu:  # CPU workaround: reload skips the CPU MoE kernel's prepack
-                self._llm.collective_rpc(_repack_cpu_experts)
+        seen = Coverage(self._expected)
+        with named_faults():
+            if self.direct_sync:
+                self._llm.collective_rpc(cpu_weights.write, kwargs={"weights_iterator": seen.watch(hf_named_tensors)})
+            else:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": seen.watch(hf_named_tensors)})
+                if self.on_cpu:  # CPU workaround: reload skips the CPU MoE kernel's prepack
+                    self._llm.collective_rpc(_repack_cpu_experts)
+        seen.done()
         self._stale = False
         if self._asleep:
             _release_cached()  # the sync's buckets
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = 0
         self._reset_prefix_cache()
+        if version is not None:
+            self.set_version(version)
 
-    def load_live_weights(self, views: dict[str, torch.Tensor], key: int = 0) -> bool:
+    def load_live_weights(self, views: dict[str, torch.Tensor], key: int = 0, *, version: int | None = None) -> bool:
         """Sync from HF-named tensors that stay live (views of the trainer's parameters, one
-        process; or one of the snapshot slots an engine process is sent, each under its `key`):
-        bound once, names and shapes checked then, and every later call with the same dict copies
-        them in place, with no renaming and no intermediate tensors. False where the engine has no
-        direct path (CUDA, quantized or sharded engines): stream `load_weights`."""
+        process; or a snapshot slot an engine process is sent, under its `key`): bound and checked
+        once, then copied in place at each call. False where the engine has no direct path (CUDA,
+        quantized or sharded engines): stream `load_weights`. `version` as there."""
         if not self.direct_sync:
             return False
         if views is not self._bound.get(key):
-            self._llm.collective_rpc(cpu_weights.bind, args=(views, key))
+            Coverage(self._expected).whole(views.items())
+            with named_faults():
+                self._llm.collective_rpc(cpu_weights.bind, args=(views, key))
             self._bound[key] = views
         self._llm.collective_rpc(cpu_weights.write_bound, args=(key,))
         self._reset_prefix_cache()
+        if version is not None:
+            self.set_version(version)
         return True
+
+    @functools.cached_property
+    def _expected(self) -> dict[str, tuple[int, ...]]:  # what it loaded at its start (coverage.py)
+        return expected_weights(Path(self.settings.model_dir))
 
     def settle(self) -> None:
         """A sync here is whole when it returns (an engine in its own process: engine_process)."""

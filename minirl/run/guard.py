@@ -30,7 +30,18 @@ so its variance is at most r(1 − r) / B (Bhatia–Davis), and a window's mean'
 Σ r_t(1 − r_t) / (B · W²). Sampling noise is not all of it: a policy wobbles by itself (off-policy
 runs without clipping by 0.1 over a few dozen steps at B = 128, where the sampling noise is
 small), which the relative floor leaves alone. How the three were chosen (healthy runs never
-reach them; a forced slide is caught within a window): docs/runs.md. What was left out: no automatic learning-rate or clip retuning beyond the
+reach them; a forced slide is caught within a window): docs/runs.md.
+
+The training–inference mismatch, judged apart from the lag (#79). Sampling k updates ahead puts the
+policy's own move into KL(μ‖π_old), so that KL is allowed `max_kl_per_update_behind` × the lag; a
+mismatch (an engine's numerics, a sync that went wrong) must not hide in that allowance, and two
+signals see it without any lag in them: the KL over the tokens the trained weights sampled
+themselves (with in-flight updates; `kl_fresh`, held to `max_kl`), and the parity check (the loop's
+`parity`: both engines at the same weights, on a fixed batch), which `observe_parity` takes after
+each sync and the next decision judges: above `max_parity`, or above `parity_growth` × the median
+of the run's parities so far (a healthy run's wobble stays within it: docs/runs.md), and above
+`parity_floor`. A bad parity is measured again at the next step (`parity_due`), so that a lasting
+one makes a streak. What was left out: no automatic learning-rate or clip retuning beyond the
 `lr_factor` applied at each rollback; the held-out score is not watched (a run measures it at
 its start and end unless eval.every is set).
 """
@@ -38,12 +49,14 @@ its start and end unless eval.every is set).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from minirl.recipe import GuardConfig
 
 _SET = GuardConfig()  # the thresholds' defaults, written once: the recipe's [guard] section
+PARITIES_KEPT = 50  # the good parity checks whose median is the reference (a run's last 500 steps at parity_every 10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +69,9 @@ class Verdict:
 class Guard:
     max_kl: float = _SET.max_kl
     max_kl_per_update_behind: float = _SET.max_kl_per_update_behind
+    max_parity: float = _SET.max_parity
+    parity_growth: float = _SET.parity_growth
+    parity_floor: float = _SET.parity_floor
     min_entropy_frac: float = _SET.min_entropy_frac
     max_entropy_factor: float = _SET.max_entropy_factor
     # with the entropy out of its band, the reward must also be `reward_drop` below its best, or
@@ -77,12 +93,16 @@ class Guard:
     window: list[float] = field(default_factory=list)  # the last `slide_window` steps' rewards
     best_window: tuple[float, float] | None = None  # (mean, variance of the mean) of the best full window
     slide: tuple[float, float] = (0.0, 0.0)  # the last full window's (z, share of the best lost): what _slide judged
+    parities: list[float] = field(default_factory=list)  # the run's good parity checks (their median: the reference)
+    parity_bad: str = ""  # the last parity check's verdict, judged by the next decision ('' when good)
     rollbacks: int = 0
     skipped: int = 0
+    skip_streak: int = 0  # non-finite updates in a row (#80: beyond `patience` they act as a bad streak does)
     reasons: list[str] = field(default_factory=list)
 
-    SETTINGS = ("max_kl", "max_kl_per_update_behind", "min_entropy_frac", "max_entropy_factor", "reward_drop",
-                "reward_drop_frac", "slide_window", "slide_z", "slide_drop_frac", "patience", "max_rollbacks", "enabled")
+    SETTINGS = ("max_kl", "max_kl_per_update_behind", "max_parity", "parity_growth", "parity_floor", "min_entropy_frac",
+                "max_entropy_factor", "reward_drop", "reward_drop_frac", "slide_window", "slide_z", "slide_drop_frac",
+                "patience", "max_rollbacks", "enabled")
 
     @classmethod
     def from_settings(cls, settings: Mapping, **over) -> Guard:
@@ -94,42 +114,65 @@ class Guard:
 
     def decide(
         self, *, kl: float, entropy: float, reward: float, loss: float, grad_norm: float, new_step: bool = True,
-        lag: float = 0.0,
+        lag: float = 0.0, kl_fresh: float | None = None,
     ) -> Verdict:
         """The one decision point. Call after backward, before optimizer.step(). The step's signals
         (KL, entropy, reward) are judged once, on its first mini-batch (new_step); every mini-batch's
         update is checked for non-finite values, and skipped when it has any, whether the guard is
         enabled or only observing (`enabled = false`, every lab cell): a NaN in the weights is no
         outcome to observe. `lag`: the batch's mean staleness in updates (rollout.max_staleness ≥ 1):
-        the KL that sampling behind adds is allowed, the rest is a mismatch."""
+        the KL that sampling behind adds is allowed, the rest is a mismatch. `kl_fresh`: KL(μ‖π_old)
+        over the batch's tokens sampled by the trained weights themselves, where a batch sampled
+        behind has enough of them (None otherwise; at k = 0 `kl` is it), held to max_kl."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.skipped += 1
-            return Verdict("skip", f"non-finite update (loss {loss}, grad norm {grad_norm})")
+            self.skip_streak += 1
+            reason = f"non-finite update (loss {loss}, grad norm {grad_norm})"
+            if self.enabled and self.skip_streak >= self.patience:  # the run would train on nothing: act
+                return self._act(f"{reason}, {self.skip_streak} updates in a row")
+            return Verdict("skip", reason)
+        self.skip_streak = 0
         if not self.enabled or not new_step:
             return Verdict("step")
-        if self.entropy0 is None:
+        if self.entropy0 is None and math.isfinite(entropy):  # a non-finite first entropy: the first finite one
             self.entropy0 = entropy
-        self.best_reward = max(self.best_reward, reward)
+        finite = math.isfinite(reward)  # a non-finite reward is no evidence of progress or of a fall
+        if finite:
+            self.best_reward = max(self.best_reward, reward)
+            self.recent = [*self.recent, reward][-self.patience:]
         reason = ""
-        down = self._down(reward)
-        self.recent = [*self.recent, reward][-self.patience:]
+        down = finite and self._down(reward)
         allowed = self.max_kl + self.max_kl_per_update_behind * lag
-        if kl > allowed:
+        if not all(math.isfinite(x) for x in (kl, entropy, reward)):  # never "not above a threshold"
+            reason = f"a non-finite signal (KL(μ‖π_old) {kl}, entropy {entropy}, reward {reward})"
+        elif kl > allowed:
             reason = (f"KL(μ‖π_old) {kl:.3g} > {self.max_kl}" if not lag else
                       f"KL(μ‖π_old) {kl:.3g} > {self.max_kl} + {self.max_kl_per_update_behind} × {lag:.2f} updates "
                       f"of lag: a mismatch beyond what sampling {lag:.2f} updates behind explains "
                       f"(guard.max_kl_per_update_behind, rollout.max_staleness)")
-        elif down and entropy < self.min_entropy_frac * self.entropy0:
+        elif kl_fresh is not None and kl_fresh > self.max_kl:
+            reason = (f"KL(μ‖π_old) {kl_fresh:.3g} > {self.max_kl} over the tokens the trained weights sampled "
+                      f"themselves: a mismatch between engine and trainer, no lag in it")
+        elif self.parity_bad:
+            reason = self.parity_bad
+        elif down and self.entropy0 is not None and entropy < self.min_entropy_frac * self.entropy0:
             reason = (f"entropy {entropy:.3g} < {self.min_entropy_frac} × {self.entropy0:.3g} with reward "
                       f"{reward:.3g} down from {self.best_reward:.3g}")
-        elif down and entropy > self.max_entropy_factor * self.entropy0:
+        elif down and self.entropy0 is not None and entropy > self.max_entropy_factor * self.entropy0:
             reason = (f"entropy {entropy:.3g} > {self.max_entropy_factor} × {self.entropy0:.3g} with reward "
                       f"{reward:.3g} down from {self.best_reward:.3g}")
-        slide = self._slide(reward)
+        slide = self._slide(reward) if finite else ""
         reason = reason or slide
         self.bad_streak = self.bad_streak + 1 if reason else 0
         if self.bad_streak < self.patience:
             return Verdict("step", reason)
+        return self._act(reason)
+
+    def _act(self, reason: str) -> Verdict:
+        """`patience` bad steps (or skipped updates) in a row: a rollback, or once `max_rollbacks` are
+        used, the stop. A streak of skipped updates goes on across the rollback: one more non-finite
+        update after it acts again at once (a NaN every step stops within patience + max_rollbacks
+        steps, never "finished" having trained nothing)."""
         self.bad_streak = 0
         self.reasons.append(reason)
         if self.rollbacks >= self.max_rollbacks:
@@ -137,6 +180,29 @@ class Guard:
         self.rollbacks += 1
         self.window = []  # the weights go back: the next window is theirs
         return Verdict("rollback", reason)
+
+    def observe_parity(self, parity: float) -> None:
+        """A parity check (mean |log μ − log π| on the fixed batch, both engines at the weights just
+        synced), judged by the next decision: bad above max_parity, or above parity_floor and
+        parity_growth × the median of the good ones so far (once there are 3)."""
+        ref = statistics.median(self.parities) if len(self.parities) >= 3 else None
+        if not math.isfinite(parity):  # the loop stops on one first (errors.EngineFault); a replay may not
+            self.parity_bad = f"parity {parity}: the engine's log-probs are broken"
+        elif parity > self.max_parity:
+            self.parity_bad = (f"parity {parity:.3g} > {self.max_parity:g} (mean |log μ − log π| on the fixed batch "
+                               f"after the sync): the engine does not compute what the trainer does")
+        elif ref is not None and parity > max(self.parity_floor, self.parity_growth * ref):
+            self.parity_bad = (f"parity {parity:.3g} > {self.parity_growth:g} × {ref:.3g}, the median of the run's "
+                               f"parities (mean |log μ − log π| on the fixed batch after the sync): the engine has "
+                               f"moved away from the trainer")
+        else:
+            self.parity_bad = ""
+            self.parities = [*self.parities, parity][-PARITIES_KEPT:]
+
+    @property
+    def parity_due(self) -> bool:
+        """The last parity check was bad: measure it again after this step's sync."""
+        return bool(self.parity_bad)
 
     def _slide(self, reward: float) -> str:
         """The reward's last `slide_window` steps against the best such window so far: a reason
@@ -189,7 +255,11 @@ class Guard:
     def state_dict(self) -> dict:
         return {"entropy0": self.entropy0, "best_reward": self.best_reward if math.isfinite(self.best_reward) else None,
                 "rollbacks": self.rollbacks, "skipped": self.skipped, "reasons": list(self.reasons),
-                "window": list(self.window), "best_window": list(self.best_window) if self.best_window else None}
+                "window": list(self.window), "best_window": list(self.best_window) if self.best_window else None,
+                "parities": list(self.parities), "parity_bad": self.parity_bad,
+                # the streaks and the trend (#80: a resume in the middle of a collapse continues it)
+                "bad_streak": self.bad_streak, "skip_streak": self.skip_streak, "recent": list(self.recent),
+                "slide": list(self.slide)}
 
     def load_state_dict(self, d: dict) -> None:
         self.entropy0 = d.get("entropy0")
@@ -198,3 +268,6 @@ class Guard:
         # checkpoints before #64 hold no window: it fills again over the next slide_window steps
         self.window = list(d.get("window", []))
         self.best_window = tuple(d["best_window"]) if d.get("best_window") else None
+        self.parities, self.parity_bad = list(d.get("parities", [])), d.get("parity_bad", "")  # before #79: none
+        self.bad_streak, self.skip_streak = d.get("bad_streak", 0), d.get("skip_streak", 0)  # before #80: none
+        self.recent, self.slide = list(d.get("recent", [])), tuple(d.get("slide", (0.0, 0.0)))

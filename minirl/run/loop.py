@@ -45,6 +45,7 @@ from minirl.train.trainer import Trainer
 from minirl.setup.workspace import Workspace
 
 PARITY_BATCH = 16  # fixed (prompt, response) pairs re-scored by both engines after every sync
+FRESH_TOKENS = 64  # fewest tokens sampled by the trained weights whose KL the guard judges in a batch sampled behind
 
 
 @dataclass
@@ -83,7 +84,7 @@ class RLRun:
                                            micro_batch_tokens=inputs.micro_batch_tokens)  # a GPU run's: its plan's
         sampler = PromptSampler(self.train_problems, seed=rec.train.seed)
         self.guard = Guard.from_settings(rec.guard, prompts=rec.train.prompts_per_step)
-        self.last_good: Path | None = inputs.resume_from
+        self.last_good = store.rollback_target(inputs.resume_from) if inputs.resume_from is not None else None
         self.rolled_back_to: list[str] = []
         if inputs.resume_from is None or self.trainer.lora:  # a LoRA checkpoint holds the adapters alone
             self.trainer.load_hf(self.model_dir)
@@ -146,7 +147,7 @@ class RLRun:
         self.trainer.set_lr(lr)
         if old is not None:
             batch = batch.with_old_logp(old[0])  # π_θold, fixed for every mini-batch of this step
-            kl, entropy = self._guard_view(batch, *old)
+            kl, entropy, kl_fresh = self._guard_view(batch, *old)
         clock.lap("old_logp")
 
         mb_metrics, losses, grad_norms, verdict = [], [], [], Verdict("step")
@@ -156,13 +157,13 @@ class RLRun:
                 mb, objective.loss_for(r.loss, poison=inject == "loss"),
                 routes=routes[:, idx] if routes is not None else None, with_logp=fused)
             if fused:  # the one mini-batch is the whole batch, its forward π_θold
-                kl, entropy = self._guard_view(mb, *own)
+                kl, entropy, kl_fresh = self._guard_view(mb, *own)
             if inject == "grad":
                 self.trainer.fill_grads(math.nan)
             norm = self.trainer.clip_grads()
             # The guard's one decision point: after the loss, before the optimizer step.
             v = self.guard.decide(kl=kl, entropy=entropy, reward=reward, loss=loss, grad_norm=norm, new_step=j == 0,
-                                  lag=self.rollouts.lag())
+                                  lag=self.rollouts.lag(), kl_fresh=kl_fresh)
             if v.action == "step":
                 self.trainer.apply_update()
             else:
@@ -186,9 +187,11 @@ class RLRun:
         else:
             self.rollouts.sync(self.trainer)
         clock.lap("sync")
-        every = r.rollout.parity_every  # after the run's first sync, every k-th, and every rollback
-        due = every and (step == self.first_step + 1 or step % every == 0 or rollback_to)
+        every = r.rollout.parity_every  # after the run's first sync, every k-th, every rollback, and after a bad one
+        due = every and (step == self.first_step + 1 or step % every == 0 or rollback_to or self.guard.parity_due)
         parity = (math.nan if inject == "parity" else self.parity()) if due else None  # None: not due, no value
+        if parity is not None and math.isfinite(parity):
+            self.guard.observe_parity(parity)  # the next step's decision judges it
         clock.lap("parity")
 
         self.state.step = step
@@ -209,6 +212,7 @@ class RLRun:
             **tokens,
             "train/entropy": entropy,
             "train/kl_mu_pi_old": kl,
+            **({"train/kl_mu_pi_old_fresh": kl_fresh} if kl_fresh is not None else {}),
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             **({"sync/parity_abs_dlogp": parity} if parity is not None else {}),
@@ -289,12 +293,21 @@ class RLRun:
             fix = "no setting is known to cause it here (bf16, eager): keep the run's log for a report"
         return fix
 
-    def _guard_view(self, batch: Batch, old_logp: torch.Tensor, ent: torch.Tensor) -> tuple[float, float]:
+    def _guard_view(self, batch: Batch, old_logp: torch.Tensor, ent: torch.Tensor) -> tuple[float, float, float | None]:
         """KL(μ_old ‖ π_old) and the entropy of π_old, over all ranks (token-weighted; every rank has
-        B·G rows): what the guard decides on."""
+        B·G rows): what the guard decides on; and, of a batch with tokens sampled behind, the KL over
+        those the trained weights sampled themselves where there are FRESH_TOKENS of them (else None)."""
         kl = objective.train_inference_kl(batch.rollout_logp_BT, old_logp, batch.mask_BT)
         entropy = objective.masked_mean(ent, batch.mask_BT)
-        return tuple(self.world.mean({"kl": kl, "entropy": entropy}, weight=float(batch.mask_BT.sum())).values())
+        kl, entropy = self.world.mean({"kl": kl, "entropy": entropy}, weight=float(batch.mask_BT.sum())).values()
+        behind = batch.behind_BT
+        if behind is None or not self.world.any(bool((behind * batch.mask_BT).sum() > 0)):
+            return kl, entropy, None  # nothing behind anywhere: `kl` is the fresh tokens' own
+        fresh = batch.mask_BT * (1 - behind)
+        n = float(fresh.sum())
+        got = self.world.mean({"kl": objective.train_inference_kl(batch.rollout_logp_BT, old_logp, fresh) if n else 0.0,
+                               "n": n}, weight=n, sums=("n",))
+        return kl, entropy, (got["kl"] if got["n"] >= FRESH_TOKENS else None)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

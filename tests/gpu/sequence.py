@@ -67,6 +67,11 @@ STEPS = [
          "#72, sleep 2, the plan's engine share and micro-batch): loss/tokens = the response tokens at every step, "
          "parity finite, route agreement steady, the trainer's peak within 20% of the plan; tokens/s, phases", 330,
          revision=2),
+    Step("moe-r3-t06", "(#79) moe-r3 at rollout.temperature = 0.6 with bf16 rollouts through CUDA graphs, 3 steps of "
+         "16 prompts x 8 x 256 tokens, parity every step: log mu from vLLM's processed log-probs (the distribution each "
+         "token was drawn from) against the trainer's log-softmax of logits / T; passes if KL(mu||pi_old) stays within "
+         "bf16's gap (|KL| < 0.02 at every step; with T on one side only it is ~0.1 on these near-uniform logits) and "
+         "every parity is finite", 180),
     Step("engine-alone", "(#73) vLLM alone on moe-r3's model, prompts, lengths, precision and batch: the rollout "
          "phase's ceiling in tokens/s", 200),
     Step("moe-r3-bf16", "(#72) the same with bf16 rollouts through CUDA graphs: the control of moe-r3", 330),
@@ -335,7 +340,13 @@ VARIANTS = {"moe-r3": {}, "moe-r3-bf16": {"rollout.precision": "bf16", "rollout.
             "moe-r3-offload": {"train.offload": "optimizer"},
             "moe-r3-lora": {"train.lora.rank": "16", "train.lora.alpha": "32", "train.lr": "5e-4"},
             "moe-r3-k2-inflight": {"rollout.max_staleness": "2", "rollout.inflight_updates": "true",
-                                   "rollout.sleep_level": "0"}}
+                                   "rollout.sleep_level": "0"},
+            "moe-r3-t06": {"rollout.temperature": "0.6", "rollout.precision": "bf16", "rollout.cuda_graphs": "true",
+                           "rollout.max_tokens": "256", "train.prompts_per_step": "16", "rollout.parity_every": "1"}}
+STEPS_OF = {"moe-r3-t06": 3}  # a variant's steps where not moe_run's 10
+# a variant's own pass rule, on its rows: at T = 0.6 log mu and pi_old are the same policy (#79)
+VARIANT_CHECKS = {"moe-r3-t06": ("kl_mu_pi_old_within_bf16s_gap_at_t_0.6",
+                                 lambda rows: bool(rows) and all(abs(r["train/kl_mu_pi_old"]) < 0.02 for r in rows))}
 
 
 def moe_workspace(out: Path) -> tuple[Path, Path]:
@@ -356,16 +367,23 @@ def moe_workspace(out: Path) -> tuple[Path, Path]:
     return ws, model
 
 
-def moe_run(out: Path, variant: str, steps: int = 10) -> dict:
+def moe_run(out: Path, variant: str, steps: int | None = None) -> dict:
     """(b): `minirl run --replay r3` on the 0.76B MoE at realistic sizes, the 30B recipe's rollouts."""
     ws, model = moe_workspace(out)
-    sets = {**MOE_SETS, **(DRY_SETS if DRY else {}), **VARIANTS[variant]}
+    sets = {**MOE_SETS, **VARIANTS[variant], **(DRY_SETS if DRY else {})}
     if DRY:
         sets.pop("rollout.cuda_graphs", None)  # the CPU engine is eager whatever it says
+    steps = steps or STEPS_OF.get(variant, 10)
     args = ["run", str(ws), "--model", str(model), "--replay", "r3", "--steps", str(2 if DRY else steps)]
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
-    return _one_run(out, variant, args, timeout=200 if DRY else 560)
+    figures = _one_run(out, variant, args, timeout=200 if DRY else 560)
+    if variant in VARIANT_CHECKS:
+        name, rule = VARIANT_CHECKS[variant]
+        rows = [json.loads(x) for x in (out / f"{variant}-metrics.jsonl").read_text().splitlines() if x.strip()]
+        figures["checks"][name] = rule(rows)
+        figures["kl_mu_pi_old_per_step"] = [r["train/kl_mu_pi_old"] for r in rows]
+    return figures
 
 
 def engine_alone(out: Path) -> dict:
