@@ -19,6 +19,11 @@ MINIRL_INJECT_DROP_WEIGHT="model.norm.weight" leaves that weight out of every we
 trainer whose names the engine does not map would (`drop_weight`, called by rollout/sync.py on
 what it sends): the first sync must stop the run in one line naming it (#79).
 
+MINIRL_INJECT_END="kill" SIGKILLs the run as its final HF folder begins (an OOM kill at the end of
+a 30B run, #80: the resume must write the summary, never try the same end again); "fail" makes
+that write raise a full disk's OSError (the summary says so, exit code 4). `at_end`, called by
+run/final_weights.py on the rank that writes.
+
 MINIRL_INJECT_INVERT="100" trains on the rewards inverted (1 − r) from step 100 on, while the
 reward logged and judged stays the grader's: the policy unlearns the task and the reward slides
 with the entropy calm, the slide the guard must catch (#64). `at_step` returns "invert".
@@ -27,6 +32,7 @@ with the entropy calm, the slide the guard must catch (#64). `at_step` returns "
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import signal
@@ -47,6 +53,14 @@ def at_step(step: int, rank: int) -> str | None:
     if skew.isdigit() and step >= int(skew):
         return "skew"
     return None
+
+
+def at_end() -> None:
+    what = os.environ.get("MINIRL_INJECT_END", "")
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "fail":
+        raise OSError(errno.ENOSPC, "No space left on device (MINIRL_INJECT_END)")
 
 
 def skew_logprobs(groups: list[list], by: float = 0.5) -> list[list]:

@@ -85,6 +85,40 @@ def lora_init() -> dict[str, torch.Tensor]:
     return tr.model.state_dict()
 
 
+def final_folder(trainer, out: Path, tokenizer: Path, *, main: bool) -> dict:
+    """The end of a run (run/final_weights.py) on this rank, a decoder layer a bucket, measured: the
+    bytes of whole tensors that gathering shards made (`DTensor.full_tensor`) alive at once at most,
+    and in all, each freed when its last reference goes."""
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    from minirl.run import final_weights
+
+    seen = {"live": 0, "peak": 0, "total": 0}
+
+    def freed(n: int) -> None:
+        seen["live"] -= n
+
+    whole = DTensor.full_tensor
+
+    def counted(self, *args, **kw):
+        t = whole(self, *args, **kw)
+        n = t.numel() * t.element_size()
+        seen["live"] += n
+        seen["total"] += n
+        seen["peak"] = max(seen["peak"], seen["live"])
+        weakref.finalize(t, freed, n)
+        return t
+
+    DTensor.full_tensor = counted
+    try:
+        final_weights.write(trainer, out, main=main, tokenizer_dir=tokenizer, bucket_bytes=1)
+    finally:
+        DTensor.full_tensor = whole
+    return {"peak": seen["peak"], "total": seen["total"], "live_after": seen["live"]}
+
+
 def main() -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -102,6 +136,8 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--head-chunk", type=int, default=None)
     ap.add_argument("--offload", action="store_true", help='train.offload = "optimizer"')
+    ap.add_argument("--final-folder", default=None, help="then the end of a run: its HF folder, written here")
+    ap.add_argument("--tokenizer", default=None, help="the tokenizer files the final folder takes")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
@@ -119,11 +155,12 @@ def main() -> None:
     # Adam's first moments, whole, as they wait between updates (in host memory when offloaded)
     names = {p: n for n, p in trainer.model.named_parameters()}
     moments = {names[p]: s["exp_avg"].full_tensor() for p, s in trainer.optim.state.items()}
+    end = final_folder(trainer, Path(a.final_folder), Path(a.tokenizer), main=rank == 0) if a.final_folder else None
     if rank == 0:
         layout = {n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(map(str, p.placements)), tuple(p.to_local().shape))
                   for n, p in trainer.model.named_parameters() if "layers.0.moe.routed_experts.inner_experts." in n}
         torch.save({"loss": loss, "grads": grads, "weights": weights, "merged": merged, "expert_layout": layout,
-                    "moments": moments, "moment_placements": sorted({str(s["exp_avg"].placements)
+                    "moments": moments, "end": end, "moment_placements": sorted({str(s["exp_avg"].placements)
                                                                      for s in trainer.optim.state.values()}),
                     "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()})}, a.out)
     # both ranks leave together: a rank tearing gloo down while its peer still works aborted once

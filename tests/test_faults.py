@@ -257,3 +257,41 @@ echo $? > {tmp_path}/rc2.txt
     assert rep["loaded"] and rep["leftovers"] == []  # complete checkpoints load; no half-written one remains
     assert (tmp_path / "rc2.txt").read_text().strip() == "0", (tmp_path / "err2.txt").read_text()[-3000:]
     assert json.loads((tmp_path / "steps.txt").read_text()) == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_a_preemption_mid_collapse_rolls_back_to_the_newest_good_and_an_end_cut_short_ends(small_ws, tmp_path):
+    """#80. The engine drifts from the trainer from step 3 (MINIRL_INJECT_SKEW: KL(μ‖π_old) 0.5),
+    so steps 3 and 4 are bad, their checkpoints no rollback target; SIGKILLed as step 5 begins (a
+    preemption), `--resume auto` takes the streak on from the checkpoint: step 5 is the third bad
+    step and rolls back to step 2, the newest good checkpoint (before #80: to step 4, the one it
+    resumed from, at step 7). Then the run is SIGKILLed as its final HF folder begins (an OOM kill
+    at the end of a 30B run), and `--resume auto` writes the summary, saying what is missing, in one
+    line with exit code 4, and never tries the same end again."""
+    ws = fresh_copy(small_ws, tmp_path)
+    args = ["--steps", "6", *EVERY_STEP, "--set", "checkpoint.keep=0", "--set", "guard.patience=3",
+            "--set", "guard.max_rollbacks=3", "--resume", "auto"]
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=env(MINIRL_INJECT_SKEW="3", MINIRL_INJECT_KILL="0@5"))
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    run_dir = only_run(ws)
+    from minirl.store import complete_checkpoints, read_record
+
+    good = {read_record(c)["step"]: read_record(c)["good"] for c in complete_checkpoints(run_dir)}
+    assert good == {0: True, 1: True, 2: True, 3: False, 4: False}, good
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=env(MINIRL_INJECT_SKEW="3", MINIRL_INJECT_END="kill"))
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    rows = metric_rows(run_dir)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
+    acted = [(m["step"], m.get("guard/action"), m.get("guard/rollback_to_step")) for m in rows if "guard/action" in m]
+    assert acted[:3] == [(3, "step", None), (4, "step", None), (5, "rollback", 2)], acted
+    assert not (run_dir / "summary.json").exists() and (run_dir / "end_started").read_text() == "6"
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=env())
+    [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("minirl:")]
+    assert r.returncode == 4 and "the end of this run was cut short at step 6" in line, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["hf_folder"] is None and "cut short" in summary["error"]
+    assert not (run_dir / "end_started").exists() and not (run_dir / "checkpoints" / "step_000006" / "hf").exists()

@@ -31,17 +31,19 @@ def two_ranks(tmp_path, *args: str) -> dict:
 @pytest.mark.parametrize("ep, replay, shared, head_chunk", [(1, "off", False, None), (2, "r2", False, None),
                                                             (2, "r3", False, None), (2, "off", True, 5)],
                          ids=["fsdp2", "ep2+r2", "ep2+r3", "ep2+packed+chunked-head+offload"])
-def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_path):
+def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_path, tiny_dir):
     """shared: rows share prompts, so each rank forwards them packed (packing.py). head_chunk: the
     output head 5 positions at a time (head.py), its FSDP2-sharded weight gathered per call; that
-    case also offloads Adam's moments (offload.py): sharded, they keep their placement in host memory."""
+    case also offloads Adam's moments (offload.py): sharded, they keep their placement in host memory.
+    Then the end of a run (#80): the final HF folder, a decoder layer at a time."""
     from dist_worker import fixed_batch, fixed_routes, one_update
 
     from minirl.models import TINY
     from minirl.train.trainer import Trainer
 
     got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay, *(["--shared-prompts"] if shared else []),
-                    *(["--head-chunk", str(head_chunk), "--offload"] if head_chunk else []))
+                    *(["--head-chunk", str(head_chunk), "--offload"] if head_chunk else []),
+                    "--final-folder", str(tmp_path / "final"), "--tokenizer", str(tiny_dir))
 
     one = Trainer(TINY, lr=1e-2, seed=0)
     batch = fixed_batch(shared)
@@ -62,6 +64,35 @@ def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_p
     assert all("Shard" in p for p in got["moment_placements"]), got["moment_placements"]  # offloaded too: still sharded
     for k, m in moments.items():
         torch.testing.assert_close(got["moments"][k], m, rtol=1e-4, atol=1e-9)
+    _the_end_holds_a_layer_at_a_time(got, one, tmp_path, tiny_dir)
+
+
+def _the_end_holds_a_layer_at_a_time(got: dict, one, tmp_path, tiny_dir) -> None:
+    """#80: the end of a run gathered every weight whole on every rank (`full_state_dict`: ~122 GB
+    a GPU on Qwen3-30B-A3B). Measured on the ranks (every whole tensor a gather made, alive at once):
+    at most one bucket (a decoder layer here) and the layer gathered after it, of a model whose
+    every weight went through the gather; the folder holds the ranks' weights exactly, in the layout
+    one process writes."""
+    import json
+
+    from minirl.rollout.sync import layer_groups
+    from minirl.run import final_weights
+    from minirl.train.hf_io import load_hf_weights, titan_to_hf
+
+    state = one.model.state_dict()
+    layers = [sum(state[n].numel() * state[n].element_size() for n in g) for g in layer_groups(list(state))]
+    end = got["end"]
+    assert end["total"] == sum(layers) and end["live_after"] == 0, (end, sum(layers))
+    assert end["peak"] <= 2 * max(layers) < sum(layers), (end, layers)
+    folder = load_hf_weights(tmp_path / "final")
+    want = titan_to_hf(one.shape, got["weights"])
+    assert folder.keys() == want.keys()
+    assert all(torch.equal(folder[k], v) for k, v in want.items())
+    final_weights.write(one, tmp_path / "one", main=True, tokenizer_dir=tiny_dir, bucket_bytes=1)
+    names = lambda d: sorted(p.name for p in d.iterdir())  # noqa: E731
+    assert names(tmp_path / "final") == names(tmp_path / "one") and "model.safetensors.index.json" in names(tmp_path / "one")
+    index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
+    assert index(tmp_path / "final") == index(tmp_path / "one")
 
 
 @pytest.mark.parametrize("ep, replay", [(2, "r3"), (1, "off")], ids=["ep2+r3", "fsdp2"])

@@ -11,15 +11,24 @@ reads both, plus the update itself (a non-finite loss or gradient), and answers:
 
 Thresholds are deliberately loose: a healthy run sharpens its policy (on the embedded default the
 entropy falls from 0.32 to 0.07 in 300 steps, and KL stays ~1e-3), so "collapse" means KL above
-`max_kl`, or the reward down from its best while the entropy has left its band either way:
+`max_kl`, or the reward down from the run's level while the entropy has left its band either way:
 
     below `min_entropy_frac` × H_0   the paper's collapse: the policy freezes onto wrong answers;
     above `max_entropy_factor` × H_0 the other shape, seen in `minirl lab` off-policy without
                                      clipping: the policy dissolves into noise, entropy rising;
 
-where H_0 is the run's first step's entropy, and "down" means below best − `reward_drop` or below
-(1 − `reward_drop_frac`) × best (the relative test catches a run that starts and collapses at low
-reward, where an absolute drop of 0.2 cannot happen).
+where H_0 is the run's first finite entropy. The run's *level* is a trend, never a lucky step (#80:
+judged against the best single step, healthy plateaus at rewards 0.02–0.5 whose entropy drifted up
+were rolled back on 7–10 of 20 seeds: docs/runs.md): the best mean reward of `slide_window` consecutive
+steps since the run's start or its last rollback (the restored weights' level is the new
+reference), of all the steps so far while there are fewer. "Down" means below level −
+`reward_drop` or below (1 − `reward_drop_frac`) × level, *and* more than `down_z` standard errors
+below it, the error of the difference under "the policy is still at its level": a step's reward
+varies at most L(1 − L) / B there (Bhatia–Davis, below), the level's own mean its variance bound. On
+a hard task at B = 32 a step must fall far to count: from a level of 0.23 to below 0.08, from 0.05
+never (one step there cannot tell a fall from noise; the slide rule sees a lasting one). A fall of
+the reward alone, however far, is no bad step: real runs dip below half their level for a few
+steps and come back (docs/runs.md), which only the entropy tells apart from a collapse.
 
 A slide the entropy does not show (#64: a reward that fell from 0.47 to 0.10 over 90 steps with a
 calm entropy) is bad on its own: the mean reward of the last `slide_window` steps below the best
@@ -74,10 +83,11 @@ class Guard:
     parity_floor: float = _SET.parity_floor
     min_entropy_frac: float = _SET.min_entropy_frac
     max_entropy_factor: float = _SET.max_entropy_factor
-    # with the entropy out of its band, the reward must also be `reward_drop` below its best, or
-    # below (1 − `reward_drop_frac`) × its best
+    # with the entropy out of its band, the reward must also be `reward_drop` below the run's level,
+    # or below (1 − `reward_drop_frac`) × it, and `down_z` standard errors below it
     reward_drop: float = _SET.reward_drop
     reward_drop_frac: float = _SET.reward_drop_frac
+    down_z: float = _SET.down_z
     slide_window: int = _SET.slide_window
     slide_z: float = _SET.slide_z
     slide_drop_frac: float = _SET.slide_drop_frac
@@ -87,11 +97,12 @@ class Guard:
     prompts: int = 1  # B, the prompts a step's reward averages (the slide's noise); 1 is the widest bound
     # state (saved with checkpoints)
     entropy0: float | None = None
-    best_reward: float = -math.inf
     bad_streak: int = 0
     recent: list[float] = field(default_factory=list)  # the last `patience` judged steps' rewards
     window: list[float] = field(default_factory=list)  # the last `slide_window` steps' rewards
-    best_window: tuple[float, float] | None = None  # (mean, variance of the mean) of the best full window
+    # the run's level: (mean, variance of the mean, steps) of the best window since the start or the
+    # last rollback; a partial window's only until the first full one
+    best_window: tuple[float, float, int] | None = None
     slide: tuple[float, float] = (0.0, 0.0)  # the last full window's (z, share of the best lost): what _slide judged
     parities: list[float] = field(default_factory=list)  # the run's good parity checks (their median: the reference)
     parity_bad: str = ""  # the last parity check's verdict, judged by the next decision ('' when good)
@@ -101,7 +112,7 @@ class Guard:
     reasons: list[str] = field(default_factory=list)
 
     SETTINGS = ("max_kl", "max_kl_per_update_behind", "max_parity", "parity_growth", "parity_floor", "min_entropy_frac",
-                "max_entropy_factor", "reward_drop", "reward_drop_frac", "slide_window", "slide_z", "slide_drop_frac",
+                "max_entropy_factor", "reward_drop", "reward_drop_frac", "down_z", "slide_window", "slide_z", "slide_drop_frac",
                 "patience", "max_rollbacks", "enabled")
 
     @classmethod
@@ -138,10 +149,10 @@ class Guard:
             self.entropy0 = entropy
         finite = math.isfinite(reward)  # a non-finite reward is no evidence of progress or of a fall
         if finite:
-            self.best_reward = max(self.best_reward, reward)
             self.recent = [*self.recent, reward][-self.patience:]
+            new_level = self._level(reward)
         reason = ""
-        down = finite and self._down(reward)
+        down = finite and self._down(reward, 1)
         allowed = self.max_kl + self.max_kl_per_update_behind * lag
         if not all(math.isfinite(x) for x in (kl, entropy, reward)):  # never "not above a threshold"
             reason = f"a non-finite signal (KL(μ‖π_old) {kl}, entropy {entropy}, reward {reward})"
@@ -156,12 +167,10 @@ class Guard:
         elif self.parity_bad:
             reason = self.parity_bad
         elif down and self.entropy0 is not None and entropy < self.min_entropy_frac * self.entropy0:
-            reason = (f"entropy {entropy:.3g} < {self.min_entropy_frac} × {self.entropy0:.3g} with reward "
-                      f"{reward:.3g} down from {self.best_reward:.3g}")
+            reason = f"entropy {entropy:.3g} < {self.min_entropy_frac} × {self.entropy0:.3g} with {down}"
         elif down and self.entropy0 is not None and entropy > self.max_entropy_factor * self.entropy0:
-            reason = (f"entropy {entropy:.3g} > {self.max_entropy_factor} × {self.entropy0:.3g} with reward "
-                      f"{reward:.3g} down from {self.best_reward:.3g}")
-        slide = self._slide(reward) if finite else ""
+            reason = f"entropy {entropy:.3g} > {self.max_entropy_factor} × {self.entropy0:.3g} with {down}"
+        slide = self._slide(new_level) if finite else ""
         reason = reason or slide
         self.bad_streak = self.bad_streak + 1 if reason else 0
         if self.bad_streak < self.patience:
@@ -178,7 +187,7 @@ class Guard:
         if self.rollbacks >= self.max_rollbacks:
             return Verdict("stop", f"{reason}; {self.rollbacks} rollbacks used")
         self.rollbacks += 1
-        self.window = []  # the weights go back: the next window is theirs
+        self.window, self.best_window = [], None  # the weights go back: their level is the new reference
         return Verdict("rollback", reason)
 
     def observe_parity(self, parity: float) -> None:
@@ -204,22 +213,30 @@ class Guard:
         """The last parity check was bad: measure it again after this step's sync."""
         return bool(self.parity_bad)
 
-    def _slide(self, reward: float) -> str:
-        """The reward's last `slide_window` steps against the best such window so far: a reason
-        when their mean is more than `slide_z` standard errors of the difference below it and more
-        than `slide_drop_frac` of it (the module's docstring), else ''."""
-        w = self.slide_window
-        if not w:
-            return ""
+    def _level(self, reward: float) -> bool:
+        """The step's reward into the window, and the run's level updated: True when this window is
+        the new level."""
+        w = max(self.slide_window, 1)  # slide_window = 0 (no slide rule): the level is the best step
         self.window = [*self.window, reward][-w:]
-        if len(self.window) < w:
+        n = len(self.window)
+        mean = sum(self.window) / n
+        if self.best_window is None or mean > self.best_window[0] or (n == w and self.best_window[2] < w):
+            self.best_window = (mean, sum(_spread(x) for x in self.window) / (self.prompts * n * n), n)
+            return True
+        return False
+
+    def _slide(self, new_level: bool) -> str:
+        """The reward's last `slide_window` steps against the run's level: a reason when their mean
+        is more than `slide_z` standard errors of the difference below it and more than
+        `slide_drop_frac` of it (the module's docstring), else ''."""
+        w = self.slide_window
+        if not w or len(self.window) < w:
             return ""
-        mean = sum(self.window) / w
-        var = sum(r * (1 - r) for r in (min(max(x, 0.0), 1.0) for x in self.window)) / (self.prompts * w * w)
-        if self.best_window is None or mean > self.best_window[0]:
-            self.best_window = (mean, var)
+        if new_level:
             self.slide = (0.0, 0.0)
             return ""
+        mean = sum(self.window) / w
+        var = sum(_spread(x) for x in self.window) / (self.prompts * w * w)
         best = self.best_window[0]
         if best <= 0:  # no window has earned anything yet (an ordinary start on a hard task): no slide from it
             self.slide = (0.0, 0.0)
@@ -231,17 +248,26 @@ class Guard:
         return (f"reward slid: the last {w} steps' mean {mean:.3g} is {z:.1f} standard errors (> {self.slide_z:g}) "
                 f"and {lost:.0%} (> {self.slide_drop_frac:.0%}) below the best {w}-step mean {best:.3g}")
 
-    def _down(self, reward: float) -> bool:
-        return reward < self.best_reward - self.reward_drop or reward < (1 - self.reward_drop_frac) * self.best_reward
+    def _down(self, mean: float, n: int) -> str:
+        """The mean reward of the last `n` steps against the run's level: '' unless it is down (the
+        module's docstring), else what was seen."""
+        if self.best_window is None or self.best_window[0] <= 0:
+            return ""
+        level, level_var, _ = self.best_window
+        far = mean < level - self.reward_drop or mean < (1 - self.reward_drop_frac) * level
+        z = (level - mean) / math.sqrt(max(_spread(level) / (self.prompts * n) + level_var, 1e-12))
+        if not far or z <= self.down_z:
+            return ""
+        return f"reward {mean:.3g} down from the run's level {level:.3g} ({z:.1f} standard errors)"
 
     @property
     def healthy(self) -> bool:
         """No bad signal pending and the reward of the last `patience` steps, on average, not down
-        from its best: a checkpoint saved now is a 'good' one, a rollback target. The reward counts
-        because a collapse can run for a few steps before its entropy leaves the band (seen in
-        `minirl lab`: reward 0.23 → 0.02 in 2 steps, the entropy past 1.25 × H_0 only 3 steps
+        from the run's level: a checkpoint saved now is a 'good' one, a rollback target. The reward
+        counts because a collapse can run for a few steps before its entropy leaves the band (seen
+        in `minirl lab`: reward 0.23 → 0.02 in 2 steps, the entropy past 1.25 × H_0 only 3 steps
         later); a checkpoint in that stretch is no target."""
-        down = bool(self.recent) and self._down(sum(self.recent) / len(self.recent))  # one noisy step is no trend
+        down = bool(self.recent) and self._down(sum(self.recent) / len(self.recent), len(self.recent))
         return self.bad_streak == 0 and not down
 
     def record(self) -> dict:
@@ -253,8 +279,7 @@ class Guard:
         self.load_state_dict(record.get("guard", {}))
 
     def state_dict(self) -> dict:
-        return {"entropy0": self.entropy0, "best_reward": self.best_reward if math.isfinite(self.best_reward) else None,
-                "rollbacks": self.rollbacks, "skipped": self.skipped, "reasons": list(self.reasons),
+        return {"entropy0": self.entropy0, "rollbacks": self.rollbacks, "skipped": self.skipped, "reasons": list(self.reasons),
                 "window": list(self.window), "best_window": list(self.best_window) if self.best_window else None,
                 "parities": list(self.parities), "parity_bad": self.parity_bad,
                 # the streaks and the trend (#80: a resume in the middle of a collapse continues it)
@@ -263,11 +288,17 @@ class Guard:
 
     def load_state_dict(self, d: dict) -> None:
         self.entropy0 = d.get("entropy0")
-        self.best_reward = d["best_reward"] if d.get("best_reward") is not None else -math.inf
         self.rollbacks, self.skipped, self.reasons = d.get("rollbacks", 0), d.get("skipped", 0), list(d.get("reasons", []))
         # checkpoints before #64 hold no window: it fills again over the next slide_window steps
         self.window = list(d.get("window", []))
-        self.best_window = tuple(d["best_window"]) if d.get("best_window") else None
+        best = d.get("best_window")  # before #80: (mean, variance) of a full window
+        self.best_window = (*best[:2], best[2] if len(best) > 2 else max(self.slide_window, 1)) if best else None
         self.parities, self.parity_bad = list(d.get("parities", [])), d.get("parity_bad", "")  # before #79: none
         self.bad_streak, self.skip_streak = d.get("bad_streak", 0), d.get("skip_streak", 0)  # before #80: none
         self.recent, self.slide = list(d.get("recent", [])), tuple(d.get("slide", (0.0, 0.0)))
+
+
+def _spread(reward: float) -> float:
+    """The most a mean of group means in [0, 1] at `reward` varies, per prompt (Bhatia–Davis)."""
+    r = min(max(reward, 0.0), 1.0)
+    return r * (1 - r)

@@ -18,9 +18,9 @@ from minirl import atomic, store
 from minirl import recipes
 from minirl.run import status as status_mod
 from minirl.errors import EngineFault, RunIOError, UsageError
-from minirl.train.hf_io import save_hf_folder
 from minirl.launch import World
 from minirl.rollout import cache as engine_cache
+from minirl.run import final_weights
 from minirl.run.loop import RLRun
 from minirl.setup.preflight import RunInputs, prepare_run
 from minirl.recipe import Recipe
@@ -97,6 +97,7 @@ def _start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_event, *,
             lock.release()
 
 
+ENDING = "end_started"  # in a run folder: the step whose end (held-out eval, HF folder) began; see _train
 RECIPE_CHANGES = "recipe_changes.jsonl"  # in a run folder: what each --resume changed of its recipe
 
 
@@ -243,7 +244,9 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     rl_s = time.time() - t_rl
 
     final = rl.state.run_dir / "checkpoints" / f"step_{rl.state.step:06d}"
-    if not (fault and final.is_dir()):  # a fault right after a scheduled checkpoint: it holds these weights
+    # A fault right after a scheduled checkpoint, or a resume of a run whose steps were all done: it
+    # holds these weights already
+    if not final.is_dir():
         final = rl.save(final.name)
         rl.prune(rec.checkpoint.keep)
         on_event("checkpoint", {"path": str(final), "step": rl.state.step})
@@ -252,7 +255,21 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     # model, wait for the run's real end (or `minirl export`); a periodic eval of these weights counts.
     # A broken engine cannot evaluate anything
     stopping = status in ("interrupted", "engine_fault")
+    # The end's held-out eval and HF folder are the largest allocations of a run. Their start is
+    # marked until the summary is written: a resume that finds the mark at this step (the end died:
+    # out of memory, killed) writes the summary with what is there and says what is missing, never
+    # tries the same end again. Rank 0 reads it for every rank (a collective), then marks
+    ending = run_dir / ENDING
+    cut_short = world.any(world.main and not stopping and ending.is_file()
+                          and ending.read_text().strip() == str(rl.state.step))
+    if world.main and not stopping and not cut_short:
+        atomic.write_text(ending, str(rl.state.step))
+    stopping = stopping or cut_short
     heldout_end = last_eval[1] if last_eval[0] == rl.state.step else None  # the same weights: once
+    if cut_short:
+        fault = (f"the end of this run was cut short at step {rl.state.step} (killed or out of memory in its held-out "
+                 f"eval or HF folder); its final checkpoint {final} is whole: `minirl export {run_dir} OUT` writes the "
+                 "folder, `minirl eval heldout --checkpoint` scores it")
     if heldout_end is None and not stopping:
         t0 = time.time()
         heldout_end = rl.heldout_eval()
@@ -260,15 +277,23 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     if heldout_end is not None:
         on_event("eval", {"which": "end", **heldout_end})
 
-    weights = None if stopping else rl.trainer.full_state_dict()  # a collective: every rank takes part, rank 0 writes
+    hf_dir = None
+    if not stopping:  # a collective: every rank takes part, layer by layer; rank 0 writes
+        try:
+            hf_dir = final_weights.write(rl.trainer, final / "hf", main=world.main, tokenizer_dir=rl.model_dir,
+                                         bucket_bytes=rec.rollout.sync_bucket_mib * 2**20)
+        except Exception as e:  # noqa: BLE001 - the run's steps and checkpoint are whole: the summary says what failed
+            fault = (f"the final HF folder was not written ({type(e).__name__}: {e}); the final checkpoint {final} is "
+                     f"whole: `minirl export {run_dir} OUT` writes the folder")
+            on_event("fault", {"text": fault})
     if not world.main:
         return {"status": status}
-    hf_dir = None if stopping else save_hf_folder(final / "hf", rl.shape, weights, tokenizer_dir=rl.model_dir)
     phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s,
               **{k: v - before.get(k, 0.0) for k, v in rl.state.timing.items()}}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path,
                             error=fault, startup=startup)
+    ending.unlink(missing_ok=True)  # the end is written: a later --resume of this run makes it anew
     sinks.close(summary)
     on_event("done", summary)
     return summary

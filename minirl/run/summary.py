@@ -40,7 +40,7 @@ def write_summary(rl, *, status, stop_signal, wall_s, phases, heldout_end, check
         "recipe": rl.rec.to_dict(),
         "env": _environment(),
         **({"signal": signal.Signals(stop_signal).name} if status == "interrupted" else {}),
-        **({"error": error} if error else {}),  # what stopped it (status "engine_fault")
+        **({"error": error} if error else {}),  # what stopped it ("engine_fault"), or what of the end is missing
     }
     try:
         summary["plot"] = str(plot_metrics(metrics_path, run_dir / "metrics.png"))

@@ -52,15 +52,55 @@ def save_hf_folder(
     crash never leaves a half folder that looks whole."""
     from huggingface_hub import save_torch_state_dict
 
-
-    final, out = Path(out), Path(out).with_name(Path(out).name + ".tmp")
-    atomic.remove_dir(out)
-    out.mkdir(parents=True)
+    final, out = Path(out), _fresh(out)
     # per-expert tensors are views into the grouped ones: each gets storage of its own
     hf_sd = {k: v.detach().to(dtype).cpu().clone() for k, v in titan_to_hf(shape, titan_sd).items()}
     save_torch_state_dict(hf_sd, out, max_shard_size=max_shard_size)
     for f in out.glob("*.safetensors"):  # written through a private temporary file (0600): as the folder's others
         f.chmod(0o666 & ~atomic.umask())
+    return _finish(out, final, shape, tokenizer_dir=tokenizer_dir, dtype=dtype)
+
+
+def write_hf_folder(out: Path, shape: ModelShape, buckets, *, tokenizer_dir: Path, dtype: torch.dtype) -> Path:
+    """The same folder from a stream of HF-named buckets (rollout/sync.py's `hf_buckets`: whole decoder
+    layers in `dtype`), each written as a safetensors shard as it comes and let go before the next is
+    asked for: what is held at once is one bucket (and its copy in host memory), never the model (#80:
+    the end of a 30B run gathered every weight on every GPU). One bucket: `model.safetensors`; more:
+    `model-0000i-of-0000n.safetensors` with huggingface_hub's index."""
+    from safetensors.torch import save_file
+
+    final, out = Path(out), _fresh(out)
+    weight_map, total, n = {}, 0, 0
+    it = iter(buckets)
+    while (bucket := next(it, None)) is not None:
+        n += 1
+        # host copies with storage of their own (per-expert tensors are views into the grouped ones)
+        tensors = {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in bucket}
+        del bucket  # the gathered tensors go before the next layer is gathered
+        save_file(tensors, out / f"part-{n:05d}.safetensors", metadata={"format": "pt"})
+        weight_map.update({k: n for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    names = {i: "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)}
+    for i, name in names.items():
+        (out / f"part-{i:05d}.safetensors").rename(out / name)
+        (out / name).chmod(0o666 & ~atomic.umask())
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return _finish(out, final, shape, tokenizer_dir=tokenizer_dir, dtype=dtype)
+
+
+def _fresh(final: Path) -> Path:
+    """The empty folder beside `final` a folder is written in before it is renamed into place."""
+    out = Path(final).with_name(Path(final).name + ".tmp")
+    atomic.remove_dir(out)
+    out.mkdir(parents=True)
+    return out
+
+
+def _finish(out: Path, final: Path, shape: ModelShape, *, tokenizer_dir: Path, dtype: torch.dtype) -> Path:
+    """Config, generation config and tokenizer beside the weights, then the folder renamed into place."""
     ids = _special_ids(tokenizer_dir)
     cfg = hf_config_dict(shape, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
