@@ -1,10 +1,16 @@
 """Math answers: extract the final answer, then check equivalence with math-verify.
 
-Extraction, in order: the last \\boxed{...}; else the last match of `answer_pattern`
-("answer: 12", "the answer is 12"); else the last number. The extracted text and the reference
-are parsed by math-verify (LaTeX and plain expressions) and compared symbolically; no hand-written
-LaTeX parsing here. Time limits come from the caller (`rewards.pool`), so math-verify's own
-SIGALRM timers are switched off rather than nested.
+The answer is read from the response's final part (#81): a reasoning model thinks inside
+`<think>…</think>` (R1 and Qwen3; `reasoning_tags` for other conventions, none to grade the whole
+response), and what it writes there is a draft, never its answer. The final part is what follows
+the last closing tag (a chat template that opens the block in the prompt leaves only the closing
+tag in the response); a block opened and never closed (cut off mid-thought) leaves no answer; a
+response without tags is its own final part. Within it, in order: the last \\boxed{...} alone (a
+model that boxes, doubts and boxes again means the last; math-verify given every box reads them as
+one set); else the last match of `answer_pattern` ("answer: 12", "the answer is 12"); else the last
+number. The extracted text and the reference are parsed by math-verify (LaTeX and plain
+expressions) and compared symbolically. Time limits come from the caller (`rewards.pool`), so
+math-verify's own SIGALRM timers are switched off rather than nested.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from rewards.base import NeedsAnswer, Score
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+REASONING_TAGS = ("<think>", "</think>")  # R1 and Qwen3
 DEFAULT_PATTERN = r"(?i)answer(?:\s+is)?\s*[:=]?\s*\$?([^\n$]+)"
 
 
@@ -50,13 +58,31 @@ class MathGrader(NeedsAnswer):
     (1.0, 1.0)
     """
 
-    def __init__(self, answer_field: str = "answer", answer_pattern: str = DEFAULT_PATTERN, last_number: bool = True):
+    def __init__(self, answer_field: str = "answer", answer_pattern: str = DEFAULT_PATTERN, last_number: bool = True,
+                 reasoning_tags: tuple[str, str] | list[str] | None = REASONING_TAGS):
+        if reasoning_tags and (len(reasoning_tags) != 2 or not all(isinstance(t, str) and t for t in reasoning_tags)):
+            raise TypeError(f"reasoning_tags must be [opening, closing] tags, or [] to grade the whole response: "
+                             f"{reasoning_tags!r}")
         self.answer_field, self.pattern, self.last_number = answer_field, re.compile(answer_pattern), last_number
+        self.tags = tuple(reasoning_tags) if reasoning_tags else None
+
+    def final_part(self, response: str) -> str | None:
+        """What the answer is read from: after the last closing reasoning tag, or the whole response
+        without tags; None where a reasoning block is left open (no answer was given)."""
+        if self.tags is None:
+            return response
+        opening, closing = self.tags
+        part = response.rsplit(closing, 1)[1] if closing in response else response
+        return None if opening in part else part
 
     def extract(self, response: str) -> tuple[str, str] | None:
         """(how, text) of the final answer, or None."""
-        if "\\boxed" in response or "\\fbox" in response:
-            return "boxed", response
+        response = self.final_part(response)
+        if response is None:
+            return None
+        box = _last_box(response)
+        if box is not None:
+            return "boxed", box
         matches = self.pattern.findall(response)
         if matches:
             return "pattern", matches[-1].strip().rstrip(".")
@@ -79,3 +105,17 @@ class MathGrader(NeedsAnswer):
         gold = _parse_gold(str(record[self.answer_field]))
         ok = verify(gold, pred, timeout_seconds=None)
         return Score(float(ok), {"extracted": str(pred[-1]), "how": how})
+
+
+def _last_box(text: str) -> str | None:
+    """The last \\boxed{…} (or \\fbox) of `text` with its braces balanced (to the end of the text
+    when they never close), or None."""
+    starts = [m for m in _BOX.finditer(text)]
+    if not starts:
+        return None
+    start, depth = starts[-1], 1
+    for i in range(start.end(), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start.start():i + 1]
+    return text[start.start():]

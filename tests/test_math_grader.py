@@ -165,3 +165,49 @@ def test_a_c_level_hang_is_killed_and_the_pool_recovers(tmp_path, monkeypatch):
         assert [s.score for s in pool.grade([({}, "fine")])] == [1.0]  # ... and a fresh one took over
     finally:
         pool.close(kill=True)
+
+
+# #81: a reasoning model's final answer. Drafts boxed before the final one; boxes inside a closed and an
+# unclosed reasoning block; the block's closing tag without its opening one (the chat template opened it
+# in the prompt: Qwen3's thinking mode); no tags.
+REASONING = [
+    ("7", "maybe \\boxed{5}. no wait, it is 7. The answer is \\boxed{7}", 1.0),  # the review's cases
+    ("4", "\\boxed{3} is wrong, the right one is \\boxed{4}", 1.0),
+    ("5", "maybe \\boxed{5}. no wait, it is 7. The answer is \\boxed{7}", 0.0),
+    ("7", "<think>so it is \\boxed{7}</think> I cannot answer this.", 0.0),  # the answer inside the reasoning
+    ("7", "<think>7 then. Let me check 3 + 4 = 7, so", 0.0),  # cut off mid-thought: no answer
+    ("7", "<think>first \\boxed{6}</think>\nSo the answer is \\boxed{7}.", 1.0),
+    ("6", "<think>first \\boxed{6}</think>\nSo the answer is \\boxed{7}.", 0.0),
+    ("7", "the sum: 3 + 3 = 6, no, \\boxed{6} is off by one.</think>\n\nThe answer is \\boxed{7}", 1.0),
+    ("6", "the sum: 3 + 3 = 6, no, \\boxed{6} is off by one.</think>\n\nThe answer is \\boxed{7}", 0.0),
+    ("7", "<think>a</think> 7? <think>again, \\boxed{7}", 0.0),  # a block opened again and left open
+    ("\\frac{1}{2}", "<think>hm</think> so \\boxed{\\frac{1}{2}}, i.e. \\boxed{0.5}", 1.0),
+    ("12", "<think>5 + 7</think> answer: 12", 1.0),  # the pattern and the last number, in the final part
+    ("12", "<think>it is 12</think> 5 + 7 = 11", 0.0),
+    ("7", "The answer is \\boxed{7}.", 1.0),  # no tags: the whole response
+]
+
+
+@pytest.mark.parametrize("gold, response, want", REASONING)
+def test_a_reasoning_models_final_answer_decides(gold, response, want):
+    assert MathGrader()({"answer": gold}, response).score == want
+
+
+def test_minirl_eval_grades_reasoning_as_the_math_grader_and_the_tags_are_a_setting():
+    """`minirl eval` grades a named benchmark with the "math" grader and its defaults, in worker
+    processes (rewards.pool, as evaluate.py builds it): the same scores. `reward.params` sets other
+    tags, or [] to grade the whole response; a malformed pair is bad input, named."""
+    from minirl.errors import UsageError
+    from rewards.base import load_grader
+
+    pool = GradingPool("math", {}, workers=2, timeout_s=10.0)
+    try:
+        got = pool.grade([({"answer": g}, r) for g, r, _ in REASONING])
+    finally:
+        pool.close()
+    assert [s.score for s in got] == [w for _, _, w in REASONING]
+    assert load_grader("math", {"reasoning_tags": []})({"answer": "7"}, REASONING[3][1]).score == 1.0
+    tagged = load_grader("math", {"reasoning_tags": ["<reasoning>", "</reasoning>"]})
+    assert tagged({"answer": "7"}, "<reasoning>\\boxed{7}</reasoning> no idea").score == 0.0
+    with pytest.raises(UsageError, match="bad reward.params: reasoning_tags must be"):
+        load_grader("math", {"reasoning_tags": ["<think>"]})
