@@ -141,19 +141,22 @@ def load_problems(
     return problems, skipped
 
 
-def prompt_ids(tok, text: str, *, template: str = "{problem}", chat: bool = False) -> list[int]:
+def prompt_ids(tok, text: str, *, template: str = "{problem}", chat: bool = False,
+               chat_kwargs: dict | None = None) -> list[int]:
     """The token ids a prompt is sent as: `text` put into `template` at "{problem}", then, with
-    `chat`, wrapped as one user turn by the tokenizer's chat template (generation prompt added)."""
-    return prompts_ids(tok, [text], template=template, chat=chat)[0]
+    `chat`, wrapped as one user turn by the tokenizer's chat template (generation prompt added),
+    which reads `chat_kwargs` (data.chat_template_kwargs: Qwen3's enable_thinking)."""
+    return prompts_ids(tok, [text], template=template, chat=chat, chat_kwargs=chat_kwargs)[0]
 
 
-def prompts_ids(tok, texts: list[str], *, template: str = "{problem}", chat: bool = False) -> list[list[int]]:
+def prompts_ids(tok, texts: list[str], *, template: str = "{problem}", chat: bool = False,
+                chat_kwargs: dict | None = None) -> list[list[int]]:
     """`prompt_ids` of each text, the tokenizer called once for all of them."""
     texts = [template.format(problem=t) for t in texts]
     if chat:
         return [list(ids) for ids in tok.apply_chat_template([[{"role": "user", "content": t}] for t in texts],
                                                              add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False)]
+                                                             return_dict=False, **(chat_kwargs or {}))]
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 

@@ -125,6 +125,9 @@ class DataConfig:
     max_prompt_tokens: int = number(32, 1)  # longer prompts are skipped and counted
     prompt_template: str = rule("{problem}", _one_problem_field)  # the text sent; "{problem}" stands for the prompt field
     chat_template: bool = False  # send it as one user turn through the tokenizer's chat template
+    # keyword arguments that template reads, e.g. Qwen3's {enable_thinking = false} (its default:
+    # thinking on); run, held-out and `minirl eval` prompts alike (#81)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     heldout_split: str = "train"  # the split of a Hub dataset in data.heldout (MATH-500: "test")
 
 

@@ -54,6 +54,13 @@ def validate(r: Recipe) -> None:
                          f"rollout GPUs of its own (parallel.rollout_gpus = {p.rollout_gpus}) it has nothing to free: set 0")
     if r.train.replay == "r3" and r.rollout.engine != "vllm":
         raise UsageError("train.replay = 'r3' needs a rollout engine that returns routes (rollout.engine = vllm)")
+    kw = r.data.chat_template_kwargs
+    if kw and not r.data.chat_template:
+        raise UsageError(f"data.chat_template_kwargs = {kw} is read by the chat template, and data.chat_template = "
+                         "false sends prompts as plain text: set data.chat_template = true or drop them")
+    odd = {k: v for k, v in kw.items() if not isinstance(v, (bool, int, float, str))}
+    if odd:
+        raise UsageError(f"data.chat_template_kwargs: {odd} — each value must be a boolean, number or string")
     ro = r.rollout
     if ro.precision == "fp8" and ro.cuda_graphs and ro.sleep_level == 2:
         raise UsageError(FP8_GRAPHS_AFTER_SLEEP)

@@ -169,3 +169,26 @@ def test_prompts_go_through_the_template_and_the_chat_template(tokenizer):
     assert prompts_ids(tokenizer, texts, template="{problem}=") == [
         tokenizer(t + "=", add_special_tokens=False)["input_ids"] for t in texts]
     assert [tok.decode(i) for i in prompts_ids(tok, texts, chat=True)] == ["12+34+0=", "5+6+0=", "987+1+0="]
+
+
+def test_the_chat_templates_keyword_arguments_reach_it_on_every_prompt_path(tiny_dir):
+    """#81: Qwen3's template opens a reasoning block unless `enable_thinking = false`; nothing passed it
+    before. `data.chat_template_kwargs` reaches the template for the run's prompts (preflight's
+    encoder) and `minirl eval`'s; the validator refuses them where no template reads them."""
+    from transformers import AutoTokenizer
+
+    from minirl import recipes
+    from minirl.data import prompts_ids
+    from minirl.eval.evaluate import _format_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}="
+                         "{% if enable_thinking is defined and enable_thinking is false %}{% else %}0{% endif %}{% endif %}")  # "0": the block it opens
+    thinking = prompts_ids(tok, ["1+2"], chat=True)[0]
+    plain = prompts_ids(tok, ["1+2"], chat=True, chat_kwargs={"enable_thinking": False})[0]
+    assert tok.decode(thinking).endswith("=0") and tok.decode(plain).endswith("=") and plain == thinking[:-1]
+    assert _format_prompt(tok, "{problem}", "1+2", {"enable_thinking": False}) == plain
+    rec = recipes.load(recipes.shipped("qwen3"))
+    assert rec.data.chat_template and rec.data.chat_template_kwargs == {"enable_thinking": True}
+    with pytest.raises(UsageError, match="data.chat_template = true or drop them"):
+        recipes.load(None, ['data.chat_template_kwargs={"enable_thinking": false}'])

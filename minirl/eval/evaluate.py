@@ -170,8 +170,9 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")
 
 
-def _format_prompt(tok, template: str, problem: str) -> list[int]:
-    return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)))
+def _format_prompt(tok, template: str, problem: str, chat_kwargs: dict) -> list[int]:
+    return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)),
+                      chat_kwargs=chat_kwargs)
 
 
 def checkpoint_label(model_dir: Path) -> str:
@@ -265,7 +266,7 @@ def eval_benchmark(
     if bench.chat_prompt_template and not rec.eval.prompt_template and getattr(tok, "chat_template", None):
         template = bench.chat_prompt_template
     for r in records:
-        ids = _format_prompt(tok, template, r["problem"])
+        ids = _format_prompt(tok, template, r["problem"], rec.data.chat_template_kwargs)
         if len(ids) > budget:  # keep the end, where the question is
             ids, truncated = ids[-budget:], truncated + 1
         prompts.append(ids)

@@ -188,12 +188,15 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
     ref = repo_id or f"./{name}"
     prompt = _sample_prompt(run_dir, rec)
     chat = rec.data.chat_template
+    kw = rec.data.chat_template_kwargs  # as the run's prompts were made (Qwen3: enable_thinking)
+    tok_kw = "".join(f", {k}={v!r}" for k, v in kw.items())
     encode = ('ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, '
-              'return_tensors="pt", return_dict=True)["input_ids"]' if chat else
+              f'return_tensors="pt", return_dict=True{tok_kw})["input_ids"]' if chat else
               'ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids')
     sp = f"SamplingParams(temperature={rec.rollout.temperature}, max_tokens={rec.rollout.max_tokens})"
     lora_arg = ', lora_request=LoRARequest("minirl", 1, MODEL)' if adapter_of else ""
-    call = (f'out = llm.chat([{{"role": "user", "content": PROMPT}}], {sp}{lora_arg})' if chat else
+    chat_kw = f", chat_template_kwargs={dict(kw)!r}" if kw else ""
+    call = (f'out = llm.chat([{{"role": "user", "content": PROMPT}}], {sp}{lora_arg}{chat_kw})' if chat else
             f"out = llm.generate([PROMPT], {sp}{lora_arg})")
     wall = summary.get("wall_s") if summary and Path(summary.get("checkpoint", "")).name == ckpt.path.name else None
     wall = wall if wall is not None else next((r.get("timing/elapsed_s") for r in reversed(rows)), None)

@@ -96,6 +96,11 @@ def dry_run(workspace: Path, *, model_id: str | None, recipe_name: str | None, s
                      "engines have finished the batches sent before it, so the next batch cannot fill the slots a "
                      "batch's longest responses leave empty; rollout.inflight_updates = true lets it (fresher "
                      "tokens, the run no longer repeats exactly; simulated in docs/results/async.md)")
+    if rec.data.chat_template:  # what the model is asked to write (#81: Qwen3 thinks unless told not to)
+        kw = rec.data.chat_template_kwargs
+        notes.append("prompts go through the model's chat template as one user turn"
+                     + (f", with {', '.join(f'{k} = {v}' for k, v in kw.items())} (data.chat_template_kwargs)" if kw else
+                        ", with the template's defaults (Qwen3's: thinking on; data.chat_template_kwargs sets them)"))
     has_ws = (Path(workspace) / RECIPE_NAME).exists()
     args = " ".join(["run", str(workspace) if has_ws else "WORKSPACE", *(f"{k} {v}" for k, v in launch_flags if v),
                      *(f"--set {x}" for x in [*user_sets, *(f"{k}={v}" for k, v in fitted.items())])])

@@ -394,7 +394,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     if rec.data.chat_template and not getattr(tok, "chat_template", None):
         raise UsageError(f"data.chat_template = true, and the tokenizer of {rec.model.id} has no chat template; "
                          "set data.chat_template = false to send the prompt as plain text")
-    enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template)
+    enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template,
+                            chat_kwargs=rec.data.chat_template_kwargs)
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
               max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
     train, skipped = load_problems(rec.data.train, **kw)
