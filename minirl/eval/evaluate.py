@@ -170,7 +170,7 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")
 
 
-def _format_prompt(tok, template: str, problem: str, chat_kwargs: dict) -> list[int]:
+def _format_prompt(tok, template: str, problem: str, chat_kwargs: dict | None = None) -> list[int]:
     return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)),
                       chat_kwargs=chat_kwargs)
 
