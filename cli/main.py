@@ -28,6 +28,7 @@ from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoi
 from minirl.hub import resolution
 from minirl.models import TINY_ID
 from minirl.precisions import NAMES as PRECISION_NAMES
+from minirl.quick_exit import quick_exit
 from minirl.run.plots import plot_metrics
 from minirl.setup.dryrun import dry_run as plan_dry_run
 from minirl.setup.preflight import run_recipe
@@ -420,5 +421,16 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def entry() -> None:
+    """The `minirl` console script and `python -m cli.main`: `main`, then exit without the
+    interpreter's teardown (minirl/quick_exit.py)."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    quick_exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -17,6 +17,7 @@ import weakref
 
 _lock = threading.Lock()
 _alive = 0  # in-process engines built and not yet shut down
+_ending = False  # the process is leaving: nothing after it uses the groups or the memory
 
 
 def share_process_groups(llm) -> None:
@@ -33,13 +34,20 @@ def share_process_groups(llm) -> None:
     client._finalizer = weakref.finalize(client, _shutdown, core)
 
 
+def process_ends() -> None:
+    """The process exits next (cli.main's `entry`): an engine still alive shuts its core down
+    without the process-wide teardown, whose full collection of every object is wasted at exit."""
+    global _ending
+    _ending = True
+
+
 def _shutdown(core) -> None:
     global _alive
     from vllm.v1.engine import core as core_module
 
     with _lock:
         _alive -= 1
-        last = _alive == 0
+        last = _alive == 0 and not _ending
     if last:
         core.shutdown()
         return

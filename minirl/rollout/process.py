@@ -47,6 +47,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
 from minirl.errors import EngineFault, UsageError
+from minirl.quick_exit import quick_exit
 from minirl.rollout.broadcast import WeightChannel
 from minirl.rollout.coverage import Coverage, expected_weights
 from minirl.rollout.engine import build
@@ -214,7 +215,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             return
         if method == "stop":
             conn.send((call_id, "ok", None, 0.0))
-            return
+            quick_exit(0)  # the trainer joins this process: its engine's release, without the teardown
         run(call_id, method, args, kwargs)
 
 

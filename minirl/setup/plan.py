@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 from minirl import engine_sizing as sizing
 from minirl.models import ModelShape, active_params, param_count
 from minirl.precisions import PRECISIONS
-from minirl.train.head import head_chunk
 from minirl.recipes import with_sets
 from minirl.setup.footprint import activation_bytes, host_memory, trainer_path, trainer_state
 
@@ -326,6 +325,8 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     path = trainer_path(rec)
     acts = {f"activations ({name})": sum(activation_bytes(shape, micro, path=path, ac=ac).values())
             for name, ac in (("no AC", "none"), ("full AC", "full"))}
+    from minirl.train.head import head_chunk  # deferred: torch, which the commands that plan nothing start without
+
     chunk = head_chunk(micro, shape.vocab_size)
     # chunked head: a chunk's bf16 logits and three float32 [chunk, vocab] at most (head.py); else the
     # micro-batch's bf16 logits and their gradient, and one float32 chunk and its softmax
