@@ -184,8 +184,11 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
                   f"{plan.micro_batch_tokens:,} tokens per GPU{chosen}; the trainer computes "
                   + ("in one process under bf16 autocast" if plan.trainer_path == "one process"
                      else "under FSDP2 in bf16 parameters"))
+    draws = plan.rollout_draws_max
     console.print(f"  FLOPs per step: training {plan.train_flops_per_step:.3g} (π_old + update), rollout "
-                  f"{plan.rollout_flops_per_step:.3g}")
+                  f"{plan.rollout_flops_per_step:.3g}"
+                  + (f", up to {draws * plan.rollout_flops_per_step:.3g} with dynamic sampling's {draws - 1} extra "
+                     "draw(s)" if draws > 1 else ""))
     table = Table(title="memory per GPU" + (" (a training GPU; \"rollout GPU:\" a rollout GPU's)" if plan.rollout_gpus
                                              else ""), box=None)
     table.add_column("component")
@@ -201,7 +204,9 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
                   + (f"the plan's (rollout.sleep_level = -1): {plan.sleep_why}" if plan.sleep_chosen
                      else f"rollout.sleep_level = {plan.sleep_level}"), soft_wrap=True)
     console.print(f"  vLLM: {plan.in_flight} full-length sequences in flight per engine, "
-                  f"{plan.sequences_per_engine} to sample per step; KV cache {plan.kv_sizing}")
+                  f"{plan.sequences_per_engine} to sample per step"
+                  + (f" (up to {draws * plan.sequences_per_engine:,} with dynamic sampling, a draw at a time)"
+                     if draws > 1 else "") + f"; KV cache {plan.kv_sizing}")
     if plan.rollout_gpus:
         console.print(f"  vLLM's start: gpu_memory_utilization {plan.engine_fraction:g} "
                       f"({plan.engine_fraction * plan.gpu_gib:.1f} GiB of each rollout GPU), alone on its GPU(s): "

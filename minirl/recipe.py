@@ -191,6 +191,11 @@ class LossConfig:
     length_norm: bool = False  # 1/|y| per response (ablation, F2)
     adv_std: bool = False  # divide advantages by the group std (GRPO)
     truncated_reward: str = one_of("grade", ("grade", "zero"))  # a response cut at max_tokens: "grade" it as is, or score "zero"
+    # DAPO's soft overlong punishment: over the last `overlong_buffer` tokens before rollout.max_tokens
+    # (L_cache) the reward falls linearly, by `overlong_penalty` at the limit (objective.overlong_penalty);
+    # 0: off. It shapes what trains, never the grade: rollout/acc and held-out scores are the grader's
+    overlong_buffer: int = number(0, 0)
+    overlong_penalty: float = number(1.0, 0, above=True)
     # what the clip's ratio r_t = π_θ/π_θold is anchored at for a token sampled behind the trained
     # weights (rollout.max_staleness ≥ 1): "sampler", the weights that sampled it (their log μ; the
     # paper's θ_old), or "proximal", π_old recomputed at the trained weights (decoupled PPO; r_t ≡ 1
@@ -243,6 +248,12 @@ class TrainConfig:
     # forward each prompt once for its G responses, which attend to it through a mask (packing.py);
     # the same log-probs to float rounding. Off: every response row carries a copy of its prompt.
     pack_prompts: bool = True
+    # DAPO's dynamic sampling: a group whose G rewards are all equal has zero advantage (A = R − mean)
+    # and no gradient, yet costs its share of the batch; such groups are dropped and more prompts are
+    # drawn, prompts_per_step at a time, until the batch holds prompts_per_step groups whose rewards
+    # differ, or `dynamic_sampling_draws` more draws were made (the rest then as drawn: run/dynamic.py)
+    dynamic_sampling: bool = False
+    dynamic_sampling_draws: int = number(3, 1)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

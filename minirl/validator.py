@@ -42,6 +42,10 @@ def validate(r: Recipe) -> None:
     if r.loss.clip_against != "sampler" and not r.rollout.max_staleness:
         raise UsageError(f"loss.clip_against = {r.loss.clip_against!r} anchors the clip of tokens sampled behind the trained "
                          "weights; with rollout.max_staleness = 0 none is: set max_staleness ≥ 1 or drop it")
+    if r.loss.overlong_buffer >= r.rollout.max_tokens:
+        raise UsageError(f"loss.overlong_buffer = {r.loss.overlong_buffer} must be below rollout.max_tokens = "
+                         f"{r.rollout.max_tokens}: the penalty falls over the last tokens before the limit "
+                         "(DAPO's L_cache), after a length that goes unpunished")
     p = r.parallel
     if p.rollout_gpus >= p.gpus_per_node:
         raise UsageError(f"parallel.rollout_gpus = {p.rollout_gpus} leaves none of each node's {p.gpus_per_node} GPU(s) "

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minirl.run.lifecycle import _new_run_dir
-from minirl.train.objective import minibatch_indices, sequence_rewards
+from minirl.train.objective import minibatch_indices, overlong_penalty, sequence_rewards
 from minirl.setup.workspace import Workspace
 
 
@@ -30,6 +30,15 @@ def test_truncated_reward_semantics():
     scores, cut = [1.0, 1.0, 0.0], [False, True, True]
     assert sequence_rewards(scores, cut, "grade").tolist() == [1.0, 1.0, 0.0]
     assert sequence_rewards(scores, cut, "zero").tolist() == [1.0, 0.0, 0.0]
+
+
+def test_the_overlong_penalty_falls_linearly_over_the_buffer_before_the_limit():
+    """DAPO's soft punishment with L_max = 16, L_cache = 4: nothing up to 12 tokens, then a quarter
+    of the penalty a token, the whole penalty at the limit; off with no buffer."""
+    lengths = torch.tensor([[3, 12, 13], [14, 16, 16]])
+    assert overlong_penalty(lengths, 16, 4, 1.0).tolist() == [[0.0, 0.0, -0.25], [-0.5, -1.0, -1.0]]
+    assert overlong_penalty(lengths, 16, 4, 0.5).tolist() == [[0.0, 0.0, -0.125], [-0.25, -0.5, -0.5]]
+    assert overlong_penalty(lengths, 16, 0, 1.0).tolist() == [[0.0] * 3] * 2
 
 
 def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):

@@ -41,12 +41,13 @@ from typing import TYPE_CHECKING
 from minirl import engine_sizing as sizing
 from minirl.rollout import sync as weight_sync
 from minirl.rollout.engine import Completion, Engine, build
-from minirl.rollout.controller import Controller, Ticket
+from minirl.data import PromptSampler
+from minirl.rollout.controller import Controller, StalenessError, Ticket
 from minirl.rollout.process import start_engine_process
 from minirl.rollout.remote import RemoteEngines
+from minirl.rollout.seeding import top_up_seed
 
 if TYPE_CHECKING:  # annotations only
-    from minirl.data import PromptSampler
     from minirl.launch import World
     from minirl.stopwatch import Stopwatch
 
@@ -97,6 +98,10 @@ class Rollouts:
         # engine's start and the held-out evaluations (`generate`), never counted in a row
         self._off = (0.0, 0.0, 0.0)
         self._cancelled: tuple[int, int] | None = None  # a rollback's: (batches discarded, of them dropped unanswered)
+        # dynamic sampling's extra prompts: a stream of their own (seed −1 − train.seed, which no run's
+        # main sampler has), so the steps' batches draw what they would without it, and a resume too
+        self._top_ups = PromptSampler(sampler.problems, seed=-1 - sampler.seed)
+        self._trained: dict[int, int] | None = None  # the step's tokens by version, where `trains` chose them
 
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
@@ -143,14 +148,17 @@ class Rollouts:
 
     def record(self) -> dict:
         """The rollouts' part of a checkpoint's record: the prompt sampler's state after the steps
-        trained. Batches admitted ahead are not counted; a resumed run draws their prompts again."""
-        return {"sampler": self._control.position(self._sampler.state())}
+        trained. Batches admitted ahead are not counted; a resumed run draws their prompts again.
+        Dynamic sampling's stream is drawn within a step: its state is the steps' own."""
+        return {"sampler": self._control.position(self._sampler.state()), "top_ups": self._top_ups.state()}
 
     def restore(self, record: dict) -> None:
         """Where a checkpoint's run was in its prompts and steps (before anything is sampled)."""
         if len(self._control):
             raise RuntimeError("rollouts restored after a batch was admitted")
         self._sampler.restore(record["sampler"])
+        if "top_ups" in record:  # a checkpoint from before dynamic sampling: its stream starts afresh
+            self._top_ups.restore(record["top_ups"])
         self._control = Controller(self._k, step=record["step"])  # the engine holds that step's weights ...
         self._engine.set_version(record["step"])  # ... and stamps what it samples with its number
 
@@ -167,6 +175,7 @@ class Rollouts:
             answer, tokens = self._answer(handle, head.admitted)  # a wait the engine's process books
             self._control.finish(head, (asked, answer), tokens=tokens)
         self._taken = ticket = self._control.take(step)
+        self._trained = None
         # what the bound allows, sampled while this step trains; never a batch past the run's last step
         while self._k and self._control.may_admit() and self._control.next_step <= self._train.steps:
             self._admit()
@@ -175,11 +184,42 @@ class Rollouts:
         mine = self._world.member_share
         return mine(asked, self._tp), answer if self._remote else mine(answer, self._tp)
 
+    def top_up(self, step: int, draw: int) -> tuple[list, list[list[Completion]]]:
+        """Dynamic sampling's `draw`-th extra batch for `step` (its problems and G completions each):
+        prompts_per_step prompts of its own stream, sampled now by the weights last synced (k ≥ 1:
+        behind the batches sent before it, so its tokens are fresher than the step's own batch)."""
+        asked = self._world.group_share(self._top_ups.next_batch(self._train.prompts_per_step), self._tp)
+        args = ([p.prompt_ids for p in asked],)
+        kw = dict(n=self._train.group_size, temperature=self._rollout.temperature,
+                  max_tokens=self._rollout.max_tokens, seed=top_up_seed(self._train.seed, step, draw))
+        version = self._control.version
+        if self._k or self._remote:
+            answer, _ = self._answer(self._engine.submit("generate", *args, **kw), version)
+        else:
+            answer = self._engine.generate(*args, **kw)
+        mine = self._world.member_share
+        return mine(asked, self._tp), answer if self._remote else mine(answer, self._tp)
+
+    def trains(self, groups: list[list[Completion]]) -> None:
+        """The groups the step trains, where they are not its batch as sampled (dynamic sampling):
+        its staleness, for the guard and the rows, is theirs."""
+        if self._k:
+            self._trained = _by_version(groups, self._control.version)
+            worst = max((self._taken.step - 1 - v for v in self._trained), default=0)
+            if worst > self._k:
+                raise StalenessError(f"step {self._taken.step} trains tokens {worst} updates stale; the bound is {self._k}")
+
+    def _staleness(self) -> dict[int, int]:
+        """The step's trained tokens by updates behind the trained weights."""
+        if self._trained is None:
+            return self._taken.staleness()
+        return {self._taken.step - 1 - v: n for v, n in sorted(self._trained.items())}
+
     def lag(self) -> float:
         """The mean staleness of the step's batch, in updates (0 at k = 0): what the guard allows."""
         if not self._k or self._taken is None:
             return 0.0
-        lags = self._taken.staleness()
+        lags = self._staleness()
         n = sum(lags.values())
         return sum(lag * c for lag, c in lags.items()) / n if n else 0.0
 
@@ -203,7 +243,7 @@ class Rollouts:
             self._cancelled = None
         if not self._k:
             return out
-        lags = self._taken.staleness()  # updates behind → tokens
+        lags = self._staleness()  # updates behind → tokens
         # one definition, every bench's and the live table's: the engine idle outside its calls, the
         # trainer idle while blocked on the engine, for whatever reason (the batch, a snapshot slot,
         # a parity check's settle, a rollback's drain)

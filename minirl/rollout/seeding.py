@@ -26,6 +26,12 @@ def call_seed(seed: int, *, stream: int = 0) -> int:
     return random.Random(f"minirl/{seed}/{stream}").getrandbits(63)
 
 
+def top_up_seed(seed: int, step: int, draw: int) -> int:
+    """The call seed of dynamic sampling's `draw`-th extra batch of `step` (a step's own batch is
+    called with seed · 1,000,003 + step): apart from every step's, the same in a resumed run."""
+    return random.Random(f"minirl/top-up/{seed}/{step}/{draw}").getrandbits(62)
+
+
 @contextlib.contextmanager
 def seeded_sampling(seed: int | None, *, stream: int = 0):
     """Run a `generate` call's sampling from the process's generators seeded for this call, and

@@ -33,6 +33,7 @@ from minirl.train.batch import Batch, build_batch
 from minirl.data import PromptSampler
 from minirl.data import response_text
 from minirl.eval.evaluate import evaluate
+from minirl.run import dynamic
 from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
 from minirl.launch import World
@@ -125,11 +126,17 @@ class RLRun:
         B = len(problems)
         clock.lap("rollout")
 
+        kept = sampled = self._graded(problems, groups)
+        if r.train.dynamic_sampling:  # groups whose rewards are all equal left out, the batch refilled (dynamic.py)
+            kept, sampled, drawn = dynamic.fill(sampled, lambda d: self._graded(*self.rollouts.top_up(step, d)),
+                                                size=B, max_draws=r.train.dynamic_sampling_draws)
+            self.rollouts.trains([g.completions for g in kept])
+        problems, groups = [g.problem for g in kept], [g.completions for g in kept]
         comps = [c for g in groups for c in g]
-        scores = self.grading.grade([(prob.record, response_text(c.token_ids, self.decode, self.eos))
-                                     for prob, g in zip(problems, groups) for c in g])
+        scores = [s for g in kept for s in g.scores]
         cut = [c.finish == "length" for c in comps]
-        rewards_PG = objective.sequence_rewards([s.score for s in scores], cut, r.loss.truncated_reward).view(B, G)
+        graded_PG, rewards_PG = torch.stack([g.graded for g in kept]), torch.stack([g.rewards for g in kept])
+        shaping_PG = rewards_PG - graded_PG
         # a fault (faults.py) may train on the rewards inverted: the logged reward, the guard's, stays true
         adv_PG = objective.group_advantages(1 - rewards_PG if inject == "invert" else rewards_PG, std_scale=r.loss.adv_std)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
@@ -142,7 +149,8 @@ class RLRun:
         # (`fused`), identical to a forward of its own, which would cost a whole extra forward.
         fused = N == 1 and not (r.train.replay == "r3" and r.train.replay_diagnostics)
         routes, replay_metrics, old = self._old_policy(batch, comps, fused)
-        reward = world.mean({"reward": float(rewards_PG.mean())})["reward"]
+        # the policy's reward: of every group sampled (dynamic sampling trains a batch chosen by it)
+        reward = world.mean({"reward": float(torch.cat([g.rewards for g in sampled]).mean())})["reward"]
         lr = self.state.lr * min(1.0, step / r.train.warmup_steps) if r.train.warmup_steps else self.state.lr
         self.trainer.set_lr(lr)
         if old is not None:
@@ -197,13 +205,18 @@ class RLRun:
         self.state.step = step
         mask = batch.mask_BT
         rollout_metrics = world.mean({  # this rank's share, then over ranks (the others already are)
-            "rollout/acc": float((rewards_PG >= 1.0).float().mean()),
+            # the grader's, before any shaping, of every group sampled
+            "rollout/acc": float((torch.cat([g.graded for g in sampled]) >= 1.0).float().mean()),
             "rollout/resp_len": float(mask.sum(-1).mean()),
             "rollout/truncated_frac": sum(cut) / (B * G),
-            "rollout/grader_errors": sum("error" in s.info for s in scores),
-            "rollout/grader_timeouts": sum(bool(s.info.get("timeout")) for s in scores),
+            "rollout/grader_errors": sum("error" in s.info for g in sampled for s in g.scores),
+            "rollout/grader_timeouts": sum(bool(s.info.get("timeout")) for g in sampled for s in g.scores),
             "rollout/zero_adv_groups": float((adv_PG.abs().sum(-1) == 0).float().mean()),
+            **({"rollout/graded_mean": float(graded_PG.mean()),  # the reward before the shaping below
+                "rollout/overlong_frac": float((shaping_PG < 0).float().mean()),  # in the buffer: punished
+                "rollout/overlong_penalty": float(shaping_PG.mean())} if r.loss.overlong_buffer else {}),
             **replay_metrics,
+            **(drawn if r.train.dynamic_sampling else {}),
         }, sums=("rollout/grader_errors", "rollout/grader_timeouts"))
         row = {
             "step": step,
@@ -239,6 +252,20 @@ class RLRun:
         return row
 
     # ----- pieces of a step ---------------------------------------------------------------------
+    def _graded(self, problems: list, groups: list) -> list[dynamic.Group]:
+        """Each prompt's group graded: R(x, y) by the truncation rule, then the overlong shaping."""
+        r, G = self.rec, self.rec.train.group_size
+        comps = [c for g in groups for c in g]
+        scores = self.grading.grade([(prob.record, response_text(c.token_ids, self.decode, self.eos))
+                                     for prob, g in zip(problems, groups) for c in g])
+        cut = [c.finish == "length" for c in comps]
+        graded = objective.sequence_rewards([s.score for s in scores], cut, r.loss.truncated_reward).view(-1, G)
+        lengths = torch.tensor([len(c.token_ids) for c in comps]).view(-1, G)
+        rewards = graded + objective.overlong_penalty(lengths, r.rollout.max_tokens, r.loss.overlong_buffer,
+                                                      r.loss.overlong_penalty)
+        return [dynamic.Group(prob, g, scores[i * G:(i + 1) * G], graded[i], rewards[i])
+                for i, (prob, g) in enumerate(zip(problems, groups))]
+
     def _old_policy(self, batch: Batch, comps: list, fused: bool):
         """(routes to replay or None, replay metrics, (log π_θold, entropy) or None when `fused`)."""
         r = self.rec

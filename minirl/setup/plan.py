@@ -107,6 +107,9 @@ class Plan:
     sleep_chosen: bool = False  # the plan chose it (the recipe's -1), and the run sleeps so
     sleep_why: str = ""  # what decided the plan's choice
     trainer_path: str = "one process"  # how the trainer computes: "one process" (autocast) or "fsdp2" (trainer_path)
+    # batches sampled a step at most: 1, or with dynamic sampling 1 + train.dynamic_sampling_draws (each
+    # the same size, one after another: the memory above holds for each; the rollout FLOPs multiply)
+    rollout_draws_max: int = 1
 
     @property
     def fits(self) -> bool:
@@ -487,7 +490,7 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
         sequences_per_engine=seqs_engine,
         host_gib_per_node=host_per_node / GiB, host_gib={k: v / GiB for k, v in host.items()},
         offload_s_per_step=offload_s, problems=problems, rollout_gpus=p.rollout_gpus, trainer_path=path,
-        sleep_level=r.sleep_level,
+        sleep_level=r.sleep_level, rollout_draws_max=1 + (t.dynamic_sampling_draws if t.dynamic_sampling else 0),
     )
 
 

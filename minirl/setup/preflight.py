@@ -364,6 +364,11 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
     if t.prompts_per_step % (world_size * t.minibatches):
         raise UsageError(f"train.prompts_per_step = {t.prompts_per_step} must split evenly into "
                          f"{t.minibatches} mini-batch(es) on each of {world_size} rank(s)")
+    if t.dynamic_sampling and world_size > 1:
+        # each rank keeps its share of a batch: which groups survive differs by rank, and the extra
+        # draws would have to be agreed and the survivors dealt out again (not built yet)
+        raise UsageError(f"train.dynamic_sampling on {world_size} training ranks: not supported yet; it runs in one "
+                         "training process (rollout GPUs and k ≥ 1 included): drop it or launch one rank")
 
 
 def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInputs:

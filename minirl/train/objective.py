@@ -364,6 +364,7 @@ __all__ = [
     "is_weight",
     "masked_mean",
     "minirl_loss",
+    "overlong_penalty",
     "policy_loss",
     "sampler_logp",
     "train_inference_kl",
@@ -377,6 +378,17 @@ def sequence_rewards(scores: list[float], truncated: list[bool], truncated_rewar
     if truncated_reward == "zero":
         return torch.tensor([0.0 if cut else s for s, cut in zip(scores, truncated)])
     return torch.tensor(scores, dtype=torch.float32)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment R_length(y), added to R(x, y) per response: 0 while
+    |y| ≤ L_max − L_cache, then −penalty · (|y| − (L_max − L_cache)) / L_cache, down to −penalty at
+    |y| = L_max (L_max = rollout.max_tokens, L_cache = `buffer`; 0 turns it off). A long response is
+    told it is long before it is cut, rather than only when cut (`truncated_reward`)."""
+    if not buffer:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    over = (lengths.float() - (max_tokens - buffer)).clamp(0, buffer)
+    return -penalty * over / buffer
 
 
 def minibatch_indices(B: int, G: int, N: int, *, seed: int) -> list[torch.Tensor]:

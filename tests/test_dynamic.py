@@ -1,0 +1,110 @@
+"""Dynamic sampling (#81, run/dynamic.py): a step trains groups whose rewards differ, refilled by
+draws of more prompts up to the recipe's bound, and the rows count what it dropped and drew."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from minirl.run.dynamic import Group, fill, informative
+
+
+def _groups(flat: list[bool], G: int = 4, tag: str = "") -> list[Group]:
+    """Groups whose rewards are all 1 (`flat`) or half 1, half 0."""
+    out = []
+    for i, f in enumerate(flat):
+        r = torch.ones(G) if f else torch.tensor([1.0, 0.0] * (G // 2))
+        out.append(Group(f"{tag}{i}", [None] * G, [None] * G, r, r))
+        assert informative(r) is not f
+    return out
+
+
+def test_fill_drops_flat_groups_and_draws_until_the_batch_is_full():
+    draws = iter([_groups([True, False, True, True], tag="a"), _groups([False, False, True, False], tag="b")])
+    batch, sampled, row = fill(_groups([True, False, True, False]), lambda d: next(draws), size=4, max_draws=3)
+    assert [g.problem for g in batch] == ["1", "3", "a1", "b0"]  # informative, in the order drawn
+    assert len(sampled) == 12
+    assert row == {"rollout/dynamic_dropped": 6, "rollout/dynamic_short": 0, "rollout/dynamic_surplus": 2,
+                   "rollout/dynamic_draws": 2, "rollout/dynamic_rollouts": 2 * 4 * 4}
+
+
+def test_fill_stops_at_its_bound_and_completes_the_batch_with_flat_groups():
+    batch, _, row = fill(_groups([True, True, False, True]), lambda d: _groups([True] * 4, tag=f"d{d}"), size=4,
+                         max_draws=2)
+    assert [g.problem for g in batch] == ["2", "0", "1", "3"]  # the informative one, then flat ones, first drawn first
+    assert row["rollout/dynamic_short"] == 3 and row["rollout/dynamic_dropped"] == 8  # 11 flat, 3 of them trained
+    assert row["rollout/dynamic_draws"] == 2
+    batch, _, row = fill(_groups([False] * 4), lambda d: pytest.fail("a full batch draws nothing"), size=4, max_draws=2)
+    assert row == {"rollout/dynamic_dropped": 0, "rollout/dynamic_short": 0, "rollout/dynamic_surplus": 0,
+                   "rollout/dynamic_draws": 0, "rollout/dynamic_rollouts": 0}
+
+
+def test_on_several_training_ranks_it_is_refused_in_one_line():
+    from minirl import recipes
+    from minirl.errors import UsageError
+    from minirl.models import TINY
+    from minirl.setup.preflight import check_layout
+
+    rec = recipes.load(None, ["train.dynamic_sampling=true"])
+    check_layout(rec, TINY, 1)
+    with pytest.raises(UsageError, match="train.dynamic_sampling on 2 training ranks: not supported yet"):
+        check_layout(rec, TINY, 2)
+
+
+class HalfFlatGrader:
+    """Half the prompts (`flat`) score 1 whatever is answered: their groups have no variance; the
+    others score the parity of the response's length, which differs within almost every group."""
+
+    def __call__(self, record, response):
+        from rewards.base import Score
+
+        return Score(1.0 if record["flat"] else float(len(response) % 2))
+
+
+def _half_flat_workspace(root: Path) -> Path:
+    from minirl.task import make_splits, write_jsonl
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(root)
+    train, _ = make_splits(400, 16, seed=0)
+    write_jsonl(ws / "data/train.jsonl", [{**r, "flat": i % 2} for i, r in enumerate(train)])
+    return ws
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 2])
+def test_every_trained_batch_is_full_and_has_no_flat_group(k, tiny_dir, tmp_path, monkeypatch):
+    """On data where half the groups have zero variance, with the real engine on the tiny model
+    (k = 2: in its own process, sampling ahead; with R3): every step trains a full batch of
+    prompts_per_step groups, none of them flat, and the rows count the groups dropped and the
+    extra draws and rollouts it took; the staleness bound holds on the tokens trained."""
+    from minirl import recipes
+    from minirl.run import lifecycle
+    from minirl.setup.workspace import Workspace
+    from rewards import base
+
+    monkeypatch.setitem(base.BUILTIN, "half-flat", f"{__name__}:HalfFlatGrader")
+    ws = _half_flat_workspace(tmp_path / "ws")
+    B, G = 8, 4
+    rec = recipes.load(ws / "minirl.toml", [
+        f"model.path={tiny_dir}", "train.steps=3", f"train.prompts_per_step={B}", f"train.group_size={G}",
+        "train.dynamic_sampling=true", "train.dynamic_sampling_draws=4", "reward.grader=half-flat",
+        "eval.max_problems=4", "eval.k=1", f"rollout.max_staleness={k}", *(["train.replay=r3"] if k else [])])
+    summary = lifecycle.run(Workspace.open(ws), rec)
+    assert summary["status"] == "finished", summary
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for m in rows:
+        assert m["rollout/zero_adv_groups"] == 0 and m["rollout/dynamic_short"] == 0, m
+        assert round(m["rollout/resp_tokens"] / m["rollout/resp_len"]) == B * G  # B whole groups trained
+        assert m["rollout/dynamic_dropped"] >= 1 and m["rollout/dynamic_draws"] >= 1
+        assert m["rollout/dynamic_rollouts"] == m["rollout/dynamic_draws"] * B * G
+        assert m["loss/tokens"] == m["rollout/resp_tokens"]
+        if k:
+            assert m["rollout/staleness_max"] <= k and sum(m["rollout/staleness_tokens"]) == m["rollout/resp_tokens"]
+            assert m["replay/coverage"] == 1.0
+    # the first step's draw: about half its groups flat, so about one extra draw refilled it
+    assert sum(m["rollout/dynamic_dropped"] for m in rows) >= B
