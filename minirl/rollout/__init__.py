@@ -100,7 +100,7 @@ class Rollouts:
         self._cancelled: tuple[int, int] | None = None  # a rollback's: (batches discarded, of them dropped unanswered)
         # dynamic sampling's extra prompts: a stream of their own (seed −1 − train.seed, which no run's
         # main sampler has), so the steps' batches draw what they would without it, and a resume too
-        self._top_ups = PromptSampler(sampler.problems, seed=-1 - sampler.seed)
+        self._top_ups: PromptSampler | None = None
         self._trained: dict[int, int] | None = None  # the step's tokens by version, where `trains` chose them
 
     @classmethod
@@ -150,15 +150,16 @@ class Rollouts:
         """The rollouts' part of a checkpoint's record: the prompt sampler's state after the steps
         trained. Batches admitted ahead are not counted; a resumed run draws their prompts again.
         Dynamic sampling's stream is drawn within a step: its state is the steps' own."""
-        return {"sampler": self._control.position(self._sampler.state()), "top_ups": self._top_ups.state()}
+        return {"sampler": self._control.position(self._sampler.state()),
+                **({"top_ups": self._top_ups.state()} if self._top_ups is not None else {})}
 
     def restore(self, record: dict) -> None:
         """Where a checkpoint's run was in its prompts and steps (before anything is sampled)."""
         if len(self._control):
             raise RuntimeError("rollouts restored after a batch was admitted")
         self._sampler.restore(record["sampler"])
-        if "top_ups" in record:  # a checkpoint from before dynamic sampling: its stream starts afresh
-            self._top_ups.restore(record["top_ups"])
+        if "top_ups" in record:  # else none was drawn yet: the stream starts afresh
+            self._top_up_stream().restore(record["top_ups"])
         self._control = Controller(self._k, step=record["step"])  # the engine holds that step's weights ...
         self._engine.set_version(record["step"])  # ... and stamps what it samples with its number
 
@@ -188,7 +189,7 @@ class Rollouts:
         """Dynamic sampling's `draw`-th extra batch for `step` (its problems and G completions each):
         prompts_per_step prompts of its own stream, sampled now by the weights last synced (k ≥ 1:
         behind the batches sent before it, so its tokens are fresher than the step's own batch)."""
-        asked = self._world.group_share(self._top_ups.next_batch(self._train.prompts_per_step), self._tp)
+        asked = self._world.group_share(self._top_up_stream().next_batch(self._train.prompts_per_step), self._tp)
         args = ([p.prompt_ids for p in asked],)
         kw = dict(n=self._train.group_size, temperature=self._rollout.temperature,
                   max_tokens=self._rollout.max_tokens, seed=top_up_seed(self._train.seed, step, draw))
@@ -199,6 +200,11 @@ class Rollouts:
             answer = self._engine.generate(*args, **kw)
         mine = self._world.member_share
         return mine(asked, self._tp), answer if self._remote else mine(answer, self._tp)
+
+    def _top_up_stream(self) -> PromptSampler:
+        if self._top_ups is None:
+            self._top_ups = PromptSampler(self._sampler.problems, seed=-1 - self._sampler.seed)
+        return self._top_ups
 
     def trains(self, groups: list[list[Completion]]) -> None:
         """The groups the step trains, where they are not its batch as sampled (dynamic sampling):

@@ -107,9 +107,7 @@ class Plan:
     sleep_chosen: bool = False  # the plan chose it (the recipe's -1), and the run sleeps so
     sleep_why: str = ""  # what decided the plan's choice
     trainer_path: str = "one process"  # how the trainer computes: "one process" (autocast) or "fsdp2" (trainer_path)
-    # batches sampled a step at most: 1, or with dynamic sampling 1 + train.dynamic_sampling_draws (each
-    # the same size, one after another: the memory above holds for each; the rollout FLOPs multiply)
-    rollout_draws_max: int = 1
+    rollout_draws_max: int = 1  # batches sampled a step at most (dynamic sampling's draws: one at a time)
 
     @property
     def fits(self) -> bool:
@@ -329,7 +327,6 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     acts = {f"activations ({name})": sum(activation_bytes(shape, micro, path=path, ac=ac).values())
             for name, ac in (("no AC", "none"), ("full AC", "full"))}
     from minirl.train.head import head_chunk  # deferred: torch, which the commands that plan nothing start without
-
     chunk = head_chunk(micro, shape.vocab_size)
     # chunked head: a chunk's bf16 logits and three float32 [chunk, vocab] at most (head.py); else the
     # micro-batch's bf16 logits and their gradient, and one float32 chunk and its softmax
