@@ -251,15 +251,20 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     world = launch.start()  # the whole job, or one rank of a torchrun job (rank 0 prints)
 
     def on_stop_signal(signum, frame):
+        if signum == signal.SIGHUP:  # the terminal is gone: what would be shown goes nowhere, not to EIO
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                os.dup2(devnull, fd)
         if lifecycle.Stop.requested:
             raise KeyboardInterrupt
         lifecycle.Stop.requested, lifecycle.Stop.signal = True, signum
         if world.main:
             console.print(f"[yellow]{signal.Signals(signum).name}: stopping after this step (again to abort)...[/]")
 
-    # Ctrl-C and SIGTERM (kill, schedulers) alike: finish the step, checkpoint, summary, then exit
-    signal.signal(signal.SIGINT, on_stop_signal)
-    signal.signal(signal.SIGTERM, on_stop_signal)
+    # Ctrl-C, SIGTERM (kill, schedulers) and SIGHUP (a closed terminal, #82) alike: finish the step,
+    # checkpoint, summary, then exit
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_stop_signal)
     if not world.main:
         console.quiet = True
     with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
@@ -267,7 +272,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
     if world.main:
         view.print_summary(summary)
     if summary["status"] == "interrupted":
-        sys.exit(128 + lifecycle.Stop.signal)  # 130 (SIGINT) or 143 (SIGTERM); `--resume` continues
+        sys.exit(128 + lifecycle.Stop.signal)  # 130 (SIGINT), 143 (SIGTERM), 129 (SIGHUP); `--resume` continues
     if summary["status"] == "collapsed":
         sys.exit(3)  # the guard used up its rollbacks; the final checkpoint holds the last good weights
     if summary["status"] == "engine_fault":  # the engine broke (errors.EngineFault): what, and what avoids it
@@ -372,7 +377,8 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
 
     if run_name is not None:
         run_dir = workspace / "runs" / run_name
-        if not run_dir.is_dir():
+        # a run is a folder in runs/ itself: not runs/ (".", ""), nor a path past it (#82)
+        if not run_dir.is_dir() or run_dir.resolve().parent != (workspace / "runs").resolve():
             raise UsageError(f"no run {run_name!r} in {workspace / 'runs'}")
     else:
         run_dir = status_mod.latest_run(workspace)

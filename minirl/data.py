@@ -25,9 +25,10 @@ class Problem:
 
 
 def load_rows(spec: str, *, base: Path | None = None, split: str = "train", config: str | None = None,
-              instead: str | None = None):
+              instead: str | None = None, typed: tuple[str, ...] = ()):
     """A `datasets.Dataset` from a local file/folder (resolved against `base`) or a Hub dataset id.
-    instead: what to pass rather than a Hub id when the Hub cannot be had (one line, hub.need_hub)."""
+    instead: what to pass rather than a Hub id when the Hub cannot be had (one line, hub.need_hub).
+    typed: fields whose every row must hold one type (local files: `_one_type_per_field`)."""
     import datasets
 
 
@@ -43,7 +44,9 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train", conf
                     raise UsageError(f"dataset file {f} is empty")
             _same_fields(local, files)
             kind = "parquet" if files[0].suffix == ".parquet" else "json"
-            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+            rows = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+            _one_type_per_field(rows, spec, typed, files)
+            return rows
         if local.suffix in (".jsonl", ".json", ".parquet", ".csv") or spec.startswith((".", "/")):
             raise UsageError(f"dataset file {local} not found")  # a path, not a Hub id: never ask the Hub
         instead = instead or f"give a local copy of {spec!r} (a .jsonl or .parquet path) instead"
@@ -89,6 +92,34 @@ def _same_fields(folder: Path, files: list[Path]) -> None:
                          f"{b}: {', '.join(kinds[1])}), which do not load as one dataset; pass one file")
 
 
+def _one_type_per_field(rows, spec: str, fields: tuple[str, ...], files: list[Path]) -> None:
+    """A field whose rows hold values of different types (a number among strings) is typed `Json`
+    by `datasets`, whose rows then read as JSON text: every prompt '"760+455="', quotes and all
+    (#82). Refused, naming the file and line of the first value whose type is not the field's most
+    common one (read from the files themselves: the decoded column has lost the types)."""
+    import collections
+    import json
+
+    for f in fields:
+        if type(rows.features.get(f)).__name__ != "Json":
+            continue
+        where = []  # (file, line, type) of each row's value
+        for path in (x for x in files if x.suffix != ".parquet"):
+            with path.open() as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        v = json.loads(line).get(f)
+                        where.append((path, n, None if v is None else type(v).__name__, v))
+        common = collections.Counter(k for *_, k, _ in where if k).most_common(1)
+        odd = next((w for w in where if w[2] and common and w[2] != common[0][0]), None)
+        if odd is None:
+            raise UsageError(f"dataset {spec!r}: field {f!r} holds values of different types, which `datasets` reads "
+                             "as JSON text: one type per field")
+        path, n, kind, v = odd
+        raise UsageError(f"dataset {spec!r} ({path.name} line {n}): field {f!r} holds a {kind} ({v!r}) where its other "
+                         f"rows hold a {common[0][0]}: one type per field (quote it, or fix the row)")
+
+
 ENCODE_BATCH = 1024  # prompts a tokenizer call takes: its batch speed, without a whole dataset's encodings at once
 
 
@@ -105,7 +136,7 @@ def load_problems(
     """Usable problems plus skip counts {"empty_prompt", "missing_answer", "too_long"}. `encode`
     tokenises a list of prompts in one call (a tokenizer's batch path: 20,000 prompts one call each
     took seconds of a run's start)."""
-    rows = load_rows(spec, base=base, split=split)
+    rows = load_rows(spec, base=base, split=split, typed=(prompt_field, answer_field))
     for f in (prompt_field, answer_field):
         if f not in rows.column_names:
             raise UsageError(f"dataset {spec!r} has no field {f!r}; fields: {', '.join(rows.column_names)}")

@@ -38,8 +38,8 @@ def _coerce(key: str, typ: Any, value: Any, *, flag: bool) -> Any:
             if isinstance(value, bool) or (not from_flag and not isinstance(value, int)):
                 raise ValueError
             return int(value)
-        if typ is float:
-            if isinstance(value, bool):
+        if typ is float:  # a TOML float or integer; from a flag, a number's text
+            if isinstance(value, bool) or not (from_flag or isinstance(value, (int, float))):
                 raise ValueError
             return float(value)
         if typ is dict:
@@ -51,11 +51,16 @@ def _coerce(key: str, typ: Any, value: Any, *, flag: bool) -> Any:
             if not isinstance(value, str):
                 raise ValueError
             return value
-    except ValueError:
+    except (ValueError, TypeError):
         pass
     else:
         return value
-    raise UsageError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    hint = ""
+    if not flag and isinstance(value, str) and typ in (int, float):
+        hint = f" (a TOML string: write {value.strip()} without quotes)"
+    what = type(value).__name__ if not isinstance(value, (str, int, float, bool, dict, list)) else None
+    raise UsageError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}"
+                     + (f" (a TOML {what})" if what else "") + hint)
 
 
 def _apply(recipe: Recipe, section: str, key: str, value: Any, *, flag: bool) -> None:
@@ -100,8 +105,15 @@ def load(path: Path | None, overrides: list[str] = ()) -> Recipe:
         path = Path(path)
         if not path.is_file():
             raise UsageError(f"recipe not found: {path}")
+        raw = path.read_bytes()
         try:
-            data = tomllib.loads(path.read_text())
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # TOML is UTF-8: say where the byte that is not stands
+            line = raw[: e.start].count(b"\n") + 1
+            raise UsageError(f"malformed recipe {path}: line {line} holds the byte {raw[e.start:e.start + 1]!r}, "
+                             "which is not UTF-8 (TOML files are UTF-8): re-save it as UTF-8") from None
+        try:
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise UsageError(f"malformed recipe {path}: {e}") from None
         for section, values in data.items():

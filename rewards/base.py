@@ -73,8 +73,16 @@ def load_grader(name: str, params: dict[str, Any] | None = None) -> Grader:
     eps = available()
     if name not in eps:
         raise UsageError(f"unknown grader {name!r}; installed: {', '.join(sorted(eps)) or 'none'}")
-    cls = eps[name].load()
+    ep = eps[name]
+    try:
+        cls = ep.load()
+    except Exception as e:  # noqa: BLE001 - a plug-in's module or class that is not there: one line
+        raise UsageError(f"grader {name!r} ({ep.value}) cannot be loaded: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
     try:
         return cls(**(params or {}))
     except TypeError as e:
         raise UsageError(f"grader {name!r}: bad reward.params: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a constructor that raises: one line naming it
+        raise UsageError(f"grader {name!r} ({ep.value}) failed to start: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]}") from None

@@ -14,6 +14,7 @@ scores 0 with the reason in `info` (the loop counts both).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import multiprocessing as mp
 import signal
 import threading
@@ -24,6 +25,18 @@ from typing import Any
 from rewards.base import Score, load_grader
 
 MAX_RESPONSE_CHARS = 20_000  # graders see the tail: the final answer is at the end of a response
+
+
+def checked(score: Any) -> Score:
+    """A grader's answer held to its contract (#82): a `Score` whose score is a finite number in
+    [0, 1]. Anything else (NaN, 2.0, a string, a bare number) is a grader error the row counts,
+    scored 0, never trained on as it came."""
+    if not isinstance(score, Score):
+        return Score(0.0, {"error": f"the grader returned {type(score).__name__} {score!r:.80}, not a Score"})
+    v = score.score
+    if isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0:
+        return score if type(v) is float else Score(float(v), score.info)
+    return Score(0.0, {**score.info, "error": f"the grader scored {v!r:.80}: a score is a finite number in [0, 1]"})
 
 
 class _Timeout(BaseException):  # BaseException: libraries that catch Exception must not swallow it
@@ -58,7 +71,7 @@ def _limited(grader, record: dict, response: str, timeout_s: float) -> Score:
     if timeout_s:
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return grader(record, response)
+        return checked(grader(record, response))
     except _Timeout:
         return Score(0.0, {"timeout": True})
     except Exception as e:  # noqa: BLE001 - a grader bug must never kill a run
@@ -76,6 +89,7 @@ def _worker_init(name: str, params: dict) -> None:
     # Ctrl-C reaches the whole process group: the parent stops and closes the pool; a worker's own
     # KeyboardInterrupt would only print a traceback per worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # likewise a closed terminal's SIGHUP
     _WORKER_GRADER = load_grader(name, params)
 
 
@@ -112,9 +126,13 @@ class GradingPool:
         batch = getattr(self.grader, "grade_batch", None)
         if self.workers <= 0 and batch is not None:
             try:
-                return batch([(rec, resp[-MAX_RESPONSE_CHARS:]) for rec, resp in items])
+                scores = list(batch([(rec, resp[-MAX_RESPONSE_CHARS:]) for rec, resp in items]))
             except Exception as e:  # noqa: BLE001 - a grader bug must never kill a run
                 return [Score(0.0, {"error": f"{type(e).__name__}: {e}"}) for _ in items]
+            if len(scores) != len(items):
+                return [Score(0.0, {"error": f"the grader's batch answered {len(scores)} of {len(items)}"})
+                        for _ in items]
+            return [checked(x) for x in scores]
         if self.workers <= 0:
             return grade_with_limit(self.grader, items, self.timeout_s)
         pool = self._executor()

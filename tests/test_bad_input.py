@@ -67,6 +67,21 @@ def write(rel: str, data: str | bytes):
     return f
 
 
+def append(rel: str, data: str):
+    def f(ws: Path):
+        with (ws / rel).open("a") as fh:
+            fh.write(data)
+    return f
+
+
+def dangling(rel: str, target: str):
+    def f(ws: Path):
+        p = ws / rel
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        p.symlink_to(target)
+    return f
+
+
 def delete(rel: str):
     def f(ws: Path):
         p = ws / rel
@@ -407,12 +422,33 @@ CASES = [
      "rollout.inflight_updates: expected bool, got 'yes'"),
     ("toml-string-for-int", ["run", "{ws}"], write("minirl.toml", "[train]\nsteps = \"10\"\n"),
      "train.steps: expected int, got '10'"),
+    # #82: a float key takes a TOML float or integer, nothing else; other TOML types and bad bytes: one line
+    ("toml-string-for-float", ["run", "{ws}"], write("minirl.toml", "[train]\nlr = \"3e-4\"\n"),
+     "train.lr: expected float, got '3e-4' (a TOML string: write 3e-4 without quotes)"),
+    ("toml-array-for-float", ["run", "{ws}"], write("minirl.toml", "[train]\nlr = [3e-4]\n"),
+     "train.lr: expected float, got [0.0003]"),
+    ("toml-date-for-float", ["run", "{ws}"], write("minirl.toml", "[rollout]\ntemperature = 2026-12-01\n"),
+     "rollout.temperature: expected float, got datetime.date(2026, 12, 1) (a TOML date)"),
+    ("toml-array-for-str", ["run", "{ws}"], write("minirl.toml", "[reward]\ngrader = [\"math\"]\n"),
+     "reward.grader: expected str, got ['math']"),
+    ("toml-latin-1-byte", ["run", "{ws}"], write("minirl.toml", b"[train]\n# caf\xe9\nsteps = 3\n"),
+     "line 2 holds the byte b'\\xe9', which is not UTF-8 (TOML files are UTF-8): re-save it as UTF-8"),
     ("toml-unknown-section", ["run", "{ws}"], write("minirl.toml", "[trian]\nlr = 1\n"), "unknown recipe section [trian]"),
     ("toml-nan", ["run", "{ws}"], write("minirl.toml", "[train]\nlr = nan\n"), "train.lr = nan"),
     ("not-a-workspace", ["run", "{ws}"], delete("minirl.toml"), "is not a minirl workspace"),
     # --- data files ---------------------------------------------------------------------------------
+    ("runs-a-dangling-link", ["run", "{ws}"], dangling("runs", "/nonexistent/minirl-runs"),
+     "runs is a link to /nonexistent/minirl-runs, which does not exist: create that folder, or remove the link"),
+    ("status-of-the-runs-folder", ["status", "{ws}", "--run", "."], None, "no run '.' in"),
+    ("status-of-no-name", ["status", "{ws}", "--run", ""], None, "no run '' in"),
+    ("status-of-a-path-past-runs", ["status", "{ws}", "--run", "../data"], None, "no run '../data' in"),
     ("train-missing", ["run", "{ws}"], delete("data/train.jsonl"), "train.jsonl not found"),
     ("train-empty", ["run", "{ws}"], write("data/train.jsonl", ""), "train.jsonl is empty"),
+    # #82: one row of another type made `datasets` read every row of the field as JSON text
+    ("train-a-numeric-prompt", ["run", "{ws}"], append("data/train.jsonl", '{"prompt": 12, "answer": "3"}\n'),
+     "(train.jsonl line 201): field 'prompt' holds a int (12) where its other rows hold a str: one type per field"),
+    ("train-a-numeric-answer", ["run", "{ws}"], append("data/train.jsonl", '{"prompt": "1+2=", "answer": 3}\n'),
+     "(train.jsonl line 201): field 'answer' holds a int (3) where its other rows hold a str"),
     ("train-not-json", ["run", "{ws}"], write("data/train.jsonl", "this is not json\nnor this\n"), "cannot load dataset"),
     ("train-no-prompt-field", ["run", "{ws}"], write("data/train.jsonl", rows([{"question": "1+1=", "answer": "2"}] * 40)),
      "has no field 'prompt'"),

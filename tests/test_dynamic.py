@@ -4,6 +4,7 @@ draws of more prompts up to the recipe's bound, and the rows count what it dropp
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,10 @@ def test_every_trained_batch_is_full_and_has_no_flat_group(k, tiny_dir, tmp_path
         f"model.path={tiny_dir}", "train.steps=3", f"train.prompts_per_step={B}", f"train.group_size={G}",
         "train.dynamic_sampling=true", "train.dynamic_sampling_draws=4", "reward.grader=half-flat",
         "eval.max_problems=4", "eval.k=1", f"rollout.max_staleness={k}", *(["train.replay=r3"] if k else [])])
+    cores = os.sched_getaffinity(0)
     summary = lifecycle.run(Workspace.open(ws), rec)
     assert summary["status"] == "finished", summary
+    assert os.sched_getaffinity(0) == cores  # k = 2: the engine's process closed gave this one its cores back
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3]
     for m in rows:

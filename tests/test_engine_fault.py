@@ -182,3 +182,20 @@ def test_a_dead_engine_is_named_in_one_line_and_ctrl_c_is_quiet_in_every_process
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     steps = [m["step"] for m in rows(run_dir())]
     assert steps == list(range(1, len(steps) + 1))
+
+    # #82: a closed terminal (SIGHUP to the group) stops as SIGTERM does: the step finished, a
+    # checkpoint, the summary, exit 129; the engine's child ignores it and is stopped by the trainer
+    proc = subprocess.Popen([*args, "--resume"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    wait_for_rows(run_dir, len(steps) + 2, proc)
+    child = _engine_child(proc.pid, proc)
+    os.killpg(proc.pid, signal.SIGHUP)
+    proc.communicate(timeout=600)
+    assert proc.returncode == 129
+    summary = json.loads((run_dir() / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGHUP", summary
+    assert Path(summary["checkpoint"]).name == f"step_{summary['steps']:06d}"
+    steps = [m["step"] for m in rows(run_dir())]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] == summary["steps"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # stopped with the run, not left behind

@@ -59,3 +59,67 @@ def test_grading_workers_leave_ctrl_c_to_the_parent():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+class Misbehaving:
+    """A colleague's grader: what it returns is the record's `returns`."""
+
+    def __call__(self, record, response):
+        return record["returns"]
+
+
+class BatchOfOne:
+    def __call__(self, record, response):
+        return Score(1.0)
+
+    def grade_batch(self, items):
+        return [Score(float("nan"))] + [Score(1.0)] * (len(items) - 1)
+
+
+@pytest.mark.parametrize("returns, score, error", [
+    (Score(float("nan")), 0.0, "the grader scored nan: a score is a finite number in [0, 1]"),
+    (Score(2.0), 0.0, "the grader scored 2.0"), (Score(-1), 0.0, "the grader scored -1"),
+    (Score("1"), 0.0, "the grader scored '1'"), (0.5, 0.0, "the grader returned float 0.5, not a Score"),
+    (None, 0.0, "the grader returned NoneType None, not a Score"),
+    (Score(1), 1.0, None), (Score(0.25, {"extracted": "7"}), 0.25, None)])
+def test_a_score_outside_the_contract_is_a_counted_grader_error(returns, score, error, monkeypatch):
+    """#82: a score is a finite number in [0, 1]; NaN, 2.0, −1, a string or anything but a Score
+    scores 0 with the reason (the row counts it as a grader error), in the trainer's process, in
+    the workers' and through a grader's own batch method, never trained on as it came."""
+    from rewards import base
+    from rewards.pool import GradingPool
+
+    monkeypatch.setitem(base.BUILTIN, "misbehaving", f"{__name__}:Misbehaving")
+    got = GradingPool("misbehaving").grade([({"returns": returns}, "x")])[0]
+    assert type(got.score) is float and got.score == score
+    assert got.info.get("error", "").startswith(error) if error else "error" not in got.info
+    monkeypatch.setitem(base.BUILTIN, "batch-of-one", f"{__name__}:BatchOfOne")
+    got = GradingPool("batch-of-one").grade([({}, "x"), ({}, "y")])
+    assert [s.score for s in got] == [0.0, 1.0] and "a finite number in [0, 1]" in got[0].info["error"]
+
+
+def test_a_score_outside_the_contract_in_a_worker_is_an_error_too(monkeypatch):
+    """What a grading worker runs for each call (its grader set as `_worker_init` sets it)."""
+    import rewards.pool as pool
+
+    monkeypatch.setattr(pool, "_WORKER_GRADER", Misbehaving())
+    assert pool._worker_call({"returns": Score(1.0)}, "x", 1.0).score == 1.0
+    assert "a finite number" in pool._worker_call({"returns": Score(float("inf"))}, "x", 1.0).info["error"]
+
+
+class StartsBroken:
+    def __init__(self):
+        raise RuntimeError("no licence file")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("no_such_module_here:Grader", "cannot be loaded: ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("rewards.builtin:NoSuchGrader", "cannot be loaded: AttributeError"),
+    (f"{__name__}:StartsBroken", "failed to start: RuntimeError: no licence file")])
+def test_a_plugin_that_cannot_load_or_start_is_one_line_naming_it(value, message, monkeypatch):
+    from rewards import base
+
+    monkeypatch.setitem(base.BUILTIN, "colleagues", value)
+    with pytest.raises(UsageError) as e:
+        load_grader("colleagues")
+    assert str(e.value).startswith(f"grader 'colleagues' ({value}) ") and message in str(e.value), str(e.value)

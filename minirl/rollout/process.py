@@ -72,10 +72,12 @@ def split_cores(cores: set[int]) -> tuple[list[int], list[int]]:
 def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess":
     """The engine on the second half of this process's cores; this process (the trainer) keeps
     the first half, one intra-op thread each."""
-    mine, theirs = split_cores(os.sched_getaffinity(0))
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    mine, theirs = split_cores(before[0])
     engine = EngineProcess(model_dir, rollout, cores=theirs, **kw)
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
+    engine.gives_back = before  # its `close` gives this process its cores back (a run in a Python session, a test's)
     return engine
 
 
@@ -97,6 +99,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     # Ctrl-C goes to the whole process group: the trainer's process stops after its step and then
     # stops this one; a KeyboardInterrupt here would only print a traceback (#75)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal's, to the group: the trainer's stop stops this one
     os.sched_setaffinity(0, cores)
     stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)  # rollout GPUs (remote.py): which engine, where to join
     channel = None
@@ -246,6 +249,7 @@ class EngineProcess:
         """`gpus`: the devices it sees (CUDA_VISIBLE_DEVICES; rollout GPUs of its own, remote.py);
         `wait`: return once it is built (else `ready()` waits, so several build side by side)."""
         ctx = mp.get_context("spawn")
+        self.gives_back: tuple[set[int], int] | None = None  # (cores, threads) `close` restores to this process
         self._model_dir = Path(model_dir)
         self._conn, child = ctx.Pipe()
         env = {"OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cores)))}
@@ -494,3 +498,8 @@ class EngineProcess:
                 self._proc.kill()
         self._conn.close()
         self._reader.join(timeout=5)
+        if self.gives_back is not None:
+            cores, threads = self.gives_back
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self.gives_back = None

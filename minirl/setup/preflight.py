@@ -376,6 +376,9 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     each checked; raises one UsageError line and writes nothing in the workspace."""
     if ws.runs.exists() and not ws.runs.is_dir():  # where every run's folder goes
         raise UsageError(f"{ws.runs} is a file, where the workspace keeps its runs' folders: move it away")
+    if ws.runs.is_symlink() and not ws.runs.exists():  # links are followed: to a folder that is there (#82)
+        raise UsageError(f"{ws.runs} is a link to {os.readlink(ws.runs)}, which does not exist: create that folder, "
+                         "or remove the link")
     platform = Platform.here(world_size)
     limits.check(rec, platform)  # what this machine cannot do, before anything is read
     check_sinks_ready(rec.metrics)  # a sink that would fail after the engines started
