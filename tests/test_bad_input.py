@@ -54,7 +54,8 @@ def snapshot(root: Path) -> dict[str, str]:
     out = {}
     for p in sorted(root.rglob("*")):
         rel = str(p.relative_to(root))
-        out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        out[rel] = ("link " + str(p.readlink()) if p.is_symlink() and not p.exists() else "dir" if p.is_dir()
+                    else hashlib.sha256(p.read_bytes()).hexdigest())
     return out
 
 

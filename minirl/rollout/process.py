@@ -1,10 +1,9 @@
 """The rollout engine in a process of its own (`rollout.max_staleness` ≥ 1): the batches ahead are
 sampled on its cores while the trainer's process trains on this step's batch.
 
-`EngineProcess` has the engine's interface (`generate`, `score`, `settle`, `sleep`, `wake`); each
-call is a message to the engine's process, answered in order. `submit` sends a call without
-waiting: the engine runs one call at a time, in the order sent, so a batch sampled before a sync
-sent after it is sampled by the weights before.
+`EngineProcess` has the engine's interface (`generate`, `score`, `settle`, `sleep`, `wake`); each call
+is a message to the engine's process, answered in order. `submit` sends a call without waiting: the
+engine runs them one at a time, in order, so a batch sent before a sync is sampled by the weights before.
 
 A sync is queued and returns at once (`queue_weights`): the trainer's process copies its weights
 into a snapshot slot in shared memory, and the engine's process loads that slot when it gets to
@@ -13,19 +12,18 @@ trainer's parameters may change right after; a slot is written again only once t
 read it. Engines that do not write their own tensors are streamed the sync's buckets, one at a
 time as they take them (`stream_weights`).
 
-With `rollout.inflight_updates` the engine keeps stepping across calls (stream.py): the batches
-of several steps are sampled together, each `generate` joining the requests in flight, and a sync
-is loaded between two forward steps as soon as it comes.
+With `rollout.inflight_updates` the engine keeps stepping across calls (stream.py): the batches of
+several steps are sampled together, each `generate` joining those in flight, and a sync is loaded
+between two forward steps as soon as it comes.
 
-Cores are split: the trainer keeps the first half of this process's cores, the engine takes the
-rest, each with one intra-op thread per core (two OpenMP pools spinning on the same cores cost
-more than either gains).
+Cores are split: the trainer keeps the first half of this process's cores (its own again once the
+engine's process is closed), the engine takes the rest, each with one intra-op thread per core
+(two OpenMP pools spinning on the same cores cost more than either gains).
 
 Beside one trainer process (under torchrun every rank would need an engine of its own, not built),
-on a GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the
-weights reach it a bucket at a time, passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU. On rollout
-GPUs of their own (remote.py) engine processes are started by each node's first training rank
-and take their weights by broadcast (`receive_weights`).
+on a GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the weights
+reach it a bucket at a time, passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU. On rollout GPUs
+of their own (remote.py) engine processes, started by each node's first rank, take them by broadcast.
 """
 
 from __future__ import annotations
@@ -72,12 +70,11 @@ def split_cores(cores: set[int]) -> tuple[list[int], list[int]]:
 def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess":
     """The engine on the second half of this process's cores; this process (the trainer) keeps
     the first half, one intra-op thread each."""
-    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    before = (os.sched_getaffinity(0), torch.get_num_threads())  # its `close` gives them back (a run in a session)
     mine, theirs = split_cores(before[0])
     engine = EngineProcess(model_dir, rollout, cores=theirs, **kw)
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-    engine.gives_back = before  # its `close` gives this process its cores back (a run in a Python session, a test's)
+    os.sched_setaffinity(0, mine), torch.set_num_threads(len(mine))
+    engine.gives_back = before
     return engine
 
 
@@ -96,10 +93,10 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     loaded as they come. With `rollout.inflight_updates` the engine keeps stepping across calls
     (stream.py): a `generate` joins the requests in flight at once, a sync is loaded between two
     forward steps while they go on, and every other call waits until none is in flight."""
-    # Ctrl-C goes to the whole process group: the trainer's process stops after its step and then
-    # stops this one; a KeyboardInterrupt here would only print a traceback (#75)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal's, to the group: the trainer's stop stops this one
+    # Ctrl-C and a closed terminal's SIGHUP go to the whole process group: the trainer's process stops
+    # after its step and then stops this one; a KeyboardInterrupt here would only print a traceback (#75)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     os.sched_setaffinity(0, cores)
     stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)  # rollout GPUs (remote.py): which engine, where to join
     channel = None
@@ -499,7 +496,5 @@ class EngineProcess:
         self._conn.close()
         self._reader.join(timeout=5)
         if self.gives_back is not None:
-            cores, threads = self.gives_back
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
-            self.gives_back = None
+            (cores, threads), self.gives_back = self.gives_back, None
+            os.sched_setaffinity(0, cores), torch.set_num_threads(threads)
