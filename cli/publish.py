@@ -3,6 +3,8 @@ that folder on the Hub."""
 
 from __future__ import annotations
 
+import signal
+
 from pathlib import Path
 
 import click
@@ -45,6 +47,8 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
     out = paths[-1]
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; choose another one")
+    # SIGTERM as Ctrl-C: the export's cleanup runs and nothing half-written is left (#82)
+    signal.signal(signal.SIGTERM, _interrupt)
     with Progress(TextColumn("held-out eval of checkpoints"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
         task = prog.add_task("eval", total=None)
@@ -57,6 +61,10 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
     console.print(f"[green]exported[/] step {ckpt.step} of run {run_dir.name} ({why}) to {folder} "
                   f"({size / 2**20:.1f} MiB, {len(list(folder.iterdir()))} files)", soft_wrap=True)
     console.print(f"  next: [bold]minirl push {folder} --repo OWNER/NAME[/]")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 @click.command("push")

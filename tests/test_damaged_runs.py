@@ -73,3 +73,29 @@ def test_a_row_out_of_order_is_left_out_by_status_and_by_a_resume(tiny_dir, tmp_
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 2, 3)))
     store.truncate_metrics(run / "metrics.jsonl", 3)  # a step twice: the second goes, one row a step stays
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_an_eval_of_a_live_runs_checkpoint_pins_what_it_reads_and_writes_nothing_there(tiny_dir, tmp_path):
+    """#82: `eval --checkpoint latest` during a run wrote `hf/` into the run's newest checkpoint while
+    the run pruned old ones (a traceback in 2 of 4 tries). A run without a summary may be live: its
+    checkpoint is hard-linked aside before it is read (the run may delete it meanwhile), the HF copy
+    goes to the workspace's cache, and the run's folder is left as it was; an ended run's checkpoint
+    keeps its HF copy beside it, as before."""
+    from minirl import recipes
+    from minirl.eval.evaluate import resolve_checkpoint
+    from minirl.setup.workspace import Workspace
+    from minirl.train.hf_io import load_hf_weights
+
+    run = _run(tiny_dir, tmp_path, summary={})
+    (run / "summary.json").unlink()  # running, or killed: no summary yet
+    ws = Workspace.open(run.parent.parent)
+    rec = recipes.load(ws.root / "minirl.toml")
+    ckpt = run / "checkpoints" / "step_000003"
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    folder = resolve_checkpoint(ws, rec, "latest")
+    assert folder == ws.root / ".cache" / "eval-hf" / "20261128-010203-step_000003"
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written into the run
+    assert not (ws.root / ".cache" / "pins").exists() or not any((ws.root / ".cache" / "pins").iterdir())
+    assert load_hf_weights(folder).keys() and resolve_checkpoint(ws, rec, str(ckpt)) == folder  # made once
+    (run / "summary.json").write_text(json.dumps({"status": "finished"}))
+    assert resolve_checkpoint(ws, rec, str(ckpt)) == ckpt / "hf"  # an ended run: beside it, as before

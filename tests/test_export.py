@@ -248,3 +248,60 @@ def test_the_checkpoint_pruning_keeps_as_best_is_the_good_one_with_the_top_run_s
     assert best_scored(ckpts, "avg@1") is None
     (ckpts[4] / "heldout.json").write_text("{torn")
     assert best_scored(ckpts, "avg@4") == ckpts[1]
+
+
+def _debris(folder: Path, keep: str) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != keep)
+
+
+def test_an_export_into_an_empty_folder_keeps_it_and_a_fault_or_signal_leaves_nothing(run_dir, tmp_path, monkeypatch):
+    """#82: the export writes aside in a folder of its own process and moves the files into an OUT
+    that exists (a container's mounted volume: `rmdir` of it failed with EBUSY) without removing it;
+    a full disk (safetensors' IoError) is exit 4's one line; Ctrl-C or SIGTERM (which the command
+    turns into it) and any fault leave nothing beside OUT; a second export into an OUT being written
+    is refused in one line."""
+    import fcntl
+
+    from minirl.errors import RunIOError, UsageError
+    from minirl.publish import export as ex
+
+    run, picked, why = ex.pick(run_dir, None, step=None, best=False)
+    parent = tmp_path / "exports"
+    out = parent / "tiny-rl"
+    out.mkdir(parents=True)
+    inode = out.stat().st_ino
+    ex.export(run, out, picked, why=why)
+    assert out.stat().st_ino == inode and (out / "model.safetensors").is_file()  # the same folder, filled
+    assert _debris(parent, "tiny-rl") == []
+
+    real_write = ex._write
+
+    def fails(exc):
+        def write(tmp, *a, **k):
+            real_write(tmp, *a, **k)  # the files are there, aside
+            (tmp.with_name(tmp.name + ".tmp")).mkdir()  # and a writer's own aside folder
+            raise exc
+        return write
+
+    class SafetensorError(Exception):  # as safetensors' Rust writer raises a full disk
+        pass
+
+    for exc, caught in ((KeyboardInterrupt(), KeyboardInterrupt),
+                        (SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+                         RunIOError)):
+        other = parent / "again"
+        monkeypatch.setattr(ex, "_write", fails(exc))
+        with pytest.raises(caught) as e:
+            ex.export(run, other, picked, why=why)
+        assert _debris(parent, "tiny-rl") == [], type(exc)  # nothing beside, not OUT either
+        if caught is RunIOError:
+            assert str(e.value) == (f"cannot write {other}: no space left on device; nothing was written (free space, "
+                                    "then run the export again)")
+    monkeypatch.setattr(ex, "_write", real_write)
+
+    lock = parent / ".busy.export-lock"  # an export of this OUT under way in another process
+    with lock.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        with pytest.raises(UsageError, match=f"another export is writing {parent / 'busy'}; wait for it"):
+            ex.export(run, parent / "busy", picked, why=why)
+    assert not (parent / "busy").exists()

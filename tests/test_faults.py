@@ -252,6 +252,7 @@ echo $? > {tmp_path}/rc2.txt
     assert (tmp_path / "rc.txt").read_text().strip() == "4", err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("minirl: error: cannot write") and "No space left on device" in last, last
+    assert f"free space, then `minirl run {ws} --resume`" in last, last  # it had checkpoints: the advice resumes
     assert "Traceback" not in err
     rep = json.loads(report.read_text())
     assert rep["loaded"] and rep["leftovers"] == []  # complete checkpoints load; no half-written one remains
@@ -295,3 +296,27 @@ def test_a_preemption_mid_collapse_rolls_back_to_the_newest_good_and_an_end_cut_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["hf_folder"] is None and "cut short" in summary["error"]
     assert not (run_dir / "end_started").exists() and not (run_dir / "checkpoints" / "step_000006" / "hf").exists()
+
+
+def test_a_disk_full_before_the_first_checkpoint_advises_a_new_run(tiny_dir, tmp_path, monkeypatch):
+    """#82: the exit-4 line said "free space, then `minirl run … --resume`" when the run had no
+    checkpoint yet, and that resume answers "nothing to resume". The advice is what works."""
+    import errno
+
+    from minirl import recipes
+    from minirl.errors import RunIOError
+    from minirl.run import lifecycle
+    from minirl.setup.workspace import Workspace
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    rec = recipes.load(ws / "minirl.toml", [f"model.path={tiny_dir}", "train.steps=1"])
+
+    def fills_up(ws, rec, inputs, *a, **k):  # the run's folder made, then the disk full before any checkpoint
+        (ws.runs / "20261202-000000").mkdir(parents=True)
+        raise OSError(errno.ENOSPC, "No space left on device", str(ws.runs / "20261202-000000" / "checkpoints"))
+
+    monkeypatch.setattr(lifecycle, "_start_and_train", fills_up)
+    with pytest.raises(RunIOError) as e:
+        lifecycle.run(Workspace.open(ws), rec)
+    assert "the run had no checkpoint yet (free space, then `minirl run" in str(e.value) and "--resume" not in str(e.value)

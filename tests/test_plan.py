@@ -648,19 +648,27 @@ def test_the_plan_sleeps_the_engine_only_where_it_must_and_the_dry_run_says_why(
     (["--model", "Qwen3-30B-A3B", "--gpus-per-node", "8", "--rollout-gpus", "2", "--gpu-mem-gib", "141",
       "--set", "train.prompts_per_step=48", "--set", "rollout.tensor_parallel=1", "--set", "rollout.kv_cache_gib=500"],
      "sampling on a rollout GPU needs 532.2 GiB, over 90% of 141 GiB: rollout.kv_cache_gib = 500 is more than is left "
-     "beside its weights, working memory and the bucket: set it at most 94.7"),
+     "beside its weights, working memory and the bucket: set it at most 94.6"),
     (["--model", "Qwen3-30B-A3B", "--gpus-per-node", "8", "--rollout-gpus", "2", "--gpu-mem-gib", "141",
       "--set", "train.prompts_per_step=48", "--set", "rollout.tensor_parallel=1", "--set", "rollout.memory_fraction=0.99"],
      "vLLM's start on a rollout GPU: rollout.memory_fraction gives the engine 139.6 GiB, and 125.7 GiB are left beside "
      "the weight broadcast's bucket within 90% of 141 GiB: set it at most 0.891"),
 ])
 def test_no_plan_says_fits_above_the_gpu_and_every_refusal_names_the_most_that_fits(args, needle, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "cli.main", "run", "--dry-run", *args], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250",
-                                                    "HF_HUB_OFFLINE": "1"})
+    def dry(args):
+        return subprocess.run([sys.executable, "-m", "cli.main", "run", "--dry-run", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250", "HF_HUB_OFFLINE": "1"})
+
+    r = dry(args)
     assert r.returncode == 2, r.stdout[-2000:]
     [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("minirl:")]
     assert needle in line, line
+    # #82: the most named fits (it was rounded up: 94.7 named, then refused)
+    key = args[-1].split("=")[0]
+    most = line.split("at most ")[1].split(",")[0]
+    r = dry([*args[:-1], f"{key}={most}"])
+    assert key not in r.stderr, r.stderr[-2000:]
 
 
 def test_a_dry_run_at_k_one_batch_at_a_time_says_what_in_flight_updates_would_change(tmp_path):

@@ -7,14 +7,18 @@ maj@k  = share of problems whose most frequent extracted answer is a correct one
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from minirl.eval import benchmarks
-from minirl import hub
+from minirl import hub, store
 from minirl import recipes
 from minirl.data import Problem, prompt_ids, response_text
 from minirl.errors import UsageError
@@ -162,12 +166,48 @@ def resolve_checkpoint(ws, rec, checkpoint: str):
         from minirl.train.trainer import Trainer
 
         shape = check_model_folder(start_dir())
-        check_checkpoint(path, shape, rec.model.id)
         run_recipe = path.parent.parent / "recipe.toml"  # the model its run trained (LoRA adapters or not)
-        trainer = Trainer.for_checkpoint(recipes.load(run_recipe) if run_recipe.exists() else rec, shape, start_dir())
-        trainer.load(path, with_optim=False)
-        return save_hf_folder(path / "hf", shape, trainer.full_state_dict(), tokenizer_dir=start_dir())
+        # a run without a summary may be live: it prunes its old checkpoints as it goes, so what is read
+        # is pinned first, and nothing is written into its folder (#82); an ended run's keeps its HF copy
+        live = ws is not None and store.status(path.parent.parent) is None
+        out = ws.root / ".cache" / "eval-hf" / checkpoint_label(path) if live else path / "hf"
+        if live and (out / "config.json").exists():
+            return out
+        check_checkpoint(path, shape, rec.model.id)  # a damaged one: one line, nothing written
+        with (_pinned(path, ws.root / ".cache") if live else contextlib.nullcontext(path)) as read:
+            trainer = Trainer.for_checkpoint(recipes.load(run_recipe) if run_recipe.exists() else rec, shape,
+                                             start_dir())
+            trainer.load(read, with_optim=False)
+        return save_hf_folder(out, shape, trainer.full_state_dict(), tokenizer_dir=start_dir())
     raise UsageError(f"{path} is neither an HF model folder nor a minirl checkpoint")
+
+
+@contextlib.contextmanager
+def _pinned(path: Path, cache: Path):
+    """`path`'s files hard-linked into a folder of this process's own (a copy where links cannot be
+    made): what a live run's pruning deletes then stays readable until it is read. A checkpoint
+    pruned before it was pinned whole is one line."""
+    pin = cache / "pins" / f"{os.getpid()}-{path.name}"
+    shutil.rmtree(pin, ignore_errors=True)
+    try:
+        if not path.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "pruned", str(path))
+        for f in sorted(p for p in path.rglob("*") if p.is_file() and "hf" not in p.relative_to(path).parts):
+            (pin / f.relative_to(path)).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, pin / f.relative_to(path))
+            except FileNotFoundError:
+                raise
+            except OSError:  # no hard links here (another filesystem): a copy
+                shutil.copy2(f, pin / f.relative_to(path))
+    except FileNotFoundError:
+        shutil.rmtree(pin, ignore_errors=True)
+        raise UsageError(f"{path} was pruned by its run while it was read; evaluate a newer checkpoint "
+                         "(--checkpoint latest again)") from None
+    try:
+        yield pin
+    finally:
+        shutil.rmtree(pin, ignore_errors=True)
 
 
 def _format_prompt(tok, template: str, problem: str, chat_kwargs: dict | None = None) -> list[int]:

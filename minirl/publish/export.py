@@ -15,7 +15,11 @@ measured now with the run's own held-out evaluation.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +28,7 @@ from minirl import atomic, store
 from minirl import engine_sizing as sizing
 from minirl import recipes
 from minirl.publish.card import known_score, model_card
-from minirl.errors import UsageError
+from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import evaluate
 from minirl.hub import model_dir, repo_id as hub_repo
 from minirl.run.plots import plot_metrics
@@ -112,19 +116,57 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     check_checkpoint(ckpt.path, shape, rec.model.id)  # a damaged one: one line, nothing written
     trainer = Trainer.for_checkpoint(rec, shape, base)
     trainer.load(ckpt.path, with_optim=False)
-    tmp = out.with_name(out.name + ".tmp")
-    atomic.remove_dir(tmp)
-    try:
-        _write(tmp, run_dir, rec, ckpt, trainer, shape, base, adapter=adapter, why=why, out=out,
-               max_shard_size=max_shard_size, eval_results=eval_results, repo_id=repo_id)
-    except BaseException:
-        atomic.remove_dir(tmp)  # nothing half-written is left beside the folder asked for
-        raise
-    if out.exists():
-        out.rmdir()
     out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(tmp), str(out))
+    with _export_lock(out):
+        if out.exists() and any(out.iterdir()):  # written by an export that held the lock before this one
+            raise UsageError(f"{out} exists and is not empty; choose another folder or remove it")
+        # aside, in a folder of this process's own (#82: two exports shared OUT.tmp, one's cleanup the other's loss)
+        tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
+        try:
+            _write(tmp, run_dir, rec, ckpt, trainer, shape, base, adapter=adapter, why=why, out=out,
+                   max_shard_size=max_shard_size, eval_results=eval_results, repo_id=repo_id)
+            _move_into(tmp, out)
+        except BaseException as e:
+            for debris in (tmp, tmp.with_name(tmp.name + ".tmp")):  # a writer's own aside folder too
+                shutil.rmtree(debris, ignore_errors=True)
+            if _disk_full(e):
+                raise RunIOError(f"cannot write {out}: no space left on device; nothing was written (free space, "
+                                 "then run the export again)") from None
+            raise
     return out
+
+
+@contextlib.contextmanager
+def _export_lock(out: Path):
+    """One export into `out` at a time: a second is refused in one line while the first writes (an
+    flock, released when its process ends however it ends; the file goes with a clean end)."""
+    path = out.with_name(f".{out.name}.export-lock")
+    with path.open("w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"another export is writing {out}; wait for it, or export elsewhere") from None
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def _move_into(tmp: Path, out: Path) -> None:
+    """The finished folder into place. An `out` that exists (empty: checked) stays, a mount point
+    of a container among them (#82: `rmdir` failed with EBUSY): its files are moved into it."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    for f in sorted(tmp.iterdir()):
+        shutil.move(str(f), str(out / f.name))
+    tmp.rmdir()
+
+
+def _disk_full(e: BaseException) -> bool:
+    """A full disk as the OS says it, or as safetensors' writer wraps it (an IoError with code 28)."""
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        (type(e).__name__ == "SafetensorError" and ("code: 28" in str(e) or "StorageFull" in str(e)))
 
 
 def _write(tmp: Path, run_dir: Path, rec, ckpt: Checkpoint, trainer, shape, base: Path, *, adapter: bool, why: str,

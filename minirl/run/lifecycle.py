@@ -70,8 +70,12 @@ def run(
         # A full disk or a read-only folder: one line. Checkpoints are written aside and renamed
         # into place, so every complete one on disk is still whole.
         where = e.filename or ws.runs
-        raise RunIOError(f"cannot write {where}: {e.strerror}; every complete checkpoint is intact (free space, "
-                         f"then `minirl run {ws.root} --resume`)") from None
+        newest = next(iter(ws.runs_newest_first()), None)  # this run's folder, where it got to making one
+        if newest is not None and store.complete_checkpoints(newest):
+            then = f"every complete checkpoint is intact (free space, then `minirl run {ws.root} --resume`)"
+        else:  # nothing to resume (#82): the advice is what works from here
+            then = f"the run had no checkpoint yet (free space, then `minirl run {ws.root}` starts it again)"
+        raise RunIOError(f"cannot write {where}: {e.strerror}; {then}") from None
 
 
 _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}

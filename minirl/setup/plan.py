@@ -28,15 +28,13 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      length) within what the trainer leaves; else what the recipe's fraction leaves
                      after weights and working memory (vLLM's own sizing), or rollout.kv_cache_gib.
                      It sets how many full-length sequences an engine holds at once
-    the engine's     weights + working memory + KV cache, as a fraction of the GPU: vLLM's
-    start            gpu_memory_utilization, which it takes at its start beside the trainer's state
-                     between updates and refuses to start without; the plan derives it (fraction 0)
-                     or refuses the recipe's where it is more than is free then
+    the engine's     weights + working memory + KV cache as a fraction of the GPU: vLLM's gpu_memory_
+    start            utilization, taken at its start beside the trainer's state between updates; the plan
+                     derives it (fraction 0) or refuses the recipe's where it is more than is free then
 
-With rollout GPUs of their own (parallel.rollout_gpus = R per node) the trainer's W is nodes × (GPUs
-per node − R) and its GPUs hold no engine (training, then the weight sync, whose gathered buckets
-are broadcast to the engines); each engine holds its R-share alone: weights, working memory, a KV
-cache sized for the job within its GPU, and the bucket the weights arrive in.
+With rollout GPUs (parallel.rollout_gpus = R per node) the trainer's W is nodes × (GPUs per node − R),
+its GPUs hold no engine, and each engine holds its R-share alone: weights, working memory, a KV cache
+sized for the job within its GPU, and the bucket the weights are broadcast in.
 
 Colocated (R = 0), rollouts and training alternate: vLLM sleeps (frees its KV cache) while the trainer runs, and the
 trainer's activations are gone while vLLM samples, so the peak is the largest of the phases:
@@ -49,11 +47,10 @@ trainer's activations are gone while vLLM samples, so the peak is the largest of
                      before the engine wakes) + vLLM's weights + one bucket + one gathered parameter
     rollout          what the trainer keeps between updates + the engine (weights, working memory, KV cache)
 
-A plan that does not fit names every phase that overflows, and setup/advice.py finds the cheapest
-change that makes all of them fit: the engine's share, micro-batch, offload, rollout TP, FP8, LoRA,
-more GPUs, in that order. Host memory per node (`host_memory`: the checkpoint's read, offloaded
-moments, sleeping engines' weights) and the moments' transfer time per step (at HOST_LINK_BYTES_S,
-an assumption) are reported beside the GPU's figures.
+A plan that does not fit names every phase that overflows (the most that fits rounded down), and
+setup/advice.py finds the cheapest change that makes all fit: the engine's share, micro-batch, offload,
+rollout TP, FP8, LoRA, more GPUs, in that order. Host memory per node (`host_memory`) and the moments'
+transfer time per step (at HOST_LINK_BYTES_S, an assumption) are reported beside the GPU's figures.
 """
 
 from __future__ import annotations
@@ -114,6 +111,10 @@ class Plan:
         return not self.problems
 
 
+def _down(nbytes: float) -> str:  # GiB to one decimal, rounded down: the most a refusal names must fit (#82)
+    return f"{math.floor(max(0.0, nbytes) / GiB * 10) / 10:.1f}"
+
+
 # what shrinks each part of a phase (the refusal's advice)
 _REMEDY = {
     "fp32 weights (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
@@ -158,7 +159,7 @@ def _start_refusal(r, *, asked: float, free: float, room: float, resident: float
     limit = min(free, room)
     key = "rollout.kv_cache_gib" if r.kv_cache_gib > 0 else "rollout.memory_fraction"
     value = r.kv_cache_gib if r.kv_cache_gib > 0 else r.memory_fraction
-    most = (f"at most {max(0.0, limit - fixed) / GiB:.1f}" if key == "rollout.kv_cache_gib"
+    most = (f"at most {_down(limit - fixed)}" if key == "rollout.kv_cache_gib"
             else f"at most {int(limit / (gpu_gib * GiB) * 1000) / 1000:g}")
     beside = ("the trainer's larger phase (training or the weight sync) leaves it" if awake and room < free
               else f"are free when it starts (the trainer's state between updates holds {resident / GiB:.1f} GiB, "
@@ -200,11 +201,11 @@ def _rollout_gpu(r, *, vllm_w: float, working: float, job_kv: float, bucket: flo
         problems.append(f"sampling on a rollout GPU needs {(vllm_w + working + kv + bucket) / GiB:.1f} GiB, over "
                         f"{HEADROOM:.0%} of {gpu_gib:g} GiB: rollout.kv_cache_gib = {r.kv_cache_gib:g} is more than is "
                         f"left beside its weights, working memory and the bucket: set it at most "
-                        f"{max(0.0, room - vllm_w - working) / GiB:.1f}, or 0 (the plan's: sized for the job)")
+                        f"{_down(room - vllm_w - working)}, or 0 (the plan's: sized for the job)")
     elif fraction * gpu_bytes > room:
         key = "rollout.kv_cache_gib" if r.kv_cache_gib > 0 else "rollout.memory_fraction"
         most = f"at most {int(room / gpu_bytes * 1000) / 1000:g}" if key == "rollout.memory_fraction" else \
-            f"at most {max(0.0, room - vllm_w - working) / GiB:.1f}"
+            f"at most {_down(room - vllm_w - working)}"
         problems.append(f"vLLM's start on a rollout GPU: {key} gives the engine {fraction * gpu_bytes / GiB:.1f} GiB, and "
                         f"{room / GiB:.1f} GiB are left beside the weight broadcast's bucket within "
                         f"{HEADROOM:.0%} of {gpu_gib:g} GiB: set it {most}, or 0 (the plan's: sized for the job)")
@@ -456,10 +457,10 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
                              f"({(resident + vllm_w + working) / GiB:.1f} GiB) no KV cache is left for one {seq}-token "
                              f"sequence; {_largest(parts['rollout'], r)}")
         elif phases["rollout"] > budget:  # #75: a KV cache set by hand past the GPU: "fits" at 230.9 GiB on 80
-            most = max(0.0, budget - resident - vllm_w - working) / GiB
+            most = _down(budget - resident - vllm_w - working)
             overflows.append(f"rollouts need {phases['rollout'] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
                              f"{gpu_gib:g} GiB, the largest part vLLM's KV cache ({kv / GiB:.1f} GiB): set "
-                             f"rollout.kv_cache_gib at most {most:.1f}, or 0 (the plan's: sized for the job within what "
+                             f"rollout.kv_cache_gib at most {most}, or 0 (the plan's: sized for the job within what "
                              "the trainer leaves)")
     problems = overflows + problems
     # Adam's moments cross the host link twice an update (to the GPU for the step, back after it)
@@ -468,8 +469,7 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     host = host_memory(rec, shape, device="cuda")
     host_per_node = host["peak"]
 
-    # FLOPs: 2·active per token forward, 4·active backward; causal attention 2·2·L·(seq/2)·heads·head_dim
-    # per token forward (scores and values over the mean context)
+    # FLOPs: 2·active per token forward, 4·active backward; attention 2·2·L·(seq/2)·heads·head_dim a token forward
     attn_fwd = 4 * L * (seq // 2) * shape.n_heads * shape.head_dim
     fwd = tokens * (2 * A + attn_fwd)
     passes = 1 + (1 if t.replay == "r3" and t.replay_diagnostics else 0)  # π_old (+ own routes for R3 metrics)
