@@ -277,6 +277,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         sys.exit(3)  # the guard used up its rollbacks; the final checkpoint holds the last good weights
     if summary["status"] == "engine_fault":  # the engine broke (errors.EngineFault): what, and what avoids it
         _fail(summary.get("error", "the rollout engine broke"), code=5)
+    if summary["status"] == "grader_fault":  # the grader broke (errors.GraderFault): which, and its first error
+        _fail(summary.get("error", "the grader broke"), code=6)
     if summary.get("error"):  # every step done, the end not whole (its HF folder): what, and what writes it
         _fail(summary["error"], code=4)
 

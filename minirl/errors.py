@@ -21,3 +21,10 @@ class EngineFault(Exception):
     def __init__(self, message: str, row: dict | None = None):
         super().__init__(message)
         self.row = row
+
+
+class GraderFault(Exception):
+    """Most of a step's grades were the grader's errors (`reward.max_error_frac`): a bug in the
+    grader, not a policy that answers badly (a grader scores what it cannot parse 0, it does not
+    raise). The run stops before training on those zeros (summary status "grader_fault"); the CLI
+    prints one line naming the grader and its first error, and exits with code 6."""

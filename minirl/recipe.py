@@ -263,6 +263,9 @@ class RewardConfig:
     params: dict[str, Any] = field(default_factory=dict)
     workers: int = number(0, 0, 256)  # grader processes (0 = in the trainer process; cheap graders)
     timeout_s: float = number(5.0, 0, above=True)  # per response; a timeout scores 0 and is counted
+    # a step whose share of grader errors (a score outside [0, 1], an exception) passes this stops the run
+    # naming the grader (#82): its zeros would be trained on as wrong answers. 1: never
+    max_error_frac: float = number(0.5, 0, 1)
 
 
 @dataclass(kw_only=True, slots=True)

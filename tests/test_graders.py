@@ -123,3 +123,36 @@ def test_a_plugin_that_cannot_load_or_start_is_one_line_naming_it(value, message
     with pytest.raises(UsageError) as e:
         load_grader("colleagues")
     assert str(e.value).startswith(f"grader 'colleagues' ({value}) ") and message in str(e.value), str(e.value)
+
+
+class AlwaysRaises:
+    def __call__(self, record, response):
+        raise KeyError("answer_text")
+
+
+@pytest.mark.slow
+def test_a_step_whose_grades_are_mostly_errors_stops_the_run_naming_the_grader(tiny_dir, tmp_path, monkeypatch):
+    """#82: past reward.max_error_frac of a step's grades being errors, the run stops before that
+    step trains (its zeros would be trained on as wrong answers): summary grader_fault, the error
+    naming the grader and its first error, no row, the step-0 checkpoint what a resume continues."""
+    import json
+    from pathlib import Path
+
+    from minirl import recipes
+    from minirl.run import lifecycle
+    from minirl.setup.workspace import Workspace
+    from rewards import base
+    from tests.conftest import data_workspace
+
+    monkeypatch.setitem(base.BUILTIN, "always-raises", f"{__name__}:AlwaysRaises")
+    ws = data_workspace(tmp_path / "ws")
+    rec = recipes.load(ws / "minirl.toml", [f"model.path={tiny_dir}", "train.steps=2", "train.prompts_per_step=4",
+                                           "train.group_size=2", "reward.grader=always-raises", "eval.max_problems=2",
+                                           "eval.k=1"])
+    summary = lifecycle.run(Workspace.open(ws), rec)
+    assert summary["status"] == "grader_fault" and summary["steps"] == 0, summary
+    assert summary["error"].startswith("step 1: the grader 'always-raises' failed on 8 of 8 responses (first: "
+                                       "KeyError: 'answer_text'); nothing of the step was trained"), summary["error"]
+    run = Path(summary["run_dir"])
+    assert (run / "metrics.jsonl").read_text() == "" and Path(summary["checkpoint"]).name == "step_000000"
+    assert json.loads((run / "summary.json").read_text())["status"] == "grader_fault"

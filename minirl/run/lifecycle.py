@@ -17,7 +17,7 @@ from pathlib import Path
 from minirl import atomic, store
 from minirl import recipes
 from minirl.run import status as status_mod
-from minirl.errors import EngineFault, RunIOError, UsageError
+from minirl.errors import EngineFault, GraderFault, RunIOError, UsageError
 from minirl.launch import World
 from minirl.rollout import cache as engine_cache
 from minirl.run import final_weights
@@ -214,6 +214,11 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                     mf.flush()
                 on_event("fault", {"text": fault})
                 break
+            except GraderFault as e:  # the grader broke: the step trained nothing, and nothing it would grade counts
+                status = "grader_fault"
+                fault = f"{e}; `minirl run {rl.ws.root} --resume` continues from the newest checkpoint"
+                on_event("fault", {"text": fault})
+                break
             rl_clock.lap("loop")  # "loop": the RL clock, every step's wall, held-out evals left out
             m["timing/loop_s"] = round(timing["loop"], 4)
             if rec.eval.every and rl.state.step % rec.eval.every == 0:
@@ -258,7 +263,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     # above is all `--resume` needs, so the held-out eval and the HF folder, minutes each on a large
     # model, wait for the run's real end (or `minirl export`); a periodic eval of these weights counts.
     # A broken engine cannot evaluate anything
-    stopping = status in ("interrupted", "engine_fault")
+    stopping = status in ("interrupted", "engine_fault", "grader_fault")
     # The end's held-out eval and HF folder are the largest allocations of a run. Their start is
     # marked until the summary is written: a resume that finds the mark at this step (the end died:
     # out of memory, killed) writes the summary with what is there and says what is missing, never

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from minirl import atomic, faults, store
-from minirl.errors import EngineFault
+from minirl.errors import EngineFault, GraderFault
 from minirl.train import objective
 from minirl.train.batch import Batch, build_batch
 from minirl.data import PromptSampler
@@ -127,6 +127,7 @@ class RLRun:
         clock.lap("rollout")
 
         kept = sampled = self._graded(problems, groups)
+        self._check_grades(sampled, step)  # stops here, before any loss, on a broken grader
         if r.train.dynamic_sampling:  # groups whose rewards are all equal left out, the batch refilled (dynamic.py)
             kept, sampled, drawn = dynamic.fill(sampled, lambda d: self._graded(*self.rollouts.top_up(step, d)),
                                                 size=B, max_draws=r.train.dynamic_sampling_draws)
@@ -265,6 +266,14 @@ class RLRun:
                                                       r.loss.overlong_penalty)
         return [dynamic.Group(prob, g, scores[i * G:(i + 1) * G], graded[i], rewards[i])
                 for i, (prob, g) in enumerate(zip(problems, groups))]
+
+    def _check_grades(self, groups: list[dynamic.Group], step: int) -> None:
+        errors = [s.info["error"] for g in groups for s in g.scores if "error" in s.info]
+        n = sum(len(g.scores) for g in groups)
+        if errors and len(errors) > self.rec.reward.max_error_frac * n:
+            raise GraderFault(f"step {step}: the grader {self.rec.reward.grader!r} failed on {len(errors)} of {n} "
+                              f"responses (first: {errors[0][:200]}); nothing of the step was trained: fix the grader "
+                              "or choose another (reward.grader), or raise reward.max_error_frac")
 
     def _old_policy(self, batch: Batch, comps: list, fused: bool):
         """(routes to replay or None, replay metrics, (log π_θold, entropy) or None when `fused`)."""
