@@ -238,18 +238,18 @@ def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(embed
     the rows say why (#79): every clipped token is a stale one, clipped by its anchor's gap alone
     (N = 1: nothing moved since π_old)."""
     ws = embedded_default
-    args = [sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "40", "--set", "rollout.max_staleness=2",
+    args = [sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "30", "--set", "rollout.max_staleness=2",
             "--set", "eval.max_problems=16", "--set", "eval.k=1"]
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     healthy = max((ws / "runs").iterdir())
     rows = _rows(healthy)
-    assert len(rows) == 40 and not [m for m in rows if "guard/action" in m or "guard/reason" in m], \
+    assert len(rows) == 30 and not [m for m in rows if "guard/action" in m or "guard/reason" in m], \
         [(m["step"], m.get("guard/reason")) for m in rows if "guard/reason" in m]
     assert max(m["train/kl_mu_pi_old"] for m in rows) > 0.05  # what the old threshold rolled back
     # N = 1: r = π_θ/π_old ≡ 1, so only a token sampled behind, anchored at its sampler, is ever clipped
     assert all(m["loss/clip_frac"] == 0 for m in rows if m["rollout/staleness_max"] == 0)
-    assert sum(m["loss/clip_frac"] > 0 for m in rows if m["rollout/staleness_mean"] > 0) > 20
+    assert sum(m["loss/clip_frac"] > 0 for m in rows if m["rollout/staleness_mean"] > 0) > 15
     for m in rows:  # k = 2: every row has the clip split by cause, and they add up
         assert m["loss/clip_frac_stale"] + m["loss/clip_frac_fresh"] == pytest.approx(m["loss/clip_frac"], abs=1e-6)
         assert m["loss/clip_frac_mismatch"] == pytest.approx(m["loss/clip_frac"], abs=1e-6)  # N = 1
