@@ -193,13 +193,14 @@ def _pinned(path: Path, cache: Path):
         if not path.is_dir():
             raise FileNotFoundError(errno.ENOENT, "pruned", str(path))
         for f in sorted(p for p in path.rglob("*") if p.is_file() and "hf" not in p.relative_to(path).parts):
-            (pin / f.relative_to(path)).parent.mkdir(parents=True, exist_ok=True)
+            to = pin / f.relative_to(path)
+            to.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(f, pin / f.relative_to(path))
-            except FileNotFoundError:
+                os.link(f, to)
+            except FileNotFoundError:  # pruned meanwhile: below
                 raise
             except OSError:  # no hard links here (another filesystem): a copy
-                shutil.copy2(f, pin / f.relative_to(path))
+                shutil.copy2(f, to)
     except FileNotFoundError:
         shutil.rmtree(pin, ignore_errors=True)
         raise UsageError(f"{path} was pruned by its run while it was read; evaluate a newer checkpoint "

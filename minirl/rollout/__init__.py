@@ -181,23 +181,27 @@ class Rollouts:
         while self._k and self._control.may_admit() and self._control.next_step <= self._train.steps:
             self._admit()
         self._engine.sleep()  # frees its memory for training (CUDA); the sync wakes it
-        asked, answer = ticket.handle
-        mine = self._world.member_share
-        return mine(asked, self._tp), answer if self._remote else mine(answer, self._tp)
+        return self._kept(*ticket.handle)
 
     def top_up(self, step: int, draw: int) -> tuple[list, list[list[Completion]]]:
         """Dynamic sampling's `draw`-th extra batch for `step` (its problems and G completions each):
         prompts_per_step prompts of its own stream, sampled now by the weights last synced (k ≥ 1:
         behind the batches sent before it, so its tokens are fresher than the step's own batch)."""
         asked = self._world.group_share(self._top_up_stream().next_batch(self._train.prompts_per_step), self._tp)
-        args = ([p.prompt_ids for p in asked],)
-        kw = dict(n=self._train.group_size, temperature=self._rollout.temperature,
-                  max_tokens=self._rollout.max_tokens, seed=top_up_seed(self._train.seed, step, draw))
-        version = self._control.version
+        args, kw = self._request(asked, seed=top_up_seed(self._train.seed, step, draw))
         if self._k or self._remote:
-            answer, _ = self._answer(self._engine.submit("generate", *args, **kw), version)
+            answer, _ = self._answer(self._engine.submit("generate", *args, **kw), self._control.version)
         else:
             answer = self._engine.generate(*args, **kw)
+        return self._kept(asked, answer)
+
+    def _request(self, asked: list, *, seed: int) -> tuple[tuple, dict]:
+        """A batch's `generate` call: G responses to each prompt asked, at the recipe's sampling."""
+        return ([p.prompt_ids for p in asked],), dict(n=self._train.group_size, temperature=self._rollout.temperature,
+                                                       max_tokens=self._rollout.max_tokens, seed=seed)
+
+    def _kept(self, asked: list, answer: list) -> tuple[list, list[list[Completion]]]:
+        """This rank's share of a batch's problems and answers (rollout GPUs: the answer is its own already)."""
         mine = self._world.member_share
         return mine(asked, self._tp), answer if self._remote else mine(answer, self._tp)
 
@@ -328,9 +332,7 @@ class Rollouts:
         position = self._sampler.state()
         asked = self._world.group_share(self._sampler.next_batch(self._train.prompts_per_step), self._tp)
         ticket = self._control.admit(position)
-        args = ([p.prompt_ids for p in asked],)
-        kw = dict(n=self._train.group_size, temperature=self._rollout.temperature,
-                  max_tokens=self._rollout.max_tokens, seed=self._train.seed * 1_000_003 + ticket.step)
+        args, kw = self._request(asked, seed=self._train.seed * 1_000_003 + ticket.step)
         if self._k:
             ticket.handle = (asked, self._engine.submit("generate", *args, **kw))
         elif self._remote:

@@ -134,7 +134,6 @@ class RLRun:
             self.rollouts.trains([g.completions for g in kept])
         problems, groups = [g.problem for g in kept], [g.completions for g in kept]
         comps = [c for g in groups for c in g]
-        scores = [s for g in kept for s in g.scores]
         cut = [c.finish == "length" for c in comps]
         graded_PG, rewards_PG = torch.stack([g.graded for g in kept]), torch.stack([g.rewards for g in kept])
         shaping_PG = rewards_PG - graded_PG
