@@ -15,24 +15,24 @@ STARTED = time.time()  # the process's start, near enough: the run's summary cou
 
 import click
 
-from cli.options import DEFAULT_WORKSPACE, POSITIVE_FINITE, workspace_argument
 from cli.guard import guard_cmd
+from cli.options import DEFAULT_WORKSPACE, POSITIVE_FINITE, workspace_argument
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
-from minirl import recipes
-from minirl.run import status as status_mod
-from minirl.eval.benchmarks import get as get_bench
+from minirl.config import recipes
+from minirl.config.precisions import NAMES as PRECISION_NAMES
+from minirl.data.task import TASKS
 from minirl.errors import EngineFault, RunIOError, UsageError
+from minirl.eval.benchmarks import get as get_bench
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
-from minirl.hub import resolution
-from minirl.models import TINY_ID
-from minirl.precisions import NAMES as PRECISION_NAMES
+from minirl.models.hub import resolution
+from minirl.models.shapes import TINY_ID
 from minirl.quick_exit import quick_exit
+from minirl.run import status as status_mod
 from minirl.run.plots import plot_metrics
 from minirl.setup.dryrun import dry_run as plan_dry_run
 from minirl.setup.preflight import run_recipe
-from minirl.task import TASKS
 from minirl.setup.workspace import RECIPE_NAME, Workspace, init_workspace
 
 

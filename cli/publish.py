@@ -11,9 +11,9 @@ import click
 
 from cli.options import SHARD_SIZE
 from cli.render import console
-from minirl.publish import export as ex
-from minirl import hub
 from minirl.errors import UsageError
+from minirl.models import hub
+from minirl.publish import export as ex
 
 
 @click.command("export")

@@ -11,8 +11,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from minirl.disk.store import SUMMARY
 from minirl.setup.plan import HEADROOM, HOST_LINK_BYTES_S
-from minirl.store import SUMMARY
 
 # not on a terminal (a log, a pipe): lines are not broken at rich's default 80 columns mid-phrase
 console = Console(stderr=False, highlight=False, soft_wrap=not sys.stdout.isatty())

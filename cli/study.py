@@ -11,12 +11,12 @@ import click
 
 from cli.options import workspace_argument
 from cli.render import SET_HELP, console
-from minirl import recipes
+from minirl.config import recipes
+from minirl.config.precisions import NAMES as PRECISIONS
+from minirl.disk.store import latest_trained
 from minirl.errors import UsageError
 from minirl.eval.evaluate import resolve_checkpoint
-from minirl.store import latest_trained
 from minirl.setup.workspace import Workspace, init_workspace
-from minirl.precisions import NAMES as PRECISIONS
 
 
 @click.command()
@@ -225,8 +225,8 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
                     follow_up: dict | None = None, rescore: str | None = None) -> tuple[dict, Path]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl.lab import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
     from minirl.lab import stages
+    from minirl.lab import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
     from minirl.lab import report as study_report
 
     if not report_only:

@@ -1,11 +1,13 @@
-"""Fault injection for tests, read here and nowhere else. The step calls `at_step` once, as it begins.
+"""Fault injection for tests, read here and nowhere else. `install` puts each fault where it happens
+(around the run's step, its rollouts' output, its advantages, the trainer's loss and gradients, the
+parity check) when a MINIRL_INJECT_* variable asks for it, so the step itself has no fault in it.
 
 MINIRL_INJECT_KILL="1@3" SIGKILLs rank 1 as step 3 begins (as an OOM killer or a lost node
 would), on a job's first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT), so that
 `torchrun --max-restarts` has something to restart.
 
 MINIRL_INJECT_NAN="loss@3,grad@5" makes step 3's loss and step 5's gradients NaN, to show that the
-guard keeps them out of the weights: `at_step` returns what to poison ("loss", "grad", "logp", "parity" or None).
+guard keeps them out of the weights: `at_step` says what to poison ("loss", "grad", "logp", "parity" or None).
 
 MINIRL_INJECT_NAN="logp@2" breaks the rollout engine's output at step 2 as the FP8 engine broke on a
 GPU (#72): every sampled token's log μ after a response's first is NaN (`break_logprobs`), which
@@ -13,7 +15,7 @@ the run must stop on before training. "parity@3": step 3's parity check comes ba
 
 MINIRL_INJECT_SKEW="3" shifts every log μ the engine returns by +0.5 from step 3 on: a mismatch
 between engine and trainer that grows KL(μ‖π_old) beyond any lag (`skew_logprobs`), which the guard
-must still roll back at k ≥ 1 (#74). `at_step` returns "skew".
+must still roll back at k ≥ 1 (#74): "skew".
 
 MINIRL_INJECT_DROP_WEIGHT="model.norm.weight" leaves that weight out of every weight sync, as a
 trainer whose names the engine does not map would (`drop_weight`, called by rollout/sync.py on
@@ -26,7 +28,7 @@ run/final_weights.py on the rank that writes.
 
 MINIRL_INJECT_INVERT="100" trains on the rewards inverted (1 − r) from step 100 on, while the
 reward logged and judged stays the grader's: the policy unlearns the task and the reward slides
-with the entropy calm, the slide the guard must catch (#64). `at_step` returns "invert".
+with the entropy calm, the slide the guard must catch (#64): "invert".
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ import os
 import signal
 
 
-def at_step(step: int, rank: int) -> str | None:
-    kill = os.environ.get("MINIRL_INJECT_KILL", "")
-    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and kill == f"{rank}@{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+STEP_FAULTS = ("MINIRL_INJECT_KILL", "MINIRL_INJECT_NAN", "MINIRL_INJECT_INVERT", "MINIRL_INJECT_SKEW")
+
+
+def at_step(step: int) -> str | None:
+    """What step `step` is to suffer, one thing a step: a NaN first, else the inverted rewards, else the skew."""
     for item in os.environ.get("MINIRL_INJECT_NAN", "").split(","):
         what, _, at = item.strip().partition("@")
         if what in ("loss", "grad", "logp", "parity") and at.isdigit() and int(at) == step:
@@ -53,6 +56,60 @@ def at_step(step: int, rank: int) -> str | None:
     if skew.isdigit() and step >= int(skew):
         return "skew"
     return None
+
+
+def kill_at(step: int, rank: int) -> None:
+    kill = os.environ.get("MINIRL_INJECT_KILL", "")
+    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and kill == f"{rank}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(run) -> None:
+    """Wrap an RLRun's parts with the step faults the environment asks for; with none, nothing is
+    wrapped. The step under way is `run.state.step + 1` (the step sets its number as it ends)."""
+    if not any(os.environ.get(k) for k in STEP_FAULTS):
+        return
+    trainer, rollouts = run.trainer, run.rollouts
+
+    def now() -> str | None:
+        return at_step(run.state.step + 1)
+
+    def step(f=run.step):
+        kill_at(run.state.step + 1, run.world.rank)  # as the step begins
+        return f()
+
+    def next_batch(at: int, f=rollouts.next):
+        problems, groups = f(at)
+        what = at_step(at)
+        return problems, (break_logprobs(groups) if what == "logp" else
+                          skew_logprobs(groups) if what == "skew" else groups)
+
+    def advantages(rewards_PG, f=run.advantages):  # trained on 1 − r; the reward logged and judged stays r
+        return f(1 - rewards_PG if now() == "invert" else rewards_PG)
+
+    def forward_backward(mb, loss_fn, f=trainer.forward_backward, **kw):
+        if now() == "loss":
+            loss_fn = poisoned(loss_fn)
+        return f(mb, loss_fn, **kw)
+
+    def clip_grads(f=trainer.clip_grads):
+        if now() == "grad":
+            trainer.fill_grads(math.nan)
+        return f()
+
+    def parity(f=run.parity):
+        return math.nan if now() == "parity" else f()
+
+    run.step, run.advantages, run.parity = step, advantages, parity
+    rollouts.next, trainer.forward_backward, trainer.clip_grads = next_batch, forward_backward, clip_grads
+
+
+def poisoned(loss_fn):
+    """A loss function whose value comes out NaN, its metrics as they were."""
+    def nan_loss(*args, **kw):
+        value, metrics = loss_fn(*args, **kw)
+        return value * math.nan, metrics
+    return nan_loss
 
 
 def at_end() -> None:

@@ -34,7 +34,7 @@ def main() -> None:
     else:
         channel = WeightChannel.join("127.0.0.1", int(a.port.read_text()), 1, 2)
     if a.rank == 0:
-        from minirl.models import TINY
+        from minirl.models.shapes import TINY
         from minirl.train.batch import build_batch
         from minirl.train.trainer import Trainer
 

@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
 def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:
     """A workspace folder with the tiny recipe and the embedded task's splits, no model of its own
     (tests pass --model, or copy one in)."""
-    from minirl.task import make_splits, write_jsonl
+    from minirl.data.task import make_splits, write_jsonl
 
     root.mkdir(parents=True)
     (root / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
@@ -86,8 +86,8 @@ def random_hf_folder(root: Path, shape, *, std: float, dtype=None) -> Path:
     character tokenizer; `dtype` as saved (default fp32)."""
     import torch
 
-    from minirl.train.hf_io import save_hf_folder
     from minirl.setup.tokenizer import build_tokenizer
+    from minirl.train.hf_io import save_hf_folder
     from minirl.train.trainer import Trainer
 
     tok = build_tokenizer(root / "tok", shape.vocab_size, shape.max_seq_len)
@@ -102,7 +102,7 @@ def random_hf_folder(root: Path, shape, *, std: float, dtype=None) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """HF folder of a randomly initialised tiny model (weights ~N(0, 0.1) so outputs are non-trivial)."""
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
 
     return random_hf_folder(tmp_path_factory.mktemp("tiny"), TINY, std=0.1)
 

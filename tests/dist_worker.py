@@ -58,7 +58,7 @@ def one_update(trainer, batch, replay: str, routes=None) -> tuple[float, dict[st
 def one_process_init() -> dict[str, torch.Tensor]:
     """The initial weights of `Trainer(TINY, seed=0)` in one process (sharded ranks draw theirs
     shard by shard, so a comparison starts both from these)."""
-    from minirl.models import TINY, titan_config
+    from minirl.models.shapes import TINY, titan_config
 
     torch.manual_seed(0)
     model = titan_config(TINY).build()
@@ -72,7 +72,7 @@ LORA = {"rank": 4, "alpha": 8.0, "targets": ("q", "k", "v", "o", "experts")}
 def lora_init() -> dict[str, torch.Tensor]:
     """One process's LoRA trainer (seed 0) with every B drawn non-zero, so both A and B get
     gradients: the start both sides of a comparison load."""
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-2, seed=0, lora=LORA, shard=False)
@@ -123,7 +123,7 @@ def main() -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout.sync import gather as sync_gather
     from minirl.train.parallel import full_state_dict
     from minirl.train.trainer import Trainer

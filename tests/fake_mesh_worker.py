@@ -19,7 +19,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
     from torchtitan.distributed.utils import init_fake_mode
 
-    from minirl.models import KNOWN_SHAPES, titan_config
+    from minirl.models.shapes import KNOWN_SHAPES, titan_config
     from minirl.train import offload
     from minirl.train.parallel import parallelize
 
@@ -33,8 +33,8 @@ def main() -> None:
     init_fake_mode(a.world, rank=a.rank)
     shape = KNOWN_SHAPES[a.model]
     def adapt(model):  # what Trainer(lora=..., param_dtype="bfloat16") hands parallelize
+        from minirl.models.shapes import lora_targets
         from minirl.train import lora
-        from minirl.models import lora_targets
 
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)

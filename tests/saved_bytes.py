@@ -49,7 +49,7 @@ def saved(trainer, tokens_BL: torch.Tensor) -> int:
 def main(shape_name: str, path: str, ac: str) -> dict:
     import torch.distributed as dist
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
     from tests.gpu import kit
 

@@ -32,7 +32,7 @@ def tokens(groups) -> list[list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def proc(tiny_dir):
-    from minirl.recipe import RolloutConfig
+    from minirl.config.recipe import RolloutConfig
 
     cores = sorted(os.sched_getaffinity(0))[-1:]  # the engine's process on one core, as overlapped on 2 cores
     p = EngineProcess(tiny_dir, RolloutConfig(precision="bf16", kv_cache_gib=0.25), cores=cores, seed=0,
@@ -64,7 +64,7 @@ def test_a_queued_sync_leaves_the_rollouts_sent_before_it_and_the_trainer_free(p
     engine loads a snapshot). After it the engine's process scores exactly as an engine in this
     process given the same weights, by either path: the snapshot slots of an engine that writes its
     own tensors, and the copies any other engine is sent."""
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout import sync as weight_sync
     from minirl.train.trainer import Trainer
 
@@ -131,7 +131,7 @@ def test_every_wait_on_the_engine_is_booked_as_the_trainers(proc, tiny_dir):
     the bug booked 0.001% of it)."""
     import time as clock
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout import sync as weight_sync
     from minirl.train.trainer import Trainer
 
@@ -272,7 +272,7 @@ def test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is(embed
 @pytest.fixture(scope="module")
 def inflight(tiny_dir):
     """An fp32 engine in its own process that loads a sync between two forward steps of a batch."""
-    from minirl.recipe import RolloutConfig
+    from minirl.config.recipe import RolloutConfig
 
     cores = sorted(os.sched_getaffinity(0))[-1:]
     rollout = RolloutConfig(precision="fp32", kv_cache_gib=0.25, max_staleness=1, inflight_updates=True)
@@ -289,7 +289,7 @@ def test_a_sync_mid_batch_is_loaded_between_two_forward_steps_and_every_token_sa
     first token after it, where the same token was drawn, has another log μ: the new weights
     sampled it. (Not any single-version forward's: its prefix's KV was computed by θ_0; which is
     why μ is recorded as sampled, never re-scored.)"""
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout import sync as weight_sync
     from minirl.train.trainer import Trainer
 
@@ -336,7 +336,7 @@ def test_a_streamed_sync_is_one_call_loaded_whole_between_two_forward_steps(infl
     the tokens after the sync carry the new version and those before the old, exactly."""
     import weakref
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout import sync as weight_sync
     from minirl.train.trainer import Trainer
 
@@ -390,7 +390,7 @@ def test_a_sync_that_skips_a_weight_stops_naming_it_on_each_path_of_an_engine_pr
     queued; the streamed buckets of any other engine by the engine as they come, its refusal raised
     by the sync itself. Both in one line (errors.EngineFault), and the engine goes on as it was."""
     from minirl.errors import EngineFault
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout import sync as weight_sync
     from minirl.train.trainer import Trainer
 

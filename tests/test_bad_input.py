@@ -26,8 +26,8 @@ LORA_RUN = "runs/20251231-000000"  # older than RUN: "latest" is still RUN
 @pytest.fixture(scope="session")
 def ws_template(tiny_dir, tmp_path_factory) -> Path:
     """A complete small workspace: recipe, data, model, and a run with a checkpoint at step 2."""
-    from minirl import recipes
-    from minirl.models import TINY
+    from minirl.config import recipes
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
     from tests.conftest import data_workspace
 
@@ -156,7 +156,7 @@ def wrong_shape_weights(ws: Path):
 
 
 def other_model_checkpoint(ws: Path):
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
     shutil.rmtree(ws / CKPT)
@@ -200,7 +200,7 @@ def an_intact_checkpoint_before_a_truncated_one(ws: Path):
 
 def finished(ws: Path):
     """The template run ended as "finished" at the steps its recipe asked for."""
-    from minirl import recipes
+    from minirl.config import recipes
 
     steps = recipes.load(ws / RUN / "recipe.toml").train.steps
     write(f"{RUN}/summary.json", json.dumps({"status": "finished", "steps": steps}))(ws)
@@ -594,7 +594,7 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
         monkeypatch.setattr(limits.Platform, "here", classmethod(
             lambda cls, world_size=1: dataclasses.replace(here(world_size), **_SITUATION["platform"])))
     if _SITUATION.get("hub_down"):
-        from minirl import hub
+        from minirl.models import hub
 
         monkeypatch.setattr(hub, "reachable", lambda: False)
     before = snapshot(tmp_path)
@@ -651,10 +651,10 @@ def test_the_dry_run_refuses_what_the_run_refuses_with_its_line(ws_template, tmp
     before = snapshot(tmp_path)
     dry = _one_line(monkeypatch, capfd, ["run", str(ws), "--dry-run", "--gpus-per-node", gpus, *flags])
     if "parallel.gpus_per_node=3" in sets:  # a run of 3 ranks: its torchrun job, here its own checks at that size
-        from minirl import recipes
-        from minirl.models import read_shape
-        from minirl.setup.preflight import check_layout
+        from minirl.config import recipes
         from minirl.errors import UsageError
+        from minirl.models.shapes import read_shape
+        from minirl.setup.preflight import check_layout
 
         rec = recipes.load(ws / "minirl.toml", sets)
         with pytest.raises(UsageError) as e:

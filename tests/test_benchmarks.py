@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from minirl.eval import benchmarks
+from minirl.config.recipe import Recipe
 from minirl.errors import UsageError
+from minirl.eval import benchmarks
 from minirl.eval.evaluate import eval_benchmark, summarize
-from minirl.recipe import Recipe
 from tests.conftest import SHARED
 
 BENCH = SHARED / "data" / "benchmarks"

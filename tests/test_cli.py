@@ -103,7 +103,7 @@ def test_init_task_builds_the_long_response_workspace_in_the_recipes_shape(tmp_p
     """--task picks the task's recipe; the data carries the written-out targets, the model's
     context fits prompts plus responses, it has the recipe's layers and experts, and the report
     gives the response lengths. (`--task scratchpad` is built by the lab's tests.)"""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.setup.workspace import Workspace, init_workspace
 
     small = ["cold_start.max_steps=1", "cold_start.train_size=100", "cold_start.heldout_size=10",

@@ -60,12 +60,12 @@ def test_a_gpu_run_plans_against_its_device_and_gives_vllm_the_plans_share(monke
     """#63: on a GPU, `minirl run` plans for the device it is on (its real memory, this job's ranks)
     before any engine starts: the engine's fraction is the plan's, and what will not fit is refused
     in the dry run's line. The GPU is the seam (`Platform`); the plan is the real one."""
-    from minirl import recipes
-    from minirl.models import KNOWN_SHAPES, TINY
-    from minirl.setup.preflight import check_gpu_plan
+    from minirl.config import recipes
+    from minirl.models.shapes import KNOWN_SHAPES, TINY
     from minirl.setup.advice import advise, describe, refusal
-    from minirl.setup.plan import make_plan
     from minirl.setup.limits import Platform
+    from minirl.setup.plan import make_plan
+    from minirl.setup.preflight import check_gpu_plan
 
     shape = KNOWN_SHAPES["Qwen3-30B-A3B"]
     lora = recipes.load(recipes.shipped("qwen3-30b-a3b-lora"), [])
@@ -182,9 +182,9 @@ def test_level_1_sleep_keeps_weights_and_level_0_never_sleeps():
 
 
 def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bound():
-    from minirl.train.hf_io import adapter, titan_to_hf
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout.sync import bucket_nbytes, hf_buckets, layer_groups
+    from minirl.train.hf_io import adapter, titan_to_hf
     from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
@@ -217,9 +217,9 @@ def test_weight_buckets_deliver_every_hf_tensor_once_converted_and_within_the_bo
 
 
 def test_a_layer_larger_than_the_bound_is_a_bucket_of_its_own():
-    from minirl.train.hf_io import adapter
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout.sync import hf_buckets, layer_groups
+    from minirl.train.hf_io import adapter
     from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
@@ -238,7 +238,7 @@ def test_resume_auto_continues_a_killed_run_and_starts_fresh_after_an_ended_one(
     import pytest
 
     from minirl.errors import UsageError
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.setup.preflight import pick_resume_checkpoint
     from minirl.setup.workspace import Workspace
 
@@ -270,10 +270,10 @@ def test_resume_run_continues_the_run_it_names_not_the_newest(tmp_path):
 
     import pytest
 
+    from minirl.disk.store import run_folder
     from minirl.errors import UsageError
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.setup.preflight import pick_resume_checkpoint
-    from minirl.store import run_folder
     from minirl.setup.workspace import Workspace
 
     ws = Workspace(tmp_path)

@@ -22,8 +22,8 @@ def _run(tiny_dir, tmp_path, *, summary: dict, steps=(1, 2, 3)) -> Path:
     """A workspace with one run: a checkpoint at step 3, its rows, and `summary`."""
     import shutil
 
-    from minirl import recipes
-    from minirl.models import TINY
+    from minirl.config import recipes
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
     from tests.conftest import data_workspace
 
@@ -53,7 +53,7 @@ def test_a_summary_with_wrong_types_is_named_and_read_without(tiny_dir, tmp_path
     r = minirl("export", str(ws), str(out))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert (out / "config.json").exists() and not list(tmp_path.glob("*.tmp"))
-    from minirl import store
+    from minirl.disk import store
 
     assert store.read_summary(run) == {}
     (run / "summary.json").write_text(json.dumps({"status": "finished", "heldout": {"start": "?"}}))
@@ -61,7 +61,7 @@ def test_a_summary_with_wrong_types_is_named_and_read_without(tiny_dir, tmp_path
 
 
 def test_a_row_out_of_order_is_left_out_by_status_and_by_a_resume(tiny_dir, tmp_path):
-    from minirl import store
+    from minirl.disk import store
 
     run = _run(tiny_dir, tmp_path, summary={"status": "finished", "written_at": time.time(), "steps": 3},
                steps=(1, 2, 3, 1))
@@ -81,7 +81,7 @@ def test_an_eval_of_a_live_runs_checkpoint_pins_what_it_reads_and_writes_nothing
     checkpoint is hard-linked aside before it is read (the run may delete it meanwhile), the HF copy
     goes to the workspace's cache, and the run's folder is left as it was; an ended run's checkpoint
     keeps its HF copy beside it, as before."""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.eval.evaluate import resolve_checkpoint
     from minirl.setup.workspace import Workspace
     from minirl.train.hf_io import load_hf_weights

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from minirl.data import PromptSampler, load_problems
+from minirl.data.prompts import PromptSampler, load_problems
+from minirl.data.task import make_splits
 from minirl.errors import UsageError
-from minirl.task import make_splits
 
 
 def enc(texts):  # a tokenizer whose tokens are characters, called with a batch of prompts
@@ -35,7 +35,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
 def test_prompts_are_tokenised_in_batches_in_row_order(tmp_path, monkeypatch):
     """The tokenizer is called once per batch of ENCODE_BATCH prompts (skipped rows never reach it),
     and each problem keeps its own row's ids across the batches' seams."""
-    from minirl import data
+    from minirl.data import prompts as data
 
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(7)]
     rows[3]["answer"] = ""
@@ -73,7 +73,7 @@ def test_a_hub_id_the_loader_fails_on_is_one_line(monkeypatch):
     tests/test_offline.py)."""
     import datasets
 
-    from minirl import hub
+    from minirl.models import hub
 
     def no_network(*a, **k):  # the Hub's servers: the one thing that cannot exist here
         raise ConnectionError("Couldn't reach 'nobody-minirl/no-such-dataset' on the Hub (LocalEntryNotFoundError)\nmore")
@@ -99,8 +99,8 @@ def test_task_splits_are_disjoint_and_correct():
 def test_scratchpad_traces_add_up_and_only_the_final_sum_is_graded(task, recipe_name, width, mean_len):
     import re
 
-    from minirl import recipes
-    from minirl.task import scratchpad
+    from minirl.config import recipes
+    from minirl.data.task import scratchpad
     from rewards import load_grader
 
     train, held = make_splits(2000, 200, seed=3, task=task)
@@ -153,7 +153,7 @@ def test_prompts_go_through_the_template_and_the_chat_template(tokenizer):
     user turn through the tokenizer's own chat template (a Jinja template, as Qwen3's)."""
     import copy
 
-    from minirl.data import prompt_ids
+    from minirl.data.prompts import prompt_ids
 
     plain = prompt_ids(tokenizer, "12+34", template="{problem}=")
     assert tokenizer.decode(plain) == "12+34="
@@ -163,7 +163,7 @@ def test_prompts_go_through_the_template_and_the_chat_template(tokenizer):
     assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
     assert tok.decode(ids) == "12+34+0="
     # many at once (the run's data loading) give each text's own ids, plain and through the chat template
-    from minirl.data import prompts_ids
+    from minirl.data.prompts import prompts_ids
 
     texts = ["12+34", "5+6", "987+1"]
     assert prompts_ids(tokenizer, texts, template="{problem}=") == [
@@ -177,8 +177,8 @@ def test_the_chat_templates_keyword_arguments_reach_it_on_every_prompt_path(tiny
     encoder) and `minirl eval`'s; the validator refuses them where no template reads them."""
     from transformers import AutoTokenizer
 
-    from minirl import recipes
-    from minirl.data import prompts_ids
+    from minirl.config import recipes
+    from minirl.data.prompts import prompts_ids
     from minirl.eval.evaluate import _format_prompt
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))

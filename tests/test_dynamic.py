@@ -44,9 +44,9 @@ def test_fill_stops_at_its_bound_and_completes_the_batch_with_flat_groups():
 
 
 def test_on_several_training_ranks_it_is_refused_in_one_line():
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.errors import UsageError
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.setup.preflight import check_layout
 
     rec = recipes.load(None, ["train.dynamic_sampling=true"])
@@ -67,7 +67,7 @@ class HalfFlatGrader:
 
 
 def _half_flat_workspace(root: Path) -> Path:
-    from minirl.task import make_splits, write_jsonl
+    from minirl.data.task import make_splits, write_jsonl
     from tests.conftest import data_workspace
 
     ws = data_workspace(root)
@@ -83,7 +83,7 @@ def test_every_trained_batch_is_full_and_has_no_flat_group(k, tiny_dir, tmp_path
     (k = 2: in its own process, sampling ahead; with R3): every step trains a full batch of
     prompts_per_step groups, none of them flat, and the rows count the groups dropped and the
     extra draws and rollouts it took; the staleness bound holds on the tokens trained."""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.run import lifecycle
     from minirl.setup.workspace import Workspace
     from rewards import base
@@ -119,7 +119,7 @@ def test_the_overlong_shaping_trains_and_the_grade_stays_the_graders(tiny_dir, t
     """DAPO's soft overlong punishment over the last 3 of the 6 tokens a response may have: the
     reward the advantages are of is the grade plus the penalty of the responses past 3 tokens;
     rollout/acc and the held-out scores stay the grader's."""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.run import lifecycle
     from minirl.setup.workspace import Workspace
     from tests.conftest import data_workspace
@@ -143,9 +143,9 @@ def test_a_resume_draws_the_extra_prompts_the_run_would_have_drawn():
     """The extra draws come from a stream of their own whose position the checkpoint keeps: a
     resumed run draws at its next step what the run would have drawn; the steps' own batches
     draw what they would without dynamic sampling."""
-    from minirl.data import Problem, PromptSampler
+    from minirl.config.recipe import RolloutConfig, TrainConfig
+    from minirl.data.prompts import Problem, PromptSampler
     from minirl.launch import World
-    from minirl.recipe import RolloutConfig, TrainConfig
     from minirl.rollout import Rollouts
     from minirl.rollout.engine import Completion
     from minirl.stopwatch import Stopwatch

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.store import metric_rows
+from minirl.disk.store import metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -83,7 +83,7 @@ def wait_for_steps(ws: Path, *, run_number: int, steps: int, timeout_s: float = 
 
 
 def titan_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=0.0)

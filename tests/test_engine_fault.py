@@ -37,7 +37,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3)

@@ -64,7 +64,7 @@ def run_dir(export_ws, tmp_path) -> Path:
 
 @pytest.mark.slow
 def test_best_never_picks_what_a_rollback_undid(run_dir, tmp_path):
-    from minirl.store import checkpoints
+    from minirl.disk.store import checkpoints
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r.get("guard/action"), r.get("guard/rollback_to_step")) for r in rows][3:] == [
@@ -90,9 +90,9 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM
 
-    from minirl.train.batch import build_batch
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.rollout.vllm import VLLMEngine
+    from minirl.train.batch import build_batch
     from minirl.train.trainer import Trainer
 
     ws = run_dir.parent.parent
@@ -139,9 +139,9 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
     assert "| rollback at step 5 |" not in card.text  # the card shows the run up to its checkpoint
     assert "sampled ahead" not in card.text  # a synchronous run
     # a run that sampled ahead says how far, and what its stale tokens were clipped against (#74)
-    from minirl import recipes
+    from minirl.config import recipes
+    from minirl.disk.store import checkpoints
     from minirl.publish.card import model_card
-    from minirl.store import checkpoints
 
     rec = recipes.load(run_dir / "recipe.toml", ["rollout.max_staleness=2", "rollout.inflight_updates=true"])
     ckpt = next(c for c in checkpoints(run_dir) if c.step == 3)
@@ -233,7 +233,7 @@ def test_the_cards_snippets_run_and_push_to_a_stand_in_hub(run_dir, tmp_path):
 def test_the_checkpoint_pruning_keeps_as_best_is_the_good_one_with_the_top_run_score(tmp_path):
     """`checkpoint.keep` keeps the newest checkpoints, the rollback target, and the good one with
     the best held-out score its run measured (what `export --best` would pick among them)."""
-    from minirl.store import best_scored
+    from minirl.disk.store import best_scored
 
     def ckpt(step: int, score: float | None, good: bool = True) -> Path:
         path = tmp_path / f"step_{step:06d}"

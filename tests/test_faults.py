@@ -101,7 +101,7 @@ def latest_run(ws: Path):
 
 
 def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
     tr = Trainer(TINY, lr=1e-3)
@@ -171,9 +171,9 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
         rows = metric_rows(run_dir, allow_torn_last=True)
         steps = [r["step"] for r in rows]
         assert steps == list(range(1, len(steps) + 1))  # one row per step, in order
-        from minirl.models import TINY
+        from minirl.disk.store import complete_checkpoints
+        from minirl.models.shapes import TINY
         from minirl.setup.preflight import check_checkpoint
-        from minirl.store import complete_checkpoints
 
         complete = complete_checkpoints(run_dir)
         for c in complete:
@@ -227,9 +227,9 @@ wait $pid; echo $? > {tmp_path}/rc.txt
 {py} - <<'EOF'
 import json, pathlib, sys
 sys.path.insert(0, "{ROOT}")
+from minirl.disk.store import complete_checkpoints
+from minirl.models.shapes import TINY
 from minirl.setup.preflight import check_checkpoint
-from minirl.store import complete_checkpoints
-from minirl.models import TINY
 from minirl.train.trainer import Trainer
 run = sorted(p for p in pathlib.Path("{ws}/runs").iterdir() if p.is_dir())[-1]
 loaded = []
@@ -276,7 +276,7 @@ def test_a_preemption_mid_collapse_rolls_back_to_the_newest_good_and_an_end_cut_
                        text=True, timeout=600, env=env(MINIRL_INJECT_SKEW="3", MINIRL_INJECT_KILL="0@5"))
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     run_dir = only_run(ws)
-    from minirl.store import complete_checkpoints, read_record
+    from minirl.disk.store import complete_checkpoints, read_record
 
     good = {read_record(c)["step"]: read_record(c)["good"] for c in complete_checkpoints(run_dir)}
     assert good == {0: True, 1: True, 2: True, 3: False, 4: False}, good
@@ -303,7 +303,7 @@ def test_a_disk_full_before_the_first_checkpoint_advises_a_new_run(tiny_dir, tmp
     checkpoint yet, and that resume answers "nothing to resume". The advice is what works."""
     import errno
 
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.errors import RunIOError
     from minirl.run import lifecycle
     from minirl.setup.workspace import Workspace

@@ -2,7 +2,7 @@
 
 import torch
 
-from minirl.models import TINY
+from minirl.models.shapes import TINY
 from minirl.rollout.fp8 import fp8_roundtrip
 from minirl.train.trainer import Trainer
 
@@ -113,7 +113,7 @@ def test_fp8_rollouts_on_cpu_round_activations_per_token_as_fp8_serving_does(tin
     """rollout.precision = fp8 emulates W8A8 (CUDA vLLM's fp8_per_channel): on top of the weights,
     every decoder linear layer's and experts layer's input is rounded through e4m3 per token. The
     lab's levels widen the gap in order: fp8-weights < fp8 < e5m2 < nvfp4 (the last two beyond the paper)."""
-    from minirl.recipe import RolloutConfig
+    from minirl.config.recipe import RolloutConfig
     from minirl.rollout import sync as weight_sync
     from minirl.rollout.cpu.activations import hook_model
     from minirl.rollout.fp8 import fake_quant_tokens

@@ -35,7 +35,7 @@ def test_the_trainers_peak_is_told_from_the_engines_pool(monkeypatch):
 
 
 def test_the_trainer_counts_what_it_holds_on_its_device():
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.batch import build_batch
     from minirl.train.sft import sft_loss
     from minirl.train.trainer import Trainer

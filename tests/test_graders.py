@@ -138,7 +138,7 @@ def test_a_step_whose_grades_are_mostly_errors_stops_the_run_naming_the_grader(t
     import json
     from pathlib import Path
 
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.run import lifecycle
     from minirl.setup.workspace import Workspace
     from rewards import base

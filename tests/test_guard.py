@@ -129,7 +129,7 @@ def test_high_entropy_alone_and_a_reward_dip_alone_are_not_collapse():
 
 
 def test_from_settings_takes_the_recipe_section_and_defaults_what_an_old_recipe_lacks():
-    from minirl.recipe import GuardConfig
+    from minirl.config.recipe import GuardConfig
 
     cfg = GuardConfig(max_entropy_factor=3.0, patience=5, enabled=False)
     g = Guard.from_settings(cfg)

@@ -71,8 +71,8 @@ def test_rows_repeated_for_several_targets_sum_their_gradients():
 def test_a_trainer_with_the_chunked_head_computes_and_learns_what_the_whole_logits_do(pack):
     """The tiny model forced to a 5-position head chunk: its log-probs, entropies, loss and every
     gradient are those of the whole logits (fp32)."""
-    from minirl import recipes
-    from minirl.models import TINY
+    from minirl.config import recipes
+    from minirl.models.shapes import TINY
     from minirl.train.batch import build_batch
     from minirl.train.objective import loss_for
     from minirl.train.trainer import Trainer

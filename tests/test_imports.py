@@ -11,26 +11,33 @@ PACKAGES = ("minirl", "cli", "rewards")
 # where each engine may be imported: vLLM in the rollout package, TorchTitan on the trainer's side
 ENGINE_HOMES = {
     "vllm": ("minirl.rollout",),
-    "torchtitan": ("minirl.models", "minirl.train.parallel", "minirl.train.replay", "minirl.train.hf_io", "minirl.train.trainer"),
+    "torchtitan": ("minirl.models.shapes", "minirl.train.parallel", "minirl.train.replay", "minirl.train.hf_io", "minirl.train.trainer"),
 }
 
 
 # The folders of minirl/ as layers, lowest first (docs/contributing.md): a module imports from its
-# own layer and from those its layer lists, never from above. "top" is minirl's top-level modules
-# (errors, atomic files, the recipe, the model catalogue, the Hub, data, the launcher's World);
+# own layer and from those its layer lists, never from above. "top" is minirl's few top-level
+# modules (errors, the launcher's World, the stopwatch, fault injection, the quick exit); below the
+# engines' rooms sit the files on disk, the models and the Hub, data and tasks, and the recipe;
 # rewards is the graders' package, beside minirl.
-LAYERS = ("top", "rewards", "train", "rollout", "setup", "eval", "run", "publish", "lab", "cli")
+LAYERS = ("top", "disk", "models", "data", "config", "rewards", "train", "rollout", "setup", "eval", "run",
+          "publish", "lab", "cli")
+_BASE = {"top", "disk", "models", "data", "config"}
 ALLOWED = {
     "top": set(),
-    "rewards": {"top"},
-    "train": {"top"},
-    "rollout": {"top", "train"},
-    "setup": {"top", "rewards", "train"},
-    "eval": {"top", "rewards", "train", "rollout", "setup"},
-    "run": {"top", "rewards", "train", "rollout", "setup", "eval"},
-    "publish": {"top", "rewards", "train", "rollout", "setup", "eval", "run"},
-    "lab": {"top", "rewards", "train", "rollout", "setup", "eval", "run", "publish"},
-    "cli": {"top", "rewards", "train", "rollout", "setup", "eval", "run", "publish", "lab"},
+    "disk": {"top"},
+    "models": {"top", "disk"},
+    "data": {"top", "disk", "models"},
+    "config": {"top", "disk", "models", "data"},
+    "rewards": _BASE,
+    "train": _BASE,
+    "rollout": _BASE | {"train"},
+    "setup": _BASE | {"rewards", "train"},
+    "eval": _BASE | {"rewards", "train", "rollout", "setup"},
+    "run": _BASE | {"rewards", "train", "rollout", "setup", "eval"},
+    "publish": _BASE | {"rewards", "train", "rollout", "setup", "eval", "run"},
+    "lab": _BASE | {"rewards", "train", "rollout", "setup", "eval", "run", "publish"},
+    "cli": _BASE | {"rewards", "train", "rollout", "setup", "eval", "run", "publish", "lab"},
 }
 
 
@@ -216,8 +223,8 @@ def test_vllm_engines_are_built_by_the_factory_alone():
 
     built = re.compile(r"VLLMEngine\s*(\(|\.from_config)|import VLLMEngine|\bVLLMEngine\b\s*$", re.MULTILINE)
     named = sorted(m for m, path in modules().items() if built.search(path.read_text()))
-    assert named == [], named  # only the factory builds one: engine_class("vllm") from minirl/engines.py
-    assert "VLLMEngine" in (ROOT / "minirl" / "engines.py").read_text()
+    assert named == [], named  # only the factory builds one: engine_class("vllm") from minirl/config/engines.py
+    assert "VLLMEngine" in (ROOT / "minirl" / "config" / "engines.py").read_text()
 
 
 def test_no_module_is_over_500_lines():
@@ -227,14 +234,14 @@ def test_no_module_is_over_500_lines():
 
 
 def test_the_precision_names_are_declared_once():
-    """#65: rollout.precision's names (and what each means for an engine) live in minirl/precisions.py;
+    """#65: rollout.precision's names (and what each means for an engine) live in minirl/config/precisions.py;
     nothing else lists them (a line naming four of them or more is a list of its own)."""
     import re
 
-    from minirl.precisions import NAMES
+    from minirl.config.precisions import NAMES
 
     quoted = re.compile("|".join(re.escape(f'"{n}"') for n in NAMES))
-    lists = [f"{m}:{i}" for m, path in modules().items() if m != "minirl.precisions"
+    lists = [f"{m}:{i}" for m, path in modules().items() if m != "minirl.config.precisions"
              for i, line in enumerate(path.read_text().splitlines(), 1)
              if len(set(quoted.findall(line))) >= 4 and not line.lstrip().startswith(">>>")]  # a doctest shows, it declares nothing
     assert lists == []
@@ -242,7 +249,7 @@ def test_the_precision_names_are_declared_once():
 
 def test_the_run_folders_files_have_one_owner():
     """#65: a checkpoint's record (minirl.json), its scores (heldout.json) and a run's summary
-    (summary.json) are named, read and written in minirl/store.py alone; docstrings may mention them."""
+    (summary.json) are named, read and written in minirl/disk/store.py alone; docstrings may mention them."""
     import ast
 
     import re
@@ -250,7 +257,7 @@ def test_the_run_folders_files_have_one_owner():
     owned = re.compile(r"\b(minirl|heldout|summary)\.json(?!l)")  # not data/heldout.jsonl
     found = []
     for name, path in modules().items():
-        if name == "minirl.store":
+        if name == "minirl.disk.store":
             continue
         tree = ast.parse(path.read_text())
         docs = {id(n.body[0].value) for n in ast.walk(tree)
@@ -269,7 +276,7 @@ def test_every_number_in_a_recipe_declares_its_range_and_every_name_its_choices(
     objective's registry's."""
     import dataclasses
 
-    from minirl.recipe import LOSS_NAMES, Recipe
+    from minirl.config.recipe import LOSS_NAMES, Recipe
     from minirl.train.objective import LOSSES
 
     def fields(obj, prefix=""):
@@ -281,4 +288,13 @@ def test_every_number_in_a_recipe_declares_its_range_and_every_name_its_choices(
             and not {"range", "rule"} & set(f.metadata)]
     assert bare == []
     assert tuple(LOSSES) == LOSS_NAMES
-    assert "validator" not in (ROOT / "minirl" / "recipe.py").read_text().split('"""', 2)[2]  # no dataclass imports it
+    assert "validator" not in (ROOT / "minirl" / "config" / "recipe.py").read_text().split('"""', 2)[2]  # no dataclass imports it
+
+
+def test_minirl_keeps_at_most_six_modules_at_its_top():
+    """#83: a module belongs in a room that names what it holds (disk, models, data, config, …); the
+    top keeps a few small utilities every layer shares."""
+    top = sorted(p.name for p in (ROOT / "minirl").glob("*.py"))
+    assert len(top) <= 6, top
+    assert all((ROOT / "minirl" / room / "__init__.py").read_text().startswith('"""')
+               for room in ("disk", "models", "data", "config"))  # each room says what it holds

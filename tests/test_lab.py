@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from minirl.config import recipes
 from minirl.lab import runner as lab
-from minirl import recipes
 
 
 def test_a_cell_is_the_run_its_own_process_started_not_the_newest(tmp_path):

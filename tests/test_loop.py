@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from minirl.run.lifecycle import _new_run_dir
-from minirl.train.objective import minibatch_indices, overlong_penalty, sequence_rewards
 from minirl.setup.workspace import Workspace
+from minirl.train.objective import minibatch_indices, overlong_penalty, sequence_rewards
 
 
 def test_runs_started_in_the_same_second_get_distinct_folders(tmp_path):
@@ -42,7 +42,7 @@ def test_the_overlong_penalty_falls_linearly_over_the_buffer_before_the_limit():
 
 
 def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
-    from minirl.store import truncate_metrics as _truncate_metrics
+    from minirl.disk.store import truncate_metrics as _truncate_metrics
 
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rollout/rew')  # killed mid-write
@@ -52,7 +52,7 @@ def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
 
 
 def test_only_complete_checkpoints_count(tmp_path):
-    from minirl.store import complete_checkpoints
+    from minirl.disk.store import complete_checkpoints
 
     ck = tmp_path / "checkpoints"
     for name, done in (("step_000001", True), ("step_000002", True), ("step_000003.tmp", True),
@@ -70,7 +70,7 @@ def test_a_resume_rolls_back_to_the_newest_good_checkpoint_not_the_one_it_resume
     that undid a stretch makes the checkpoints inside it no target either."""
     import json
 
-    from minirl.store import rollback_target
+    from minirl.disk.store import rollback_target
 
     ck = tmp_path / "checkpoints"
     for step, good in ((0, True), (50, True), (100, True), (150, False)):

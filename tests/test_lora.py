@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl import atomic, recipes
+from minirl.config import recipes
+from minirl.disk import atomic
 from minirl.errors import UsageError
-from minirl.hub import fingerprint
-from minirl.models import KNOWN_SHAPES, TINY
+from minirl.models.hub import fingerprint
+from minirl.models.shapes import KNOWN_SHAPES, TINY, lora_targets
+from minirl.setup.limits import Platform, check
 from minirl.train import lora
 from minirl.train.batch import build_batch
 from minirl.train.objective import loss_for
 from minirl.train.trainer import Trainer
-from minirl.models import lora_targets
-from minirl.setup.limits import Platform, check
 
 ALL = ("q", "k", "v", "o", "experts")
 
@@ -331,7 +331,7 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
 
     # `eval` and `doctor` take a checkpoint through resolve_checkpoint: one without its HF folder is
     # rebuilt from the adapters and the base they name, and holds the run's merged weights again
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.eval.evaluate import resolve_checkpoint
     from minirl.setup.workspace import Workspace
 

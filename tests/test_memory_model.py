@@ -33,7 +33,7 @@ def measured(shape: str, path: str, ac: str) -> float:
     pytest.param("moe", "fsdp2", "none", marks=pytest.mark.slow),
 ])  # full AC's formula is the tiny shape's to check: at the 0.76B shape it held too (docs/results/memory.md), 30 s more
 def test_the_plans_activations_per_token_are_what_the_forward_saves(shape, path, ac):
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.setup.footprint import activation_bytes
     from tests.gpu import kit
 

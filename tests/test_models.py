@@ -4,8 +4,8 @@ transformers' own Qwen3MoeForCausalLM on the converted folder."""
 import pytest
 import torch
 
+from minirl.models.shapes import QWEN3_30B_A3B, TINY, ModelShape, hf_config_dict, param_count, titan_config
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
-from minirl.models import QWEN3_30B_A3B, TINY, ModelShape, hf_config_dict, param_count, titan_config
 from minirl.train.trainer import Trainer
 
 
@@ -98,11 +98,11 @@ def test_a_model_too_large_for_this_node_is_refused_before_any_download(monkeypa
     """#63: the host-memory check is the plan's (`host_memory`) for this job's layout: one CPU
     process holds the 30B's fp32 training state and its engine; a LoRA run under torchrun holds
     its rank's share; on GPUs what is offloaded, and rank 0's read of the checkpoint."""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.errors import UsageError
-    from minirl.setup.preflight import check_fits
     from minirl.setup.footprint import host_memory
     from minirl.setup.limits import Platform
+    from minirl.setup.preflight import check_fits
 
     cpu = Platform("cpu", 1, 2, 24.0)
     check_fits(recipes.load(None, []), TINY, cpu)
@@ -149,7 +149,7 @@ def test_decoding_with_the_kv_cache_gives_the_full_recomputes_logits():
     """The cold start's dev check decodes one token at a time from cached keys and values
     (models.kv_cache): every step's logits match a full forward over the whole sequence so far,
     and leaving the cache restores plain causal forwards."""
-    from minirl.models import kv_cache
+    from minirl.models.shapes import kv_cache
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     tr.model.eval()

@@ -144,7 +144,7 @@ def test_a_token_sampled_behind_is_clipped_against_its_sampler_not_the_trained_w
     sampled 2 updates behind by weights that gave it 0.4, which the policy now gives 0.6 (A > 0):
     anchored at its sampler, r = 1.5 > 1 + ε_high and it carries no gradient; the fresh token beside
     it is unchanged. Anchored at π_old (decoupled PPO's proximal policy) it is pushed by w = 1.5."""
-    from minirl.recipe import LossConfig
+    from minirl.config.recipe import LossConfig
     from minirl.train.batch import build_batch
 
     batch = build_batch([[7, 8]], [[5, 6]], [[LN(0.4), LN(0.5)]], [1.0], pad_id=0, versions=[(3, 5)], trained=5)
@@ -182,7 +182,7 @@ def test_each_clipped_token_is_counted_by_its_cause():
     fresh ones sum to clip_frac, and so do the mismatch and movement ones; π_old/μ is out of the
     band for one token (what an anchor at μ would clip before any update). Anchored at π_old, no
     token's anchor gap is out of the band: only the moved ones are clipped."""
-    from minirl.recipe import LossConfig
+    from minirl.config.recipe import LossConfig
     from minirl.train.batch import build_batch
 
     mu = [LN(0.4), LN(0.4), LN(0.4), LN(0.4)]

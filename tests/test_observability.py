@@ -103,7 +103,7 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
     assert summary["status"] == "collapsed" and summary["guard"]["rollbacks"] == 2
     assert [Path(p).name for p in summary["guard"]["rolled_back_to"]] == ["step_000000"] * 3
     # no update of the bad steps survived: the run ends on the weights it started from
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.hf_io import hf_to_titan, load_hf_weights
     from minirl.train.trainer import Trainer
 

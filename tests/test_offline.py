@@ -66,7 +66,7 @@ def test_a_hub_model_without_network_is_one_line(tmp_path):
 def test_the_hub_is_probed_once_per_process(monkeypatch):
     """One HEAD request, then the answer is kept: a run that asks the Hub for three things waits
     for it once."""
-    from minirl import hub
+    from minirl.models import hub
 
     calls = []
 
@@ -90,8 +90,8 @@ def test_the_hub_is_probed_once_per_process(monkeypatch):
 
 def test_an_upload_is_never_told_to_go_offline(monkeypatch):
     """A cache can answer a download, never a push: the push's line names no offline variable."""
-    from minirl import hub
     from minirl.errors import UsageError
+    from minirl.models import hub
 
     monkeypatch.setattr(hub, "reachable", lambda: False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

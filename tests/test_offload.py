@@ -4,7 +4,7 @@ import weakref
 
 import torch
 
-from minirl.models import TINY
+from minirl.models.shapes import TINY
 from minirl.train import offload
 from minirl.train.batch import build_batch
 from minirl.train.sft import sft_loss

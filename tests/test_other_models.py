@@ -88,7 +88,7 @@ def test_replay_on_a_dense_model_is_refused_in_one_line(data_ws, tiny_dir, tmp_p
 def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     """`minirl init --model`: the model's shipped recipe, or the generic one suited to a dense
     model; math data, grader and chat template; no cold start; only the config is read."""
-    from minirl import recipes
+    from minirl.config import recipes
 
     r = minirl("init", str(tmp_path / "moe"), "--model", "Qwen3-30B-A3B")
     assert r.returncode == 0, r.stderr

@@ -4,8 +4,8 @@ loss and gradients equal to the unpacked batch's on the tiny model."""
 import pytest
 import torch
 
+from minirl.models.shapes import TINY
 from minirl.train.batch import build_batch
-from minirl.models import TINY
 from minirl.train.packing import pack_shared_prompts
 from minirl.train.trainer import Trainer
 
@@ -53,7 +53,7 @@ def test_rows_split_at_max_len_and_unshared_batches_stay_unpacked():
 def test_long_responses_stay_unpacked_where_the_dense_attention_would_cost_more():
     """The tiny model's attention weighs a pair at ~3e-3 of a position: the default task's short
     responses pack, the long-response task's do not (measured: 11% slower packed)."""
-    from minirl.models import attention_pair_cost
+    from minirl.models.shapes import attention_pair_cost
 
     g = torch.Generator().manual_seed(3)
     cost = attention_pair_cost(TINY)
@@ -85,7 +85,7 @@ def _grouped_batch(seed: int):
 
 @pytest.mark.parametrize("micro", [0, 4])
 def test_packed_trainer_equals_unpacked_in_logprobs_entropy_loss_and_gradient(micro):
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.train.objective import loss_for
 
     batch = _grouped_batch(0)
@@ -128,7 +128,7 @@ def test_repeated_kv_heads_attend_as_sdpas_own_gqa():
     """The CUDA branch of the masked attention repeats KV heads instead of `enable_gqa`."""
     import torch.nn.functional as F
 
-    from minirl.models import repeat_kv_heads
+    from minirl.models.shapes import repeat_kv_heads
 
     g = torch.Generator().manual_seed(4)
     q, k, v = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)

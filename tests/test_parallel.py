@@ -38,7 +38,7 @@ def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_p
     Then the end of a run (#80): the final HF folder, a decoder layer at a time."""
     from dist_worker import fixed_batch, fixed_routes, one_update
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
     got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay, *(["--shared-prompts"] if shared else []),
@@ -101,7 +101,7 @@ def test_lora_on_two_ranks_updates_like_one_process(ep, replay, tmp_path):
     the loss, the adapters' gradients and their update are one process's; the base never moves."""
     from dist_worker import LORA, fixed_batch, fixed_routes, lora_init, one_update
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.lora import Merged, is_adapter
     from minirl.train.trainer import Trainer
 
@@ -135,7 +135,7 @@ def test_bf16_compute_keeps_fp32_master_shards(tmp_path):
     Adam's state, stay float32; the loss is the fp32 one up to bfloat16 rounding."""
     from dist_worker import fixed_batch, one_update
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
     got = two_ranks(tmp_path, "--ep", "2", "--param-dtype", "bfloat16")
@@ -165,8 +165,8 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
     import json
     import os
 
+    from minirl.models.shapes import TINY
     from minirl.train.hf_io import hf_to_titan, load_hf_weights
-    from minirl.models import TINY
     from minirl.train.trainer import Trainer
     from tests.conftest import data_workspace
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl import recipes
+from minirl.config import recipes
 from minirl.errors import UsageError
-from minirl.models import KNOWN_SHAPES, param_count
-from minirl.models import active_params
+from minirl.models.shapes import KNOWN_SHAPES, active_params, param_count
 from minirl.setup.plan import GiB, fit_mesh, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +206,7 @@ def test_the_cli_plans_without_a_workspace(tmp_path):
     ok = dry("--replay", "r3", "--nodes", "2", "--gpus-per-node", "8", "--set", "train.lr=2e-6")
     assert ok.returncode == 0, ok.stderr[-2000:]
     # the resolved recipe comes first, as TOML that loads back to what the flags made of the model's recipe
-    from minirl import recipes
+    from minirl.config import recipes
 
     toml = ok.stdout.split("would hold)\n", 1)[1].split("\nplan for ", 1)[0]
     (tmp_path / "resolved").mkdir()
@@ -285,7 +284,7 @@ def test_a_dry_run_plans_what_init_and_run_would_run(tmp_path):
     """`run --model Qwen3-8B --dry-run` with no workspace plans the recipe `init --model Qwen3-8B`
     writes (recipes/qwen3.toml, suited to a dense model), says which Hub repo the short name is,
     and the same plan comes from the workspace init makes, on this machine without a GPU too."""
-    from minirl import recipes
+    from minirl.config import recipes
 
     env = {"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
 
@@ -566,7 +565,7 @@ def test_on_a_gpu_the_plan_chooses_the_micro_batch_and_the_run_trains_with_it(tm
     with it (preflight's plan, RunInputs.micro_batch_tokens). A micro-batch set in the recipe is kept."""
     import json as json_
 
-    from minirl.models import hf_config_dict
+    from minirl.models.shapes import hf_config_dict
     from minirl.setup.limits import Platform
     from minirl.setup.preflight import check_gpu_plan
     from tests.conftest import data_workspace
@@ -626,7 +625,7 @@ def test_the_plan_sleeps_the_engine_only_where_it_must_and_the_dry_run_says_why(
         "the plan's (rollout.sleep_level = -1): awake beside the trainer it would leave too small a KV cache for the job")
     assert dry(str(ws), "--gpu-mem-gib", "139.8", "--set", "rollout.sleep_level=2").endswith("rollout.sleep_level = 2")
     rec = recipes.load(ws / "minirl.toml", [])
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
 
     assert check_gpu_plan(rec, TINY, Platform("cuda", 1, 16, 139.8)).sleep_level == 0  # what the run sleeps at
     full = recipes.load(recipes.shipped("qwen3-30b-a3b"), [])

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from minirl import recipe
-from minirl import recipes as R
+from minirl.config import recipe
+from minirl.config import recipes as R
 from minirl.errors import UsageError
 
 SHIPPED = sorted(R.RECIPES_DIR.glob("*.toml"))
@@ -67,7 +67,7 @@ def test_missing_recipe_file():
 
 
 def test_turning_is_correction_off_must_be_explicit():
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.errors import UsageError
 
     with pytest.raises(UsageError, match="loss.allow_uncorrected = true"):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from minirl.models.shapes import TINY
 from minirl.train import objective as O
 from minirl.train.batch import build_batch
-from minirl.models import TINY
 from minirl.train.replay import route_agreement, route_dtype, tokens_with_a_flip
 from minirl.train.trainer import Trainer
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from minirl import recipes
+from minirl.config import recipes
+from minirl.disk.store import latest_trained
 from minirl.errors import UsageError
 from minirl.setup.preflight import run_recipe
-from minirl.store import latest_trained
 from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 
@@ -75,8 +75,8 @@ def test_latest_is_the_newest_run_that_trained(ws):
 
 
 def test_a_cards_evaluations_are_found_however_the_checkpoint_path_was_typed(tmp_path, monkeypatch):
+    from minirl.disk.store import Checkpoint
     from minirl.publish.export import eval_results_for
-    from minirl.store import Checkpoint
 
     ckpt = _run(tmp_path, "20261127-100000", (4,)) / "checkpoints" / "step_000004"
     (tmp_path / "evals").mkdir()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from minirl.errors import EngineFault
-from minirl.train.batch import build_batch
-from minirl.models import TINY
+from minirl.models.shapes import TINY
 from minirl.rollout import sync as weight_sync
+from minirl.train.batch import build_batch
 from minirl.train.trainer import Trainer
 
 PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 4, 4, 4, 16], [12, 11, 10, 13, 3, 3, 3, 16]]
@@ -50,8 +50,8 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
 def test_a_cpu_engine_sized_for_the_job_holds_its_sequences_and_no_more(engine):
     """kv_cache_gib = 0 on a CPU: a 128-token block for each of max_num_seqs sequences of up to
     max_model_len tokens, and vLLM's empty block (the default of 0.25 GiB held 2,048 blocks)."""
-    from minirl.models import TINY
-    from minirl.engine_sizing import CPU_KV_BLOCK, cpu_kv_cache_bytes
+    from minirl.models.shapes import TINY
+    from minirl.models.sizing import CPU_KV_BLOCK, cpu_kv_cache_bytes
 
     s = engine.settings
     assert s.kv_cache_gib * 2**30 == cpu_kv_cache_bytes(TINY, s.max_num_seqs, s.max_model_len, 2)
@@ -400,8 +400,8 @@ def fed_positions(comps, batch):
 def test_route_capture_is_aligned_with_the_trainer_in_fp32(engine32, tiny_dir):
     """fp32 engines route identically, so a capture that is cut per request and position correctly
     agrees 100% with the trainer's own routing; an off-by-one or a request mix-up would not."""
-    from minirl.train.replay import route_agreement
     from minirl.rollout.cpu import routes as capture
+    from minirl.train.replay import route_agreement
 
     engine32._llm.collective_rpc(capture.install)
     engine32.capture_routes = True
@@ -440,9 +440,9 @@ def test_preempted_samples_are_counted_and_with_r3_drawn_again_with_whole_routes
     samples are kept and counted; with R3 (fp32, so routes match the trainer's exactly) each
     preempted sample is drawn again until one keeps its routes, and every completion returned has
     routes for every fed position, equal to the trainer's own."""
-    from minirl.engine_sizing import cpu_kv_cache_bytes
+    from minirl.models.sizing import cpu_kv_cache_bytes
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.train.replay import route_agreement, rollout_routes
+    from minirl.train.replay import rollout_routes, route_agreement
 
     prompts = [(PROMPTS[i % 3] * 4)[: 26 + i % 3] for i in range(12)]  # 26–28 tokens: one block, then two
     kv = 4 * cpu_kv_cache_bytes(TINY, 1, 64, 4) / 2**30  # 16 blocks of 32 for 48 requests
@@ -518,8 +518,8 @@ def test_cuda_routed_experts_become_the_same_routes_as_the_cpu_capture(engine_r3
 
     import numpy as np
 
-    from minirl.train.replay import rollout_routes
     from minirl.rollout.outputs import routes_from_vllm
+    from minirl.train.replay import rollout_routes
 
     comps, batch, routes = capture_batch(engine_r3, n_prompts=6)
     cfg = engine_r3._llm.llm_engine.vllm_config
@@ -587,7 +587,7 @@ def test_an_interrupt_mid_forward_reaches_the_caller_not_a_torn_capture(tiny_dir
 class FakeEngine:
     """A second engine in a few lines: rollout/engine.py's contract, nothing of vLLM. It samples
     tokens uniformly at random (log μ = −log V for each), keeps the weights the sync streams to it,
-    and scores every token at −log V; registered under a name of its own (minirl/engines.py) it is
+    and scores every token at −log V; registered under a name of its own (minirl/config/engines.py) it is
     what `rollout.engine` builds, through the one factory."""
 
     last = None  # the newest one built, for the test to look into
@@ -600,7 +600,7 @@ class FakeEngine:
 
     @classmethod
     def from_config(cls, model_dir, rollout, **settings):
-        from minirl.models import read_shape
+        from minirl.models.shapes import read_shape
 
         return cls(read_shape(model_dir), {"precision": rollout.precision, **settings})
 
@@ -649,7 +649,7 @@ def test_a_second_engine_is_one_class_and_a_registry_line(tiny_dir, tmp_path, mo
     registered, the real `minirl run` machinery (preflight, trainer, Rollouts, sync, guard,
     checkpoints, summary) runs two steps on the double, which holds the trainer's weights after
     every sync; an unknown engine is refused by the validator, which reads the same table."""
-    from minirl import engines, recipes
+    from minirl.config import engines, recipes
     from minirl.errors import UsageError
     from minirl.rollout import Engine, make_engine
     from minirl.run import lifecycle

@@ -94,9 +94,9 @@ def test_two_engines_split_a_call_join_its_answer_in_order_and_take_a_sync_bucke
     answer is the parts joined: the tokens the engine in this process samples for each part with
     that stream. A sync sent bucket by bucket (three buckets of whole layers here) reaches both, and
     they then score as the engine here given the same weights, exactly."""
+    from minirl.config.recipe import RolloutConfig
     from minirl.launch import World
-    from minirl.models import TINY
-    from minirl.recipe import RolloutConfig
+    from minirl.models.shapes import TINY
     from minirl.rollout import sync as weight_sync
     from minirl.rollout.remote import RemoteEngines
     from minirl.train.trainer import Trainer

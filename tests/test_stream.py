@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minirl.models import TINY
+from minirl.models.shapes import TINY
 from minirl.train.batch import build_batch
 from minirl.train.trainer import Trainer
 
@@ -20,11 +20,11 @@ def test_calls_join_the_requests_in_flight_and_come_back_whole_with_preemptions_
     Each call comes back [prompts][n], every completion with one log μ per token equal to the
     engine's own score of it (fp32; no weights changed) and routes for every fed position equal
     to the fp32 trainer's own routing."""
-    from minirl.engine_sizing import cpu_kv_cache_bytes
+    from minirl.models.sizing import cpu_kv_cache_bytes
     from minirl.rollout import steps
     from minirl.rollout.stream import Stream
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.train.replay import route_agreement, rollout_routes
+    from minirl.train.replay import rollout_routes, route_agreement
 
     engine = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=64, max_num_seqs=96, kv_block=32,
                         kv_cache_gib=4 * cpu_kv_cache_bytes(TINY, 1, 64, 4) / 2**30, capture_routes=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from minirl.config import recipes
 from minirl.lab import report as study_report
 from minirl.lab import runner as lab, rescore, stages, studies, verdicts
-from minirl import recipes
 
 
 def test_every_arm_is_a_valid_recipe_and_arms_pair_by_seed():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from minirl.models.shapes import TINY
 from minirl.train.batch import build_batch
-from minirl.models import TINY
 from minirl.train.sft import sft_loss
 from minirl.train.trainer import Trainer
 
@@ -43,8 +43,8 @@ def test_round_trip_and_rollback_to_a_pre_step_checkpoint(tmp_path):
 @pytest.mark.parametrize("T", [1.0, 0.6])
 def test_chunked_logprobs_equal_the_whole_softmax_in_value_and_gradient(T):
     """Of softmax(logits / T), the policy the engine samples at temperature T."""
-    from minirl.train.objective import entropy_from_logits
     from minirl.train.head import token_logprobs
+    from minirl.train.objective import entropy_from_logits
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 7, 50, generator=g) * 3).requires_grad_()
@@ -122,7 +122,7 @@ def test_micro_batches_give_the_whole_batch_gradient():
 def test_on_policy_update_gives_pi_old_itself(micro):
     """N = 1: the update's own forward is at θ_old, so the loop takes log π_θold and H from it
     (loop.loss_for holds it fixed) instead of a second forward: same values, same gradient."""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.train.objective import loss_for
 
     g = torch.Generator().manual_seed(2)
@@ -162,7 +162,7 @@ def test_bf16_compute_keeps_fp32_master_weights():
     assert lp16.dtype == torch.float32 and not torch.equal(lp16[m], lp32[m])  # another rounding...
     torch.testing.assert_close(lp16[m], lp32[m], rtol=0, atol=0.05)  # ...of the same model
     experts = type(bf16.model.layers["0"].moe.routed_experts.inner_experts)
-    assert experts.__name__ == "GroupedExperts"  # TorchTitan's own, as on CUDA (fp32: models.py's)
+    assert experts.__name__ == "GroupedExperts"  # TorchTitan's own, as on CUDA (fp32: models/shapes.py's)
     losses = []
     for _ in range(5):
         loss32, _ = fp32.forward_backward(BATCH, sft_loss)

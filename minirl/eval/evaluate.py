@@ -17,13 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from minirl.eval import benchmarks
-from minirl import hub, store
-from minirl import recipes
-from minirl.data import Problem, prompt_ids, response_text
+from minirl.config import recipes
+from minirl.data.prompts import Problem, prompt_ids, response_text
+from minirl.disk import store
+from minirl.disk.store import is_checkpoint, latest_trained
 from minirl.errors import UsageError
+from minirl.eval import benchmarks
+from minirl.models import hub
 from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead
-from minirl.store import is_checkpoint, latest_trained
 from rewards.pool import GradingPool
 
 

@@ -37,17 +37,17 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic, store
-from minirl import engine_sizing as sizing
+from minirl.config.precisions import NAMES, PRECISIONS
+from minirl.data.prompts import response_text
+from minirl.disk import atomic, store
+from minirl.models import sizing
+from minirl.rollout import make_engine
+from minirl.rollout.fp8 import fp8_roundtrip
+from minirl.setup.preflight import check_model_folder, prepare_run
 from minirl.train import objective
 from minirl.train.batch import build_batch
-from minirl.data import response_text
 from minirl.train.objective import loss_for, minibatch_indices
-from minirl.setup.preflight import check_model_folder, prepare_run
 from minirl.train.replay import rollout_routes, route_agreement, tokens_with_a_flip
-from minirl.rollout.fp8 import fp8_roundtrip
-from minirl.precisions import NAMES, PRECISIONS
-from minirl.rollout import make_engine
 from minirl.train.trainer import Trainer
 
 STALENESS_UPDATES = (1, 2, 4, 8)
@@ -106,7 +106,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     level = lambda p: make_engine(folder, dataclasses.replace(rec.rollout, precision=p), **kw)  # noqa: E731
     # fp8-weights is the bf16 engine holding FP8-rounded weights; every other level an engine of its own
     engines = {p: level(p) for p in NAMES if p != "fp8-weights"}
-    # the rollout precision levels (minirl/precisions.py), mildest first: the engine that samples at
+    # the rollout precision levels (minirl/config/precisions.py), mildest first: the engine that samples at
     # each and the weights it holds
     fmt = {"w8": "fp8", "w8a8": "fp8"}  # the FP8 levels round the weights to e4m3
     holds = {p: rounded[fmt.get(PRECISIONS[p].emulate, PRECISIONS[p].emulate)] if PRECISIONS[p].rounds else weights

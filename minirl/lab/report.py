@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from minirl import atomic
+from minirl.disk import atomic
 from minirl.lab import rescore
 from minirl.lab import verdicts as v
 from minirl.lab.runner import NO_CLIP

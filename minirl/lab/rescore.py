@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minirl import atomic
+from minirl.disk import atomic
+from minirl.disk.store import complete_checkpoints
 from minirl.lab import verdicts as v
-from minirl.store import complete_checkpoints
 from minirl.run.runlock import RunLock
 
 if TYPE_CHECKING:

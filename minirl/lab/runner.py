@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minirl import atomic
-from minirl import recipe as recipe_mod
-from minirl import recipes
-from minirl.store import complete_checkpoints, has_summary
+from minirl.config import recipes
+from minirl.config import recipe as recipe_mod
+from minirl.disk import atomic
+from minirl.disk.store import complete_checkpoints, has_summary
 from minirl.rollout.seeding import SAMPLING
 from minirl.run.runlock import RunLock
 from minirl.run.status import PROCESS_FILE

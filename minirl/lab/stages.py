@@ -13,9 +13,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from minirl import atomic
+from minirl.disk import atomic
+from minirl.disk.files import read_json
 from minirl.errors import UsageError
-from minirl.files import read_json
 from minirl.lab import verdicts as v
 from minirl.lab.runner import Lab
 from minirl.lab.studies import ENDPOINT, LR_GRID, LR_STUDY, Decision, Study, runs_summary, with_arms

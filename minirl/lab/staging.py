@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
-from minirl import atomic
+from minirl.disk import atomic
+from minirl.disk.files import read_json
 from minirl.errors import UsageError
-from minirl.files import read_json
 from minirl.lab import stages, studies
 from minirl.lab import verdicts as v
 from minirl.lab.runner import Lab

@@ -32,11 +32,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from minirl import atomic
+from minirl.config.precisions import NAMES as PRECISIONS
+from minirl.disk import atomic
+from minirl.disk.store import read_summary
 from minirl.lab import verdicts as v
 from minirl.lab.runner import NO_CLIP, NO_IS, Cell, Lab, Plan, rows_of
-from minirl.precisions import NAMES as PRECISIONS
-from minirl.store import read_summary
 
 # The mismatch dial: rollout.precision levels, mildest first. On the CPU `fp8` is the W8A8
 # emulation (what FP8 vLLM does on CUDA); `fp8-weights` and `e5m2` (beyond the paper) are lab levels.

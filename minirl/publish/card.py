@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minirl.data import load_rows
-from minirl import store
-from minirl.store import Checkpoint
-from minirl.hub import repo_id as hub_repo
-from minirl.store import metric_rows
-from minirl.models import TINY_ID
+from minirl.data.prompts import load_rows
+from minirl.disk import store
+from minirl.disk.store import Checkpoint, metric_rows
+from minirl.models.hub import repo_id as hub_repo
+from minirl.models.shapes import TINY_ID
 
 
 TEMPLATE = """---

@@ -24,16 +24,16 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from minirl import atomic, store
-from minirl import engine_sizing as sizing
-from minirl import recipes
-from minirl.publish.card import known_score, model_card
+from minirl.config import recipes
+from minirl.disk import atomic, store
+from minirl.disk.store import Checkpoint, checkpoints, latest_trained, run_of
 from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import evaluate
-from minirl.hub import model_dir, repo_id as hub_repo
+from minirl.models import sizing
+from minirl.models.hub import model_dir, repo_id as hub_repo
+from minirl.publish.card import known_score, model_card
 from minirl.run.plots import plot_metrics
 from minirl.setup.preflight import check_checkpoint, check_model_folder, prepare_run
-from minirl.store import Checkpoint, checkpoints, latest_trained, run_of
 from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 
@@ -216,8 +216,8 @@ def eval_results_for(ws_root: Path, ckpt: Checkpoint) -> list[dict]:
 def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
                     progress: Callable[[int, int], None] = lambda done, total: None) -> dict[Path, float]:
     """The run's own held-out evaluation of each checkpoint: one vLLM engine, weights loaded in place."""
-    from minirl.rollout.sync import sync  # deferred: torch and vLLM (the CLI imports this module at start)
     from minirl.rollout import make_engine
+    from minirl.rollout.sync import sync  # deferred: torch and vLLM (the CLI imports this module at start)
     from minirl.train.trainer import Trainer
 
     rec = recipes.load(run_dir / "recipe.toml", [])

@@ -25,7 +25,7 @@ this process, samples ahead in its own while the trainer trains, or runs on roll
 own is decided here, once, from the recipe: the loop never learns which (it asks `group_ranks`
 which ranks send the same requests).
 
-May import: the top-level modules and train (the HF names of the trainer's weights). Must not
+May import: the top-level modules, the base rooms (disk, models, data, config) and train (the HF names of the trainer's weights). Must not
 import setup, eval, run, publish, lab or cli.
 """
 
@@ -38,11 +38,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minirl import engine_sizing as sizing
+from minirl.data.prompts import PromptSampler
+from minirl.models import sizing
 from minirl.rollout import sync as weight_sync
-from minirl.rollout.engine import Completion, Engine, build
-from minirl.data import PromptSampler
 from minirl.rollout.controller import Controller, StalenessError, Ticket
+from minirl.rollout.engine import Completion, Engine, build
 from minirl.rollout.process import start_engine_process
 from minirl.rollout.remote import RemoteEngines
 from minirl.rollout.seeding import top_up_seed
@@ -57,7 +57,7 @@ __all__ = ["Completion", "Engine", "Rollouts", "make_engine"]
 def make_engine(model_dir: Path, rollout, *, seed: int, max_model_len: int, own_process: bool = False,
                 **settings) -> Engine:
     """The one factory of rollout engines, for every caller (the run, eval, export, the doctor): the
-    engine the recipe's [rollout] section names (minirl/engines.py), for `model_dir`, in this process
+    engine the recipe's [rollout] section names (minirl/config/engines.py), for `model_dir`, in this process
     or with `own_process` in a process of its own on half of this one's cores (`rollout.max_staleness`
     ≥ 1: process.py). `settings` add to or replace what [rollout] says."""
     if own_process:

@@ -7,7 +7,7 @@ An engine samples completions with the log-probabilities of what it sampled (log
 correction's denominator) and, for R3, the experts it routed every fed position to; scores given
 responses; takes the trainer's weights in place (`sync.py` streams them, or hands views it may keep
 and re-read); and may free its memory between rollouts (`sleep`, `wake`). A second engine is one
-module implementing `Engine` and one line in minirl/engines.py (`rollout.engine` names it; the
+module implementing `Engine` and one line in minirl/config/engines.py (`rollout.engine` names it; the
 validator takes its choices from there); tests/test_rollout.py runs the step on a double of it.
 """
 
@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from minirl.engines import ENGINES
+from minirl.config.engines import ENGINES
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ class Engine(Protocol):
 
 
 def engine_class(name: str):
-    """The class `rollout.engine = name` builds (minirl/engines.py; imported only when asked: vLLM
+    """The class `rollout.engine = name` builds (minirl/config/engines.py; imported only when asked: vLLM
     is heavy). Each has `from_config(model_dir, rollout, **settings)`."""
     module, _, cls = ENGINES[name].partition(":")
     return getattr(importlib.import_module(module), cls)

@@ -39,20 +39,20 @@ from pathlib import Path
 
 import torch
 
+from minirl.config.precisions import PRECISIONS
 from minirl.errors import UsageError
-from minirl.models import param_count, read_shape
-from minirl.precisions import PRECISIONS
-from minirl import engine_sizing as sizing
-from minirl.engine_sizing import cpu_kv_cache_bytes
-from minirl.rollout.lifetime import share_process_groups
+from minirl.models import sizing
+from minirl.models.shapes import param_count, read_shape
+from minirl.models.sizing import cpu_kv_cache_bytes
 from minirl.rollout import outputs
 from minirl.rollout.coverage import Coverage, expected_weights, named_faults
-from minirl.rollout.engine import Completion
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.cpu import shm as cpu_shm
 from minirl.rollout.cpu import weights as cpu_weights
+from minirl.rollout.engine import Completion
+from minirl.rollout.lifetime import share_process_groups
 from minirl.rollout.stream import Stream
 
 
@@ -228,7 +228,7 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, model_dir: Path, rollout, *, seed: int, max_model_len: int, **kw) -> "VLLMEngine":
         """An engine with the recipe's [rollout] settings (a `RolloutConfig`); `kw` adds or replaces settings."""
-        p = PRECISIONS[rollout.precision]  # minirl/precisions.py
+        p = PRECISIONS[rollout.precision]  # minirl/config/precisions.py
         settings = dict(dtype=p.dtype, fp8=p.rounds, emulate=p.emulate or "w8a8", seed=seed, max_model_len=max_model_len,
                         memory_fraction=rollout.memory_fraction, kv_cache_gib=rollout.kv_cache_gib,
                         # -1 is a run's plan's to decide (Rollouts passes it); an engine outside a run stays awake

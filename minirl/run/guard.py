@@ -62,7 +62,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from minirl.recipe import GuardConfig
+from minirl.config.recipe import GuardConfig
 
 _SET = GuardConfig()  # the thresholds' defaults, written once: the recipe's [guard] section
 PARITIES_KEPT = 50  # the good parity checks whose median is the reference (a run's last 500 steps at parity_every 10)

@@ -17,9 +17,9 @@ import json
 import math
 from pathlib import Path
 
-from minirl import recipes
+from minirl.config import recipes
+from minirl.config.recipe import Recipe
 from minirl.errors import UsageError
-from minirl.recipe import Recipe
 from minirl.run.guard import Guard
 
 

@@ -14,21 +14,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from minirl import atomic, store
-from minirl import recipes
-from minirl.run import status as status_mod
+from minirl.config import recipes
+from minirl.config.recipe import Recipe
+from minirl.disk import atomic, store
 from minirl.errors import EngineFault, GraderFault, RunIOError, UsageError
 from minirl.launch import World
 from minirl.rollout import cache as engine_cache
 from minirl.run import final_weights
+from minirl.run import status as status_mod
 from minirl.run.loop import RLRun
-from minirl.setup.preflight import RunInputs, prepare_run
-from minirl.recipe import Recipe
 from minirl.run.runlock import RunLock
 from minirl.run.sinks import Sinks
-from minirl.stopwatch import Stopwatch
 from minirl.run.summary import write_summary
+from minirl.setup.preflight import RunInputs, prepare_run
 from minirl.setup.workspace import Workspace
+from minirl.stopwatch import Stopwatch
 
 
 class Stop:

@@ -26,26 +26,25 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic, faults, store
-from minirl.errors import EngineFault, GraderFault
-from minirl.train import objective
-from minirl.train.batch import Batch, build_batch
-from minirl.data import PromptSampler
-from minirl.data import response_text
+from minirl import faults
+from minirl.config.recipe import Recipe
+from minirl.data.prompts import PromptSampler, response_text
+from minirl.disk import atomic, store
 from minirl.eval.evaluate import evaluate
-from minirl.run import dynamic
+from minirl.launch import World
+from minirl.rollout import Rollouts
+from minirl.run import checks, dynamic
+from minirl.run import parity as parity_check
 from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
-from minirl.launch import World
 from minirl.setup.preflight import RunInputs
-from minirl.recipe import Recipe
-from minirl.train.replay import rollout_routes, route_agreement, tokens_with_a_flip
-from minirl.rollout import Rollouts
-from minirl.stopwatch import Stopwatch
-from minirl.train.trainer import Trainer
 from minirl.setup.workspace import Workspace
+from minirl.stopwatch import Stopwatch
+from minirl.train import objective
+from minirl.train.batch import Batch, build_batch
+from minirl.train.replay import diagnostics as replay_diagnostics, rollout_routes
+from minirl.train.trainer import Trainer
 
-PARITY_BATCH = 16  # fixed (prompt, response) pairs re-scored by both engines after every sync
 FRESH_TOKENS = 64  # fewest tokens sampled by the trained weights whose KL the guard judges in a batch sampled behind
 
 
@@ -108,26 +107,22 @@ class RLRun:
             self.rollouts.restore(record)
         self.tp = self.rollouts.group_ranks  # ranks that ask one engine for the same prompts
         self.first_step = self.state.step  # of this process (a resumed run checks its first sync again)
-        self._parity_pairs = self._fixed_parity_pairs()
+        self._parity_pairs = parity_check.fixed_pairs(self.rollouts, self.heldout, rec.rollout.max_tokens)
+        faults.install(self)  # only where a test's MINIRL_INJECT_* asks for a fault
 
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> dict:
         r, world, clock = self.rec, self.world, self.clock
         G, N = r.train.group_size, r.train.minibatches
         step = self.state.step + 1
-        inject = faults.at_step(step, world.rank)
         clock.start()
 
         problems, groups = self.rollouts.next(step)
-        if inject == "logp":  # faults.py: the engine's output as a broken engine returns it
-            groups = faults.break_logprobs(groups)
-        elif inject == "skew":  # faults.py: an engine whose log μ drifted from the trainer's
-            groups = faults.skew_logprobs(groups)
         B = len(problems)
         clock.lap("rollout")
 
         kept = sampled = self._graded(problems, groups)
-        self._check_grades(sampled, step)  # stops here, before any loss, on a broken grader
+        checks.grades(sampled, r, step)  # stops here, before any loss, on a broken grader
         if r.train.dynamic_sampling:  # groups whose rewards are all equal left out, the batch refilled (dynamic.py)
             kept, sampled, drawn = dynamic.fill(sampled, lambda d: self._graded(*self.rollouts.top_up(step, d)),
                                                 size=B, max_draws=r.train.dynamic_sampling_draws)
@@ -137,12 +132,11 @@ class RLRun:
         cut = [c.finish == "length" for c in comps]
         graded_PG, rewards_PG = torch.stack([g.graded for g in kept]), torch.stack([g.rewards for g in kept])
         shaping_PG = rewards_PG - graded_PG
-        # a fault (faults.py) may train on the rewards inverted: the logged reward, the guard's, stays true
-        adv_PG = objective.group_advantages(1 - rewards_PG if inject == "invert" else rewards_PG, std_scale=r.loss.adv_std)
+        adv_PG = self.advantages(rewards_PG)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad,
                             versions=[c.versions for c in comps], trained=step - 1, temperature=r.rollout.temperature)
-        tokens = self._check_engine_logp(batch, step)  # stops here, before any loss, on a broken engine
+        tokens = checks.engine_logp(batch, r, world, step)  # stops here, before any loss, on a broken engine
         clock.lap("grade")
 
         # π_θold. On-policy (N = 1) the one update's forward is at θ_old: it yields log π_θold itself
@@ -162,12 +156,10 @@ class RLRun:
         for j, idx in enumerate(objective.minibatch_indices(B, G, N, seed=step)):
             mb = batch.select(idx)
             loss, m, *own = self.trainer.forward_backward(
-                mb, objective.loss_for(r.loss, poison=inject == "loss"),
+                mb, objective.loss_for(r.loss),
                 routes=routes[:, idx] if routes is not None else None, with_logp=fused)
             if fused:  # the one mini-batch is the whole batch, its forward π_θold
                 kl, entropy, kl_fresh = self._guard_view(mb, *own)
-            if inject == "grad":
-                self.trainer.fill_grads(math.nan)
             norm = self.trainer.clip_grads()
             # The guard's one decision point: after the loss, before the optimizer step.
             v = self.guard.decide(kl=kl, entropy=entropy, reward=reward, loss=loss, grad_norm=norm, new_step=j == 0,
@@ -197,7 +189,7 @@ class RLRun:
         clock.lap("sync")
         every = r.rollout.parity_every  # after the run's first sync, every k-th, every rollback, and after a bad one
         due = every and (step == self.first_step + 1 or step % every == 0 or rollback_to or self.guard.parity_due)
-        parity = (math.nan if inject == "parity" else self.parity()) if due else None  # None: not due, no value
+        parity = self.parity() if due else None  # None: not due, no value
         if parity is not None and math.isfinite(parity):
             self.guard.observe_parity(parity)  # the next step's decision judges it
         clock.lap("parity")
@@ -245,10 +237,7 @@ class RLRun:
             **rollback_to,
         }
         if parity is not None and not math.isfinite(parity):  # the step trained: its row stays, the run stops
-            del row["sync/parity_abs_dlogp"]  # no NaN in the file: the summary's error says what failed
-            raise EngineFault(f"step {step}: the parity check after the sync is {parity} (mean |log μ − log π| over "
-                              f"{PARITY_BATCH} fixed responses): the engine's log-probs are broken, not the policy; "
-                              f"{self._engine_advice()}", row=row)
+            raise parity_check.broken(step, parity, r, world.device, row)
         return row
 
     # ----- pieces of a step ---------------------------------------------------------------------
@@ -266,13 +255,9 @@ class RLRun:
         return [dynamic.Group(prob, g, scores[i * G:(i + 1) * G], graded[i], rewards[i])
                 for i, (prob, g) in enumerate(zip(problems, groups))]
 
-    def _check_grades(self, groups: list[dynamic.Group], step: int) -> None:
-        errors = [s.info["error"] for g in groups for s in g.scores if "error" in s.info]
-        n = sum(len(g.scores) for g in groups)
-        if errors and len(errors) > self.rec.reward.max_error_frac * n:
-            raise GraderFault(f"step {step}: the grader {self.rec.reward.grader!r} failed on {len(errors)} of {n} "
-                              f"responses (first: {errors[0][:200]}); nothing of the step was trained: fix the grader "
-                              "or choose another (reward.grader), or raise reward.max_error_frac")
+    def advantages(self, rewards_PG: torch.Tensor) -> torch.Tensor:
+        """A [B, G] of each response's reward against its group's (faults.py may invert the rewards)."""
+        return objective.group_advantages(rewards_PG, std_scale=self.rec.loss.adv_std)
 
     def _old_policy(self, batch: Batch, comps: list, fused: bool):
         """(routes to replay or None, replay metrics, (log π_θold, entropy) or None when `fused`)."""
@@ -287,46 +272,8 @@ class RLRun:
         metrics = {"replay/coverage": 1.0}  # every fed position has a captured route (checked when built)
         old = None if fused else self.trainer.logprobs(batch, routes=routes)[:2]
         if r.train.replay_diagnostics:
-            own_logp, _, own_routes = self.trainer.logprobs(batch, record_routes=True)
-            agree = route_agreement(routes, own_routes, batch.mask_BT)
-            metrics.update({
-                "replay/route_agreement": float(agree.mean()),
-                "replay/tokens_with_a_flip": tokens_with_a_flip(routes, own_routes, batch.mask_BT),
-                **{f"replay/route_agreement_l{i}": float(a) for i, a in enumerate(agree)},
-                "train/kl_mu_pi_old_noreplay": objective.train_inference_kl(
-                    batch.rollout_logp_BT, own_logp, batch.mask_BT),
-            })
+            metrics.update(replay_diagnostics(self.trainer, batch, routes))
         return routes, metrics, old
-
-    def _check_engine_logp(self, batch: Batch, step: int) -> dict:
-        """The step's response tokens and the share whose log μ is not finite (over all ranks), for
-        its row; above guard.max_nonfinite_logp the engine is broken and the run stops before any
-        loss sees the batch (`valid_mask` would drop those tokens, the step would train on the rest)."""
-        n = self.world.mean({"resp": float(batch.mask_BT.sum()),
-                             "bad": float(objective.nonfinite_tokens(batch.mask_BT, batch.rollout_logp_BT))},
-                            sums=("resp", "bad"))
-        frac = n["bad"] / max(n["resp"], 1.0)
-        limit = self.rec.guard.max_nonfinite_logp
-        if frac > limit:
-            raise EngineFault(f"step {step}: the rollout engine returned non-finite log-probs for {frac:.1%} of the "
-                              f"step's {int(n['resp']):,} response tokens (guard.max_nonfinite_logp = {limit:g}); "
-                              f"nothing was trained on them: {self._engine_advice()}")
-        return {"rollout/resp_tokens": n["resp"], "rollout/logp_nonfinite_frac": frac}
-
-    def _engine_advice(self) -> str:
-        """The settings that avoid what broke the engine before (the run's end adds how it goes on)."""
-        r = self.rec.rollout
-        cuda = self.world.device.type == "cuda"
-        if cuda and r.precision == "fp8" and r.cuda_graphs:
-            fix = ("FP8 decode through CUDA graphs after a weight reload is the suspect (docs/precision.md): set "
-                   "rollout.cuda_graphs = false, or rollout.precision = \"bf16\"")
-        elif cuda and r.cuda_graphs:
-            fix = "rule out CUDA graphs with rollout.cuda_graphs = false, FP8 with rollout.precision = \"bf16\""
-        elif r.precision != "bf16":
-            fix = f"rule out the rollout precision ({r.precision}) with rollout.precision = \"bf16\""
-        else:
-            fix = "no setting is known to cause it here (bf16, eager): keep the run's log for a report"
-        return fix
 
     def _guard_view(self, batch: Batch, old_logp: torch.Tensor, ent: torch.Tensor) -> tuple[float, float, float | None]:
         """KL(μ_old ‖ π_old) and the entropy of π_old, over all ranks (token-weighted; every rank has
@@ -347,22 +294,9 @@ class RLRun:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def _fixed_parity_pairs(self) -> list[tuple[list[int], list[int]]]:
-        probs = self.heldout[:PARITY_BATCH]
-        groups = self.rollouts.generate([p.prompt_ids for p in probs], n=1, temperature=1.0,
-                                        max_tokens=self.rec.rollout.max_tokens, seed=4321)
-        return [(list(p.prompt_ids), list(g[0].token_ids)) for p, g in zip(probs, groups)]
-
     def parity(self) -> float:
-        """mean |log μ − log π| over a fixed batch of tokens, right after a sync."""
-        pairs = self.world.group_share(self._parity_pairs, self.tp)
-        mu = self.world.member_share(self.rollouts.score([p for p, _ in pairs], [r for _, r in pairs]), self.tp)
-        pairs = self.world.member_share(pairs, self.tp)
-        batch = build_batch([p for p, _ in pairs], [r for _, r in pairs], mu, None, pad_id=self.pad)
-        pi, _, _ = self.trainer.logprobs(batch)
-        m = batch.mask_BT
-        local = float(((batch.rollout_logp_BT - pi).abs() * m).sum() / m.sum())
-        return self.world.mean({"parity": local}, weight=float(m.sum()))["parity"]
+        """mean |log μ − log π| over the run's fixed batch of tokens, right after a sync (parity.py)."""
+        return parity_check.measure(self._parity_pairs, self.rollouts, self.trainer, self.world, self.tp, self.pad)
 
     def heldout_eval(self) -> dict:
         e = self.rec.eval

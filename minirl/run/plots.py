@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from minirl.store import metric_rows
+from minirl.disk.store import metric_rows
 
 PANELS = [
     ("rollout/reward_mean", "reward (mean over responses)"),

@@ -21,9 +21,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minirl.disk import store
+from minirl.disk.files import json_or_empty
 from minirl.errors import UsageError
-from minirl import store
-from minirl.files import json_or_empty
 from minirl.setup.workspace import Workspace
 
 PROCESS_FILE = "process.json"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from minirl import store
+from minirl.disk import store
 from minirl.run.plots import plot_metrics
 
 

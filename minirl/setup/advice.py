@@ -5,10 +5,10 @@ and the one line a plan that does not fit is refused with. The plan itself: setu
 
 from __future__ import annotations
 
+from minirl.config.precisions import PRECISIONS
+from minirl.config.recipes import with_sets
 from minirl.errors import UsageError
-from minirl.models import ModelShape
-from minirl.precisions import PRECISIONS
-from minirl.recipes import with_sets
+from minirl.models.shapes import ModelShape
 from minirl.setup.plan import Plan, plan_for
 
 # LoRA's learning rate against full RL's where advice turns LoRA on: the factor of the shipped

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minirl import recipes
-from minirl.hub import resolution
-from minirl.models import TINY_ID
-from minirl.recipe import Recipe
-from minirl.recipes import with_sets
+from minirl.config import recipes
+from minirl.config.recipe import Recipe
+from minirl.config.recipes import with_sets
+from minirl.models.hub import resolution
+from minirl.models.shapes import TINY_ID
 from minirl.setup.advice import advise, describe, refusal
 from minirl.setup.plan import Plan, fit_mesh, make_plan
 from minirl.setup.preflight import check_planned

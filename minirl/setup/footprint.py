@@ -6,9 +6,9 @@ budget around them; preflight checks the host's share before a run starts.
 
 from __future__ import annotations
 
-from minirl import engine_sizing as sizing
-from minirl.models import ModelShape, lora_param_count, lora_targets, param_count
-from minirl.precisions import PRECISIONS
+from minirl.config.precisions import PRECISIONS
+from minirl.models import sizing
+from minirl.models.shapes import ModelShape, lora_param_count, lora_targets, param_count
 
 
 # what an engine's process holds of its own, beyond its weights and KV cache: the anonymous memory of

@@ -10,13 +10,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from minirl.engine_sizing import cpu_kv_cache_bytes
+from minirl.config.precisions import PRECISIONS
 from minirl.errors import UsageError
-from minirl.models import ModelShape, lora_targets, lora_widths
-from minirl.precisions import PRECISIONS
+from minirl.models.shapes import ModelShape, lora_targets, lora_widths
+from minirl.models.sizing import cpu_kv_cache_bytes
 
 if TYPE_CHECKING:
-    from minirl.recipe import Recipe, RolloutConfig
+    from minirl.config.recipe import Recipe, RolloutConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ The memory model, per GPU (P = parameters, W = world size = nodes × GPUs per no
                      [chunk, vocab] tensors; else T × vocab in bf16 and their gradient, plus one fp32
                      chunk of 4,096 positions and its softmax (minirl.train.head.target_logprobs)
     vLLM weights     colocated, one engine per tensor-parallel group: P × 2 B (bf16) or 1 B (fp8) / TP
-    vLLM working     its activations, workspaces, CUDA graphs and sampler (engine_sizing.working_bytes:
+    vLLM working     its activations, workspaces, CUDA graphs and sampler (sizing.working_bytes:
                      an estimate until a GPU measures it)
     KV cache         at 2 (K, V) × layers × KV heads × head dim × 2 B per token: with
                      rollout.memory_fraction = 0 sized for the job (every sequence of a step at full
@@ -58,10 +58,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minirl import engine_sizing as sizing
-from minirl.models import ModelShape, active_params, param_count
-from minirl.precisions import PRECISIONS
-from minirl.recipes import with_sets
+from minirl.config.precisions import PRECISIONS
+from minirl.config.recipes import with_sets
+from minirl.models import sizing
+from minirl.models.shapes import ModelShape, active_params, param_count
 from minirl.setup.footprint import activation_bytes, host_memory, trainer_path, trainer_state
 
 GiB = 2**30
@@ -380,7 +380,7 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     training_state, in_sync = training_state + queued, in_sync + queued
     # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
     # while the trainer works; at 0 both stay, and the engine gets what the trainer's larger phase
-    # (training, or the sync) leaves. The engine (engine_sizing.py) is its weights, its working memory
+    # (training, or the sync) leaves. The engine (models/sizing.py) is its weights, its working memory
     # and a KV cache: sized for the job (every sequence of a step at full length, no more) within what
     # the trainer leaves, or what the recipe's memory_fraction / kv_cache_gib make of it. vLLM takes
     # that budget at its start, beside the trainer's state between updates, and refuses to start

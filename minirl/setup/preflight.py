@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from minirl import store
-from minirl.data import load_problems, prompts_ids
+from minirl.config import recipes
+from minirl.data.prompts import load_problems, prompts_ids
+from minirl.disk import store
 from minirl.errors import UsageError
-from minirl.hub import check_base, model_dir as resolve_model_dir
-from minirl.models import ModelShape, lora_targets, param_count, read_shape, titan_config
-from minirl import recipes
+from minirl.models.hub import check_base, model_dir as resolve_model_dir
+from minirl.models.shapes import ModelShape, lora_targets, param_count, read_shape, titan_config
 from minirl.setup import limits
 from minirl.setup.limits import Platform
 from rewards.base import describe, gradable, load_grader
@@ -441,6 +441,6 @@ def run_recipe(ws, resume: str | None, overrides: list[str]):
 
 def pick_resume_checkpoint(ws, shape: ModelShape, model_id: str, *, auto: bool = False,
                            run: Path | None = None) -> Path | None:
-    """The checkpoint a `--resume` continues (the store's choice, minirl/store.py), its shards
+    """The checkpoint a `--resume` continues (the store's choice, minirl/disk/store.py), its shards
     checked against this model."""
     return store.resume_checkpoint(ws, check=lambda c: check_checkpoint(c, shape, model_id), auto=auto, run=run)

@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from minirl import hub
-from minirl import recipe as recipe_mod
-from minirl import recipes
+from minirl.config import recipes
+from minirl.config import recipe as recipe_mod
+from minirl.data.prompts import response_text
+from minirl.data.task import TASKS, make_splits, write_jsonl
 from minirl.errors import UsageError
-from minirl.data import response_text
-from minirl.models import TINY, TINY_ID, ModelShape, active_params, param_count
+from minirl.models import hub
+from minirl.models.shapes import TINY, TINY_ID, ModelShape, active_params, param_count
 from minirl.setup.preflight import check_planned
-from minirl.task import TASKS, make_splits, write_jsonl
 from minirl.setup.tokenizer import build_tokenizer
 from rewards import load_grader
 
@@ -80,7 +80,7 @@ def init_workspace(
     model: a Qwen3 / Qwen3-MoE to train instead (short name, Hub repo id or local HF folder): its
     shipped recipe (else recipes/qwen3.toml) suited to its architecture, no cold start. Only its
     config is read (nothing of a known short name), never its weights.
-    task: an embedded task of minirl/task.py (its shipped recipe unless `recipe_name` is given).
+    task: an embedded task of minirl/data/task.py (its shipped recipe unless `recipe_name` is given).
     Returns a report dict. Refuses to touch an existing workspace unless `force`.
     `progress(stage, done, total, info)` is called as work advances.
     """

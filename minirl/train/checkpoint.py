@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from minirl import atomic, store
+from minirl.disk import atomic, store
 from minirl.errors import UsageError
 from minirl.train.lora import is_adapter
 
@@ -53,7 +53,7 @@ def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: b
         # stays off collectives (`no_dist`): vLLM's in-process engine starts a one-rank gloo
         # group, and a DCP save through it left every later update slower
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not sharded)
-        # the record last (minirl/store.py): a folder without it was never finished
+        # the record last (minirl/disk/store.py): a folder without it was never finished
         if main:
             name, text = store.record_text({**(extra or {}), "has_optim": has_optim})
             atomic.write_text(tmp / name, text)

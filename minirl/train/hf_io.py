@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from minirl import atomic
+from minirl.disk import atomic
 from minirl.errors import UsageError
-from minirl.models import ModelShape, hf_config_dict, titan_config
+from minirl.models.shapes import ModelShape, hf_config_dict, titan_config
 from minirl.train.lora import adapted
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")

@@ -222,6 +222,6 @@ def settings(rec, shape) -> dict | None:
     lora = rec.train.lora
     if not lora.rank:
         return None
-    from minirl.models import lora_targets  # deferred: only where LoRA is on
+    from minirl.models.shapes import lora_targets  # deferred: only where LoRA is on
 
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": lora_targets(lora.targets, shape)}

@@ -19,7 +19,6 @@ Deliberately left out, as in the paper: no KL penalty, no entropy bonus.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
@@ -398,9 +397,9 @@ def minibatch_indices(B: int, G: int, N: int, *, seed: int) -> list[torch.Tensor
     return [(prompts[:, None] * G + torch.arange(G)[None, :]).flatten() for prompts in order]
 
 
-def loss_for(loss, *, poison: bool = False) -> Callable[[torch.Tensor, "Batch"], tuple[torch.Tensor, dict]]:
+def loss_for(loss) -> Callable[[torch.Tensor, "Batch"], tuple[torch.Tensor, dict]]:
     """The recipe's policy loss (a `LossConfig`) as the trainer calls it: (log π_θ [B, T], batch)
-    → (loss, metrics). `poison`: the loss comes out NaN (fault injection, faults.py)."""
+    → (loss, metrics)."""
     kw = dict(eps_low=loss.eps_low, eps_high=loss.eps_high, tis_cap=loss.tis_cap, is_mode=loss.is_mode,
               length_norm=loss.length_norm)
     anchor_sampler = loss.clip_against == "sampler"
@@ -413,6 +412,6 @@ def loss_for(loss, *, poison: bool = False) -> Callable[[torch.Tensor, "Batch"],
         value, m = policy_loss(loss.name, logp_BT, anchor, b.rollout_logp_BT, b.adv_B, b.mask_BT, **kw)
         m.update(clip_causes(logp_BT.detach(), old, anchor, b.rollout_logp_BT, b.adv_B, b.mask_BT, b.behind_BT,
                              eps_low=loss.eps_low, eps_high=loss.eps_high))
-        return (value * math.nan, m) if poison else (value, m)
+        return value, m
 
     return fn

@@ -21,6 +21,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from minirl.train.objective import train_inference_kl
+
 
 def route_dtype(num_experts: int) -> torch.dtype:
     return torch.uint8 if num_experts <= 256 else torch.int16
@@ -118,3 +120,17 @@ def rollout_routes(comps, batch, n_layers: int, top_k: int, num_experts: int) ->
             raise RuntimeError(f"rollout routes {tuple(r.shape)} do not match {n_layers} MoE layers × top-{top_k}")
         out[:, i, : r.shape[1]] = r
     return out
+
+
+def diagnostics(trainer, batch, routes_NBTK: torch.Tensor) -> dict:
+    """R3's replayed routes against the trainer's own routing under π_old (`train.replay_diagnostics`):
+    their agreement, by layer and overall, the tokens where any layer flips, and KL(μ‖π_old) as it
+    would be without the replay."""
+    own_logp, _, own_routes = trainer.logprobs(batch, record_routes=True)
+    agree = route_agreement(routes_NBTK, own_routes, batch.mask_BT)
+    return {
+        "replay/route_agreement": float(agree.mean()),
+        "replay/tokens_with_a_flip": tokens_with_a_flip(routes_NBTK, own_routes, batch.mask_BT),
+        **{f"replay/route_agreement_l{i}": float(a) for i, a in enumerate(agree)},
+        "train/kl_mu_pi_old_noreplay": train_inference_kl(batch.rollout_logp_BT, own_logp, batch.mask_BT),
+    }

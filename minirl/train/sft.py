@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from minirl.models.shapes import kv_cache
 from minirl.train.batch import build_batch
-from minirl.models import kv_cache
 from minirl.train.trainer import Trainer
 
 

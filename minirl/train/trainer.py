@@ -6,7 +6,7 @@ TorchTitan is imported only on this side: here, `models`, `parallel`, `replay` a
 (tests/test_imports.py).
 
 Precision (`train.param_dtype`; "auto": bfloat16 on CUDA, float32 on CPU). float32 computes
-everything in fp32, the routed experts included (models.py). bfloat16 computes under autocast in
+everything in fp32, the routed experts included (models/shapes.py). bfloat16 computes under autocast in
 one process, or under FSDP2's mixed-precision policy when sharded, with TorchTitan's own bf16
 grouped-GEMM experts, while weights, gradients and Adam state stay float32 (master weights).
 Forced on a CPU, bfloat16 runs the same dtype code as CUDA (tests/test_train.py, test_parallel.py).
@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
+from minirl.models.hub import check_base, fingerprint
+from minirl.models.shapes import ModelShape, attention_pair_cost, titan_config
 from minirl.train import checkpoint
 from minirl.train import lora as lora_mod
 from minirl.train import offload as offload_mod
 from minirl.train.batch import Batch
-from minirl.hub import check_base, fingerprint
-from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
-from minirl.models import ModelShape, attention_pair_cost, titan_config
 from minirl.train.head import head_chunk, head_logprobs, target_logprobs, token_logprobs
+from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.train.objective import entropy_from_logits
 from minirl.train.packing import pack_shared_prompts
 from minirl.train.parallel import full_ac, full_state_dict, global_count, global_max, parallelize, whole
@@ -107,7 +107,7 @@ class Trainer:
             raise RuntimeError("Trainer(shard=True) needs an initialised process group")
         self.rank = dist.get_rank() if self.sharded else 0
         # bf16 compute runs TorchTitan's own grouped experts (its bf16 grouped GEMM, CUDA's only
-        # kernel); fp32 compute keeps the experts in fp32 (models.py)
+        # kernel); fp32 compute keeps the experts in fp32 (models/shapes.py)
         cfg = titan_config(shape, expert_dtype="bfloat16" if param_dtype == "bfloat16" else "float32")
         self.lora = dict(lora) if lora and lora.get("rank") else None
         adapt = None

@@ -35,10 +35,10 @@ def timed(fn, repeats: int = 5) -> float:
 def main() -> None:
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
-    from minirl import recipes
-    from minirl.models import KNOWN_SHAPES, TINY
-    from minirl.setup.plan import make_plan
+    from minirl.config import recipes
+    from minirl.models.shapes import KNOWN_SHAPES, TINY
     from minirl.rollout.fp8 import fp8_roundtrip, is_fp8_target
+    from minirl.setup.plan import make_plan
     from minirl.train.trainer import Trainer
 
     torch.manual_seed(0)

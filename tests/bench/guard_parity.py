@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 
 def replay(run: Path, sets: list[str]) -> dict:
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.run.guard import Guard
 
     rec = recipes.load(run / "recipe.toml", sets)

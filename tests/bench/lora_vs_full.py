@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["full", "lora"], default=None, help="run one arm (the other's figures known)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from minirl import recipes
+    from minirl.config import recipes
 
     lr = recipes.load(a.workspace / "minirl.toml").train.lr
     arms = {"full": [], f"lora r{a.rank}": [f"train.lora.rank={a.rank}", f"train.lora.alpha={2 * a.rank}",

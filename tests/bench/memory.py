@@ -69,8 +69,8 @@ def main() -> None:
     import transformers  # noqa: F401
     import vllm  # noqa: F401
 
+    from minirl.config import recipes
     from minirl.run import lifecycle, loop
-    from minirl import recipes
     from minirl.setup.workspace import Workspace
 
     ph.mark("import vLLM, transformers, TorchTitan, minirl")

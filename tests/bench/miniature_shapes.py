@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from minirl.models.shapes import TINY  # noqa: E402
 from minirl.train.batch import build_batch  # noqa: E402
-from minirl.models import TINY  # noqa: E402
 from minirl.train.sft import sampled_accuracy, sft_loss  # noqa: E402
 from minirl.train.trainer import Trainer  # noqa: E402
 

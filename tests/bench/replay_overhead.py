@@ -32,8 +32,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def run(ws_src: Path, steps: int, sets: list[str]) -> list[dict]:
+    from minirl.config import recipes
     from minirl.run import lifecycle
-    from minirl import recipes
     from minirl.setup.workspace import Workspace
 
     tmp = Path(tempfile.mkdtemp(prefix="minirl-bench-"))
@@ -65,15 +65,15 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     """Time capture (generate with vs without) and replay (π_old and update with vs without)."""
     import time
 
-    from minirl import recipes
-    from minirl.train.batch import build_batch
-    from minirl.data import PromptSampler
-    from minirl.train.objective import loss_for
-    from minirl.setup.preflight import prepare_run
-    from minirl.train.replay import rollout_routes
+    from minirl.config import recipes
+    from minirl.data.prompts import PromptSampler
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.train.trainer import Trainer
+    from minirl.setup.preflight import prepare_run
     from minirl.setup.workspace import Workspace
+    from minirl.train.batch import build_batch
+    from minirl.train.objective import loss_for
+    from minirl.train.replay import rollout_routes
+    from minirl.train.trainer import Trainer
 
     ws = Workspace.open(ws_src)
     rec = recipes.load(ws.recipe_path, ["train.replay=r3", "rollout.parity_every=0"])

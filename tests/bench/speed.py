@@ -193,8 +193,8 @@ def race(ws: Path, tmp: Path, a) -> list[dict]:
 def scaling(ws: Path, tmp: Path, a) -> None:
     """Step time against G, response length and model size, from short runs (untrained models for
     length and size: an untrained model rarely says EOS, so its responses run to max_tokens)."""
+    from minirl.models.shapes import TINY
     from minirl.train.hf_io import save_hf_folder
-    from minirl.models import TINY
     from minirl.train.trainer import Trainer
 
     print("\n## scaling: minirl step time (ms, median of steps 4..N; the step's own phases)")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from minirl.models import TINY, ModelShape, active_params, hf_config_dict, param_count
+from minirl.models.shapes import TINY, ModelShape, active_params, hf_config_dict, param_count
 
 DRY = os.environ.get("MINIRL_GPU_DRY") == "1"
 REPORT = os.environ.get("MINIRL_GPU_REPORT")  # folder of the run's report files, if any
@@ -71,7 +71,7 @@ def with_rollout_logp(batch, logp_BT: torch.Tensor, *, noise: float = 0.05, seed
 
 def minirl_loss():
     """The loss of a `minirl run` step with the default recipe (MiniRL: IS weight, decoupled clip)."""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.train.objective import loss_for
 
     return loss_for(recipes.load(None).loss)

@@ -195,8 +195,8 @@ def _minirl(args: list[str], log: Path, timeout: int) -> subprocess.CompletedPro
 def _run_figures(run: Path, gpu_gib: float | None) -> dict:
     """What a finished run's files say (summary.json, metrics.jsonl), beside the plan of its recipe
     on this GPU: held-out, steps/s, whole-loop tokens/s, seconds per phase, memory against the plan."""
-    from minirl import recipes
-    from minirl.models import read_shape
+    from minirl.config import recipes
+    from minirl.models.shapes import read_shape
     from minirl.setup.plan import make_plan
 
     summary = json.loads((run / "summary.json").read_text())
@@ -295,8 +295,8 @@ def default_run(out: Path, precision: str, *, name: str | None = None, sets: tup
     if WORKSPACE.is_dir():
         shutil.copytree(WORKSPACE, ws, ignore=shutil.ignore_patterns("runs", "evals"))
     elif DRY:  # CI: the tiny model and a workspace of the test suite's (no cold start to wait for)
+        from minirl.models.shapes import TINY
         from tests.conftest import data_workspace, random_hf_folder
-        from minirl.models import TINY
 
         data_workspace(ws)
         tiny = SCRATCH / "tiny" / "hf"
@@ -354,7 +354,7 @@ def moe_workspace(out: Path) -> tuple[Path, Path]:
     over 151,936 tokens seldom meets EOS, so responses run to the cap: fixed lengths); dry: the tiny model."""
     import torch
 
-    from minirl.models import TINY
+    from minirl.models.shapes import TINY
     from tests.conftest import data_workspace, random_hf_folder
     from tests.gpu import kit
 
@@ -392,7 +392,8 @@ def engine_alone(out: Path) -> dict:
     of sampling timed. The rollout phase of `minirl run` is read against this ceiling."""
     from transformers import AutoTokenizer
 
-    from minirl import engine_sizing, recipes
+    from minirl.config import recipes
+    from minirl.models import sizing
     from minirl.rollout.vllm import VLLMEngine
 
     ws, model = moe_workspace(out)
@@ -403,7 +404,7 @@ def engine_alone(out: Path) -> dict:
     prompts = [tok(r[rec.data.prompt_field])["input_ids"] for r in rows]
     t0 = time.time()
     engine = VLLMEngine.from_config(model, rec.rollout, seed=0, max_model_len=rec.data.max_prompt_tokens + T,
-                                    max_num_seqs=engine_sizing.max_num_seqs(rec))
+                                    max_num_seqs=sizing.max_num_seqs(rec))
     start_s = time.time() - t0
     engine.generate(prompts[:4], n=2, temperature=1.0, max_tokens=8, seed=0)  # warm-up
     t0 = time.time()

@@ -13,13 +13,13 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("path", ["one-gpu", "fsdp2"])
 def test_a_cuda_checkpoint_round_trips_and_exports_for_transformers(device, path, request, tmp_path):
-    from minirl import recipes
+    from minirl.config import recipes
+    from minirl.disk.store import Checkpoint
+    from minirl.models.shapes import TINY
     from minirl.publish.export import export
-    from minirl.store import Checkpoint
-    from minirl.train.hf_io import save_hf_folder
-    from minirl.models import TINY
-    from minirl.train.sft import sft_loss
     from minirl.setup.tokenizer import build_tokenizer
+    from minirl.train.hf_io import save_hf_folder
+    from minirl.train.sft import sft_loss
     from minirl.train.trainer import Trainer
 
     if path == "fsdp2":

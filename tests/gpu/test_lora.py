@@ -39,10 +39,10 @@ def _steps(tr, batch, loss_fn, n: int) -> float:
 
 
 def test_lora_holds_a_bf16_base_within_the_plan_and_its_step_time_beside_full_rls(device, shape, one_rank_group):
-    from minirl import recipes
-    from minirl.train.lora import is_adapter
+    from minirl.config import recipes
     from minirl.setup.plan import GiB, make_plan
     from minirl.train import lora as lora_mod
+    from minirl.train.lora import is_adapter
     from minirl.train.trainer import Trainer
 
     prompt_len, response_len = (64, 448) if shape.max_seq_len >= 512 else (8, 24)  # dry mode: the tiny model's context

@@ -25,7 +25,7 @@ SIZES = {"none": (4, 8, 64, 448), "full": (32, 8, 32, 512)}
 def test_peak_memory_of_a_step_is_within_the_plan(device, ac):
     """The path `minirl run` takes on one GPU: one process, bf16 autocast over fp32 master weights,
     the micro-batch its plan chooses (train.micro_batch_tokens = 0), π_old in token-bounded chunks."""
-    from minirl import recipes
+    from minirl.config import recipes
     from minirl.setup.plan import GiB, make_plan
     from minirl.train.trainer import Trainer
 

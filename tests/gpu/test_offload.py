@@ -23,9 +23,9 @@ def _cuda(device) -> bool:
 
 
 def test_offloaded_moments_leave_the_gpu_between_updates_within_the_plan(device, shape, one_rank_group):
-    from minirl import recipes
-    from minirl.train import offload
+    from minirl.config import recipes
     from minirl.setup.plan import GiB, make_plan
+    from minirl.train import offload
     from minirl.train.trainer import Trainer
 
     prompt_len, response_len = (64, 448) if shape.max_seq_len >= 512 else (8, 24)  # dry mode: the tiny model's context

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from minirl import atomic
+from minirl.disk import atomic
+from minirl.disk.files import json_or_empty, read_json
 from minirl.errors import UsageError
-from minirl.files import json_or_empty, read_json
 
 RECORD = "minirl.json"
 SCORES = "heldout.json"

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minirl import hub
 from minirl.errors import UsageError
+from minirl.models import hub
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from minirl.config.recipe import Recipe, check_fields
+from minirl.config.validator import validate
 from minirl.errors import UsageError
-from minirl.recipe import Recipe, check_fields
-from minirl.validator import validate
 
 
 def _coerce(key: str, typ: Any, value: Any, *, flag: bool) -> Any:

@@ -3,7 +3,7 @@ as it is, or a Hub repo: its cache, `revision`, `HF_HUB_OFFLINE`, `HF_TOKEN` and
 apply), and `push` of an exported folder.
 
     "tiny-qwen3-moe"   the embedded default: its folder is the recipe's model.path (built by init)
-    "Qwen3-30B-A3B"    a short name (minirl.models.HUB_IDS) -> "Qwen/Qwen3-30B-A3B-Base"
+    "Qwen3-30B-A3B"    a short name (minirl.models.shapes.HUB_IDS) -> "Qwen/Qwen3-30B-A3B-Base"
     "Qwen/Qwen3-8B"    a Hub repo id
     "/data/my-ckpt"    a local HF folder
 
@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from minirl.errors import UsageError
-from minirl.models import HUB_IDS, KNOWN_SHAPES, TINY, TINY_ID, read_shape
+from minirl.models.shapes import HUB_IDS, KNOWN_SHAPES, TINY, TINY_ID, read_shape
 
 WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
 OTHER_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]

@@ -1,9 +1,9 @@
 """Recipes: typed dataclasses that map one-to-one onto TOML sections and `--set a.b=c` overrides.
 
 Each field declares its own range or choices (`number`, `one_of`, `rule`), checked by `check_fields`
-whenever a Recipe is built or loaded; a rule that spans fields lives in minirl/validator.py, and a
+whenever a Recipe is built or loaded; a rule that spans fields lives in minirl/config/validator.py, and a
 rule that needs the machine or the model in minirl/setup/limits.py. Reading TOML files and `--set`
-flags is minirl/recipes.py's. Nothing here rewrites a field: a bad value fails naming its key.
+flags is minirl/config/recipes.py's. Nothing here rewrites a field: a bad value fails naming its key.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from minirl.engine_sizing import max_samples_per_prompt
-from minirl.engines import ENGINES
+from minirl.config.engines import ENGINES
+from minirl.config.precisions import NAMES as PRECISION_NAMES
+from minirl.data.task import TASKS
 from minirl.errors import UsageError
-from minirl.models import LORA_TARGETS
-from minirl.precisions import NAMES as PRECISION_NAMES
-from minirl.task import TASKS
+from minirl.models.shapes import LORA_TARGETS
+from minirl.models.sizing import max_samples_per_prompt
 
 # The objectives train/objective.py implements (its LOSSES registry; a test keeps the two equal)
 LOSS_NAMES = ("minirl", "grpo", "cispo")
@@ -146,7 +146,7 @@ class RolloutConfig:
     # the share of each GPU the engine takes at its start (vLLM's gpu_memory_utilization: its weights,
     # working memory and KV cache), checked by the plan against what the trainer leaves free then;
     # 0 = the plan's: what the engine needs for the job, within what the trainer leaves
-    # (engine_sizing.py, docs/cluster.md). A CPU engine's KV cache is sized in bytes, so there vLLM
+    # (models/sizing.py, docs/cluster.md). A CPU engine's KV cache is sized in bytes, so there vLLM
     # only checks it against the NUMA node's memory
     memory_fraction: float = number(0.1, 0, 1)
     # explicit KV-cache size per GPU; 0 = sized for the job (every sequence of a step at full length,
@@ -345,8 +345,8 @@ class GuardConfig:
 class ColdStartConfig:
     """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
 
-    task: str = one_of("addition", TASKS)  # the embedded task init builds (minirl/task.py)
-    # the tiny model's shape (minirl/models.py TINY): more layers and experts, and more of them
+    task: str = one_of("addition", TASKS)  # the embedded task init builds (minirl/data/task.py)
+    # the tiny model's shape (minirl/models/shapes.py TINY): more layers and experts, and more of them
     # chosen per token, put more routes near a top-k boundary for precision to flip
     layers: int = number(4, 1, 64)
     experts: int = number(8, 2, 256)

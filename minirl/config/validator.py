@@ -1,5 +1,5 @@
 """The validator: the rules that span a recipe's fields (`validate`), run on every recipe that is
-loaded (minirl/recipes.py). Each field's own range and choices are declared with the field
+loaded (minirl/config/recipes.py). Each field's own range and choices are declared with the field
 (recipe.py); the rules that need the machine or the model are minirl/setup/limits.py's. It fails
 with the key to change and never rewrites a field.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from minirl.errors import UsageError
-from minirl.hub import repo_id
+from minirl.models.hub import repo_id
 
 if TYPE_CHECKING:
-    from minirl.recipe import Recipe
+    from minirl.config.recipe import Recipe
 
 
 def validate(r: Recipe) -> None:

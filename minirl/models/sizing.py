@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from minirl.models import ModelShape
+from minirl.models.shapes import ModelShape
 
 CPU_KV_BLOCK = 128  # tokens in a block of vLLM's CPU KV cache (its default, vllm/platforms/cpu.py)
 CUDA_KV_BLOCK = 16  # vLLM's default block on CUDA attention backends

@@ -3,7 +3,7 @@
 A model is known by its `config.json`: `ModelShape.from_hf_config` reads any size of the two
 families (Qwen3ForCausalLM, dense; Qwen3MoeForCausalLM), and the TorchTitan model and the HF
 config both derive from that shape. Short names (`Qwen3-30B-A3B`, `Qwen3-0.6B`, ...) map to their
-Hub ids; `minirl.hub` fetches them.
+Hub ids; `minirl.models.hub` fetches them.
 
 The tiny default is the Qwen3-MoE architecture in miniature (QK-norm attention with GQA, a softmax
 top-k router with route normalisation, 8 experts), so every code path the 30B-A3B run takes
@@ -20,8 +20,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from minirl.disk.files import read_json
 from minirl.errors import UsageError
-from minirl.files import read_json
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
 

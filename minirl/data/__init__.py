@@ -1,0 +1,1 @@
+"""Prompts and tasks: the sources loaded through `datasets` and the embedded synthetic tasks."""
