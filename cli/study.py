@@ -225,8 +225,7 @@ def _run_and_report(lab_, study, sp, mech, *, report_only: bool, confirmation: d
                     follow_up: dict | None = None, rescore: str | None = None) -> tuple[dict, Path]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from minirl.lab import stages
-    from minirl.lab import studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
+    from minirl.lab import stages, studies  # deferred: torch and scipy, after _prepare_env set the engines' environment
     from minirl.lab import report as study_report
 
     if not report_only:

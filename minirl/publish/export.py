@@ -216,8 +216,8 @@ def eval_results_for(ws_root: Path, ckpt: Checkpoint) -> list[dict]:
 def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
                     progress: Callable[[int, int], None] = lambda done, total: None) -> dict[Path, float]:
     """The run's own held-out evaluation of each checkpoint: one vLLM engine, weights loaded in place."""
-    from minirl.rollout import make_engine
-    from minirl.rollout.sync import sync  # deferred: torch and vLLM (the CLI imports this module at start)
+    from minirl.rollout import make_engine  # deferred: torch and vLLM (the CLI imports this module at start)
+    from minirl.rollout.sync import sync
     from minirl.train.trainer import Trainer
 
     rec = recipes.load(run_dir / "recipe.toml", [])
