@@ -58,3 +58,16 @@ def test_no_code_comment_quotes_a_timing():
             if (is_comment or is_docstring) and TIMING.search(tok.string):
                 quoted.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {TIMING.search(tok.string).group(0)!r}")
     assert quoted == []
+
+
+def test_every_verification_row_is_short_and_its_full_text_is_reached():
+    """#83: one short row per capability (where, commit, the figure that matters, a link); a row's
+    history lives on the results page it links to, under a heading its link names."""
+    page = ROOT / "docs" / "verification.md"
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| ")]
+    assert rows and [len(r) for r in rows if len(r) >= 600] == []
+    history = ROOT / "docs" / "results" / "verification-history.md"
+    headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^## (.+)$", history.read_text(), flags=re.M)}
+    anchors = re.findall(r"results/verification-history\.md#([^)]+)\)", page.read_text())
+    assert anchors and set(anchors) <= headings

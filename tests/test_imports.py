@@ -298,3 +298,14 @@ def test_minirl_keeps_at_most_six_modules_at_its_top():
     assert len(top) <= 6, top
     assert all((ROOT / "minirl" / room / "__init__.py").read_text().startswith('"""')
                for room in ("disk", "models", "data", "config"))  # each room says what it holds
+
+
+def test_the_step_is_the_algorithm_alone():
+    """#83: loop.py within the layout's bar, and its step free of fault plumbing: faults.py wraps
+    the engine's output, the advantages, the loss, the gradients and the parity check instead."""
+    source = (ROOT / "minirl" / "run" / "loop.py").read_text()
+    assert len(source.splitlines()) <= 350
+    step = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "step")
+    names = {n.id for n in ast.walk(step) if isinstance(n, ast.Name)} | \
+            {n.attr for n in ast.walk(step) if isinstance(n, ast.Attribute)}
+    assert not {"faults", "inject", "at_step"} & names

@@ -83,3 +83,38 @@ def test_a_resume_rolls_back_to_the_newest_good_checkpoint_not_the_one_it_resume
     rows[119] = {"step": 120, "guard/rollback_to_step": 50}  # step 120 rolled back to 50: 100 was undone
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert rollback_target(ck / "step_000150").name == "step_000050"
+
+
+def test_faults_wrap_nothing_unless_asked_and_then_only_the_step_they_name(monkeypatch):
+    """#83: the step has no fault branch; faults.install wraps the run's parts instead, and only
+    when a MINIRL_INJECT_* variable is set (a user's run is never wrapped)."""
+    import math
+    from types import SimpleNamespace
+
+    from minirl import faults
+
+    def fresh():
+        trainer = SimpleNamespace(forward_backward=lambda mb, fn, **kw: fn(), clip_grads=lambda: 1.0,
+                                  fill_grads=lambda v: None)
+        return SimpleNamespace(state=SimpleNamespace(step=2), world=SimpleNamespace(rank=0), trainer=trainer,
+                               rollouts=SimpleNamespace(next=lambda at: ([], [])), step=lambda: "row",
+                               advantages=lambda r: r, parity=lambda: 0.01)
+
+    for k in faults.STEP_FAULTS:
+        monkeypatch.delenv(k, raising=False)
+    run = fresh()
+    parts = (run.step, run.advantages, run.parity, run.trainer.forward_backward, run.rollouts.next)
+    faults.install(run)
+    assert (run.step, run.advantages, run.parity, run.trainer.forward_backward, run.rollouts.next) == parts
+
+    monkeypatch.setenv("MINIRL_INJECT_NAN", "parity@3,loss@4")
+    monkeypatch.setenv("MINIRL_INJECT_INVERT", "5")
+    run = fresh()
+    faults.install(run)  # the step under way is 3
+    assert math.isnan(run.parity()) and run.step() == "row"
+    assert run.trainer.forward_backward(None, lambda: (torch.tensor(1.0), {}))[0] == 1.0
+    run.state.step = 3
+    assert run.parity() == 0.01 and torch.isnan(run.trainer.forward_backward(None, lambda: (torch.tensor(1.0), {}))[0])
+    assert run.advantages(torch.tensor([1.0])).item() == 1.0
+    run.state.step = 4
+    assert run.advantages(torch.tensor([1.0])).item() == 0.0  # step 5 on: trained on 1 − r

@@ -143,7 +143,7 @@ def with_sets(recipe: Recipe, sets: dict[str, Any]) -> Recipe:
     return out
 
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def for_model(model_id: str | None) -> Path | None:
