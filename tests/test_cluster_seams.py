@@ -326,3 +326,27 @@ def test_what_the_engine_holds_is_its_folders_weights_less_a_tied_head(tmp_path)
                                                 ("model.norm.weight", torch.zeros(2))])
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     assert "lm_head.weight" in expected_weights(tmp_path)
+
+
+def test_a_vllm_without_a_relied_on_name_is_refused_in_one_line(monkeypatch):
+    """#83: vLLM's internals minirl relies on are named once (rollout/vllm_internals.py) and checked
+    before an engine is built: one removed is refused in one line naming it; a version outside the
+    tested range is said, not refused."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from minirl.errors import UsageError
+    from minirl.rollout import vllm_internals
+
+    assert vllm_internals.missing() == []  # the installed vLLM has every one
+    vllm_internals.check.cache_clear()
+    monkeypatch.delattr(GPUModelRunner, "_update_states")
+    try:
+        with pytest.raises(UsageError) as refused:
+            vllm_internals.check()
+    finally:
+        vllm_internals.check.cache_clear()
+    line = str(refused.value)
+    assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states" in line and "\n" not in line
+    assert vllm_internals.untested("0.32.0") is None
+    assert "a newer patch release than" in vllm_internals.untested("0.32.1")
+    assert "is not the vLLM" in vllm_internals.untested("0.33.0")

@@ -44,7 +44,7 @@ from minirl.errors import UsageError
 from minirl.models import sizing
 from minirl.models.shapes import param_count, read_shape
 from minirl.models.sizing import cpu_kv_cache_bytes
-from minirl.rollout import outputs
+from minirl.rollout import outputs, vllm_internals
 from minirl.rollout.coverage import Coverage, expected_weights, named_faults
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
@@ -171,11 +171,11 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if importlib.util.find_spec("flashinfer") is None:
-            # vLLM's CUDA sampler imports FlashInfer unless told not to (its CUDA requirements
-            # install it); without it, vLLM's own top-k/top-p sampler
+            # vLLM's CUDA sampler imports FlashInfer unless told not to; without it, vLLM's own
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
 
+        vllm_internals.check()  # before anything of vLLM's is relied on
         s = EngineSettings(str(model_dir), **settings)
         cuda = torch.cuda.is_available()
         shape = read_shape(Path(model_dir))
