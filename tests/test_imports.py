@@ -215,6 +215,50 @@ def test_a_planted_upward_import_is_found(tmp_path):
     assert upward(known, tmp_path)[0] == "minirl/errors.py:1 imports minirl.train (top may not import train)"
 
 
+VLLM_PUBLIC = {"vllm": {"LLM", "SamplingParams"}}  # what minirl imports from vLLM's public namespace
+
+
+def private_vllm_reaches(known: dict[str, Path], door: str = "minirl.rollout.vllm_internals") -> list[str]:
+    """Every import of vLLM outside its public names, and every assignment to an attribute vLLM owns
+    that minirl replaces (RELIED's last names), in a module other than the door."""
+    from minirl.rollout.vllm_internals import RELIED
+
+    replaced = {target.rpartition(".")[2].rpartition(":")[2] for target, _ in RELIED} - {"__name__"}
+    out = []
+    for name, path in known.items():
+        if name == door:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
+                extra = {a.name for a in node.names} - VLLM_PUBLIC.get(node.module, set())
+                if extra:
+                    out.append(f"{name}:{node.lineno} from {node.module} import {sorted(extra)}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("vllm.") for a in node.names):
+                out.append(f"{name}:{node.lineno} import {node.names[0].name}")
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and t.attr in replaced:
+                        out.append(f"{name}:{node.lineno} replaces .{t.attr}")
+    return out
+
+
+def test_vllms_private_parts_are_reached_through_one_door():
+    """#83: every import from vLLM beyond `LLM` and `SamplingParams`, and every vLLM method minirl
+    replaces, is in rollout/vllm_internals.py, where RELIED names it and the engine checks it."""
+    assert private_vllm_reaches(modules()) == []
+
+
+def test_a_private_vllm_reach_outside_the_door_is_found(tmp_path):
+    pkg = tmp_path / "minirl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from vllm import LLM\nfrom vllm.v1.sample.sampler import Sampler\n")
+    (pkg / "b.py").write_text("def f(runner, g):\n    runner._sample = g\n")
+    found = private_vllm_reaches(modules(tmp_path, ("minirl",)))
+    assert [f.split(" ", 1)[1] for f in found] == ["from vllm.v1.sample.sampler import ['Sampler']", "replaces ._sample"]
+
+
 def test_vllm_engines_are_built_by_the_factory_alone():
     """#65: every caller (the run, eval, export, the doctor, the engine's own process) builds its
     engine through rollout/engine.py's `make_engine`: no module but the engine's own and the

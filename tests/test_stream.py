@@ -21,7 +21,7 @@ def test_calls_join_the_requests_in_flight_and_come_back_whole_with_preemptions_
     engine's own score of it (fp32; no weights changed) and routes for every fed position equal
     to the fp32 trainer's own routing."""
     from minirl.models.sizing import cpu_kv_cache_bytes
-    from minirl.rollout import steps
+    from minirl.rollout import vllm_internals
     from minirl.rollout.stream import Stream
     from minirl.rollout.vllm import VLLMEngine
     from minirl.train.replay import rollout_routes, route_agreement
@@ -33,7 +33,7 @@ def test_calls_join_the_requests_in_flight_and_come_back_whole_with_preemptions_
 
     def watching(*a, **k):  # which calls' requests each forward step runs
         out = schedule(*a, **k)
-        together.append({steps.split_request_id(r)[0].split(".")[0] for r in out.num_scheduled_tokens})
+        together.append({vllm_internals.split_request_id(r)[0].split(".")[0] for r in out.num_scheduled_tokens})
         return out
 
     scheduler.schedule = watching

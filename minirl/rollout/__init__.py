@@ -3,7 +3,8 @@
     engine.py    the engine's contract (`Engine`, `Completion`) and its in-process build;
                  `make_engine` here is the one factory every caller uses
     vllm.py      the vLLM engine (CPU and CUDA arguments from one function, `engine_args`)
-    steps.py     around vLLM's engine steps: the requests the scheduler preempts, vLLM's request ids
+    vllm_internals.py  the one door to vLLM's non-public parts (the scheduler's preemptions, request ids,
+                 the runner's hooks, the sampler's log-probs), each named and checked before an engine starts
     lifetime.py  in-process engines share the process's parallel groups: the last one alive tears them down
     controller.py  bounded staleness: which step's batch may be sampled now, in what order batches
                  are trained, the bound every trained token keeps (`rollout.max_staleness`)

@@ -11,9 +11,10 @@ last one alive releases the groups; the others shut down their core alone.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
+
+from minirl.rollout import vllm_internals
 
 _lock = threading.Lock()
 _alive = 0  # in-process engines built and not yet shut down
@@ -43,24 +44,11 @@ def process_ends() -> None:
 
 def _shutdown(core) -> None:
     global _alive
-    from vllm.v1.engine import core as core_module
-
     with _lock:
         _alive -= 1
         last = _alive == 0 and not _ending
     if last:
         core.shutdown()
         return
-    with _keep_groups(core_module):
+    with vllm_internals.keep_process_groups():
         core.shutdown()
-
-
-@contextlib.contextmanager
-def _keep_groups(core_module):
-    """`EngineCore.shutdown` without its process-wide teardown (other engines still use it)."""
-    saved = core_module.cleanup_dist_env_and_memory
-    core_module.cleanup_dist_env_and_memory = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        core_module.cleanup_dist_env_and_memory = saved

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
-from minirl.rollout import steps
+from minirl.rollout import vllm_internals
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.engine import Completion
@@ -77,7 +77,7 @@ class Stream:
         """One forward step of every request in flight; the calls it completed, with their completions
         (cut from the captures once a call's requests have all finished)."""
         if self.engine.version != self._seen:  # a sync loaded since the last step: what was sampled was the old weights'
-            for key, sampled in steps.progress(self._llm.llm_engine).items():
+            for key, sampled in vllm_internals.progress(self._llm.llm_engine).items():
                 self._marks.setdefault(key, []).append((sampled, self.engine.version))
             self._seen = self.engine.version
         finished = [o for o in self._llm.llm_engine.step() if o.finished]
@@ -205,7 +205,7 @@ class Stream:
             self._llm.collective_rpc(cpu_routes.start)
         if self.engine.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.start)
-        self._preempted = self._open.enter_context(steps.preemptions(self._llm.llm_engine))
+        self._preempted = self._open.enter_context(vllm_internals.preemptions(self._llm.llm_engine))
 
     def _end(self) -> None:
         self.engine.settle_prefix_cache()  # a reset vLLM refused while requests were in flight

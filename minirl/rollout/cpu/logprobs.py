@@ -29,33 +29,30 @@ from __future__ import annotations
 
 import torch
 
-from minirl.rollout.steps import split_request_id
+from minirl.rollout import vllm_internals
+from minirl.rollout.vllm_internals import split_request_id
 
 
 class LogprobRecorder:
     def __init__(self, worker):
-        from vllm.v1.sample.sampler import Sampler
-
         runner = worker.model_runner
         self.enabled = False
         self.version = 0  # the policy version of the weights: each step's samples are stamped with it
         self._reset()
-        original = runner._sample
-
-        def sample(logits, spec_decode_metadata):
+        def sample(original, logits, spec_decode_metadata):
             if not self.enabled or logits is None:
                 return original(logits, spec_decode_metadata)
             if spec_decode_metadata is not None:
                 raise RuntimeError("log-prob capture: speculative decoding is not supported")
             # before the sampler: fp32 logits are scaled in place
-            drawn = Sampler.compute_logprobs(tempered(logits, runner.input_batch.sampling_metadata))
+            drawn = vllm_internals.compute_logprobs(tempered(logits, runner.input_batch.sampling_metadata))
             out = original(logits, spec_decode_metadata)
             n = out.sampled_token_ids.shape[0]
             self.steps.append((runner.input_batch.req_ids[:n],
                                drawn.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1), self.version))
             return out
 
-        runner._sample = sample
+        vllm_internals.around_sample(runner, sample)
 
     def _reset(self) -> None:
         self.steps: list[tuple[list[str], torch.Tensor, int]] = []
@@ -113,11 +110,9 @@ def tempered(logits: torch.Tensor, md) -> torch.Tensor:
     x = logits.float()
     if md.all_greedy or md.temperature is None:
         return x
-    from vllm.v1.sample.sampler import _SAMPLING_EPS
-
     t = md.temperature[: x.shape[0]].to(x.device, torch.float32)
     if not md.all_random:
-        t = torch.where(t < _SAMPLING_EPS, 1.0, t)
+        t = torch.where(t < vllm_internals.greedy_below(), 1.0, t)
     return x / t[:, None]
 
 

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from minirl.rollout import vllm_internals
+
 PROVIDER = "minirl_cpu"
 PRIORITY = {"rms_norm": [PROVIDER], "fused_add_rms_norm": [PROVIDER]}  # vLLM appends its native op
 DTYPES: tuple[torch.dtype, ...] = (torch.float32,)  # and bf16 where the kernels round to nearest (_register)
@@ -62,23 +64,19 @@ def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.
 
 
 def _register() -> None:
-    import vllm._custom_ops  # noqa: F401  (loads the `_C` kernels)
-    from vllm import ir
-
     global DTYPES
-    if PROVIDER in ir.ops.rms_norm.impls:
-        return
+    vllm_internals.load_kernels()
     if rounds_to_nearest(torch.ops._C.fused_add_rms_norm):
         DTYPES = (torch.bfloat16, torch.float32)
-    ir.ops.rms_norm.register_impl(
-        PROVIDER, supports_args=lambda x, weight, epsilon, variance_size=None: _fits(x, weight, variance_size),
-    )(rms_norm)
-    ir.ops.fused_add_rms_norm.register_impl(
-        PROVIDER, inplace=True,
-        supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (
+    vllm_internals.register_norm(
+        "rms_norm", PROVIDER, rms_norm,
+        lambda x, weight, epsilon, variance_size=None: _fits(x, weight, variance_size))
+    vllm_internals.register_norm(
+        "fused_add_rms_norm", PROVIDER, fused_add_rms_norm,
+        lambda x, x_residual, weight, epsilon, variance_size=None: (
             _fits(x, weight, variance_size) and x_residual.dtype == x.dtype
             and x.is_contiguous() and x_residual.is_contiguous()),
-    )(fused_add_rms_norm)
+        inplace=True)
 
 
 _register()

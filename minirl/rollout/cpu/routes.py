@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minirl.rollout.steps import split_request_id
+from minirl.rollout import vllm_internals
+from minirl.rollout.vllm_internals import split_request_id
 
 class RouteRecorder:
     """Lives in the worker. Collects routes while enabled, with O(1) numpy work per forward and
@@ -42,16 +43,12 @@ class RouteRecorder:
         self._reset()
         for i, router in enumerate(self.routers):
             router.set_capture_fn(self._make_capture(i))
-        original = self.runner._update_states
-
         def update_states(scheduler_output):
-            out = original(scheduler_output)
             if self.enabled:
                 self.preempted.update(scheduler_output.preempted_req_ids or ())
                 self._snapshot_layout(scheduler_output.num_scheduled_tokens, self.runner.input_batch)
-            return out
 
-        self.runner._update_states = update_states
+        vllm_internals.after_update_states(self.runner, update_states)
 
     def _reset(self) -> None:
         self.req_index: dict[str, int] = {}

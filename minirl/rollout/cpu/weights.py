@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from minirl.rollout import vllm_internals
+
 
 class Writer:
     """Built once per engine (in its worker); `write` is one sync."""
@@ -132,8 +134,6 @@ class Writer:
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """One sync from checked pairs: each source copied (and cast) into its destination, then
         the experts' packed copies rebuilt. Returns how many."""
-        from vllm.model_executor.utils import replace_parameter
-
         with torch.no_grad():
             self._relink()  # from the first write on (again after a vLLM reload)
             if (packs := self._packs()) is not None:  # into the tensors the kernel computes with
@@ -141,8 +141,8 @@ class Writer:
                 return len(pairs)
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             for _, mod, w13, w2, kernel in self.experts:  # the kernel pads and prepacks into new tensors
-                replace_parameter(mod, "w13_weight", w13)
-                replace_parameter(mod, "w2_weight", w2)
+                vllm_internals.replace_parameter(mod, "w13_weight", w13)
+                vllm_internals.replace_parameter(mod, "w2_weight", w2)
                 kernel.process_weights_after_loading(mod)
         return len(pairs)
 
