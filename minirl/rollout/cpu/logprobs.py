@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from minirl.rollout import vllm_internals
-from minirl.rollout.vllm_internals import split_request_id
 
 
 class LogprobRecorder:
@@ -39,6 +38,7 @@ class LogprobRecorder:
         self.enabled = False
         self.version = 0  # the policy version of the weights: each step's samples are stamped with it
         self._reset()
+
         def sample(original, logits, spec_decode_metadata):
             if not self.enabled or logits is None:
                 return original(logits, spec_decode_metadata)
@@ -94,7 +94,7 @@ class LogprobRecorder:
         versions = [version for ids, _, version in self.steps for _ in ids]
         self.steps = []
         for rid, v, version in zip(rids, values, versions):
-            lps, stamps = self.per_request.setdefault(split_request_id(rid), ([], []))
+            lps, stamps = self.per_request.setdefault(vllm_internals.split_request_id(rid), ([], []))
             lps.append(v)
             stamps.append(version)
 

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from minirl.rollout import vllm_internals
-from minirl.rollout.vllm_internals import split_request_id
 
 class RouteRecorder:
     """Lives in the worker. Collects routes while enabled, with O(1) numpy work per forward and
@@ -43,6 +42,7 @@ class RouteRecorder:
         self._reset()
         for i, router in enumerate(self.routers):
             router.set_capture_fn(self._make_capture(i))
+
         def update_states(scheduler_output):
             if self.enabled:
                 self.preempted.update(scheduler_output.preempted_req_ids or ())
@@ -115,7 +115,8 @@ class RouteRecorder:
         if any(len(per_layer) != len(self.row_req) for per_layer in self.row_ids):
             raise RuntimeError("route capture: a layer missed a forward")
         ids = np.stack([np.concatenate(per_layer) for per_layer in self.row_ids], axis=1)  # [rows, layers, K]
-        chosen = {r: i for r, i in self.req_index.items() if external_ids is None or split_request_id(r)[0] in external_ids}
+        chosen = {r: i for r, i in self.req_index.items()
+                  if external_ids is None or vllm_internals.split_request_id(r)[0] in external_ids}
         mine = np.isin(req, np.fromiter(chosen.values(), np.int64, len(chosen)))
         # the rest stays, as one chunk
         self.row_req, self.row_pos = [req[~mine]], [pos[~mine]]
@@ -136,7 +137,8 @@ class RouteRecorder:
         expected = np.arange(len(req)) - np.repeat(np.cumsum(counts) - counts, counts)
         if not np.array_equal(pos, expected):  # each request: positions 0..n-1, once each
             raise RuntimeError("route capture: a request has gaps or repeats in its positions")
-        return {split_request_id(rid): part for rid, part in zip(kept, np.split(ids, np.cumsum(counts)[:-1]))}
+        parts = np.split(ids, np.cumsum(counts)[:-1])
+        return {vllm_internals.split_request_id(rid): part for rid, part in zip(kept, parts)}
 
 
 def install(worker) -> int:
