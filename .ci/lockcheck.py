@@ -83,9 +83,9 @@ def problems(lock_text: str, pyproject_text: str, *, extras: tuple[str, ...],
 def main() -> int:
     pyproject = (ROOT / "pyproject.toml").read_text()
     found = [f"cpu: {p}" for p in problems((ROOT / ".ci/constraints-cpu.txt").read_text(), pyproject,
-                                             extras=("cpu", "test"))]
+                                             extras=("cpu", "test", "tasks"))]
     found += [f"gpu: {p}" for p in problems((ROOT / ".ci/constraints-gpu.txt").read_text(), pyproject,
-                                              extras=("gpu", "test"),
+                                              extras=("gpu", "test", "tasks"),
                                               containerfile_text=(ROOT / "Containerfile").read_text())]
     print("\n".join(found) or "both locks agree with pyproject.toml")
     return 1 if found else 0

@@ -22,12 +22,12 @@ from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
 from minirl.config import recipes
 from minirl.config.precisions import NAMES as PRECISION_NAMES
-from minirl.data.task import TASKS
 from minirl.errors import EngineFault, RunIOError, UsageError
 from minirl.eval.benchmarks import get as get_bench
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.models.hub import resolution
 from minirl.models.shapes import TINY_ID
+from minirl.collector import collect_less_often
 from minirl.quick_exit import quick_exit
 from minirl.run import status as status_mod
 from minirl.run.plots import plot_metrics
@@ -92,11 +92,13 @@ def cli(verbose: bool) -> None:
 @click.option("--recipe", "recipe_name", default=None,
               help="Shipped recipe (a file stem in recipes/) to start from [default: tiny; with --model, the "
                    "model's own recipe if one is shipped, else qwen3].")
-@click.option("--task", type=click.Choice(list(TASKS)), default=None,
-              help="Embedded task for the tiny model: addition (the default; 3-digit sums, 4-5 response tokens), "
+@click.option("--task", default=None, metavar="TASK",
+              help="Task for the tiny model: addition (the default; 3-digit sums, 4-5 response tokens), "
                    "scratchpad (3-5-digit sums written out column by column, 20-46 tokens; recipe tiny-scratchpad, "
-                   "the stage of `minirl lab`) or scratchpad-long (10-13-digit sums, 71-127 tokens, on a tiny MoE "
-                   "with stressed routing; recipe tiny-scratchpad-long).")
+                   "the stage of `minirl lab`), scratchpad-long (10-13-digit sums, 71-127 tokens, on a tiny MoE "
+                   "with stressed routing; recipe tiny-scratchpad-long), or rg:NAME, any task of reasoning-gym "
+                   "(rg:chain_sum, rg:basic_arithmetic, ...; recipe tiny-rg, its config in "
+                   "cold_start.task_params, its own scorer as the grader: docs/tasks.md).")
 @click.option("--force", is_flag=True, help="Rebuild an existing workspace (deletes its data, model and runs).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: str | None, force: bool,
@@ -432,6 +434,7 @@ def _fail(message: str, code: int = 2) -> None:
 def entry() -> None:
     """The `minirl` console script and `python -m cli.main`: `main`, then exit without the
     interpreter's teardown (minirl/quick_exit.py)."""
+    collect_less_often()  # before any big import (minirl/collector.py)
     try:
         main()
         code = 0

@@ -20,6 +20,7 @@ BUILTIN = {
     "math": "rewards.math:MathGrader",
     "arith": "rewards.builtin:ArithGrader",
     "code": "rewards.code:CodeGrader",
+    "rg": "rewards.gym:GymGrader",
 }
 
 
@@ -48,6 +49,24 @@ class NeedsAnswer:
     @property
     def fields(self) -> tuple[tuple[str, ...], ...]:
         return ((self.answer_field,),)
+
+
+REASONING_TAGS = ("<think>", "</think>")  # R1 and Qwen3
+
+
+def final_part(response: str, tags: tuple[str, str] | None = REASONING_TAGS) -> str | None:
+    """What a reasoning model's answer is read from (#81): after the last closing reasoning tag, or
+    the whole response without tags (or with `tags` None); None where a reasoning block is left
+    open (cut off mid-thought: no answer was given).
+
+    >>> final_part("<think>maybe 5</think> 7"), final_part("draft 5</think>7"), final_part("<think>5")
+    (' 7', '7', None)
+    """
+    if tags is None:
+        return response
+    opening, closing = tags
+    part = response.rsplit(closing, 1)[1] if closing in response else response
+    return None if opening in part else part
 
 
 def gradable(record: dict[str, Any], fields: tuple[tuple[str, ...], ...]) -> bool:

@@ -20,14 +20,13 @@ import logging
 import re
 from typing import Any
 
-from rewards.base import NeedsAnswer, Score
+from rewards.base import REASONING_TAGS, NeedsAnswer, Score, final_part
 
 # math-verify warns on every call that its own timeouts are off; we enforce them in rewards.pool.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-REASONING_TAGS = ("<think>", "</think>")  # R1 and Qwen3
 DEFAULT_PATTERN = r"(?i)answer(?:\s+is)?\s*[:=]?\s*\$?([^\n$]+)"
 
 
@@ -67,13 +66,7 @@ class MathGrader(NeedsAnswer):
         self.tags = tuple(reasoning_tags) if reasoning_tags else None
 
     def final_part(self, response: str) -> str | None:
-        """What the answer is read from: after the last closing reasoning tag, or the whole response
-        without tags; None where a reasoning block is left open (no answer was given)."""
-        if self.tags is None:
-            return response
-        opening, closing = self.tags
-        part = response.rsplit(closing, 1)[1] if closing in response else response
-        return None if opening in part else part
+        return final_part(response, self.tags)
 
     def extract(self, response: str) -> tuple[str, str] | None:
         """(how, text) of the final answer, or None."""

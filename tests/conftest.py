@@ -23,6 +23,10 @@ os.environ.setdefault("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
 
 from pathlib import Path  # noqa: E402
 
+from minirl.collector import collect_less_often  # noqa: E402
+
+collect_less_often()  # the workers import torch and vLLM too, and build engines in-process
+
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

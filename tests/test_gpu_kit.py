@@ -297,3 +297,15 @@ def test_a_step_fails_in_one_line_without_the_stand_in(tmp_path):
     assert r.returncode == 1
     got = json.loads((out / "moe-r3.json").read_text())
     assert got["outcome"] == "failed" and "the torch 2.11 stand-in is not loaded" in got["error"], got
+
+
+def test_route_agreement_may_wander_by_noise_on_a_small_step_and_not_fall_as_a_broken_engine_made_it():
+    """The sequence's R3 check: within 0.05 of step 1, or four standard errors on a dry run's small
+    steps (0.876 → 0.826 on ~210 tokens a step was seen with nothing broken)."""
+    seq = _sequence()
+    row = lambda a, n: {"replay/route_agreement": a, "rollout/resp_tokens": n}  # noqa: E731
+    key = "route_agreement_within_0.05_of_step_1"
+    assert seq._checks([row(0.876, 212), row(0.826, 235)])[key]
+    assert not seq._checks([row(0.876, 212), row(0.70, 235)])[key]
+    assert not seq._checks([row(0.48, 40000), row(0.10, 40000)])[key]  # the broken engine of a GPU visit
+    assert not seq._checks([row(0.48, 40000), row(0.42, 40000)])[key]  # 0.05 where steps are large

@@ -23,11 +23,11 @@ CONTAINERFILE = (ROOT / "Containerfile").read_text()
 
 
 def gpu_problems(lock=GPU, pyproject=PYPROJECT, containerfile=CONTAINERFILE):
-    return lockcheck.problems(lock, pyproject, extras=("gpu", "test"), containerfile_text=containerfile)
+    return lockcheck.problems(lock, pyproject, extras=("gpu", "test", "tasks"), containerfile_text=containerfile)
 
 
 def test_both_locks_agree_with_pyproject_and_the_image():
-    assert lockcheck.problems(CPU, PYPROJECT, extras=("cpu", "test")) == []
+    assert lockcheck.problems(CPU, PYPROJECT, extras=("cpu", "test", "tasks")) == []
     assert gpu_problems() == []
     pins, _ = lockcheck.pins(GPU)
     assert (str(pins["torch"]), str(pins["vllm"]), str(pins["torchvision"])) == ("2.13.0", "0.32.0", "0.28.0")
@@ -52,7 +52,7 @@ def swap(text: str, old: str, new: str) -> str:
     (lambda: gpu_problems(containerfile=swap(CONTAINERFILE, "nvidia/cuda:13.", "nvidia/cuda:12.")),
      "the Containerfile's base is CUDA 12, the lock's libraries CUDA 13"),
     (lambda: lockcheck.problems(swap(CPU, "# removed after install: torchvision torchaudio torchcodec", ""), PYPROJECT,
-                                extras=("cpu", "test")),
+                                extras=("cpu", "test", "tasks")),
      "torchaudio==2.11.0 is not torch 2.13's release (2.13)"),
 ])
 def test_a_planted_mismatch_is_found(plant, expected):

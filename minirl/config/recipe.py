@@ -48,6 +48,12 @@ def rule(default: Any, check: Callable[[str, Any], str | None], lo: float | None
     return field(default=default, metadata=meta)
 
 
+def _task_name(key: str, v: str) -> str | None:
+    if v in TASKS or (v.startswith("rg:") and len(v) > 3):
+        return None
+    return f"{key} = {v!r}: an embedded task ({', '.join(TASKS)}) or a reasoning-gym one, rg:NAME"
+
+
 def _not_greedy(key: str, v: float) -> str | None:
     if v == 0:
         return (f"{key} = 0 (greedy) samples the same response G times, so every group-mean advantage is 0; "
@@ -345,7 +351,10 @@ class GuardConfig:
 class ColdStartConfig:
     """SFT of the freshly built tiny model, run by `minirl init` (embedded default only)."""
 
-    task: str = one_of("addition", TASKS)  # the embedded task init builds (minirl/data/task.py)
+    # the task init builds: an embedded one (minirl/data/task.py) or reasoning-gym's "rg:NAME"
+    # (minirl/data/gym.py), generated with `task_params` (its config; embedded tasks take none)
+    task: str = rule("addition", _task_name)
+    task_params: dict[str, Any] = field(default_factory=dict)
     # the tiny model's shape (minirl/models/shapes.py TINY): more layers and experts, and more of them
     # chosen per token, put more routes near a top-k boundary for precision to flip
     layers: int = number(4, 1, 64)

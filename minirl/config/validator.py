@@ -33,6 +33,9 @@ def validate(r: Recipe) -> None:
     if r.cold_start.top_k >= r.cold_start.experts:
         raise UsageError(f"cold_start.top_k ({r.cold_start.top_k}) must be below cold_start.experts "
                          f"({r.cold_start.experts}): a router that picks every expert has no routes to replay")
+    if r.cold_start.task_params and not r.cold_start.task.startswith("rg:"):
+        raise UsageError(f"cold_start.task_params configure a reasoning-gym task (rg:NAME); the embedded task "
+                         f"{r.cold_start.task!r} takes none")
     if r.cold_start.dev_size >= r.cold_start.train_size:
         raise UsageError(f"cold_start.dev_size ({r.cold_start.dev_size}) must be smaller than cold_start.train_size "
                          f"({r.cold_start.train_size}): the dev split is carved from the train split")

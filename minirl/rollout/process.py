@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
+from minirl.collector import collect_less_often
 from minirl.errors import EngineFault, UsageError
 from minirl.quick_exit import quick_exit
 from minirl.rollout.broadcast import WeightChannel
@@ -97,6 +98,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     # after its step and then stops this one; a KeyboardInterrupt here would only print a traceback (#75)
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+    collect_less_often()  # before vLLM's import (minirl/collector.py)
     os.sched_setaffinity(0, cores)
     stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)  # rollout GPUs (remote.py): which engine, where to join
     channel = None

@@ -11,10 +11,15 @@ from pathlib import Path
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 CHARS = "0123456789+-*=,;:()?# abcdefg"  # 29 chars + 3 specials = the tiny vocab of 32
+# the rest of printable ASCII, after the embedded tasks' 29 so that their ids never move: a vocab of
+# 128 reads any English task text (reasoning-gym's questions: minirl/data/gym.py); any other
+# character is the unknown token "#"
+MORE_CHARS = "".join(c for c in map(chr, range(32, 127)) if c not in CHARS) + "\n"
+WIDE_VOCAB = 128
 
 
 def vocab(vocab_size: int) -> dict[str, int]:
-    chars = CHARS[: vocab_size - len(SPECIALS)]
+    chars = (CHARS + MORE_CHARS)[: vocab_size - len(SPECIALS)]
     return {tok: i for i, tok in enumerate((*SPECIALS, *chars))}
 
 
@@ -26,7 +31,7 @@ def build_tokenizer(out: Path, vocab_size: int, max_len: int) -> Path:
 
     v = vocab(vocab_size)
     tok = Tokenizer(models.WordLevel(vocab=v, unk_token="#"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # any character, newlines too
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="#",

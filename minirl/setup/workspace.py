@@ -23,12 +23,14 @@ from pathlib import Path
 from minirl.config import recipes
 from minirl.config import recipe as recipe_mod
 from minirl.data.prompts import response_text
+from minirl.data.gym import RECIPE as GYM_RECIPE
+from minirl.data.gym import TINY_PARAMS, check_task, gym_name, is_gym, make_gym_splits
 from minirl.data.task import TASKS, make_splits, write_jsonl
 from minirl.errors import UsageError
 from minirl.models import hub
 from minirl.models.shapes import TINY, TINY_ID, ModelShape, active_params, param_count
 from minirl.setup.preflight import check_planned
-from minirl.setup.tokenizer import build_tokenizer
+from minirl.setup.tokenizer import WIDE_VOCAB, build_tokenizer
 from rewards import load_grader
 
 RECIPE_NAME = "minirl.toml"
@@ -91,11 +93,19 @@ def init_workspace(
     if task is not None:
         if model is not None:
             raise UsageError("--task builds an embedded task for the tiny model; it does not go with --model")
-        if task not in TASKS:
-            raise UsageError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
-        recipe_name = recipe_name or TASKS[task].recipe
-        if recipes.load(recipes.shipped(recipe_name)).cold_start.task != task:
-            overrides = [*overrides, f"cold_start.task={task}"]
+        if is_gym(task):
+            check_task(task)
+        elif task not in TASKS:
+            raise UsageError(f"unknown task {task!r}: one of {', '.join(TASKS)}, or rg:NAME (a reasoning-gym task)")
+        recipe_name = recipe_name or (GYM_RECIPE if is_gym(task) else TASKS[task].recipe)
+        shipped = recipes.load(recipes.shipped(recipe_name)).cold_start
+        if shipped.task != task:
+            overrides = [f"cold_start.task={task}", *overrides]
+            if is_gym(task) and not any(o.startswith("cold_start.task_params") for o in overrides):
+                # the tiny model's size of the task where one is known, else reasoning-gym's defaults;
+                # written into the workspace's recipe
+                params = TINY_PARAMS.get(gym_name(task), {})
+                overrides.insert(1, f"cold_start.task_params={json.dumps(params)}")
     if model is not None:
         recipe_name, overrides, model_report = recipe_for_model(model, recipe_name, list(overrides))
     src = recipes.shipped(recipe_name or "tiny")
@@ -177,7 +187,8 @@ def tiny_shape(rec) -> ModelShape:
     context that fits the recipe's prompts and responses (a multiple of 32)."""
     cs, need = rec.cold_start, rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
     return dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32), n_layers=cs.layers,
-                               num_experts=cs.experts, top_k=cs.top_k)
+                               num_experts=cs.experts, top_k=cs.top_k,
+                               vocab_size=WIDE_VOCAB if is_gym(cs.task) else TINY.vocab_size)  # English text
 
 
 def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
@@ -196,7 +207,11 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     shape = tiny_shape(rec)
     t0 = time.time()
     tell("data", 0, 1)
-    train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed, task=cs.task)
+    if is_gym(cs.task):
+        train, heldout = make_gym_splits(cs.task, cs.task_params, cs.train_size, cs.heldout_size, seed=cs.seed)
+        _check_prompts_fit(cs.task, train + heldout, rec.data.max_prompt_tokens)
+    else:
+        train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed, task=cs.task)
     write_jsonl(ws.path(rec.data.train), train)
     write_jsonl(ws.path(rec.data.heldout), heldout)
     tell("data", 1, 1)
@@ -266,6 +281,17 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     (out / "minirl_coldstart.json").write_text(json.dumps(info, indent=2))
     tell("save", 1, 1)
     return info
+
+
+def _check_prompts_fit(task: str, rows: list[dict], max_prompt_tokens: int) -> None:
+    """The character tokenizer makes a prompt one token a character: one that is longer than
+    data.max_prompt_tokens would be skipped by every run, so init says so before the cold start."""
+    longest = max(len(r["prompt"]) for r in rows)
+    if longest > max_prompt_tokens:
+        over = sum(len(r["prompt"]) > max_prompt_tokens for r in rows)
+        raise UsageError(f"--task {task}: {over} of {len(rows)} questions are longer than data.max_prompt_tokens = "
+                         f"{max_prompt_tokens} (the longest {longest} characters, a token each): "
+                         f"--set data.max_prompt_tokens={longest}, or cold_start.task_params for shorter ones")
 
 
 def _length_stats(lengths: list[int]) -> dict:
