@@ -27,8 +27,8 @@ from minirl.eval.benchmarks import get as get_bench
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.models.hub import resolution
 from minirl.models.shapes import TINY_ID
-from minirl.collector import collect_less_often
-from minirl.quick_exit import quick_exit
+from minirl.proc.collector import collect_less_often
+from minirl.proc.quick_exit import quick_exit
 from minirl.run import status as status_mod
 from minirl.run.plots import plot_metrics
 from minirl.setup.dryrun import dry_run as plan_dry_run
@@ -433,8 +433,8 @@ def _fail(message: str, code: int = 2) -> None:
 
 def entry() -> None:
     """The `minirl` console script and `python -m cli.main`: `main`, then exit without the
-    interpreter's teardown (minirl/quick_exit.py)."""
-    collect_less_often()  # before any big import (minirl/collector.py)
+    interpreter's teardown (minirl/proc/quick_exit.py)."""
+    collect_less_often()  # before any big import (minirl/proc/collector.py)
     try:
         main()
         code = 0

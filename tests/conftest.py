@@ -23,9 +23,13 @@ os.environ.setdefault("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
 
 from pathlib import Path  # noqa: E402
 
-from minirl.collector import collect_less_often  # noqa: E402
+import gc  # noqa: E402
 
-collect_less_often()  # the workers import torch and vLLM too, and build engines in-process
+from minirl.proc.collector import STARTING  # noqa: E402
+
+# the workers import torch and vLLM too, and build engines in-process: the start's thresholds for
+# the whole session (set here, not by collect_less_often, so no engine built by a test restores them)
+gc.set_threshold(*STARTING)
 
 import pytest  # noqa: E402
 
@@ -40,11 +44,77 @@ def pytest_configure(config):
         config.option.maxschedchunk = 1
 
 
+# The suite's longest tests, longest first (`pytest -n 2 --durations=60` on this 2-core machine,
+# 2026-12-03); a test not named here counts as shorter than these, a slow-marked one longer than
+# the rest. Only the order is used: a name that goes stale costs balance, never a test.
+LONGEST = (
+    "tests/test_gpu_kit.py::test_the_sequence_runs_in_dry_mode",
+    "tests/test_parallel.py::test_minirl_run_on_two_ranks_then_resumes_in_one_process",
+    "tests/test_studies.py::test_a_micro_study_runs_paired_seeds_resumes_and_reports",
+    "tests/test_rollout_gpus.py::test_two_training_ranks_and_an_engine_on_a_rollout_gpu_keep_the_bound_and_every_sync",
+    "tests/test_async.py::test_at_k2_healthy_steps_are_never_rolled_back_and_a_mismatch_still_is",
+    "tests/test_parallel.py::test_a_killed_rank_restarts_across_nodes_and_resumes_from_the_newest_checkpoint",
+    "tests/test_e2e.py::test_init_run_kill_resume",
+    "tests/test_engine_fault.py::test_a_dead_engine_is_named_in_one_line_and_ctrl_c_is_quiet_in_every_process",
+    "tests/test_faults.py::test_sigkill_at_random_moments_then_resume",
+    "tests/test_export.py::test_the_cards_snippets_run_and_push_to_a_stand_in_hub",
+    "tests/test_rollout_gpus.py::test_two_nodes_each_ask_their_own_rollout_gpu",
+    "tests/test_gym.py::test_a_reasoning_gym_task_trains_twenty_steps",
+    "tests/test_async.py::test_k2_with_inflight_updates_through_the_cli_keeps_the_bound_token_by_token",
+    "tests/test_engine_fault.py::test_nonfinite_engine_logprobs_stop_the_run_before_any_update_and_resume_continues",
+    "tests/test_rollout_gpus.py::test_an_engine_on_a_rollout_gpu_samples_as_the_engine_process_beside_the_trainer",
+    "tests/test_async.py::test_k2_runs_ahead_within_the_bound_and_a_rollback_discards_what_is_ahead",
+    "tests/test_faults.py::test_a_disk_that_fills_up_mid_run",
+    "tests/test_lora.py::test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports",
+    "tests/test_faults.py::test_a_preemption_mid_collapse_rolls_back_to_the_newest_good_and_an_end_cut_short_ends",
+    "tests/test_export.py::test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs",
+    "tests/test_code_grader.py::test_rl_on_code_and_eval_humaneval_run_end_to_end_on_the_tiny_model",
+    "tests/test_export.py::test_an_export_into_an_empty_folder_keeps_it_and_a_fault_or_signal_leaves_nothing",
+    "tests/test_gpu_kit.py::test_the_device_command_runs_end_to_end_in_dry_mode",
+    "tests/test_async.py::test_a_huge_k_neither_hangs_nor_samples_batches_the_run_will_not_train",
+    "tests/test_runlock.py::test_a_resume_during_a_live_run_is_refused_while_readers_work",
+    "tests/test_temperature.py::test_the_rows_are_the_sampling_temperatures_policy",
+    "tests/test_memory_model.py::test_the_plans_activations_per_token_are_what_the_forward_saves[moe-one",
+    "tests/test_doctor.py::test_doctor_measures_each_source",
+    "tests/test_parallel.py::test_two_ranks_update_like_one_process[ep2+r3]",
+    "tests/test_rollout_gpus.py::test_two_engines_split_a_call_join_its_answer_in_order_and_take_a_sync_bucket_by_bucket",
+    "tests/test_engine_fault.py::test_a_sync_that_leaves_a_weight_out_stops_the_first_sync_in_one_line_naming_it",
+    "tests/test_parallel.py::test_two_ranks_update_like_one_process[ep2+packed+chunked-head+offload]",
+    "tests/test_async.py::test_two_processes_move_the_weights_by_broadcast",
+    "tests/test_parallel.py::test_two_ranks_update_like_one_process[fsdp2]",
+    "tests/test_parallel.py::test_two_ranks_update_like_one_process[ep2+r2]",
+    "tests/test_gpu_kit.py::test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode",
+    "tests/test_faults.py::test_sigterm_stops_like_ctrl_c_and_nan_updates_never_reach_the_weights",
+    "tests/test_observability.py::test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks",
+    "tests/test_memory_model.py::test_the_plans_activations_per_token_are_what_the_forward_saves[moe-fsdp2-none]",
+    "tests/test_fp8.py::test_fp8_rollouts_on_cpu_round_activations_per_token_as_fp8_serving_does",
+    "tests/test_code_grader.py::test_every_canonical_humaneval_solution_passes_and_every_bare_prompt_fails",
+    "tests/test_dynamic.py::test_every_trained_batch_is_full_and_has_no_flat_group[2]",
+    "tests/test_parallel.py::test_lora_on_two_ranks_updates_like_one_process[ep2+r3]",
+    "tests/test_export.py::test_best_never_picks_what_a_rollback_undid",
+    "tests/test_other_models.py::test_run_trains_a_checkpoint_of_another_shape[moe]",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist the slow end-to-end tests go first, so the longest start early and the
-    short ones fill in around them; in one process the order stays the files' own."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Under pytest-xdist, longest first on every worker: the work-stealing scheduler hands each of
+    the k workers a consecutive k-th of the list and later moves tests from the end of the longest
+    queue, so the list is dealt like cards (every k-th test to one worker's slice) after sorting by
+    expected length. Each worker then starts on its share of the longest tests and ends on short
+    ones, and no hour-long tail is left to one worker while the other idles. In one process the
+    order stays the files' own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not os.environ.get("PYTEST_XDIST_WORKER") or workers < 1:
+        return
+    rank = {name: i for i, name in enumerate(LONGEST)}
+
+    def expected(item) -> tuple[int, int]:
+        if item.nodeid in rank:
+            return 0, rank[item.nodeid]
+        return (1 if item.get_closest_marker("slow") else 2), 0
+
+    ordered = sorted(items, key=expected)  # stable: the files' order among equals
+    items[:] = [it for w in range(workers) for it in ordered[w::workers]]
 
 
 def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:

@@ -105,7 +105,8 @@ def test_a_reasoning_gym_task_trains_twenty_steps(tmp_path):
 
     ws = tmp_path / "ws"
     r = minirl("init", str(ws), "--task", "rg:basic_arithmetic", "--set", "cold_start.max_steps=60",
-               "--set", "cold_start.train_size=3000", "--set", "cold_start.heldout_size=64")
+               "--set", "cold_start.train_size=3000", "--set", "cold_start.heldout_size=64",
+               "--set", "cold_start.batch_size=32", "--set", "cold_start.dev_size=32")
     assert r.returncode == 0, r.stderr[-3000:]
     rec = tomllib.loads((ws / "minirl.toml").read_text())
     assert rec["cold_start"]["task"] == "rg:basic_arithmetic"
@@ -114,7 +115,7 @@ def test_a_reasoning_gym_task_trains_twenty_steps(tmp_path):
     assert first["prompt"].startswith("Calculate ") and json.loads(first["metadata"])["source_dataset"] == "basic_arithmetic"
     assert json.loads((ws / "model/coldstart/config.json").read_text())["vocab_size"] == 128
 
-    r = minirl("run", str(ws), "--steps", "20", "--set", "eval.max_problems=64")
+    r = minirl("run", str(ws), "--steps", "20", "--set", "train.prompts_per_step=8", "--set", "eval.k=1")
     assert r.returncode == 0, r.stderr[-3000:]
     run = next((ws / "runs").iterdir())
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

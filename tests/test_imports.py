@@ -17,18 +17,20 @@ ENGINE_HOMES = {
 
 # The folders of minirl/ as layers, lowest first (docs/contributing.md): a module imports from its
 # own layer and from those its layer lists, never from above. "top" is minirl's few top-level
-# modules (errors, the launcher's World, the stopwatch, fault injection, the quick exit); below the
-# engines' rooms sit the files on disk, the models and the Hub, data and tasks, and the recipe;
-# rewards is the graders' package, beside minirl.
-LAYERS = ("top", "disk", "models", "data", "config", "rewards", "train", "rollout", "setup", "eval", "run",
+# modules (errors, the launcher's World, the stopwatch, fault injection), then what every process
+# does as it starts and ends (proc: the collector's pace, the quick exit); below the engines' rooms
+# sit the files on disk, the models and the Hub, data and tasks, and the recipe; rewards is the
+# graders' package, beside minirl.
+LAYERS = ("top", "proc", "disk", "models", "data", "config", "rewards", "train", "rollout", "setup", "eval", "run",
           "publish", "lab", "cli")
-_BASE = {"top", "disk", "models", "data", "config"}
+_BASE = {"top", "proc", "disk", "models", "data", "config"}
 ALLOWED = {
     "top": set(),
-    "disk": {"top"},
-    "models": {"top", "disk"},
-    "data": {"top", "disk", "models"},
-    "config": {"top", "disk", "models", "data"},
+    "proc": {"top"},
+    "disk": {"top", "proc"},
+    "models": {"top", "proc", "disk"},
+    "data": {"top", "proc", "disk", "models"},
+    "config": {"top", "proc", "disk", "models", "data"},
     "rewards": _BASE,
     "train": _BASE,
     "rollout": _BASE | {"train"},

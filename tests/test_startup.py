@@ -82,7 +82,7 @@ def test_quick_exit_waits_for_threads_runs_the_exit_handlers_and_flushes(tmp_pat
     that is no daemon ends its work, the exit handlers run (a temporary folder is removed), the
     streams' buffered text arrives, and the exit code is the command's."""
     code = ("import sys, tempfile, threading, pathlib, time\n"
-            "from minirl.quick_exit import quick_exit\n"
+            "from minirl.proc.quick_exit import quick_exit\n"
             "d = tempfile.TemporaryDirectory(dir=sys.argv[1])\n"
             "def late():\n"
             "    time.sleep(0.5); pathlib.Path(sys.argv[1], 'late').write_text('written')\n"
@@ -94,5 +94,29 @@ def test_quick_exit_waits_for_threads_runs_the_exit_handlers_and_flushes(tmp_pat
     assert r.stdout == "buffered, no newline"
     assert (tmp_path / "late").read_text() == "written"
     assert [p.name for p in tmp_path.iterdir()] == ["late"]  # the temporary folder went with the exit handlers
-    r = _python("from minirl.quick_exit import quick_exit; quick_exit('a message')")
+    r = _python("from minirl.proc.quick_exit import quick_exit; quick_exit('a message')")
     assert r.returncode == 1 and r.stderr.strip() == "a message"  # as sys.exit('a message')
+
+
+def test_the_collector_runs_less_often_only_until_the_engine_is_built(monkeypatch):
+    """minirl/proc/collector.py: a process starts with the raised thresholds (the CLI's entry, the
+    engine process) and has its usual ones back once the factory has built its engine (the build
+    itself is vLLM's, not the point: stood in)."""
+    import gc
+
+    import minirl.rollout as rollout_pkg
+    from minirl.proc.collector import STARTING, collect_less_often
+    from minirl.config import recipes
+
+    monkeypatch.setattr(rollout_pkg, "build", lambda *a, **k: "engine")
+    session = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        collect_less_often()
+        assert gc.get_threshold() == STARTING
+        assert rollout_pkg.make_engine(Path("/m"), recipes.load(None, []).rollout, seed=0, max_model_len=32) == "engine"
+        assert gc.get_threshold() == (700, 10, 10)
+        rollout_pkg.make_engine(Path("/m"), recipes.load(None, []).rollout, seed=0, max_model_len=32)
+        assert gc.get_threshold() == (700, 10, 10)  # a second engine changes nothing
+    finally:
+        gc.set_threshold(*session)

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from minirl.proc.collector import collect_as_usual
 from minirl.data.prompts import PromptSampler
 from minirl.models import sizing
 from minirl.rollout import sync as weight_sync
@@ -62,8 +63,11 @@ def make_engine(model_dir: Path, rollout, *, seed: int, max_model_len: int, own_
     or with `own_process` in a process of its own on half of this one's cores (`rollout.max_staleness`
     ≥ 1: process.py). `settings` add to or replace what [rollout] says."""
     if own_process:
-        return start_engine_process(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
-    return build(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
+        engine = start_engine_process(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
+    else:
+        engine = build(model_dir, rollout, seed=seed, max_model_len=max_model_len, **settings)
+    collect_as_usual()  # the start's imports are done (minirl/proc/collector.py)
+    return engine
 
 
 class Rollouts:

@@ -1,29 +1,28 @@
 """The rollout engine in a process of its own (`rollout.max_staleness` ≥ 1): the batches ahead are
 sampled on its cores while the trainer's process trains on this step's batch.
 
-`EngineProcess` has the engine's interface (`generate`, `score`, `settle`, `sleep`, `wake`); each call
-is a message to the engine's process, answered in order. `submit` sends a call without waiting: the
-engine runs them one at a time, in order, so a batch sent before a sync is sampled by the weights before.
+`EngineProcess` has the engine's interface (`generate`, `score`, `settle`, `sleep`, `wake`); each call is
+a message to the engine's process, answered in order. `submit` sends one without waiting: they run one
+at a time, in order, so a batch sent before a sync is sampled by the weights before.
 
-A sync is queued and returns at once (`queue_weights`): the trainer's process copies its weights
-into a snapshot slot in shared memory, and the engine's process loads that slot when it gets to
-the call, copying and prepacking from it (bound once per slot: rollout/cpu/weights.py). The
-trainer's parameters may change right after; a slot is written again only once the engine has
-read it. Engines that do not write their own tensors are streamed the sync's buckets, one at a
-time as they take them (`stream_weights`).
+A sync is queued and returns at once (`queue_weights`): the trainer's process copies its weights into a
+snapshot slot in shared memory, and the engine's process loads that slot when it gets to the call,
+copying and prepacking from it (bound once per slot: rollout/cpu/weights.py). The trainer's parameters
+may change right after; a slot is written again only once the engine has read it. Engines that do not
+write their own tensors are streamed the sync's buckets, one at a time as they take them (`stream_weights`).
 
 With `rollout.inflight_updates` the engine keeps stepping across calls (stream.py): the batches of
 several steps are sampled together, each `generate` joining those in flight, and a sync is loaded
 between two forward steps as soon as it comes.
 
-Cores are split: the trainer keeps the first half of this process's cores (its own again once the
-engine's process is closed), the engine takes the rest, each with one intra-op thread per core
-(two OpenMP pools spinning on the same cores cost more than either gains).
+Cores are split: the trainer keeps the first half of this process's cores (its own again once the engine's
+process is closed), the engine the rest, one intra-op thread per core (two OpenMP pools spinning on the
+same cores cost more than either gains).
 
-Beside one trainer process (under torchrun every rank would need an engine of its own, not built),
-on a GPU the engine's process shares the trainer's GPU, awake, with the plan's share of it; the weights
-reach it a bucket at a time, passed by CUDA IPC (sync.py `queue`). Not yet run on a GPU. On rollout GPUs
-of their own (remote.py) engine processes, started by each node's first rank, take them by broadcast.
+Beside one trainer process (under torchrun every rank would need an engine of its own, not built), on a
+GPU the engine's process shares the trainer's GPU, awake, with the plan's share; the weights reach it a
+bucket at a time by CUDA IPC (sync.py `queue`); not yet run on a GPU. On rollout GPUs of their own
+(remote.py) engine processes, started by each node's first rank, take them by broadcast.
 """
 
 from __future__ import annotations
@@ -44,9 +43,9 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
-from minirl.collector import collect_less_often
+from minirl.proc.collector import collect_as_usual, collect_less_often
 from minirl.errors import EngineFault, UsageError
-from minirl.quick_exit import quick_exit
+from minirl.proc.quick_exit import quick_exit
 from minirl.rollout.broadcast import WeightChannel
 from minirl.rollout.coverage import Coverage, expected_weights
 from minirl.rollout.engine import build
@@ -79,8 +78,7 @@ def start_engine_process(model_dir: Path, rollout, **kw: Any) -> "EngineProcess"
     return engine
 
 
-# calls that bring weights and their version: loaded as they come, between two forward steps of the
-# requests in flight (snapshot slots, or buckets streamed: sync.py `queue`)
+# calls that bring weights and their version: loaded as they come, between two forward steps (sync.py `queue`)
 WEIGHTS = ("bind_slot", "sync_slot", "load_stream", "set_version", "receive_weights")
 # what torchrun tells its ranks: an engine's process is none of them (vLLM would take it for one)
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -89,21 +87,21 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
-    """The engine's process: build the engine, then answer calls until told to stop, each answer
-    naming its call. Calls run one at a time, in the order sent, but for the weights, which are
-    loaded as they come. With `rollout.inflight_updates` the engine keeps stepping across calls
-    (stream.py): a `generate` joins the requests in flight at once, a sync is loaded between two
-    forward steps while they go on, and every other call waits until none is in flight."""
+    """The engine's process: build the engine, then answer calls until told to stop, each answer naming
+    its call. Calls run one at a time, in order, but for the weights, loaded as they come. With
+    `rollout.inflight_updates` the engine keeps stepping across calls (stream.py): a `generate` joins
+    the requests in flight, a sync is loaded between two forward steps, other calls wait for none."""
     # Ctrl-C and a closed terminal's SIGHUP go to the whole process group: the trainer's process stops
     # after its step and then stops this one; a KeyboardInterrupt here would only print a traceback (#75)
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    collect_less_often()  # before vLLM's import (minirl/collector.py)
+    collect_less_often()  # before vLLM's import (minirl/proc/collector.py)
     os.sched_setaffinity(0, cores)
     stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)  # rollout GPUs (remote.py): which engine, where to join
     channel = None
     try:
         engine = build(Path(model_dir), rollout, **kw)
+        collect_as_usual()
         engine.stream = stream_no  # its own stream of call seeds, apart from the other engines'
         conn.send((0, "ok", {"torch_dtype": engine.torch_dtype, "emulate_fp8": engine.emulate_fp8,
                              "weight_format": engine.weight_format,
