@@ -60,12 +60,14 @@ def only_run(ws: Path) -> Path:
 
 
 def metric_rows(run_dir: Path, *, allow_torn_last: bool = False) -> list[dict]:
+    from minirl.disk.store import parse_metric_line
+
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     rows = []
     for i, line in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            rows.append(parse_metric_line(line))  # the product's reader: a null it wrote for a NaN is a NaN again
         except json.JSONDecodeError:
             assert allow_torn_last and i == len(lines) - 1, f"torn line {i + 1} of {len(lines)}"
     return rows
@@ -133,7 +135,10 @@ def test_sigterm_stops_like_ctrl_c_and_nan_updates_never_reach_the_weights(small
     actions = {r["step"]: r.get("guard/action") for r in rows}
     assert actions[2] == "skip" and actions[4] == "skip"
     assert [s for s, a in actions.items() if a] == [2, 4]  # nothing else tripped
-    assert rows[1]["train/loss"] != rows[1]["train/loss"]  # the NaN loss is recorded as it was
+    assert rows[1]["train/loss"] != rows[1]["train/loss"]  # the NaN loss is recorded as it was (read back)...
+    raw = (run_dir / "metrics.jsonl").read_text().splitlines()  # ... in strict JSON (#82): null, and named
+    strict = [json.loads(x, parse_constant=lambda c: pytest.fail(f"a bare {c} in metrics.jsonl")) for x in raw]
+    assert strict[1]["train/loss"] is None and strict[1]["nonfinite"]["train/loss"] == "nan"
     assert rows[-1]["guard/skipped_updates"] == 2
 
     w = {s: checkpoint_weights(run_dir / "checkpoints" / f"step_{s:06d}") for s in range(1, 6)}

@@ -491,3 +491,25 @@ def _rows(run):
     import json
 
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_a_rows_nonfinite_values_are_strict_json_and_read_back_as_they_were(tmp_path):
+    """#82: a poisoned step's NaN went into metrics.jsonl bare (no other JSON reader takes it):
+    written as null and named, read back as it was by every reader of the rows (`minirl guard`'s
+    among them)."""
+    import json
+    import math
+
+    import pytest
+
+    from minirl.disk.store import metric_line, metric_rows
+
+    rows = [{"step": 1, "train/loss": 0.5}, {"step": 2, "train/loss": math.nan, "train/grad_norm": math.inf,
+                                               "rollout/staleness_tokens": [1.0, -math.inf]}]
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(metric_line(r) + "\n" for r in rows))
+    strict = [json.loads(x, parse_constant=lambda c: pytest.fail(f"bare {c}")) for x in f.read_text().splitlines()]
+    assert strict[1]["nonfinite"] == {"rollout/staleness_tokens": "nested", "train/grad_norm": "inf", "train/loss": "nan"}
+    back = metric_rows(f)
+    assert math.isnan(back[1]["train/loss"]) and back[1]["train/grad_norm"] == math.inf and "nonfinite" not in back[1]
+    assert back[1]["rollout/staleness_tokens"] == [1.0, None] and back[0] == rows[0]

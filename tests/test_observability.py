@@ -64,6 +64,7 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
+    from minirl.disk.store import parse_metric_line
     from tests.conftest import data_workspace
 
     ws = data_workspace(tmp_path / "ws")
@@ -93,7 +94,7 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
         proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 3, err[-3000:]  # collapsed
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [parse_metric_line(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["guard/action"]) for m in rows] == [
         (1, "step"), (2, "rollback"), (3, "step"), (4, "rollback"), (5, "step"), (6, "stop")]
     assert [m["train/lr"] for m in rows] == pytest.approx([3e-4, 3e-4, 1.5e-4, 1.5e-4, 7.5e-5, 7.5e-5])  # halved

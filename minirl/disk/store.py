@@ -18,6 +18,7 @@ target's step and the step that rolled back); *best* (the good one with the high
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,7 +268,7 @@ def _good_lines(path: Path) -> list[tuple[str, dict]]:
     out: list[tuple[str, dict]] = []
     for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
         try:
-            row = json.loads(line)
+            row = parse_metric_line(line)
         except json.JSONDecodeError:
             continue
         if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
@@ -290,3 +291,48 @@ def truncate_metrics(path: Path, step: int) -> None:
         return
     kept = [line for line, row in _good_lines(path) if row["step"] <= step]
     atomic.write_text(path, "".join(x + "\n" for x in kept))
+
+
+def metric_line(row: dict) -> str:
+    """A metrics row as one line of strict JSON (#82): a value that is not a finite number (NaN,
+    ±inf: a poisoned step's loss or reward) is written as null, and the row's `nonfinite` says
+    which keys held one and what it was (within a list or table: "nested"), so that
+    `parse_metric_line` gives the row back as it was; Python's json would write a bare NaN, which
+    no other JSON reader takes.
+
+    >>> metric_line({"step": 3, "train/loss": float("nan"), "h": [1.0, float("-inf")]})
+    '{"step": 3, "train/loss": null, "h": [1.0, null], "nonfinite": {"h": "nested", "train/loss": "nan"}}'
+    """
+    def finite(v):
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        return v
+
+    bad = {k: (str(v) if isinstance(v, float) else "nested") for k, v in sorted(row.items()) if _has_nonfinite(v)}
+    clean = {k: finite(v) for k, v in row.items()}
+    return json.dumps({**clean, "nonfinite": bad} if bad else clean, allow_nan=False)
+
+
+def parse_metric_line(line: str) -> dict:
+    """A row `metric_line` wrote, its non-finite scalars back as they were (a nested one stays
+    null). Raises json.JSONDecodeError on a line that is not JSON."""
+    row = json.loads(line)
+    if isinstance(row, dict) and isinstance(row.get("nonfinite"), dict):
+        for k, kind in row.pop("nonfinite").items():
+            if kind in ("nan", "inf", "-inf") and row.get(k) is None:
+                row[k] = float(kind)
+    return row
+
+
+def _has_nonfinite(v) -> bool:
+    if isinstance(v, float):
+        return not math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return any(map(_has_nonfinite, v))
+    if isinstance(v, dict):
+        return any(map(_has_nonfinite, v.values()))
+    return False

@@ -25,7 +25,7 @@ from pathlib import Path
 from minirl.config import recipes
 from minirl.config import recipe as recipe_mod
 from minirl.disk import atomic
-from minirl.disk.store import complete_checkpoints, has_summary
+from minirl.disk.store import complete_checkpoints, has_summary, parse_metric_line
 from minirl.rollout.seeding import SAMPLING
 from minirl.run.runlock import RunLock
 from minirl.run.status import PROCESS_FILE
@@ -223,4 +223,4 @@ def _ended(run: Path) -> bool:
 
 
 def rows_of(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [parse_metric_line(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -13,12 +13,12 @@ are the restored weights' own; after one only the replay takes, they are what th
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from minirl.config import recipes
 from minirl.config.recipe import Recipe
+from minirl.disk.store import parse_metric_line
 from minirl.errors import UsageError
 from minirl.run.guard import Guard
 
@@ -41,7 +41,7 @@ def load(source: Path, sets: list[str]) -> tuple[list[dict], Recipe]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_metric_line(line)
         except ValueError:
             if n == len(lines):  # a run killed mid-write tears its last line only
                 break

@@ -210,7 +210,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 fault = (f"{e}; the newest checkpoint is intact: `minirl run {rl.ws.root} --resume` continues from "
                          "it (a --set given with it applies from there)")
                 if e.row is not None:  # the step trained before its parity check failed: its row stays
-                    mf.write(json.dumps(e.row) + "\n")
+                    mf.write(store.metric_line(e.row) + "\n")
                     mf.flush()
                 on_event("fault", {"text": fault})
                 break
@@ -230,7 +230,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 eval_s += time.time() - t0
                 timing["heldout"] = timing.get("heldout", 0.0) + time.time() - t0
             rl_clock.start()
-            mf.write(json.dumps(m) + "\n")  # one write per row; a kill can tear only the last line
+            mf.write(store.metric_line(m) + "\n")  # one write per row; a kill can tear only the last line
             mf.flush()
             if sinks:
                 sinks.log(m)  # TensorBoard / W&B, as enabled in [metrics]
