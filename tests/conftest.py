@@ -114,7 +114,16 @@ def pytest_collection_modifyitems(config, items):
         return (1 if item.get_closest_marker("slow") else 2), 0
 
     ordered = sorted(items, key=expected)  # stable: the files' order among equals
-    items[:] = [it for w in range(workers) for it in ordered[w::workers]]
+    # tests marked together("NAME") share one costly fixture (test_parallel's launch): dealt as one
+    # card, at the place of the first of them, so one worker builds it and no other waits for it
+    cards: dict[str, list] = {}
+    for it in ordered:
+        mark = it.get_closest_marker("together")
+        cards.setdefault(mark.args[0] if mark else it.nodeid, []).append(it)
+    hands: list[list] = [[] for _ in range(workers)]
+    for i, card in enumerate(cards.values()):
+        hands[i % workers].extend(card)
+    items[:] = [it for hand in hands for it in hand]
 
 
 def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:

@@ -120,6 +120,27 @@ def final_folder(trainer, out: Path, tokenizer: Path, *, main: bool) -> dict:
 
 
 def main() -> None:
+    """Every case --cases FILE lists ({name: [flags]}), each saved to OUT/NAME.pt: one launch, one
+    process group for them all (a launch was most of a case's time here)."""
+    import json
+
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    for name, flags in json.loads(Path(a.cases).read_text()).items():
+        one_case(flags, str(Path(a.out) / f"{name}.pt"))
+        dist.barrier()
+    # both ranks leave together: a rank tearing gloo down while its peer still works aborted once
+    # in a full-suite run ("terminate called without an active exception", SIGABRT at exit)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def one_case(flags: list[str], out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -138,9 +159,7 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true", help='train.offload = "optimizer"')
     ap.add_argument("--final-folder", default=None, help="then the end of a run: its HF folder, written here")
     ap.add_argument("--tokenizer", default=None, help="the tokenizer files the final folder takes")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    dist.init_process_group("gloo")
+    a = ap.parse_args(flags)
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(TINY, lr=1e-2, seed=0, ep=a.ep, param_dtype=a.param_dtype, lora=LORA if a.lora else None,
                       head_chunk=a.head_chunk, offload="optimizer" if a.offload else "none")
@@ -162,11 +181,7 @@ def main() -> None:
         torch.save({"loss": loss, "grads": grads, "weights": weights, "merged": merged, "expert_layout": layout,
                     "moments": moments, "end": end, "moment_placements": sorted({str(s["exp_avg"].placements)
                                                                      for s in trainer.optim.state.values()}),
-                    "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()})}, a.out)
-    # both ranks leave together: a rank tearing gloo down while its peer still works aborted once
-    # in a full-suite run ("terminate called without an active exception", SIGABRT at exit)
-    dist.barrier()
-    dist.destroy_process_group()
+                    "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()})}, out)
 
 
 if __name__ == "__main__":

@@ -15,23 +15,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def two_ranks(tmp_path, *args: str) -> dict:
-    """tests/dist_worker.py on 2 gloo ranks; what rank 0 saved."""
-    out = tmp_path / "out.pt"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--standalone",  # a port the OS picks as torchrun binds it: none to race for
-                        str(ROOT / "tests" / "dist_worker.py"), *args, "--out", str(out)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(out)
+# the cases of the three tests below (dist_worker.py's flags), run in one launch: each launch was most
+# of its case's time (~25 s of two ranks importing torch and TorchTitan for a second of updating)
+UPDATE_CASES = {"fsdp2": ["--ep", "1", "--replay", "off"], "ep2+r2": ["--ep", "2", "--replay", "r2"],
+                "ep2+r3": ["--ep", "2", "--replay", "r3"],
+                "ep2+packed+chunked-head+offload": ["--ep", "2", "--shared-prompts", "--head-chunk", "5", "--offload"]}
+CASES = {**UPDATE_CASES, "lora-ep2+r3": ["--ep", "2", "--replay", "r3", "--lora"],
+         "lora-fsdp2": ["--ep", "1", "--replay", "off", "--lora"], "bf16": ["--ep", "2", "--param-dtype", "bfloat16"]}
+TOGETHER = pytest.mark.together("two-rank-cases")  # one worker runs them (conftest.py): the launch is shared
+
+
+@pytest.fixture(scope="session")
+def two_rank_cases(tmp_path_factory, tiny_dir) -> Path:
+    """Every case of CASES on 2 gloo ranks (tests/dist_worker.py --cases), one launch for the
+    session's workers: NAME.pt what rank 0 saved, final-NAME/ the end of a run of an update case."""
+    import json
+
+    from tests.conftest import built_once
+
+    def build(root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        cases = {name: [*flags, *(["--final-folder", str(root / f"final-{name}"), "--tokenizer", str(tiny_dir)]
+                                  if name in UPDATE_CASES else [])] for name, flags in CASES.items()}
+        (root / "cases.json").write_text(json.dumps(cases))
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                            str(ROOT / "tests" / "dist_worker.py"), "--cases", str(root / "cases.json"),
+                            "--out", str(root)], cwd=root, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-4000:]
+
+    return built_once(tmp_path_factory, "two-rank-cases", build)
 
 
 # (EP 2 without replay is the last case's, which adds packing, the chunked head and the offload:
 # a case of EP alone ran 30 s of the suite for nothing the others miss)
+@TOGETHER
 @pytest.mark.parametrize("ep, replay, shared, head_chunk", [(1, "off", False, None), (2, "r2", False, None),
                                                             (2, "r3", False, None), (2, "off", True, 5)],
-                         ids=["fsdp2", "ep2+r2", "ep2+r3", "ep2+packed+chunked-head+offload"])
-def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_path, tiny_dir):
+                         ids=list(UPDATE_CASES))
+def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_path, tiny_dir, two_rank_cases, request):
     """shared: rows share prompts, so each rank forwards them packed (packing.py). head_chunk: the
     output head 5 positions at a time (head.py), its FSDP2-sharded weight gathered per call; that
     case also offloads Adam's moments (offload.py): sharded, they keep their placement in host memory.
@@ -41,9 +62,8 @@ def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_p
     from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
-    got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay, *(["--shared-prompts"] if shared else []),
-                    *(["--head-chunk", str(head_chunk), "--offload"] if head_chunk else []),
-                    "--final-folder", str(tmp_path / "final"), "--tokenizer", str(tiny_dir))
+    name = request.node.callspec.id
+    got = torch.load(two_rank_cases / f"{name}.pt")
 
     one = Trainer(TINY, lr=1e-2, seed=0)
     batch = fixed_batch(shared)
@@ -64,10 +84,10 @@ def test_two_ranks_update_like_one_process(ep, replay, shared, head_chunk, tmp_p
     assert all("Shard" in p for p in got["moment_placements"]), got["moment_placements"]  # offloaded too: still sharded
     for k, m in moments.items():
         torch.testing.assert_close(got["moments"][k], m, rtol=1e-4, atol=1e-9)
-    _the_end_holds_a_layer_at_a_time(got, one, tmp_path, tiny_dir)
+    _the_end_holds_a_layer_at_a_time(got, one, two_rank_cases / f"final-{name}", tmp_path, tiny_dir)
 
 
-def _the_end_holds_a_layer_at_a_time(got: dict, one, tmp_path, tiny_dir) -> None:
+def _the_end_holds_a_layer_at_a_time(got: dict, one, final: Path, tmp_path, tiny_dir) -> None:
     """#80: the end of a run gathered every weight whole on every rank (`full_state_dict`: ~122 GB
     a GPU on Qwen3-30B-A3B). Measured on the ranks (every whole tensor a gather made, alive at once):
     at most one bucket (a decoder layer here) and the layer gathered after it, of a model whose
@@ -84,19 +104,20 @@ def _the_end_holds_a_layer_at_a_time(got: dict, one, tmp_path, tiny_dir) -> None
     end = got["end"]
     assert end["total"] == sum(layers) and end["live_after"] == 0, (end, sum(layers))
     assert end["peak"] <= 2 * max(layers) < sum(layers), (end, layers)
-    folder = load_hf_weights(tmp_path / "final")
+    folder = load_hf_weights(final)
     want = titan_to_hf(one.shape, got["weights"])
     assert folder.keys() == want.keys()
     assert all(torch.equal(folder[k], v) for k, v in want.items())
     final_weights.write(one, tmp_path / "one", main=True, tokenizer_dir=tiny_dir, bucket_bytes=1)
     names = lambda d: sorted(p.name for p in d.iterdir())  # noqa: E731
-    assert names(tmp_path / "final") == names(tmp_path / "one") and "model.safetensors.index.json" in names(tmp_path / "one")
+    assert names(final) == names(tmp_path / "one") and "model.safetensors.index.json" in names(tmp_path / "one")
     index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
-    assert index(tmp_path / "final") == index(tmp_path / "one")
+    assert index(final) == index(tmp_path / "one")
 
 
+@TOGETHER
 @pytest.mark.parametrize("ep, replay", [(2, "r3"), (1, "off")], ids=["ep2+r3", "fsdp2"])
-def test_lora_on_two_ranks_updates_like_one_process(ep, replay, tmp_path):
+def test_lora_on_two_ranks_updates_like_one_process(ep, replay, two_rank_cases, request):
     """LoRA's adapters sharded with the weights they adapt (the experts' over EP, all over FSDP2):
     the loss, the adapters' gradients and their update are one process's; the base never moves."""
     from dist_worker import LORA, fixed_batch, fixed_routes, lora_init, one_update
@@ -105,7 +126,7 @@ def test_lora_on_two_ranks_updates_like_one_process(ep, replay, tmp_path):
     from minirl.train.lora import Merged, is_adapter
     from minirl.train.trainer import Trainer
 
-    got = two_ranks(tmp_path, "--ep", str(ep), "--replay", replay, "--lora")
+    got = torch.load(two_rank_cases / f"lora-{request.node.callspec.id}.pt")
     one = Trainer(TINY, lr=1e-2, seed=0, lora=LORA)
     start = lora_init()
     one.model.load_state_dict(start)
@@ -130,7 +151,8 @@ def test_lora_on_two_ranks_updates_like_one_process(ep, replay, tmp_path):
         assert (mesh, placements, local[0]) == (weight[0], weight[1], weight[2][0]) and local[0] < TINY.num_experts
 
 
-def test_bf16_compute_keeps_fp32_master_shards(tmp_path):
+@TOGETHER
+def test_bf16_compute_keeps_fp32_master_shards(two_rank_cases):
     """FSDP2's mixed precision (train.param_dtype = bfloat16, the CUDA default): shards, and so
     Adam's state, stay float32; the loss is the fp32 one up to bfloat16 rounding."""
     from dist_worker import fixed_batch, one_update
@@ -138,7 +160,7 @@ def test_bf16_compute_keeps_fp32_master_shards(tmp_path):
     from minirl.models.shapes import TINY
     from minirl.train.trainer import Trainer
 
-    got = two_ranks(tmp_path, "--ep", "2", "--param-dtype", "bfloat16")
+    got = torch.load(two_rank_cases / "bf16.pt")
     assert got["shard_dtypes"] == ["torch.float32"]
     loss, _ = one_update(Trainer(TINY, lr=1e-2, seed=0), fixed_batch(), "off")
     assert got["loss"] == pytest.approx(loss, rel=0.05) and got["loss"] != pytest.approx(loss, rel=1e-6)
