@@ -124,3 +124,8 @@ def test_a_reasoning_gym_task_trains_twenty_steps(tmp_path):
     assert any(x["rollout/reward_mean"] > 0 for x in steps)  # the scorer gives credit the model earns
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished"
+    # `minirl eval` of the workspace's held-out split grades as the run did: the rows keep their metadata
+    r = minirl("eval", "heldout", str(ws), "--k", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(next((ws / "evals").glob("heldout-*.json")).read_text())
+    assert result["problems"] == 64 and result["grader_errors"] == 0, result

@@ -88,7 +88,9 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
         answer = "" if row[bench.answer_field] is None else str(row[bench.answer_field])  # none: not gradable
         if bench.answer_after and bench.answer_after in answer:
             answer = answer.rsplit(bench.answer_after, 1)[1].strip()
-        out.append({**{f: row[f] for f in bench.row_fields}, "index": i, "problem": str(row[pf]), "answer": answer})
+        # the workspace's own split keeps every field: its grader may read any (rg's metadata)
+        extra = row if bench.hub_id is None else {f: row[f] for f in bench.row_fields}
+        out.append({**extra, "index": i, "problem": str(row[pf]), "answer": answer})
     if not out:
         raise UsageError(f"{bench.name}: no rows")
     return out
