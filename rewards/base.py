@@ -54,6 +54,14 @@ class NeedsAnswer:
 REASONING_TAGS = ("<think>", "</think>")  # R1 and Qwen3
 
 
+def reasoning_tags(tags: tuple[str, str] | list[str] | None) -> tuple[str, str] | None:
+    """A grader's `reasoning_tags` parameter checked: [opening, closing], or empty/None for none
+    (the whole response graded). A TypeError names a bad one (load_grader: bad reward.params)."""
+    if tags and (len(tags) != 2 or not all(isinstance(t, str) and t for t in tags)):
+        raise TypeError(f"reasoning_tags must be [opening, closing] tags, or [] to grade the whole response: {tags!r}")
+    return tuple(tags) if tags else None
+
+
 def final_part(response: str, tags: tuple[str, str] | None = REASONING_TAGS) -> str | None:
     """What a reasoning model's answer is read from (#81): after the last closing reasoning tag, or
     the whole response without tags (or with `tags` None); None where a reasoning block is left

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from rewards.base import REASONING_TAGS, Score, final_part
+from rewards.base import reasoning_tags as checked_tags
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,10 +40,7 @@ class GymGrader:
 
     def __init__(self, task: str = "", answer_tag: str = "answer",
                  reasoning_tags: tuple[str, str] | list[str] | None = REASONING_TAGS):
-        if reasoning_tags and (len(reasoning_tags) != 2 or not all(isinstance(t, str) and t for t in reasoning_tags)):
-            raise TypeError(f"reasoning_tags must be [opening, closing] tags, or [] to grade the whole response: "
-                            f"{reasoning_tags!r}")
-        self.task, self.tags = task, tuple(reasoning_tags) if reasoning_tags else None
+        self.task, self.tags = task, checked_tags(reasoning_tags)
         self.answer_tag = re.compile(f"<{re.escape(answer_tag)}>(.*?)</{re.escape(answer_tag)}>", re.S) if answer_tag else None
         if task:
             _scorer(task)  # an unknown task fails at start, in one line (rewards.base.load_grader)

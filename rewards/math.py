@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from rewards.base import REASONING_TAGS, NeedsAnswer, Score, final_part
+from rewards.base import reasoning_tags as checked_tags
 
 # math-verify warns on every call that its own timeouts are off; we enforce them in rewards.pool.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -59,11 +60,8 @@ class MathGrader(NeedsAnswer):
 
     def __init__(self, answer_field: str = "answer", answer_pattern: str = DEFAULT_PATTERN, last_number: bool = True,
                  reasoning_tags: tuple[str, str] | list[str] | None = REASONING_TAGS):
-        if reasoning_tags and (len(reasoning_tags) != 2 or not all(isinstance(t, str) and t for t in reasoning_tags)):
-            raise TypeError(f"reasoning_tags must be [opening, closing] tags, or [] to grade the whole response: "
-                             f"{reasoning_tags!r}")
         self.answer_field, self.pattern, self.last_number = answer_field, re.compile(answer_pattern), last_number
-        self.tags = tuple(reasoning_tags) if reasoning_tags else None
+        self.tags = checked_tags(reasoning_tags)
 
     def final_part(self, response: str) -> str | None:
         return final_part(response, self.tags)

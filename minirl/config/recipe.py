@@ -17,6 +17,7 @@ from typing import Any
 
 from minirl.config.engines import ENGINES
 from minirl.config.precisions import NAMES as PRECISION_NAMES
+from minirl.data.gym import gym_name, is_gym
 from minirl.data.task import TASKS
 from minirl.errors import UsageError
 from minirl.models.shapes import LORA_TARGETS
@@ -49,7 +50,7 @@ def rule(default: Any, check: Callable[[str, Any], str | None], lo: float | None
 
 
 def _task_name(key: str, v: str) -> str | None:
-    if v in TASKS or (v.startswith("rg:") and len(v) > 3):
+    if v in TASKS or (is_gym(v) and gym_name(v)):
         return None
     return f"{key} = {v!r}: an embedded task ({', '.join(TASKS)}) or a reasoning-gym one, rg:NAME"
 

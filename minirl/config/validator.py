@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from minirl.data.gym import is_gym
 from minirl.errors import UsageError
 from minirl.models.hub import repo_id
 
@@ -33,7 +34,7 @@ def validate(r: Recipe) -> None:
     if r.cold_start.top_k >= r.cold_start.experts:
         raise UsageError(f"cold_start.top_k ({r.cold_start.top_k}) must be below cold_start.experts "
                          f"({r.cold_start.experts}): a router that picks every expert has no routes to replay")
-    if r.cold_start.task_params and not r.cold_start.task.startswith("rg:"):
+    if r.cold_start.task_params and not is_gym(r.cold_start.task):
         raise UsageError(f"cold_start.task_params configure a reasoning-gym task (rg:NAME); the embedded task "
                          f"{r.cold_start.task!r} takes none")
     if r.cold_start.dev_size >= r.cold_start.train_size:

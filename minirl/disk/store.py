@@ -313,8 +313,9 @@ def metric_line(row: dict) -> str:
         return v
 
     bad = {k: (str(v) if isinstance(v, float) else "nested") for k, v in sorted(row.items()) if _has_nonfinite(v)}
-    clean = {k: finite(v) for k, v in row.items()}
-    return json.dumps({**clean, "nonfinite": bad} if bad else clean, allow_nan=False)
+    if not bad:
+        return json.dumps(row, allow_nan=False)
+    return json.dumps({**{k: finite(v) if k in bad else v for k, v in row.items()}, "nonfinite": bad}, allow_nan=False)
 
 
 def parse_metric_line(line: str) -> dict:

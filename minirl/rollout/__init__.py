@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minirl.proc.collector import collect_as_usual
 from minirl.data.prompts import PromptSampler
 from minirl.models import sizing
+from minirl.proc.collector import collect_as_usual
 from minirl.rollout import sync as weight_sync
 from minirl.rollout.controller import Controller, StalenessError, Ticket
 from minirl.rollout.engine import Completion, Engine, build

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling that passes shared tensors by reference
 
-from minirl.proc.collector import collect_as_usual, collect_less_often
 from minirl.errors import EngineFault, UsageError
+from minirl.proc.collector import collect_as_usual, collect_less_often
 from minirl.proc.quick_exit import quick_exit
 from minirl.rollout.broadcast import WeightChannel
 from minirl.rollout.coverage import Coverage, expected_weights

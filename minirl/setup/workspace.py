@@ -22,9 +22,8 @@ from pathlib import Path
 
 from minirl.config import recipes
 from minirl.config import recipe as recipe_mod
+from minirl.data.gym import RECIPE as GYM_RECIPE, TINY_PARAMS, check_task, gym_name, is_gym, make_gym_splits
 from minirl.data.prompts import response_text
-from minirl.data.gym import RECIPE as GYM_RECIPE
-from minirl.data.gym import TINY_PARAMS, check_task, gym_name, is_gym, make_gym_splits
 from minirl.data.task import TASKS, make_splits, write_jsonl
 from minirl.errors import UsageError
 from minirl.models import hub
