@@ -24,6 +24,11 @@ from minirl.rollout.process import EngineProcess, split_cores
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 3, 3, 3, 16], [9, 9, 9, 13, 9, 9, 9, 16]]
 SAMPLE = dict(n=4, temperature=1.0, max_tokens=6, seed=11)
+# the tests of each engine process below run one after another on one worker (conftest.py): a
+# module's fixture is torn down whenever a worker's next test is another module's, and each costs
+# an interpreter that imports torch and vLLM
+PROC = pytest.mark.together("async-proc")
+INFLIGHT = pytest.mark.together("async-inflight")
 
 
 def tokens(groups) -> list[list[list[int]]]:
@@ -47,6 +52,7 @@ def test_split_cores_needs_two():
         split_cores({3})
 
 
+@PROC
 def test_engine_process_samples_as_the_engine_in_this_process(proc, engine):
     """Same weights, seed and settings: the same tokens and log-probs (seeded sampling does not
     depend on which process samples)."""
@@ -58,6 +64,7 @@ def test_engine_process_samples_as_the_engine_in_this_process(proc, engine):
     torch.testing.assert_close(a, b)
 
 
+@PROC
 def test_a_queued_sync_leaves_the_rollouts_sent_before_it_and_the_trainer_free(proc, engine, tiny_dir):
     """A sync queued behind a rollout returns at once; the rollout samples by the weights before
     it, the next one by the weights after, and the trainer's parameters may change at once (the
@@ -108,6 +115,7 @@ def test_a_queued_sync_leaves_the_rollouts_sent_before_it_and_the_trainer_free(p
     assert tokens(proc.generate(PROMPTS, **SAMPLE)) == before
 
 
+@PROC
 def test_a_rollback_cancels_the_batches_the_engine_has_not_answered(proc):
     """#74: at k = 4 a rollback's restored weights waited behind up to 4 discarded batches (trainer
     idle 80–89% for 5 steps). The engine's process drops the calls it is told to, queued or under
@@ -122,6 +130,7 @@ def test_a_rollback_cancels_the_batches_the_engine_has_not_answered(proc):
     assert [h[0][0] for h in (under_way, *queued)] == ["cancelled"] * 4  # none finished
 
 
+@PROC
 def test_every_wait_on_the_engine_is_booked_as_the_trainers(proc, tiny_dir):
     """#74: the trainer's idle share missed waits booked as sync: a snapshot slot still being read, a
     parity check's settle (13.7 s of one k = 4 step read as 0.0001). Every wait goes through the
@@ -149,6 +158,7 @@ def test_every_wait_on_the_engine_is_booked_as_the_trainers(proc, tiny_dir):
     assert blocked > 0.05 and 0.5 * blocked <= booked <= blocked, (booked, blocked)
 
 
+@PROC
 def test_answers_keep_their_callers_and_errors_come_back_named(proc):
     first = proc.submit("generate", PROMPTS[:1], **SAMPLE)
     second = proc.submit("generate", PROMPTS[1:], **SAMPLE)
@@ -281,6 +291,7 @@ def inflight(tiny_dir):
     p.close()
 
 
+@INFLIGHT
 def test_a_sync_mid_batch_is_loaded_between_two_forward_steps_and_every_token_says_by_which(inflight, tiny_dir):
     """#66: the engine holds the batch after 4 forward steps (a test's pause), the sync comes in, and
     the requests go on. Each completion's first 4 tokens carry version 0 and the rest version 1;
@@ -326,6 +337,7 @@ def test_a_sync_mid_batch_is_loaded_between_two_forward_steps_and_every_token_sa
     assert moved > 0
 
 
+@INFLIGHT
 def test_a_streamed_sync_is_one_call_loaded_whole_between_two_forward_steps(inflight, tiny_dir, monkeypatch):
     """#79: an engine that does not write its own tensors (CUDA; FP8 emulated on a CPU) took a sync
     as two messages, the weights and then their version, with the engine free to step between them
@@ -385,6 +397,7 @@ def test_a_streamed_sync_is_one_call_loaded_whole_between_two_forward_steps(infl
             assert c.token_ids[:before] == c_ref.token_ids[:before] and c.logprobs[:before] == c_ref.logprobs[:before]
 
 
+@PROC
 def test_a_sync_that_skips_a_weight_stops_naming_it_on_each_path_of_an_engine_process(proc, tiny_dir, monkeypatch):
     """#79: the snapshot slot of an engine that writes its own tensors is checked here, before it is
     queued; the streamed buckets of any other engine by the engine as they come, its refusal raised

@@ -38,13 +38,17 @@ def start(ws: Path, *args, out=subprocess.DEVNULL, **env_extra) -> subprocess.Po
                             stdout=out, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def small_ws(tmp_path_factory) -> Path:
-    ws = tmp_path_factory.mktemp("faults") / "ws"
-    r = subprocess.run([sys.executable, "-m", "cli.main", "init", str(ws), *SMALL_INIT], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return ws
+    """A small scratchpad workspace, `minirl init` once for the session's workers; tests copy it."""
+    from tests.conftest import built_once
+
+    def init(root: Path) -> None:
+        r = subprocess.run([sys.executable, "-m", "cli.main", "init", str(root / "ws"), *SMALL_INIT], cwd=ROOT,
+                           env=env(), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "faults-small", init) / "ws"
 
 
 def fresh_copy(small_ws: Path, tmp_path: Path) -> Path:

@@ -44,6 +44,7 @@ from minirl.errors import UsageError
 from minirl.models import sizing
 from minirl.models.shapes import param_count, read_shape
 from minirl.models.sizing import cpu_kv_cache_bytes
+from minirl.proc.collector import freeze_before_engine
 from minirl.rollout import outputs, vllm_internals
 from minirl.rollout.coverage import Coverage, expected_weights, named_faults
 from minirl.rollout.cpu import activations as cpu_activations
@@ -188,6 +189,7 @@ class VLLMEngine:
         spmd = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if spmd and not cuda and s.tensor_parallel > 1:
             cpu_shm.clear_stale()
+        freeze_before_engine()  # vLLM's start walks the whole heap five times otherwise (minirl/proc/collector.py)
         t0 = time.perf_counter()
         with vllm_internals.timed_graph_capture() as graphs:
             self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
