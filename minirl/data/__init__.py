@@ -1,1 +1,2 @@
-"""Prompts and tasks: the sources loaded through `datasets` and the embedded synthetic tasks."""
+"""Prompts and tasks: the sources loaded through `datasets`, the embedded synthetic tasks, reasoning-gym's,
+and the contract of a multi-turn task's environment (environment.py: OpenEnv's shape, without OpenEnv)."""

@@ -16,6 +16,8 @@
                  first rank, which splits calls over them, sends each rank its share, broadcasts syncs
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
+    episodes.py  multi-turn episodes: the turn loop over an engine and a task's environments, token in,
+                 token out (sampled ids verbatim, only replies tokenized; R3 rows across turns)
     stream.py    an engine's calls as requests in flight (`generate` is a stream of one call); with
                  `rollout.inflight_updates` the engine's process keeps stepping across calls
     cpu/         CPU-only pieces inside the engine: weights, norms, log-probs, routes; stale shm segments
@@ -369,9 +371,11 @@ def _stamped(groups: list[list[Completion]], admitted: int) -> list[list[Complet
 
 
 def _by_version(groups: list[list[Completion]], admitted: int) -> dict[int, int]:
-    """Tokens of a batch (stamped) by the policy version that sampled them."""
+    """Tokens of a batch (stamped) by the policy version that sampled them (an episode's environment
+    tokens, sampled by none, left out)."""
     out: dict[int, int] = {}
     for c in (c for g in groups for c in g):
-        for v in c.versions:
-            out[v] = out.get(v, 0) + 1
+        for v, m in zip(c.versions, c.mask or (1,) * len(c.versions)):
+            if m:
+                out[v] = out.get(v, 0) + 1
     return out or {admitted: 0}

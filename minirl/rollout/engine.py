@@ -45,6 +45,38 @@ class Completion:
     preempted: int = 0  # times the scheduler preempted the request that sampled it (its KV cache recomputed)
     # R3: draws of this sample thrown away because a preemption recomputed their routes (rollout/vllm.py)
     regenerated: int = 0
+    # [L] a multi-turn episode's (rollout/episodes.py): 1 where the engine sampled the token, 0 where an
+    # environment's reply put it (no μ, no loss); None: every token sampled (one turn)
+    mask: tuple[int, ...] | None = None
+    episode: "EpisodeInfo | None" = None  # what the episode's turns did (multi-turn only)
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeInfo:
+    """A multi-turn episode's own record (rollout/episodes.py).
+
+    turns:        engine calls that sampled its tokens
+    tool_calls:   calls the environment answered (with a reply or an error)
+    tool_errors:  calls whose reply was an error (the model's call unreadable, the tool's own error)
+    env_errors:   the environment's own faults (raised, hung past its limit, a non-finite reward, a
+                  reply that cannot fit the context): the episode ended there
+    env_s:        seconds spent in the environment's steps
+    env_tokens:   tokens of the environment's replies
+    reward:       the environment's reward when it ended the episode (`done` with a reward), else None
+    ended:        "answer" (a turn ended without a call), "done" (the environment), "max_turns",
+                  "length" (the token budget or the context), "env_error"
+    fault:        the environment's fault that ended it, in a few words
+    """
+
+    turns: int
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_errors: int = 0
+    env_s: float = 0.0
+    env_tokens: int = 0
+    reward: float | None = None
+    ended: str = "answer"
+    fault: str = ""
 
 
 @runtime_checkable

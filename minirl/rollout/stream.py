@@ -34,7 +34,8 @@ from minirl.rollout.seeding import call_seed, seeded_sampling
 class _Call:
     prompts: list[list[int]]
     n: int
-    params: dict  # temperature, max_tokens
+    params: dict  # temperature, stop
+    budgets: list[int]  # each prompt's max_tokens
     waiting: int = 0  # its requests in flight
     finished: list = field(default_factory=list)  # (vLLM's output, prompt, completion or all n) of those done
     redrawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (prompt, completion) → draws thrown away
@@ -60,16 +61,19 @@ class Stream:
     def busy(self) -> bool:
         return bool(self._calls)
 
-    def add(self, tag: int, prompts, *, n: int, temperature: float, max_tokens: int, seed: int | None = None,
-            seeded_requests: bool = False) -> None:
+    def add(self, tag: int, prompts, *, n: int, temperature: float, max_tokens, seed: int | None = None,
+            seeded_requests: bool = False, stop=()) -> None:
         """Call `tag`'s n samples of each prompt, into the engine at once (between two forward steps).
         `seeded_requests`: prompt i's samples drawn from a generator of their own, seeded from the
         call's seed and i, whatever else is in flight or how many sequences the engine schedules."""
         if not self._calls:
             self._begin(seed)
         base = call_seed(seed if seed is not None else 0, stream=self.engine.stream) if seeded_requests else None
-        self._calls[tag] = _Call([list(p) for p in prompts], n, dict(temperature=temperature, max_tokens=max_tokens),
-                                 seed=base)
+        budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(budgets) != len(prompts):
+            raise ValueError(f"{len(budgets)} max_tokens for {len(prompts)} prompts")
+        self._calls[tag] = _Call([list(p) for p in prompts], n, dict(temperature=temperature, stop=tuple(stop)),
+                                 budgets, seed=base)
         for i in range(len(prompts)):
             self._ask(tag, i, None, n)
 
@@ -193,7 +197,7 @@ class Stream:
         redraws = call.redrawn.get((i, slot), 0) if slot is not None else 0  # a redrawn R3 sample draws anew
         seed = None if call.seed is None else (call.seed + i + 1_000_003 * ((slot or 0) + 1) * redraws) % 2**63
         self._llm.llm_engine.add_request(rid, self.engine.prompt(call.prompts[i]),
-                                         self.engine.sampling(n=n, seed=seed, **call.params))
+                                         self.engine.sampling(n=n, seed=seed, max_tokens=call.budgets[i], **call.params))
 
     def _begin(self, seed: int | None) -> None:
         self.engine.wake()

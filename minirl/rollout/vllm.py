@@ -248,9 +248,10 @@ class VLLMEngine:
         *,
         n: int,
         temperature: float,
-        max_tokens: int,
+        max_tokens: int | Sequence[int],
         seed: int | None = None,
         seeded_requests: bool = False,
+        stop: Sequence[int] = (),
     ) -> list[list[Completion]]:
         """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order.
 
@@ -262,7 +263,7 @@ class VLLMEngine:
         stream = Stream(self, max_redraws=MAX_REDRAWS)  # one call: answered when its requests finish
         try:
             stream.add(0, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                       seeded_requests=seeded_requests)
+                       seeded_requests=seeded_requests, stop=stop)
             while stream.busy:
                 if done := stream.step():
                     return done[0][1]
@@ -273,9 +274,10 @@ class VLLMEngine:
             raise
         raise AssertionError("unreachable: the stream ends with its call answered")
 
-    def sampling(self, *, n: int, temperature: float, max_tokens: int, seed: int | None = None):
+    def sampling(self, *, n: int, temperature: float, max_tokens: int, seed: int | None = None, stop=()):
         """vLLM's `SamplingParams` for a rollout call (its final outputs only); `seed`: the request's
-        own generator (noise independent of the other requests in the engine)."""
+        own generator (noise independent of the other requests in the engine); `stop`: token ids that
+        end a sample as EOS does, kept in its tokens (vLLM keeps a stop token id it sampled)."""
         from vllm import SamplingParams
 
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
@@ -285,7 +287,7 @@ class VLLMEngine:
         # (the CPU capture refuses a step that has any; processed log-probs on CUDA would follow them,
         # but the trainer's π would not)
         return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False, seed=seed,
-                              top_k=0, top_p=1.0, min_p=0.0,
+                              top_k=0, top_p=1.0, min_p=0.0, stop_token_ids=list(stop) or None,
                               logprobs=None if self.capture_logprobs else 0, flat_logprobs=True,
                               output_kind=vllm_internals.final_only())
 

@@ -69,23 +69,31 @@ def build_batch(
     versions: Sequence[Sequence[int] | None] | None = None,
     trained: int = 0,
     temperature: float = 1.0,
+    masks: Sequence[Sequence[int] | None] | None = None,
 ) -> Batch:
     """`versions`: each response token's policy version (`Completion.versions`; None: the
     trained weights'); a token of a version below `trained`, the weights the step trains, is behind.
-    `temperature`: what the responses were sampled at (`rollout_logps` are log μ at it)."""
+    `temperature`: what the responses were sampled at (`rollout_logps` are log μ at it). `masks`:
+    a multi-turn episode's (`Completion.mask`): 1 where its engine sampled the token, 0 where an
+    environment's reply put it, which no loss, IS weight or staleness counts (None: all sampled)."""
     B = len(prompts)
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
     tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a tensor per row is slower)
     behind = [] if versions is not None and any(v is not None for v in versions) else None
     for i, (p, r) in enumerate(zip(prompts, responses)):
         n_p, n_r = len(p), len(r)
+        own = masks[i] if masks is not None and masks[i] is not None else None
+        if own is not None and len(own) != n_r:
+            raise ValueError(f"row {i}: a mask of {len(own)} for {n_r} response tokens")
         tokens.append([*p, *r] + [pad_id] * (L - n_p - n_r))
-        mask.append([0.0] * (n_p - 1) + [1.0] * n_r + [0.0] * (L - n_p - n_r))
+        mask.append([0.0] * (n_p - 1) + ([float(x) for x in own] if own is not None else [1.0] * n_r)
+                    + [0.0] * (L - n_p - n_r))
         if rollout_logps is not None:
             rlp.append([0.0] * (n_p - 1) + [float(x) for x in rollout_logps[i]] + [0.0] * (L - n_p - n_r))
         if behind is not None:
             v = versions[i] or (trained,) * n_r
-            behind.append([0.0] * (n_p - 1) + [float(x < trained) for x in v] + [0.0] * (L - n_p - n_r))
+            behind.append([0.0] * (n_p - 1) + [float(x < trained) * m for x, m in zip(v, mask[-1][n_p - 1:])]
+                          + [0.0] * (L - n_p - n_r))
     adv_t = torch.tensor(list(adv), dtype=torch.float32) if adv is not None else torch.zeros(B)
     n_p = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     n = n_p + torch.tensor([len(r) for r in responses], dtype=torch.long)

@@ -1,0 +1,163 @@
+"""The contract of a multi-turn task's environment: OpenEnv's shape, without OpenEnv installed.
+
+An environment is any object with
+
+    reset(seed=None, episode_id=None, **task) -> Observation     a new episode of the task's row
+    step(action) -> Observation                                  one tool call, answered
+    close()                                                      (optional)
+
+and an observation any object with OpenEnv's `done`, `reward` and `metadata`, plus, for a tool's
+reply, the `result` and `error` of OpenEnv's `CallToolObservation` (else `metadata["text"]`). The
+actions minirl sends are `ToolCall`s, whose fields are those of OpenEnv's `CallToolAction`
+(`tool_name`, `arguments`). So an OpenEnv environment class plugs in unchanged (its server side runs
+in process: no Docker, no HTTP), and `openenv` stays an optional extra (it pulls in FastAPI and gradio).
+
+How a call is written in the model's turn and a reply in the next is a `ToolFormat`: the engine
+stops a turn on the call's closing token, the call is read from that turn's text alone, and only
+the reply (with the template's turn close and next generation prompt around it) is tokenized, so
+the tokens trained are the tokens sampled (rollout/episodes.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call read from a turn (OpenEnv's `CallToolAction` fields).
+
+    Example: '<tool_call>\\n{"name": "calc", "arguments": {"expr": "12*34"}}\\n</tool_call>'
+        -> ToolCall("calc", {"expr": "12*34"})"""
+
+    tool_name: str
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Observation:
+    """What minirl's own environments answer (OpenEnv's `Observation` and `CallToolObservation` fields)."""
+
+    done: bool = False
+    reward: float | None = None
+    metadata: dict = field(default_factory=dict)
+    result: object = None
+    error: str | None = None
+
+
+class CallError(ValueError):
+    """A turn's call that cannot be read (answered to the model as a tool error, counted)."""
+
+
+def reply(obs) -> tuple[str, bool]:
+    """The text the model reads of an observation, and whether it is a tool error.
+
+    >>> reply(Observation(result=408))
+    ('408', False)
+    >>> reply(Observation(error="division by zero"))
+    ('error: division by zero', True)
+    """
+    error = getattr(obs, "error", None)
+    if error:  # OpenEnv's ToolError has a message
+        return f"error: {getattr(error, 'message', error)}", True
+    result = getattr(obs, "result", None)
+    if result is None:
+        result = (getattr(obs, "metadata", None) or {}).get("text", "")
+    failed = bool(getattr(result, "is_error", False))  # an MCP CallToolResult the tool marked failed
+    if isinstance(result, (int, float)):
+        result = str(result)
+    elif not isinstance(result, str):  # an MCP CallToolResult's text parts, a text, or any JSON-able value
+        parts = getattr(result, "content", None)
+        if isinstance(parts, list) and all(hasattr(p, "text") for p in parts):
+            result = "".join(p.text for p in parts)
+        else:
+            result = getattr(result, "text", None) or json.dumps(result, default=str)
+    return (f"error: {result}" if failed else result), failed
+
+
+def action(env, call: ToolCall):
+    """The action `env` takes for a call: OpenEnv's own `CallToolAction` for its MCP environments
+    (which check the class; openenv is then imported already, by the environment), else the ToolCall."""
+    mcp = sys.modules.get("openenv.core.env_server.mcp_environment")
+    if mcp is not None and isinstance(env, mcp.MCPEnvironment):
+        from openenv.core.env_server.mcp_types import CallToolAction  # openenv's own: loaded with its environment
+
+        return CallToolAction(tool_name=call.tool_name, arguments=call.arguments)
+    return call
+
+
+def final_reward(obs) -> float | None:
+    """The reward of an observation that ends the episode; None where it gives none. A reward that
+    is not a finite number raises ValueError (the environment's fault, counted)."""
+    r = getattr(obs, "reward", None)
+    if r is None:
+        return None
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        raise ValueError(f"the environment's reward {r!r} is not a finite number")
+    return float(r)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    """How a turn writes a tool call and how a reply follows it.
+
+    open, close:  the text around a call (`open` "": the turn's whole text); `close` must be one token of the vocabulary (the engine
+                  stops the turn on it, and it is kept as the turn's last sampled token)
+    body:         "json": {"name": ..., "arguments": {...}} (Hermes, Qwen3's chat template);
+                  "expr": the text itself, the argument `expr` of the one tool `tool`
+    reply:        the text that follows the call, `{}` the tool's reply: the template's turn close,
+                  the reply, the next generation prompt
+    """
+
+    open: str
+    close: str
+    body: str = "json"
+    tool: str = ""
+    reply: str = "{}"
+
+    def call(self, text: str) -> ToolCall | None:
+        """The call a turn's text ends with, None where it ends without one; CallError where the
+        call cannot be read.
+
+        >>> ToolFormat("(", ")", "expr", tool="calc").call("12*34=(12*34)")
+        ToolCall(tool_name='calc', arguments={'expr': '12*34'})
+        >>> ToolFormat("<tool_call>", "</tool_call>").call('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+        ToolCall(tool_name='f', arguments={'x': 1})
+        """
+        if not text.endswith(self.close):
+            return None
+        start = text.rfind(self.open, 0, len(text) - len(self.close)) if self.open else 0  # "": the whole turn
+        if start < 0:
+            raise CallError(f"{self.close!r} without {self.open!r}")
+        inner = text[start + len(self.open): len(text) - len(self.close)].strip()
+        if self.body == "expr":
+            return ToolCall(self.tool, {"expr": inner})
+        try:
+            call = json.loads(inner)
+        except ValueError as e:
+            raise CallError(f"the call is not JSON: {e}") from None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise CallError('the call has no "name"')
+        args = call.get("arguments", {})
+        if isinstance(args, str):  # some templates write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except ValueError as e:
+                raise CallError(f"the call's arguments are not JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise CallError("the call's arguments are not an object")
+        return ToolCall(call["name"], args)
+
+    def text(self, answer: str) -> str:
+        """The text that follows a call answered `answer`."""
+        return self.reply.replace("{}", answer)
+
+
+# Qwen3's chat template (Hermes tool calls): a call closes with the single token </tool_call>; a tool
+# message is rendered inside the user turn as <tool_response>, then the assistant's generation prompt
+QWEN3 = ToolFormat("<tool_call>", "</tool_call>", "json",
+                   reply="<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")

