@@ -51,12 +51,17 @@ LIVE_KEYS = [
 # is ahead, and the shares of the wall time the engine had nothing to do and the trainer waited on it
 ASYNC_KEYS = [("rollout/staleness_mean", "stale", "{:.2f}"), ("rollout/batches_ahead", "ahead", "{:d}"),
               ("timing/engine_idle_frac", "engine idle", "{:.0%}"), ("timing/trainer_idle_frac", "trainer idle", "{:.0%}")]
+# a multi-turn run (env.name) writes these too: engine calls and tool calls per episode, the environment's faults
+EPISODE_KEYS = [("episode/turns", "turns", "{:.2f}"), ("episode/tool_calls", "calls", "{:.2f}"),
+                ("episode/env_errors", "env errors", "{:d}")]
 CELL = 24  # the widest "title value" cell, and its gap: a grid of width // CELL columns
 
 
 def live_keys(row: dict) -> list[tuple[str, str, object]]:
-    """The cells of a run's live table: its staleness too where the run samples ahead."""
-    return LIVE_KEYS + (ASYNC_KEYS if "rollout/staleness_mean" in row else [])
+    """The cells of a run's live table: its staleness too where the run samples ahead, its episodes' where
+    it runs an environment."""
+    return (LIVE_KEYS + (ASYNC_KEYS if "rollout/staleness_mean" in row else [])
+            + (EPISODE_KEYS if "episode/turns" in row else []))
 
 
 def metrics_grid(row: dict, width: int):

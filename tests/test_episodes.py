@@ -253,3 +253,75 @@ def test_tool_formats_read_calls():
                 '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'):
         with pytest.raises(CallError):
             QWEN3.call(bad)
+
+
+# ---- through the CLI: an environment module of the test's own, no minirl import in it ----
+ENV_MODULE = '''
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Observation:  # OpenEnv's Observation fields, and its CallToolObservation's result
+    done: bool = False
+    reward: float | None = None
+    metadata: dict = field(default_factory=dict)
+    result: object = None
+
+
+class Calc:
+    """A calculator: evaluates the call's expression (digits and + - *), answers its value."""
+
+    def __init__(self, digits=4):
+        self.digits = digits
+
+    def reset(self, seed=None, episode_id=None, **row):
+        self.row, self.calls = row, 0
+        return Observation(metadata={"prompt": row.get("prompt")})
+
+    def step(self, action):
+        self.calls += 1
+        expr = action.arguments.get("expr", "")
+        try:
+            if any(ch not in "0123456789+-*" for ch in expr):
+                raise ValueError(expr)
+            return Observation(result=str(eval(expr.lstrip("0") or "0"))[: self.digits])
+        except (ValueError, SyntaxError, ArithmeticError):
+            return Observation(result="?")
+'''
+
+
+@pytest.mark.slow
+def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_dir, tmp_path):
+    """`minirl run` with env.name = a module of the test's own: three steps of episodes on the random tiny
+    model (it closes a call with ")" now and then), trained on their sampled tokens alone, the rows
+    counting turns, calls and replies."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, data_workspace, last_digit_rewards
+
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "calc_env.py").write_text(ENV_MODULE)
+    ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
+    last_digit_rewards(ws)
+    sets = ["env.name=calc_env:Calc", "env.tool_format=tiny", "env.max_turns=3", "env.max_reply_tokens=8",
+            "env.params={\"digits\": 3}", "rollout.max_tokens=10", "train.prompts_per_step=8", "train.group_size=4",
+            "eval.k=1", "rollout.precision=fp32", "train.replay=r3", "train.replay_diagnostics=true"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "mods")}
+    r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "3",
+                        *[a for s in sets for a in ("--set", s)]], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = next((ws / "runs").iterdir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if "rollout/reward_mean" in x]
+    assert len(steps) == 3
+    assert sum(x["episode/tool_calls"] for x in steps) > 0 and max(x["episode/turns"] for x in steps) > 1
+    assert all(x["episode/env_errors"] == 0 for x in steps) and sum(x["episode/env_tokens"] for x in steps) > 0
+    # fp32 engine and trainer with R3: the episodes' routes agree with the trainer's own at every fed position,
+    # the loss saw the sampled tokens alone (resp_len counts them) and log μ is the trainer's
+    assert all(x["replay/route_agreement"] == 1.0 for x in steps)
+    assert all(x["train/kl_mu_pi_old"] < 1e-5 for x in steps)
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"

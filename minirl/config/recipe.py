@@ -17,6 +17,7 @@ from typing import Any
 
 from minirl.config.engines import ENGINES
 from minirl.config.precisions import NAMES as PRECISION_NAMES
+from minirl.data.environment import TOOL_FORMATS
 from minirl.data.gym import gym_name, is_gym
 from minirl.data.task import TASKS
 from minirl.errors import UsageError
@@ -275,6 +276,25 @@ class RewardConfig:
     max_error_frac: float = number(0.5, 0, 1)
 
 
+def _env_class(key: str, v: str) -> str | None:
+    module, _, name = v.partition(":")
+    if v and not (module and name):
+        return f"{key} = {v!r}: name the environment's class as module:Class (importable), or \"\" for one turn"
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    # multi-turn episodes (#84, rollout/episodes.py): "" = one prompt, one response; else the environment's
+    # class, module:Class, in OpenEnv's shape (minirl/data/environment.py), one per episode, reset with its row
+    name: str = rule("", _env_class)
+    params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its constructor
+    tool_format: str = one_of("qwen3", TOOL_FORMATS)  # how a call and a reply are written (qwen3: Hermes tags)
+    max_turns: int = number(4, 1)  # engine calls per episode; rollout.max_tokens bounds all of them together
+    max_reply_tokens: int = number(64, 1)  # one reply's tokens; a longer one ends its episode (an env error)
+    step_timeout_s: float = number(30.0, 0, above=True)  # one step; a hung one ends its episode (an env error)
+
+
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
     k: int = number(4, 1, max_samples_per_prompt)  # samples per held-out problem
@@ -401,6 +421,7 @@ class Recipe:
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -20,10 +20,13 @@ the tokens trained are the tokens sampled (rollout/episodes.py).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
 from dataclasses import dataclass, field
+
+from minirl.errors import UsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,7 @@ class ToolFormat:
                   "expr": the text itself, the argument `expr` of the one tool `tool`
     reply:        the text that follows the call, `{}` the tool's reply: the template's turn close,
                   the reply, the next generation prompt
+    unreadable:   the reply to a call that cannot be read, `{}` why (a tool error the model can learn from)
     """
 
     open: str
@@ -117,6 +121,7 @@ class ToolFormat:
     body: str = "json"
     tool: str = ""
     reply: str = "{}"
+    unreadable: str = "error: {}"
 
     def call(self, text: str) -> ToolCall | None:
         """The call a turn's text ends with, None where it ends without one; CallError where the
@@ -161,3 +166,31 @@ class ToolFormat:
 QWEN3 = ToolFormat("<tool_call>", "</tool_call>", "json",
                    reply="<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
                          "<|im_start|>assistant\n")
+
+# The tiny char model's (its vocabulary has no tags nor English): "(12*34)" calls the one tool, "=408;"
+# answers, "=?;" says the call could not be read
+TINY = ToolFormat("(", ")", "expr", tool="calc", reply="={};", unreadable="?")
+TOOL_FORMATS = {"qwen3": QWEN3, "tiny": TINY}
+
+
+def environment_class(name: str):
+    """`module:Class` (env.name), imported; one line naming it where it cannot be, or is no environment."""
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except Exception as e:  # an import that fails in any way: the run cannot start (one line)
+        raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}") from None
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise UsageError(f"env.name = {name!r} has no {method}(): an environment has reset(seed, episode_id, **row) "
+                             "and step(action) (OpenEnv's shape, docs/tasks.md)")
+    return cls
+
+
+def check_format(fmt_name: str, encode) -> None:
+    """The format's closing text is one token of the model's vocabulary (the engine stops a turn on it)."""
+    fmt = TOOL_FORMATS[fmt_name]
+    n = len(encode(fmt.close))
+    if n != 1:
+        raise UsageError(f"env.tool_format = {fmt_name!r} closes a call with {fmt.close!r}, {n} tokens of this model's "
+                         "vocabulary: the engine stops a turn on one token; choose the model's own format")

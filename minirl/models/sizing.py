@@ -35,8 +35,10 @@ def max_samples_per_prompt() -> int:
 
 def max_model_len(rec) -> int:
     """Positions one sequence of the run may take: the longest prompt, the longest response and the
-    position the last sampled token is fed at."""
-    return rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
+    position the last sampled token is fed at; a multi-turn episode's replies besides (env.max_turns − 1
+    of env.max_reply_tokens at most)."""
+    replies = (rec.env.max_turns - 1) * rec.env.max_reply_tokens if rec.env.name else 0
+    return rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1 + replies
 
 
 def max_num_seqs(rec, engines: int = 1) -> int:

@@ -89,8 +89,11 @@ class Rollouts:
     "sync" for weights being written.
     """
 
-    def __init__(self, engine, *, sampler: PromptSampler, world: World, rollout, train, clock: Stopwatch):
+    def __init__(self, engine, *, sampler: PromptSampler, world: World, rollout, train, clock: Stopwatch,
+                 episodes=None):
         self._engine, self._sampler, self._world, self._clock = engine, sampler, world, clock
+        # multi-turn: `episodes.sample(engine, problems, **generate's settings)` samples a batch (run/environments.py)
+        self._episodes = episodes
         self._rollout, self._train = rollout, train
         self._k = rollout.max_staleness
         self._remote = isinstance(engine, RemoteEngines)  # engines on rollout GPUs of their own
@@ -113,7 +116,7 @@ class Rollouts:
     @classmethod
     def from_recipe(cls, rec, model_dir: Path, *, trainer, sampler: PromptSampler, world: World,
                     clock: Stopwatch, memory_fraction: float | None = None,
-                    kv_cache_gib: float | None = None, sleep_level: int | None = None) -> "Rollouts":
+                    kv_cache_gib: float | None = None, sleep_level: int | None = None, episodes=None) -> "Rollouts":
         """The engine the recipe asks for, holding the trainer's current weights. `memory_fraction`
         and `kv_cache_gib`: its share of the GPU and its KV cache as the run's plan derived them
         (preflight), instead of the recipe's: given its KV cache's size, vLLM skips the profiling
@@ -136,7 +139,8 @@ class Rollouts:
                                    first_stream=world.rank // local * per_node, **kw)
         else:
             engine = make_engine(model_dir, rec.rollout, own_process=rec.rollout.max_staleness > 0, **kw)
-        rollouts = cls(engine, sampler=sampler, world=world, rollout=rec.rollout, train=rec.train, clock=clock)
+        rollouts = cls(engine, sampler=sampler, world=world, rollout=rec.rollout, train=rec.train, clock=clock,
+                       episodes=episodes)
         rollouts.sync(trainer)  # resumed weights, or FP8-rounded ones; the same weights otherwise
         return rollouts
 
@@ -199,8 +203,14 @@ class Rollouts:
         if self._k or self._remote:
             answer, _ = self._answer(self._engine.submit("generate", *args, **kw), self._control.version)
         else:
-            answer = self._engine.generate(*args, **kw)
+            answer = self._sample(asked, args, kw)
         return self._kept(asked, answer)
+
+    def _sample(self, asked: list, args: tuple, kw: dict) -> list[list[Completion]]:
+        """A batch sampled in this process: one `generate`, or multi-turn episodes over the engine."""
+        if self._episodes is not None:
+            return self._episodes.sample(self._engine, asked, **kw)
+        return self._engine.generate(*args, **kw)
 
     def _request(self, asked: list, *, seed: int) -> tuple[tuple, dict]:
         """A batch's `generate` call: G responses to each prompt asked, at the recipe's sampling."""
@@ -346,7 +356,7 @@ class Rollouts:
             answer, tokens = self._answer(self._engine.submit("generate", *args, **kw), ticket.admitted)
             self._control.finish(ticket, (asked, answer), tokens=tokens)
         else:
-            self._control.finish(ticket, (asked, self._engine.generate(*args, **kw)))
+            self._control.finish(ticket, (asked, self._sample(asked, args, kw)))
 
     def _answer(self, handle, admitted: int) -> tuple[list, dict[int, int]]:
         """A batch's answer as this rank keeps it (its rollout group's; with rollout GPUs its own

@@ -109,11 +109,13 @@ def sample_episodes(
     max_model_len: int,
     seed: int | None = None,
     step_timeout_s: float = 30.0,
+    max_reply_tokens: int | None = None,
 ) -> list[list[Completion]]:
     """n episodes per prompt, [len(prompts)][n], in prompt order; `envs[i][j]` is episode j of prompt
     i's environment, reset for its row. `max_tokens`: the sampled tokens of an episode, all its turns
     together; `max_model_len`: the engine's context, which prompt, turns and replies share.
-    `encode` tokenizes a reply's text (no special tokens added), `decode` a turn's sampled ids."""
+    `encode` tokenizes a reply's text (no special tokens added), `decode` a turn's sampled ids.
+    `max_reply_tokens`: the longest reply taken (the run's context is planned with it)."""
     stop = encode(fmt.close)
     if len(stop) != 1:
         raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(stop)} tokens: the engine stops a "
@@ -121,9 +123,6 @@ def sample_episodes(
     episodes = [[_Episode(list(p), envs[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
     flat = [e for group in episodes for e in group]
     for turn in range(max_turns):
-        for e in flat:
-            if not e.info["ended"] and turn and budget(e, max_tokens, max_model_len) < 1:
-                e.end("length")
         live = [e for e in flat if not e.info["ended"]]
         if not live:
             break
@@ -143,17 +142,21 @@ def sample_episodes(
                 e.end("length" if c.finish == "length" else "answer")
             elif turn == max_turns - 1:
                 e.end("max_turns")
+            elif e.sampled >= max_tokens:  # no token left to answer a reply with: none is asked for
+                e.end("length")
             else:
-                answer(e, c.token_ids, fmt, encode, decode, step_timeout_s, max_model_len)
+                answer(e, c.token_ids, fmt, encode, decode, step_timeout_s, max_model_len, max_reply_tokens)
     return [[e.completion() for e in group] for group in episodes]
 
 
 def budget(e: _Episode, max_tokens: int, max_model_len: int) -> int:
-    """What an episode may still sample: its budget left, within the context left."""
-    return max(0, min(max_tokens - e.sampled, max_model_len - len(e.prompt) - len(e.ids)))
+    """What an episode may still sample (≥ 1: a reply is taken only where a token can follow it): its
+    budget left, within the context left."""
+    return max(1, min(max_tokens - e.sampled, max_model_len - len(e.prompt) - len(e.ids)))
 
 
-def answer(e: _Episode, turn_ids, fmt: ToolFormat, encode, decode, timeout_s: float, max_model_len: int) -> None:
+def answer(e: _Episode, turn_ids, fmt: ToolFormat, encode, decode, timeout_s: float, max_model_len: int,
+           max_reply: int | None = None) -> None:
     """The environment answers the call the turn ended with; its reply appended, or the episode ended."""
     try:
         call, unreadable = fmt.call(decode(turn_ids)), None
@@ -162,8 +165,8 @@ def answer(e: _Episode, turn_ids, fmt: ToolFormat, encode, decode, timeout_s: fl
     if call is None and unreadable is None:  # closed a call it never opened: read as a malformed call
         unreadable = f"no call before {fmt.close!r}"
     e.info["tool_calls"] += 1
-    if unreadable is not None:
-        text, error, obs = f"error: {unreadable}", True, None
+    if unreadable is not None:  # the model's own mistake, answered in the format's words: not the environment's fault
+        text, error, obs = fmt.unreadable.replace("{}", unreadable), True, None
     else:
         t0 = time.perf_counter()
         try:
@@ -183,6 +186,10 @@ def answer(e: _Episode, turn_ids, fmt: ToolFormat, encode, decode, timeout_s: fl
             return fault(e, "a non-finite reward")
         return e.end("done")
     ids = encode(fmt.text(text))
+    if obs is None and max_reply is not None:
+        ids = ids[:max_reply]
+    if max_reply is not None and len(ids) > max_reply:
+        return fault(e, f"a reply of {len(ids)} tokens (env.max_reply_tokens = {max_reply})")
     if len(e.prompt) + len(e.ids) + len(ids) + 1 > max_model_len:  # room for one more sampled token at least
         return fault(e, "a reply longer than the context")
     e.hear(ids)

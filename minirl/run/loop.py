@@ -33,7 +33,7 @@ from minirl.disk import atomic, store
 from minirl.eval.evaluate import evaluate
 from minirl.launch import World
 from minirl.rollout import Rollouts
-from minirl.run import checks, dynamic
+from minirl.run import checks, dynamic, environments
 from minirl.run import parity as parity_check
 from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
@@ -99,7 +99,8 @@ class RLRun:
         t0 = time.perf_counter()
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
                                              clock=self.clock, memory_fraction=inputs.engine_fraction,
-                                             kv_cache_gib=inputs.kv_cache_gib, sleep_level=inputs.sleep_level)
+                                             kv_cache_gib=inputs.kv_cache_gib, sleep_level=inputs.sleep_level,
+                                             episodes=environments.Environments.from_recipe(rec, self.tok))
         # the start by part (the summary's `startup_s`): the trainer built and loaded; the engine, of
         # which vLLM's torch.compile and CUDA graph capture
         self.startup = {"trainer": trainer_s, "engine": time.perf_counter() - t0, **self.rollouts.startup}
@@ -135,7 +136,8 @@ class RLRun:
         adv_PG = self.advantages(rewards_PG)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad,
-                            versions=[c.versions for c in comps], trained=step - 1, temperature=r.rollout.temperature)
+                            versions=[c.versions for c in comps], trained=step - 1, temperature=r.rollout.temperature,
+                            masks=[c.mask for c in comps])  # an episode's environment tokens: masked
         tokens = checks.engine_logp(batch, r, world, step)  # stops here, before any loss, on a broken engine
         clock.lap("grade")
 
@@ -207,7 +209,7 @@ class RLRun:
             **({"rollout/graded_mean": float(graded_PG.mean()),  # the reward before the shaping below
                 "rollout/overlong_frac": float((shaping_PG < 0).float().mean()),  # in the buffer: punished
                 "rollout/overlong_penalty": float(shaping_PG.mean())} if r.loss.overlong_buffer else {}),
-            **replay_metrics,
+            **replay_metrics, **environments.rows(comps),
             **(drawn if r.train.dynamic_sampling else {}),
         }, sums=("rollout/grader_errors", "rollout/grader_timeouts"))
         row = {
@@ -245,11 +247,11 @@ class RLRun:
         """Each prompt's group graded: R(x, y) by the truncation rule, then the overlong shaping."""
         r, G = self.rec, self.rec.train.group_size
         comps = [c for g in groups for c in g]
-        scores = self.grading.grade([(prob.record, response_text(c.token_ids, self.decode, self.eos))
-                                     for prob, g in zip(problems, groups) for c in g])
+        scores = self.grading.grade([(prob.record, response_text(environments.answer_ids(c), self.decode, self.eos))
+                                     for prob, g in zip(problems, groups) for c in g])  # an episode's: its last turn
         cut = [c.finish == "length" for c in comps]
-        graded = objective.sequence_rewards([s.score for s in scores], cut, r.loss.truncated_reward).view(-1, G)
-        lengths = torch.tensor([len(c.token_ids) for c in comps]).view(-1, G)
+        graded = objective.sequence_rewards(environments.rewards(comps, scores), cut, r.loss.truncated_reward).view(-1, G)
+        lengths = torch.tensor([environments.sampled(c) for c in comps]).view(-1, G)
         rewards = graded + objective.overlong_penalty(lengths, r.rollout.max_tokens, r.loss.overlong_buffer,
                                                       r.loss.overlong_penalty)
         return [dynamic.Group(prob, g, scores[i * G:(i + 1) * G], graded[i], rewards[i])
@@ -299,17 +301,15 @@ class RLRun:
         return parity_check.measure(self._parity_pairs, self.rollouts, self.trainer, self.world, self.tp, self.pad)
 
     def heldout_eval(self) -> dict:
-        e = self.rec.eval
-        world, tp = self.world, self.tp  # a TP group evaluates its share once; each member gathers its part
+        e, world, tp = self.rec.eval, self.world, self.tp  # a TP group evaluates its share; each member gathers its part
         return evaluate(self.rollouts, world.group_share(self.heldout, tp), self.grading, k=e.k,
                         temperature=e.temperature, max_tokens=self.rec.rollout.max_tokens, decode=self.decode,
                         eos_id=self.eos, gather=lambda rows: world.gather(world.member_share(rows, tp)))
 
     # ----- checkpoints --------------------------------------------------------------------------
     def save(self, name: str) -> Path:
-        """A checkpoint; it becomes the rollback target if the guard sees nothing pending."""
+        """A checkpoint (each part records its own); the rollback target if the guard sees nothing pending."""
         path = self.state.run_dir / "checkpoints" / name
-        # each part says what of it the record holds; the trainer adds its own (LoRA's base)
         self.trainer.save(path, {"recipe": self.rec.to_dict(), **self.state.record(), **self.rollouts.record(),
                                  **self.guard.record()})
         if self.guard.healthy:

@@ -1,5 +1,5 @@
 """One PNG per run: the curves people look at first (reward, entropy, KL, IS weights, clipping,
-parity; staleness where the run samples ahead), with the guard's rollbacks (red dashed) and skipped updates (orange dotted) on every panel."""
+parity; staleness where the run samples ahead; turns and tool calls of a multi-turn run), with the guard's rollbacks (red dashed) and skipped updates (orange dotted) on every panel."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ PANELS = [
 # a run with rollout.max_staleness ≥ 1: how many updates behind each step's batch was, and who waited
 STALENESS = ("rollout/staleness_mean", "staleness: updates behind (mean)")
 IDLE = ("timing/engine_idle_frac", "idle share of the wall time: engine, trainer")
-IDLE_ALSO = {"timing/engine_idle_frac": ("timing/trainer_idle_frac", "trainer")}  # drawn on the same panel
+# a multi-turn run (env.name): engine calls and tool calls per episode
+TURNS = ("episode/turns", "per episode: turns, tool calls")
+IDLE_ALSO = {"timing/engine_idle_frac": ("timing/trainer_idle_frac", "trainer"),  # drawn on the same panel
+             "episode/turns": ("episode/tool_calls", "tool calls")}
 
 
 def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None) -> Path:
@@ -33,7 +36,7 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     rows = metric_rows(metrics_jsonl, upto=upto)
     marks = [(r["step"], "tab:red", "--", "rollback") for r in rows if r.get("guard/action") in ("rollback", "stop")]
     marks += [(r["step"], "tab:orange", ":", "skipped update") for r in rows if r.get("guard/action") == "skip"]
-    panels = PANELS + [p for p in (STALENESS, IDLE) if any(p[0] in r for r in rows)]
+    panels = PANELS + [p for p in (STALENESS, IDLE, TURNS) if any(p[0] in r for r in rows)]
     cols = (len(panels) + 1) // 2
     fig, axes = plt.subplots(2, cols, figsize=(13 * cols / 3, 6.5), constrained_layout=True)
     for ax in axes.flat[len(panels):]:
@@ -41,7 +44,7 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     for ax, (key, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
         if pts:
-            ax.plot(*zip(*pts), lw=1.2, label="engine" if key in IDLE_ALSO else None)
+            ax.plot(*zip(*pts), lw=1.2, label=("turns" if key == TURNS[0] else "engine") if key in IDLE_ALSO else None)
         if key in IDLE_ALSO:
             other, label = IDLE_ALSO[key]
             if more := [(r["step"], r[other]) for r in rows if isinstance(r.get(other), (int, float))]:

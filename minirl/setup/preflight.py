@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from minirl.config import recipes
+from minirl.data.environment import check_format, environment_class
 from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
 from minirl.errors import UsageError
@@ -402,6 +403,9 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     if rec.data.chat_template and not getattr(tok, "chat_template", None):
         raise UsageError(f"data.chat_template = true, and the tokenizer of {rec.model.id} has no chat template; "
                          "set data.chat_template = false to send the prompt as plain text")
+    if rec.env.name:  # an environment that cannot run: before anything is built
+        environment_class(rec.env.name)
+        check_format(rec.env.tool_format, lambda text: tok.encode(text, add_special_tokens=False))
     enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template,
                             chat_kwargs=rec.data.chat_template_kwargs)
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
