@@ -194,3 +194,25 @@ def check_format(fmt_name: str, encode) -> None:
     if n != 1:
         raise UsageError(f"env.tool_format = {fmt_name!r} closes a call with {fmt.close!r}, {n} tokens of this model's "
                          "vocabulary: the engine stops a turn on one token; choose the model's own format")
+
+
+# What a step and an evaluation read of a completion, a multi-turn episode's (rollout/episodes.py) or
+# a single turn's alike (torch-free: the CLI imports the evaluation at its start).
+def answer_ids(c) -> tuple[int, ...]:
+    """What the grader reads of a completion: an episode's last turn, after the last reply (the answer)."""
+    if c.mask is None or 0 not in c.mask:
+        return c.token_ids
+    last = len(c.mask) - c.mask[::-1].index(0)
+    return c.token_ids[last:]
+
+
+def rewards(comps, scores) -> list[float]:
+    """Each completion's R: the environment's reward where it ended the episode with one, else the
+    grader's score of its answer."""
+    return [c.episode.reward if c.episode is not None and c.episode.reward is not None else s.score
+            for c, s in zip(comps, scores, strict=True)]
+
+
+def sampled(c) -> int:
+    """Tokens the engine sampled (an episode's replies left out): the length the overlong shaping reads."""
+    return len(c.token_ids) if c.mask is None else sum(c.mask)

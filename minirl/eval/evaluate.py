@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minirl.config import recipes
+from minirl.data.environment import answer_ids, rewards as episode_rewards
 from minirl.data.prompts import Problem, prompt_ids, response_text
 from minirl.disk import store
 from minirl.disk.store import is_checkpoint, latest_trained
@@ -84,17 +85,26 @@ def evaluate(
     eos_id: int,
     seed: int = 1234,
     gather: Callable[[list], list] = list,
+    episodes=None,
 ) -> dict:
     """k samples per problem, graded: {avg@k, pass@k, maj@k, problems, k, temperature}.
 
-    gather: joins the per-problem results of every rank (each passed its share of the problems)."""
+    gather: joins the per-problem results of every rank (each passed its share of the problems).
+    episodes: a multi-turn recipe's `Environments` (rollout/episodes.py): k episodes per problem, the
+    last turn graded, or the environment's reward where it ended one with a reward."""
     # each problem's samples from a generator of its own: the score does not depend on what else the
     # engine holds or how many sequences it schedules (an engine sampling ahead at k ≥ 1, #74)
-    groups = engine.generate([p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens,
-                             seed=seed, seeded_requests=True)
-    items = [(prob.record, response_text(c.token_ids, decode, eos_id)) for prob, g in zip(problems, groups) for c in g]
-    scores = grading.grade(items)
-    per_problem = gather([[(s.score >= 1.0, s.info.get("extracted")) for s in scores[i * k : (i + 1) * k]]
+    if episodes is not None:
+        groups = episodes.sample(engine, problems, n=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                 seeded_requests=True)
+    else:
+        groups = engine.generate([p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens,
+                                 seed=seed, seeded_requests=True)
+    comps = [c for g in groups for c in g]
+    scores = grading.grade([(prob.record, response_text(answer_ids(c), decode, eos_id))
+                            for prob, g in zip(problems, groups) for c in g])
+    rewards = episode_rewards(comps, scores)
+    per_problem = gather([[(rewards[j] >= 1.0, scores[j].info.get("extracted")) for j in range(i * k, (i + 1) * k)]
                           for i in range(len(problems))])
     return {
         **summarize([[c for c, _ in p] for p in per_problem], [[e for _, e in p] for p in per_problem]),
@@ -318,7 +328,8 @@ def eval_benchmark(
     # neither resumes this one's partial results nor overwrites its file
     settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, "max_tokens": max_tokens,
                 "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
-                "problems": len(records), "checkpoint": str(model_dir.resolve())}
+                "problems": len(records), "checkpoint": str(model_dir.resolve()),
+                **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns]} if rec.env.name else {})}
     tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -340,20 +351,35 @@ def eval_benchmark(
         # an evaluation never sleeps between rollouts: the engine holds its memory throughout
         engine = make_engine(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=ctx, sleep_level=0)
         pool = GradingPool(grader_name, params, workers=rec.eval.grader_workers, timeout_s=rec.reward.timeout_s)
+        episodes = None
+        if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
+            from minirl.rollout.episodes import Environments  # deferred: torch (the CLI imports this module at start)
+
+            episodes = Environments(rec.env, encode=lambda s: tok.encode(s, add_special_tokens=False),
+                                    decode=lambda ids: tok.decode(list(ids)), max_model_len=ctx)
         try:
             with partial.open("a") as f:
                 for s in range(0, len(todo), chunk):
                     idx = todo[s : s + chunk]
-                    groups = engine.generate([prompts[i] for i in idx], n=rec.eval.k, temperature=rec.eval.temperature,
-                                             max_tokens=max_tokens,
-                                             # a seed per chunk (keyed by its first problem): chunks sharing one
-                                             # would give the j-th problem of every chunk the same noise
-                                             seed=(rec.train.seed + 1234) * 1_000_003 + idx[0])
-                    items = [(records[i], response_text(c.token_ids, tok.decode, eos)) for i, g in zip(idx, groups) for c in g]
+                    # a seed per chunk (keyed by its first problem): chunks sharing one would give the j-th
+                    # problem of every chunk the same noise
+                    seed = (rec.train.seed + 1234) * 1_000_003 + idx[0]
+                    if episodes is not None:
+                        groups = episodes.sample(engine, [Problem(tuple(prompts[i]), records[i]) for i in idx],
+                                                 n=rec.eval.k, temperature=rec.eval.temperature, max_tokens=max_tokens,
+                                                 seed=seed)
+                    else:
+                        groups = engine.generate([prompts[i] for i in idx], n=rec.eval.k,
+                                                 temperature=rec.eval.temperature, max_tokens=max_tokens, seed=seed)
+                    comps = [c for g in groups for c in g]
+                    items = [(records[i], response_text(answer_ids(c), tok.decode, eos)) for i, g in zip(idx, groups)
+                             for c in g]
                     scores = pool.grade(items)
+                    won = episode_rewards(comps, scores)  # the grader's, or an episode's own reward
                     for j, i in enumerate(idx):
-                        sc = scores[j * rec.eval.k : (j + 1) * rec.eval.k]
-                        row = {"index": i, "answer": records[i]["answer"], "correct": [x.score >= 1.0 for x in sc],
+                        sc, k_ = scores[j * rec.eval.k : (j + 1) * rec.eval.k], rec.eval.k
+                        row = {"index": i, "answer": records[i]["answer"],
+                               "correct": [w >= 1.0 for w in won[j * k_ : (j + 1) * k_]],
                                "extracted": [x.info.get("extracted") for x in sc],
                                "timeouts": sum(bool(x.info.get("timeout")) for x in sc),
                                "errors": sum("error" in x.info for x in sc)}

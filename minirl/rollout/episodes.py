@@ -17,7 +17,11 @@ It ends on an answer (a turn without a call), the environment's `done`, `max_tur
 the context, or a fault of the environment (raised, hung past `step_timeout_s`, a non-finite reward,
 a reply that cannot fit): counted in the episode's `EpisodeInfo`, the run goes on.
 
-The environments are built by the caller, reset for their row (minirl/data/environment.py's contract).
+`Environments` builds them from a recipe's [env] (any importable `module:Class` in OpenEnv's shape:
+minirl/data/environment.py), one per episode, reset with its row, and samples a batch of episodes for
+the run's step and its held-out evaluation alike; `answer_ids`, `rewards` and `rows` are what the step
+and the evaluation read of an episode. One line, before anything is sampled, where an environment
+cannot be built or reset: nothing can run then.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minirl.data.environment import CallError, ToolFormat, action, final_reward, reply
+from minirl.data.environment import TOOL_FORMATS, CallError, ToolFormat, action, environment_class, final_reward, reply
+from minirl.errors import UsageError
+from minirl.models import sizing
 from minirl.rollout.engine import Completion, Engine, EpisodeInfo
 
 
@@ -110,12 +116,14 @@ def sample_episodes(
     seed: int | None = None,
     step_timeout_s: float = 30.0,
     max_reply_tokens: int | None = None,
+    seeded_requests: bool = False,
 ) -> list[list[Completion]]:
     """n episodes per prompt, [len(prompts)][n], in prompt order; `envs[i][j]` is episode j of prompt
     i's environment, reset for its row. `max_tokens`: the sampled tokens of an episode, all its turns
     together; `max_model_len`: the engine's context, which prompt, turns and replies share.
     `encode` tokenizes a reply's text (no special tokens added), `decode` a turn's sampled ids.
-    `max_reply_tokens`: the longest reply taken (the run's context is planned with it)."""
+    `max_reply_tokens`: the longest reply taken (the run's context is planned with it). `seeded_requests`:
+    as `Engine.generate`'s, at every turn (the held-out evaluation's)."""
     stop = encode(fmt.close)
     if len(stop) != 1:
         raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(stop)} tokens: the engine stops a "
@@ -129,12 +137,13 @@ def sample_episodes(
         call_seed = None if seed is None else seed + 1_000_003 * turn
         if turn == 0:  # the group's n episodes share the prompt: one request of n samples each
             groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens,
-                                     seed=call_seed, stop=stop)
+                                     seed=call_seed, stop=stop, **({"seeded_requests": True} if seeded_requests else {}))
             samples = [c for g in groups for c in g]
         else:
             budgets = [budget(e, max_tokens, max_model_len) for e in live]
             groups = engine.generate([e.prompt + e.ids for e in live], n=1, temperature=temperature,
-                                     max_tokens=budgets, seed=call_seed, stop=stop)
+                                     max_tokens=budgets, seed=call_seed, stop=stop,
+                                     **({"seeded_requests": True} if seeded_requests else {}))
             samples = [g[0] for g in groups]
         for e, c in zip(live, samples, strict=True):
             e.take(c)
@@ -220,3 +229,61 @@ def within(step, call, timeout_s: float):
     if "err" in box:
         raise box["err"]
     return box["obs"]
+
+
+class Environments:
+    """A recipe's [env]: `sample(engine, problems, n=, temperature=, max_tokens=, seed=)` samples n episodes
+    of each problem (a step's, or the held-out evaluation's), each with an environment of its own."""
+
+    def __init__(self, env, *, encode, decode, max_model_len: int):
+        self.settings, self.cls = env, environment_class(env.name)
+        self.fmt = TOOL_FORMATS[env.tool_format]
+        self.encode, self.decode, self.max_model_len = encode, decode, max_model_len
+
+    @classmethod
+    def from_recipe(cls, rec, tokenizer) -> "Environments | None":
+        """None for a single-turn recipe (env.name "")."""
+        if not rec.env.name:
+            return None
+        return cls(rec.env, encode=lambda s: tokenizer.encode(s, add_special_tokens=False),
+                   decode=lambda ids: tokenizer.decode(list(ids)), max_model_len=sizing.max_model_len(rec))
+
+    def sample(self, engine, problems: Sequence, *, n: int, temperature: float, max_tokens: int,
+               seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
+        envs = [[self._start(p, j, seed) for j in range(n)] for p in problems]
+        try:
+            return sample_episodes(engine, [p.prompt_ids for p in problems], envs, fmt=self.fmt, encode=self.encode,
+                                   decode=self.decode, n=n, temperature=temperature, max_tokens=max_tokens,
+                                   max_turns=self.settings.max_turns, max_model_len=self.max_model_len,
+                                   max_reply_tokens=self.settings.max_reply_tokens, seed=seed,
+                                   step_timeout_s=self.settings.step_timeout_s, seeded_requests=seeded_requests)
+        finally:
+            for env in (e for row in envs for e in row):
+                close = getattr(env, "close", None)
+                if callable(close):
+                    close()
+
+    def _start(self, problem, j: int, seed: int | None):
+        """Episode j of `problem`: a new environment, reset with the row's fields."""
+        row = dict(problem.record) if isinstance(getattr(problem, "record", None), dict) else {}
+        try:
+            env = self.cls(**self.settings.params)
+            env.reset(seed=None if seed is None else seed + j, episode_id=str(j), **row)
+        except Exception as e:  # nothing can run: every episode of the run starts this way
+            raise UsageError(f"env.name = {self.settings.name!r} could not start an episode: {type(e).__name__}: {e}") \
+                from None
+        return env
+
+
+def rows(comps: Sequence[Completion]) -> dict:
+    """A step's episodes, for its row (none for single-turn completions)."""
+    eps = [c.episode for c in comps if c.episode is not None]
+    if not eps:
+        return {}
+    n = len(eps)
+    return {"episode/turns": sum(e.turns for e in eps) / n,
+            "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
+            "episode/tool_errors": sum(e.tool_errors for e in eps),
+            "episode/env_errors": sum(e.env_errors for e in eps),
+            "episode/env_tokens": sum(e.env_tokens for e in eps) / n,
+            "timing/env_s": round(sum(e.env_s for e in eps), 4)}

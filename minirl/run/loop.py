@@ -28,12 +28,13 @@ import torch
 
 from minirl import faults
 from minirl.config.recipe import Recipe
+from minirl.data.environment import answer_ids, rewards as episode_rewards, sampled
 from minirl.data.prompts import PromptSampler, response_text
 from minirl.disk import atomic, store
 from minirl.eval.evaluate import evaluate
 from minirl.launch import World
-from minirl.rollout import Rollouts
-from minirl.run import checks, dynamic, environments
+from minirl.rollout import Rollouts, episodes
+from minirl.run import checks, dynamic
 from minirl.run import parity as parity_check
 from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
@@ -77,7 +78,7 @@ class RLRun:
         self.model_dir, self.shape, self.tok = inputs.model_dir, inputs.shape, inputs.tokenizer
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
-        self.grading = inputs.grading
+        self.grading, self.episodes = inputs.grading, episodes.Environments.from_recipe(rec, self.tok)  # multi-turn
         self.state = RunState(run_dir=run_dir, lr=rec.train.lr)
         t0 = time.perf_counter()
         self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device,
@@ -100,9 +101,8 @@ class RLRun:
         self.rollouts = Rollouts.from_recipe(rec, self.model_dir, trainer=self.trainer, sampler=sampler, world=world,
                                              clock=self.clock, memory_fraction=inputs.engine_fraction,
                                              kv_cache_gib=inputs.kv_cache_gib, sleep_level=inputs.sleep_level,
-                                             episodes=environments.Environments.from_recipe(rec, self.tok))
-        # the start by part (the summary's `startup_s`): the trainer built and loaded; the engine, of
-        # which vLLM's torch.compile and CUDA graph capture
+                                             episodes=self.episodes)
+        # the start by part (the summary's `startup_s`): trainer; engine, of which vLLM's compile and graph capture
         self.startup = {"trainer": trainer_s, "engine": time.perf_counter() - t0, **self.rollouts.startup}
         if record is not None:
             self.rollouts.restore(record)
@@ -209,7 +209,7 @@ class RLRun:
             **({"rollout/graded_mean": float(graded_PG.mean()),  # the reward before the shaping below
                 "rollout/overlong_frac": float((shaping_PG < 0).float().mean()),  # in the buffer: punished
                 "rollout/overlong_penalty": float(shaping_PG.mean())} if r.loss.overlong_buffer else {}),
-            **replay_metrics, **environments.rows(comps),
+            **replay_metrics, **episodes.rows(comps),
             **(drawn if r.train.dynamic_sampling else {}),
         }, sums=("rollout/grader_errors", "rollout/grader_timeouts"))
         row = {
@@ -247,11 +247,11 @@ class RLRun:
         """Each prompt's group graded: R(x, y) by the truncation rule, then the overlong shaping."""
         r, G = self.rec, self.rec.train.group_size
         comps = [c for g in groups for c in g]
-        scores = self.grading.grade([(prob.record, response_text(environments.answer_ids(c), self.decode, self.eos))
+        scores = self.grading.grade([(prob.record, response_text(answer_ids(c), self.decode, self.eos))
                                      for prob, g in zip(problems, groups) for c in g])  # an episode's: its last turn
         cut = [c.finish == "length" for c in comps]
-        graded = objective.sequence_rewards(environments.rewards(comps, scores), cut, r.loss.truncated_reward).view(-1, G)
-        lengths = torch.tensor([environments.sampled(c) for c in comps]).view(-1, G)
+        graded = objective.sequence_rewards(episode_rewards(comps, scores), cut, r.loss.truncated_reward).view(-1, G)
+        lengths = torch.tensor([sampled(c) for c in comps]).view(-1, G)
         rewards = graded + objective.overlong_penalty(lengths, r.rollout.max_tokens, r.loss.overlong_buffer,
                                                       r.loss.overlong_penalty)
         return [dynamic.Group(prob, g, scores[i * G:(i + 1) * G], graded[i], rewards[i])
@@ -302,7 +302,7 @@ class RLRun:
 
     def heldout_eval(self) -> dict:
         e, world, tp = self.rec.eval, self.world, self.tp  # a TP group evaluates its share; each member gathers its part
-        return evaluate(self.rollouts, world.group_share(self.heldout, tp), self.grading, k=e.k,
+        return evaluate(self.rollouts, world.group_share(self.heldout, tp), self.grading, k=e.k, episodes=self.episodes,
                         temperature=e.temperature, max_tokens=self.rec.rollout.max_tokens, decode=self.decode,
                         eos_id=self.eos, gather=lambda rows: world.gather(world.member_share(rows, tp)))
 
