@@ -313,6 +313,9 @@ def main() -> None:
         try:
             if test["kind"] == "function":
                 _function_test(test, ask)
+            elif test["kind"] == "output":  # a tool's run (rewards/tools.py): what it printed, nothing judged
+                say("output", i, ask({"io": test["stdin"]}))
+                continue
             else:
                 got = ask({"io": test["stdin"]})
                 if _lines(got) != _lines(test["stdout"]):

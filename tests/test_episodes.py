@@ -325,3 +325,76 @@ def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_d
     assert all(x["replay/route_agreement"] == 1.0 for x in steps)
     assert all(x["train/kl_mu_pi_old"] < 1e-5 for x in steps)
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_the_embedded_tool_task_learns_to_call_its_calculator(tmp_path):
+    """`minirl init --task tools` (a short cold start that shows the call on half the problems, the
+    calculator's reply masked out of its loss) and 15 steps of `minirl run`: every step runs episodes, the
+    tool-call rate rises, no environment fault; `minirl eval heldout` scores episodes with the tool, and
+    the same model without it (`--set env.name=`) far lower: the products are beyond it."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def minirl(*args):
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=900)
+
+    ws = tmp_path / "ws"
+    r = minirl("init", str(ws), "--task", "tools", "--set", "cold_start.train_size=4000", "--set",
+               "cold_start.heldout_size=64", "--set", "cold_start.dev_size=64", "--set", "cold_start.batch_size=64",
+               "--set", "cold_start.target_acc=0.25")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (ws / "data/train.jsonl").read_text().splitlines()[:50]]
+    assert all(x["prompt"].count("*") == 1 and x["answer"] == str(eval(x["prompt"][:-1])) for x in rows)
+    assert {len(x["parts"]) for x in rows} == {1, 3} and all(x["parts"][1][1] is False for x in rows if len(x["parts"]) == 3)
+    r = minirl("run", str(ws), "--steps", "15", "--set", "train.prompts_per_step=8", "--set", "eval.k=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = next((ws / "runs").iterdir())
+    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
+    assert len(steps) == 15 and all(x["episode/env_errors"] == 0 for x in steps)
+    first, last = sum(x["episode/tool_calls"] for x in steps[:3]) / 3, sum(x["episode/tool_calls"] for x in steps[-3:]) / 3
+    assert last > first, (first, last)
+    scores = {}
+    for name, extra in (("with", []), ("without", ["--set", "env.name="])):
+        before = set((ws / "evals").glob("heldout-*.json"))
+        r = minirl("eval", "heldout", str(ws), "--k", "2", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        new, = set((ws / "evals").glob("heldout-*.json")) - before  # the settings differ: a file of its own
+        scores[name] = json.loads(new.read_text())
+    assert scores["with"]["avg@2"] > scores["without"]["avg@2"] + 0.3, scores
+
+
+def test_a_python_tool_runs_the_models_code_in_the_sandbox_in_qwen3s_format():
+    """rewards.tools.PythonTool in Qwen3's Hermes format (a vocabulary where </tool_call> is one token, as
+    in Qwen3's): the call's code runs in the code grader's sandbox, what it printed is the reply, inside
+    Qwen3's tool-response scaffold; an error (no network there) is a tool error; the answer after it graded."""
+    import re
+
+    from minirl.data.environment import answer_ids
+    from rewards.tools import PythonTool
+
+    specials = {"<tool_call>": 1000, "</tool_call>": 1001, "<|im_end|>": 1002, "<|im_start|>": 1003, "<eos>": 1004}
+    back = {v: k for k, v in specials.items()}
+
+    def encode(s):
+        return [specials.get(t, ord(t[0])) for t in re.findall(r"<tool_call>|</tool_call>|<\|im_end\|>|<\|im_start\|>|[\s\S]", s)]
+
+    def decode(ids):
+        return "".join(back.get(i, chr(i)) if i < 1000 or i in back else "?" for i in ids)
+
+    call = encode('<tool_call>\n{"name": "python", "arguments": {"code": "print(6*7)"}}\n</tool_call>')
+    net = encode('<tool_call>{"name": "python", "arguments": {"code": "import urllib.request as u; '
+                 'u.urlopen(\'http://1.1.1.1\', timeout=1)"}}</tool_call>')
+    engine = Scripted([call, net, encode("42") + [1004]], stop_id=1001, eos=1004)
+    env = PythonTool(wall_s=10)
+    env.reset()
+    (c,), = sample_episodes(engine, [encode("6*7=")], [[env]], fmt=QWEN3, encode=encode, decode=decode, n=1,
+                            temperature=1.0, max_tokens=400, max_turns=4, max_model_len=4000, seed=0)
+    assert c.episode.turns == 3 and c.episode.tool_calls == 2 and c.episode.tool_errors == 1 and c.episode.ended == "answer"
+    replies = decode([t for t, m in zip(c.token_ids, c.mask) if not m])
+    assert replies.startswith(QWEN3.text("42\n")) and "error: " in replies[len(QWEN3.text("42\n")):]
+    assert decode(answer_ids(c)) == "42<eos>"

@@ -184,7 +184,7 @@ def test_the_sequence_plans_each_visit_from_where_the_last_stopped(tmp_path, mon
 # --dry` runs every step, 4–5 minutes here, before a visit, docs/gpu.md). fp8-sleep, a pytest of
 # tests/gpu/test_vllm.py that skips without CUDA, is left to the rollout half's dry run above, which
 # runs that file's vllm tests
-DRY_STEPS = ("moe-r3-lora", "default-k2-inflight", "engine-alone", "trl-peer")
+DRY_STEPS = ("moe-r3-lora", "default-k2-inflight", "engine-alone", "trl-peer", "moe-r3-tools")
 
 
 def test_the_sequence_runs_in_dry_mode(tmp_path):

@@ -14,6 +14,11 @@
   4-token answers leave no room for (`minirl lab`).
 - `scratchpad-long`: the same written-out addition on 10–13-digit operands: 71–127 response tokens
   (mean ~98), where a per-token gap adds up per response the way the paper's long responses do.
+- `tools`: products of a 2–3-digit and a 2-digit number, "123*45=" -> "5535<eos>", which the tiny
+  model cannot work out in its head, with a calculator it may call (multi-turn episodes, #84;
+  minirl/data/tools.py): "(123*45)" calls it, the environment answers "=5535;" (not trained on), the
+  model copies the answer. The cold start shows the call on half the problems and a bare answer on
+  the other half; RL is left to learn that calling pays.
 
 Train and held-out splits are disjoint in (a, b).
 """
@@ -34,7 +39,10 @@ class Task:
     name: str
     recipe: str  # the shipped recipe (recipes/<stem>.toml) a workspace of this task starts from
     problem: Callable[[random.Random], tuple[int, int]]  # draws one (a, b)
-    answer: Callable[[int, int], str]  # the SFT target (the grader checks the sum)
+    answer: Callable[[int, int], str]  # the SFT target (the grader checks the result)
+    op: str = "+"
+    # a multi-turn task's SFT target as (text, trained) parts: an environment's reply is not trained on
+    parts: Callable[[int, int], list[tuple[str, bool]]] | None = None
 
 
 def _addition(rng: random.Random) -> tuple[int, int]:
@@ -69,16 +77,35 @@ def scratchpad(a: int, b: int) -> str:
     return ",".join(steps) + f";{a + b}"
 
 
+def _product_problem(rng: random.Random) -> tuple[int, int]:
+    return rng.randint(10, 999), rng.randint(10, 99)
+
+
+def tool_parts(a: int, b: int) -> list[tuple[str, bool]]:
+    """The tools task's cold-start target: on half the problems (a + b even) the call, the calculator's
+    reply (not trained on) and the answer copied; on the others the bare answer.
+
+    >>> tool_parts(123, 45)
+    [('(123*45)', True), ('=5535;', False), ('5535', True)]
+    >>> tool_parts(12, 45)
+    [('540', True)]
+    """
+    p = str(a * b)
+    return [(f"({a}*{b})", True), (f"={p};", False), (p, True)] if (a + b) % 2 == 0 else [(p, True)]
+
+
 TASKS = {
     "addition": Task("addition", "tiny", _addition, lambda a, b: str(a + b)),
     "scratchpad": Task("scratchpad", "tiny-scratchpad", _scratchpad_problem, scratchpad),
     "scratchpad-long": Task("scratchpad-long", "tiny-scratchpad-long", _long_scratchpad_problem, scratchpad),
+    "tools": Task("tools", "tiny-tools", _product_problem, lambda a, b: str(a * b), op="*", parts=tool_parts),
 }
 
 
 def make_splits(train_size: int, heldout_size: int, seed: int = 0, task: str = "addition") -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out rows {"prompt", "answer", "target"}: `answer` is what the
-    grader checks (the sum), `target` the full response the cold start imitates."""
+    grader checks (the sum), `target` the full response the cold start imitates; a multi-turn task's
+    rows have `parts` instead, (text, trained) pairs."""
     t = TASKS[task]
     rng = random.Random(seed)
     pairs: set[tuple[int, int]] = set()
@@ -87,7 +114,10 @@ def make_splits(train_size: int, heldout_size: int, seed: int = 0, task: str = "
         pairs.add(t.problem(rng))
     ordered = sorted(pairs)
     rng.shuffle(ordered)
-    recs = [{"prompt": f"{a}+{b}=", "answer": str(a + b), **({"target": t.answer(a, b)} if task != "addition" else {})}
+    value = (lambda a, b: a * b) if t.op == "*" else (lambda a, b: a + b)
+    recs = [{"prompt": f"{a}{t.op}{b}=", "answer": str(value(a, b)),
+             **({"target": t.answer(a, b)} if task not in ("addition", "tools") else {}),
+             **({"parts": t.parts(a, b)} if t.parts else {})}
             for a, b in ordered]
     return recs[:train_size], recs[train_size:]
 

@@ -26,7 +26,7 @@ from minirl.data.gym import RECIPE as GYM_RECIPE, TINY_PARAMS, check_task, gym_n
 from minirl.data.prompts import response_text
 from minirl.data.task import TASKS, make_splits, write_jsonl
 from minirl.errors import UsageError
-from minirl.models import hub
+from minirl.models import hub, sizing
 from minirl.models.shapes import TINY, TINY_ID, ModelShape, active_params, param_count
 from minirl.setup.preflight import check_planned
 from minirl.setup.tokenizer import WIDE_VOCAB, build_tokenizer
@@ -184,7 +184,7 @@ def recipe_for_model(model: str, recipe_name: str | None, overrides: list[str]) 
 def tiny_shape(rec) -> ModelShape:
     """The tiny model `init` builds for a recipe: its [cold_start] layers, experts and top-k, with a
     context that fits the recipe's prompts and responses (a multiple of 32)."""
-    cs, need = rec.cold_start, rec.data.max_prompt_tokens + rec.rollout.max_tokens + 1
+    cs, need = rec.cold_start, sizing.max_model_len(rec)  # a multi-turn task's replies included
     return dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32), n_layers=cs.layers,
                                num_experts=cs.experts, top_k=cs.top_k,
                                vocab_size=WIDE_VOCAB if is_gym(cs.task) else TINY.vocab_size)  # English text
@@ -222,11 +222,15 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     eos = tok.eos_token_id
-    examples = [  # the SFT target: the whole written-out response where the task has one, else the answer
-        (tok(r["prompt"], add_special_tokens=False)["input_ids"],
-         tok(r.get("target", r["answer"]), add_special_tokens=False)["input_ids"] + [eos])
-        for r in train
-    ]
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    # the SFT target: the whole written-out response where the task has one, else the answer; a multi-turn
+    # task's parts, its environment's reply masked out (the model reads it, never learns to write it)
+    examples = [(ids(r["prompt"]), ids(r.get("target", r["answer"])) + [eos]) if "parts" not in r else
+                (ids(r["prompt"]), [t for x, _ in r["parts"] for t in ids(x)] + [eos],
+                 [int(m) for x, m in r["parts"] for _ in ids(x)] + [1])
+                for r in train]
     trainer = Trainer(shape, lr=cs.lr, seed=cs.seed)
     tell("model", 1, 1)
 
@@ -234,7 +238,14 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     grader = load_grader(rec.reward.grader, rec.reward.params)  # dev accuracy as RL will count it
 
     def is_correct(i: int, ids: list[int]) -> bool:
-        return grader(train[i], response_text(ids, tok.decode, eos)).score >= 1.0
+        text = response_text(ids, tok.decode, eos)
+        # a multi-turn task sampled without its environment: its first call written right counts (the
+        # environment would answer it; copying the answer is learnt alongside)
+        parts = train[i].get("parts") or []
+        reply_at = next((j for j, (_, trained) in enumerate(parts) if not trained), None)
+        if reply_at is not None and text.startswith("".join(x for x, _ in parts[:reply_at])):
+            return True
+        return grader(train[i], text).score >= 1.0
     losses: list[float] = []
     dev_acc: list[float] = []
 
@@ -274,7 +285,7 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
         "cold_start_dev_acc": dev_acc[-1] if dev_acc else None,
         "cold_start_target_acc": cs.target_acc,
         "cold_start_s": round(sft_s, 1),
-        "response_tokens": _length_stats([len(t) for _, t in examples]),  # of the SFT targets, EOS included
+        "response_tokens": _length_stats([len(ex[1]) for ex in examples]),  # of the SFT targets, EOS included
         "build_s": round(time.time() - t0, 1),
     }
     (out / "minirl_coldstart.json").write_text(json.dumps(info, indent=2))

@@ -45,8 +45,8 @@ def sampled_accuracy(
     trainer.model.eval()
     gen = torch.Generator().manual_seed(seed)
     by_len: dict[int, list[int]] = defaultdict(list)
-    for i, (p, _) in enumerate(examples):
-        by_len[len(p)].append(i)
+    for i, ex in enumerate(examples):
+        by_len[len(ex[0])].append(i)
     correct = 0
     for n_p, idx in by_len.items():
         x = torch.tensor([list(examples[i][0]) for i in idx], device=trainer.device)
@@ -70,7 +70,7 @@ def sampled_accuracy(
 
 def cold_start(
     trainer: Trainer,
-    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    examples: Sequence[tuple],
     *,
     max_steps: int,
     batch_size: int,
@@ -81,7 +81,8 @@ def cold_start(
     check_every: int = 25,
     on_step: Callable[[int, float], None] | None = None,
 ) -> tuple[int, float]:
-    """SFT over (prompt_ids, target_ids) pairs until `stop_when(step)` or `max_steps`.
+    """SFT over (prompt_ids, target_ids) pairs until `stop_when(step)` or `max_steps`; a triple's third
+    is the target's loss mask (a multi-turn target: 0 on an environment's reply).
 
     Returns (steps run, last loss)."""
     rng = random.Random(seed)
@@ -90,7 +91,8 @@ def cold_start(
     for step in range(max_steps):
         trainer.set_lr(lr * min(1.0, (step + 1) / warmup))
         picks = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        batch = build_batch([p for p, _ in picks], [t for _, t in picks], None, None, pad_id=pad_id)
+        batch = build_batch([ex[0] for ex in picks], [ex[1] for ex in picks], None, None, pad_id=pad_id,
+                            masks=[ex[2] if len(ex) > 2 else None for ex in picks])
         loss, _ = trainer.forward_backward(batch, sft_loss)
         trainer.optim_step()
         if on_step is not None:

@@ -99,6 +99,11 @@ STEPS = [
          "test_offload, test_memory at 128k tokens)", 480, vllm=False),
     Step("vllm-half", "(c) the rollout half (generation, R3, the in-place sync, sleep, FP8 after sleep, 3 steps of "
          "minirl run)", 450),
+    Step("moe-r3-tools", "(#84) moe-r3 with multi-turn episodes: the 0.76B MoE's layers with a 128-symbol vocabulary "
+         "(random weights close a call now and then), the embedded calculator as the tool, 3 turns, 3 steps of 16 "
+         "prompts x 8 x 256 tokens, parity every step, R3's diagnostics: every episode's routes cover every fed "
+         "position (CUDA vLLM's routed experts across turns, with its prefix cache), tools called, no environment "
+         "fault, every sampled token trained", 200),
 ]
 BY_ID = {s.id: s for s in STEPS}
 
@@ -353,34 +358,51 @@ VARIANTS = {"moe-r3": {}, "moe-r3-bf16": {"rollout.precision": "bf16", "rollout.
             "moe-r3-k2-inflight": {"rollout.max_staleness": "2", "rollout.inflight_updates": "true",
                                    "rollout.sleep_level": "0"},
             "moe-r3-t06": {"rollout.temperature": "0.6", "rollout.precision": "bf16", "rollout.cuda_graphs": "true",
-                           "rollout.max_tokens": "256", "train.prompts_per_step": "16", "rollout.parity_every": "1"}}
-STEPS_OF = {"moe-r3-t06": 3}  # a variant's steps where not moe_run's 10
+                           "rollout.max_tokens": "256", "train.prompts_per_step": "16", "rollout.parity_every": "1"},
+            "moe-r3-tools": {"env.name": "minirl.data.tools:Calculator", "env.tool_format": "tiny", "env.max_turns": "3",
+                             "env.max_reply_tokens": "16", "rollout.max_tokens": "256", "train.prompts_per_step": "16",
+                             "rollout.parity_every": "1", "train.replay_diagnostics": "true"}}
+STEPS_OF = {"moe-r3-t06": 3, "moe-r3-tools": 3}  # a variant's steps where not moe_run's 10
+SMALL_VOCAB = {"moe-r3-tools"}  # the MoE's layers with the tiny models' 128 symbols: a random model closes calls
 # a variant's own pass rule, on its rows: at T = 0.6 log mu and pi_old are the same policy (#79)
 VARIANT_CHECKS = {"moe-r3-t06": ("kl_mu_pi_old_within_bf16s_gap_at_t_0.6",
-                                 lambda rows: bool(rows) and all(abs(r["train/kl_mu_pi_old"]) < 0.02 for r in rows))}
+                                 lambda rows: bool(rows) and all(abs(r["train/kl_mu_pi_old"]) < 0.02 for r in rows)),
+                  # (#84) episodes ran whole: the tool was called, replies heard, no environment fault (a route
+                  # misaligned across turns stops the run: its routes must cover every fed position)
+                  "moe-r3-tools": ("episodes_called_the_tool_without_an_environment_fault",
+                                   lambda rows: bool(rows) and sum(r["episode/tool_calls"] for r in rows) > 0
+                                   and max(r["episode/turns"] for r in rows) > 1
+                                   and all(r["episode/env_errors"] == 0 for r in rows))}
 
 
-def moe_workspace(out: Path) -> tuple[Path, Path]:
+def moe_workspace(out: Path, small_vocab: bool = False) -> tuple[Path, Path]:
     """A data workspace and the 0.76B Qwen3-MoE with random weights (bf16; its near-uniform sampling
-    over 151,936 tokens seldom meets EOS, so responses run to the cap: fixed lengths); dry: the tiny model."""
+    over 151,936 tokens seldom meets EOS, so responses run to the cap: fixed lengths); dry: the tiny model.
+    `small_vocab`: its layers with the tiny models' 128-symbol vocabulary (multi-turn: ")" closes a call)."""
+    import dataclasses
+
     import torch
 
     from minirl.models.shapes import TINY
+    from minirl.setup.tokenizer import WIDE_VOCAB
     from tests.conftest import data_workspace, random_hf_folder
     from tests.gpu import kit
 
-    ws, model = SCRATCH / "ws-moe", SCRATCH / "moe-model" / "hf"  # built once a machine, for every (b) step
+    ws = SCRATCH / "ws-moe"  # built once a machine, for every (b) step
+    model = SCRATCH / ("moe-model-v128" if small_vocab else "moe-model") / "hf"
     if not ws.exists():
         data_workspace(ws)
     if not model.exists():
-        random_hf_folder(model.parent, kit.moe_shape() if _cuda() else TINY, std=0.02 if _cuda() else 0.1,
-                         dtype=torch.bfloat16)
+        shape = kit.moe_shape() if _cuda() else TINY
+        if small_vocab and _cuda():
+            shape = dataclasses.replace(shape, vocab_size=WIDE_VOCAB)
+        random_hf_folder(model.parent, shape, std=0.02 if _cuda() else 0.1, dtype=torch.bfloat16)
     return ws, model
 
 
 def moe_run(out: Path, variant: str, steps: int | None = None) -> dict:
     """(b): `minirl run --replay r3` on the 0.76B MoE at realistic sizes, the 30B recipe's rollouts."""
-    ws, model = moe_workspace(out)
+    ws, model = moe_workspace(out, small_vocab=variant in SMALL_VOCAB)
     sets = {**MOE_SETS, **VARIANTS[variant], **(DRY_SETS if DRY else {})}
     if DRY:
         sets.pop("rollout.cuda_graphs", None)  # the CPU engine is eager whatever it says
