@@ -246,6 +246,7 @@ def lr_chosen_elsewhere(ws: Path):
 
 
 INIT_SMALL = ["--set", "cold_start.max_steps=1"]
+ENV_FITS = ["--set", "env.max_turns=2", "--set", "env.max_reply_tokens=8"]  # an episode within the tiny model's context
 
 # id, arguments ({ws}: the workspace, {new}: a path that does not exist), mutation, what the line says
 CASES = [
@@ -312,14 +313,22 @@ CASES = [
     # --- multi-turn episodes (#84): an environment that cannot run is one line before anything is built ---
     ("env-not-module-class", ["run", "{ws}", "--set", "env.name=calc"], None,
      "env.name = 'calc': name the environment's class as module:Class"),
-    ("env-not-importable", ["run", "{ws}", "--set", "env.name=no_such_module:Env", "--set", "env.tool_format=tiny"],
+    ("env-not-importable", ["run", "{ws}", "--set", "env.name=no_such_module:Env", "--set", "env.tool_format=tiny",
+                            *ENV_FITS],
      None, "env.name = 'no_such_module:Env' cannot be imported: ModuleNotFoundError"),
-    ("env-not-an-environment", ["run", "{ws}", "--set", "env.name=json:JSONDecoder", "--set", "env.tool_format=tiny"],
+    ("env-not-an-environment", ["run", "{ws}", "--set", "env.name=json:JSONDecoder", "--set", "env.tool_format=tiny",
+                                *ENV_FITS],
      None, "env.name = 'json:JSONDecoder' has no reset()"),
-    ("env-format-not-one-token", ["run", "{ws}", "--set", "env.name=tests.test_episodes:Counter"], None,
+    ("env-format-not-one-token", ["run", "{ws}", "--set", "env.name=tests.test_episodes:Counter", *ENV_FITS], None,
      "env.tool_format = 'qwen3' closes a call with '</tool_call>', 12 tokens of this model's vocabulary"),
     ("env-sampling-ahead", ["run", "{ws}", "--set", "env.name=m:E", "--set", "rollout.max_staleness=1"], None,
      "multi-turn episodes run one step at a time in the trainer's process for now"),
+    ("env-under-torchrun", ["run", "{ws}", "--set", "env.name=tests.test_episodes:Counter", "--set",
+                            "env.tool_format=tiny"], platform(world_size=2),
+     "multi-turn episodes run in one training process for now (#84; this job has 2 ranks)"),
+    ("env-episode-past-the-context", ["run", "{ws}", "--set", "env.name=tests.test_episodes:Counter", "--set",
+                                      "env.tool_format=tiny", "--set", "env.max_reply_tokens=40"], None,
+     "an episode may take 143 positions"),
     ("env-params-without-env", ["run", "{ws}", "--set", "env.params={{\"a\": 1}}"], None,
      "env.params = {'a': 1} configure an environment, and env.name names none"),
     ("params-not-json", ["run", "{ws}", "--set", "reward.params=notjson"], None, "reward.params: expected dict"),

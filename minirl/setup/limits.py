@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from minirl.config.precisions import PRECISIONS
 from minirl.errors import UsageError
 from minirl.models.shapes import ModelShape, lora_targets, lora_widths
+from minirl.models import sizing
 from minirl.models.sizing import cpu_kv_cache_bytes
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ def check(r: Recipe, platform: Platform | None = None, model: ModelShape | None 
     hold of it and what LoRA can adapt in it."""
     if platform is not None:
         _check_platform(r.rollout, platform, r.parallel.rollout_gpus)
+        if r.env.name and platform.world_size > 1:
+            raise UsageError(f"env.name = {r.env.name!r}: multi-turn episodes run in one training process for now "
+                             f"(#84; this job has {platform.world_size} ranks): run it without torchrun")
     if model is not None:
         _check_engine_sizes(r, model, platform)
         if r.train.lora.rank:
@@ -64,6 +68,10 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
         raise UsageError(f"rollout.max_tokens = {new}: with data.max_prompt_tokens = {prompt} a sequence would need "
                          f"{prompt + new + 1} positions, and the model's context is {ctx} tokens (max_position_embeddings "
                          f"in its config.json); at most {ctx - prompt - 1}")
+    if r.env.name and sizing.max_model_len(r) > ctx:  # an episode: its replies too
+        raise UsageError(f"env.max_turns = {r.env.max_turns} with env.max_reply_tokens = {r.env.max_reply_tokens}: an "
+                         f"episode may take {sizing.max_model_len(r)} positions (data.max_prompt_tokens + rollout.max_tokens "
+                         f"+ 1 + (env.max_turns - 1) × env.max_reply_tokens), and the model's context is {ctx} tokens")
     tp = r.rollout.tensor_parallel
     if model.n_heads % tp:  # vLLM splits the attention heads over the engine's GPUs (and refuses at its start)
         raise UsageError(f"rollout.tensor_parallel = {tp} must divide the model's {model.n_heads} attention heads "
@@ -72,14 +80,15 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
         return  # a GPU engine's KV cache is the plan's; it schedules what does not fit in waves
     sequences = r.train.prompts_per_step * r.train.group_size
     dtype_bytes = 4 if r.rollout.precision == "fp32" else 2
-    need = cpu_kv_cache_bytes(model, sequences, prompt + new + 1, dtype_bytes)
+    length = sizing.max_model_len(r)  # prompt + new + 1, and a multi-turn episode's replies
+    need = cpu_kv_cache_bytes(model, sequences, length, dtype_bytes)
     have = r.rollout.kv_cache_gib * 2**30 if r.rollout.kv_cache_gib > 0 else platform.memory_gib * 2**30
     if need > have:
         given = (f"rollout.kv_cache_gib = {r.rollout.kv_cache_gib}" if r.rollout.kv_cache_gib > 0
                  else f"this machine has {platform.memory_gib:.1f} GiB of RAM")
-        per_sequence = cpu_kv_cache_bytes(model, 1, prompt + new + 1, dtype_bytes) - cpu_kv_cache_bytes(model, 0, 1, dtype_bytes)
+        per_sequence = cpu_kv_cache_bytes(model, 1, length, dtype_bytes) - cpu_kv_cache_bytes(model, 0, 1, dtype_bytes)
         raise UsageError(f"train.prompts_per_step × train.group_size = {sequences:,} sequences of up to "
-                         f"{prompt + new + 1} tokens are sampled at once on a CPU and need {need / 2**30:,.2f} GiB of KV "
+                         f"{length} tokens are sampled at once on a CPU and need {need / 2**30:,.2f} GiB of KV "
                          f"cache; {given}, room for {int(have // per_sequence):,} of them")
 
 
