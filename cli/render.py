@@ -185,7 +185,7 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
                   + ", ".join(f"{k} {v}" for k, v in plan.mesh.items()))
     chosen = ("" if not plan.micro_batch_chosen else " (the plan's: the largest with which every phase fits)"
               if plan.fits else " (the plan's: none fits, so the whole mini-batch)")
-    console.print(f"  tokens per step ≤ {plan.tokens_per_step:,} (prompt + max response); micro-batch "
+    console.print(f"  tokens per step ≤ {plan.tokens_per_step:,} (prompt + max response, or episode with its replies); micro-batch "
                   f"{plan.micro_batch_tokens:,} tokens per GPU{chosen}; the trainer computes "
                   + ("in one process under bf16 autocast" if plan.trainer_path == "one process"
                      else "under FSDP2 in bf16 parameters"))

@@ -281,7 +281,7 @@ def _with_micro(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     mini-batch (the plan then says what does not fit). `minirl run` on a GPU trains with the plan's."""
     if rec.train.micro_batch_tokens:
         return _make_plan(rec, shape, model=model, gpu_gib=gpu_gib)
-    seq = rec.data.max_prompt_tokens + rec.rollout.max_tokens
+    seq = sizing.max_model_len(rec) - 1  # prompt and response; a multi-turn episode's replies too
     t = rec.train
     whole = math.ceil(t.prompts_per_step * t.group_size * seq / t.minibatches / rec.parallel.training_gpus)
     sizes = [whole] + [2**e for e in range(int(math.log2(max(whole - 1, 1))), -1, -1) if seq <= 2**e < whole]
@@ -313,7 +313,7 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
                         f"({p.gpus_per_node} GPUs)")
 
     P, A = param_count(shape), active_params(shape)
-    seq = rec.data.max_prompt_tokens + r.max_tokens
+    seq = sizing.max_model_len(rec) - 1  # prompt and response; a multi-turn episode's replies too
     sequences = t.prompts_per_step * t.group_size
     tokens = sequences * seq  # an upper bound: responses stop at EOS
     mb_tokens_gpu = math.ceil(tokens / t.minibatches / world)
