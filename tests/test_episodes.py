@@ -214,6 +214,11 @@ def test_a_faulty_environment_ends_its_episode_counted_and_the_others_go_on(tok,
     assert list(bad.token_ids) == call and bad.mask == (1,) * len(call)
     assert good.episode.ended == "answer" and good.episode.env_errors == 0 and good.episode.turns == 2
     assert list(good.token_ids) == call + encode("=1;") + answer
+    from minirl.rollout.episodes import rows
+
+    got = rows([bad, good])
+    assert got["episode/env_errors"] == 1 and got["episode/faults"] == {bad.episode.fault: 1}, got
+    assert got["episode/turns"] == 1.5 and got["episode/tool_calls"] == 1.0
 
 
 def test_an_unreadable_call_is_answered_as_a_tool_error_and_done_ends_with_the_environments_reward(tok):
@@ -325,6 +330,10 @@ def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_d
     assert all(x["replay/route_agreement"] == 1.0 for x in steps)
     assert all(x["train/kl_mu_pi_old"] < 1e-5 for x in steps)
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+    assert not any("episode/faults" in x for x in steps)
+    status = subprocess.run([sys.executable, "-m", "cli.main", "status", str(ws)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert status.returncode == 0 and "turns" in status.stdout and "calls" in status.stdout, status.stdout
 
 
 @pytest.mark.slow

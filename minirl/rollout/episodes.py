@@ -26,6 +26,7 @@ cannot be built or reset: nothing can run then.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -286,4 +287,7 @@ def rows(comps: Sequence[Completion]) -> dict:
             "episode/tool_errors": sum(e.tool_errors for e in eps),
             "episode/env_errors": sum(e.env_errors for e in eps),
             "episode/env_tokens": sum(e.env_tokens for e in eps) / n,
-            "timing/env_s": round(sum(e.env_s for e in eps), 4)}
+            "timing/env_s": round(sum(e.env_s for e in eps), 4),
+            # what the environment's faults were, by kind (a row says why its episodes ended early)
+            **({"episode/faults": dict(collections.Counter(e.fault for e in eps if e.fault))}
+               if any(e.fault for e in eps) else {})}
