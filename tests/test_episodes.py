@@ -407,3 +407,10 @@ def test_a_python_tool_runs_the_models_code_in_the_sandbox_in_qwen3s_format():
     replies = decode([t for t, m in zip(c.token_ids, c.mask) if not m])
     assert replies.startswith(QWEN3.text("42\n")) and "error: " in replies[len(QWEN3.text("42\n")):]
     assert decode(answer_ids(c)) == "42<eos>"
+
+
+class ResetFails(Counter):
+    """An environment that cannot start an episode (its reset raises)."""
+
+    def reset(self, seed=None, episode_id=None, **task):
+        raise ConnectionError("the environment server is down")

@@ -187,6 +187,20 @@ def environment_class(name: str):
     return cls
 
 
+def check_start(env, row: dict) -> None:
+    """One episode of `env` (a recipe's [env]) built and reset with a dataset row, then closed: an
+    environment that cannot start one stops the run before any engine starts (one line)."""
+    cls = environment_class(env.name)
+    try:
+        e = cls(**env.params)
+        e.reset(seed=0, episode_id="preflight", **row)
+    except Exception as err:  # whatever it raises: nothing can run
+        raise UsageError(f"env.name = {env.name!r} could not start an episode: {type(err).__name__}: {err}") from None
+    close = getattr(e, "close", None)
+    if callable(close):
+        close()
+
+
 def check_format(fmt_name: str, encode) -> None:
     """The format's closing text is one token of the model's vocabulary (the engine stops a turn on it)."""
     fmt = TOOL_FORMATS[fmt_name]

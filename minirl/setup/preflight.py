@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from minirl.config import recipes
-from minirl.data.environment import check_format, environment_class
+from minirl.data.environment import check_format, check_start, environment_class
 from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
 from minirl.errors import UsageError
@@ -414,6 +414,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split)
     train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
     heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
+    if rec.env.name and train:  # an environment that cannot start an episode: before any engine starts
+        check_start(rec.env, dict(train[0].record))
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
                          f"({rec.train.prompts_per_step})")
