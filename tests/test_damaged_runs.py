@@ -4,11 +4,16 @@ without it; a resume keeps the good rows alone; an export leaves nothing half-wr
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from minirl.disk import store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,3 +104,22 @@ def test_an_eval_of_a_live_runs_checkpoint_pins_what_it_reads_and_writes_nothing
     assert load_hf_weights(folder).keys() and resolve_checkpoint(ws, rec, str(ckpt)) == folder  # made once
     (run / "summary.json").write_text(json.dumps({"status": "finished"}))
     assert resolve_checkpoint(ws, rec, str(ckpt)) == ckpt / "hf"  # an ended run: beside it, as before
+
+
+def test_a_summary_with_a_non_finite_figure_is_strict_json_and_reads_back_as_it_was(tmp_path):
+    """#82: Python's json wrote a poisoned figure as a bare NaN, which no other JSON reader takes. The
+    summary is strict JSON (null, and `nonfinite` says where and what); minirl reads it back as it was."""
+    summary = {"status": "stopped", "steps": 3, "wall_s": float("inf"),
+               "heldout": {"metric": "avg@4", "start": {"avg@4": 0.5}, "end": {"avg@4": float("nan")},
+                           "gain_points": float("nan")},
+               "last_metrics": {"train/loss": float("-inf"), "h": [1.0, float("nan")]}}
+    path = store.write_summary(tmp_path, summary)
+    strict = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"a bare {c} in summary.json"))
+    assert strict["heldout"]["end"]["avg@4"] is None and strict["wall_s"] is None
+    assert strict["nonfinite"] == {"wall_s": "inf", "heldout.end.avg@4": "nan", "heldout.gain_points": "nan",
+                                   "last_metrics.train/loss": "-inf", "last_metrics.h[1]": "nan"}
+    assert store.summary_problem(tmp_path) is None
+    got = store.read_summary(tmp_path)
+    assert got["wall_s"] == float("inf") and math.isnan(got["heldout"]["end"]["avg@4"])
+    assert got["last_metrics"]["train/loss"] == float("-inf") and math.isnan(got["last_metrics"]["h"][1])
+    assert "nonfinite" not in got and got["steps"] == 3

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +184,7 @@ def summary_problem(run: Path) -> str | None:
         return f"{path} is not readable JSON"
     if not isinstance(got, dict):
         return f"{path} holds {type(got).__name__}, not the summary's fields"
+    got = _restored(got)
     held = got.get("heldout") if isinstance(got.get("heldout"), dict) else {}
     fields = [(key, got, types) for key, types in SUMMARY_TYPES.items()]
     fields += [(f"heldout.{key}", held, types) for key, types in HELDOUT_TYPES.items()]
@@ -196,7 +198,33 @@ def summary_problem(run: Path) -> str | None:
 
 def read_summary(run: Path) -> dict:
     """The run's summary, or {} (a run killed before it wrote one, or a damaged one: `summary_problem`)."""
-    return {} if summary_problem(run) else json_or_empty(Path(run) / SUMMARY)
+    return {} if summary_problem(run) else _restored(json_or_empty(Path(run) / SUMMARY))
+
+
+def _restored(summary: dict) -> dict:
+    """A summary `write_summary` wrote, its non-finite numbers back where they were (as its readers
+    have always had them).
+
+    >>> _restored({"a": {"b": None, "c": [1.0, None]}, "nonfinite": {"a.b": "nan", "a.c[1]": "-inf"}})
+    {'a': {'b': nan, 'c': [1.0, -inf]}}
+    """
+    bad = summary.pop("nonfinite", None)
+    if not isinstance(bad, dict):
+        return summary
+    for at, kind in bad.items():
+        if kind not in ("nan", "inf", "-inf"):
+            continue
+        *parents, last = re.findall(r"[^.\[\]]+|\[\d+\]", at)
+        where = summary
+        try:
+            for p in parents:
+                where = where[int(p[1:-1])] if p.startswith("[") else where[p]
+            key = int(last[1:-1]) if last.startswith("[") else last
+            if where[key] is None:
+                where[key] = float(kind)
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue  # a hand-edited summary: the rest is read as it is
+    return summary
 
 
 def has_summary(run: Path) -> bool:
@@ -204,7 +232,28 @@ def has_summary(run: Path) -> bool:
 
 
 def write_summary(run: Path, summary: dict) -> Path:
-    atomic.write_text(Path(run) / SUMMARY, json.dumps(summary, indent=2))
+    """The summary as strict JSON (#82): a value that is not a finite number anywhere in it (a poisoned
+    step's figure) is written as null, and `nonfinite` says where (dotted keys) and what it was.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> write_summary(d, {"status": "stopped", "heldout": {"end": {"avg@4": float("nan")}}}).read_text().split()
+    ['{', '"status":', '"stopped",', '"heldout":', '{', '"end":', '{', '"avg@4":', 'null', '}', '},', '"nonfinite":', '{', '"heldout.end.avg@4":', '"nan"', '}', '}']
+    """
+    bad: dict[str, str] = {}
+
+    def finite(v, at: str):
+        if isinstance(v, float) and not math.isfinite(v):
+            bad[at] = str(v)
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x, f"{at}.{k}" if at else str(k)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x, f"{at}[{i}]") for i, x in enumerate(v)]
+        return v
+
+    clean = finite(summary, "")
+    atomic.write_text(Path(run) / SUMMARY, json.dumps({**clean, **({"nonfinite": bad} if bad else {})}, indent=2,
+                                                      allow_nan=False))
     return Path(run) / SUMMARY
 
 
