@@ -107,8 +107,9 @@ def final_reward(obs) -> float | None:
 class ToolFormat:
     """How a turn writes a tool call and how a reply follows it.
 
-    open, close:  the text around a call (`open` "": the turn's whole text); `close` must be one token of the vocabulary (the engine
-                  stops the turn on it, and it is kept as the turn's last sampled token)
+    open, close:  the text around a call (`open` "": the turn's whole text); `close` must be one
+                  token of the vocabulary (the engine stops the turn on it, and it is kept as the
+                  turn's last sampled token)
     body:         "json": {"name": ..., "arguments": {...}} (Hermes, Qwen3's chat template);
                   "expr": the text itself, the argument `expr` of the one tool `tool`
     reply:        the text that follows the call, `{}` the tool's reply: the template's turn close,
@@ -187,18 +188,28 @@ def environment_class(name: str):
     return cls
 
 
+def start_episode(cls, env, row: dict, *, seed: int | None, episode_id: str):
+    """A new environment of `cls` with a recipe's [env] params, reset with a dataset row; one line
+    where it cannot start (whatever it raises: no episode of the run could)."""
+    try:
+        e = cls(**env.params)
+        e.reset(seed=seed, episode_id=episode_id, **row)
+    except Exception as err:  # noqa: BLE001 - named in the line
+        raise UsageError(f"env.name = {env.name!r} could not start an episode: {type(err).__name__}: {err}") from None
+    return e
+
+
+def close(e) -> None:
+    """An environment's `close`, where it has one (OpenEnv's is optional)."""
+    done = getattr(e, "close", None)
+    if callable(done):
+        done()
+
+
 def check_start(env, row: dict) -> None:
     """One episode of `env` (a recipe's [env]) built and reset with a dataset row, then closed: an
     environment that cannot start one stops the run before any engine starts (one line)."""
-    cls = environment_class(env.name)
-    try:
-        e = cls(**env.params)
-        e.reset(seed=0, episode_id="preflight", **row)
-    except Exception as err:  # whatever it raises: nothing can run
-        raise UsageError(f"env.name = {env.name!r} could not start an episode: {type(err).__name__}: {err}") from None
-    close = getattr(e, "close", None)
-    if callable(close):
-        close()
+    close(start_episode(environment_class(env.name), env, row, seed=0, episode_id="preflight"))
 
 
 def check_format(fmt_name: str, encode) -> None:

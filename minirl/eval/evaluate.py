@@ -377,9 +377,9 @@ def eval_benchmark(
                     scores = pool.grade(items)
                     won = episode_rewards(comps, scores)  # the grader's, or an episode's own reward
                     for j, i in enumerate(idx):
-                        sc, k_ = scores[j * rec.eval.k : (j + 1) * rec.eval.k], rec.eval.k
-                        row = {"index": i, "answer": records[i]["answer"],
-                               "correct": [w >= 1.0 for w in won[j * k_ : (j + 1) * k_]],
+                        at = slice(j * rec.eval.k, (j + 1) * rec.eval.k)
+                        sc = scores[at]
+                        row = {"index": i, "answer": records[i]["answer"], "correct": [w >= 1.0 for w in won[at]],
                                "extracted": [x.info.get("extracted") for x in sc],
                                "timeouts": sum(bool(x.info.get("timeout")) for x in sc),
                                "errors": sum("error" in x.info for x in sc)}

@@ -92,7 +92,7 @@ class Rollouts:
     def __init__(self, engine, *, sampler: PromptSampler, world: World, rollout, train, clock: Stopwatch,
                  episodes=None):
         self._engine, self._sampler, self._world, self._clock = engine, sampler, world, clock
-        # multi-turn: `episodes.sample(engine, problems, **generate's settings)` samples a batch (run/environments.py)
+        # multi-turn: `episodes.sample(engine, problems, **generate's settings)` samples a batch (episodes.py)
         self._episodes = episodes
         self._rollout, self._train = rollout, train
         self._k = rollout.max_staleness

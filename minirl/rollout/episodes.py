@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minirl.data.environment import TOOL_FORMATS, CallError, ToolFormat, action, environment_class, final_reward, reply
-from minirl.errors import UsageError
+from minirl.data.environment import (TOOL_FORMATS, CallError, ToolFormat, action, close, environment_class, final_reward,
+                                     reply, start_episode)
 from minirl.models import sizing
 from minirl.rollout.engine import Completion, Engine, EpisodeInfo
 
@@ -138,13 +138,12 @@ def sample_episodes(
         call_seed = None if seed is None else seed + 1_000_003 * turn
         if turn == 0:  # the group's n episodes share the prompt: one request of n samples each
             groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens,
-                                     seed=call_seed, stop=stop, **({"seeded_requests": True} if seeded_requests else {}))
+                                     seed=call_seed, stop=stop, seeded_requests=seeded_requests)
             samples = [c for g in groups for c in g]
         else:
             budgets = [budget(e, max_tokens, max_model_len) for e in live]
             groups = engine.generate([e.prompt + e.ids for e in live], n=1, temperature=temperature,
-                                     max_tokens=budgets, seed=call_seed, stop=stop,
-                                     **({"seeded_requests": True} if seeded_requests else {}))
+                                     max_tokens=budgets, seed=call_seed, stop=stop, seeded_requests=seeded_requests)
             samples = [g[0] for g in groups]
         for e, c in zip(live, samples, strict=True):
             e.take(c)
@@ -260,20 +259,12 @@ class Environments:
                                    step_timeout_s=self.settings.step_timeout_s, seeded_requests=seeded_requests)
         finally:
             for env in (e for row in envs for e in row):
-                close = getattr(env, "close", None)
-                if callable(close):
-                    close()
+                close(env)
 
     def _start(self, problem, j: int, seed: int | None):
         """Episode j of `problem`: a new environment, reset with the row's fields."""
         row = dict(problem.record) if isinstance(getattr(problem, "record", None), dict) else {}
-        try:
-            env = self.cls(**self.settings.params)
-            env.reset(seed=None if seed is None else seed + j, episode_id=str(j), **row)
-        except Exception as e:  # nothing can run: every episode of the run starts this way
-            raise UsageError(f"env.name = {self.settings.name!r} could not start an episode: {type(e).__name__}: {e}") \
-                from None
-        return env
+        return start_episode(self.cls, self.settings, row, seed=None if seed is None else seed + j, episode_id=str(j))
 
 
 def rows(comps: Sequence[Completion]) -> dict:
