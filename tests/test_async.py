@@ -482,3 +482,101 @@ def test_two_processes_move_the_weights_by_broadcast(tiny_dir, tmp_path):
     flat = lambda rows: [x for r in rows for x in r]
     np.testing.assert_allclose(flat(engine["after"]), flat(trainer), rtol=0, atol=1e-4)
     assert max(abs(a - b) for a, b in zip(flat(engine["before"]), flat(trainer))) > 0.05
+
+
+def _clean_forwards(prompt_len: int, c) -> list[int]:
+    """For each position an episode fed through the engine, the version of the weights that fed it
+    where that forward and every earlier one of its request ran on those weights alone, else -1.
+
+    The forward that fed position p sampled the first sampled token after p (a turn's prefill feeds
+    the previous turn's last token and the reply, and samples the turn's first token); a request's
+    forwards are clean up to the first sync within it, and each turn is a request of its own (no
+    prefix cache on a CPU engine: its prefill recomputes the episode under the weights of its time)."""
+    first = None  # the version of the current turn's first token
+    clean = []  # per sampled position of the ids: its version if clean, else -1
+    for k, (m, v) in enumerate(zip(c.mask, c.versions)):
+        if m and (k == 0 or not c.mask[k - 1]):
+            first = v
+        clean.append((v if v == first else -1) if m else None)
+    out = []
+    for p in range(prompt_len + len(c.token_ids) - 1):
+        q = next(k for k in range(max(0, p + 1 - prompt_len), len(c.mask)) if c.mask[k])
+        out.append(clean[q])
+    return out
+
+
+@INFLIGHT
+def test_episodes_at_k2_with_a_sync_between_and_within_turns_stay_exact(inflight, tiny_dir):
+    """#84 at k ≥ 1 with in-flight updates: the engine's process runs the turn loop in its stream, each
+    episode's next turn asked as its last one ends, and a sync lands after 4 forward steps, within some
+    episodes' turns and between others'. Every token says which weights sampled it; wherever a
+    token's forward and those before it in its turn ran on one version v, its log μ is the fp32
+    trainer's log π_v within 1e-4 and the route fed there is the trainer's own routing under θ_v in
+    every layer, the last sampled token of each turn (fed by the next turn's prefill: θ_1's where the
+    sync came between) and the environment's tokens included; the environment's tokens are masked."""
+    from transformers import AutoTokenizer
+
+    from minirl.config.recipe import EnvConfig
+    from minirl.data.prompts import Problem
+    from minirl.models.shapes import TINY
+    from minirl.rollout import sync as weight_sync
+    from minirl.rollout.episodes import Environments
+    from minirl.train.batch import build_batch
+    from minirl.train.replay import rollout_routes, route_agreement
+    from minirl.train.trainer import Trainer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    envs = Environments(EnvConfig(name="tests.test_episodes:Counter", tool_format="tiny", max_turns=4,
+                                  max_reply_tokens=8), tokenizer=tok, max_model_len=32)
+    tr = Trainer(TINY, lr=0.0)
+    tr.load_hf(tiny_dir)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=0)
+    n, problems = 8, [Problem(tuple(p), {"row": i}) for i, p in enumerate(PROMPTS)]
+    inflight.call("hold_after", 4)
+    handle = inflight.submit("generate", PROMPTS, n=n, temperature=1.3, max_tokens=14, seed=3,
+                             episodes=envs.request(problems, seed=3))
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.mul_(1.5)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=1)
+    got = inflight.result(handle)
+    comps = [c for g in got for c in g]
+    prompts = [p for p in PROMPTS for _ in range(n)]
+    batch = build_batch(prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], None, pad_id=0,
+                        masks=[c.mask for c in comps], temperature=1.3)
+    pi1, _, own1 = tr.logprobs(batch, record_routes=True)
+    tr.load_hf(tiny_dir)
+    pi0, _, own0 = tr.logprobs(batch, record_routes=True)
+    weight_sync.queue(tr, inflight, bucket_bytes=2**30, slots=1, version=2)  # as the module found it
+
+    at = torch.full_like(batch.mask_BT, -2.0)
+    # the Counter's replies, or the format's to a call it cannot read
+    reply_ids = {tuple(tok.encode(t, add_special_tokens=False)) for t in ["=?;", *(f"=={k};;" for k in range(1, 5))]}
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        assert c.episode is not None and len(c.versions) == len(c.token_ids) == len(c.mask)
+        sampled = [v for v, m in zip(c.versions, c.mask) if m]
+        assert sampled == sorted(sampled) and set(sampled) <= {0, 1}  # within k = 2 of the trained weights
+        k = 0  # every stretch of environment tokens is a reply, verbatim
+        while k < len(c.mask):
+            if c.mask[k]:
+                k += 1
+                continue
+            end = next((e for e in range(k, len(c.mask)) if c.mask[e]), len(c.mask))
+            assert tuple(c.token_ids[k:end]) in reply_ids and set(c.logprobs[k:end]) == {0.0}
+            k = end
+        assert c.routes.shape[0] == len(p) + len(c.token_ids) - 1
+        at[i, : c.routes.shape[0]] = torch.tensor(_clean_forwards(len(p), c), dtype=at.dtype)
+    routes = rollout_routes(comps, batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
+    sampled = batch.mask_BT > 0
+    later = torch.zeros_like(sampled)  # tokens of a turn after the first, and the positions that fed them
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        first_end = next((k for k in range(len(c.mask)) if not c.mask[k]), len(c.mask))
+        later[i, len(p) + first_end - 1: len(p) + len(c.token_ids) - 1] = True
+    for v, pi, own in ((0, pi0, own0), (1, pi1, own1)):
+        here = at == v
+        assert float((batch.rollout_logp_BT - pi)[here & sampled].abs().max()) < 1e-4
+        assert route_agreement(routes, own, here.float()).tolist() == [1.0] * TINY.n_layers
+        assert int((here & later & sampled).sum()) >= 3, v  # later turns sampled cleanly by θ_v
+        assert int((here & later & ~sampled).sum()) >= 3, v  # ... and the replies' positions fed by θ_v
+    assert int((at == -1).sum()) > 0  # the sync landed within a turn too: those forwards are mixed
+    assert sum(c.episode.turns >= 2 for c in comps) >= 6 and sum(c.episode.tool_calls for c in comps) >= 6

@@ -296,10 +296,13 @@ class Calc:
 
 
 @pytest.mark.slow
-def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_dir, tmp_path):
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_dir, tmp_path, ahead):
     """`minirl run` with env.name = a module of the test's own: three steps of episodes on the random tiny
     model (it closes a call with ")" now and then), trained on their sampled tokens alone, the rows
-    counting turns, calls and replies."""
+    counting turns, calls and replies. At k = 0 every route and log μ is the trainer's; at k = 2 with
+    in-flight updates the engine's process runs the episodes (tests/test_async.py has their exactness)
+    and every sampled token is within the bound, the environment's counted in no version."""
     import json
     import os
     import subprocess
@@ -314,6 +317,8 @@ def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_d
     sets = ["env.name=calc_env:Calc", "env.tool_format=tiny", "env.max_turns=3", "env.max_reply_tokens=8",
             "env.params={\"digits\": 3}", "rollout.max_tokens=10", "train.prompts_per_step=8", "train.group_size=4",
             "eval.k=1", "rollout.precision=fp32", "train.replay=r3", "train.replay_diagnostics=true"]
+    if ahead:
+        sets += [f"rollout.max_staleness={ahead}", "rollout.inflight_updates=true"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "mods")}
     r = subprocess.run([sys.executable, "-m", "cli.main", "run", str(ws), "--model", str(tiny_dir), "--steps", "3",
                         *[a for s in sets for a in ("--set", s)]], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -327,8 +332,16 @@ def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_d
     assert all(x["episode/env_errors"] == 0 for x in steps) and sum(x["episode/env_tokens"] for x in steps) > 0
     # fp32 engine and trainer with R3: the episodes' routes agree with the trainer's own at every fed position,
     # the loss saw the sampled tokens alone (resp_len counts them) and log μ is the trainer's
-    assert all(x["replay/route_agreement"] == 1.0 for x in steps)
-    assert all(x["train/kl_mu_pi_old"] < 1e-5 for x in steps)
+    if ahead:  # each row's histogram of staleness counts its sampled tokens (resp_len), none past the bound
+        for x in steps:
+            assert sum(x["rollout/staleness_tokens"]) == round(x["rollout/resp_len"] * 8 * 4)
+            assert len(x["rollout/staleness_tokens"]) == ahead + 1 and x["rollout/staleness_max"] <= ahead
+        assert steps[-1]["rollout/staleness_max"] > 0
+    else:
+        assert all(x["replay/route_agreement"] == 1.0 for x in steps)
+        assert all(x.get("replay/route_agreement_env", 1.0) == 1.0 for x in steps)  # the replies' positions too
+        assert any("replay/route_agreement_env" in x for x in steps)
+        assert all(x["train/kl_mu_pi_old"] < 1e-5 for x in steps)
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
     assert not any("episode/faults" in x for x in steps)
     status = subprocess.run([sys.executable, "-m", "cli.main", "status", str(ws)], cwd=ROOT, env=env, capture_output=True,

@@ -69,9 +69,9 @@ def validate(r: Recipe) -> None:
     odd = {k: v for k, v in kw.items() if not isinstance(v, (bool, int, float, str))}
     if odd:
         raise UsageError(f"data.chat_template_kwargs: {odd} — each value must be a boolean, number or string")
-    if r.env.name and (r.rollout.max_staleness or p.rollout_gpus):
-        raise UsageError(f"env.name = {r.env.name!r}: multi-turn episodes run one step at a time in the trainer's "
-                         "process for now (#84): set rollout.max_staleness = 0 and parallel.rollout_gpus = 0")
+    if r.env.name and p.rollout_gpus:
+        raise UsageError(f"env.name = {r.env.name!r}: multi-turn episodes run beside the trainer for now (#84), "
+                         "not on rollout GPUs of their own: set parallel.rollout_gpus = 0")
     if r.env.params and not r.env.name:
         raise UsageError(f"env.params = {r.env.params} configure an environment, and env.name names none")
     ro = r.rollout

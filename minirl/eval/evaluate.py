@@ -355,8 +355,7 @@ def eval_benchmark(
         if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
             from minirl.rollout.episodes import Environments  # deferred: torch (the CLI imports this module at start)
 
-            episodes = Environments(rec.env, encode=lambda s: tok.encode(s, add_special_tokens=False),
-                                    decode=lambda ids: tok.decode(list(ids)), max_model_len=ctx)
+            episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx)
         try:
             with partial.open("a") as f:
                 for s in range(0, len(todo), chunk):

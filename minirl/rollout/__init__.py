@@ -213,9 +213,13 @@ class Rollouts:
         return self._engine.generate(*args, **kw)
 
     def _request(self, asked: list, *, seed: int) -> tuple[tuple, dict]:
-        """A batch's `generate` call: G responses to each prompt asked, at the recipe's sampling."""
-        return ([p.prompt_ids for p in asked],), dict(n=self._train.group_size, temperature=self._rollout.temperature,
-                                                       max_tokens=self._rollout.max_tokens, seed=seed)
+        """A batch's `generate` call: G responses to each prompt asked, at the recipe's sampling (G
+        episodes each, run by the engine's process at k ≥ 1: stream.py)."""
+        kw = dict(n=self._train.group_size, temperature=self._rollout.temperature, max_tokens=self._rollout.max_tokens,
+                  seed=seed)
+        if self._episodes is not None and self._k:
+            kw["episodes"] = self._episodes.request(asked, seed=seed)
+        return ([p.prompt_ids for p in asked],), kw
 
     def _kept(self, asked: list, answer: list) -> tuple[list, list[list[Completion]]]:
         """This rank's share of a batch's problems and answers (rollout GPUs: the answer is its own already)."""

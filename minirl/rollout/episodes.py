@@ -101,6 +101,51 @@ class _Episode:
                           self.regenerated, mask=tuple(self.mask), episode=EpisodeInfo(**self.info))
 
 
+class Turns:
+    """A batch's episodes, n of each prompt, as the turn loop drives them: `took(i, j, c)` takes what
+    episode j of prompt i sampled in a turn and returns what it asks next (its ids so far, the next
+    turn's prompt, and what it may still sample), or None where it ended. The synchronous loop below
+    asks a turn's requests together; an engine's stream (stream.py) asks an episode's next turn as
+    soon as its last one finished, so with in-flight updates each turn is sampled by the weights of
+    its own time (each token stamped with its version)."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], envs: Sequence[Sequence[object]], *, fmt: ToolFormat,
+                 encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], n: int, max_tokens: int,
+                 max_turns: int, max_model_len: int, step_timeout_s: float = 30.0, max_reply_tokens: int | None = None):
+        self.stop = encode(fmt.close)
+        if len(self.stop) != 1:
+            raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(self.stop)} tokens: the engine stops "
+                             "a turn on one token of the vocabulary")
+        self.episodes = [[_Episode(list(p), envs[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
+        self.fmt, self.encode, self.decode = fmt, encode, decode
+        self.max_tokens, self.max_turns, self.max_model_len = max_tokens, max_turns, max_model_len
+        self.step_timeout_s, self.max_reply_tokens = step_timeout_s, max_reply_tokens
+
+    def took(self, i: int, j: int, c: Completion) -> tuple[list[int], int] | None:
+        e = self.episodes[i][j]
+        e.take(c)
+        if c.finish == "length" or not c.token_ids or c.token_ids[-1] != self.stop[0]:
+            e.end("length" if c.finish == "length" else "answer")
+        elif e.info["turns"] >= self.max_turns:
+            e.end("max_turns")
+        elif e.sampled >= self.max_tokens:  # no token left to answer a reply with: none is asked for
+            e.end("length")
+        else:
+            answer(e, c.token_ids, self.fmt, self.encode, self.decode, self.step_timeout_s, self.max_model_len,
+                   self.max_reply_tokens)
+        if e.info["ended"]:
+            return None
+        return e.prompt + e.ids, budget(e, self.max_tokens, self.max_model_len)
+
+    def completions(self) -> list[list[Completion]]:
+        return [[e.completion() for e in group] for group in self.episodes]
+
+    def close(self) -> None:
+        """Every episode's environment closed (their `close`, where they have one)."""
+        for e in (e for group in self.episodes for e in group):
+            close(e.env)
+
+
 def sample_episodes(
     engine: Engine,
     prompts: Sequence[Sequence[int]],
@@ -119,43 +164,27 @@ def sample_episodes(
     max_reply_tokens: int | None = None,
     seeded_requests: bool = False,
 ) -> list[list[Completion]]:
-    """n episodes per prompt, [len(prompts)][n], in prompt order; `envs[i][j]` is episode j of prompt
-    i's environment, reset for its row. `max_tokens`: the sampled tokens of an episode, all its turns
-    together; `max_model_len`: the engine's context, which prompt, turns and replies share.
-    `encode` tokenizes a reply's text (no special tokens added), `decode` a turn's sampled ids.
-    `max_reply_tokens`: the longest reply taken (the run's context is planned with it). `seeded_requests`:
-    as `Engine.generate`'s, at every turn (the held-out evaluation's)."""
-    stop = encode(fmt.close)
-    if len(stop) != 1:
-        raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(stop)} tokens: the engine stops a "
-                         "turn on one token of the vocabulary")
-    episodes = [[_Episode(list(p), envs[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
-    flat = [e for group in episodes for e in group]
-    for turn in range(max_turns):
-        live = [e for e in flat if not e.info["ended"]]
-        if not live:
-            break
-        call_seed = None if seed is None else seed + 1_000_003 * turn
-        if turn == 0:  # the group's n episodes share the prompt: one request of n samples each
-            groups = engine.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens,
-                                     seed=call_seed, stop=stop, seeded_requests=seeded_requests)
-            samples = [c for g in groups for c in g]
-        else:
-            budgets = [budget(e, max_tokens, max_model_len) for e in live]
-            groups = engine.generate([e.prompt + e.ids for e in live], n=1, temperature=temperature,
-                                     max_tokens=budgets, seed=call_seed, stop=stop, seeded_requests=seeded_requests)
-            samples = [g[0] for g in groups]
-        for e, c in zip(live, samples, strict=True):
-            e.take(c)
-            if c.finish == "length" or not c.token_ids or c.token_ids[-1] != stop[0]:
-                e.end("length" if c.finish == "length" else "answer")
-            elif turn == max_turns - 1:
-                e.end("max_turns")
-            elif e.sampled >= max_tokens:  # no token left to answer a reply with: none is asked for
-                e.end("length")
-            else:
-                answer(e, c.token_ids, fmt, encode, decode, step_timeout_s, max_model_len, max_reply_tokens)
-    return [[e.completion() for e in group] for group in episodes]
+    """n episodes per prompt, [len(prompts)][n], in prompt order, a turn of every live episode per
+    `engine.generate`; `envs[i][j]` is episode j of prompt i's environment, reset for its row.
+    `max_tokens`: the sampled tokens of an episode, all its turns together; `max_model_len`: the
+    engine's context, which prompt, turns and replies share. `encode` tokenizes a reply's text (no
+    special tokens added), `decode` a turn's sampled ids. `max_reply_tokens`: the longest reply taken
+    (the run's context is planned with it). `seeded_requests`: as `Engine.generate`'s, at every turn
+    (the held-out evaluation's)."""
+    turns = Turns(prompts, envs, fmt=fmt, encode=encode, decode=decode, n=n, max_tokens=max_tokens,
+                  max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
+                  max_reply_tokens=max_reply_tokens)
+    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests)
+    # the first turn: the group's n episodes share the prompt, one request of n samples each
+    groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
+    asks = [(i, j, nxt) for i, g in enumerate(groups) for j, c in enumerate(g) if (nxt := turns.took(i, j, c))]
+    turn = 1
+    while asks:
+        groups = engine.generate([p for _, _, (p, _) in asks], n=1, max_tokens=[b for _, _, (_, b) in asks],
+                                 seed=None if seed is None else seed + 1_000_003 * turn, **ask)
+        asks = [(i, j, nxt) for (i, j, _), g in zip(asks, groups, strict=True) if (nxt := turns.took(i, j, g[0]))]
+        turn += 1
+    return turns.completions()
 
 
 def budget(e: _Episode, max_tokens: int, max_model_len: int) -> int:
@@ -233,24 +262,38 @@ def within(step, call, timeout_s: float):
 
 class Environments:
     """A recipe's [env]: `sample(engine, problems, n=, temperature=, max_tokens=, seed=)` samples n episodes
-    of each problem (a step's, or the held-out evaluation's), each with an environment of its own."""
+    of each problem (a step's, or the held-out evaluation's), each with an environment of its own, a
+    turn of every episode per `generate`; `request(problems, seed)` is the same batch for an engine's
+    process to run in its stream (stream.py: with `rollout.max_staleness` ≥ 1 and in-flight updates).
+    Pickled without its tokenizer: the engine's process tokenizes with its own (the model's)."""
 
-    def __init__(self, env, *, encode, decode, max_model_len: int):
+    def __init__(self, env, *, tokenizer, max_model_len: int):
         self.settings, self.cls = env, environment_class(env.name)
         self.fmt = TOOL_FORMATS[env.tool_format]
-        self.encode, self.decode, self.max_model_len = encode, decode, max_model_len
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
 
     @classmethod
     def from_recipe(cls, rec, tokenizer) -> "Environments | None":
         """None for a single-turn recipe (env.name "")."""
         if not rec.env.name:
             return None
-        return cls(rec.env, encode=lambda s: tokenizer.encode(s, add_special_tokens=False),
-                   decode=lambda ids: tokenizer.decode(list(ids)), max_model_len=sizing.max_model_len(rec))
+        return cls(rec.env, tokenizer=tokenizer, max_model_len=sizing.max_model_len(rec))
+
+    def __getstate__(self) -> dict:
+        return dict(settings=self.settings, max_model_len=self.max_model_len)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["settings"], tokenizer=None, max_model_len=state["max_model_len"])
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
 
     def sample(self, engine, problems: Sequence, *, n: int, temperature: float, max_tokens: int,
                seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
-        envs = [[self._start(p, j, seed) for j in range(n)] for p in problems]
+        envs = [[self._start(_row(p), j, seed) for j in range(n)] for p in problems]
         try:
             return sample_episodes(engine, [p.prompt_ids for p in problems], envs, fmt=self.fmt, encode=self.encode,
                                    decode=self.decode, n=n, temperature=temperature, max_tokens=max_tokens,
@@ -261,10 +304,37 @@ class Environments:
             for env in (e for row in envs for e in row):
                 close(env)
 
-    def _start(self, problem, j: int, seed: int | None):
-        """Episode j of `problem`: a new environment, reset with the row's fields."""
-        row = dict(problem.record) if isinstance(getattr(problem, "record", None), dict) else {}
+    def request(self, problems: Sequence, *, seed: int | None) -> "EpisodeRequest":
+        """A batch's episodes for an engine's process (its `generate(..., episodes=)`): the rows they
+        reset with; the process builds the environments and runs the turns (`EpisodeRequest.turns`)."""
+        return EpisodeRequest(self, tuple(_row(p) for p in problems), seed)
+
+    def _start(self, row: dict, j: int, seed: int | None):
+        """Episode j of a row: a new environment, reset with the row's fields."""
         return start_episode(self.cls, self.settings, row, seed=None if seed is None else seed + j, episode_id=str(j))
+
+
+def _row(problem) -> dict:
+    return dict(problem.record) if isinstance(getattr(problem, "record", None), dict) else {}
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """A batch's episodes as sent to an engine's process (picklable): the recipe's environments, the
+    rows their episodes reset with, the batch's seed."""
+    environments: Environments
+    rows: tuple[dict, ...]
+    seed: int | None
+
+    def turns(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, tokenizer) -> Turns:
+        """In the engine's process, with its tokenizer: the episodes, each environment built and reset
+        with its row."""
+        e = self.environments
+        e.tokenizer = tokenizer
+        envs = [[e._start(row, j, self.seed) for j in range(n)] for row in self.rows]
+        return Turns(prompts, envs, fmt=e.fmt, encode=e.encode, decode=e.decode, n=n, max_tokens=max_tokens,
+                     max_turns=e.settings.max_turns, max_model_len=e.max_model_len,
+                     step_timeout_s=e.settings.step_timeout_s, max_reply_tokens=e.settings.max_reply_tokens)
 
 
 def rows(comps: Sequence[Completion]) -> dict:

@@ -32,6 +32,20 @@ def top_up_seed(seed: int, step: int, draw: int) -> int:
     return random.Random(f"minirl/top-up/{seed}/{step}/{draw}").getrandbits(62)
 
 
+def request_seed(base: int, prompt: int, slot: int | None, *, redraws: int = 0, turn: int = 0,
+                 own: bool = False) -> int:
+    """A seeded request's generator seed (`seeded_requests`): prompt i's n samples draw from base + i;
+    a redrawn R3 sample draws anew. `own`: one sample asked alone (an episode's turn, its first
+    included): a seed of its own for each (prompt, sample, turn, draw).
+
+    >>> request_seed(5, 2, None), request_seed(5, 2, 0, own=True) == request_seed(5, 2, 1, own=True)
+    (7, False)
+    """
+    if own:
+        return random.Random(f"minirl/request/{base}/{prompt}/{slot}/{turn}/{redraws}").getrandbits(63)
+    return (base + prompt + 1_000_003 * ((slot or 0) + 1) * redraws) % 2**63
+
+
 @contextlib.contextmanager
 def seeded_sampling(seed: int | None, *, stream: int = 0):
     """Run a `generate` call's sampling from the process's generators seeded for this call, and

@@ -13,6 +13,12 @@ seed seeds the process's generators when it comes to an idle engine, and they ge
 when it is idle again: alone, a call repeats; beside others, its noise depends on theirs (with
 in-flight updates a run does not repeat exactly anyway).
 
+A call of multi-turn episodes (`add(..., episodes=)`, episodes.py) is answered when its episodes
+have all ended: each episode's next turn is asked as a request of its own as soon as its last one
+finished (its log μ, versions and routes cut from the captures then), the environment's reply
+appended, so a sync that comes in between two turns, or within one, samples the rest of that
+episode, and each token says which weights sampled it.
+
 `VLLMEngine.generate` is a stream of one call; the engine's process (process.py) keeps one across
 calls (`rollout.inflight_updates`).
 """
@@ -27,19 +33,28 @@ from minirl.rollout import vllm_internals
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.engine import Completion
-from minirl.rollout.seeding import call_seed, seeded_sampling
+from minirl.rollout.seeding import call_seed, request_seed, seeded_sampling
 
 
 @dataclass
 class _Call:
-    prompts: list[list[int]]
     n: int
     params: dict  # temperature, stop
-    budgets: list[int]  # each prompt's max_tokens
-    waiting: int = 0  # its requests in flight
-    finished: list = field(default_factory=list)  # (vLLM's output, prompt, completion or all n) of those done
-    redrawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (prompt, completion) → draws thrown away
+    groups: list[list]  # [prompt][n]: the completions as their requests finish
     seed: int | None = None  # seeded requests: the call's base seed (a prompt's is base + its index)
+    turns: object = None  # multi-turn: its episodes (episodes.Turns), asked each next turn
+    waiting: int = 0  # its requests in flight
+    redrawn: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (prompt, completion, turn) → draws thrown away
+
+
+@dataclass(frozen=True)
+class _Request:
+    tag: int  # its call's
+    i: int  # the call's prompt it answers
+    slot: int | None  # its completion of that prompt (None: all n)
+    prompt: list[int]  # what it is asked to continue (an episode's turn: the episode so far)
+    budget: int  # its max_tokens
+    turn: int = 0  # an episode's turn
 
 
 class Stream:
@@ -47,7 +62,7 @@ class Stream:
         self.engine, self.max_redraws = engine, max_redraws
         self._llm = engine._llm
         self._calls: dict[int, _Call] = {}
-        self._owner: dict[str, tuple[int, int, int | None]] = {}  # request id → (call, prompt, completion or all n)
+        self._owner: dict[str, _Request] = {}  # request id → what it answers
         self._open = contextlib.ExitStack()  # while busy: the seeded generators, the preemption watch
         self._preempted: dict[tuple[str, int], int] = {}
         # each token's policy version, from the syncs seen between forward steps (CUDA's stamps; the
@@ -62,72 +77,88 @@ class Stream:
         return bool(self._calls)
 
     def add(self, tag: int, prompts, *, n: int, temperature: float, max_tokens, seed: int | None = None,
-            seeded_requests: bool = False, stop=()) -> None:
+            seeded_requests: bool = False, stop=(), episodes=None) -> None:
         """Call `tag`'s n samples of each prompt, into the engine at once (between two forward steps).
         `seeded_requests`: prompt i's samples drawn from a generator of their own, seeded from the
-        call's seed and i, whatever else is in flight or how many sequences the engine schedules."""
-        if not self._calls:
-            self._begin(seed)
-        base = call_seed(seed if seed is not None else 0, stream=self.engine.stream) if seeded_requests else None
+        call's seed and i, whatever else is in flight or how many sequences the engine schedules.
+        `episodes` (episodes.EpisodeRequest): n episodes of each prompt, each turn after the first
+        asked as its last one finishes; the call's answer is the episodes."""
         budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         if len(budgets) != len(prompts):
             raise ValueError(f"{len(budgets)} max_tokens for {len(prompts)} prompts")
-        self._calls[tag] = _Call([list(p) for p in prompts], n, dict(temperature=temperature, stop=tuple(stop)),
-                                 budgets, seed=base)
-        for i in range(len(prompts)):
-            self._ask(tag, i, None, n)
+        turns = None
+        if episodes is not None:  # its environments built and reset here, before anything of it runs
+            turns = episodes.turns(prompts, n=n, max_tokens=max_tokens, tokenizer=self._llm.get_tokenizer())
+            stop = turns.stop
+        if not self._calls:
+            self._begin(seed)
+        base = call_seed(seed if seed is not None else 0, stream=self.engine.stream) if seeded_requests else None
+        self._calls[tag] = _Call(n, dict(temperature=temperature, stop=tuple(stop)), [[None] * n for _ in prompts],
+                                 seed=base, turns=turns)
+        for i, p in enumerate(prompts):
+            if turns is None:
+                self._ask(_Request(tag, i, None, list(p), budgets[i]), n)
+            else:  # an episode's turns go at its own pace: its first is a request of its own too
+                for j in range(n):
+                    self._ask(_Request(tag, i, j, list(p), budgets[i]), 1)
 
     def step(self) -> list[tuple[int, list[list[Completion]]]]:
         """One forward step of every request in flight; the calls it completed, with their completions
-        (cut from the captures once a call's requests have all finished)."""
+        (each cut from the captures as its request finishes)."""
         if self.engine.version != self._seen:  # a sync loaded since the last step: what was sampled was the old weights'
             for key, sampled in vllm_internals.progress(self._llm.llm_engine).items():
                 self._marks.setdefault(key, []).append((sampled, self.engine.version))
             self._seen = self.engine.version
         finished = [o for o in self._llm.llm_engine.step() if o.finished]
+        if finished:
+            ids = [o.request_id for o in finished]
+            routes = self._llm.collective_rpc(cpu_routes.take, args=(ids,))[0] if self._cpu_routes else {}
+            logps, stamps = self._llm.collective_rpc(cpu_logprobs.take, args=(ids,))[0] \
+                if self.engine.capture_logprobs else ({}, {})
         for o in finished:
-            tag, i, j = self._owner.pop(o.request_id)
-            call = self._calls[tag]
+            req = self._owner.pop(o.request_id)
+            call = self._calls[req.tag]
             call.waiting -= 1
-            call.finished.append((o, i, j))
-            if not self.engine.capture_routes:
-                continue
-            for c in o.outputs:  # a preempted sample's routes were recomputed: asked again at once
-                if (o.request_id, c.index) in self._preempted:
-                    slot = c.index if j is None else j
-                    call.redrawn[(i, slot)] = call.redrawn.get((i, slot), 0) + 1
-                    if call.redrawn[(i, slot)] > self.max_redraws:
-                        raise RuntimeError(f"an R3 sample preempted {self.max_redraws + 1} times in a row: the "
-                                           "engine's KV cache cannot hold what it is asked to sample "
-                                           "(rollout.kv_cache_gib, rollout.memory_fraction)")
-                    self._ask(tag, i, slot, 1)
+            start = self._asked_at.pop(o.request_id)
+            for c in o.outputs:
+                slot = c.index if req.slot is None else req.slot
+                marks = self._marks.pop((o.request_id, c.index), ())
+                times = self._preempted.pop((o.request_id, c.index), 0)
+                if times and self.engine.capture_routes:  # its routes were recomputed: asked again at once
+                    self._redraw(req, slot)
+                    continue
+                got = self.engine.completion(req.prompt, o.request_id, c, logps, stamps, routes)
+                if got.versions is None:  # no CPU capture stamped them
+                    got = dataclasses.replace(got, versions=self._versions(start, marks, len(c.token_ids)))
+                got = dataclasses.replace(got, preempted=times, regenerated=call.redrawn.get((req.i, slot, req.turn), 0))
+                if call.turns is None:
+                    call.groups[req.i][slot] = got
+                elif (nxt := call.turns.took(req.i, slot, got)) is not None:  # the episode's next turn
+                    self._ask(_Request(req.tag, req.i, slot, nxt[0], nxt[1], req.turn + 1), 1)
         done = [(tag, self._complete(tag)) for tag in [t for t, call in self._calls.items() if not call.waiting]]
         if not self._calls:
             self._end()
         return done
 
+    def _redraw(self, req: _Request, slot: int) -> None:
+        """A preempted R3 sample asked again, as a request of its own (its call waits for it)."""
+        call, key = self._calls[req.tag], (req.i, slot, req.turn)
+        call.redrawn[key] = call.redrawn.get(key, 0) + 1
+        if call.redrawn[key] > self.max_redraws:
+            raise RuntimeError(f"an R3 sample preempted {self.max_redraws + 1} times in a row: the engine's KV cache "
+                               "cannot hold what it is asked to sample (rollout.kv_cache_gib, rollout.memory_fraction)")
+        self._ask(dataclasses.replace(req, slot=slot), 1)
+
     def _complete(self, tag: int) -> list[list[Completion]]:
-        """A call whose requests have all finished: its completions, [prompt][n], from vLLM's outputs
-        and what the captures hold for them (taken out of them)."""
+        """A call whose requests have all finished: its completions, [prompt][n] (its episodes'),
+        its environments closed."""
         call = self._calls.pop(tag)
-        ids = [o.request_id for o, _, _ in call.finished]
-        routes = self._llm.collective_rpc(cpu_routes.take, args=(ids,))[0] if self._cpu_routes else {}
-        logps, stamps = self._llm.collective_rpc(cpu_logprobs.take, args=(ids,))[0] \
-            if self.engine.capture_logprobs else ({}, {})
-        groups: list[list[Completion | None]] = [[None] * call.n for _ in call.prompts]
-        for o, i, j in call.finished:
-            start = self._asked_at.pop(o.request_id)
-            for c in o.outputs:
-                marks = self._marks.pop((o.request_id, c.index), ())
-                times = self._preempted.pop((o.request_id, c.index), 0)
-                if times and self.engine.capture_routes:
-                    continue  # drawn again
-                slot = c.index if j is None else j
-                got = self.engine.completion(call.prompts[i], o.request_id, c, logps, stamps, routes)
-                if got.versions is None:  # no CPU capture stamped them
-                    got = dataclasses.replace(got, versions=self._versions(start, marks, len(c.token_ids)))
-                groups[i][slot] = dataclasses.replace(got, preempted=times, regenerated=call.redrawn.get((i, slot), 0))
-        return groups
+        if call.turns is None:
+            return call.groups
+        try:
+            return call.turns.completions()
+        finally:
+            call.turns.close()
 
     @staticmethod
     def _versions(start: int, marks, length: int) -> tuple[int, ...]:
@@ -147,7 +178,7 @@ class Stream:
         gone = [t for t in tags if t in self._calls]
         if not gone:
             return []
-        rids = [rid for rid, (tag, _, _) in self._owner.items() if tag in gone]
+        rids = [rid for rid, req in self._owner.items() if req.tag in gone]
         self._llm.llm_engine.abort_request(rids)
         if self._cpu_routes:
             self._llm.collective_rpc(cpu_routes.take, args=(rids,))
@@ -160,7 +191,7 @@ class Stream:
         for key in [k for k in self._preempted if k[0] in rids]:  # in place: the preemption watch writes into it
             del self._preempted[key]
         for t in gone:
-            self._calls.pop(t)
+            _close(self._calls.pop(t))
         if not self._calls:
             self._end()
         return gone
@@ -171,6 +202,9 @@ class Stream:
         tags = list(self._calls)
         with contextlib.suppress(Exception):
             self._llm.llm_engine.abort_request(list(self._owner))
+        for call in self._calls.values():
+            with contextlib.suppress(Exception):
+                _close(call)
         self._calls.clear()
         self._owner.clear()
         self._asked_at.clear()
@@ -187,17 +221,20 @@ class Stream:
     def _cpu_routes(self) -> bool:
         return self.engine.capture_routes and self.engine.on_cpu
 
-    def _ask(self, tag: int, i: int, slot: int | None, n: int) -> None:
-        """Request prompt i of call `tag`: all n samples (slot None), or one slot again."""
-        call = self._calls[tag]
-        rid = f"{tag}.{i}" if slot is None else f"{tag}.{i}.{slot}.{call.redrawn[(i, slot)]}"
-        self._owner[rid] = (tag, i, slot)
+    def _ask(self, req: _Request, n: int) -> None:
+        """Ask for `req`: all n samples of a prompt (slot None), or one slot (a redraw, an episode's turn)."""
+        call = self._calls[req.tag]
+        redraws = call.redrawn.get((req.i, req.slot, req.turn), 0) if req.slot is not None else 0
+        rid = f"{req.tag}.{req.i}" if req.slot is None else f"{req.tag}.{req.i}.{req.slot}.{redraws}"
+        if req.turn:
+            rid += f".t{req.turn}"
+        self._owner[rid] = req
         self._asked_at[rid] = self.engine.version
         call.waiting += 1
-        redraws = call.redrawn.get((i, slot), 0) if slot is not None else 0  # a redrawn R3 sample draws anew
-        seed = None if call.seed is None else (call.seed + i + 1_000_003 * ((slot or 0) + 1) * redraws) % 2**63
-        self._llm.llm_engine.add_request(rid, self.engine.prompt(call.prompts[i]),
-                                         self.engine.sampling(n=n, seed=seed, max_tokens=call.budgets[i], **call.params))
+        seed = None if call.seed is None else request_seed(call.seed, req.i, req.slot, redraws=redraws, turn=req.turn,
+                                                           own=call.turns is not None)
+        self._llm.llm_engine.add_request(rid, self.engine.prompt(req.prompt),
+                                         self.engine.sampling(n=n, seed=seed, max_tokens=req.budget, **call.params))
 
     def _begin(self, seed: int | None) -> None:
         self.engine.wake()
@@ -218,3 +255,9 @@ class Stream:
         if self.engine.capture_logprobs:
             self._llm.collective_rpc(cpu_logprobs.stop)
         self._open.close()
+
+
+def _close(call: _Call) -> None:
+    """A call dropped before it was answered: its episodes' environments closed."""
+    if call.turns is not None:
+        call.turns.close()

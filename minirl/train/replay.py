@@ -128,9 +128,23 @@ def diagnostics(trainer, batch, routes_NBTK: torch.Tensor) -> dict:
     would be without the replay."""
     own_logp, _, own_routes = trainer.logprobs(batch, record_routes=True)
     agree = route_agreement(routes_NBTK, own_routes, batch.mask_BT)
+    env = environment_positions(batch)
     return {
         "replay/route_agreement": float(agree.mean()),
         "replay/tokens_with_a_flip": tokens_with_a_flip(routes_NBTK, own_routes, batch.mask_BT),
         **{f"replay/route_agreement_l{i}": float(a) for i, a in enumerate(agree)},
+        # multi-turn: the environment's tokens too (their rows from the next turn's prefill)
+        **({"replay/route_agreement_env": float(route_agreement(routes_NBTK, own_routes, env).mean())}
+           if env.any() else {}),
         "train/kl_mu_pi_old_noreplay": train_inference_kl(batch.rollout_logp_BT, own_logp, batch.mask_BT),
     }
+
+
+def environment_positions(batch) -> torch.Tensor:
+    """[B, L-1]: 1 where a position an episode fed is an environment's token (mask 0 after the prompt);
+    none in a single-turn batch. Token p's own mask is the batch's at p − 1 (what predicts it)."""
+    B, T = batch.mask_BT.shape
+    before = torch.cat([torch.ones(B, 1), batch.mask_BT[:, :-1]], dim=1)
+    p = torch.arange(T)
+    inside = (p >= batch.prompt_len_B[:, None]) & (p < batch.seq_len_B[:, None] - 1)
+    return ((before == 0) & inside).float()
