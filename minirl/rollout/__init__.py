@@ -17,7 +17,8 @@
     fp8.py       FP8 weights through torchao (emulated where there are no FP8 kernels)
     seeding.py   one generator seed per `generate` call
     episodes.py  multi-turn episodes: the turn loop over an engine and a task's environments, token in,
-                 token out (sampled ids verbatim, only replies tokenized; R3 rows across turns)
+                 token out (sampled ids verbatim, only replies tokenized; R3 rows across turns); at k ≥ 1
+                 the engine's process runs it in its stream, an episode's turns at their own pace
     stream.py    an engine's calls as requests in flight (`generate` is a stream of one call); with
                  `rollout.inflight_updates` the engine's process keeps stepping across calls
     cpu/         CPU-only pieces inside the engine: weights, norms, log-probs, routes; stale shm segments
