@@ -353,6 +353,10 @@ class GuardConfig:
     reward_drop: float = number(0.2, 0)
     reward_drop_frac: float = number(0.5, 0, 1)  # ... or below (1 − this) × it ...
     down_z: float = number(2.0, 0, above=True)  # ... and more than this many standard errors below it
+    # a crash the entropy has not shown yet: a step's reward below (1 − this) × the level, and down_z
+    # standard errors below it, is bad on its own (a lasting one is rolled back after `patience` steps);
+    # real runs' dips to half their level came back, none went below a quarter (docs/runs.md). 1: never
+    crash_frac: float = number(0.75, 0, 1)
     # a slide the entropy need not show: the mean reward of the last `slide_window` steps below the
     # best such window so far by more than `slide_z` standard errors of the difference (its sampling
     # noise) and by more than `slide_drop_frac` of it (the policy's own wobble) (guard.py, docs/runs.md)

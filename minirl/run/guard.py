@@ -27,8 +27,11 @@ below it, the error of the difference under "the policy is still at its level": 
 varies at most L(1 − L) / B there (Bhatia–Davis, below), the level's own mean its variance bound. On
 a hard task at B = 32 a step must fall far to count: from a level of 0.23 to below 0.08, from 0.05
 never (one step there cannot tell a fall from noise; the slide rule sees a lasting one). A fall of
-the reward alone, however far, is no bad step: real runs dip below half their level for a few
-steps and come back (docs/runs.md), which only the entropy tells apart from a collapse.
+the reward alone to half the level is no bad step: real runs dip there for a few steps and come
+back (docs/runs.md), which only the entropy tells apart from a collapse. A *crash* is: a step below
+(1 − `crash_frac`) × the level (a quarter of it), `down_z` standard errors below it, whatever the
+entropy does (the lab's 0.23 → 0.02 in 2 steps, its entropy out of the band only 3 steps later:
+acted on 3 steps after the fall instead of 7).
 
 A slide the entropy does not show (#64: a reward that fell from 0.47 to 0.10 over 90 steps with a
 calm entropy) is bad on its own: the mean reward of the last `slide_window` steps below the best
@@ -88,6 +91,7 @@ class Guard:
     reward_drop: float = _SET.reward_drop
     reward_drop_frac: float = _SET.reward_drop_frac
     down_z: float = _SET.down_z
+    crash_frac: float = _SET.crash_frac  # a step below (1 − this) × the level, down_z errors below: bad on its own
     slide_window: int = _SET.slide_window
     slide_z: float = _SET.slide_z
     slide_drop_frac: float = _SET.slide_drop_frac
@@ -112,7 +116,7 @@ class Guard:
     reasons: list[str] = field(default_factory=list)
 
     SETTINGS = ("max_kl", "max_kl_per_update_behind", "max_parity", "parity_growth", "parity_floor", "min_entropy_frac",
-                "max_entropy_factor", "reward_drop", "reward_drop_frac", "down_z", "slide_window", "slide_z", "slide_drop_frac",
+                "max_entropy_factor", "reward_drop", "reward_drop_frac", "down_z", "crash_frac", "slide_window", "slide_z", "slide_drop_frac",
                 "patience", "max_rollbacks", "enabled")
 
     @classmethod
@@ -170,6 +174,8 @@ class Guard:
             reason = f"entropy {entropy:.3g} < {self.min_entropy_frac} × {self.entropy0:.3g} with {down}"
         elif down and self.entropy0 is not None and entropy > self.max_entropy_factor * self.entropy0:
             reason = f"entropy {entropy:.3g} > {self.max_entropy_factor} × {self.entropy0:.3g} with {down}"
+        elif crash := finite and self._down(reward, 1, crash=True):
+            reason = f"a crash: {crash}"
         slide = self._slide(new_level) if finite else ""
         reason = reason or slide
         self.bad_streak = self.bad_streak + 1 if reason else 0
@@ -248,13 +254,15 @@ class Guard:
         return (f"reward slid: the last {w} steps' mean {mean:.3g} is {z:.1f} standard errors (> {self.slide_z:g}) "
                 f"and {lost:.0%} (> {self.slide_drop_frac:.0%}) below the best {w}-step mean {best:.3g}")
 
-    def _down(self, mean: float, n: int) -> str:
+    def _down(self, mean: float, n: int, *, crash: bool = False) -> str:
         """The mean reward of the last `n` steps against the run's level: '' unless it is down (the
-        module's docstring), else what was seen."""
+        module's docstring), else what was seen. `crash`: down below (1 − crash_frac) × the level."""
         if self.best_window is None or self.best_window[0] <= 0:
             return ""
         level, level_var, _ = self.best_window
         far = mean < level - self.reward_drop or mean < (1 - self.reward_drop_frac) * level
+        if crash:
+            far = mean < (1 - self.crash_frac) * level
         z = (level - mean) / math.sqrt(max(_spread(level) / (self.prompts * n) + level_var, 1e-12))
         if not far or z <= self.down_z:
             return ""
