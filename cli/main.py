@@ -334,6 +334,9 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
                       f"{get_bench(bench).problems:,}: it is not {bench}; its results are filed as {records.name!r}[/] "
                       f"(scored with {bench}'s prompt and grader)")
     model_dir = resolve_checkpoint(ws, rec, checkpoint)
+    from minirl.setup import limits  # deferred: Platform.here imports torch
+
+    limits.check_engine(rec.rollout, limits.Platform.here())  # what this machine cannot give the engine: before it starts
     out_dir = ws.root / "evals" if ws else Path("minirl-evals")
     if ws:  # the workspace's vLLM compile cache, which its runs fill (#73)
         from minirl.rollout import cache as engine_cache  # deferred: the rollout package imports torch

@@ -70,7 +70,8 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
     if data is not None:
         if not Path(data).exists():
             raise UsageError(f"benchmark data not found: {data}")
-        rows = load_rows(str(data))
+        # a field of mixed types would read as JSON text, quotes and all (#82): refused naming its line
+        rows = load_rows(str(data), typed=(bench.problem_field, *PROBLEM_FIELD_ALIASES, bench.answer_field))
     else:
         rows = load_rows(bench.hub_id, split=bench.split, config=bench.config,
                          instead=f"pass a local copy with --data PATH (.jsonl with {bench.problem_field!r} and "
@@ -85,6 +86,9 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
         raise UsageError(f"{bench.name}: the data has no {', '.join(map(repr, missing))} field; it has {', '.join(fields)}")
     out = []
     for i, row in enumerate(rows):
+        if not isinstance(row[pf], str):  # never str()-ed into a prompt: a number is no problem statement
+            raise UsageError(f"{bench.name}: row {i + 1} of {data or bench.hub_id}: field {pf!r} holds a "
+                             f"{type(row[pf]).__name__} ({row[pf]!r}); a problem is text")
         answer = "" if row[bench.answer_field] is None else str(row[bench.answer_field])  # none: not gradable
         if bench.answer_after and bench.answer_after in answer:
             answer = answer.rsplit(bench.answer_after, 1)[1].strip()

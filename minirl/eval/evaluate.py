@@ -312,6 +312,15 @@ def eval_benchmark(
         raise UsageError(f"eval.max_tokens = {rec.eval.max_tokens}: the model's context is {ctx} tokens "
                          f"(max_position_embeddings in its config.json), prompt included; at most {ctx - 1}")
     max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
+    episodes = None
+    if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
+        from minirl.data.environment import check_format, check_start
+        from minirl.rollout.episodes import Environments  # deferred: torch (the CLI imports this module at start)
+
+        # as a run's preflight: an environment that cannot run is one line before anything is written
+        episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx)
+        check_format(rec.env.tool_format, episodes.encode)
+        check_start(rec.env, dict(records[0]))
     budget = ctx - max_tokens
     prompts, truncated = [], 0
     template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template
@@ -351,11 +360,6 @@ def eval_benchmark(
         # an evaluation never sleeps between rollouts: the engine holds its memory throughout
         engine = make_engine(model_dir, rec.rollout, seed=rec.train.seed, max_model_len=ctx, sleep_level=0)
         pool = GradingPool(grader_name, params, workers=rec.eval.grader_workers, timeout_s=rec.reward.timeout_s)
-        episodes = None
-        if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
-            from minirl.rollout.episodes import Environments  # deferred: torch (the CLI imports this module at start)
-
-            episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx)
         try:
             with partial.open("a") as f:
                 for s in range(0, len(todo), chunk):

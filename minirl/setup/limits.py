@@ -92,11 +92,20 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
                          f"cache; {given}, room for {int(have // per_sequence):,} of them")
 
 
-def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
-    """What the machine cannot do: refused, never quietly changed."""
+def check_engine(ro: RolloutConfig, p: Platform) -> None:
+    """What the machine cannot give one engine ([rollout]'s precision and KV cache), for a run and
+    for an engine outside one (`minirl eval`): refused before any engine work."""
     if p.device != "cpu" and PRECISIONS[ro.precision].cpu_only:
         raise UsageError(f"rollout.precision = {ro.precision!r} is a CPU emulation level of the lab; on GPUs vLLM "
                          "serves FP8 as W8A8: set rollout.precision = \"fp8\"")
+    if ro.kv_cache_gib > p.memory_gib:
+        raise UsageError(f"rollout.kv_cache_gib = {ro.kv_cache_gib} is more than this machine can give one engine "
+                         f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
+
+
+def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
+    """What the machine cannot do: refused, never quietly changed."""
+    check_engine(ro, p)
     k = ro.max_staleness
     if rollout_gpus:
         _check_rollout_gpus(rollout_gpus, p, ro.tensor_parallel)
@@ -116,9 +125,6 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
     if p.device == "cpu" and ro.sleep_level > 0:
         raise UsageError(f"rollout.sleep_level = {ro.sleep_level}: vLLM's CPU backend has no sleep mode; set "
                          "rollout.sleep_level = 0 on a machine without a GPU")
-    if ro.kv_cache_gib > p.memory_gib:
-        raise UsageError(f"rollout.kv_cache_gib = {ro.kv_cache_gib} is more than this machine can give one engine "
-                         f"({p.memory_gib:.1f} GiB of {'RAM' if p.device == 'cpu' else 'GPU memory'})")
 
 
 def _check_rollout_gpus(rollout_gpus: int, p: Platform, tp: int) -> None:
