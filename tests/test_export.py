@@ -305,3 +305,7 @@ def test_an_export_into_an_empty_folder_keeps_it_and_a_fault_or_signal_leaves_no
         with pytest.raises(UsageError, match=f"another export is writing {parent / 'busy'}; wait for it"):
             ex.export(run, parent / "busy", picked, why=why)
     assert not (parent / "busy").exists()
+    # a folder that cannot be written (a read-only mount; /proc here, as root ignores permissions): exit 4's line
+    for where in (Path("/proc/minirl-export"), Path("/proc/self/minirl/export")):
+        with pytest.raises(RunIOError, match=f"cannot write {where}: No such file or directory .*; nothing was written"):
+            ex.export(run, where, picked, why=why)

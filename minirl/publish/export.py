@@ -116,7 +116,10 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
     check_checkpoint(ckpt.path, shape, rec.model.id)  # a damaged one: one line, nothing written
     trainer = Trainer.for_checkpoint(rec, shape, base)
     trainer.load(ckpt.path, with_optim=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(out, e) from None
     with _export_lock(out):
         if out.exists() and any(out.iterdir()):  # written by an export that held the lock before this one
             raise UsageError(f"{out} exists and is not empty; choose another folder or remove it")
@@ -141,7 +144,11 @@ def _export_lock(out: Path):
     """One export into `out` at a time: a second is refused in one line while the first writes (an
     flock, released when its process ends however it ends; the file goes with a clean end)."""
     path = out.with_name(f".{out.name}.export-lock")
-    with path.open("w") as fh:
+    try:
+        fh = path.open("w")
+    except OSError as e:
+        raise _unwritable(out, e) from None
+    with fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -150,6 +157,12 @@ def _export_lock(out: Path):
             yield
         finally:
             path.unlink(missing_ok=True)
+
+
+def _unwritable(out: Path, e: OSError) -> RunIOError:
+    """A folder that cannot be made or written (read-only, no permission, /proc): one line, before any work."""
+    return RunIOError(f"cannot write {out}: {e.strerror or e} ({e.filename or out.parent}); nothing was written "
+                      "(export into a folder you can write)")
 
 
 def _move_into(tmp: Path, out: Path) -> None:
