@@ -709,3 +709,13 @@ def test_the_dry_run_refuses_what_the_run_refuses_with_its_line(ws_template, tmp
     assert dry[0] == run[0] == 2 and dry[1].startswith("minirl: error: "), (dry, run)
     assert dry[1] == run[1]
     assert snapshot(tmp_path) == before  # neither wrote anything
+
+
+@pytest.mark.parametrize("where", ["/proc/minirl-ws", "/proc/self/minirl/ws"])
+def test_a_workspace_or_export_that_cannot_be_written_is_exit_4s_one_line(monkeypatch, capfd, where):
+    """#82: `init` into a folder that cannot be made (a read-only mount; /proc here, as root ignores
+    permissions) was a FileNotFoundError traceback; now exit 4 and one line naming it, nothing written
+    (export's: tests/test_export.py)."""
+    code, line = _one_line(monkeypatch, capfd, ["init", where])
+    assert code == 4 and line.startswith(f"minirl: error: cannot create the workspace {where}: No such file"), line
+    assert "nothing was written" in line

@@ -25,7 +25,7 @@ from minirl.config import recipe as recipe_mod
 from minirl.data.gym import RECIPE as GYM_RECIPE, TINY_PARAMS, check_task, gym_name, is_gym, make_gym_splits
 from minirl.data.prompts import response_text
 from minirl.data.task import TASKS, make_splits, write_jsonl
-from minirl.errors import UsageError
+from minirl.errors import RunIOError, UsageError
 from minirl.models import hub, sizing
 from minirl.models.shapes import TINY, TINY_ID, ModelShape, active_params, param_count
 from minirl.setup.preflight import check_planned
@@ -117,7 +117,11 @@ def init_workspace(
     if force and root.exists():
         for sub in ("data", "model", "runs"):
             shutil.rmtree(root / sub, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only, no permission, /proc: one line, nothing written
+        raise RunIOError(f"cannot create the workspace {root}: {e.strerror or e} ({e.filename or root}); nothing was "
+                         "written (choose a folder you can write)") from None
     ws = Workspace(root.resolve())
     report: dict = {"workspace": str(ws.root), "recipe": src.stem, **model_report}
 
