@@ -221,6 +221,34 @@ def test_a_faulty_environment_ends_its_episode_counted_and_the_others_go_on(tok,
     assert got["episode/turns"] == 1.5 and got["episode/tool_calls"] == 1.0
 
 
+class ClosesBadly(Faulty):
+    def close(self):
+        self.closes = getattr(self, "closes", 0) + 1
+        if self.how == "close raises":
+            raise OSError("the sandbox is gone")
+        if self.how == "close hangs":
+            time.sleep(5)
+
+
+@pytest.mark.parametrize("how", ["close raises", "close hangs"])
+def test_each_environment_is_closed_once_as_its_episode_ends_and_a_bad_close_is_counted(tok, how):
+    """An environment's `close` runs when its episode ends (its resources freed then, not at the
+    batch's end), once; one that raises or hangs past the step's limit is counted as that episode's
+    environment error, its tokens kept, and the run goes on (it had propagated out of the batch)."""
+    encode, decode = tok
+    call, answer = encode("(1+1)"), encode("2") + [2]
+    envs = [[ClosesBadly(how), ClosesBadly("fine")]]
+    (bad, good), = sample_episodes(Scripted([call, answer], encode(")")[0]), [encode("1+1=")], envs,
+                                   fmt=ToolFormat("(", ")", "expr", tool="calc"), encode=encode, decode=decode, n=2,
+                                   temperature=1.0, max_tokens=20, max_turns=4, max_model_len=32, seed=0,
+                                   step_timeout_s=0.3)
+    assert [e.closes for e in envs[0]] == [1, 1]
+    said = {"close raises": "close raised OSError: the sandbox is gone", "close hangs": "close hung past 0.3 s"}[how]
+    assert bad.episode.ended == "answer" and bad.episode.env_errors == 1 and bad.episode.fault == said
+    assert list(bad.token_ids) == list(good.token_ids) == call + encode("=1;") + answer
+    assert good.episode.env_errors == 0 and not good.episode.fault
+
+
 def test_an_unreadable_call_is_answered_as_a_tool_error_and_done_ends_with_the_environments_reward(tok):
     encode, decode = tok
     fmt = ToolFormat("<", ")", "json")  # "(1+1)" has no "<": the model's call is unreadable

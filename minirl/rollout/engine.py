@@ -59,13 +59,14 @@ class EpisodeInfo:
     tool_calls:   calls the environment answered (with a reply or an error)
     tool_errors:  calls whose reply was an error (the model's call unreadable, the tool's own error)
     env_errors:   the environment's own faults (raised, hung past its limit, a non-finite reward, a
-                  reply that cannot fit the context): the episode ended there
+                  reply that cannot fit the context): the episode ended there; and a `close` that
+                  raised or hung once it had ended
     env_s:        seconds spent in the environment's steps
     env_tokens:   tokens of the environment's replies
     reward:       the environment's reward when it ended the episode (`done` with a reward), else None
     ended:        "answer" (a turn ended without a call), "done" (the environment), "max_turns",
                   "length" (the token budget or the context), "env_error"
-    fault:        the environment's fault that ended it, in a few words
+    fault:        the environment's fault that ended it (or its close's), in a few words
     """
 
     turns: int

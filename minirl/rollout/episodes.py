@@ -53,6 +53,7 @@ class _Episode:
     info: dict = field(default_factory=lambda: dict(turns=0, tool_calls=0, tool_errors=0, env_errors=0, env_s=0.0,
                                                     env_tokens=0, reward=None, ended=""))
     finish: str = "stop"
+    closed: bool = False  # its environment's `close` called (once, when it ended)
     preempted: int = 0
     regenerated: int = 0
 
@@ -134,6 +135,7 @@ class Turns:
             answer(e, c.token_ids, self.fmt, self.encode, self.decode, self.step_timeout_s, self.max_model_len,
                    self.max_reply_tokens)
         if e.info["ended"]:
+            self._release(e)
             return None
         return e.prompt + e.ids, budget(e, self.max_tokens, self.max_model_len)
 
@@ -141,9 +143,29 @@ class Turns:
         return [[e.completion() for e in group] for group in self.episodes]
 
     def close(self) -> None:
-        """Every episode's environment closed (their `close`, where they have one)."""
+        """The environments of episodes cut short (an error, a rollback's cancel) closed too; a close
+        that raises or hangs there is let go (no episode is answered to count it in)."""
         for e in (e for group in self.episodes for e in group):
-            close(e.env)
+            self._release(e, count=False)
+
+    def _release(self, e: _Episode, *, count: bool = True) -> None:
+        """An ended episode's environment closed at once (a sandbox, a connection freed), within the
+        step's time limit; one that raises or hangs is counted as the episode's environment error."""
+        if e.closed:
+            return
+        e.closed = True
+        if e.info.get("fault", "").startswith("step hung"):  # its step still holds it, in a thread left running
+            return
+        try:
+            within(close, e.env, self.step_timeout_s)
+            return
+        except TimeoutError:
+            why = f"close hung past {self.step_timeout_s:g} s"
+        except Exception as err:  # the environment's own fault: counted, the run goes on
+            why = f"close raised {type(err).__name__}: {err}"
+        if count and not e.info.get("fault"):  # an episode's first fault is its one
+            e.info["env_errors"] += 1
+            e.info["fault"] = why
 
 
 def sample_episodes(
@@ -175,16 +197,19 @@ def sample_episodes(
                   max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
                   max_reply_tokens=max_reply_tokens)
     ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests)
-    # the first turn: the group's n episodes share the prompt, one request of n samples each
-    groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
-    asks = [(i, j, nxt) for i, g in enumerate(groups) for j, c in enumerate(g) if (nxt := turns.took(i, j, c))]
-    turn = 1
-    while asks:
-        groups = engine.generate([p for _, _, (p, _) in asks], n=1, max_tokens=[b for _, _, (_, b) in asks],
-                                 seed=None if seed is None else seed + 1_000_003 * turn, **ask)
-        asks = [(i, j, nxt) for (i, j, _), g in zip(asks, groups, strict=True) if (nxt := turns.took(i, j, g[0]))]
-        turn += 1
-    return turns.completions()
+    try:
+        # the first turn: the group's n episodes share the prompt, one request of n samples each
+        groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
+        asks = [(i, j, nxt) for i, g in enumerate(groups) for j, c in enumerate(g) if (nxt := turns.took(i, j, c))]
+        turn = 1
+        while asks:
+            groups = engine.generate([p for _, _, (p, _) in asks], n=1, max_tokens=[b for _, _, (_, b) in asks],
+                                     seed=None if seed is None else seed + 1_000_003 * turn, **ask)
+            asks = [(i, j, nxt) for (i, j, _), g in zip(asks, groups, strict=True) if (nxt := turns.took(i, j, g[0]))]
+            turn += 1
+        return turns.completions()
+    finally:
+        turns.close()  # each environment closed once: as its episode ended, or here
 
 
 def budget(e: _Episode, max_tokens: int, max_model_len: int) -> int:
@@ -293,21 +318,35 @@ class Environments:
 
     def sample(self, engine, problems: Sequence, *, n: int, temperature: float, max_tokens: int,
                seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
-        envs = [[self._start(_row(p), j, seed) for j in range(n)] for p in problems]
-        try:
-            return sample_episodes(engine, [p.prompt_ids for p in problems], envs, fmt=self.fmt, encode=self.encode,
-                                   decode=self.decode, n=n, temperature=temperature, max_tokens=max_tokens,
-                                   max_turns=self.settings.max_turns, max_model_len=self.max_model_len,
-                                   max_reply_tokens=self.settings.max_reply_tokens, seed=seed,
-                                   step_timeout_s=self.settings.step_timeout_s, seeded_requests=seeded_requests)
-        finally:
-            for env in (e for row in envs for e in row):
-                close(env)
+        envs = self._envs([_row(p) for p in problems], n, seed)
+        return sample_episodes(engine, [p.prompt_ids for p in problems], envs, fmt=self.fmt, encode=self.encode,
+                               decode=self.decode, n=n, temperature=temperature, max_tokens=max_tokens,
+                               max_turns=self.settings.max_turns, max_model_len=self.max_model_len,
+                               max_reply_tokens=self.settings.max_reply_tokens, seed=seed,
+                               step_timeout_s=self.settings.step_timeout_s, seeded_requests=seeded_requests)
 
     def request(self, problems: Sequence, *, seed: int | None) -> "EpisodeRequest":
         """A batch's episodes for an engine's process (its `generate(..., episodes=)`): the rows they
         reset with; the process builds the environments and runs the turns (`EpisodeRequest.turns`)."""
         return EpisodeRequest(self, tuple(_row(p) for p in problems), seed)
+
+    def _envs(self, rows: Sequence[dict], n: int, seed: int | None) -> list[list[object]]:
+        """n environments of each row, each reset for its episode; those built closed again where one
+        cannot start (its one line raised)."""
+        built: list[list[object]] = []
+        try:
+            for row in rows:
+                built.append([])
+                for j in range(n):
+                    built[-1].append(self._start(row, j, seed))
+        except BaseException:
+            for env in (e for group in built for e in group):
+                try:
+                    within(close, env, self.settings.step_timeout_s)
+                except Exception:  # noqa: BLE001 - the start's own error is the one to tell
+                    pass
+            raise
+        return built
 
     def _start(self, row: dict, j: int, seed: int | None):
         """Episode j of a row: a new environment, reset with the row's fields."""
@@ -331,7 +370,7 @@ class EpisodeRequest:
         with its row."""
         e = self.environments
         e.tokenizer = tokenizer
-        envs = [[e._start(row, j, self.seed) for j in range(n)] for row in self.rows]
+        envs = e._envs(self.rows, n, self.seed)
         return Turns(prompts, envs, fmt=e.fmt, encode=e.encode, decode=e.decode, n=n, max_tokens=max_tokens,
                      max_turns=e.settings.max_turns, max_model_len=e.max_model_len,
                      step_timeout_s=e.settings.step_timeout_s, max_reply_tokens=e.settings.max_reply_tokens)
