@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minirl.config import recipes
-from minirl.data.environment import answer_ids, rewards as episode_rewards
+from minirl.data.environment import answer_ids, check_format, check_start, rewards as episode_rewards
 from minirl.data.prompts import Problem, prompt_ids, response_text
 from minirl.disk import store
 from minirl.disk.store import is_checkpoint, latest_trained
@@ -314,7 +314,6 @@ def eval_benchmark(
     max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
     episodes = None
     if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
-        from minirl.data.environment import check_format, check_start
         from minirl.rollout.episodes import Environments  # deferred: torch (the CLI imports this module at start)
 
         # as a run's preflight: an environment that cannot run is one line before anything is written
