@@ -78,6 +78,10 @@ class World:
         dist.all_gather_object(parts, list(items), group=self.group)
         return [x for part in parts for x in part]
 
+    def total(self, values: dict[str, float]) -> dict[str, float]:
+        """Each number summed over ranks."""
+        return self.mean(values, sums=tuple(values))
+
     def mean(self, values: dict[str, Any], *, weight: float = 1.0, sums: Sequence[str] = ()) -> dict[str, Any]:
         """Each number's mean over ranks, weighted by `weight` (this rank's count of rows or tokens);
         keys ending in `_max` take the maximum, keys in `sums` the sum, lists of numbers are

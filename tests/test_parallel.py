@@ -183,7 +183,9 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
     from its engine, syncs the gathered weights into that engine and writes its DCP shards. Rank 1
     is SIGKILLed as step 3 begins (an OOM kill); torchrun restarts both ranks (static rendezvous,
     whose store outlives the attempt: launch.py gives each attempt its own keys), which continue
-    from the step-2 checkpoint. One process then resumes the 2-rank checkpoint."""
+    from the step-2 checkpoint. One process then resumes the 2-rank checkpoint. The prompts are
+    multi-turn episodes (#84: an environment of the test's, each rank stepping its own episodes'):
+    their counts summed over ranks, their routes replayed like the sampled tokens'."""
     import json
     import os
 
@@ -198,7 +200,9 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
             "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}',
             # fp32 rollouts: a rank's engine that missed a sync shows in the parity at 1e-4, where the
             # bf16 gap alone reached 0.058 on an AMX CPU (against < 5e-2 on AMD)
-            "--set", "rollout.parity_every=1", "--set", "rollout.precision=fp32"]
+            "--set", "rollout.parity_every=1", "--set", "rollout.precision=fp32",
+            "--set", "env.name=tests.test_episodes:Counter", "--set", "env.tool_format=tiny", "--set", "env.max_turns=2",
+            "--set", "env.max_reply_tokens=8", "--set", "train.replay_diagnostics=true"]
     env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                         "--standalone",  # a port the OS picks as torchrun binds it: none to race for
@@ -213,6 +217,11 @@ def test_minirl_run_on_two_ranks_then_resumes_in_one_process(tiny_dir, tmp_path)
     assert all(m["replay/coverage"] == 1.0 for m in rows)
     assert all(0 < m["sync/parity_abs_dlogp"] < 1e-4 for m in rows)  # both engines hold the trainer's weights
     assert sum(m["loss/tokens"] for m in rows) > 0
+    assert max(m["episode/turns"] for m in rows) > 1 and sum(m["episode/env_tokens"] for m in rows) > 0
+    assert all(m["episode/env_errors"] == 0 for m in rows)
+    # fp32 engines and trainer: the replies' routes are the trainer's own, on both ranks
+    assert all(m.get("replay/route_agreement_env", 1.0) == 1.0 for m in rows)
+    assert any("replay/route_agreement_env" in m for m in rows)
     ckpt = run_dir / "checkpoints" / "step_000003"
     assert {p.name for p in ckpt.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # each rank its shards
 

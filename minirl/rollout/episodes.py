@@ -376,6 +376,9 @@ class EpisodeRequest:
                      step_timeout_s=e.settings.step_timeout_s, max_reply_tokens=e.settings.max_reply_tokens)
 
 
+SUMS = ("episode/tool_errors", "episode/env_errors")  # counts: summed over ranks, the rest averaged
+
+
 def rows(comps: Sequence[Completion]) -> dict:
     """A step's episodes, for its row (none for single-turn completions)."""
     eps = [c.episode for c in comps if c.episode is not None]

@@ -211,7 +211,7 @@ class RLRun:
                 "rollout/overlong_penalty": float(shaping_PG.mean())} if r.loss.overlong_buffer else {}),
             **replay_metrics, **episodes.rows(comps),
             **(drawn if r.train.dynamic_sampling else {}),
-        }, sums=("rollout/grader_errors", "rollout/grader_timeouts"))
+        }, sums=("rollout/grader_errors", "rollout/grader_timeouts", *episodes.SUMS))
         row = {
             "step": step,
             "rollout/reward_mean": reward,
@@ -274,7 +274,7 @@ class RLRun:
         metrics = {"replay/coverage": 1.0}  # every fed position has a captured route (checked when built)
         old = None if fused else self.trainer.logprobs(batch, routes=routes)[:2]
         if r.train.replay_diagnostics:
-            metrics.update(replay_diagnostics(self.trainer, batch, routes))
+            metrics.update(replay_diagnostics(self.trainer, batch, routes, total=self.world.total))
         return routes, metrics, old
 
     def _guard_view(self, batch: Batch, old_logp: torch.Tensor, ent: torch.Tensor) -> tuple[float, float, float | None]:

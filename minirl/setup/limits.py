@@ -48,9 +48,12 @@ def check(r: Recipe, platform: Platform | None = None, model: ModelShape | None 
     hold of it and what LoRA can adapt in it."""
     if platform is not None:
         _check_platform(r.rollout, platform, r.parallel.rollout_gpus)
-        if r.env.name and platform.world_size > 1:
-            raise UsageError(f"env.name = {r.env.name!r}: multi-turn episodes run in one training process for now "
-                             f"(#84; this job has {platform.world_size} ranks): run it without torchrun")
+        if r.env.name and platform.world_size > 1 and r.rollout.tensor_parallel > 1:
+            # each rank of a tensor-parallel group asks its engine for the same requests: each would step
+            # an environment of its own for the same episode, whose replies need not agree
+            raise UsageError(f"env.name = {r.env.name!r} with rollout.tensor_parallel = {r.rollout.tensor_parallel}: "
+                             "the ranks of a tensor-parallel engine would each step environments of their own for "
+                             "the same episodes (#84); set rollout.tensor_parallel = 1 (each rank its own engine)")
     if model is not None:
         _check_engine_sizes(r, model, platform)
         if r.train.lora.rank:

@@ -122,20 +122,23 @@ def rollout_routes(comps, batch, n_layers: int, top_k: int, num_experts: int) ->
     return out
 
 
-def diagnostics(trainer, batch, routes_NBTK: torch.Tensor) -> dict:
+def diagnostics(trainer, batch, routes_NBTK: torch.Tensor, *, total=dict) -> dict:
     """R3's replayed routes against the trainer's own routing under π_old (`train.replay_diagnostics`):
     their agreement, by layer and overall, the tokens where any layer flips, and KL(μ‖π_old) as it
-    would be without the replay."""
+    would be without the replay; of multi-turn episodes, the agreement over the environment's tokens
+    too (their rows from the next turn's prefill), over every rank's: `total` sums a dict of counts
+    over the ranks (the key is then on every rank's row or on none)."""
     own_logp, _, own_routes = trainer.logprobs(batch, record_routes=True)
     agree = route_agreement(routes_NBTK, own_routes, batch.mask_BT)
     env = environment_positions(batch)
+    n = float(env.sum())
+    env_counts = total({"agreeing": float(route_agreement(routes_NBTK, own_routes, env).mean()) * n, "positions": n})
     return {
         "replay/route_agreement": float(agree.mean()),
         "replay/tokens_with_a_flip": tokens_with_a_flip(routes_NBTK, own_routes, batch.mask_BT),
         **{f"replay/route_agreement_l{i}": float(a) for i, a in enumerate(agree)},
-        # multi-turn: the environment's tokens too (their rows from the next turn's prefill)
-        **({"replay/route_agreement_env": float(route_agreement(routes_NBTK, own_routes, env).mean())}
-           if env.any() else {}),
+        **({"replay/route_agreement_env": env_counts["agreeing"] / env_counts["positions"]}
+           if env_counts["positions"] else {}),
         "train/kl_mu_pi_old_noreplay": train_inference_kl(batch.rollout_logp_BT, own_logp, batch.mask_BT),
     }
 
