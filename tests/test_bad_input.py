@@ -321,8 +321,6 @@ CASES = [
      None, "env.name = 'json:JSONDecoder' has no reset()"),
     ("env-format-not-one-token", ["run", "{ws}", "--set", "env.name=tests.test_episodes:Counter", *ENV_FITS], None,
      "env.tool_format = 'qwen3' closes a call with '</tool_call>', 12 tokens of this model's vocabulary"),
-    ("env-on-rollout-gpus", ["run", "{ws}", "--set", "env.name=m:E", "--set", "parallel.rollout_gpus=1"], None,
-     "multi-turn episodes run beside the trainer for now (#84), not on rollout GPUs of their own"),
     ("env-cannot-start-an-episode", ["run", "{ws}", "--set", "env.name=tests.test_episodes:ResetFails", "--set",
                                      "env.tool_format=tiny", *ENV_FITS], None,
      "env.name = 'tests.test_episodes:ResetFails' could not start an episode: ConnectionError: the environment server is down"),

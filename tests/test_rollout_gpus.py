@@ -42,10 +42,12 @@ def test_an_engine_on_a_rollout_gpu_samples_as_the_engine_process_beside_the_tra
     """One trainer process, k = 1, R3: with `--rollout-gpus 1` the engine's process takes each sync
     by broadcast (one flat fp32 buffer it binds once) instead of a shared-memory snapshot; same
     weights, same seeds, same engine: every row is the same, number for number (rewards, log-prob
-    parity after every sync, routes through the IS weights, staleness)."""
+    parity after every sync, routes through the IS weights, staleness). The prompts are multi-turn
+    episodes of an environment of the test's (#84), run by the engine's process in both."""
     ws = _workspace(tmp_path, tiny_dir)
     base = [sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "4", "--replay", "r3",
-            "--set", "rollout.max_staleness=1", *SMALL]
+            "--set", "rollout.max_staleness=1", *SMALL, "--set", "env.name=tests.test_episodes:Counter",
+            "--set", "env.tool_format=tiny", "--set", "env.max_turns=2", "--set", "env.max_reply_tokens=8"]
     rows = []
     for extra in ([], ["--rollout-gpus", "1"]):
         r = subprocess.run([*base, *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -54,6 +56,7 @@ def test_an_engine_on_a_rollout_gpu_samples_as_the_engine_process_beside_the_tra
     assert [m["step"] for m in rows[1]] == [1, 2, 3, 4]
     assert rows[1] == rows[0]
     assert [m["rollout/batches_ahead"] for m in rows[0]] == [1, 1, 1, 0]  # none sampled past the last step (#75)
+    assert sum(m["episode/env_tokens"] for m in rows[1]) > 0 and max(m["episode/turns"] for m in rows[1]) > 1
     recorded = (sorted((ws / "runs").iterdir())[-1] / "recipe.toml").read_text()
     assert "rollout_gpus = 1" in recorded and "gpus_per_node = 2" in recorded  # the job's node: 1 training rank + 1
 

@@ -69,9 +69,6 @@ def validate(r: Recipe) -> None:
     odd = {k: v for k, v in kw.items() if not isinstance(v, (bool, int, float, str))}
     if odd:
         raise UsageError(f"data.chat_template_kwargs: {odd} — each value must be a boolean, number or string")
-    if r.env.name and p.rollout_gpus:
-        raise UsageError(f"env.name = {r.env.name!r}: multi-turn episodes run beside the trainer for now (#84), "
-                         "not on rollout GPUs of their own: set parallel.rollout_gpus = 0")
     if r.env.params and not r.env.name:
         raise UsageError(f"env.params = {r.env.params} configure an environment, and env.name names none")
     ro = r.rollout

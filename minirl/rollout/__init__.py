@@ -215,10 +215,10 @@ class Rollouts:
 
     def _request(self, asked: list, *, seed: int) -> tuple[tuple, dict]:
         """A batch's `generate` call: G responses to each prompt asked, at the recipe's sampling (G
-        episodes each, run by the engine's process at k ≥ 1: stream.py)."""
+        episodes each, run by the engine's process at k ≥ 1 and on rollout GPUs: stream.py)."""
         kw = dict(n=self._train.group_size, temperature=self._rollout.temperature, max_tokens=self._rollout.max_tokens,
                   seed=seed)
-        if self._episodes is not None and self._k:
+        if self._episodes is not None and (self._k or self._remote):  # run by the engines' processes
             kw["episodes"] = self._episodes.request(asked, seed=seed)
         return ([p.prompt_ids for p in asked],), kw
 

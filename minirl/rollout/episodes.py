@@ -30,7 +30,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -364,6 +364,10 @@ class EpisodeRequest:
     environments: Environments
     rows: tuple[dict, ...]
     seed: int | None
+
+    def part(self, lo: int, hi: int) -> "EpisodeRequest":
+        """The episodes of prompts lo…hi − 1 (a call split over rollout GPUs' engines: remote.py)."""
+        return replace(self, rows=self.rows[lo:hi])
 
     def turns(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, tokenizer) -> Turns:
         """In the engine's process, with its tokenizer: the episodes, each environment built and reset

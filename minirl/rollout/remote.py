@@ -140,7 +140,8 @@ class RemoteEngines:
         handles, lo = [], 0
         for i, (e, c) in enumerate(zip(self._engines, counts)):
             if c:
-                h = e.submit(method, *(a[lo:lo + c] for a in args), **kwargs)
+                part = {**kwargs, "episodes": kwargs["episodes"].part(lo, lo + c)} if kwargs.get("episodes") else kwargs
+                h = e.submit(method, *(a[lo:lo + c] for a in args), **part)
                 handles.append((e, h))
                 if sampled:
                     self._asked[i].append((h, c * per_prompt))
