@@ -249,6 +249,35 @@ def test_each_environment_is_closed_once_as_its_episode_ends_and_a_bad_close_is_
     assert good.episode.env_errors == 0 and not good.episode.fault
 
 
+class Together(Faulty):
+    """A step that returns only once every episode of the batch is inside its own step (a barrier):
+    steps taken one after another would never all meet, and each would raise."""
+
+    def __init__(self, barrier):
+        super().__init__("fine")
+        self.barrier = barrier
+
+    def step(self, action):
+        self.barrier.wait(timeout=10)
+        return super().step(action)
+
+
+def test_the_environments_of_a_batchs_calls_step_together(tok):
+    """The tools of the episodes whose turns ended together are called at once, each in a thread of its
+    own (a sandbox call each: a step takes the longest call's time, not their sum): all 6 steps are
+    inside `step` at the same moment, none raises."""
+    import threading
+
+    encode, decode = tok
+    call, answer = encode("(1+1)"), encode("2") + [2]
+    barrier = threading.Barrier(6)
+    envs = [[Together(barrier) for _ in range(3)] for _ in range(2)]
+    groups = sample_episodes(Scripted([call, answer], encode(")")[0]), [encode("1+1="), encode("2+2=")], envs,
+                             fmt=ToolFormat("(", ")", "expr", tool="calc"), encode=encode, decode=decode, n=3,
+                             temperature=1.0, max_tokens=20, max_turns=4, max_model_len=32, seed=0, step_timeout_s=20)
+    assert all(c.episode.ended == "answer" and c.episode.env_errors == 0 and c.episode.turns == 2 for g in groups for c in g)
+
+
 def test_an_unreadable_call_is_answered_as_a_tool_error_and_done_ends_with_the_environments_reward(tok):
     encode, decode = tok
     fmt = ToolFormat("<", ")", "json")  # "(1+1)" has no "<": the model's call is unreadable

@@ -103,12 +103,13 @@ class _Episode:
 
 
 class Turns:
-    """A batch's episodes, n of each prompt, as the turn loop drives them: `took(i, j, c)` takes what
-    episode j of prompt i sampled in a turn and returns what it asks next (its ids so far, the next
-    turn's prompt, and what it may still sample), or None where it ended. The synchronous loop below
-    asks a turn's requests together; an engine's stream (stream.py) asks an episode's next turn as
-    soon as its last one finished, so with in-flight updates each turn is sampled by the weights of
-    its own time (each token stamped with its version)."""
+    """A batch's episodes, n of each prompt, as the turn loop drives them: `took` takes the turns that
+    just ended (what episode j of prompt i sampled), steps the environments of those that called a
+    tool together, and returns what each episode that goes on asks next (its ids so far, the next
+    turn's prompt, and what it may still sample). The synchronous loop below asks a turn's requests
+    together; an engine's stream (stream.py) asks an episode's next turn as soon as its last one
+    finished, so with in-flight updates each turn is sampled by the weights of its own time (each
+    token stamped with its version)."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], envs: Sequence[Sequence[object]], *, fmt: ToolFormat,
                  encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], n: int, max_tokens: int,
@@ -122,22 +123,46 @@ class Turns:
         self.max_tokens, self.max_turns, self.max_model_len = max_tokens, max_turns, max_model_len
         self.step_timeout_s, self.max_reply_tokens = step_timeout_s, max_reply_tokens
 
-    def took(self, i: int, j: int, c: Completion) -> tuple[list[int], int] | None:
-        e = self.episodes[i][j]
-        e.take(c)
-        if c.finish == "length" or not c.token_ids or c.token_ids[-1] != self.stop[0]:
-            e.end("length" if c.finish == "length" else "answer")
-        elif e.info["turns"] >= self.max_turns:
-            e.end("max_turns")
-        elif e.sampled >= self.max_tokens:  # no token left to answer a reply with: none is asked for
-            e.end("length")
-        else:
-            answer(e, c.token_ids, self.fmt, self.encode, self.decode, self.step_timeout_s, self.max_model_len,
-                   self.max_reply_tokens)
-        if e.info["ended"]:
-            self._release(e)
-            return None
-        return e.prompt + e.ids, budget(e, self.max_tokens, self.max_model_len)
+    def took(self, done: Sequence[tuple[int, int, Completion]]) -> list[tuple[int, int, tuple[list[int], int]]]:
+        """The turns that just ended, (i, j, what episode j of prompt i sampled), in order: the
+        environments of those that called a tool step together, each in a thread of its own within
+        `step_timeout_s` (a batch's calls take the longest one's time, not their sum); what each
+        episode that goes on asks next, (i, j, (its ids so far, what it may still sample)), in order."""
+        steps = []  # (episode, its step's thread and outcome, or None: a call it could not read, and why)
+        for i, j, c in done:
+            e = self.episodes[i][j]
+            e.take(c)
+            if c.finish == "length" or not c.token_ids or c.token_ids[-1] != self.stop[0]:
+                e.end("length" if c.finish == "length" else "answer")
+            elif e.info["turns"] >= self.max_turns:
+                e.end("max_turns")
+            elif e.sampled >= self.max_tokens:  # no token left to answer a reply with: none is asked for
+                e.end("length")
+            else:
+                call, unreadable = read_call(c.token_ids, self.fmt, self.decode)
+                e.info["tool_calls"] += 1
+                steps.append((e, None if call is None else spawn(e.env.step, action(e.env, call)), unreadable))
+        for e, step, unreadable in steps:
+            if step is None:  # the model's own mistake, answered in the format's words: no fault of the environment's
+                respond(e, None, self.fmt.unreadable.replace("{}", unreadable), True, self)
+                continue
+            thread, box = step
+            thread.join(max(0.0, box["t0"] + self.step_timeout_s - time.perf_counter()))
+            e.info["env_s"] += box.get("s", self.step_timeout_s)
+            if thread.is_alive():  # cannot be stopped from here: left running as a daemon, its episode ended
+                fault(e, f"step hung past {self.step_timeout_s:g} s")
+            elif "err" in box:  # the environment's own fault: counted, the episode ended
+                fault(e, f"step raised {type(box['err']).__name__}: {box['err']}")
+            else:
+                respond(e, box["out"], *reply(box["out"]), self)
+        asks = []
+        for i, j, _ in done:
+            e = self.episodes[i][j]
+            if e.info["ended"]:
+                self._release(e)
+            else:
+                asks.append((i, j, (e.prompt + e.ids, budget(e, self.max_tokens, self.max_model_len))))
+        return asks
 
     def completions(self) -> list[list[Completion]]:
         return [[e.completion() for e in group] for group in self.episodes]
@@ -200,12 +225,12 @@ def sample_episodes(
     try:
         # the first turn: the group's n episodes share the prompt, one request of n samples each
         groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
-        asks = [(i, j, nxt) for i, g in enumerate(groups) for j, c in enumerate(g) if (nxt := turns.took(i, j, c))]
+        asks = turns.took([(i, j, c) for i, g in enumerate(groups) for j, c in enumerate(g)])
         turn = 1
         while asks:
             groups = engine.generate([p for _, _, (p, _) in asks], n=1, max_tokens=[b for _, _, (_, b) in asks],
                                      seed=None if seed is None else seed + 1_000_003 * turn, **ask)
-            asks = [(i, j, nxt) for (i, j, _), g in zip(asks, groups, strict=True) if (nxt := turns.took(i, j, g[0]))]
+            asks = turns.took([(i, j, g[0]) for (i, j, _), g in zip(asks, groups, strict=True)])
             turn += 1
         return turns.completions()
     finally:
@@ -218,29 +243,21 @@ def budget(e: _Episode, max_tokens: int, max_model_len: int) -> int:
     return max(1, min(max_tokens - e.sampled, max_model_len - len(e.prompt) - len(e.ids)))
 
 
-def answer(e: _Episode, turn_ids, fmt: ToolFormat, encode, decode, timeout_s: float, max_model_len: int,
-           max_reply: int | None = None) -> None:
-    """The environment answers the call the turn ended with; its reply appended, or the episode ended."""
+def read_call(turn_ids, fmt: ToolFormat, decode) -> tuple[object | None, str | None]:
+    """The call a turn ended with, read from its own sampled ids: (the call, None), or (None, why it
+    could not be read)."""
     try:
-        call, unreadable = fmt.call(decode(turn_ids)), None
+        call = fmt.call(decode(turn_ids))
     except CallError as err:
-        call, unreadable = None, str(err)
-    if call is None and unreadable is None:  # closed a call it never opened: read as a malformed call
-        unreadable = f"no call before {fmt.close!r}"
-    e.info["tool_calls"] += 1
-    if unreadable is not None:  # the model's own mistake, answered in the format's words: not the environment's fault
-        text, error, obs = fmt.unreadable.replace("{}", unreadable), True, None
-    else:
-        t0 = time.perf_counter()
-        try:
-            obs = within(e.env.step, action(e.env, call), timeout_s)
-        except TimeoutError:
-            return fault(e, f"step hung past {timeout_s:g} s")
-        except Exception as err:  # the environment's own fault: counted, the episode ended
-            return fault(e, f"step raised {type(err).__name__}: {err}")
-        finally:
-            e.info["env_s"] += time.perf_counter() - t0
-        text, error = reply(obs)
+        return None, str(err)
+    if call is None:  # closed a call it never opened: read as a malformed call
+        return None, f"no call before {fmt.close!r}"
+    return call, None
+
+
+def respond(e: _Episode, obs, text: str, error: bool, turns: Turns) -> None:
+    """The environment's answer to an episode's call (`obs`; None: a call it could not read, answered
+    `text`): its reply appended, or the episode ended (done, or a fault)."""
     e.info["tool_errors"] += int(error)
     if obs is not None and getattr(obs, "done", False):
         try:
@@ -248,12 +265,12 @@ def answer(e: _Episode, turn_ids, fmt: ToolFormat, encode, decode, timeout_s: fl
         except ValueError:
             return fault(e, "a non-finite reward")
         return e.end("done")
-    ids = encode(fmt.text(text))
-    if obs is None and max_reply is not None:
-        ids = ids[:max_reply]
-    if max_reply is not None and len(ids) > max_reply:
-        return fault(e, f"a reply of {len(ids)} tokens (env.max_reply_tokens = {max_reply})")
-    if len(e.prompt) + len(e.ids) + len(ids) + 1 > max_model_len:  # room for one more sampled token at least
+    ids, most = turns.encode(turns.fmt.text(text)), turns.max_reply_tokens
+    if obs is None and most is not None:
+        ids = ids[:most]
+    if most is not None and len(ids) > most:
+        return fault(e, f"a reply of {len(ids)} tokens (env.max_reply_tokens = {most})")
+    if len(e.prompt) + len(e.ids) + len(ids) + 1 > turns.max_model_len:  # room for one more sampled token at least
         return fault(e, "a reply longer than the context")
     e.hear(ids)
 
@@ -264,25 +281,34 @@ def fault(e: _Episode, why: str) -> None:
     e.end("env_error")
 
 
-def within(step, call, timeout_s: float):
-    """`step(call)` in a thread of its own, given up after `timeout_s` (TimeoutError): a hung step
-    cannot be stopped from here, so it is left running as a daemon and its episode ends."""
-    box: dict = {}
+def spawn(fn, arg) -> tuple[threading.Thread, dict]:
+    """`fn(arg)` started in a daemon thread of its own: the thread, and a box that gets its start
+    `t0`, then its outcome (`out` or `err`) and seconds `s`."""
+    box: dict = {"t0": time.perf_counter()}
 
     def run():
         try:
-            box["obs"] = step(call)
+            box["out"] = fn(arg)
         except BaseException as err:  # handed to the caller, which counts it
             box["err"] = err
+        finally:
+            box["s"] = time.perf_counter() - box["t0"]
 
     t = threading.Thread(target=run, daemon=True, name="minirl-env-step")
     t.start()
+    return t, box
+
+
+def within(fn, arg, timeout_s: float):
+    """`fn(arg)` in a thread of its own, given up after `timeout_s` (TimeoutError; the thread, which
+    cannot be stopped from here, is left running as a daemon)."""
+    t, box = spawn(fn, arg)
     t.join(timeout_s)
     if t.is_alive():
         raise TimeoutError
     if "err" in box:
         raise box["err"]
-    return box["obs"]
+    return box["out"]
 
 
 class Environments:

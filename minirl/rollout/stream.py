@@ -115,6 +115,7 @@ class Stream:
             routes = self._llm.collective_rpc(cpu_routes.take, args=(ids,))[0] if self._cpu_routes else {}
             logps, stamps = self._llm.collective_rpc(cpu_logprobs.take, args=(ids,))[0] \
                 if self.engine.capture_logprobs else ({}, {})
+        ended: dict[int, list] = {}  # call → the episodes' turns that ended in this step, (prompt, completion, turn, sample)
         for o in finished:
             req = self._owner.pop(o.request_id)
             call = self._calls[req.tag]
@@ -133,8 +134,12 @@ class Stream:
                 got = dataclasses.replace(got, preempted=times, regenerated=call.redrawn.get((req.i, slot, req.turn), 0))
                 if call.turns is None:
                     call.groups[req.i][slot] = got
-                elif (nxt := call.turns.took(req.i, slot, got)) is not None:  # the episode's next turn
-                    self._ask(_Request(req.tag, req.i, slot, nxt[0], nxt[1], req.turn + 1), 1)
+                else:
+                    ended.setdefault(req.tag, []).append((req.i, slot, req.turn, got))
+        for tag, turns in ended.items():  # their environments step together; each episode's next turn asked
+            after = {(i, slot): turn for i, slot, turn, _ in turns}
+            for i, slot, (prompt, budget) in self._calls[tag].turns.took([(i, slot, c) for i, slot, _, c in turns]):
+                self._ask(_Request(tag, i, slot, prompt, budget, after[(i, slot)] + 1), 1)
         done = [(tag, self._complete(tag)) for tag in [t for t, call in self._calls.items() if not call.waiting]]
         if not self._calls:
             self._end()
