@@ -4,6 +4,7 @@ engine against the fp32 trainer, with an environment written the way OpenEnv's a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -276,6 +277,26 @@ def test_the_environments_of_a_batchs_calls_step_together(tok):
                              fmt=ToolFormat("(", ")", "expr", tool="calc"), encode=encode, decode=decode, n=3,
                              temperature=1.0, max_tokens=20, max_turns=4, max_model_len=32, seed=0, step_timeout_s=20)
     assert all(c.episode.ended == "answer" and c.episode.env_errors == 0 and c.episode.turns == 2 for g in groups for c in g)
+
+
+def test_routes_that_do_not_line_up_with_the_episode_stop_it_naming_them(tok):
+    """R3 across turns: a turn whose routes do not cover the episode's positions (an engine that left
+    out the cached prefix's, say) is never trained on misaligned: a named stop (errors.EngineFault)."""
+    import numpy as np
+
+    from minirl.errors import EngineFault
+
+    encode, decode = tok
+
+    class Short(Scripted):
+        def generate(self, prompts, **kw):
+            return [[dataclasses.replace(c, routes=np.zeros((3, TINY.n_layers, TINY.top_k), dtype=np.uint8))
+                     for c in g] for g in super().generate(prompts, **kw)]
+
+    with pytest.raises(EngineFault, match="came back with routes for 3 positions, its tokens 8: R3 cannot replay"):
+        sample_episodes(Short([encode("(1+1)")], encode(")")[0]), [encode("1+1=")], [[Faulty("fine")]],
+                        fmt=ToolFormat("(", ")", "expr", tool="calc"), encode=encode, decode=decode, n=1,
+                        temperature=1.0, max_tokens=20, max_turns=4, max_model_len=32, seed=0)
 
 
 def test_an_unreadable_call_is_answered_as_a_tool_error_and_done_ends_with_the_environments_reward(tok):

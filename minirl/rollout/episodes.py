@@ -36,6 +36,7 @@ import numpy as np
 
 from minirl.data.environment import (TOOL_FORMATS, CallError, ToolFormat, action, close, environment_class, final_reward,
                                      reply, start_episode)
+from minirl.errors import EngineFault
 from minirl.models import sizing
 from minirl.rollout.engine import Completion, Engine, EpisodeInfo
 
@@ -69,9 +70,10 @@ class _Episode:
         self.logps += c.logprobs
         self.versions += c.versions if c.versions is not None else [None] * len(c.token_ids)
         if c.routes is not None:
-            if len(c.routes) != start + len(c.token_ids) - 1 or len(c.routes) < self.routed:
-                raise RuntimeError(f"a turn's routes cover {len(c.routes)} positions, its tokens "
-                                   f"{start + len(c.token_ids) - 1}")
+            if len(c.routes) != start + len(c.token_ids) - 1 or len(c.routes) < self.routed:  # never misaligned
+                raise EngineFault(f"an episode's turn came back with routes for {len(c.routes)} positions, its "
+                                  f"tokens {start + len(c.token_ids) - 1}: R3 cannot replay routes that do not line "
+                                  "up with the episode (train.replay = \"r2\" or \"off\" trains without them)")
             self.routes.append(c.routes[self.routed:])
             self.routed = len(c.routes)
         self.finish = c.finish
@@ -95,8 +97,9 @@ class _Episode:
         if self.routes:
             routes = np.concatenate(self.routes)
             if len(routes) != len(self.prompt) + len(self.ids) - 1:  # never misaligned: asserted
-                raise RuntimeError(f"an episode's routes cover {len(routes)} positions of "
-                                   f"{len(self.prompt) + len(self.ids) - 1}")
+                raise EngineFault(f"an episode's routes cover {len(routes)} positions of "
+                                  f"{len(self.prompt) + len(self.ids) - 1}: R3 cannot replay routes that do not "
+                                  "line up with the episode (train.replay = \"r2\" or \"off\" trains without them)")
         versions = tuple(self.versions) if self.versions and None not in self.versions else None
         return Completion(tuple(self.ids), tuple(self.logps), self.finish, routes, versions, self.preempted,
                           self.regenerated, mask=tuple(self.mask), episode=EpisodeInfo(**self.info))
