@@ -180,7 +180,9 @@ def environment_class(name: str):
     try:
         cls = getattr(importlib.import_module(module), attr)
     except Exception as e:  # an import that fails in any way: the run cannot start (one line)
-        raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}") from None
+        where = (" (its module must be importable: installed, or its folder on PYTHONPATH)"
+                 if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] else "")
+        raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}{where}") from None
     for method in ("reset", "step"):
         if not callable(getattr(cls, method, None)):
             raise UsageError(f"env.name = {name!r} has no {method}(): an environment has reset(seed, episode_id, **row) "
