@@ -321,6 +321,10 @@ CASES = [
      None, "env.name = 'json:JSONDecoder' has no reset()"),
     ("env-format-not-one-token", ["run", "{ws}", "--set", "env.name=tests.test_episodes:Counter", *ENV_FITS], None,
      "env.tool_format = 'qwen3' closes a call with '</tool_call>', 12 tokens of this model's vocabulary"),
+    ("env-reset-hangs", ["run", "{ws}", "--set", "env.name=tests.test_episodes:ResetHangs", "--set",
+                         "env.tool_format=tiny", "--set", "env.step_timeout_s=0.3", *ENV_FITS], None,
+     "env.name = 'tests.test_episodes:ResetHangs' could not start an episode: its constructor and reset() took longer "
+     "than env.step_timeout_s = 0.3 s"),
     ("env-cannot-start-an-episode", ["run", "{ws}", "--set", "env.name=tests.test_episodes:ResetFails", "--set",
                                      "env.tool_format=tiny", *ENV_FITS], None,
      "env.name = 'tests.test_episodes:ResetFails' could not start an episode: ConnectionError: the environment server is down"),

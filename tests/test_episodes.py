@@ -505,3 +505,10 @@ class ResetFails(Counter):
 
     def reset(self, seed=None, episode_id=None, **task):
         raise ConnectionError("the environment server is down")
+
+
+class ResetHangs(Counter):
+    """An environment whose server never answers a reset."""
+
+    def reset(self, seed=None, episode_id=None, **task):
+        time.sleep(3)

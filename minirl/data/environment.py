@@ -24,6 +24,8 @@ import importlib
 import json
 import math
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 from minirl.errors import UsageError
@@ -191,14 +193,21 @@ def environment_class(name: str):
 
 
 def start_episode(cls, env, row: dict, *, seed: int | None, episode_id: str):
-    """A new environment of `cls` with a recipe's [env] params, reset with a dataset row; one line
-    where it cannot start (whatever it raises: no episode of the run could)."""
-    try:
+    """A new environment of `cls` with a recipe's [env] params, reset with a dataset row, built and
+    reset within `env.step_timeout_s` (a server that never answers must not stall the run); one line
+    where it cannot start (whatever it raises, or a hang: no episode of the run could)."""
+    def build(_):
         e = cls(**env.params)
         e.reset(seed=seed, episode_id=episode_id, **row)
+        return e
+
+    try:
+        return within(build, None, env.step_timeout_s)
+    except TimeoutError:
+        raise UsageError(f"env.name = {env.name!r} could not start an episode: its constructor and reset() took "
+                         f"longer than env.step_timeout_s = {env.step_timeout_s:g} s") from None
     except Exception as err:  # noqa: BLE001 - named in the line
         raise UsageError(f"env.name = {env.name!r} could not start an episode: {type(err).__name__}: {err}") from None
-    return e
 
 
 def close(e) -> None:
@@ -243,3 +252,33 @@ def rewards(comps, scores) -> list[float]:
 def sampled(c) -> int:
     """Tokens the engine sampled (an episode's replies left out): the length the overlong shaping reads."""
     return len(c.token_ids) if c.mask is None else sum(c.mask)
+
+
+def spawn(fn, arg) -> tuple[threading.Thread, dict]:
+    """`fn(arg)` started in a daemon thread of its own: the thread, and a box that gets its start
+    `t0`, then its outcome (`out` or `err`) and seconds `s`."""
+    box: dict = {"t0": time.perf_counter()}
+
+    def run():
+        try:
+            box["out"] = fn(arg)
+        except BaseException as err:  # handed to the caller, which counts it
+            box["err"] = err
+        finally:
+            box["s"] = time.perf_counter() - box["t0"]
+
+    t = threading.Thread(target=run, daemon=True, name="minirl-env-step")
+    t.start()
+    return t, box
+
+
+def within(fn, arg, timeout_s: float):
+    """`fn(arg)` in a thread of its own, given up after `timeout_s` (TimeoutError; the thread, which
+    cannot be stopped from here, is left running as a daemon)."""
+    t, box = spawn(fn, arg)
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError
+    if "err" in box:
+        raise box["err"]
+    return box["out"]

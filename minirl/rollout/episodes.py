@@ -27,7 +27,6 @@ cannot be built or reset: nothing can run then.
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from minirl.data.environment import (TOOL_FORMATS, CallError, ToolFormat, action, close, environment_class, final_reward,
-                                     reply, start_episode)
+                                     reply, spawn, start_episode, within)
 from minirl.errors import EngineFault
 from minirl.models import sizing
 from minirl.rollout.engine import Completion, Engine, EpisodeInfo
@@ -282,36 +281,6 @@ def fault(e: _Episode, why: str) -> None:
     e.info["env_errors"] += 1
     e.info["fault"] = why
     e.end("env_error")
-
-
-def spawn(fn, arg) -> tuple[threading.Thread, dict]:
-    """`fn(arg)` started in a daemon thread of its own: the thread, and a box that gets its start
-    `t0`, then its outcome (`out` or `err`) and seconds `s`."""
-    box: dict = {"t0": time.perf_counter()}
-
-    def run():
-        try:
-            box["out"] = fn(arg)
-        except BaseException as err:  # handed to the caller, which counts it
-            box["err"] = err
-        finally:
-            box["s"] = time.perf_counter() - box["t0"]
-
-    t = threading.Thread(target=run, daemon=True, name="minirl-env-step")
-    t.start()
-    return t, box
-
-
-def within(fn, arg, timeout_s: float):
-    """`fn(arg)` in a thread of its own, given up after `timeout_s` (TimeoutError; the thread, which
-    cannot be stopped from here, is left running as a daemon)."""
-    t, box = spawn(fn, arg)
-    t.join(timeout_s)
-    if t.is_alive():
-        raise TimeoutError
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
 
 
 class Environments:
