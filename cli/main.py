@@ -281,6 +281,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         _fail(summary.get("error", "the rollout engine broke"), code=5)
     if summary["status"] == "grader_fault":  # the grader broke (errors.GraderFault): which, and its first error
         _fail(summary.get("error", "the grader broke"), code=6)
+    if summary["status"] == "env_fault":  # the environment broke (errors.EnvFault): which, and its first fault
+        _fail(summary.get("error", "the environment broke"), code=7)
     if summary.get("error"):  # every step done, the end not whole (its HF folder): what, and what writes it
         _fail(summary["error"], code=4)
 

@@ -235,7 +235,8 @@ def print_plan(console: Console, plan, *, recipe: str, resolved: str, launch: li
 
 
 STATUS_COLORS = {"running": "green", "finished": "green", "interrupted": "yellow", "time_limit": "yellow",
-                 "killed": "red", "collapsed": "red", "engine_fault": "red", "grader_fault": "red"}
+                 "killed": "red", "collapsed": "red", "engine_fault": "red", "grader_fault": "red",
+                 "env_fault": "red"}
 
 
 def status_view(st, width: int = 80) -> Group:

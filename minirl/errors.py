@@ -23,6 +23,14 @@ class EngineFault(Exception):
         self.row = row
 
 
+class EnvFault(Exception):
+    """Most of a step's episodes ended in the environment's own error (`env.max_error_frac`: it
+    raised, hung, or could not start; its server is down): their zeros would be trained on as the
+    model's, teaching it that calling a tool ends in nothing. The run stops before that step trains
+    (summary status "env_fault"); the CLI prints one line naming the environment and its first
+    fault, and exits with code 7."""
+
+
 class GraderFault(Exception):
     """Most of a step's grades were the grader's errors (`reward.max_error_frac`): a bug in the
     grader, not a policy that answers badly (a grader scores what it cannot parse 0, it does not

@@ -512,3 +512,86 @@ class ResetHangs(Counter):
 
     def reset(self, seed=None, episode_id=None, **task):
         time.sleep(3)
+
+
+class Boom(Counter):
+    """An environment whose server is down: every step raises."""
+
+    def step(self, action, timeout_s=None, **kw):
+        raise ConnectionError("the environment server is down")
+
+
+@pytest.mark.slow
+def test_a_step_whose_episodes_mostly_end_in_the_environments_error_stops_the_run_naming_it(tiny_dir, tmp_path,
+                                                                                            monkeypatch):
+    """Past env.max_error_frac of a step's episodes ending in the environment's own error (0 here: any),
+    the run stops before that step trains (their zeros would be trained on as the model's, teaching it
+    that a call ends in nothing): summary env_fault, the error naming the environment and its first
+    fault, no row for that step, exit 7 through the CLI (errors.EnvFault)."""
+    import json
+    from pathlib import Path
+
+    from minirl.config import recipes
+    from minirl.run import lifecycle
+    from minirl.setup.workspace import Workspace
+    from tests.conftest import data_workspace
+
+    from minirl.data import environment
+
+    # a format that reads whatever a turn wrote before its closer as the call: the random model's calls reach
+    # the environment (the tiny format's "(…)" it seldom writes whole)
+    monkeypatch.setitem(environment.TOOL_FORMATS, "any", ToolFormat("", ")", "expr", tool="calc"))
+    ws = data_workspace(tmp_path / "ws")
+    rec = recipes.load(ws / "minirl.toml", [f"model.path={tiny_dir}", "train.steps=4", "train.prompts_per_step=8",
+                                           "train.group_size=4", "eval.max_problems=2", "eval.k=1",
+                                           "env.name=tests.test_episodes:Boom", "env.tool_format=any", "env.max_turns=2",
+                                           "env.max_reply_tokens=8", "env.max_error_frac=0"])
+    summary = lifecycle.run(Workspace.open(ws), rec)
+    assert summary["status"] == "env_fault", summary
+    step = summary["steps"] + 1
+    assert summary["error"].startswith(f"step {step}: the environment 'tests.test_episodes:Boom' failed in "), summary
+    assert "(first: step raised ConnectionError: the environment server is down); nothing of the step was trained" \
+        in summary["error"]
+    run = Path(summary["run_dir"])
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == step - 1
+    assert json.loads((run / "summary.json").read_text())["status"] == "env_fault"
+
+
+class FlakyReset(Counter):
+    """A server that refuses every second episode's reset."""
+
+    started = 0
+
+    def reset(self, seed=None, episode_id=None, **task):
+        FlakyReset.started += 1
+        if FlakyReset.started % 2 == 0:
+            raise ConnectionError("503 Service Unavailable")
+        return super().reset(seed=seed, episode_id=episode_id, **task)
+
+
+def test_an_environment_that_cannot_start_mid_run_is_that_episodes_counted_error(tiny_dir, tok):
+    """A reset that fails once the run is under way (a server briefly down; preflight started one) no
+    longer stops the run: that episode runs without an environment, counted as its environment error
+    from the start (an answer without a call keeps its tokens; a call ends it), and the step's share
+    of such episodes is what env.max_error_frac judges (run/checks.py)."""
+    from transformers import AutoTokenizer
+
+    from minirl.config.recipe import EnvConfig
+    from minirl.data.prompts import Problem
+    from minirl.rollout.episodes import Environments, rows
+
+    encode, _ = tok
+    envs = Environments(EnvConfig(name="tests.test_episodes:FlakyReset", tool_format="tiny", max_turns=3),
+                        tokenizer=AutoTokenizer.from_pretrained(str(tiny_dir)), max_model_len=64)
+    FlakyReset.started = 0
+    call, answer = encode("(1+1)"), encode("2") + [2]
+    groups = envs.sample(Scripted([call, answer], encode(")")[0]), [Problem(tuple(encode("1+1=")), {"a": 1})], n=4,
+                         temperature=1.0, max_tokens=20, seed=0)
+    eps = [c.episode for c in groups[0]]
+    assert [e.env_errors for e in eps] == [0, 1, 0, 1]
+    assert [e.ended for e in eps] == ["answer", "env_error", "answer", "env_error"]
+    assert eps[1].fault.endswith("could not start an episode: ConnectionError: 503 Service Unavailable")
+    from minirl.data.environment import TINY
+
+    assert list(groups[0][1].token_ids) == call and list(groups[0][0].token_ids) == call + encode(TINY.text("=1;")) + answer
+    assert rows(groups[0])["episode/env_errors"] == 2

@@ -293,6 +293,9 @@ class EnvConfig:
     max_turns: int = number(4, 1)  # engine calls per episode; rollout.max_tokens bounds all of them together
     max_reply_tokens: int = number(64, 1)  # one reply's tokens; a longer one ends its episode (an env error)
     step_timeout_s: float = number(30.0, 0, above=True)  # one step; a hung one ends its episode (an env error)
+    # a step whose share of episodes ending in an environment error passes this stops the run naming
+    # the environment (errors.EnvFault): their zeros would be trained on as the model's. 1: never
+    max_error_frac: float = number(0.5, 0, 1)
 
 
 @dataclass(kw_only=True, slots=True)

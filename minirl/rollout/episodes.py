@@ -35,7 +35,7 @@ import numpy as np
 
 from minirl.data.environment import (TOOL_FORMATS, CallError, ToolFormat, action, close, environment_class, final_reward,
                                      reply, spawn, start_episode, within)
-from minirl.errors import EngineFault
+from minirl.errors import EngineFault, UsageError
 from minirl.models import sizing
 from minirl.rollout.engine import Completion, Engine, EpisodeInfo
 
@@ -121,6 +121,9 @@ class Turns:
             raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(self.stop)} tokens: the engine stops "
                              "a turn on one token of the vocabulary")
         self.episodes = [[_Episode(list(p), envs[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
+        for e in (e for group in self.episodes for e in group):
+            if isinstance(e.env, Unstarted):  # counted from the start: it may never call
+                e.info["env_errors"], e.info["fault"], e.closed = 1, e.env.why, True
         self.fmt, self.encode, self.decode = fmt, encode, decode
         self.max_tokens, self.max_turns, self.max_model_len = max_tokens, max_turns, max_model_len
         self.step_timeout_s, self.max_reply_tokens = step_timeout_s, max_reply_tokens
@@ -140,6 +143,9 @@ class Turns:
                 e.end("max_turns")
             elif e.sampled >= self.max_tokens:  # no token left to answer a reply with: none is asked for
                 e.end("length")
+            elif isinstance(e.env, Unstarted):  # a call with no environment to answer it (counted already)
+                e.info["tool_calls"] += 1
+                e.end("env_error")
             else:
                 call, unreadable = read_call(c.token_ids, self.fmt, self.decode)
                 e.info["tool_calls"] += 1
@@ -329,26 +335,32 @@ class Environments:
         return EpisodeRequest(self, tuple(_row(p) for p in problems), seed)
 
     def _envs(self, rows: Sequence[dict], n: int, seed: int | None) -> list[list[object]]:
-        """n environments of each row, each reset for its episode; those built closed again where one
-        cannot start (its one line raised)."""
-        built: list[list[object]] = []
-        try:
-            for row in rows:
-                built.append([])
-                for j in range(n):
-                    built[-1].append(self._start(row, j, seed))
-        except BaseException:
-            for env in (e for group in built for e in group):
-                try:
-                    within(close, env, self.settings.step_timeout_s)
-                except Exception:  # noqa: BLE001 - the start's own error is the one to tell
-                    pass
-            raise
-        return built
+        """n environments of each row, each reset for its episode. One that cannot start now (its
+        server briefly down: the run's preflight started one) is `Unstarted`: that episode's
+        environment error, counted, and past env.max_error_frac of a step's episodes the run stops
+        (run/checks.py) rather than on the first."""
+        def start(row, j):
+            try:
+                return self._start(row, j, seed)
+            except UsageError as e:
+                return Unstarted(str(e))
+
+        return [[start(row, j) for j in range(n)] for row in rows]
 
     def _start(self, row: dict, j: int, seed: int | None):
         """Episode j of a row: a new environment, reset with the row's fields."""
         return start_episode(self.cls, self.settings, row, seed=None if seed is None else seed + j, episode_id=str(j))
+
+
+class Unstarted:
+    """The environment of an episode that could not start (`why`): the episode's turns run without
+    it; it counts as the episode's environment error from the start, and a call ends it."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def step(self, action):
+        raise RuntimeError(self.why)
 
 
 def _row(problem) -> dict:

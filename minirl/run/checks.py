@@ -7,20 +7,27 @@ from __future__ import annotations
 import torch
 
 from minirl.config.recipe import Recipe
-from minirl.errors import EngineFault, GraderFault
+from minirl.errors import EngineFault, EnvFault, GraderFault
 from minirl.launch import World
 from minirl.train import objective
 from minirl.train.batch import Batch
 
 
 def grades(groups: list, rec: Recipe, step: int) -> None:
-    """Stop when more than reward.max_error_frac of the step's responses had a grader error."""
+    """Stop when more than reward.max_error_frac of the step's responses had a grader error, or
+    more than env.max_error_frac of its episodes ended in the environment's own error."""
     errors = [s.info["error"] for g in groups for s in g.scores if "error" in s.info]
     n = sum(len(g.scores) for g in groups)
     if errors and len(errors) > rec.reward.max_error_frac * n:
         raise GraderFault(f"step {step}: the grader {rec.reward.grader!r} failed on {len(errors)} of {n} "
                           f"responses (first: {errors[0][:200]}); nothing of the step was trained: fix the grader "
                           "or choose another (reward.grader), or raise reward.max_error_frac")
+    episodes = [c.episode for g in groups for c in g.completions if c.episode is not None]
+    faults = [e.fault for e in episodes if e.env_errors]
+    if faults and len(faults) > rec.env.max_error_frac * len(episodes):
+        raise EnvFault(f"step {step}: the environment {rec.env.name!r} failed in {len(faults)} of {len(episodes)} "
+                       f"episodes (first: {faults[0][:200]}); nothing of the step was trained: fix the environment "
+                       "(or its server), or raise env.max_error_frac")
 
 
 def engine_logp(batch: Batch, rec: Recipe, world: World, step: int) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 from minirl.config import recipes
 from minirl.config.recipe import Recipe
 from minirl.disk import atomic, store
-from minirl.errors import EngineFault, GraderFault, RunIOError, UsageError
+from minirl.errors import EngineFault, EnvFault, GraderFault, RunIOError, UsageError
 from minirl.launch import World
 from minirl.rollout import cache as engine_cache
 from minirl.run import final_weights
@@ -214,8 +214,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                     mf.flush()
                 on_event("fault", {"text": fault})
                 break
-            except GraderFault as e:  # the grader broke: the step trained nothing, and nothing it would grade counts
-                status = "grader_fault"
+            except (GraderFault, EnvFault) as e:  # the grader or the environment broke: the step trained nothing
+                status = "grader_fault" if isinstance(e, GraderFault) else "env_fault"
                 fault = f"{e}; `minirl run {rl.ws.root} --resume` continues from the newest checkpoint"
                 on_event("fault", {"text": fault})
                 break
@@ -263,7 +263,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     # above is all `--resume` needs, so the held-out eval and the HF folder, minutes each on a large
     # model, wait for the run's real end (or `minirl export`); a periodic eval of these weights counts.
     # A broken engine cannot evaluate anything
-    stopping = status in ("interrupted", "engine_fault", "grader_fault")
+    stopping = status in ("interrupted", "engine_fault", "grader_fault", "env_fault")
     # The end's held-out eval and HF folder are the largest allocations of a run. Their start is
     # marked until the summary is written: a resume that finds the mark at this step (the end died:
     # out of memory, killed) writes the summary with what is there and says what is missing, never

@@ -5,9 +5,9 @@ What a run leaves: `process.json` (who runs it: pid, host, start), `metrics.json
 step), `checkpoints/step_*`, `recipe.toml`, and `summary.json` at the end. The state is
 - running:     process.json names a live minirl process on this host (the pid is checked against
                its command line, so a reused pid is not mistaken for the run);
-- finished / interrupted / time_limit / collapsed / engine_fault / grader_fault: what summary.json says,
-               once no process runs it (engine_fault, grader_fault: the rollout engine or the grader broke; its
-               `error` says how);
+- finished / interrupted / time_limit / collapsed / engine_fault / grader_fault / env_fault: what
+               summary.json says, once no process runs it (engine_fault, grader_fault, env_fault: the
+               rollout engine, the grader or the environment broke; its `error` says how);
 - killed:      neither (the process died without a summary: `minirl run --resume` continues it);
 - running on HOST?: the process is on another host and the run has no summary yet.
 """
