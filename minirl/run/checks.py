@@ -13,21 +13,25 @@ from minirl.train import objective
 from minirl.train.batch import Batch
 
 
-def grades(groups: list, rec: Recipe, step: int) -> None:
+def grades(groups: list, rec: Recipe, step: int, world: World) -> None:
     """Stop when more than reward.max_error_frac of the step's responses had a grader error, or
-    more than env.max_error_frac of its episodes ended in the environment's own error."""
+    more than env.max_error_frac of its episodes ended in the environment's own error: counted over
+    every rank, so that all stop together (a rank alone would leave the others in the next collective)."""
     errors = [s.info["error"] for g in groups for s in g.scores if "error" in s.info]
-    n = sum(len(g.scores) for g in groups)
-    if errors and len(errors) > rec.reward.max_error_frac * n:
-        raise GraderFault(f"step {step}: the grader {rec.reward.grader!r} failed on {len(errors)} of {n} "
-                          f"responses (first: {errors[0][:200]}); nothing of the step was trained: fix the grader "
-                          "or choose another (reward.grader), or raise reward.max_error_frac")
     episodes = [c.episode for g in groups for c in g.completions if c.episode is not None]
     faults = [e.fault for e in episodes if e.env_errors]
-    if faults and len(faults) > rec.env.max_error_frac * len(episodes):
-        raise EnvFault(f"step {step}: the environment {rec.env.name!r} failed in {len(faults)} of {len(episodes)} "
-                       f"episodes (first: {faults[0][:200]}); nothing of the step was trained: fix the environment "
-                       "(or its server), or raise env.max_error_frac")
+    n = world.total({"graded": float(sum(len(g.scores) for g in groups)), "errors": float(len(errors)),
+                     "episodes": float(len(episodes)), "faults": float(len(faults))})
+    if n["errors"] and n["errors"] > rec.reward.max_error_frac * n["graded"]:
+        first = errors[0][:200] if errors else "on another rank"
+        raise GraderFault(f"step {step}: the grader {rec.reward.grader!r} failed on {int(n['errors'])} of "
+                          f"{int(n['graded'])} responses (first: {first}); nothing of the step was trained: fix the "
+                          "grader or choose another (reward.grader), or raise reward.max_error_frac")
+    if n["faults"] and n["faults"] > rec.env.max_error_frac * n["episodes"]:
+        first = faults[0][:200] if faults else "on another rank"
+        raise EnvFault(f"step {step}: the environment {rec.env.name!r} failed in {int(n['faults'])} of "
+                       f"{int(n['episodes'])} episodes (first: {first}); nothing of the step was trained: fix the "
+                       "environment (or its server), or raise env.max_error_frac")
 
 
 def engine_logp(batch: Batch, rec: Recipe, world: World, step: int) -> dict:

@@ -123,7 +123,7 @@ class RLRun:
         clock.lap("rollout")
 
         kept = sampled = self._graded(problems, groups)
-        checks.grades(sampled, r, step)  # stops here, before any loss, on a broken grader
+        checks.grades(sampled, r, step, world)  # stops here, before any loss, on a broken grader or environment
         if r.train.dynamic_sampling:  # groups whose rewards are all equal left out, the batch refilled (dynamic.py)
             kept, sampled, drawn = dynamic.fill(sampled, lambda d: self._graded(*self.rollouts.top_up(step, d)),
                                                 size=B, max_draws=r.train.dynamic_sampling_draws)
