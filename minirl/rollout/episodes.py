@@ -15,13 +15,15 @@ sampled, with the environment's between them. One flat record per episode:
 
 It ends on an answer (a turn without a call), the environment's `done`, `max_turns`, the budget or
 the context, or a fault of the environment (raised, hung past `step_timeout_s`, a non-finite reward,
-a reply that cannot fit): counted in the episode's `EpisodeInfo`, the run goes on.
+a reply that cannot fit, an environment that could not start): counted in the episode's
+`EpisodeInfo`, the run goes on (past `env.max_error_frac` of a step's episodes it stops: run/checks.py).
+The calls of the turns that end together step at once, each in a thread of its own.
 
 `Environments` builds them from a recipe's [env] (any importable `module:Class` in OpenEnv's shape:
 minirl/data/environment.py), one per episode, reset with its row, and samples a batch of episodes for
 the run's step and its held-out evaluation alike; `answer_ids`, `rewards` and `rows` are what the step
-and the evaluation read of an episode. One line, before anything is sampled, where an environment
-cannot be built or reset: nothing can run then.
+and the evaluation read of an episode. Preflight refuses in one line, before anything is sampled, an
+environment that cannot be built or reset: nothing could run then.
 """
 
 from __future__ import annotations
@@ -293,7 +295,7 @@ class Environments:
     """A recipe's [env]: `sample(engine, problems, n=, temperature=, max_tokens=, seed=)` samples n episodes
     of each problem (a step's, or the held-out evaluation's), each with an environment of its own, a
     turn of every episode per `generate`; `request(problems, seed)` is the same batch for an engine's
-    process to run in its stream (stream.py: with `rollout.max_staleness` ≥ 1 and in-flight updates).
+    process to run in its stream (stream.py: at `rollout.max_staleness` ≥ 1, and on rollout GPUs).
     Pickled without its tokenizer: the engine's process tokenizes with its own (the model's)."""
 
     def __init__(self, env, *, tokenizer, max_model_len: int):
