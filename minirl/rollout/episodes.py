@@ -231,6 +231,13 @@ def sample_episodes(
     turns = Turns(prompts, envs, fmt=fmt, encode=encode, decode=decode, n=n, max_tokens=max_tokens,
                   max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
                   max_reply_tokens=max_reply_tokens)
+    return run_turns(engine, turns, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                     seeded_requests=seeded_requests)
+
+
+def run_turns(engine: Engine, turns: Turns, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
+              max_tokens: int, seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
+    """`sample_episodes`' loop over episodes built already: a turn of every live one per `generate`."""
     ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests)
     try:
         # the first turn: the group's n episodes share the prompt, one request of n samples each
@@ -324,12 +331,19 @@ class Environments:
 
     def sample(self, engine, problems: Sequence, *, n: int, temperature: float, max_tokens: int,
                seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
-        envs = self._envs([_row(p) for p in problems], n, seed)
-        return sample_episodes(engine, [p.prompt_ids for p in problems], envs, fmt=self.fmt, encode=self.encode,
-                               decode=self.decode, n=n, temperature=temperature, max_tokens=max_tokens,
-                               max_turns=self.settings.max_turns, max_model_len=self.max_model_len,
-                               max_reply_tokens=self.settings.max_reply_tokens, seed=seed,
-                               step_timeout_s=self.settings.step_timeout_s, seeded_requests=seeded_requests)
+        prompts = [p.prompt_ids for p in problems]
+        return run_turns(engine, self.turns(prompts, [_row(p) for p in problems], n=n, max_tokens=max_tokens,
+                                            seed=seed),
+                         prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                         seeded_requests=seeded_requests)
+
+    def turns(self, prompts: Sequence[Sequence[int]], rows: Sequence[dict], *, n: int, max_tokens: int,
+              seed: int | None) -> Turns:
+        """n episodes of each prompt, each with an environment of its own reset with its row."""
+        s = self.settings
+        return Turns(prompts, self._envs(rows, n, seed), fmt=self.fmt, encode=self.encode, decode=self.decode, n=n,
+                     max_tokens=max_tokens, max_turns=s.max_turns, max_model_len=self.max_model_len,
+                     step_timeout_s=s.step_timeout_s, max_reply_tokens=s.max_reply_tokens)
 
     def request(self, problems: Sequence, *, seed: int | None) -> "EpisodeRequest":
         """A batch's episodes for an engine's process (its `generate(..., episodes=)`): the rows they
@@ -384,12 +398,8 @@ class EpisodeRequest:
     def turns(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, tokenizer) -> Turns:
         """In the engine's process, with its tokenizer: the episodes, each environment built and reset
         with its row."""
-        e = self.environments
-        e.tokenizer = tokenizer
-        envs = e._envs(self.rows, n, self.seed)
-        return Turns(prompts, envs, fmt=e.fmt, encode=e.encode, decode=e.decode, n=n, max_tokens=max_tokens,
-                     max_turns=e.settings.max_turns, max_model_len=e.max_model_len,
-                     step_timeout_s=e.settings.step_timeout_s, max_reply_tokens=e.settings.max_reply_tokens)
+        self.environments.tokenizer = tokenizer
+        return self.environments.turns(prompts, self.rows, n=n, max_tokens=max_tokens, seed=self.seed)
 
 
 SUMS = ("episode/tool_errors", "episode/env_errors")  # counts: summed over ranks, the rest averaged

@@ -38,7 +38,6 @@ from minirl.rollout.seeding import call_seed, request_seed, seeded_sampling
 
 @dataclass
 class _Call:
-    n: int
     params: dict  # temperature, stop
     groups: list[list]  # [prompt][n]: the completions as their requests finish
     seed: int | None = None  # seeded requests: the call's base seed (a prompt's is base + its index)
@@ -93,7 +92,7 @@ class Stream:
         if not self._calls:
             self._begin(seed)
         base = call_seed(seed if seed is not None else 0, stream=self.engine.stream) if seeded_requests else None
-        self._calls[tag] = _Call(n, dict(temperature=temperature, stop=tuple(stop)), [[None] * n for _ in prompts],
+        self._calls[tag] = _Call(dict(temperature=temperature, stop=tuple(stop)), [[None] * n for _ in prompts],
                                  seed=base, turns=turns)
         for i, p in enumerate(prompts):
             if turns is None:
