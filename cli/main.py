@@ -22,7 +22,7 @@ from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.study import doctor, lab
 from minirl.config import recipes
 from minirl.config.precisions import NAMES as PRECISION_NAMES
-from minirl.errors import EngineFault, RunIOError, UsageError
+from minirl.errors import EngineFault, EnvFault, RunIOError, UsageError
 from minirl.eval.benchmarks import get as get_bench
 from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
 from minirl.models.hub import resolution
@@ -362,6 +362,9 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     table.add_row(scored, *(f"{result[c]:.3f}" for c in scores), str(result["temperature"]),
                   str(result["truncated_prompts"]), str(result["grader_timeouts"]))
     console.print(table)
+    if result.get("env_faults"):  # samples the environment's fault ended: left out of the scores above
+        console.print(f"[yellow]the environment failed in {result['env_faults']} episodes: left out of each problem's "
+                      "samples (past env.max_error_frac of them an evaluation stops)[/]")
     if result["resumed_problems"]:
         console.print(f"resumed: {result['resumed_problems']} problems were already done")
     console.print(f"results: {result['results_file']}")
@@ -422,6 +425,8 @@ def main() -> None:
         _fail(str(e), code=4)
     except EngineFault as e:  # before a run's first step (its first sync): nothing started, no folder left
         _fail(str(e), code=5)
+    except EnvFault as e:  # an evaluation whose environment failed past env.max_error_frac (a run's is in its summary)
+        _fail(str(e), code=7)
     except (KeyboardInterrupt, click.exceptions.Abort):
         print("minirl: aborted", file=sys.stderr)
         sys.exit(130)
@@ -429,7 +434,8 @@ def main() -> None:
 
 def _fail(message: str, code: int = 2) -> None:
     """One line on stderr (plain print: rich would wrap it at the terminal width), exit code 2
-    (bad input), 4 (a run could not write its files) or 5 (the rollout engine broke). Under
+    (bad input), 4 (a run could not write its files), 5 (the rollout engine broke) or 7 (an evaluation's
+    environment broke). Under
     torchrun rank 0 alone says it."""
     if os.environ.get("RANK", "0") == "0":
         print(f"minirl: error: {' '.join(message.split())}", file=sys.stderr)

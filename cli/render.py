@@ -51,9 +51,10 @@ LIVE_KEYS = [
 # is ahead, and the shares of the wall time the engine had nothing to do and the trainer waited on it
 ASYNC_KEYS = [("rollout/staleness_mean", "stale", "{:.2f}"), ("rollout/batches_ahead", "ahead", "{:d}"),
               ("timing/engine_idle_frac", "engine idle", "{:.0%}"), ("timing/trainer_idle_frac", "trainer idle", "{:.0%}")]
-# a multi-turn run (env.name) writes these too: engine calls and tool calls per episode, the environment's faults
+# a multi-turn run (env.name) writes these too: engine calls and tool calls per episode, the environment's
+# faults, and the episodes they ended (left out of the loss)
 EPISODE_KEYS = [("episode/turns", "turns", "{:.2f}"), ("episode/tool_calls", "calls", "{:.2f}"),
-                ("episode/env_errors", "env errors", "{:d}")]
+                ("episode/env_errors", "env errors", "{:d}"), ("episode/masked", "masked", "{:d}")]
 CELL = 24  # the widest "title value" cell, and its gap: a grid of width // CELL columns
 
 

@@ -84,8 +84,8 @@ def install(run) -> None:
         return problems, (break_logprobs(groups) if what == "logp" else
                           skew_logprobs(groups) if what == "skew" else groups)
 
-    def advantages(rewards_PG, f=run.advantages):  # trained on 1 − r; the reward logged and judged stays r
-        return f(1 - rewards_PG if now() == "invert" else rewards_PG)
+    def advantages(rewards_PG, trains_PG=None, f=run.advantages):  # trained on 1 − r; the reward logged stays r
+        return f(1 - rewards_PG if now() == "invert" else rewards_PG, trains_PG)
 
     def forward_backward(mb, loss_fn, f=trainer.forward_backward, **kw):
         if now() == "loss":

@@ -151,6 +151,12 @@ class GradingPool:
             self.close(kill=True)
         return out
 
+    def grade_where(self, items: Sequence[tuple[dict, str]], needed: Sequence[bool]) -> list[Score]:
+        """`grade` of the items `needed` marks; the others (an episode the environment scored, or
+        whose fault leaves it no sample of the model) score 0 ungraded, marked `not_graded`."""
+        got = iter(self.grade([item for item, need in zip(items, needed, strict=True) if need]))
+        return [next(got) if need else Score(0.0, {"not_graded": True}) for need in needed]
+
     def close(self, kill: bool = False) -> None:
         if self._pool is None:
             return

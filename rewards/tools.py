@@ -1,14 +1,14 @@
 """Environments whose tool runs code (#84): a model's Python, run in the code grader's sandbox
 (rewards/sandbox.py: limits, namespaces, no network, its own small root), answered with what it printed.
 
-OpenEnv's shape (minirl/data/environment.py): `env.name = "rewards.tools:PythonTool"` with
+OpenEnv's shape (minirl/envs/contract.py): `env.name = "rewards.tools:PythonTool"` with
 `env.tool_format = "qwen3"`, and the model calls `{"name": "python", "arguments": {"code": "print(6*7)"}}`.
 The task's grader scores the final answer; the tool gives no reward of its own.
 """
 
 from __future__ import annotations
 
-from minirl.data.environment import Observation
+from minirl.envs.contract import Observation
 from rewards import sandbox
 
 MAX_CODE = 20_000  # characters of one call's program

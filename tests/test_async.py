@@ -520,7 +520,7 @@ def test_episodes_at_k2_with_a_sync_between_and_within_turns_stay_exact(inflight
     from minirl.data.prompts import Problem
     from minirl.models.shapes import TINY
     from minirl.rollout import sync as weight_sync
-    from minirl.rollout.episodes import Environments
+    from minirl.rollout.environments import Environments
     from minirl.train.batch import build_batch
     from minirl.train.replay import rollout_routes, route_agreement
     from minirl.train.trainer import Trainer
@@ -580,3 +580,10 @@ def test_episodes_at_k2_with_a_sync_between_and_within_turns_stay_exact(inflight
         assert int((here & later & ~sampled).sum()) >= 3, v  # ... and the replies' positions fed by θ_v
     assert int((at == -1).sum()) > 0  # the sync landed within a turn too: those forwards are mixed
     assert sum(c.episode.turns >= 2 for c in comps) >= 6 and sum(c.episode.tool_calls for c in comps) >= 6
+    # a later turn's prefill under θ_1 recomputed positions first fed under θ_0: some routed otherwise
+    # (the rows kept, θ_0's, are those the tokens were sampled under; the row says how many moved)
+    from minirl.rollout.environments import rows
+
+    moved = rows(comps)["replay/prefix_rerouted_frac"]
+    print(f"prefix positions a later turn's prefill rerouted after the sync: {moved:.3f}")
+    assert 0 < moved < 1

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.run.dynamic import Group, fill, informative
+from minirl.run.dynamic import fill, informative
+from minirl.run.groups import Group
 
 
 def _groups(flat: list[bool], G: int = 4, tag: str = "") -> list[Group]:
@@ -18,8 +19,8 @@ def _groups(flat: list[bool], G: int = 4, tag: str = "") -> list[Group]:
     out = []
     for i, f in enumerate(flat):
         r = torch.ones(G) if f else torch.tensor([1.0, 0.0] * (G // 2))
-        out.append(Group(f"{tag}{i}", [None] * G, [None] * G, r, r))
-        assert informative(r) is not f
+        out.append(Group(f"{tag}{i}", [None] * G, [None] * G, r, r, torch.ones(G, dtype=torch.bool)))
+        assert informative(out[-1]) is not f
     return out
 
 

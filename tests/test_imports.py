@@ -19,18 +19,19 @@ ENGINE_HOMES = {
 # own layer and from those its layer lists, never from above. "top" is minirl's few top-level
 # modules (errors, the launcher's World, the stopwatch, fault injection), then what every process
 # does as it starts and ends (proc: the collector's pace, the quick exit); below the engines' rooms
-# sit the files on disk, the models and the Hub, data and tasks, and the recipe; rewards is the
-# graders' package, beside minirl.
-LAYERS = ("top", "proc", "disk", "models", "data", "config", "rewards", "train", "rollout", "setup", "eval", "run",
-          "publish", "lab", "cli")
-_BASE = {"top", "proc", "disk", "models", "data", "config"}
+# sit the files on disk, the models and the Hub, the environments' contract and hosting, data and
+# tasks, and the recipe; rewards is the graders' package, beside minirl.
+LAYERS = ("top", "proc", "disk", "models", "envs", "data", "config", "rewards", "train", "rollout", "setup", "eval",
+          "run", "publish", "lab", "cli")
+_BASE = {"top", "proc", "disk", "models", "envs", "data", "config"}
 ALLOWED = {
     "top": set(),
     "proc": {"top"},
     "disk": {"top", "proc"},
     "models": {"top", "proc", "disk"},
-    "data": {"top", "proc", "disk", "models"},
-    "config": {"top", "proc", "disk", "models", "data"},
+    "envs": {"top", "proc"},
+    "data": {"top", "proc", "disk", "models", "envs"},
+    "config": {"top", "proc", "disk", "models", "envs", "data"},
     "rewards": _BASE,
     "train": _BASE,
     "rollout": _BASE | {"train"},
@@ -343,7 +344,7 @@ def test_minirl_keeps_at_most_six_modules_at_its_top():
     top = sorted(p.name for p in (ROOT / "minirl").glob("*.py"))
     assert len(top) <= 6, top
     assert all((ROOT / "minirl" / room / "__init__.py").read_text().startswith('"""')
-               for room in ("disk", "models", "data", "config"))  # each room says what it holds
+               for room in ("disk", "models", "envs", "data", "config"))  # each room says what it holds
 
 
 def test_the_step_is_the_algorithm_alone():

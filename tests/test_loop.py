@@ -98,7 +98,7 @@ def test_faults_wrap_nothing_unless_asked_and_then_only_the_step_they_name(monke
                                   fill_grads=lambda v: None)
         return SimpleNamespace(state=SimpleNamespace(step=2), world=SimpleNamespace(rank=0), trainer=trainer,
                                rollouts=SimpleNamespace(next=lambda at: ([], [])), step=lambda: "row",
-                               advantages=lambda r: r, parity=lambda: 0.01)
+                               advantages=lambda r, trains=None: r, parity=lambda: 0.01)
 
     for k in faults.STEP_FAULTS:
         monkeypatch.delenv(k, raising=False)

@@ -17,7 +17,7 @@ from typing import Any
 
 from minirl.config.engines import ENGINES
 from minirl.config.precisions import NAMES as PRECISION_NAMES
-from minirl.data.environment import TOOL_FORMATS
+from minirl.envs.formats import TOOL_FORMATS
 from minirl.data.gym import gym_name, is_gym
 from minirl.data.task import TASKS
 from minirl.errors import UsageError
@@ -286,16 +286,28 @@ def _env_class(key: str, v: str) -> str | None:
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
     # multi-turn episodes (#84, rollout/episodes.py): "" = one prompt, one response; else the environment's
-    # class, module:Class, in OpenEnv's shape (minirl/data/environment.py), one per episode, reset with its row
+    # class, module:Class, in OpenEnv's shape (minirl/envs/contract.py), one per episode, reset with its row
     name: str = rule("", _env_class)
     params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its constructor
     tool_format: str = one_of("qwen3", TOOL_FORMATS)  # how a call and a reply are written (qwen3: Hermes tags)
     max_turns: int = number(4, 1)  # engine calls per episode; rollout.max_tokens bounds all of them together
-    max_reply_tokens: int = number(64, 1)  # one reply's tokens; a longer one ends its episode (an env error)
-    step_timeout_s: float = number(30.0, 0, above=True)  # one step; a hung one ends its episode (an env error)
+    # one reply's tokens, its scaffold counted; a longer one is cut, with a marker (envs/formats.py)
+    max_reply_tokens: int = number(64, 1)
+    # any one call of the environment (constructor and reset together, a step, a close), timed from its
+    # own start; past it the episode ends in the environment's fault (envs/hosting.py)
+    step_timeout_s: float = number(30.0, 0, above=True)
     # a step whose share of episodes ending in an environment error passes this stops the run naming
-    # the environment (errors.EnvFault): their zeros would be trained on as the model's. 1: never
+    # the environment (errors.EnvFault); below it those episodes are left out of the loss. 1: never
     max_error_frac: float = number(0.5, 0, 1)
+    # environments alive at once in a process (0: every episode of its batches at once); a class that
+    # says SUPPORTS_CONCURRENT_SESSIONS = False (OpenEnv's flag) runs one at a time whatever this says
+    max_concurrency: int = number(0, 0)
+    # where each environment lives for its lifetime: a thread of its own, or a process of its own
+    # (killed when a call passes step_timeout_s; its crash is its episode's fault alone)
+    isolation: str = one_of("thread", ("thread", "process"))
+    # R of an episode whose environment gives rewards: "final", the reward of the observation that
+    # ended it (else the grader's score); "sum", every step's reward added up
+    reward: str = one_of("final", ("final", "sum"))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,12 +1,12 @@
 """The embedded tools task's environment (`minirl init --task tools`, #84): a calculator, in OpenEnv's
-shape (minirl/data/environment.py). `calc` evaluates integer arithmetic (+, −, × and brackets) of at
+shape (minirl/envs/contract.py). `calc` evaluates integer arithmetic (+, −, × and brackets) of at
 most 32 characters; anything else is answered "?", which the tiny vocabulary can write."""
 
 from __future__ import annotations
 
 import ast
 
-from minirl.data.environment import Observation
+from minirl.envs.contract import Observation
 
 MAX_EXPR = 32
 

@@ -18,19 +18,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minirl.config import recipes
-from minirl.data.environment import answer_ids, check_format, check_start, rewards as episode_rewards
 from minirl.data.prompts import Problem, prompt_ids, response_text
 from minirl.disk import store
 from minirl.disk.store import is_checkpoint, latest_trained
-from minirl.errors import UsageError
+from minirl.envs.contract import episode_seed
+from minirl.envs.formats import check_format
+from minirl.envs.hosting import check_start
+from minirl.envs.outcome import answer_ids, needs_grade, rewards as episode_rewards, trains
+from minirl.errors import EnvFault, UsageError
 from minirl.eval import benchmarks
 from minirl.models import hub
 from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead
 from rewards.pool import GradingPool
 
 
-def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]) -> dict:
-    """avg@k, pass@k and maj@k from per-sample correctness and extracted answers.
+def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]], k: int | None = None) -> dict:
+    """avg@k, pass@k and maj@k from per-sample correctness and extracted answers (`k`: the samples asked
+    of each problem; a problem may have fewer, those an environment's fault ended left out).
 
     maj@k: the most frequent extracted answer (ties: first seen) decides; a problem counts as
     solved when that answer was graded correct.
@@ -39,7 +43,7 @@ def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]
     """
     from collections import Counter
 
-    k = len(correct_PK[0]) if correct_PK else 0
+    k = k or (len(correct_PK[0]) if correct_PK else 0)
     maj = []
     for corr, ext in zip(correct_PK, extracted_PK):
         votes = Counter(e for e in ext if e is not None)
@@ -50,7 +54,7 @@ def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]]
         maj.append(any(c for c, e in zip(corr, ext) if e == top))
     n = max(1, len(correct_PK))
     return {
-        f"avg@{k}": sum(sum(c) / k for c in correct_PK) / n,
+        f"avg@{k}": sum(sum(c) / len(c) for c in correct_PK) / n,
         f"pass@{k}": sum(any(c) for c in correct_PK) / n,
         f"maj@{k}": sum(maj) / n,
         "problems": len(correct_PK),
@@ -101,16 +105,36 @@ def evaluate(
         groups = engine.generate([p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens,
                                  seed=seed, seeded_requests=True)
     comps = [c for g in groups for c in g]
-    scores = grading.grade([(prob.record, response_text(answer_ids(c), decode, eos_id))
-                            for prob, g in zip(problems, groups) for c in g])
-    rewards = episode_rewards(comps, scores)
-    per_problem = gather([[(rewards[j] >= 1.0, scores[j].info.get("extracted")) for j in range(i * k, (i + 1) * k)]
-                          for i in range(len(problems))])
+    mode = episodes.settings.reward if episodes is not None else "final"
+    scores = grading.grade_where([(prob.record, response_text(answer_ids(c), decode, eos_id))
+                                  for prob, g in zip(problems, groups) for c in g], [needs_grade(c, mode) for c in comps])
+    rewards = episode_rewards(comps, scores, mode)
+    # a sample the environment's fault ended is no sample of the model: left out of each problem's k
+    per_problem = gather([[(rewards[j] >= 1.0, scores[j].info.get("extracted"), trains(comps[j]))
+                           for j in range(i * k, (i + 1) * k)] for i in range(len(problems))])
+    faults = [c.episode.fault for c in comps if not trains(c)]
+    if episodes is not None:
+        check_faults(episodes.settings, len(faults), len(comps), faults[:1], gather)
+    kept = [[(c, e) for c, e, ok in p if ok] for p in per_problem]
+    kept = [p for p in kept if p]
     return {
-        **summarize([[c for c, _ in p] for p in per_problem], [[e for _, e in p] for p in per_problem]),
+        **summarize([[c for c, _ in p] for p in kept], [[e for _, e in p] for p in kept], k=k),
         "k": k,
         "temperature": temperature,
+        **({"env_faults": sum(not ok for p in per_problem for _, _, ok in p)} if episodes is not None else {}),
     }
+
+
+def check_faults(env, faults: int, episodes: int, first: list[str], gather) -> None:
+    """Stop an evaluation whose episodes ended in the environment's fault past env.max_error_frac (over
+    every rank): its avg@k would be the environment's, not the model's."""
+    counts = gather([(faults, episodes, first)])
+    n, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if n and n > env.max_error_frac * total:
+        why = next((f[0] for _, _, f in counts if f), "")
+        raise EnvFault(f"the environment {env.name!r} failed in {n} of {total} episodes of the evaluation (first: "
+                       f"{why[:200]}); no score was taken: fix the environment (or its server), or raise "
+                       "env.max_error_frac")
 
 
 def _merged_adapter(ws, adapter: Path) -> Path:
@@ -314,12 +338,12 @@ def eval_benchmark(
     max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
     episodes = None
     if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
-        from minirl.rollout.episodes import Environments  # deferred: torch (the CLI imports this module at start)
+        from minirl.rollout.environments import Environments  # deferred: torch (the CLI imports this module at start)
 
         # as a run's preflight: an environment that cannot run is one line before anything is written
         episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx)
-        check_format(rec.env.tool_format, episodes.encode)
-        check_start(rec.env, dict(records[0]))
+        check_format(rec.env.tool_format, episodes.encode, episodes.encode_text, rec.env.max_reply_tokens)
+        check_start(rec.env, dict(records[0]), seed=episode_seed(rec.train.seed, 0, 0))
     budget = ctx - max_tokens
     prompts, truncated = [], 0
     template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template
@@ -337,7 +361,8 @@ def eval_benchmark(
     settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, "max_tokens": max_tokens,
                 "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
                 "problems": len(records), "checkpoint": str(model_dir.resolve()),
-                **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns]} if rec.env.name else {})}
+                **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns, rec.env.reward]}
+                   if rec.env.name else {})}
     tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -376,33 +401,46 @@ def eval_benchmark(
                     comps = [c for g in groups for c in g]
                     items = [(records[i], response_text(answer_ids(c), tok.decode, eos)) for i, g in zip(idx, groups)
                              for c in g]
-                    scores = pool.grade(items)
-                    won = episode_rewards(comps, scores)  # the grader's, or an episode's own reward
+                    mode = rec.env.reward
+                    scores = pool.grade_where(items, [needs_grade(c, mode) for c in comps])
+                    won = episode_rewards(comps, scores, mode)  # the grader's, or an episode's own reward
                     for j, i in enumerate(idx):
                         at = slice(j * rec.eval.k, (j + 1) * rec.eval.k)
-                        sc = scores[at]
-                        row = {"index": i, "answer": records[i]["answer"], "correct": [w >= 1.0 for w in won[at]],
+                        ok = [trains(c) for c in comps[at]]  # a sample the environment's fault ended: left out
+                        sc = [x for x, keep in zip(scores[at], ok) if keep]
+                        row = {"index": i, "answer": records[i]["answer"],
+                               "correct": [w >= 1.0 for w, keep in zip(won[at], ok) if keep],
                                "extracted": [x.info.get("extracted") for x in sc],
                                "timeouts": sum(bool(x.info.get("timeout")) for x in sc),
-                               "errors": sum("error" in x.info for x in sc)}
+                               "errors": sum("error" in x.info for x in sc),
+                               **({"env_faults": ok.count(False),
+                                   "fault": next((c.episode.fault for c in comps[at] if not trains(c)), "")}
+                                  if episodes is not None else {})}
                         f.write(json.dumps(row) + "\n")
                         done[i] = row
+                    if episodes is not None:  # a broken environment stops the evaluation, not scores it 0
+                        seen = list(done.values())
+                        check_faults(rec.env, sum(r.get("env_faults", 0) for r in seen), rec.eval.k * len(seen),
+                                     [r["fault"] for r in seen if r.get("fault")][:1], list)
                     f.flush()
                     on_progress(len(done), len(records))
         finally:
             pool.close()
     rows = [done[i] for i in range(len(records))]
-    correct = [r["correct"] for r in rows]
+    scored = [r for r in rows if r["correct"]]  # a problem whose every sample the environment's fault ended: none
+    correct = [r["correct"] for r in scored]
     k = rec.eval.k
     result = {
         "benchmark": got.name,
         "of": got.total,  # problems in the data; "problems" (below) is how many were scored
         "checkpoint": str(model_dir.resolve()),  # the same checkpoint however its path was typed (export's card)
-        **summarize(correct, [r["extracted"] for r in rows]),
+        **summarize(correct, [r["extracted"] for r in scored], k=k),
         # pass@j for j < k, unbiased from the k samples of each problem (Chen et al. 2021); pass@k
         # is the share of problems with a correct one among all k
-        **{f"pass@{j}": sum(pass_at(k, sum(c), j) for c in correct) / max(1, len(correct))
+        **{f"pass@{j}": sum(pass_at(len(c), sum(c), j) if len(c) >= j else float(any(c)) for c in correct)
+                         / max(1, len(correct))
            for j in (1, 5, 10, 100) if j < k},
+        **({"env_faults": sum(r.get("env_faults", 0) for r in rows)} if rec.env.name else {}),
         "temperature": rec.eval.temperature,
         "rollout_precision": rec.rollout.precision,
         "seed": rec.train.seed,

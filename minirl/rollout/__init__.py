@@ -19,6 +19,8 @@
     episodes.py  multi-turn episodes: the turn loop over an engine and a task's environments, token in,
                  token out (sampled ids verbatim, only replies tokenized; R3 rows across turns); at k ≥ 1
                  the engine's process runs it in its stream, an episode's turns at their own pace
+    environments.py  a recipe's [env] as the rollouts use it: a batch's episodes built (rows, seeds,
+                 ids), sampled here or sent to an engine's process; a step's rows of its episodes
     stream.py    an engine's calls as requests in flight (`generate` is a stream of one call); with
                  `rollout.inflight_updates` the engine's process keeps stepping across calls
     cpu/         CPU-only pieces inside the engine: weights, norms, log-probs, routes; stale shm segments
@@ -29,7 +31,7 @@ this process, samples ahead in its own while the trainer trains, or runs on roll
 own is decided here, once, from the recipe: the loop never learns which (it asks `group_ranks`
 which ranks send the same requests).
 
-May import: the top-level modules, the base rooms (disk, models, data, config) and train (the HF names of the trainer's weights). Must not
+May import: the top-level modules, the base rooms (disk, models, envs, data, config) and train (the HF names of the trainer's weights). Must not
 import setup, eval, run, publish, lab or cli.
 """
 
@@ -93,7 +95,7 @@ class Rollouts:
     def __init__(self, engine, *, sampler: PromptSampler, world: World, rollout, train, clock: Stopwatch,
                  episodes=None):
         self._engine, self._sampler, self._world, self._clock = engine, sampler, world, clock
-        # multi-turn: `episodes.sample(engine, problems, **generate's settings)` samples a batch (episodes.py)
+        # multi-turn: `episodes.sample(engine, problems, **generate's settings)` samples a batch (environments.py)
         self._episodes = episodes
         self._rollout, self._train = rollout, train
         self._k = rollout.max_staleness

@@ -56,17 +56,23 @@ class EpisodeInfo:
     """A multi-turn episode's own record (rollout/episodes.py).
 
     turns:        engine calls that sampled its tokens
-    tool_calls:   calls the environment answered (with a reply or an error)
+    tool_calls:   calls the model made (answered with a reply or an error, or given to a faulty environment)
     tool_errors:  calls whose reply was an error (the model's call unreadable, the tool's own error)
-    env_errors:   the environment's own faults (raised, hung past its limit, a non-finite reward, a
-                  reply that cannot fit the context): the episode ended there; and a `close` that
-                  raised or hung once it had ended
-    env_s:        seconds spent in the environment's steps
+    env_errors:   the environment's own faults (at most one an episode: its first): raised, hung past
+                  its limit, an observation it could not read, a non-finite reward, a start that
+                  failed; or a `close` that raised or hung once the episode had ended
+    env_s:        seconds of the environment's calls (start, steps, close)
     env_tokens:   tokens of the environment's replies
     reward:       the environment's reward when it ended the episode (`done` with a reward), else None
-    ended:        "answer" (a turn ended without a call), "done" (the environment), "max_turns",
-                  "length" (the token budget or the context), "env_error"
-    fault:        the environment's fault that ended it (or its close's), in a few words
+    ended:        "answer" (a turn ended without a call), "done" (the environment), "max_turns" (a call
+                  at the turn limit), "length" (the token budget), "context" (no room for a reply),
+                  "env_error" (the environment's fault: the episode trains on nothing)
+    fault:        the environment's fault (or its close's), in a few words
+    replies_cut:  replies cut to fit env.max_reply_tokens or the context
+    step_rewards: every reward the environment gave, in order (the final one included)
+    prefix_compared, prefix_rerouted: R3, positions whose rows a later turn's prefill recomputed, and
+                  how many of them it routed otherwise than the rows kept
+    hung_running: calls of the process's environments given up on and still running as its batch ended
     """
 
     turns: int
@@ -78,6 +84,11 @@ class EpisodeInfo:
     reward: float | None = None
     ended: str = "answer"
     fault: str = ""
+    replies_cut: int = 0
+    step_rewards: tuple[float, ...] = ()
+    prefix_compared: int = 0
+    prefix_rerouted: int = 0
+    hung_running: int = 0
 
 
 @runtime_checkable

@@ -11,41 +11,51 @@ sampled, with the environment's between them. One flat record per episode:
     mask      1 sampled (log μ, version, route kept from the forward that sampled it), 0 environment
     routes    R3: one row per position fed through the engine. A sampled token keeps the row recorded
               when it was sampled; the environment's tokens and the last sampled token of each turn
-              (never fed while its turn ran) take the rows of the next turn's prefill.
+              (never fed while its turn ran) take the rows of the next turn's prefill. The prefill
+              recomputes the earlier positions' rows too: they are compared with the kept ones (a
+              sync between two turns may move them: `prefix_rerouted`), and the kept ones train (the
+              routes the tokens were sampled under, as their log μ is).
 
-It ends on an answer (a turn without a call), the environment's `done`, `max_turns`, the budget or
-the context, or a fault of the environment (raised, hung past `step_timeout_s`, a non-finite reward,
-a reply that cannot fit, an environment that could not start): counted in the episode's
-`EpisodeInfo`, the run goes on (past `env.max_error_frac` of a step's episodes it stops: run/checks.py).
-The calls of the turns that end together step at once, each in a thread of its own.
+Each episode's environment lives on one worker of the recipe's `Host` (minirl/envs/hosting.py) for its
+lifetime: built and reset there before its first turn is asked (an episode waits while
+`env.max_concurrency` environments are alive), stepped there, closed there as the episode ends. Every
+call is a job the loop polls: at k = 0 the loop waits for a round's calls before its next `generate`;
+an engine's stream (stream.py) asks each episode's next turn as soon as its call returned, and the
+engine steps meanwhile.
 
-`Environments` builds them from a recipe's [env] (any importable `module:Class` in OpenEnv's shape:
-minirl/data/environment.py), one per episode, reset with its row, and samples a batch of episodes for
-the run's step and its held-out evaluation alike; `answer_ids`, `rewards` and `rows` are what the step
-and the evaluation read of an episode. Preflight refuses in one line, before anything is sampled, an
-environment that cannot be built or reset: nothing could run then.
+An episode ends on an answer (a turn without a call), the environment's `done`, `env.max_turns` or the
+token budget at a call (a truncation: `finish` "length"), the context (no room for a reply), or the
+environment's fault: raised (anything, `SystemExit` too), hung past `step_timeout_s`, an observation it
+could not read, a non-finite reward, a start that failed. A faulted episode is counted and named in its
+`EpisodeInfo` and trains on nothing (minirl/envs/outcome.py); past `env.max_error_frac` of a step's
+episodes the run stops (run/checks.py). A reply longer than `env.max_reply_tokens` is cut, never a fault.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from minirl.data.environment import (TOOL_FORMATS, CallError, ToolFormat, action, close, environment_class, final_reward,
-                                     reply, spawn, start_episode, within)
-from minirl.errors import EngineFault, UsageError
-from minirl.models import sizing
+from minirl.envs import hosting
+from minirl.envs.contract import accepted
+from minirl.envs.formats import CallError, Replies, ToolFormat
+from minirl.errors import EngineFault
 from minirl.rollout.engine import Completion, Engine, EpisodeInfo
+
+WAIT_S = 0.05  # longest wait for an environment's call before the loop looks again (deadlines, a stream's engine)
 
 
 @dataclass
 class _Episode:
+    i: int
+    j: int
     prompt: list[int]
-    env: object
+    start: tuple  # (environment class or module:Class, its params, reset's keyword arguments)
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
@@ -53,18 +63,26 @@ class _Episode:
     routes: list = field(default_factory=list)  # R3: row blocks, concatenated at the end
     routed: int = 0  # positions the blocks cover
     info: dict = field(default_factory=lambda: dict(turns=0, tool_calls=0, tool_errors=0, env_errors=0, env_s=0.0,
-                                                    env_tokens=0, reward=None, ended=""))
+                                                    env_tokens=0, reward=None, ended="", fault="", replies_cut=0,
+                                                    step_rewards=[], prefix_compared=0, prefix_rerouted=0,
+                                                    hung_running=0))
     finish: str = "stop"
-    closed: bool = False  # its environment's `close` called (once, when it ended)
     preempted: int = 0
     regenerated: int = 0
+    # where it stands: "waiting" (for a worker), "starting", "ready" (a turn to ask), "sampling",
+    # "stepping", "closing", "done"
+    phase: str = "waiting"
+    worker: object = None
+    session: hosting.Session | None = None
+    job: hosting.Job | None = None
 
     @property
     def sampled(self) -> int:
         return sum(self.mask)
 
     def take(self, c: Completion) -> None:
-        """A turn's sample, verbatim; with R3 the rows of positions no earlier turn covered."""
+        """A turn's sample, verbatim; with R3 the rows of positions no earlier turn covered, and the
+        earlier positions' recomputed rows compared with those kept."""
         start = len(self.prompt) + len(self.ids)  # what this turn's prompt was
         self.ids += c.token_ids
         self.mask += [1] * len(c.token_ids)
@@ -75,6 +93,12 @@ class _Episode:
                 raise EngineFault(f"an episode's turn came back with routes for {len(c.routes)} positions, its "
                                   f"tokens {start + len(c.token_ids) - 1}: R3 cannot replay routes that do not line "
                                   "up with the episode (train.replay = \"r2\" or \"off\" trains without them)")
+            if self.routed:
+                kept = np.concatenate(self.routes)
+                again = np.asarray(c.routes[: self.routed])
+                moved = (np.sort(kept, axis=-1) != np.sort(again, axis=-1)).reshape(self.routed, -1).any(axis=1)
+                self.info["prefix_compared"] += self.routed
+                self.info["prefix_rerouted"] += int(moved.sum())
             self.routes.append(c.routes[self.routed:])
             self.routed = len(c.routes)
         self.finish = c.finish
@@ -90,8 +114,11 @@ class _Episode:
         self.versions += [self.versions[-1] if self.versions else None] * len(ids)
         self.info["env_tokens"] += len(ids)
 
-    def end(self, why: str) -> None:
-        self.info["ended"] = why
+    def fault(self, why: str) -> None:
+        """The environment's fault, the episode's first (counted once)."""
+        if not self.info["fault"]:
+            self.info["env_errors"] += 1
+            self.info["fault"] = why
 
     def completion(self) -> Completion:
         routes = None
@@ -102,156 +129,229 @@ class _Episode:
                                   f"{len(self.prompt) + len(self.ids) - 1}: R3 cannot replay routes that do not "
                                   "line up with the episode (train.replay = \"r2\" or \"off\" trains without them)")
         versions = tuple(self.versions) if self.versions and None not in self.versions else None
+        info = {**self.info, "step_rewards": tuple(self.info["step_rewards"])}
         return Completion(tuple(self.ids), tuple(self.logps), self.finish, routes, versions, self.preempted,
-                          self.regenerated, mask=tuple(self.mask), episode=EpisodeInfo(**self.info))
+                          self.regenerated, mask=tuple(self.mask), episode=EpisodeInfo(**info))
 
 
 class Turns:
-    """A batch's episodes, n of each prompt, as the turn loop drives them: `took` takes the turns that
-    just ended (what episode j of prompt i sampled), steps the environments of those that called a
-    tool together, and returns what each episode that goes on asks next (its ids so far, the next
-    turn's prompt, and what it may still sample). The synchronous loop below asks a turn's requests
-    together; an engine's stream (stream.py) asks an episode's next turn as soon as its last one
-    finished, so with in-flight updates each turn is sampled by the weights of its own time (each
-    token stamped with its version)."""
+    """A batch's episodes, n of each prompt, as the turn loop drives them.
 
-    def __init__(self, prompts: Sequence[Sequence[int]], envs: Sequence[Sequence[object]], *, fmt: ToolFormat,
-                 encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], n: int, max_tokens: int,
-                 max_turns: int, max_model_len: int, step_timeout_s: float = 30.0, max_reply_tokens: int | None = None):
+    `begin` starts the environments (as many as the host's cap allows); `took` takes the turns that
+    just ended (what episode j of prompt i sampled) and sends the calls to the environments; `poll`
+    collects what the environments answered (starts, replies, closes), gives up on calls past their
+    limit, starts waiting episodes, and returns what each episode ready for a turn asks next: (i, j,
+    (its ids so far, what it may still sample)), in (i, j) order. `settle` is `poll` once nothing is
+    in flight (the synchronous loop's); `finished` once every episode ended and its environment closed."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], starts: Sequence[Sequence[tuple]], *, host: hosting.Host,
+                 fmt: ToolFormat, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], n: int,
+                 max_tokens: int, max_turns: int, max_model_len: int, step_timeout_s: float = 30.0,
+                 max_reply_tokens: int | None = None, encode_text: Callable[[str], list[int]] | None = None):
         self.stop = encode(fmt.close)
         if len(self.stop) != 1:
             raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(self.stop)} tokens: the engine stops "
                              "a turn on one token of the vocabulary")
-        self.episodes = [[_Episode(list(p), envs[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
-        for e in (e for group in self.episodes for e in group):
-            if isinstance(e.env, Unstarted):  # counted from the start: it may never call
-                e.info["env_errors"], e.info["fault"], e.closed = 1, e.env.why, True
-        self.fmt, self.encode, self.decode = fmt, encode, decode
+        self.episodes = [[_Episode(i, j, list(p), starts[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
+        self.host, self.fmt, self.decode = host, fmt, decode
+        self.replies = Replies(fmt, encode, encode_text or encode)
         self.max_tokens, self.max_turns, self.max_model_len = max_tokens, max_turns, max_model_len
         self.step_timeout_s, self.max_reply_tokens = step_timeout_s, max_reply_tokens
+        self._busy: dict[tuple[int, int], _Episode] = {}  # episodes with a job in flight
+        self._waiting = collections.deque(e for group in self.episodes for e in group)  # for a worker
 
-    def took(self, done: Sequence[tuple[int, int, Completion]]) -> list[tuple[int, int, tuple[list[int], int]]]:
-        """The turns that just ended, (i, j, what episode j of prompt i sampled), in order: the
-        environments of those that called a tool step together, each in a thread of its own within
-        `step_timeout_s` (a batch's calls take the longest one's time, not their sum); what each
-        episode that goes on asks next, (i, j, (its ids so far, what it may still sample)), in order."""
-        steps = []  # (episode, its step's thread and outcome, or None: a call it could not read, and why)
+    @property
+    def all(self):
+        return (e for group in self.episodes for e in group)
+
+    # ----- the loop's side ----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The environments started, as many as the host lets live at once (the rest as places free)."""
+        self._fill()
+
+    def took(self, done: Sequence[tuple[int, int, Completion]]) -> None:
+        """The turns that just ended, (i, j, what episode j of prompt i sampled): the calls they end
+        with sent to their environments (each on its own worker: a batch's calls run together)."""
         for i, j, c in done:
             e = self.episodes[i][j]
             e.take(c)
-            if c.finish == "length" or not c.token_ids or c.token_ids[-1] != self.stop[0]:
-                e.end("length" if c.finish == "length" else "answer")
-            elif e.info["turns"] >= self.max_turns:
-                e.end("max_turns")
+            if e.info["fault"]:  # its environment could not start: what it sampled is no sample of the task
+                self._end(e, "env_error")
+            elif c.finish == "length" or not c.token_ids or c.token_ids[-1] != self.stop[0]:
+                self._end(e, "length" if c.finish == "length" else "answer")
+            elif e.info["turns"] >= self.max_turns:  # a call left unanswered: cut short, as at the budget
+                self._end(e, "max_turns", cut=True)
             elif e.sampled >= self.max_tokens:  # no token left to answer a reply with: none is asked for
-                e.end("length")
-            elif isinstance(e.env, Unstarted):  # a call with no environment to answer it (counted already)
+                self._end(e, "length", cut=True)
+            else:
                 e.info["tool_calls"] += 1
-                e.end("env_error")
-            else:
-                call, unreadable = read_call(c.token_ids, self.fmt, self.decode)
-                e.info["tool_calls"] += 1
-                steps.append((e, None if call is None else spawn(e.env.step, action(e.env, call)), unreadable))
-        for e, step, unreadable in steps:
-            if step is None:  # the model's own mistake, answered in the format's words: no fault of the environment's
-                respond(e, None, self.fmt.unreadable.replace("{}", unreadable), True, self)
-                continue
-            thread, box = step
-            thread.join(max(0.0, box["t0"] + self.step_timeout_s - time.perf_counter()))
-            e.info["env_s"] += box.get("s", self.step_timeout_s)
-            if thread.is_alive():  # cannot be stopped from here: left running as a daemon, its episode ended
-                fault(e, f"step hung past {self.step_timeout_s:g} s")
-            elif "err" in box:  # the environment's own fault: counted, the episode ended
-                fault(e, f"step raised {type(box['err']).__name__}: {box['err']}")
-            else:
-                respond(e, box["out"], *reply(box["out"]), self)
-        asks = []
-        for i, j, _ in done:
-            e = self.episodes[i][j]
-            if e.info["ended"]:
-                self._release(e)
-            else:
-                asks.append((i, j, (e.prompt + e.ids, budget(e, self.max_tokens, self.max_model_len))))
-        return asks
+                try:
+                    call = self.fmt.call(self.decode(c.token_ids))
+                    if call is None:  # closed a call it never opened: read as a malformed call
+                        raise CallError(f"no call before {self.fmt.close!r}")
+                except CallError as err:  # the model's own mistake, answered in the format's words
+                    e.info["tool_errors"] += 1
+                    self._reply(e, self.fmt.unreadable.replace("{}", str(err)))
+                    continue
+                self._submit(e, "stepping", hosting.step, call, self.step_timeout_s)
+
+    def poll(self) -> list[tuple[int, int, tuple[list[int], int]]]:
+        """What the environments answered, settled; the turns now ready, asked (i, j order)."""
+        now = time.perf_counter()
+        for key, e in list(self._busy.items()):
+            job = e.job
+            if job.done:
+                del self._busy[key]
+                self._answered(e, job)
+            elif job.past(self.step_timeout_s, now) or (job.started is None and self._stuck(e.worker)):
+                del self._busy[key]
+                self._hung(e, job)
+        self._fill()
+        ready = sorted((e for e in self.all if e.phase == "ready"), key=lambda e: (e.i, e.j))
+        for e in ready:
+            e.phase = "sampling"
+        return [(e.i, e.j, (e.prompt + e.ids, budget(e, self.max_tokens, self.max_model_len))) for e in ready]
+
+    def settle(self) -> list[tuple[int, int, tuple[list[int], int]]]:
+        """`poll` once no environment's call is in flight (each within its limit): the synchronous loop's."""
+        asks = self.poll()
+        while self._busy:
+            self.wait()
+            asks += self.poll()
+        return sorted(asks, key=lambda a: (a[0], a[1]))
+
+    def wait(self) -> None:
+        """Until an environment's call returns, or the nearest limit, or WAIT_S."""
+        started = [e.job.started for e in self._busy.values() if e.job.started is not None]
+        left = min((t + self.step_timeout_s - time.perf_counter() for t in started), default=WAIT_S)
+        self.host.wait(min(WAIT_S, max(0.0, left) + 1e-3))
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._busy)
+
+    @property
+    def finished(self) -> bool:
+        return all(e.phase == "done" for e in self.all)
 
     def completions(self) -> list[list[Completion]]:
+        hung = self.host.hung  # calls given up on and still running, as the batch ends
+        for e in self.all:
+            e.info["hung_running"] = hung
         return [[e.completion() for e in group] for group in self.episodes]
 
     def close(self) -> None:
-        """The environments of episodes cut short (an error, a rollback's cancel) closed too; a close
-        that raises or hangs there is let go (no episode is answered to count it in)."""
-        for e in (e for group in self.episodes for e in group):
-            self._release(e, count=False)
+        """Episodes cut short (an error, a rollback's cancel): their calls given up, their environments
+        closed once those return; their places freed now (nothing waits for them)."""
+        for e in self.all:
+            if e.phase == "done":
+                continue
+            self._busy.pop((e.i, e.j), None)
+            if e.worker is not None:
+                if e.job is not None and not e.job.done:
+                    self.host.give_up(e.worker, e.job)
+                if e.phase != "closing":
+                    e.worker.submit(e.session, hosting.close)
+                self.host.release(e.worker, reuse=False)
+            e.phase = "done"
 
-    def _release(self, e: _Episode, *, count: bool = True) -> None:
-        """An ended episode's environment closed at once (a sandbox, a connection freed), within the
-        step's time limit; one that raises or hangs is counted as the episode's environment error."""
-        if e.closed:
-            return
-        e.closed = True
-        if e.info.get("fault", "").startswith("step hung"):  # its step still holds it, in a thread left running
-            return
+    # ----- the environments' side ---------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Waiting episodes given a worker while the host has room, and their environments started."""
+        while self._waiting:
+            worker = self.host.open()
+            if worker is None:
+                return
+            e = self._waiting.popleft()
+            e.worker, e.session = worker, hosting.Session()
+            self._submit(e, "starting", hosting.start, *e.start)
+
+    def _submit(self, e: _Episode, phase: str, fn, *args) -> None:
+        e.phase, e.job = phase, e.worker.submit(e.session, fn, *args)
+        self._busy[(e.i, e.j)] = e
+
+    def _answered(self, e: _Episode, job: hosting.Job) -> None:
+        """A job of the episode's environment that returned."""
+        e.info["env_s"] += job.seconds
+        if e.phase == "starting":
+            if job.err is not None:
+                e.fault(f"could not start an episode: {_named(job.err)}")
+            e.phase = "ready"  # its first turn (one that could not start ends there: its tokens keep the batch's shape)
+        elif e.phase == "stepping":
+            if job.err is not None:
+                e.fault(f"step raised {_named(job.err)}")
+                self._end(e, "env_error")
+            else:
+                self._respond(e, job.out)
+        elif e.phase == "closing":
+            if job.err is not None:
+                e.fault(f"close raised {_named(job.err)}")
+            self.host.release(e.worker, reuse=True)
+            e.phase = "done"
+
+    def _hung(self, e: _Episode, job: hosting.Job) -> None:
+        """A job past its limit: given up (a process worker killed), its episode's fault; the
+        environment closed once the call returns (queued behind it), its place freed now."""
+        e.info["env_s"] += job.seconds
+        self.host.give_up(e.worker, job)
+        what = {"starting": "constructor and reset", "stepping": "step", "closing": "close"}[e.phase]
+        e.fault(f"{what} hung past {self.step_timeout_s:g} s" if job.started is not None else
+                f"{what} waited behind a call that hung")
+        if e.phase != "closing":
+            e.worker.submit(e.session, hosting.close)
+        self.host.release(e.worker, reuse=False)
+        if e.phase == "starting":
+            e.phase = "ready"
+        else:
+            was = e.phase
+            e.phase = "done"
+            if was == "stepping":
+                e.info["ended"] = "env_error"
+
+    def _stuck(self, worker) -> bool:
+        """A shared worker (one thread for every instance) whose running call was given up: what waits
+        behind it would never start."""
+        return worker is self.host.shared and self.host.hung > 0
+
+    def _respond(self, e: _Episode, reading) -> None:
+        """The environment's answer to an episode's call: its reply appended, or the episode ended."""
+        e.info["tool_errors"] += int(reading.error)
+        if reading.reward is not None:
+            e.info["step_rewards"].append(reading.reward)
+        if reading.done:
+            e.info["reward"] = reading.reward
+            return self._end(e, "done")
+        self._reply(e, reading.text)
+
+    def _reply(self, e: _Episode, text: str) -> None:
+        """A reply appended, cut to fit `max_reply_tokens` and the context (room left for a sampled token
+        after it); an episode with no room for one is cut short by the context."""
+        room = self.max_model_len - len(e.prompt) - len(e.ids) - 1
+        most = room if self.max_reply_tokens is None else min(self.max_reply_tokens, room)
+        if most < self.replies.smallest():
+            return self._end(e, "context", cut=True)
         try:
-            within(close, e.env, self.step_timeout_s)
+            ids, cut = self.replies.ids(text, most)
+        except Exception as err:  # noqa: BLE001 - text no tokenizer takes: the environment's, its episode ended
+            e.fault(f"its reply could not be tokenized: {_named(err)}")
+            return self._end(e, "env_error")
+        e.info["replies_cut"] += int(cut)
+        e.hear(ids)
+        e.phase = "ready"
+
+    def _end(self, e: _Episode, why: str, *, cut: bool = False) -> None:
+        """The episode over (`cut`: short of its answer, a truncation); its environment closed on its worker."""
+        e.info["ended"] = why
+        if cut:
+            e.finish = "length"
+        if e.worker is None:
+            e.phase = "done"
             return
-        except TimeoutError:
-            why = f"close hung past {self.step_timeout_s:g} s"
-        except Exception as err:  # the environment's own fault: counted, the run goes on
-            why = f"close raised {type(err).__name__}: {err}"
-        if count and not e.info.get("fault"):  # an episode's first fault is its one
-            e.info["env_errors"] += 1
-            e.info["fault"] = why
+        self._submit(e, "closing", hosting.close)
 
 
-def sample_episodes(
-    engine: Engine,
-    prompts: Sequence[Sequence[int]],
-    envs: Sequence[Sequence[object]],
-    *,
-    fmt: ToolFormat,
-    encode: Callable[[str], list[int]],
-    decode: Callable[[Sequence[int]], str],
-    n: int,
-    temperature: float,
-    max_tokens: int,
-    max_turns: int,
-    max_model_len: int,
-    seed: int | None = None,
-    step_timeout_s: float = 30.0,
-    max_reply_tokens: int | None = None,
-    seeded_requests: bool = False,
-) -> list[list[Completion]]:
-    """n episodes per prompt, [len(prompts)][n], in prompt order, a turn of every live episode per
-    `engine.generate`; `envs[i][j]` is episode j of prompt i's environment, reset for its row.
-    `max_tokens`: the sampled tokens of an episode, all its turns together; `max_model_len`: the
-    engine's context, which prompt, turns and replies share. `encode` tokenizes a reply's text (no
-    special tokens added), `decode` a turn's sampled ids. `max_reply_tokens`: the longest reply taken
-    (the run's context is planned with it). `seeded_requests`: as `Engine.generate`'s, at every turn
-    (the held-out evaluation's)."""
-    turns = Turns(prompts, envs, fmt=fmt, encode=encode, decode=decode, n=n, max_tokens=max_tokens,
-                  max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
-                  max_reply_tokens=max_reply_tokens)
-    return run_turns(engine, turns, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                     seeded_requests=seeded_requests)
-
-
-def run_turns(engine: Engine, turns: Turns, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
-              max_tokens: int, seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
-    """`sample_episodes`' loop over episodes built already: a turn of every live one per `generate`."""
-    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests)
-    try:
-        # the first turn: the group's n episodes share the prompt, one request of n samples each
-        groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
-        asks = turns.took([(i, j, c) for i, g in enumerate(groups) for j, c in enumerate(g)])
-        turn = 1
-        while asks:
-            groups = engine.generate([p for _, _, (p, _) in asks], n=1, max_tokens=[b for _, _, (_, b) in asks],
-                                     seed=None if seed is None else seed + 1_000_003 * turn, **ask)
-            asks = turns.took([(i, j, g[0]) for (i, j, _), g in zip(asks, groups, strict=True)])
-            turn += 1
-        return turns.completions()
-    finally:
-        turns.close()  # each environment closed once: as its episode ended, or here
+def _named(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def budget(e: _Episode, max_tokens: int, max_model_len: int) -> int:
@@ -260,163 +360,77 @@ def budget(e: _Episode, max_tokens: int, max_model_len: int) -> int:
     return max(1, min(max_tokens - e.sampled, max_model_len - len(e.prompt) - len(e.ids)))
 
 
-def read_call(turn_ids, fmt: ToolFormat, decode) -> tuple[object | None, str | None]:
-    """The call a turn ended with, read from its own sampled ids: (the call, None), or (None, why it
-    could not be read)."""
+def run_turns(engine: Engine, turns: Turns, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
+              max_tokens: int, seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
+    """The synchronous turn loop: a turn of every episode ready per `generate`, the environments'
+    calls of a round returned (or given up) before the next."""
+    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests)
     try:
-        call = fmt.call(decode(turn_ids))
-    except CallError as err:
-        return None, str(err)
-    if call is None:  # closed a call it never opened: read as a malformed call
-        return None, f"no call before {fmt.close!r}"
-    return call, None
+        turns.begin()
+        asks = turns.settle()
+        if len(asks) == len(prompts) * n and all(len(p) == len(prompts[i]) for i, _, (p, _) in asks):
+            # every episode's first turn at once: the group's n share the prompt, one request of n samples each
+            groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
+            turns.took([(i, j, c) for i, g in enumerate(groups) for j, c in enumerate(g)])
+            asks = turns.settle()
+        for turn in itertools.count(1):
+            if not asks:
+                if turns.finished:
+                    break
+                turns.wait()
+                asks = turns.settle()
+                continue
+            groups = engine.generate([p for _, _, (p, _) in asks], n=1, max_tokens=[b for _, _, (_, b) in asks],
+                                     seed=None if seed is None else seed + 1_000_003 * turn, **ask)
+            turns.took([(i, j, g[0]) for (i, j, _), g in zip(asks, groups, strict=True)])
+            asks = turns.settle()
+        return turns.completions()
+    finally:
+        turns.close()  # each environment closed once: as its episode ended, or here
 
 
-def respond(e: _Episode, obs, text: str, error: bool, turns: Turns) -> None:
-    """The environment's answer to an episode's call (`obs`; None: a call it could not read, answered
-    `text`): its reply appended, or the episode ended (done, or a fault)."""
-    e.info["tool_errors"] += int(error)
-    if obs is not None and getattr(obs, "done", False):
-        try:
-            e.info["reward"] = final_reward(obs)
-        except ValueError:
-            return fault(e, "a non-finite reward")
-        return e.end("done")
-    ids, most = turns.encode(turns.fmt.text(text)), turns.max_reply_tokens
-    if obs is None and most is not None:
-        ids = ids[:most]
-    if most is not None and len(ids) > most:
-        return fault(e, f"a reply of {len(ids)} tokens (env.max_reply_tokens = {most})")
-    if len(e.prompt) + len(e.ids) + len(ids) + 1 > turns.max_model_len:  # room for one more sampled token at least
-        return fault(e, "a reply longer than the context")
-    e.hear(ids)
-
-
-def fault(e: _Episode, why: str) -> None:
-    e.info["env_errors"] += 1
-    e.info["fault"] = why
-    e.end("env_error")
-
-
-class Environments:
-    """A recipe's [env]: `sample(engine, problems, n=, temperature=, max_tokens=, seed=)` samples n episodes
-    of each problem (a step's, or the held-out evaluation's), each with an environment of its own, a
-    turn of every episode per `generate`; `request(problems, seed)` is the same batch for an engine's
-    process to run in its stream (stream.py: at `rollout.max_staleness` ≥ 1, and on rollout GPUs).
-    Pickled without its tokenizer: the engine's process tokenizes with its own (the model's)."""
-
-    def __init__(self, env, *, tokenizer, max_model_len: int):
-        self.settings, self.cls = env, environment_class(env.name)
-        self.fmt = TOOL_FORMATS[env.tool_format]
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
-
-    @classmethod
-    def from_recipe(cls, rec, tokenizer) -> "Environments | None":
-        """None for a single-turn recipe (env.name "")."""
-        if not rec.env.name:
-            return None
-        return cls(rec.env, tokenizer=tokenizer, max_model_len=sizing.max_model_len(rec))
-
-    def __getstate__(self) -> dict:
-        return dict(settings=self.settings, max_model_len=self.max_model_len)
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["settings"], tokenizer=None, max_model_len=state["max_model_len"])
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
-
-    def sample(self, engine, problems: Sequence, *, n: int, temperature: float, max_tokens: int,
-               seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
-        prompts = [p.prompt_ids for p in problems]
-        return run_turns(engine, self.turns(prompts, [_row(p) for p in problems], n=n, max_tokens=max_tokens,
-                                            seed=seed),
-                         prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
+def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequence[Sequence[object]], *,
+                    fmt: ToolFormat, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str],
+                    n: int, temperature: float, max_tokens: int, max_turns: int, max_model_len: int,
+                    seed: int | None = None, step_timeout_s: float = 30.0, max_reply_tokens: int | None = None,
+                    seeded_requests: bool = False, host: hosting.Host | None = None,
+                    encode_text: Callable[[str], list[int]] | None = None) -> list[list[Completion]]:
+    """n episodes per prompt, [len(prompts)][n], in prompt order, a turn of every live episode per
+    `engine.generate`; `envs[i][j]` is episode j of prompt i's environment: a class (built and reset on
+    its worker with no arguments), or an object built and reset already (taken as it is).
+    `max_tokens`: the sampled tokens of an episode, all its turns together; `max_model_len`: the
+    engine's context, which prompt, turns and replies share. `encode` tokenizes the format's text,
+    `encode_text` the environment's (default: `encode`), `decode` a turn's sampled ids.
+    `max_reply_tokens`: the longest reply (cut beyond). `seeded_requests`: as `Engine.generate`'s."""
+    starts = [[(env if isinstance(env, type) else Adopted(env), {}, {}) for env in group] for group in envs]
+    own = host is None
+    host = host or hosting.Host()
+    turns = Turns(prompts, starts, host=host, fmt=fmt, encode=encode, decode=decode, n=n, max_tokens=max_tokens,
+                  max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
+                  max_reply_tokens=max_reply_tokens, encode_text=encode_text)
+    try:
+        return run_turns(engine, turns, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
                          seeded_requests=seeded_requests)
-
-    def turns(self, prompts: Sequence[Sequence[int]], rows: Sequence[dict], *, n: int, max_tokens: int,
-              seed: int | None) -> Turns:
-        """n episodes of each prompt, each with an environment of its own reset with its row."""
-        s = self.settings
-        return Turns(prompts, self._envs(rows, n, seed), fmt=self.fmt, encode=self.encode, decode=self.decode, n=n,
-                     max_tokens=max_tokens, max_turns=s.max_turns, max_model_len=self.max_model_len,
-                     step_timeout_s=s.step_timeout_s, max_reply_tokens=s.max_reply_tokens)
-
-    def request(self, problems: Sequence, *, seed: int | None) -> "EpisodeRequest":
-        """A batch's episodes for an engine's process (its `generate(..., episodes=)`): the rows they
-        reset with; the process builds the environments and runs the turns (`EpisodeRequest.turns`)."""
-        return EpisodeRequest(self, tuple(_row(p) for p in problems), seed)
-
-    def _envs(self, rows: Sequence[dict], n: int, seed: int | None) -> list[list[object]]:
-        """n environments of each row, each reset for its episode. One that cannot start now (its
-        server briefly down: the run's preflight started one) is `Unstarted`: that episode's
-        environment error, counted, and past env.max_error_frac of a step's episodes the run stops
-        (run/checks.py) rather than on the first."""
-        def start(row, j):
-            try:
-                return self._start(row, j, seed)
-            except UsageError as e:
-                return Unstarted(str(e))
-
-        return [[start(row, j) for j in range(n)] for row in rows]
-
-    def _start(self, row: dict, j: int, seed: int | None):
-        """Episode j of a row: a new environment, reset with the row's fields."""
-        return start_episode(self.cls, self.settings, row, seed=None if seed is None else seed + j, episode_id=str(j))
+    finally:
+        if own:
+            host.close()
 
 
-class Unstarted:
-    """The environment of an episode that could not start (`why`): the episode's turns run without
-    it; it counts as the episode's environment error from the start, and a call ends it."""
+class Adopted:
+    """A "class" whose one instance is an environment built and reset already (a caller's own)."""
 
-    def __init__(self, why: str):
-        self.why = why
+    def __init__(self, env):
+        self.env = env
 
-    def step(self, action):
-        raise RuntimeError(self.why)
+    def __call__(self):
+        return self
 
+    def reset(self):
+        pass
 
-def _row(problem) -> dict:
-    return dict(problem.record) if isinstance(getattr(problem, "record", None), dict) else {}
+    def step(self, action, timeout_s=None):
+        return self.env.step(action, **accepted(self.env.step, {"timeout_s": timeout_s}))
 
-
-@dataclass(frozen=True)
-class EpisodeRequest:
-    """A batch's episodes as sent to an engine's process (picklable): the recipe's environments, the
-    rows their episodes reset with, the batch's seed."""
-    environments: Environments
-    rows: tuple[dict, ...]
-    seed: int | None
-
-    def part(self, lo: int, hi: int) -> "EpisodeRequest":
-        """The episodes of prompts lo…hi − 1 (a call split over rollout GPUs' engines: remote.py)."""
-        return replace(self, rows=self.rows[lo:hi])
-
-    def turns(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, tokenizer) -> Turns:
-        """In the engine's process, with its tokenizer: the episodes, each environment built and reset
-        with its row."""
-        self.environments.tokenizer = tokenizer
-        return self.environments.turns(prompts, self.rows, n=n, max_tokens=max_tokens, seed=self.seed)
-
-
-SUMS = ("episode/tool_errors", "episode/env_errors")  # counts: summed over ranks, the rest averaged
-
-
-def rows(comps: Sequence[Completion]) -> dict:
-    """A step's episodes, for its row (none for single-turn completions)."""
-    eps = [c.episode for c in comps if c.episode is not None]
-    if not eps:
-        return {}
-    n = len(eps)
-    return {"episode/turns": sum(e.turns for e in eps) / n,
-            "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
-            "episode/tool_errors": sum(e.tool_errors for e in eps),
-            "episode/env_errors": sum(e.env_errors for e in eps),
-            "episode/env_tokens": sum(e.env_tokens for e in eps) / n,
-            "timing/env_s": round(sum(e.env_s for e in eps), 4),
-            # what the environment's faults were, by kind (a row says why its episodes ended early)
-            **({"episode/faults": dict(collections.Counter(e.fault for e in eps if e.fault))}
-               if any(e.fault for e in eps) else {})}
+    def close(self):
+        done = getattr(self.env, "close", None)
+        return done() if callable(done) else None

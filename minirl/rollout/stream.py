@@ -14,10 +14,12 @@ when it is idle again: alone, a call repeats; beside others, its noise depends o
 in-flight updates a run does not repeat exactly anyway).
 
 A call of multi-turn episodes (`add(..., episodes=)`, episodes.py) is answered when its episodes
-have all ended: each episode's next turn is asked as a request of its own as soon as its last one
-finished (its log μ, versions and routes cut from the captures then), the environment's reply
-appended, so a sync that comes in between two turns, or within one, samples the rest of that
-episode, and each token says which weights sampled it.
+have all ended and their environments closed: each episode's first turn is asked as soon as its
+environment started, each next turn as soon as its environment answered the last one's call (its
+log μ, versions and routes cut from the captures when it finished), so a sync that comes in between
+two turns, or within one, samples the rest of that episode, and each token says which weights
+sampled it. The environments run on their own workers (minirl/envs/hosting.py) while the engine
+steps: a slow tool holds back its own episode, not the engine.
 
 `VLLMEngine.generate` is a stream of one call; the engine's process (process.py) keeps one across
 calls (`rollout.inflight_updates`).
@@ -80,26 +82,26 @@ class Stream:
         """Call `tag`'s n samples of each prompt, into the engine at once (between two forward steps).
         `seeded_requests`: prompt i's samples drawn from a generator of their own, seeded from the
         call's seed and i, whatever else is in flight or how many sequences the engine schedules.
-        `episodes` (episodes.EpisodeRequest): n episodes of each prompt, each turn after the first
+        `episodes` (environments.EpisodeRequest): n episodes of each prompt, each turn after the first
         asked as its last one finishes; the call's answer is the episodes."""
         budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         if len(budgets) != len(prompts):
             raise ValueError(f"{len(budgets)} max_tokens for {len(prompts)} prompts")
         turns = None
-        if episodes is not None:  # its environments built and reset here, before anything of it runs
+        if episodes is not None:  # its environments started on their workers; each episode asked once its own has
             turns = episodes.turns(prompts, n=n, max_tokens=max_tokens, tokenizer=self._llm.get_tokenizer())
+            turns.begin()
             stop = turns.stop
         if not self._calls:
             self._begin(seed)
         base = call_seed(seed if seed is not None else 0, stream=self.engine.stream) if seeded_requests else None
         self._calls[tag] = _Call(dict(temperature=temperature, stop=tuple(stop)), [[None] * n for _ in prompts],
                                  seed=base, turns=turns)
-        for i, p in enumerate(prompts):
-            if turns is None:
+        if turns is None:
+            for i, p in enumerate(prompts):
                 self._ask(_Request(tag, i, None, list(p), budgets[i]), n)
-            else:  # an episode's turns go at its own pace: its first is a request of its own too
-                for j in range(n):
-                    self._ask(_Request(tag, i, j, list(p), budgets[i]), 1)
+        else:  # an episode's turns go at its own pace: its first is a request of its own too
+            self._ask_turns(tag, turns.poll())
 
     def step(self) -> list[tuple[int, list[list[Completion]]]]:
         """One forward step of every request in flight; the calls it completed, with their completions
@@ -108,7 +110,10 @@ class Stream:
             for key, sampled in vllm_internals.progress(self._llm.llm_engine).items():
                 self._marks.setdefault(key, []).append((sampled, self.engine.version))
             self._seen = self.engine.version
-        finished = [o for o in self._llm.llm_engine.step() if o.finished]
+        waiting = next((c.turns for c in self._calls.values() if c.turns is not None), None)
+        if not self._owner and waiting is not None:  # nothing to sample until an environment answers: wait, not spin
+            waiting.wait()
+        finished = [o for o in self._llm.llm_engine.step() if o.finished] if self._owner else []
         if finished:
             ids = [o.request_id for o in finished]
             routes = self._llm.collective_rpc(cpu_routes.take, args=(ids,))[0] if self._cpu_routes else {}
@@ -135,11 +140,13 @@ class Stream:
                     call.groups[req.i][slot] = got
                 else:
                     ended.setdefault(req.tag, []).append((req.i, slot, req.turn, got))
-        for tag, turns in ended.items():  # their environments step together; each episode's next turn asked
-            after = {(i, slot): turn for i, slot, turn, _ in turns}
-            for i, slot, (prompt, budget) in self._calls[tag].turns.took([(i, slot, c) for i, slot, _, c in turns]):
-                self._ask(_Request(tag, i, slot, prompt, budget, after[(i, slot)] + 1), 1)
-        done = [(tag, self._complete(tag)) for tag in [t for t, call in self._calls.items() if not call.waiting]]
+        for tag, turns in ended.items():  # their calls sent to their environments, which answer on their own workers
+            self._calls[tag].turns.took([(i, slot, c) for i, slot, _, c in turns])
+        for tag, call in self._calls.items():  # each episode whose environment answered (or started): its next turn
+            if call.turns is not None:
+                self._ask_turns(tag, call.turns.poll())
+        done = [(tag, self._complete(tag)) for tag in [t for t, call in self._calls.items()
+                                                       if not call.waiting and (call.turns is None or call.turns.finished)]]
         if not self._calls:
             self._end()
         return done
@@ -239,6 +246,12 @@ class Stream:
                                                            own=call.turns is not None)
         self._llm.llm_engine.add_request(rid, self.engine.prompt(req.prompt),
                                          self.engine.sampling(n=n, seed=seed, max_tokens=req.budget, **call.params))
+
+    def _ask_turns(self, tag: int, asks) -> None:
+        """Episodes' next turns, each a request of its own (its turn: how many it has taken)."""
+        episodes = self._calls[tag].turns.episodes
+        for i, j, (prompt, budget) in asks:
+            self._ask(_Request(tag, i, j, prompt, budget, episodes[i][j].info["turns"]), 1)
 
     def _begin(self, seed: int | None) -> None:
         self.engine.wake()

@@ -2,6 +2,6 @@
 and its rollbacks, the writer's lock, where metrics go (jsonl, TensorBoard, W&B), status, summary
 and plots.
 
-May import: the top-level modules and the base rooms (disk, models, data, config), rewards, train, rollout, setup, eval. Must not import publish,
+May import: the top-level modules and the base rooms (disk, models, envs, data, config), rewards, train, rollout, setup, eval. Must not import publish,
 lab or cli.
 """

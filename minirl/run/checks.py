@@ -20,7 +20,8 @@ def grades(groups: list, rec: Recipe, step: int, world: World) -> None:
     errors = [s.info["error"] for g in groups for s in g.scores if "error" in s.info]
     episodes = [c.episode for g in groups for c in g.completions if c.episode is not None]
     faults = [e.fault for e in episodes if e.env_errors]
-    n = world.total({"graded": float(sum(len(g.scores) for g in groups)), "errors": float(len(errors)),
+    graded = sum(not s.info.get("not_graded") for g in groups for s in g.scores)
+    n = world.total({"graded": float(graded), "errors": float(len(errors)),
                      "episodes": float(len(episodes)), "faults": float(len(faults))})
     if n["errors"] and n["errors"] > rec.reward.max_error_frac * n["graded"]:
         first = errors[0][:200] if errors else "on another rank"

@@ -6,32 +6,21 @@ costs its rollouts, its π_old and its share of the batch, and on a hard task mo
 The loop drops them and draws more prompts until the batch holds B informative groups or the
 recipe's bound on extra draws is reached; a batch still short is completed with the groups it
 dropped, first drawn first, so that every step trains B groups as without dynamic sampling (those
-add no gradient; the rows say how many: `rollout/dynamic_short`).
+add no gradient; the rows say how many: `rollout/dynamic_short`). Only a group's samples of the model
+count: an episode the environment's fault ended (minirl/envs/outcome.py) never makes a group informative.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-import torch
+from minirl.run.groups import Group
 
 
-@dataclass(frozen=True)
-class Group:
-    """One prompt's G responses as graded: what the loss trains on."""
-
-    problem: Any
-    completions: list
-    scores: list  # the grader's Score per response (its info: errors, timeouts)
-    graded: torch.Tensor  # [G] R(x, y) after the truncation rule
-    rewards: torch.Tensor  # [G] R(x, y) with the overlong shaping: what the advantages are of
-
-
-def informative(rewards_G: torch.Tensor) -> bool:
-    """Whether a group's rewards differ: the only groups with a nonzero advantage."""
-    return bool(rewards_G.max() > rewards_G.min())
+def informative(g: Group) -> bool:
+    """Whether the rewards of a group's samples of the model differ: the only groups with a nonzero advantage."""
+    r = g.rewards[g.trains]
+    return len(r) > 1 and bool(r.max() > r.min())
 
 
 def fill(first: list[Group], draw: Callable[[int], list[Group]], *, size: int,
@@ -40,11 +29,11 @@ def fill(first: list[Group], draw: Callable[[int], list[Group]], *, size: int,
     `draw(d)` samples and grades the d-th extra draw (d = 1, 2, ...)."""
     sampled = list(first)
     draws = 0
-    while sum(map(informative, (g.rewards for g in sampled))) < size and draws < max_draws:
+    while sum(map(informative, sampled)) < size and draws < max_draws:
         draws += 1
         sampled += draw(draws)
-    useful = [g for g in sampled if informative(g.rewards)]
-    flat = [g for g in sampled if not informative(g.rewards)]
+    useful = [g for g in sampled if informative(g)]
+    flat = [g for g in sampled if not informative(g)]
     short = max(0, size - len(useful))
     batch = useful[:size] + flat[:short]
     G = len(first[0].completions) if first else 0

@@ -28,13 +28,14 @@ import torch
 
 from minirl import faults
 from minirl.config.recipe import Recipe
-from minirl.data.environment import answer_ids, rewards as episode_rewards, sampled
-from minirl.data.prompts import PromptSampler, response_text
+from minirl.data.prompts import PromptSampler
 from minirl.disk import atomic, store
+from minirl.envs import outcome
 from minirl.eval.evaluate import evaluate
 from minirl.launch import World
-from minirl.rollout import Rollouts, episodes
+from minirl.rollout import Rollouts, environments
 from minirl.run import checks, dynamic
+from minirl.run.groups import Group, graded, samples_mean
 from minirl.run import parity as parity_check
 from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
@@ -78,7 +79,7 @@ class RLRun:
         self.model_dir, self.shape, self.tok = inputs.model_dir, inputs.shape, inputs.tokenizer
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
-        self.grading, self.episodes = inputs.grading, episodes.Environments.from_recipe(rec, self.tok)  # multi-turn
+        self.grading, self.episodes = inputs.grading, environments.Environments.from_recipe(rec, self.tok)  # multi-turn
         self.state = RunState(run_dir=run_dir, lr=rec.train.lr)
         t0 = time.perf_counter()
         self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device,
@@ -125,7 +126,7 @@ class RLRun:
         kept = sampled = self._graded(problems, groups)
         checks.grades(sampled, r, step, world)  # stops here, before any loss, on a broken grader or environment
         if r.train.dynamic_sampling:  # groups whose rewards are all equal left out, the batch refilled (dynamic.py)
-            kept, sampled, drawn = dynamic.fill(sampled, lambda d: self._graded(*self.rollouts.top_up(step, d)),
+            kept, sampled, drawn = dynamic.fill(sampled, lambda d: self._checked(step, *self.rollouts.top_up(step, d)),
                                                 size=B, max_draws=r.train.dynamic_sampling_draws)
             self.rollouts.trains([g.completions for g in kept])
         problems, groups = [g.problem for g in kept], [g.completions for g in kept]
@@ -133,11 +134,12 @@ class RLRun:
         cut = [c.finish == "length" for c in comps]
         graded_PG, rewards_PG = torch.stack([g.graded for g in kept]), torch.stack([g.rewards for g in kept])
         shaping_PG = rewards_PG - graded_PG
-        adv_PG = self.advantages(rewards_PG)
+        trains_PG = torch.stack([g.trains for g in kept])  # an episode the environment's fault ended: no sample
+        adv_PG = self.advantages(rewards_PG, trains_PG)
         batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
                             [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad,
                             versions=[c.versions for c in comps], trained=step - 1, temperature=r.rollout.temperature,
-                            masks=[c.mask for c in comps])  # an episode's environment tokens: masked
+                            masks=[outcome.trained_mask(c) for c in comps])  # environment tokens and faults: masked
         tokens = checks.engine_logp(batch, r, world, step)  # stops here, before any loss, on a broken engine
         clock.lap("grade")
 
@@ -145,8 +147,8 @@ class RLRun:
         # (`fused`), identical to a forward of its own, which would cost a whole extra forward.
         fused = N == 1 and not (r.train.replay == "r3" and r.train.replay_diagnostics)
         routes, replay_metrics, old = self._old_policy(batch, comps, fused)
-        # the policy's reward: of every group sampled (dynamic sampling trains a batch chosen by it)
-        reward = world.mean({"reward": float(torch.cat([g.rewards for g in sampled]).mean())})["reward"]
+        # the policy's reward: of every group sampled (dynamic sampling trains a batch chosen by it), its samples alone
+        reward = world.mean({"reward": samples_mean([g.rewards for g in sampled], sampled)})["reward"]
         lr = self.state.lr * min(1.0, step / r.train.warmup_steps) if r.train.warmup_steps else self.state.lr
         self.trainer.set_lr(lr)
         if old is not None:
@@ -200,7 +202,7 @@ class RLRun:
         mask = batch.mask_BT
         rollout_metrics = world.mean({  # this rank's share, then over ranks (the others already are)
             # the grader's, before any shaping, of every group sampled
-            "rollout/acc": float((torch.cat([g.graded for g in sampled]) >= 1.0).float().mean()),
+            "rollout/acc": samples_mean([(g.graded >= 1.0).float() for g in sampled], sampled),
             "rollout/resp_len": float(mask.sum(-1).mean()),
             "rollout/truncated_frac": sum(cut) / (B * G),
             "rollout/grader_errors": sum("error" in s.info for g in sampled for s in g.scores),
@@ -209,9 +211,9 @@ class RLRun:
             **({"rollout/graded_mean": float(graded_PG.mean()),  # the reward before the shaping below
                 "rollout/overlong_frac": float((shaping_PG < 0).float().mean()),  # in the buffer: punished
                 "rollout/overlong_penalty": float(shaping_PG.mean())} if r.loss.overlong_buffer else {}),
-            **replay_metrics, **episodes.rows(comps),
+            **replay_metrics, **environments.rows(comps),
             **(drawn if r.train.dynamic_sampling else {}),
-        }, sums=("rollout/grader_errors", "rollout/grader_timeouts", *episodes.SUMS))
+        }, sums=("rollout/grader_errors", "rollout/grader_timeouts", *environments.SUMS))
         row = {
             "step": step,
             "rollout/reward_mean": reward,
@@ -243,23 +245,20 @@ class RLRun:
         return row
 
     # ----- pieces of a step ---------------------------------------------------------------------
-    def _graded(self, problems: list, groups: list) -> list[dynamic.Group]:
-        """Each prompt's group graded: R(x, y) by the truncation rule, then the overlong shaping."""
-        r, G = self.rec, self.rec.train.group_size
-        comps = [c for g in groups for c in g]
-        scores = self.grading.grade([(prob.record, response_text(answer_ids(c), self.decode, self.eos))
-                                     for prob, g in zip(problems, groups) for c in g])  # an episode's: its last turn
-        cut = [c.finish == "length" for c in comps]
-        graded = objective.sequence_rewards(episode_rewards(comps, scores), cut, r.loss.truncated_reward).view(-1, G)
-        lengths = torch.tensor([sampled(c) for c in comps]).view(-1, G)
-        rewards = graded + objective.overlong_penalty(lengths, r.rollout.max_tokens, r.loss.overlong_buffer,
-                                                      r.loss.overlong_penalty)
-        return [dynamic.Group(prob, g, scores[i * G:(i + 1) * G], graded[i], rewards[i])
-                for i, (prob, g) in enumerate(zip(problems, groups))]
+    def _graded(self, problems: list, groups: list) -> list[Group]:
+        return graded(problems, groups, self.rec, self.grading, self.decode, self.eos)
 
-    def advantages(self, rewards_PG: torch.Tensor) -> torch.Tensor:
-        """A [B, G] of each response's reward against its group's (faults.py may invert the rewards)."""
-        return objective.group_advantages(rewards_PG, std_scale=self.rec.loss.adv_std)
+    def _checked(self, step: int, problems: list, groups: list) -> list[Group]:
+        """A dynamic-sampling draw, graded and checked as the step's first draw is (a broken grader or
+        environment stops the run here too)."""
+        graded = self._graded(problems, groups)
+        checks.grades(graded, self.rec, step, self.world)
+        return graded
+
+    def advantages(self, rewards_PG: torch.Tensor, trains_PG: torch.Tensor | None = None) -> torch.Tensor:
+        """A [B, G] of each response's reward against its group's samples of the model (faults.py may
+        invert the rewards)."""
+        return objective.group_advantages(rewards_PG, std_scale=self.rec.loss.adv_std, trains_PG=trains_PG)
 
     def _old_policy(self, batch: Batch, comps: list, fused: bool):
         """(routes to replay or None, replay metrics, (log π_θold, entropy) or None when `fused`)."""

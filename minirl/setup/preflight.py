@@ -19,7 +19,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from minirl.config import recipes
-from minirl.data.environment import check_format, check_start, environment_class
+from minirl.envs.contract import environment_class, episode_seed
+from minirl.envs.formats import check_format
+from minirl.envs.hosting import check_start
 from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
 from minirl.errors import UsageError
@@ -405,7 +407,9 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                          "set data.chat_template = false to send the prompt as plain text")
     if rec.env.name:  # an environment that cannot run: before anything is built
         environment_class(rec.env.name)
-        check_format(rec.env.tool_format, lambda text: tok.encode(text, add_special_tokens=False))
+        check_format(rec.env.tool_format, lambda text: tok.encode(text, add_special_tokens=False),
+                     lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True),
+                     rec.env.max_reply_tokens)
     enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template,
                             chat_kwargs=rec.data.chat_template_kwargs)
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
@@ -415,7 +419,7 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
     heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
     if rec.env.name and train:  # an environment that cannot start an episode: before any engine starts
-        check_start(rec.env, dict(train[0].record))
+        check_start(rec.env, dict(train[0].record), seed=episode_seed(rec.train.seed, 0, 0))
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
                          f"({rec.train.prompts_per_step})")

@@ -58,6 +58,12 @@ class Batch:
     def __len__(self) -> int:
         return self.tokens_BL.shape[0]
 
+    @property
+    def live_rows(self) -> int:
+        """Rows with a token to train (an episode the environment's fault ended has none): what the
+        losses' mean over responses counts (objective.aggregate)."""
+        return int((self.mask_BT.sum(dim=-1) > 0).sum())
+
 
 def build_batch(
     prompts: Sequence[Sequence[int]],

@@ -44,19 +44,32 @@ def nonfinite_tokens(mask_BT: torch.Tensor, rollout_logp_BT: torch.Tensor) -> in
     return int((mask_BT.bool() & ~torch.isfinite(rollout_logp_BT)).sum())
 
 
-def group_advantages(rewards_PG: torch.Tensor, *, std_scale: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards_PG: torch.Tensor, *, std_scale: bool = False, eps: float = 1e-6,
+                     trains_PG: torch.Tensor | None = None) -> torch.Tensor:
     """A(x, y_i) = R(x, y_i) − mean_j R(x, y_j) over the G responses of the same prompt x.
 
     rewards_PG: [P prompts, G responses]. The paper's MiniRL uses the plain mean baseline;
     `std_scale=True` divides by the group std (GRPO). A group whose rewards are all equal
-    gets A = 0 either way.
+    gets A = 0 either way. `trains_PG` (bool): the responses that are samples of the model; the
+    others (an episode the environment's fault ended) get A = 0 and no place in the mean or std,
+    so a group's advantages are those of its samples alone.
 
     >>> group_advantages(torch.tensor([[1., 0., 0., 1.]]))
     tensor([[ 0.5000, -0.5000, -0.5000,  0.5000]])
+    >>> group_advantages(torch.tensor([[1., 0., 9., 1.]]), trains_PG=torch.tensor([[True, True, False, True]]))
+    tensor([[ 0.3333, -0.6667,  0.0000,  0.3333]])
     """
-    adv = rewards_PG - rewards_PG.mean(dim=-1, keepdim=True)
+    if trains_PG is None or bool(trains_PG.all()):
+        adv = rewards_PG - rewards_PG.mean(dim=-1, keepdim=True)
+        if std_scale:
+            adv = adv / (rewards_PG.std(dim=-1, keepdim=True, unbiased=False) + eps)
+        return adv
+    w = trains_PG.to(rewards_PG.dtype)
+    n = w.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    mean = (rewards_PG * w).sum(dim=-1, keepdim=True) / n
+    adv = (rewards_PG - mean) * w
     if std_scale:
-        adv = adv / (rewards_PG.std(dim=-1, keepdim=True, unbiased=False) + eps)
+        adv = adv / ((adv**2).sum(dim=-1, keepdim=True) / n).sqrt().add(eps)
     return adv
 
 
@@ -194,13 +207,16 @@ def clip_causes(
 def aggregate(tok_BT: torch.Tensor, mask_BT: torch.Tensor, *, length_norm: bool = False) -> torch.Tensor:
     """Reduce a per-token quantity to a scalar.
 
-    MiniRL (default): Σ_t within each response, then the mean over the B responses.
+    MiniRL (default): Σ_t within each response, then the mean over the B responses that have a token
+    to train (a row masked whole, an episode the environment's fault ended, is no response of the
+    model: it neither adds nor dilutes).
     length_norm=True: (1/|y_i|) Σ_t first (GRPO-style; an ablation that scored lower, F2).
     """
+    tokens_B = mask_BT.sum(dim=-1)
     per_resp_B = (tok_BT * mask_BT).sum(dim=-1)
     if length_norm:
-        per_resp_B = per_resp_B / mask_BT.sum(dim=-1).clamp(min=1.0)
-    return per_resp_B.mean()
+        per_resp_B = per_resp_B / tokens_B.clamp(min=1.0)
+    return per_resp_B.sum() / (tokens_B > 0).sum().clamp(min=1)
 
 
 def minirl_loss(

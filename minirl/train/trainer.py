@@ -349,23 +349,24 @@ class Trainer:
         (N = 1) is at θ_old, so its log-probs are π_θold and need no forward of their own.
 
         micro_batch_tokens > 0 (None: the trainer's own) splits the rows into micro-batches of at most that many tokens
-        (gradient accumulation). The losses average over responses, so micro-batch j of n_j of
-        the B rows is weighted n_j / B and the gradient equals the whole batch's; metrics are
-        combined weighted by their token counts (maxima by max)."""
+        (gradient accumulation). The losses average over the responses with a token to train, so
+        micro-batch j with n_j of the batch's B such rows is weighted n_j / B and the gradient equals
+        the whole batch's; metrics are combined weighted by their token counts (maxima by max)."""
         rows, length = batch.tokens_BL.shape
+        live = batch.live_rows
         if micro_batch_tokens is None:
             micro_batch_tokens = self.micro_batch_tokens
         n_micro = -(-rows // max(1, micro_batch_tokens // length)) if micro_batch_tokens else 1
         if self.sharded:  # gradients are summed over ranks: weigh this rank's mean by its share
 
-            share = rows / global_count(rows)
+            share = live / max(1, global_count(live))
             scale *= share
             n_micro = global_max(n_micro)  # every rank runs as many forwards (FSDP and EP are collectives)
         step = -(-rows // n_micro)
         total, parts, lps, ents = 0.0, [], [], []
         for s in range(0, rows, step):
             part = batch.select(slice(s, s + step))
-            w = len(part) / rows
+            w = part.live_rows / max(1, live)
             loss, m, lp, ent = self._forward_backward_one(part, loss_fn, scale * w,
                                                           routes[:, s : s + step] if routes is not None else None,
                                                           with_entropy=with_logp)

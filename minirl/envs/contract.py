@@ -1,0 +1,127 @@
+"""The contract of a multi-turn task's environment: OpenEnv's shape, with or without OpenEnv installed.
+
+An environment is any importable class (`env.name = "module:Class"`, `env.params` its constructor's
+keyword arguments) with
+
+    reset(seed=None, episode_id=None, **row) -> observation     a new episode of the task's row
+    step(action, timeout_s=None) -> observation                 one tool call, answered
+    close()                                                      (optional)
+
+Each method is given only the keyword arguments its signature takes, as OpenEnv's own server does
+(`def reset(self)` is valid OpenEnv); any of them may be `async def`. The action minirl sends is a
+`ToolCall`, whose fields are those of OpenEnv's `CallToolAction` (`tool_name`, `arguments`); an OpenEnv
+`MCPEnvironment` gets OpenEnv's own `CallToolAction` (it checks the class). What an observation may be
+is observations.py's; how each environment is hosted, hosting.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass, field
+
+from minirl.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call read from a turn (OpenEnv's `CallToolAction` fields).
+
+    Example: '<tool_call>\\n{"name": "calc", "arguments": {"expr": "12*34"}}\\n</tool_call>'
+        -> ToolCall("calc", {"expr": "12*34"})"""
+
+    tool_name: str
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Observation:
+    """What minirl's own environments answer (OpenEnv's `Observation` and `CallToolObservation` fields)."""
+
+    done: bool = False
+    reward: float | None = None
+    metadata: dict = field(default_factory=dict)
+    result: object = None
+    error: str | None = None
+
+
+def environment_class(name: str):
+    """`module:Class` (env.name), imported; one line naming it where it cannot be, or is no environment."""
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except BaseException as e:  # an import that fails in any way, SystemExit included: the run cannot start (one line)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        where = (" (its module must be importable: installed, or its folder on PYTHONPATH)"
+                 if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] else "")
+        raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}{where}") from None
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise UsageError(f"env.name = {name!r} has no {method}(): an environment has reset(seed, episode_id, **row) "
+                             "and step(action) (OpenEnv's shape, docs/tasks.md)")
+    return cls
+
+
+def accepted(fn, kwargs: dict) -> dict:
+    """The keyword arguments of `kwargs` that `fn`'s signature takes (all of them where it has **kwargs,
+    or where it has no signature to read): OpenEnv's own rule for `reset` and `step`.
+
+    >>> accepted(lambda seed=None: 0, {"seed": 1, "episode_id": "a"})
+    {'seed': 1}
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an extension type: nothing to read, everything passed
+        return dict(kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    named = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in named}
+
+
+def action(env, call: ToolCall):
+    """The action `env` takes for a call: OpenEnv's own `CallToolAction` for its MCP environments
+    (which check the class; openenv is then imported already, by the environment), else the ToolCall."""
+    mcp = sys.modules.get("openenv.core.env_server.mcp_environment")
+    if mcp is not None and isinstance(env, mcp.MCPEnvironment):
+        from openenv.core.env_server.mcp_types import CallToolAction  # openenv's own: loaded with its environment
+
+        return CallToolAction(tool_name=call.tool_name, arguments=call.arguments)
+    return call
+
+
+def episode_seed(seed: int | None, i: int, j: int) -> int | None:
+    """The seed `reset` gets for episode j of prompt i of a batch seeded `seed`: within [0, 2³²) (what
+    numpy's `seed` takes), every episode of a batch its own, the same in a repeated batch.
+
+    >>> episode_seed(5, 0, 1) != episode_seed(5, 1, 0), 0 <= episode_seed(2**62, 3, 4) < 2**32
+    (True, True)
+    """
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}/{i}/{j}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass(frozen=True, slots=True)
+class Concurrency:
+    """What an environment class says of how it may run (OpenEnv's class flags, where it sets them).
+
+    one_at_a_time:  `SUPPORTS_CONCURRENT_SESSIONS = False`: one instance alive at a time (OpenEnv's
+                    server then allows one session); a class that does not say (no OpenEnv base) runs
+                    as many as `env.max_concurrency` allows
+    one_thread:     `REQUIRES_SINGLE_THREAD_EXECUTOR = True`: every instance's calls on one thread, one
+                    after another (OpenEnv's server shares one single-thread executor among its sessions)
+    """
+
+    one_at_a_time: bool = False
+    one_thread: bool = False
+
+    @classmethod
+    def of(cls, env_cls) -> "Concurrency":
+        says = getattr(env_cls, "SUPPORTS_CONCURRENT_SESSIONS", None)
+        return cls(one_at_a_time=says is not None and not says,
+                   one_thread=bool(getattr(env_cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False)))

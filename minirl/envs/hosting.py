@@ -1,0 +1,336 @@
+"""Where each environment lives: one worker for its lifetime, a cap on those alive at once, a time
+limit on every call.
+
+An episode's environment is built, reset, stepped and closed by one worker, in order: a thread of
+its own with an event loop of its own (`env.isolation = "thread"`), so a sqlite connection, a browser
+page or an asyncio client opened in `reset` works in every `step`, and an `async def` method is
+awaited there; or a process of its own (`"process"`), which is killed when a call passes its limit
+and whose crash is that episode's fault alone. Workers are kept between episodes (a thread or a
+process started once serves many), never shared by two environments alive at once, except where the
+class asks for one thread (OpenEnv's `REQUIRES_SINGLE_THREAD_EXECUTOR`: every instance on one worker,
+its calls one after another).
+
+`Host.open` gives a worker while fewer than the cap are alive (`env.max_concurrency`, 0: no cap; 1
+where the class says `SUPPORTS_CONCURRENT_SESSIONS = False`), else None: the episode waits. Every
+call is a `Job` timed from its own start, not from its wait behind others; the turn loop gives up
+on one past `env.step_timeout_s`: a process worker is killed then, a thread cannot be, so its
+environment's `close` runs once the call returns (queued behind it) and `Host.hung` counts the calls
+still running. A job's outcome is what the call returned or what it raised (`BaseException`:
+`SystemExit` from an environment ends that episode, not the run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import importlib
+import inspect
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+from minirl.envs.contract import ToolCall, accepted, action, environment_class
+from minirl.envs.observations import read
+from minirl.errors import UsageError
+
+
+class Job:
+    """One call on a worker: `fn(session, *args)`; its outcome (`out` or `err`) once `done`."""
+
+    __slots__ = ("fn", "args", "started", "ended", "out", "err", "given_up")
+
+    def __init__(self, fn, args: tuple):
+        self.fn, self.args = fn, args
+        self.started: float | None = None  # when the worker began it (perf_counter)
+        self.ended: float | None = None
+        self.out = self.err = None
+        self.given_up = False  # past its limit: its episode ended without it
+
+    @property
+    def done(self) -> bool:
+        return self.ended is not None
+
+    def past(self, limit_s: float, now: float) -> bool:
+        return not self.done and self.started is not None and now - self.started > limit_s
+
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.started is None else (self.ended or time.perf_counter()) - self.started
+
+
+class Session:
+    """One episode's environment as its worker holds it: the object, and the event loop its
+    awaitables run on (made on first need, closed with it)."""
+
+    __slots__ = ("env", "loop")
+
+    def __init__(self):
+        self.env = self.loop = None
+
+    def resolve(self, value):
+        """`value`, awaited on the session's own loop where it is awaitable (an `async def` method)."""
+        if not inspect.isawaitable(value):
+            return value
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+        return self.loop.run_until_complete(_awaited(value))
+
+    def end(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+        self.env = self.loop = None
+
+
+async def _awaited(value):
+    return await value
+
+
+# ---- the calls a worker runs (module functions: a process worker runs them by name) ----------------
+def start(session: Session, env_ref, params: dict, reset: dict):
+    """A new environment (`env_ref`: its class, or `module:Class`) reset with the keyword arguments its
+    `reset` takes of `reset` (seed, episode_id, the row's fields)."""
+    cls = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
+    session.env = cls(**params)
+    session.resolve(session.env.reset(**accepted(session.env.reset, reset)))  # the reset observation is not read yet
+
+
+def step(session: Session, call: ToolCall, timeout_s: float):
+    """One call of the environment, its observation read (observations.py)."""
+    env = session.env
+    obs = session.resolve(env.step(action(env, call), **accepted(env.step, {"timeout_s": timeout_s})))
+    return read(obs)
+
+
+def close(session: Session) -> None:
+    """The environment's `close`, where it has one (OpenEnv's is optional); its loop closed."""
+    try:
+        done = getattr(session.env, "close", None)
+        if callable(done):
+            session.resolve(done())
+    finally:
+        session.end()
+
+
+CALLS = {f.__name__: f for f in (start, step, close)}
+
+
+# ---- workers ---------------------------------------------------------------------------------------
+class ThreadWorker:
+    """A thread that runs its jobs one after another (each episode's Session its own)."""
+
+    killable = False
+
+    def __init__(self, host: "Host"):
+        self.host, self.jobs = host, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="minirl-env")
+        self.thread.start()
+
+    def submit(self, session: Session, fn, *args) -> Job:
+        job = Job(fn, args)
+        self.jobs.put((session, job))
+        return job
+
+    def kill(self) -> bool:
+        return False  # a thread cannot be stopped: its call runs on, counted in Host.hung
+
+    def retire(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            session, job = item
+            job.started = time.perf_counter()
+            try:
+                job.out = job.fn(session, *job.args)
+            except BaseException as err:  # noqa: BLE001 - SystemExit too: the episode's fault, handed to the turn loop
+                job.err = err
+            self.host.finished(job)
+
+
+class ProcessWorker:
+    """A process of its own that holds one environment at a time: the jobs' calls run there (by name),
+    their outcomes come back pickled; `kill` ends it (a call past its limit, or its environment's crash)."""
+
+    killable = True
+
+    def __init__(self, host: "Host"):
+        self.host, self.jobs = host, queue.SimpleQueue()
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the env module where it was found
+        self.proc = subprocess.Popen([sys.executable, "-m", "minirl.envs.hosting", str(down_r), str(up_w)],
+                                     pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
+        os.close(down_r)
+        os.close(up_w)
+        self.down, self.up = Connection(down_w, readable=False), Connection(up_r, writable=False)
+        self.dead = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="minirl-env-proc")
+        self.thread.start()
+
+    def submit(self, session: Session, fn, *args) -> Job:
+        job = Job(fn, args)
+        self.jobs.put(job)
+        return job
+
+    def kill(self) -> bool:
+        self.dead = True
+        self.proc.kill()
+        return True
+
+    def retire(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job.started = time.perf_counter()
+            if self.dead:
+                job.err = RuntimeError("its environment's process was killed")
+            else:
+                try:
+                    self.down.send((job.fn.__name__, job.args))
+                    ok, value = self.up.recv()
+                    if ok:
+                        job.out = value
+                    else:
+                        job.err = value
+                except (EOFError, OSError):
+                    self.dead = True
+                    code = self.proc.wait()
+                    job.err = RuntimeError(f"its environment's process ended (exit {code})")
+            self.host.finished(job)
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.down.close()
+            if not self.dead:
+                self.proc.wait(timeout=5)
+
+
+def _serve(down: Connection, up: Connection) -> None:
+    """A process worker's side: run each call on its one session, send back its outcome."""
+    session = Session()
+    while True:
+        try:
+            name, args = down.recv()
+        except EOFError:
+            return
+        try:
+            out = (True, CALLS[name](session, *args))
+        except BaseException as err:  # noqa: BLE001 - handed back, the worker serves on
+            out = (False, err)
+        try:
+            up.send(out)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            up.send((False, RuntimeError(f"{type(out[1]).__name__} could not be sent back from the environment's "
+                                         f"process: {err}")))
+
+
+# ---- the host ---------------------------------------------------------------------------------------
+class Host:
+    """One recipe's environments in this process: their workers, and the cap on those alive at once.
+
+    isolation:   "thread" or "process"
+    max_live:    environments alive at once (0: no cap)
+    one_thread:  every environment on one worker (OpenEnv's REQUIRES_SINGLE_THREAD_EXECUTOR)
+    """
+
+    def __init__(self, *, isolation: str = "thread", max_live: int = 0, one_thread: bool = False):
+        self.isolation, self.max_live = isolation, max_live
+        self.cond = threading.Condition()
+        self.live = 0
+        self.idle: collections.deque = collections.deque()
+        self.shared = ThreadWorker(self) if one_thread and isolation == "thread" else None
+        self._hung: list[Job] = []
+
+    def open(self):
+        """A worker for a new environment, or None while `max_live` are alive."""
+        with self.cond:
+            if self.max_live and self.live >= self.max_live:
+                return None
+            self.live += 1
+            if self.shared is not None:
+                return self.shared
+            worker = self.idle.pop() if self.idle else None
+        return worker or (ProcessWorker(self) if self.isolation == "process" else ThreadWorker(self))
+
+    def release(self, worker, *, reuse: bool) -> None:
+        """An environment gone (closed, or given up on): its place free; its worker kept for the next
+        where `reuse` (nothing of the last one still running on it)."""
+        with self.cond:
+            self.live -= 1
+            if worker is not self.shared:
+                if reuse and not getattr(worker, "dead", False):
+                    self.idle.append(worker)
+                else:
+                    worker.retire()  # it ends once what it runs returns
+            self.cond.notify_all()
+
+    def give_up(self, worker, job: Job) -> None:
+        """A job past its limit: its process killed, or (a thread) counted while it runs on."""
+        job.given_up = True
+        if not worker.kill():
+            with self.cond:
+                self._hung.append(job)
+
+    @property
+    def hung(self) -> int:
+        """Calls given up on that are still running (threads, which cannot be stopped)."""
+        with self.cond:
+            self._hung = [j for j in self._hung if not j.done]
+            return len(self._hung)
+
+    def finished(self, job: Job) -> None:
+        with self.cond:
+            job.ended = time.perf_counter()
+            self.cond.notify_all()
+
+    def outcome(self, job: Job, limit_s: float) -> bool:
+        """Wait for `job`: True once it returned, False once it ran past `limit_s` from its start."""
+        while not job.done:
+            if job.past(limit_s, time.perf_counter()):
+                return False
+            self.wait(0.05)
+        return True
+
+    def wait(self, timeout: float) -> None:
+        """Until a job finishes, or `timeout` seconds."""
+        with self.cond:
+            self.cond.wait(timeout)
+
+    def close(self) -> None:
+        """Every idle worker ended (a process worker's process with it)."""
+        with self.cond:
+            idle, self.idle = list(self.idle), collections.deque()
+        for w in idle:
+            w.retire()
+
+
+def check_start(settings, row: dict, *, seed: int) -> None:
+    """One episode of a recipe's [env] started as the run starts them (on a worker of its isolation, within
+    `step_timeout_s`, reset with a dataset row and a seed by the run's rule), then closed: an environment
+    that cannot start one stops the run before any engine starts, in one line."""
+    host = Host(isolation=settings.isolation)
+    worker, session = host.open(), Session()
+    ref = settings.name if settings.isolation == "process" else environment_class(settings.name)
+    job = worker.submit(session, start, ref, settings.params, {**row, "seed": seed, "episode_id": "preflight"})
+    try:
+        if not host.outcome(job, settings.step_timeout_s):
+            host.give_up(worker, job)
+            raise UsageError(f"env.name = {settings.name!r} could not start an episode: its constructor and reset() "
+                             f"took longer than env.step_timeout_s = {settings.step_timeout_s:g} s")
+        if job.err is not None:
+            raise UsageError(f"env.name = {settings.name!r} could not start an episode: {type(job.err).__name__}: "
+                             f"{job.err}")
+        host.outcome(worker.submit(session, close), settings.step_timeout_s)  # a close that fails is the run's to count
+    finally:
+        host.release(worker, reuse=False)
+        host.close()
+
+
+if __name__ == "__main__":  # a process worker: python -m minirl.envs.hosting DOWN_FD UP_FD
+    importlib.invalidate_caches()
+    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
