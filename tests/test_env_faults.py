@@ -630,3 +630,44 @@ def test_a_dynamic_sampling_top_ups_faults_are_checked_as_the_first_draws(tiny_d
     assert summary["status"] == "env_fault" and summary["steps"] == 0, summary
     assert "step 1: the environment 'tests.test_env_faults:DownAfter' failed in 32 of 32 episodes (first: could " \
            "not start an episode: ConnectionError: the environment server is down)" in summary["error"], summary["error"]
+
+
+class SlowConstructor(Counted):
+    def __init__(self):
+        time.sleep(1.0)
+
+
+def test_a_constructor_that_hangs_is_its_episodes_fault_and_the_batch_goes_on(tok):
+    bad, = episodes_of(tok, [SlowConstructor], ["(1+1)", "2"], step_timeout_s=0.2)
+    assert bad.episode.ended == "env_error" and bad.episode.fault == "constructor and reset hung past 0.2 s"
+    assert len(bad.token_ids) == 5  # its first turn, untrained
+
+
+class Broken(Counted):
+    """A tool whose every call raises (its server went down after the episode started)."""
+
+    def step(self, action, timeout_s=None):
+        raise ConnectionError("connection reset by peer")
+
+
+@pytest.mark.slow
+def test_an_evaluation_whose_environment_fails_stops_naming_it_not_scores_it_zero(tiny_dir, tmp_path):
+    """`minirl eval heldout` with a tool that raises on every call (the random model writes calls in this
+    format, now and then): past env.max_error_frac of the episodes, exit 7, one line naming the environment
+    and its first fault, no result filed, rather than an avg@k of 0.000 with no word of the environment."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, data_workspace
+
+    ws = data_workspace(tmp_path / "ws", heldout=16)
+    r = subprocess.run([sys.executable, "-m", "tests.env_any_format", "eval", "heldout", str(ws), "--checkpoint",
+                        str(tiny_dir), "--k", "2", "--set", "env.name=tests.test_env_faults:Broken", "--set",
+                        "env.tool_format=any", "--set", "env.max_turns=2", "--set", "env.max_reply_tokens=8", "--set",
+                        "eval.max_tokens=16", "--set", "env.max_error_frac=0.1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 7, r.stderr[-2000:]
+    line, = [x for x in r.stderr.splitlines() if x.startswith("minirl: error:")]
+    assert line.startswith("minirl: error: the environment 'tests.test_env_faults:Broken' failed in ") and \
+        "episodes of the evaluation (first: step raised ConnectionError: connection reset by peer)" in line, line
+    assert not list((ws / "evals").glob("*.json"))

@@ -245,6 +245,7 @@ class Host:
         self.idle: collections.deque = collections.deque()
         self.shared = ThreadWorker(self) if one_thread and isolation == "thread" else None
         self._hung: list[Job] = []
+        self.returned = 0  # jobs that have returned so far: a waiter that saw n returns at once when n moved
 
     def open(self):
         """A worker for a new environment, or None while `max_live` are alive."""
@@ -286,20 +287,24 @@ class Host:
     def finished(self, job: Job) -> None:
         with self.cond:
             job.ended = time.perf_counter()
+            self.returned += 1
             self.cond.notify_all()
 
     def outcome(self, job: Job, limit_s: float) -> bool:
         """Wait for `job`: True once it returned, False once it ran past `limit_s` from its start."""
-        while not job.done:
+        while True:
+            seen = self.returned
+            if job.done:
+                return True
             if job.past(limit_s, time.perf_counter()):
                 return False
-            self.wait(0.05)
-        return True
+            self.wait(0.05, seen)
 
-    def wait(self, timeout: float) -> None:
-        """Until a job finishes, or `timeout` seconds."""
+    def wait(self, timeout: float, seen: int) -> None:
+        """Until a job returns after the `seen`-th (at once where one has already), or `timeout` seconds."""
         with self.cond:
-            self.cond.wait(timeout)
+            if self.returned == seen:
+                self.cond.wait(timeout)
 
     def close(self) -> None:
         """Every idle worker ended (a process worker's process with it)."""

@@ -123,8 +123,13 @@ def text_of(value) -> str:
         return _mcp_text(value)[0]
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, BaseException):  # a tool's error given as the exception itself
+        return f"{type(value).__name__}: {value}"
     if isinstance(value, numbers.Number) or _numpy_scalar(value):
-        return str(_plain(value))
+        value = _plain(value)
+        if isinstance(value, int) and value.bit_length() > 10_000:  # past what str() of an int writes
+            return f"an integer of {value.bit_length()} bits"
+        return str(value)
     return json.dumps(value, default=_plain, ensure_ascii=False)[:MAX_FIELD_CHARS]
 
 
@@ -199,6 +204,8 @@ def _numpy_scalar(value) -> bool:
 def _plain(value):
     """A JSON encoder's fallback: numpy's and torch's numbers and arrays as lists and numbers, pydantic
     models and dataclasses as their fields, anything else as its str."""
+    if isinstance(value, (int, float)):
+        return value
     if hasattr(value, "tolist"):
         return value.tolist()
     if hasattr(value, "model_dump"):

@@ -135,6 +135,7 @@ def rows(comps: Sequence[Completion]) -> dict:
     n = len(eps)
     ended = collections.Counter(e.ended for e in eps)
     compared = sum(e.prefix_compared for e in eps)
+    stamped = [c for c in comps if c.episode is not None and c.versions is not None]
     return {"episode/turns": sum(e.turns for e in eps) / n,
             "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
             "episode/tool_errors": sum(e.tool_errors for e in eps),
@@ -147,6 +148,9 @@ def rows(comps: Sequence[Completion]) -> dict:
             "timing/env_s": round(sum(e.env_s for e in eps), 4),
             "episode/env_hung_running": max(e.hung_running for e in eps),
             **({"replay/prefix_rerouted_frac": sum(e.prefix_rerouted for e in eps) / compared} if compared else {}),
+            # in-flight updates: episodes whose sampled tokens span versions (a sync landed within them)
+            **({"episode/across_versions": sum(len({v for v, m in zip(c.versions, c.mask) if m}) > 1
+                                               for c in stamped) / len(stamped)} if stamped else {}),
             # what the environment's faults were, by kind (a row says why its episodes ended early)
             **({"episode/faults": dict(collections.Counter(e.fault for e in eps if e.fault))}
                if any(e.fault for e in eps) else {})}

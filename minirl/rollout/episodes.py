@@ -158,6 +158,7 @@ class Turns:
         self.max_tokens, self.max_turns, self.max_model_len = max_tokens, max_turns, max_model_len
         self.step_timeout_s, self.max_reply_tokens = step_timeout_s, max_reply_tokens
         self._busy: dict[tuple[int, int], _Episode] = {}  # episodes with a job in flight
+        self._seen = 0  # the host's returned jobs when this batch last looked
         self._waiting = collections.deque(e for group in self.episodes for e in group)  # for a worker
 
     @property
@@ -197,7 +198,7 @@ class Turns:
 
     def poll(self) -> list[tuple[int, int, tuple[list[int], int]]]:
         """What the environments answered, settled; the turns now ready, asked (i, j order)."""
-        now = time.perf_counter()
+        self._seen, now = self.host.returned, time.perf_counter()
         for key, e in list(self._busy.items()):
             job = e.job
             if job.done:
@@ -224,7 +225,7 @@ class Turns:
         """Until an environment's call returns, or the nearest limit, or WAIT_S."""
         started = [e.job.started for e in self._busy.values() if e.job.started is not None]
         left = min((t + self.step_timeout_s - time.perf_counter() for t in started), default=WAIT_S)
-        self.host.wait(min(WAIT_S, max(0.0, left) + 1e-3))
+        self.host.wait(min(WAIT_S, max(0.0, left) + 1e-3), self._seen)
 
     @property
     def in_flight(self) -> bool:
@@ -300,6 +301,7 @@ class Turns:
         if e.phase != "closing":
             e.worker.submit(e.session, hosting.close)
         self.host.release(e.worker, reuse=False)
+        e.worker = None  # nothing more of this episode goes to it
         if e.phase == "starting":
             e.phase = "ready"
         else:
