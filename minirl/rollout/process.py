@@ -116,7 +116,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     # way. With rollout.inflight_updates calls join the requests in flight and syncs load between two
     # forward steps; without, one call runs at a time, in the order sent
     inflight = rollout.inflight_updates
-    stream = Stream(engine, max_redraws=MAX_REDRAWS)
+    stream = Stream(engine, max_redraws=MAX_REDRAWS, overlap_envs=inflight)
     slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
     deferred: collections.deque = collections.deque()  # calls that wait for the requests in flight
     hold_after: int | None = None  # a test's pause: wait for the next call after this many forward steps

@@ -18,8 +18,10 @@ have all ended and their environments closed: each episode's first turn is asked
 environment started, each next turn as soon as its environment answered the last one's call (its
 log μ, versions and routes cut from the captures when it finished), so a sync that comes in between
 two turns, or within one, samples the rest of that episode, and each token says which weights
-sampled it. The environments run on their own workers (minirl/envs/hosting.py) while the engine
-steps: a slow tool holds back its own episode, not the engine.
+sampled it. The environments run on their own workers (minirl/envs/hosting.py), a batch's at once;
+with in-flight updates the engine steps meanwhile (a slow tool holds back its own episode, not the
+engine); without, each forward step waits for the calls of the turns it ended, so that a seeded run
+asks the same requests at the same steps and repeats exactly.
 
 `VLLMEngine.generate` is a stream of one call; the engine's process (process.py) keeps one across
 calls (`rollout.inflight_updates`).
@@ -59,8 +61,12 @@ class _Request:
 
 
 class Stream:
-    def __init__(self, engine, *, max_redraws: int):
+    def __init__(self, engine, *, max_redraws: int, overlap_envs: bool = False):
         self.engine, self.max_redraws = engine, max_redraws
+        # with in-flight updates the engine steps while environments work (a run does not repeat
+        # exactly anyway); without, each forward step waits for the calls its turns ended with, so
+        # that what is asked, and when, is the same in every run of a seed
+        self.overlap_envs = overlap_envs
         self._llm = engine._llm
         self._calls: dict[int, _Call] = {}
         self._owner: dict[str, _Request] = {}  # request id → what it answers
@@ -101,7 +107,7 @@ class Stream:
             for i, p in enumerate(prompts):
                 self._ask(_Request(tag, i, None, list(p), budgets[i]), n)
         else:  # an episode's turns go at its own pace: its first is a request of its own too
-            self._ask_turns(tag, turns.poll())
+            self._ask_turns(tag, turns.poll() if self.overlap_envs else turns.settle())
 
     def step(self) -> list[tuple[int, list[list[Completion]]]]:
         """One forward step of every request in flight; the calls it completed, with their completions
@@ -144,7 +150,7 @@ class Stream:
             self._calls[tag].turns.took([(i, slot, c) for i, slot, _, c in turns])
         for tag, call in self._calls.items():  # each episode whose environment answered (or started): its next turn
             if call.turns is not None:
-                self._ask_turns(tag, call.turns.poll())
+                self._ask_turns(tag, call.turns.poll() if self.overlap_envs else call.turns.settle())
         done = [(tag, self._complete(tag)) for tag in [t for t, call in self._calls.items()
                                                        if not call.waiting and (call.turns is None or call.turns.finished)]]
         if not self._calls:
