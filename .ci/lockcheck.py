@@ -46,8 +46,10 @@ def problems(lock_text: str, pyproject_text: str, *, extras: tuple[str, ...],
     unpinned or outside its range, a package pinned twice, torch's companions from another
     release, CUDA libraries of two majors, and (with the Containerfile) a base image of another
     CUDA major than the locked libraries."""
-    project = tomllib.loads(pyproject_text)["project"]
-    wanted = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
+    toml = tomllib.loads(pyproject_text)
+    project = toml["project"]
+    wanted = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e]),
+              *toml.get("tool", {}).get("minirl", {}).get("installed-without-pins", [])]
     locked, twice = pins(lock_text)
     found = [f"{n} is pinned more than once" for n in sorted(set(twice))]
     for spec in wanted:
@@ -83,9 +85,9 @@ def problems(lock_text: str, pyproject_text: str, *, extras: tuple[str, ...],
 def main() -> int:
     pyproject = (ROOT / "pyproject.toml").read_text()
     found = [f"cpu: {p}" for p in problems((ROOT / ".ci/constraints-cpu.txt").read_text(), pyproject,
-                                             extras=("cpu", "test", "tasks"))]
+                                             extras=("cpu", "test", "tasks", "envs"))]
     found += [f"gpu: {p}" for p in problems((ROOT / ".ci/constraints-gpu.txt").read_text(), pyproject,
-                                              extras=("gpu", "test", "tasks"),
+                                              extras=("gpu", "test", "tasks", "envs"),
                                               containerfile_text=(ROOT / "Containerfile").read_text())]
     print("\n".join(found) or "both locks agree with pyproject.toml")
     return 1 if found else 0

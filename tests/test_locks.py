@@ -23,11 +23,11 @@ CONTAINERFILE = (ROOT / "Containerfile").read_text()
 
 
 def gpu_problems(lock=GPU, pyproject=PYPROJECT, containerfile=CONTAINERFILE):
-    return lockcheck.problems(lock, pyproject, extras=("gpu", "test", "tasks"), containerfile_text=containerfile)
+    return lockcheck.problems(lock, pyproject, extras=("gpu", "test", "tasks", "envs"), containerfile_text=containerfile)
 
 
 def test_both_locks_agree_with_pyproject_and_the_image():
-    assert lockcheck.problems(CPU, PYPROJECT, extras=("cpu", "test", "tasks")) == []
+    assert lockcheck.problems(CPU, PYPROJECT, extras=("cpu", "test", "tasks", "envs")) == []
     assert gpu_problems() == []
     pins, _ = lockcheck.pins(GPU)
     assert (str(pins["torch"]), str(pins["vllm"]), str(pins["torchvision"])) == ("2.13.0", "0.32.0", "0.28.0")
@@ -47,12 +47,13 @@ def swap(text: str, old: str, new: str) -> str:
     (lambda: gpu_problems(lock=re.sub(r"(?m)^vllm==.*\n", "", GPU)), "vllm (vllm==0.32.0) is not in the lock"),
     (lambda: gpu_problems(pyproject=swap(PYPROJECT, '"vllm==0.32.0"', '"vllm==0.33.0"')),
      "vllm==0.32.0 does not satisfy vllm==0.33.0"),
+    (lambda: gpu_problems(lock=re.sub(r"(?m)^openenv==.*\n", "", GPU)), "openenv (openenv==0.10.0) is not in the lock"),
     (lambda: gpu_problems(lock=swap(GPU, "nvidia-nccl-cu13==", "nvidia-nccl-cu12==")),
      "CUDA libraries of majors [12, 13] in one lock"),
     (lambda: gpu_problems(containerfile=swap(CONTAINERFILE, "nvidia/cuda:13.", "nvidia/cuda:12.")),
      "the Containerfile's base is CUDA 12, the lock's libraries CUDA 13"),
     (lambda: lockcheck.problems(swap(CPU, "# removed after install: torchvision torchaudio torchcodec", ""), PYPROJECT,
-                                extras=("cpu", "test", "tasks")),
+                                extras=("cpu", "test", "tasks", "envs")),
      "torchaudio==2.11.0 is not torch 2.13's release (2.13)"),
 ])
 def test_a_planted_mismatch_is_found(plant, expected):
