@@ -173,22 +173,61 @@ def load_problems(
 
 
 def prompt_ids(tok, text: str, *, template: str = "{problem}", chat: bool = False,
-               chat_kwargs: dict | None = None) -> list[int]:
-    """The token ids a prompt is sent as: `text` put into `template` at "{problem}", then, with
-    `chat`, wrapped as one user turn by the tokenizer's chat template (generation prompt added),
-    which reads `chat_kwargs` (data.chat_template_kwargs: Qwen3's enable_thinking)."""
-    return prompts_ids(tok, [text], template=template, chat=chat, chat_kwargs=chat_kwargs)[0]
+               chat_kwargs: dict | None = None, tools: list | None = None, suffix: str = "") -> list[int]:
+    """The token ids a prompt is sent as: `text` put into `template` at "{problem}", `suffix` after it
+    (an episode's reset observation), then, with `chat`, wrapped as one user turn by the tokenizer's
+    chat template (generation prompt added), which reads `chat_kwargs` (data.chat_template_kwargs:
+    Qwen3's enable_thinking) and renders `tools` (an environment's, as OpenAI function schemas) where
+    it is given them."""
+    return prompts_ids(tok, [text], template=template, chat=chat, chat_kwargs=chat_kwargs, tools=tools,
+                       suffix=suffix)[0]
 
 
 def prompts_ids(tok, texts: list[str], *, template: str = "{problem}", chat: bool = False,
-                chat_kwargs: dict | None = None) -> list[list[int]]:
+                chat_kwargs: dict | None = None, tools: list | None = None, suffix: str = "") -> list[list[int]]:
     """`prompt_ids` of each text, the tokenizer called once for all of them."""
-    texts = [template.format(problem=t) for t in texts]
+    texts = [template.format(problem=t) + suffix for t in texts]
     if chat:
+        kw = {**(chat_kwargs or {}), **({"tools": tools} if tools else {})}
         return [list(ids) for ids in tok.apply_chat_template([[{"role": "user", "content": t}] for t in texts],
                                                              add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False, **(chat_kwargs or {}))]
+                                                             return_dict=False, **kw)]
     return tok(texts, add_special_tokens=False)["input_ids"]
+
+
+@dataclass(frozen=True)
+class Prompter:
+    """How a run renders a row's prompt (`data.prompt_template`, `data.chat_template`, its kwargs, the
+    environment's tools), and renders it again with an episode's reset observation after the problem
+    (TRL's rule: the text joins the last user message), within `max_tokens` (data.max_prompt_tokens):
+    an observation that would pass it is cut, the `marker` where it was."""
+
+    field: str
+    template: str = "{problem}"
+    chat: bool = False
+    chat_kwargs: dict | None = None
+    tools: tuple = ()
+    max_tokens: int = 0
+    marker: str = "…(cut)"
+
+    def ids(self, tok, record: dict, suffix: str = "") -> list[int]:
+        text = str(record.get(self.field, ""))
+
+        def render(s: str) -> list[int]:
+            return prompt_ids(tok, text, template=self.template, chat=self.chat, chat_kwargs=self.chat_kwargs,
+                              tools=list(self.tools) or None, suffix=s)
+
+        ids = render(suffix)
+        if not suffix or not self.max_tokens or len(ids) <= self.max_tokens:
+            return ids
+        own = tok.encode(suffix, add_special_tokens=False, split_special_tokens=True)
+        keep = len(own) - (len(ids) - self.max_tokens)
+        while keep > 0:  # a cut re-tokenizes at its edge: take a token more off until it fits
+            ids = render(tok.decode(own[:keep]) + self.marker)
+            if len(ids) <= self.max_tokens:
+                return ids
+            keep -= 1
+        return render("")
 
 
 def response_text(token_ids: Sequence[int], decode: Callable[[list[int]], str], eos_id: int) -> str:

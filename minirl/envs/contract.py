@@ -58,10 +58,13 @@ def environment_class(name: str):
         where = (" (its module must be importable: installed, or its folder on PYTHONPATH)"
                  if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] else "")
         raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}{where}") from None
-    for method in ("reset", "step"):
-        if not callable(getattr(cls, method, None)):
-            raise UsageError(f"env.name = {name!r} has no {method}(): an environment has reset(seed, episode_id, **row) "
-                             "and step(action) (OpenEnv's shape, docs/tasks.md)")
+    tools = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+             if n not in ("reset", "get_reward") and not n.startswith("_")] if isinstance(cls, type) else []
+    if not callable(getattr(cls, "reset", None)) or not (callable(getattr(cls, "step", None)) or tools):
+        missing = "reset()" if not callable(getattr(cls, "reset", None)) else "step() (nor public methods as tools)"
+        raise UsageError(f"env.name = {name!r} has no {missing}: an environment has reset(seed, episode_id, **row) "
+                         "and step(action) (OpenEnv's shape), or reset(**row) and public methods as its tools "
+                         "(a TRL environment_factory class): docs/tasks.md")
     return cls
 
 

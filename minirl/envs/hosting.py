@@ -35,8 +35,9 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from minirl.envs.contract import ToolCall, accepted, action, environment_class
-from minirl.envs.observations import read
+from minirl.envs.adapters import kind_of
+from minirl.envs.contract import ToolCall, environment_class
+from minirl.envs.observations import Reading
 from minirl.errors import UsageError
 
 
@@ -65,13 +66,13 @@ class Job:
 
 
 class Session:
-    """One episode's environment as its worker holds it: the object, and the event loop its
-    awaitables run on (made on first need, closed with it)."""
+    """One episode's environment as its worker holds it: the object, how it is spoken to (its kind:
+    adapters.py), and the event loop its awaitables run on (made on first need, closed with it)."""
 
-    __slots__ = ("env", "loop")
+    __slots__ = ("env", "kind", "loop")
 
     def __init__(self):
-        self.env = self.loop = None
+        self.env = self.kind = self.loop = None
 
     def resolve(self, value):
         """`value`, awaited on the session's own loop where it is awaitable (an `async def` method)."""
@@ -84,7 +85,7 @@ class Session:
     def end(self) -> None:
         if self.loop is not None:
             self.loop.close()
-        self.env = self.loop = None
+        self.env = self.kind = self.loop = None
 
 
 async def _awaited(value):
@@ -92,32 +93,40 @@ async def _awaited(value):
 
 
 # ---- the calls a worker runs (module functions: a process worker runs them by name) ----------------
-def start(session: Session, env_ref, params: dict, reset: dict):
-    """A new environment (`env_ref`: its class, or `module:Class`) reset with the keyword arguments its
-    `reset` takes of `reset` (seed, episode_id, the row's fields)."""
+def start(session: Session, env_ref, params: dict, reset: dict) -> str:
+    """A new environment (`env_ref`: its class, or `module:Class`), spoken to as its kind, reset with the
+    keyword arguments its `reset` takes of `reset` (seed, episode_id, the row's fields): the text of its
+    reset observation ("" where it gives none)."""
     cls = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
-    session.env = cls(**params)
-    session.resolve(session.env.reset(**accepted(session.env.reset, reset)))  # the reset observation is not read yet
+    session.kind = kind_of(cls)
+    session.env = session.kind.build(cls, params)
+    return session.kind.reset(session, reset)
 
 
-def step(session: Session, call: ToolCall, timeout_s: float):
+def step(session: Session, call: ToolCall, timeout_s: float) -> Reading:
     """One call of the environment, its observation read (observations.py)."""
-    env = session.env
-    obs = session.resolve(env.step(action(env, call), **accepted(env.step, {"timeout_s": timeout_s})))
-    return read(obs)
+    return session.kind.act(session, call, timeout_s)
 
 
-def close(session: Session) -> None:
-    """The environment's `close`, where it has one (OpenEnv's is optional); its loop closed."""
+def tools(session: Session) -> list[dict]:
+    """The tools the environment says it has, as chat templates take them (adapters.py)."""
+    return session.kind.tools(session)
+
+
+def close(session: Session) -> float | None:
+    """The environment's reward for the episode, where its kind gives one at the end (TRL's
+    `get_reward`); then its `close`, where it has one; its loop closed."""
     try:
-        done = getattr(session.env, "close", None)
-        if callable(done):
-            session.resolve(done())
+        if session.env is None:
+            return None
+        reward = session.kind.reward(session)
+        session.kind.close(session)
+        return reward
     finally:
         session.end()
 
 
-CALLS = {f.__name__: f for f in (start, step, close)}
+CALLS = {f.__name__: f for f in (start, step, tools, close)}
 
 
 # ---- workers ---------------------------------------------------------------------------------------
@@ -314,10 +323,11 @@ class Host:
             w.retire()
 
 
-def check_start(settings, row: dict, *, seed: int) -> None:
+def check_start(settings, row: dict, *, seed: int) -> list[dict]:
     """One episode of a recipe's [env] started as the run starts them (on a worker of its isolation, within
-    `step_timeout_s`, reset with a dataset row and a seed by the run's rule), then closed: an environment
-    that cannot start one stops the run before any engine starts, in one line."""
+    `step_timeout_s`, reset with a dataset row and a seed by the run's rule), its tools listed, then
+    closed: an environment that cannot start one stops the run before any engine starts, in one line.
+    Returns the tools (what the model is told: chat templates' `tools=`)."""
     host = Host(isolation=settings.isolation)
     worker, session = host.open(), Session()
     ref = settings.name if settings.isolation == "process" else environment_class(settings.name)
@@ -330,7 +340,12 @@ def check_start(settings, row: dict, *, seed: int) -> None:
         if job.err is not None:
             raise UsageError(f"env.name = {settings.name!r} could not start an episode: {type(job.err).__name__}: "
                              f"{job.err}")
+        listed = worker.submit(session, tools)
+        if not host.outcome(listed, settings.step_timeout_s) or listed.err is not None:
+            why = f"{type(listed.err).__name__}: {listed.err}" if listed.done else "it hung"
+            raise UsageError(f"env.name = {settings.name!r} could not list its tools: {why}")
         host.outcome(worker.submit(session, close), settings.step_timeout_s)  # a close that fails is the run's to count
+        return listed.out
     finally:
         host.release(worker, reuse=False)
         host.close()

@@ -6,7 +6,7 @@ The rule (docs/tasks.md), first match wins:
     a StepResult (OpenEnv's client: `observation`, `reward`, `done`)   its observation read, its own
                                                                         reward and done taking precedence
     a gym step tuple (obs, reward, terminated, truncated, info)         obs read; done = terminated or
-        or (obs, reward, done, info)                                    truncated
+        or (obs, reward, done, info), or its reset's (obs, info)        truncated
     a str / bytes / a number                                            the text itself
     a dict with an observation's keys (done, reward, result, error,     read as those fields
         observation, metadata); an MCP result's dict (content, isError)
@@ -71,6 +71,8 @@ def read(obs) -> Reading:
         inner = read(obs.observation) if obs.observation is not None else Reading("")
         r = reward_of(obs.reward) if obs.reward is not None else inner.reward
         return Reading(inner.text, inner.error, bool(obs.done) or inner.done, r)
+    if isinstance(obs, tuple) and len(obs) == 2 and not hasattr(obs, "_fields"):  # gym's reset: (obs, info)
+        return Reading(text_of(obs[0]))
     if isinstance(obs, tuple) and len(obs) in (4, 5) and not hasattr(obs, "_fields"):  # gym's step tuple
         done = bool(obs[2]) or (len(obs) == 5 and bool(obs[3]))
         return Reading(text_of(obs[0]), done=done, reward=reward_of(obs[1]))

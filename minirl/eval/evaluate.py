@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minirl.config import recipes
-from minirl.data.prompts import Problem, prompt_ids, response_text
+from minirl.data.prompts import Problem, Prompter, prompt_ids, response_text
 from minirl.disk import store
 from minirl.disk.store import is_checkpoint, latest_trained
-from minirl.envs.contract import episode_seed
+from minirl.envs.contract import environment_class, episode_seed
 from minirl.envs.formats import check_format
 from minirl.envs.hosting import check_start
 from minirl.envs.outcome import answer_ids, needs_grade, rewards as episode_rewards, trains
@@ -246,9 +246,9 @@ def _pinned(path: Path, cache: Path):
         shutil.rmtree(pin, ignore_errors=True)
 
 
-def _format_prompt(tok, template: str, problem: str, chat_kwargs: dict | None = None) -> list[int]:
+def _format_prompt(tok, template: str, problem: str, chat_kwargs: dict | None = None, tools=()) -> list[int]:
     return prompt_ids(tok, problem, template=template, chat=bool(getattr(tok, "chat_template", None)),
-                      chat_kwargs=chat_kwargs)
+                      chat_kwargs=chat_kwargs, tools=list(tools) or None)
 
 
 def checkpoint_label(model_dir: Path) -> str:
@@ -336,21 +336,27 @@ def eval_benchmark(
         raise UsageError(f"eval.max_tokens = {rec.eval.max_tokens}: the model's context is {ctx} tokens "
                          f"(max_position_embeddings in its config.json), prompt included; at most {ctx - 1}")
     max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
-    episodes = None
+    budget = ctx - max_tokens
+    template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template
+    chat = bool(getattr(tok, "chat_template", None))
+    if bench.chat_prompt_template and not rec.eval.prompt_template and chat:
+        template = bench.chat_prompt_template
+    episodes, tools = None, ()
     if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
         from minirl.rollout.environments import Environments  # deferred: torch (the CLI imports this module at start)
 
         # as a run's preflight: an environment that cannot run is one line before anything is written
-        episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx)
-        check_format(rec.env.tool_format, episodes.encode, episodes.encode_text, rec.env.max_reply_tokens)
-        check_start(rec.env, dict(records[0]), seed=episode_seed(rec.train.seed, 0, 0))
-    budget = ctx - max_tokens
+        environment_class(rec.env.name)
+        check_format(rec.env.tool_format, lambda t: tok.encode(t, add_special_tokens=False),
+                     lambda t: tok.encode(t, add_special_tokens=False, split_special_tokens=True),
+                     rec.env.max_reply_tokens)
+        listed = check_start(rec.env, dict(records[0]), seed=episode_seed(rec.train.seed, 0, 0))
+        tools = tuple(listed) if chat else ()  # told through the chat template, where there is one
+        episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx, prompter=Prompter(
+            "problem", template, chat, rec.data.chat_template_kwargs, tools, budget))
     prompts, truncated = [], 0
-    template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template
-    if bench.chat_prompt_template and not rec.eval.prompt_template and getattr(tok, "chat_template", None):
-        template = bench.chat_prompt_template
     for r in records:
-        ids = _format_prompt(tok, template, r["problem"], rec.data.chat_template_kwargs)
+        ids = _format_prompt(tok, template, r["problem"], rec.data.chat_template_kwargs, tools)
         if len(ids) > budget:  # keep the end, where the question is
             ids, truncated = ids[-budget:], truncated + 1
         prompts.append(ids)

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from minirl.data.prompts import Prompter
 from minirl.envs import hosting
 from minirl.envs.contract import Concurrency, environment_class, episode_seed
 from minirl.envs.formats import TOOL_FORMATS
@@ -28,8 +29,9 @@ class Environments:
     its stream (stream.py: at `rollout.max_staleness` ≥ 1, and on rollout GPUs). Pickled without its
     tokenizer and host: the engine's process tokenizes with its own (the model's) and hosts its own."""
 
-    def __init__(self, env, *, tokenizer, max_model_len: int):
+    def __init__(self, env, *, tokenizer, max_model_len: int, prompter: Prompter | None = None):
         self.settings, self.cls = env, environment_class(env.name)
+        self.prompter = prompter  # how a row's prompt is rendered again with an episode's reset observation
         self.fmt = TOOL_FORMATS[env.tool_format]
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
         flags = Concurrency.of(self.cls)
@@ -39,17 +41,21 @@ class Environments:
         self._nonce = uuid.uuid4().hex[:8]  # this process's: episode ids unique over the run's processes
 
     @classmethod
-    def from_recipe(cls, rec, tokenizer) -> "Environments | None":
-        """None for a single-turn recipe (env.name "")."""
+    def from_recipe(cls, rec, tokenizer, tools=()) -> "Environments | None":
+        """None for a single-turn recipe (env.name ""). `tools`: the environment's, as the prompts render them."""
         if not rec.env.name:
             return None
-        return cls(rec.env, tokenizer=tokenizer, max_model_len=sizing.max_model_len(rec))
+        d = rec.data
+        prompter = Prompter(d.prompt_field, d.prompt_template, d.chat_template, d.chat_template_kwargs, tuple(tools),
+                            d.max_prompt_tokens)
+        return cls(rec.env, tokenizer=tokenizer, max_model_len=sizing.max_model_len(rec), prompter=prompter)
 
     def __getstate__(self) -> dict:
-        return dict(settings=self.settings, max_model_len=self.max_model_len)
+        return dict(settings=self.settings, max_model_len=self.max_model_len, prompter=self.prompter)
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["settings"], tokenizer=None, max_model_len=state["max_model_len"])
+        self.__init__(state["settings"], tokenizer=None, max_model_len=state["max_model_len"],
+                      prompter=state.get("prompter"))
 
     def encode(self, text: str) -> list[int]:
         """The format's own text: its special tokens as single symbols."""
@@ -77,10 +83,11 @@ class Environments:
         ref = s.name if s.isolation == "process" else self.cls  # a process imports it by name
         starts = [[(ref, s.params, {**row, "seed": episode_seed(seed, i, j), "episode_id": self._episode_id()})
                    for j in range(n)] for i, row in enumerate(rows)]
+        shown = None if self.prompter is None else (lambda i, text: self.prompter.ids(self.tokenizer, rows[i], text))
         return Turns(prompts, starts, host=self.host, fmt=self.fmt, encode=self.encode, decode=self.decode, n=n,
                      max_tokens=max_tokens, max_turns=s.max_turns, max_model_len=self.max_model_len,
                      step_timeout_s=s.step_timeout_s, max_reply_tokens=s.max_reply_tokens,
-                     encode_text=self.encode_text)
+                     encode_text=self.encode_text, prompt_for=shown)
 
     def request(self, problems: Sequence, *, seed: int | None) -> "EpisodeRequest":
         """A batch's episodes for an engine's process (its `generate(..., episodes=)`): the rows they

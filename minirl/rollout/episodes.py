@@ -147,7 +147,8 @@ class Turns:
     def __init__(self, prompts: Sequence[Sequence[int]], starts: Sequence[Sequence[tuple]], *, host: hosting.Host,
                  fmt: ToolFormat, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], n: int,
                  max_tokens: int, max_turns: int, max_model_len: int, step_timeout_s: float = 30.0,
-                 max_reply_tokens: int | None = None, encode_text: Callable[[str], list[int]] | None = None):
+                 max_reply_tokens: int | None = None, encode_text: Callable[[str], list[int]] | None = None,
+                 prompt_for: Callable[[int, str], list[int]] | None = None):
         self.stop = encode(fmt.close)
         if len(self.stop) != 1:
             raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(self.stop)} tokens: the engine stops "
@@ -157,6 +158,8 @@ class Turns:
         self.replies = Replies(fmt, encode, encode_text or encode)
         self.max_tokens, self.max_turns, self.max_model_len = max_tokens, max_turns, max_model_len
         self.step_timeout_s, self.max_reply_tokens = step_timeout_s, max_reply_tokens
+        # prompt i rendered again with an episode's reset observation (None: the observation is not shown)
+        self.prompt_for = prompt_for
         self._busy: dict[tuple[int, int], _Episode] = {}  # episodes with a job in flight
         self._seen = 0  # the host's returned jobs when this batch last looked
         self._waiting = collections.deque(e for group in self.episodes for e in group)  # for a worker
@@ -277,6 +280,11 @@ class Turns:
         if e.phase == "starting":
             if job.err is not None:
                 e.fault(f"could not start an episode: {_named(job.err)}")
+            elif job.out and self.prompt_for is not None:  # its reset observation, after the prompt's problem
+                try:
+                    e.prompt = list(self.prompt_for(e.i, job.out))
+                except Exception as err:  # noqa: BLE001 - text no tokenizer or template takes: the environment's
+                    e.fault(f"its reset observation could not be rendered: {_named(err)}")
             e.phase = "ready"  # its first turn (one that could not start ends there: its tokens keep the batch's shape)
         elif e.phase == "stepping":
             if job.err is not None:
@@ -287,6 +295,9 @@ class Turns:
         elif e.phase == "closing":
             if job.err is not None:
                 e.fault(f"close raised {_named(job.err)}")
+            elif job.out is not None and e.info["ended"] != "env_error":  # the reward it gives at the end (TRL's)
+                e.info["reward"] = job.out
+                e.info["step_rewards"].append(job.out)
             self.host.release(e.worker, reuse=True)
             e.phase = "done"
 
@@ -370,7 +381,7 @@ def run_turns(engine: Engine, turns: Turns, prompts: Sequence[Sequence[int]], *,
     try:
         turns.begin()
         asks = turns.settle()
-        if len(asks) == len(prompts) * n and all(len(p) == len(prompts[i]) for i, _, (p, _) in asks):
+        if len(asks) == len(prompts) * n and all(p == list(prompts[i]) for i, _, (p, _) in asks):
             # every episode's first turn at once: the group's n share the prompt, one request of n samples each
             groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
             turns.took([(i, j, c) for i, g in enumerate(groups) for j, c in enumerate(g)])

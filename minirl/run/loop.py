@@ -79,7 +79,8 @@ class RLRun:
         self.model_dir, self.shape, self.tok = inputs.model_dir, inputs.shape, inputs.tokenizer
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.train_problems, self.skipped, self.heldout = inputs.train, inputs.skipped, inputs.heldout
-        self.grading, self.episodes = inputs.grading, environments.Environments.from_recipe(rec, self.tok)  # multi-turn
+        self.grading = inputs.grading
+        self.episodes = environments.Environments.from_recipe(rec, self.tok, inputs.tools)  # multi-turn
         self.state = RunState(run_dir=run_dir, lr=rec.train.lr)
         t0 = time.perf_counter()
         self.trainer = Trainer.from_recipe(rec, self.shape, device=world.device,

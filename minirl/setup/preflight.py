@@ -301,6 +301,23 @@ class RunInputs:
     kv_cache_gib: float | None = None
     # while the trainer trains: the recipe's rollout.sleep_level, or where it is -1 the plan's on a GPU (0 on a CPU)
     sleep_level: int = 0
+    # the environment's tools, as its prompts render them (a chat template's `tools=`); () without an
+    # environment that lists any, or without the chat template
+    tools: tuple = ()
+
+
+def _problems(rec, ws, tok, *, tools: list | None = None) -> tuple[list, dict, list]:
+    """The run's training problems (and what was skipped, by reason) and held-out problems, their prompts
+    rendered as the recipe says (with the environment's `tools`, where given)."""
+    enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template,
+                            chat_kwargs=rec.data.chat_template_kwargs, tools=tools)
+    kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
+              max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
+    train, skipped = load_problems(rec.data.train, **kw)
+    heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split)
+    train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
+    heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
+    return train, skipped, heldout
 
 
 def load_tokenizer(folder: Path):
@@ -410,22 +427,19 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
         check_format(rec.env.tool_format, lambda text: tok.encode(text, add_special_tokens=False),
                      lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True),
                      rec.env.max_reply_tokens)
-    enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template,
-                            chat_kwargs=rec.data.chat_template_kwargs)
-    kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
-              max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
-    train, skipped = load_problems(rec.data.train, **kw)
-    heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split)
-    train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
-    heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
+    train, skipped, heldout = _problems(rec, ws, tok)
+    tools: list = []
     if rec.env.name and train:  # an environment that cannot start an episode: before any engine starts
-        check_start(rec.env, dict(train[0].record), seed=episode_seed(rec.train.seed, 0, 0))
+        tools = check_start(rec.env, dict(train[0].record), seed=episode_seed(rec.train.seed, 0, 0))
+        if tools and rec.data.chat_template:  # the model is told its tools: every prompt renders them
+            train, skipped, heldout = _problems(rec, ws, tok, tools=tools)
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
                          f"({rec.train.prompts_per_step})")
     grading = GradingPool(rec.reward.grader, rec.reward.params, workers=rec.reward.workers,
                           timeout_s=rec.reward.timeout_s)
     return RunInputs(model_dir, shape, tok, train, skipped, heldout[: rec.eval.max_problems], grading, resume_from,
+                     tools=tuple(tools) if rec.data.chat_template else (),
                      engine_fraction=plan.engine_fraction if plan else None,
                      micro_batch_tokens=plan.micro_batch_tokens if plan else rec.train.micro_batch_tokens,
                      kv_cache_gib=engine_kv_gib(plan),

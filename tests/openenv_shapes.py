@@ -1,0 +1,111 @@
+"""Environments written against the installed `openenv` package in the shapes its own repository uses
+(huggingface/OpenEnv's envs/: an MCPEnvironment with FastMCP tools; an Environment with its own Action and
+Observation classes and `def reset(self)`), and a class written as TRL's docs write an `environment_factory`.
+Written for minirl's tests; no minirl import. Each serves the one tool the tiny format can call, `calc(expr)`."""
+
+from __future__ import annotations
+
+from fastmcp import FastMCP
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
+
+def value(expr: str) -> str:
+    """Integer arithmetic of digits and + - *, else "?"."""
+    if not expr or len(expr) > 24 or any(ch not in "0123456789+-*" for ch in expr):
+        return "?"
+    try:
+        return str(eval(expr.lstrip("0") or "0"))
+    except SyntaxError:
+        return "?"
+
+
+class CalcTools(MCPEnvironment):
+    """An MCP environment: its tools are FastMCP functions."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        mcp = FastMCP("calc")
+
+        @mcp.tool
+        def calc(expr: str) -> str:
+            """Evaluate an integer expression of digits and + - *."""
+            return value(expr)
+
+        @mcp.tool
+        def fail(reason: str) -> str:
+            """Always fails."""
+            raise RuntimeError(reason)
+
+        super().__init__(mcp)
+        self._state = State(episode_id=None, step_count=0)
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> Observation:
+        self._state = State(episode_id=episode_id, step_count=0)
+        return Observation(done=False, reward=None, metadata={"ready": True})
+
+    def _step_impl(self, action, timeout_s=None, **kwargs) -> Observation:
+        return Observation(done=False, reward=None, metadata={"error": f"unknown action {type(action).__name__}"})
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+class CalcAction(Action):
+    """Evaluate an integer expression."""
+
+    expr: str = Field(description="digits and + - *")
+
+
+class CalcObservation(Observation):
+    value: str = Field(default="", description="the expression's value")
+    calls: int = Field(default=0, description="calls so far")
+
+
+class CalcGame(Environment):
+    """A non-MCP environment: its own Action and Observation, `def reset(self)` (no seed, no row)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._state = State(episode_id=None, step_count=0)
+
+    def reset(self) -> CalcObservation:
+        self._state = State(episode_id=None, step_count=0)
+        return CalcObservation(value="0", calls=0)
+
+    def step(self, action: CalcAction, timeout_s=None, **kwargs) -> CalcObservation:
+        self._state.step_count += 1
+        return CalcObservation(value=value(action.expr), calls=self._state.step_count)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+class CalcTrl:
+    """A TRL environment_factory class: its public methods are its tools."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.calls = 0
+        self.answer = kwargs.get("answer")
+        return None
+
+    def calc(self, expr: str) -> str:
+        """Evaluate an integer expression.
+
+        Args:
+            expr: digits and + - *
+        """
+        self.calls += 1
+        if expr == "0":
+            raise ValueError("zero is not an expression")
+        return value(expr)
+
+    def get_reward(self) -> float:
+        return float(self.calls > 0)

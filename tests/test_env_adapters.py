@@ -1,0 +1,121 @@
+"""The environments users already have plug in unchanged (#96): OpenEnv's, in process, written against the
+installed `openenv` package in its repository's shapes (tests/openenv_shapes.py: an MCPEnvironment with
+FastMCP tools; an Environment with its own Action and Observation and `def reset(self)`), and a class as
+TRL's docs write an `environment_factory`. Each is spoken to in its own terms (minirl/envs/adapters.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minirl.envs import hosting
+from minirl.envs.contract import ToolCall
+from minirl.envs.formats import TINY
+from tests.test_env_faults import ByTurn
+
+SHAPES = ["tests.openenv_shapes:CalcTools", "tests.openenv_shapes:CalcGame", "tests.openenv_shapes:CalcTrl"]
+
+
+def started(name: str, **row):
+    from minirl.envs.contract import environment_class
+
+    s = hosting.Session()
+    text = hosting.start(s, environment_class(name), {}, {"seed": 1, "episode_id": "e-1", **row})
+    return s, text
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_each_kind_is_stepped_in_its_own_terms_and_lists_its_tools(name):
+    s, reset_text = started(name, prompt="12*3=", answer="36")
+    kind = type(s.kind).__name__
+    tools = [t["function"]["name"] for t in hosting.tools(s)]
+    got = hosting.step(s, ToolCall("calc", {"expr": "12*3"}), 5.0)
+    wrong = hosting.step(s, ToolCall("calc", {"exp": "12*3"}), 5.0)
+    reward = hosting.close(s)
+    assert {"tests.openenv_shapes:CalcTools": ("OpenEnv", ["calc", "fail"], "", "36", None),
+            "tests.openenv_shapes:CalcGame": ("OpenEnv", ["calc"], "value: 0\ncalls: 0", "value: 36\ncalls: 1", None),
+            "tests.openenv_shapes:CalcTrl": ("TRL", ["calc"], "", "36", 1.0)}[name] == \
+        (kind, tools, reset_text, got.text, reward)
+    assert not got.error and wrong.error and wrong.text.startswith("error: ")  # the model's mistake, answered
+
+
+def test_an_openenv_action_that_does_not_validate_is_the_tools_error_reply():
+    s, _ = started("tests.openenv_shapes:CalcGame")
+    wrong = hosting.step(s, ToolCall("calc", {"exp": "1"}), 5.0)
+    assert wrong == hosting.Reading("error: expr: Field required; exp: Extra inputs are not permitted", error=True)
+    other = hosting.step(s, ToolCall("move", {}), 5.0)
+    assert other.error and other.text == "error: no tool 'move': the tool is 'calc'"
+    schema = hosting.tools(s)[0]["function"]["parameters"]
+    assert set(schema["properties"]) == {"expr"}  # OpenEnv's `metadata` is no argument of the model's
+
+
+def test_a_trl_tools_exception_is_its_error_reply_and_get_reward_is_r():
+    s, _ = started("tests.openenv_shapes:CalcTrl")
+    raised = hosting.step(s, ToolCall("calc", {"expr": "0"}), 5.0)
+    assert raised.error and raised.text == "error: ValueError: zero is not an expression"
+    schema = hosting.tools(s)[0]["function"]
+    assert schema["description"] == "Evaluate an integer expression." and \
+        schema["parameters"]["properties"]["expr"]["description"] == "digits and + - *"
+    assert hosting.close(s) == 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_dir))
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_each_kind_runs_episodes_its_replies_verbatim_and_its_reset_observation_in_the_first_prompt(name, tiny_tok):
+    """Episodes of each kind through the recipe's Environments (the tiny format calls `calc`): no fault,
+    each reply the environment's own text in the format's scaffold, the reset observation after the
+    problem in the first turn's prompt (CalcGame's), TRL's get_reward the episode's R."""
+    from minirl.config.recipe import EnvConfig
+    from minirl.data.prompts import Problem, Prompter
+    from minirl.envs.formats import Replies
+    from minirl.envs.outcome import env_reward
+    from minirl.rollout.environments import Environments
+
+    envs = Environments(EnvConfig(name=name, tool_format="tiny", max_turns=3, max_reply_tokens=32), tokenizer=tiny_tok,
+                        max_model_len=128, prompter=Prompter("prompt", max_tokens=64))
+    encode = envs.encode
+    engine = ByTurn([encode("(12*3)"), encode("36") + [tiny_tok.eos_token_id]], encode(")")[0])
+    asked = []
+    generate = engine.generate
+    engine.generate = lambda prompts, **kw: (asked.extend(prompts), generate(prompts, **kw))[1]
+    groups = envs.sample(engine, [Problem(tuple(encode("12*3=")), {"prompt": "12*3=", "answer": "36"})], n=2,
+                         temperature=1.0, max_tokens=20, seed=7)
+    want = {"tests.openenv_shapes:CalcTools": ("", "36"), "tests.openenv_shapes:CalcGame": ("value: 0\ncalls: 0",
+            "value: 36\ncalls: 1"), "tests.openenv_shapes:CalcTrl": ("", "36")}[name]
+    reply, _ = Replies(TINY, encode, envs.encode_text).ids(want[1], 32)
+    for c in groups[0]:
+        assert c.episode.env_errors == 0 and c.episode.ended == "answer" and c.episode.tool_calls == 1
+        assert [t for t, m in zip(c.token_ids, c.mask) if not m] == reply
+        assert env_reward(c) == (1.0 if name.endswith("Trl") else None)
+    assert list(asked[0]) == encode("12*3=" + want[0])  # the first turn's prompt: the problem, then what reset said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHAPES)
+def test_each_kind_trains_three_steps_through_the_cli(name, tiny_dir, tmp_path):
+    """`minirl run` with each kind as env.name, unchanged: three steps on the random tiny model (the `any`
+    format of tests/env_any_format.py sends whatever a turn wrote before ")" to `calc`), no environment
+    fault, the environment's replies in the episodes; the held-out evaluation runs them too."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, data_workspace
+
+    ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
+    sets = [f"env.name={name}", "env.tool_format=any", "env.max_turns=2", "env.max_reply_tokens=16",
+            "rollout.max_tokens=8", "train.prompts_per_step=8", "train.group_size=4", "eval.k=1"]
+    r = subprocess.run([sys.executable, "-m", "tests.env_any_format", "run", str(ws), "--model", str(tiny_dir),
+                        "--steps", "3", *[a for s in sets for a in ("--set", s)]], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = next((ws / "runs").iterdir())
+    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
+    assert len(steps) == 3 and all(x["episode/env_errors"] == 0 and x["episode/masked"] == 0 for x in steps)
+    assert sum(x["episode/tool_calls"] for x in steps) > 0 and sum(x["episode/env_tokens"] for x in steps) > 0
+    assert json.loads((run / "summary.json").read_text())["heldout"]["end"]["env_faults"] == 0
