@@ -109,3 +109,50 @@ class CalcTrl:
 
     def get_reward(self) -> float:
         return float(self.calls > 0)
+
+
+# ---- over OpenEnv's client, against its own server (what `openenv serve` / uvicorn server.app:app runs) ----
+from openenv.core.client_types import StepResult  # noqa: E402
+from openenv.core.env_client import EnvClient  # noqa: E402
+from openenv.core.mcp_client import MCPToolClient  # noqa: E402
+
+
+class CalcToolsClient(MCPToolClient):
+    """CalcTools' client, as an MCP environment's client is written (nothing of its own)."""
+
+
+class CalcGameClient(EnvClient[CalcAction, CalcObservation, State]):
+    """CalcGame's client, as a non-MCP environment's client is written."""
+
+    def _step_payload(self, action: CalcAction) -> dict:
+        return {"expr": action.expr}
+
+    def _parse_result(self, payload: dict) -> StepResult:
+        obs = payload.get("observation", {})
+        observation = CalcObservation(value=obs.get("value", ""), calls=obs.get("calls", 0),
+                                      done=payload.get("done", False), reward=payload.get("reward"))
+        return StepResult(observation=observation, reward=payload.get("reward"), done=payload.get("done", False))
+
+    def _parse_state(self, payload: dict) -> State:
+        return State(**payload)
+
+
+def serve(kind: str, port: int, sessions: int) -> None:
+    """OpenEnv's server for CalcTools ("tools") or CalcGame ("game") on 127.0.0.1:port, `sessions` at once.
+
+        python -m tests.openenv_shapes tools|game PORT SESSIONS"""
+    import uvicorn
+    from openenv.core.env_server.http_server import create_app
+    from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+
+    if kind == "tools":
+        app = create_app(CalcTools, CallToolAction, CallToolObservation, env_name="calc", max_concurrent_envs=sessions)
+    else:
+        app = create_app(CalcGame, CalcAction, CalcObservation, env_name="calc", max_concurrent_envs=sessions)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -30,7 +30,7 @@ def test_each_kind_is_stepped_in_its_own_terms_and_lists_its_tools(name):
     tools = [t["function"]["name"] for t in hosting.tools(s)]
     got = hosting.step(s, ToolCall("calc", {"expr": "12*3"}), 5.0)
     wrong = hosting.step(s, ToolCall("calc", {"exp": "12*3"}), 5.0)
-    reward = hosting.close(s)
+    reward, _ = hosting.close(s)
     assert {"tests.openenv_shapes:CalcTools": ("OpenEnv", ["calc", "fail"], "", "36", None),
             "tests.openenv_shapes:CalcGame": ("OpenEnv", ["calc"], "value: 0\ncalls: 0", "value: 36\ncalls: 1", None),
             "tests.openenv_shapes:CalcTrl": ("TRL", ["calc"], "", "36", 1.0)}[name] == \
@@ -55,7 +55,7 @@ def test_a_trl_tools_exception_is_its_error_reply_and_get_reward_is_r():
     schema = hosting.tools(s)[0]["function"]
     assert schema["description"] == "Evaluate an integer expression." and \
         schema["parameters"]["properties"]["expr"]["description"] == "digits and + - *"
-    assert hosting.close(s) == 1.0
+    assert hosting.close(s) == (1.0, False)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,84 @@ def test_each_kind_trains_three_steps_through_the_cli(name, tiny_dir, tmp_path):
     assert len(steps) == 3 and all(x["episode/env_errors"] == 0 and x["episode/masked"] == 0 for x in steps)
     assert sum(x["episode/tool_calls"] for x in steps) > 0 and sum(x["episode/env_tokens"] for x in steps) > 0
     assert json.loads((run / "summary.json").read_text())["heldout"]["end"]["env_faults"] == 0
+
+
+@pytest.fixture(params=["tools", "game"])
+def server(request, tmp_path):
+    """OpenEnv's own server for the test's environment on 127.0.0.1, 2 sessions at once; waits until it answers."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.conftest import ROOT, free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.openenv_shapes", request.param, str(port), "2"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    try:
+        for _ in range(300):  # its /health answers once uvicorn listens
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()
+                time.sleep(0.1)
+        yield request.param, f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_client_runs_more_episodes_than_its_server_has_sessions(server, tiny_tok):
+    """12 episodes over OpenEnv's client against its server with 2 sessions: the server's refusal sets how
+    many live at once, each session is kept and reset for the next episode, no episode fails; the replies
+    are the server's observations, read (an MCP result's text; the game's own fields)."""
+    from minirl.config.recipe import EnvConfig
+    from minirl.data.prompts import Problem, Prompter
+    from minirl.rollout.environments import Environments
+
+    kind, url = server
+    name = {"tools": "tests.openenv_shapes:CalcToolsClient", "game": "tests.openenv_shapes:CalcGameClient"}[kind]
+    envs = Environments(EnvConfig(name=name, params={"base_url": url}, tool_format="tiny", max_turns=3,
+                                  max_reply_tokens=32, step_timeout_s=20), tokenizer=tiny_tok, max_model_len=128,
+                        prompter=Prompter("prompt", max_tokens=64))
+    encode = envs.encode
+    engine = ByTurn([encode("(12*3)"), encode("36") + [tiny_tok.eos_token_id]], encode(")")[0])
+    problems = [Problem(tuple(encode("12*3=")), {"prompt": "12*3=", "answer": "36"})] * 3
+    for _ in range(2):  # a second batch reuses the kept sessions
+        groups = envs.sample(engine, problems, n=4, temperature=1.0, max_tokens=20, seed=3)
+        eps = [c.episode for g in groups for c in g]
+        assert all(e.env_errors == 0 and e.ended == "answer" and e.tool_calls == 1 for e in eps), \
+            [e.fault for e in eps if e.fault][:3]
+        want = "36" if kind == "tools" else "value: 36\ncalls: 1"
+        assert all(envs.decode([t for t, m in zip(c.token_ids, c.mask) if not m]) == envs.decode(envs.encode_text(
+            TINY.text(want))) for g in groups for c in g)
+    assert envs.host.max_live == 2 and envs.host.live == 0 and sum(len(w.kept) for w in envs.host.idle) == 2
+    envs.close()
+
+
+@pytest.mark.slow
+def test_a_client_trains_three_steps_through_the_cli_on_fewer_sessions_than_episodes(server, tiny_dir, tmp_path):
+    """`minirl run` with OpenEnv's client to its server (2 sessions; 32 episodes a step): three steps, no
+    environment fault, the server's replies in the episodes."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, data_workspace
+
+    kind, url = server
+    name = {"tools": "tests.openenv_shapes:CalcToolsClient", "game": "tests.openenv_shapes:CalcGameClient"}[kind]
+    ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
+    sets = [f"env.name={name}", f'env.params={{"base_url": "{url}"}}', "env.tool_format=any", "env.max_turns=2",
+            "env.max_reply_tokens=24", "rollout.max_tokens=8", "train.prompts_per_step=8", "train.group_size=4",
+            "eval.k=1"]
+    r = subprocess.run([sys.executable, "-m", "tests.env_any_format", "run", str(ws), "--model", str(tiny_dir),
+                        "--steps", "3", *[a for s in sets for a in ("--set", s)]], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = next((ws / "runs").iterdir())
+    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
+    assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), [x.get("episode/faults") for x in steps]
+    assert sum(x["episode/env_tokens"] for x in steps) > 0

@@ -34,6 +34,9 @@ def kind_of(cls) -> "Native":
     env_mod = sys.modules.get("openenv.core.env_server.interfaces")
     if env_mod is not None and isinstance(cls, type) and issubclass(cls, env_mod.Environment):
         return OpenEnv(cls)
+    client_mod = sys.modules.get("openenv.core.env_client")
+    if client_mod is not None and isinstance(cls, type) and issubclass(cls, client_mod.EnvClient):
+        return Client(cls)
     if not callable(getattr(cls, "step", None)) and callable(getattr(cls, "reset", None)):
         return TRL(cls)
     return Native()
@@ -43,6 +46,7 @@ class Native:
     """minirl's own contract (OpenEnv's shape without OpenEnv)."""
 
     name = "minirl"
+    reusable = False  # an environment kept for the worker's next episode (a client's session)
 
     def build(self, cls, params: dict):
         return cls(**params)
@@ -68,6 +72,8 @@ class Native:
         if callable(done):
             session.resolve(done())
 
+    dispose = close  # what ends a kept environment (a reusable kind's)
+
 
 class OpenEnv(Native):
     """An `openenv` `Environment` in process: MCP, or stepped with its own action class."""
@@ -75,13 +81,17 @@ class OpenEnv(Native):
     name = "openenv"
 
     def __init__(self, cls):
-        from openenv.core.env_server.mcp_environment import MCPEnvironment  # openenv is loaded: cls is one of its
-
-        self.mcp = issubclass(cls, MCPEnvironment)
+        self.mcp = self.is_mcp(cls)
         self.action_cls = None if self.mcp else action_type(cls)
         if not self.mcp and self.action_cls is None:
             raise TypeError(f"{cls.__name__}.step takes an action of no class minirl can find: annotate it "
                             "(def step(self, action: MyAction)) or subclass Environment[MyAction, …]")
+
+    @staticmethod
+    def is_mcp(cls) -> bool:
+        from openenv.core.env_server.mcp_environment import MCPEnvironment  # openenv is loaded: cls is one of its
+
+        return issubclass(cls, MCPEnvironment)
 
     @property
     def tool_name(self) -> str:
@@ -90,7 +100,9 @@ class OpenEnv(Native):
     def act(self, session, call: ToolCall, timeout_s: float) -> Reading:
         env = session.env
         if self.mcp:
-            act = action(env, call)
+            from openenv.core.env_server.mcp_types import CallToolAction  # openenv is loaded: env is one of its
+
+            act = CallToolAction(tool_name=call.tool_name, arguments=call.arguments)
         else:
             if call.tool_name != self.tool_name:
                 return Reading(f"error: no tool {call.tool_name!r}: the tool is {self.tool_name!r}", error=True)
@@ -109,12 +121,35 @@ class OpenEnv(Native):
         if self.mcp:
             from openenv.core.env_server.mcp_types import ListToolsAction
 
-            listed = session.resolve(session.env.step(ListToolsAction())).tools
+            listed = session.resolve(session.env.step(ListToolsAction()))
+            listed = getattr(listed, "observation", listed).tools  # a client's StepResult holds the observation
             return [function(t.name, t.description or "", t.input_schema) for t in listed]
         schema = self.action_cls.model_json_schema()
         schema.pop("title", None)
         schema.get("properties", {}).pop("metadata", None)  # OpenEnv's plumbing on every Action, not the model's to fill
         return [function(self.tool_name, _doc(self.action_cls), schema)]
+
+
+class Client(OpenEnv):
+    """An `openenv` `EnvClient` (an `MCPToolClient` among them) to an environment's server, `env.params` its
+    arguments (`base_url`). Its session is kept for the worker's next episode (reset again, as OpenEnv's
+    server allows), so a run holds as many sessions as environments alive at once, not one an episode;
+    it is closed when the run's environments end."""
+
+    name = "openenv-client"
+    reusable = True
+
+    @staticmethod
+    def is_mcp(cls) -> bool:
+        from openenv.core.mcp_client import MCPClientBase  # openenv is loaded: cls is one of its
+
+        return issubclass(cls, MCPClientBase)
+
+    def close(self, session) -> None:
+        pass  # kept: `dispose` ends it
+
+    def dispose(self, session) -> None:
+        Native.close(self, session)
 
 
 class TRL(Native):

@@ -96,10 +96,12 @@ async def _awaited(value):
 def start(session: Session, env_ref, params: dict, reset: dict) -> str:
     """A new environment (`env_ref`: its class, or `module:Class`), spoken to as its kind, reset with the
     keyword arguments its `reset` takes of `reset` (seed, episode_id, the row's fields): the text of its
-    reset observation ("" where it gives none)."""
-    cls = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
-    session.kind = kind_of(cls)
-    session.env = session.kind.build(cls, params)
+    reset observation ("" where it gives none). A kept one (a reusable kind's: a client's session) is
+    reset alone."""
+    if session.env is None:
+        cls = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
+        session.kind = kind_of(cls)
+        session.env = session.kind.build(cls, params)
     return session.kind.reset(session, reset)
 
 
@@ -113,20 +115,34 @@ def tools(session: Session) -> list[dict]:
     return session.kind.tools(session)
 
 
-def close(session: Session) -> float | None:
-    """The environment's reward for the episode, where its kind gives one at the end (TRL's
-    `get_reward`); then its `close`, where it has one; its loop closed."""
+def close(session: Session) -> tuple[float | None, bool]:
+    """The episode over: the environment's reward for it, where its kind gives one at the end (TRL's
+    `get_reward`), and whether the environment is kept for the worker's next episode (a reusable kind's:
+    a client's session); else its `close`, where it has one, and its loop closed."""
+    if session.env is None:
+        session.end()
+        return None, False
+    kept = session.kind.reusable
     try:
-        if session.env is None:
-            return None
         reward = session.kind.reward(session)
-        session.kind.close(session)
-        return reward
+        if not kept:
+            session.kind.close(session)
+        return reward, kept
+    finally:
+        if not kept:
+            session.end()
+
+
+def dispose(session: Session) -> None:
+    """A kept environment ended (a client's session closed): the run's environments are done with it."""
+    try:
+        if session.env is not None:
+            session.kind.dispose(session)
     finally:
         session.end()
 
 
-CALLS = {f.__name__: f for f in (start, step, tools, close)}
+CALLS = {f.__name__: f for f in (start, step, tools, close, dispose)}
 
 
 # ---- workers ---------------------------------------------------------------------------------------
@@ -137,6 +153,7 @@ class ThreadWorker:
 
     def __init__(self, host: "Host"):
         self.host, self.jobs = host, queue.SimpleQueue()
+        self.kept: list[Session] = []  # environments kept for its next episodes (a reusable kind's)
         self.thread = threading.Thread(target=self._run, daemon=True, name="minirl-env")
         self.thread.start()
 
@@ -170,6 +187,7 @@ class ProcessWorker:
 
     def __init__(self, host: "Host"):
         self.host, self.jobs = host, queue.SimpleQueue()
+        self.kept: list[Session] = []  # its process keeps the environment itself: a stand-in says that it does
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the env module where it was found
@@ -267,17 +285,30 @@ class Host:
             worker = self.idle.pop() if self.idle else None
         return worker or (ProcessWorker(self) if self.isolation == "process" else ThreadWorker(self))
 
-    def release(self, worker, *, reuse: bool) -> None:
+    def release(self, worker, *, reuse: bool, kept: Session | None = None) -> None:
         """An environment gone (closed, or given up on): its place free; its worker kept for the next
-        where `reuse` (nothing of the last one still running on it)."""
+        where `reuse` (nothing of the last one still running on it), with the environment itself where
+        its kind keeps it (`kept`: a client's session, reset by the worker's next episode)."""
         with self.cond:
             self.live -= 1
+            if kept is not None:
+                worker.kept.append(kept)
             if worker is not self.shared:
                 if reuse and not getattr(worker, "dead", False):
                     self.idle.append(worker)
                 else:
-                    worker.retire()  # it ends once what it runs returns
+                    self._end(worker)
             self.cond.notify_all()
+
+    def lower_cap(self) -> None:
+        """A server refused one more session with `live` alive (this one among them): the cap is the others."""
+        with self.cond:
+            self.max_live = max(1, self.live - 1)
+
+    def session(self, worker) -> Session:
+        """The session an episode opened on `worker` takes: one its last episode kept, else a new one."""
+        with self.cond:
+            return worker.kept.pop() if worker.kept else Session()
 
     def give_up(self, worker, job: Job) -> None:
         """A job past its limit: its process killed, or (a thread) counted while it runs on."""
@@ -315,12 +346,30 @@ class Host:
             if self.returned == seen:
                 self.cond.wait(timeout)
 
-    def close(self) -> None:
-        """Every idle worker ended (a process worker's process with it)."""
+    def release_idle(self) -> None:
+        """Every idle worker ended (a process worker's process with it), the environments kept on them
+        disposed of first (a client's session closed: a server's sessions free for others); the host
+        goes on, starting workers as it needs them."""
         with self.cond:
             idle, self.idle = list(self.idle), collections.deque()
         for w in idle:
-            w.retire()
+            self._end(w)
+        if self.shared is not None:
+            while self.shared.kept:
+                self.shared.submit(self.shared.kept.pop(), dispose)
+
+    def close(self) -> None:
+        """`release_idle`, and the shared worker ended too: the host is done."""
+        self.release_idle()
+        if self.shared is not None:
+            self.shared.retire()
+
+    @staticmethod
+    def _end(worker) -> None:
+        """A worker's kept environments disposed of, then the worker ended once what it runs returns."""
+        while worker.kept:
+            worker.submit(worker.kept.pop(), dispose)
+        worker.retire()
 
 
 def check_start(settings, row: dict, *, seed: int) -> list[dict]:
@@ -344,7 +393,9 @@ def check_start(settings, row: dict, *, seed: int) -> list[dict]:
         if not host.outcome(listed, settings.step_timeout_s) or listed.err is not None:
             why = f"{type(listed.err).__name__}: {listed.err}" if listed.done else "it hung"
             raise UsageError(f"env.name = {settings.name!r} could not list its tools: {why}")
-        host.outcome(worker.submit(session, close), settings.step_timeout_s)  # a close that fails is the run's to count
+        closed = worker.submit(session, close)
+        if host.outcome(closed, settings.step_timeout_s) and closed.err is None and closed.out[1]:
+            host.outcome(worker.submit(session, dispose), settings.step_timeout_s)  # a kept session: the run opens its own
         return listed.out
     finally:
         host.release(worker, reuse=False)

@@ -99,8 +99,11 @@ def evaluate(
     # each problem's samples from a generator of its own: the score does not depend on what else the
     # engine holds or how many sequences it schedules (an engine sampling ahead at k ≥ 1, #74)
     if episodes is not None:
-        groups = episodes.sample(engine, problems, n=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                 seeded_requests=True)
+        try:
+            groups = episodes.sample(engine, problems, n=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                     seeded_requests=True)
+        finally:  # a client's sessions free again for the engine's process (k ≥ 1), or for training's next step
+            episodes.release()
     else:
         groups = engine.generate([p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens,
                                  seed=seed, seeded_requests=True)

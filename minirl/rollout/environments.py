@@ -97,6 +97,11 @@ class Environments:
     def _episode_id(self) -> str:
         return f"{self._nonce}-{next(self._ids)}"
 
+    def release(self) -> None:
+        """The environments kept between episodes disposed of (a client's sessions closed): after an
+        evaluation, so that the sessions a server allows are free for the run's other process."""
+        self.host.release_idle()
+
     def close(self) -> None:
         self.host.close()
 

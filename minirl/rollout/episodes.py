@@ -48,6 +48,7 @@ from minirl.errors import EngineFault
 from minirl.rollout.engine import Completion, Engine, EpisodeInfo
 
 WAIT_S = 0.05  # longest wait for an environment's call before the loop looks again (deadlines, a stream's engine)
+RETRY_S = 0.2  # before a start a server refused (at capacity, none of this host's sessions open) is asked again
 
 
 @dataclass
@@ -75,6 +76,8 @@ class _Episode:
     worker: object = None
     session: hosting.Session | None = None
     job: hosting.Job | None = None
+    first_start: float | None = None  # when its environment was first asked to start (a refused start retries)
+    retry_at: float = 0.0  # not before then (a server at capacity with none of this host's sessions open)
 
     @property
     def sampled(self) -> int:
@@ -262,12 +265,13 @@ class Turns:
     # ----- the environments' side ---------------------------------------------------------------------
     def _fill(self) -> None:
         """Waiting episodes given a worker while the host has room, and their environments started."""
-        while self._waiting:
+        while self._waiting and self._waiting[0].retry_at <= time.perf_counter():
             worker = self.host.open()
             if worker is None:
                 return
             e = self._waiting.popleft()
-            e.worker, e.session = worker, hosting.Session()
+            e.worker, e.session = worker, self.host.session(worker)
+            e.first_start = e.first_start or time.perf_counter()
             self._submit(e, "starting", hosting.start, *e.start)
 
     def _submit(self, e: _Episode, phase: str, fn, *args) -> None:
@@ -278,6 +282,20 @@ class Turns:
         """A job of the episode's environment that returned."""
         e.info["env_s"] += job.seconds
         if e.phase == "starting":
+            if job.err is not None and at_capacity(job.err) and (
+                    self.host.live > 1 or time.perf_counter() - e.first_start < self.step_timeout_s):
+                # a server with fewer sessions than environments alive: it says how many it takes, and the
+                # episode waits for one of theirs; with none of this host's open (another process holds
+                # them), it asks again a moment later, up to step_timeout_s, then it is a fault
+                if self.host.live > 1:
+                    self.host.lower_cap()
+                else:
+                    e.retry_at = time.perf_counter() + RETRY_S
+                self.host.release(e.worker, reuse=True)
+                e.worker = e.session = e.job = None
+                e.phase = "waiting"
+                self._waiting.appendleft(e)
+                return
             if job.err is not None:
                 e.fault(f"could not start an episode: {_named(job.err)}")
             elif job.out and self.prompt_for is not None:  # its reset observation, after the prompt's problem
@@ -295,10 +313,11 @@ class Turns:
         elif e.phase == "closing":
             if job.err is not None:
                 e.fault(f"close raised {_named(job.err)}")
-            elif job.out is not None and e.info["ended"] != "env_error":  # the reward it gives at the end (TRL's)
-                e.info["reward"] = job.out
-                e.info["step_rewards"].append(job.out)
-            self.host.release(e.worker, reuse=True)
+            reward, keeps = job.out if job.err is None else (None, False)
+            if reward is not None and e.info["ended"] != "env_error":  # the reward it gives at the end (TRL's)
+                e.info["reward"] = reward
+                e.info["step_rewards"].append(reward)
+            self.host.release(e.worker, reuse=True, kept=e.session if keeps else None)
             e.phase = "done"
 
     def _hung(self, e: _Episode, job: hosting.Job) -> None:
@@ -361,6 +380,12 @@ class Turns:
             e.phase = "done"
             return
         self._submit(e, "closing", hosting.close)
+
+
+def at_capacity(err: BaseException) -> bool:
+    """An environment server's refusal of one more session (OpenEnv's "Server at capacity", CAPACITY_REACHED)."""
+    said = str(err)
+    return "at capacity" in said.lower() or "CAPACITY_REACHED" in said
 
 
 def _named(err: BaseException) -> str:

@@ -78,6 +78,7 @@ class Stream:
         self._asked_at: dict[str, int] = {}
         self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self._seen = 0  # the engine's version at the last forward step
+        self._hosts: set = set()  # the environments' hosts of the calls answered since the engine was last idle
 
     @property
     def busy(self) -> bool:
@@ -172,6 +173,7 @@ class Stream:
         call = self._calls.pop(tag)
         if call.turns is None:
             return call.groups
+        self._hosts.add(call.turns.host)
         try:
             return call.turns.completions()
         finally:
@@ -272,6 +274,10 @@ class Stream:
         self._preempted = self._open.enter_context(vllm_internals.preemptions(self._llm.llm_engine))
 
     def _end(self) -> None:
+        # nothing in flight: the environments kept between episodes (a client's sessions) let go, so that
+        # a server's sessions are free for the trainer's evaluation meanwhile
+        while self._hosts:
+            self._hosts.pop().release_idle()
         self.engine.settle_prefix_cache()  # a reset vLLM refused while requests were in flight
         if self._cpu_routes:
             self._llm.collective_rpc(cpu_routes.stop)
