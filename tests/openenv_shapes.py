@@ -111,6 +111,27 @@ class CalcTrl:
         return float(self.calls > 0)
 
 
+class TrlCalculator:
+    """The tools task's calculator written as TRL's docs write an `environment_factory` class: its one public
+    method is the tool; no reward of its own (the task's grader scores the answer)."""
+
+    def reset(self, **kwargs) -> str | None:
+        return None
+
+    def calc(self, expr: str) -> str:
+        """Evaluate an integer expression of at most 32 characters.
+
+        Args:
+            expr: digits, + - * and brackets
+        """
+        if not 0 < len(expr) <= 32 or any(ch not in "0123456789+-*()" for ch in expr):
+            return "?"
+        try:
+            return str(eval(expr.lstrip("0") or "0", {"__builtins__": {}}))
+        except (SyntaxError, TypeError):
+            return "?"
+
+
 # ---- over OpenEnv's client, against its own server (what `openenv serve` / uvicorn server.app:app runs) ----
 from openenv.core.client_types import StepResult  # noqa: E402
 from openenv.core.env_client import EnvClient  # noqa: E402

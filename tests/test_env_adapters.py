@@ -102,20 +102,8 @@ def test_each_kind_trains_three_steps_through_the_cli(name, tiny_dir, tmp_path):
     format of tests/env_any_format.py sends whatever a turn wrote before ")" to `calc`), no environment
     fault, the environment's replies in the episodes; the held-out evaluation runs them too."""
     import json
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT, data_workspace
-
-    ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
-    sets = [f"env.name={name}", "env.tool_format=any", "env.max_turns=2", "env.max_reply_tokens=16",
-            "rollout.max_tokens=8", "train.prompts_per_step=8", "train.group_size=4", "eval.k=1"]
-    r = subprocess.run([sys.executable, "-m", "tests.env_any_format", "run", str(ws), "--model", str(tiny_dir),
-                        "--steps", "3", *[a for s in sets for a in ("--set", s)]], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = next((ws / "runs").iterdir())
-    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
+    run, steps = three_steps(tiny_dir, tmp_path, [f"env.name={name}", "env.max_reply_tokens=16"])
     assert len(steps) == 3 and all(x["episode/env_errors"] == 0 and x["episode/masked"] == 0 for x in steps)
     assert sum(x["episode/tool_calls"] for x in steps) > 0 and sum(x["episode/env_tokens"] for x in steps) > 0
     assert json.loads((run / "summary.json").read_text())["heldout"]["end"]["env_faults"] == 0
@@ -180,23 +168,29 @@ def test_a_client_runs_more_episodes_than_its_server_has_sessions(server, tiny_t
 def test_a_client_trains_three_steps_through_the_cli_on_fewer_sessions_than_episodes(server, tiny_dir, tmp_path):
     """`minirl run` with OpenEnv's client to its server (2 sessions; 32 episodes a step): three steps, no
     environment fault, the server's replies in the episodes."""
+    kind, url = server
+    name = {"tools": "tests.openenv_shapes:CalcToolsClient", "game": "tests.openenv_shapes:CalcGameClient"}[kind]
+    _, steps = three_steps(tiny_dir, tmp_path, [f"env.name={name}", f'env.params={{"base_url": "{url}"}}',
+                                                "env.max_reply_tokens=24"])
+    assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), [x.get("episode/faults") for x in steps]
+    assert sum(x["episode/env_tokens"] for x in steps) > 0
+
+
+def three_steps(tiny_dir, tmp_path, sets: list[str]):
+    """Three steps of `minirl run` on the random tiny model with the `any` format (tests/env_any_format.py:
+    whatever a turn wrote before ")" goes to `calc`), 8 prompts × 4 episodes: the run folder and its steps' rows."""
     import json
     import subprocess
     import sys
 
     from tests.conftest import ROOT, data_workspace
 
-    kind, url = server
-    name = {"tools": "tests.openenv_shapes:CalcToolsClient", "game": "tests.openenv_shapes:CalcGameClient"}[kind]
     ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
-    sets = [f"env.name={name}", f'env.params={{"base_url": "{url}"}}', "env.tool_format=any", "env.max_turns=2",
-            "env.max_reply_tokens=24", "rollout.max_tokens=8", "train.prompts_per_step=8", "train.group_size=4",
-            "eval.k=1"]
+    sets = [*sets, "env.tool_format=any", "env.max_turns=2", "rollout.max_tokens=8", "train.prompts_per_step=8",
+            "train.group_size=4", "eval.k=1"]
     r = subprocess.run([sys.executable, "-m", "tests.env_any_format", "run", str(ws), "--model", str(tiny_dir),
                         "--steps", "3", *[a for s in sets for a in ("--set", s)]], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     run = next((ws / "runs").iterdir())
-    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
-    assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), [x.get("episode/faults") for x in steps]
-    assert sum(x["episode/env_tokens"] for x in steps) > 0
+    return run, [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]

@@ -28,15 +28,8 @@ from minirl.rollout.engine import Completion, EpisodeInfo
 from minirl.rollout.environments import rows
 from minirl.rollout.episodes import sample_episodes
 from rewards.tools import PythonTool
-from tests.test_episodes import PROMPTS, Obs, Scripted
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    from transformers import AutoTokenizer
-
-    t = AutoTokenizer.from_pretrained(str(tiny_dir))
-    return (lambda s: t.encode(s, add_special_tokens=False)), (lambda ids: t.decode(list(ids)))
+from tests.test_episodes import PROMPTS, Obs, Scripted, episodes, r3_engine32, tok  # noqa: F401 - fixtures used here
+from tests.test_episodes import Faulty as EpisodesFaulty
 
 
 def episodes_of(tok, envs, turns, *, n=None, fmt=ToolFormat("(", ")", "expr", tool="calc"), **kw):
@@ -64,17 +57,13 @@ class ByTurn(Scripted):
 
 
 # ---- faults: each kind ends its episode, counted, and it trains on nothing ----
-class Faulty:
+class Faulty(EpisodesFaulty):
+    """test_episodes' faults, and the kinds #95 added."""
+
     def __init__(self, how="fine"):
-        self.how = how
+        super().__init__(how)
 
     def step(self, action):
-        if self.how == "raises":
-            raise KeyError("boom")
-        if self.how == "hangs":
-            time.sleep(2)
-        if self.how == "nan":
-            return Obs(done=True, reward=math.nan)
         if self.how == "exits":
             raise SystemExit(3)
         if self.how == "unreadable":
@@ -85,7 +74,7 @@ class Faulty:
             async def later():
                 return Obs(result="=1;")
             return later()
-        return Obs(result="=1;")
+        return super().step(action)
 
 
 @pytest.mark.parametrize("how", ["raises", "hangs", "nan", "exits", "unreadable", "none"])
@@ -95,7 +84,7 @@ def test_each_fault_ends_its_episode_counted_named_and_untrained(tok, how):
     assert bad.episode.ended == "env_error" and bad.episode.env_errors == 1 and bad.episode.fault
     assert not outcome.trains(bad) and outcome.trained_mask(bad) == (0,) * len(bad.token_ids)
     assert good.episode.ended == "answer" and outcome.trains(good) and good.episode.env_errors == 0
-    said = {"raises": "step raised KeyError: 'boom'", "hangs": "step hung past 0.5 s",
+    said = {"raises": "step raised KeyError: 'boom'", "hangs": "step hung past 0.5 s",  # (test_episodes' Faulty)
             "nan": "step raised ValueError: the environment's reward nan is not a finite number",
             "exits": "step raised SystemExit: 3", "unreadable": "an observation of type object",
             "none": "an observation of type NoneType"}[how]
@@ -171,36 +160,10 @@ def TINY_SHAPE():
     return shape
 
 
-@pytest.fixture(scope="module")
-def episodes(r3_engine32, tok):
-    from tests.test_episodes import Counter, Spy, often_sampled
-
-    encode, decode = tok
-    closer = often_sampled(r3_engine32, decode)
-    fmt = ToolFormat("", closer, "expr", tool="calc", reply="{}")
-    envs = [[Counter() for _ in range(4)] for _ in PROMPTS]
-    for group in envs:
-        for env in group:
-            env.reset()
-    groups = sample_episodes(Spy(r3_engine32), PROMPTS, envs, fmt=fmt, encode=encode, decode=decode, n=4,
-                             temperature=1.0, max_tokens=14, max_turns=3, max_model_len=32, seed=5)
-    return groups, envs
-
-
-@pytest.fixture(scope="module")
-def r3_engine32(engine32):
-    from minirl.rollout.cpu import routes as capture
-
-    engine32._llm.collective_rpc(capture.install)
-    engine32.capture_routes = True
-    yield engine32
-    engine32.capture_routes = False
-
-
 def test_a_later_turns_prefill_reroutes_no_earlier_position_without_a_sync(episodes):
     """R3 across turns, one version throughout (fp32): every position a later turn's prefill recomputed
     is routed as the rows kept for it (the comparison that measures a sync's effect mid-episode)."""
-    groups, _ = episodes
+    groups, *_ = episodes
     eps = [c.episode for g in groups for c in g]
     assert sum(e.prefix_compared for e in eps) > 20
     assert sum(e.prefix_rerouted for e in eps) == 0
