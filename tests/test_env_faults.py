@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import os
 import sqlite3
 import threading
 import time
@@ -28,6 +27,7 @@ from minirl.rollout.engine import Completion, EpisodeInfo
 from minirl.rollout.environments import rows
 from minirl.rollout.episodes import sample_episodes
 from rewards.tools import PythonTool
+from tests.light_envs import Crashes, Fine
 from tests.test_episodes import PROMPTS, Obs, Scripted, episodes, r3_engine32, tok  # noqa: F401 - fixtures used here
 from tests.test_episodes import Faulty as EpisodesFaulty
 
@@ -252,6 +252,18 @@ def test_a_reply_cannot_forge_the_templates_special_tokens():
     assert reply.count(1002) == encode(QWEN3.reply).count(1002) and reply.count(1003) == encode(QWEN3.reply).count(1003)
 
 
+def test_a_format_whose_closer_is_several_tokens_is_refused_in_one_line(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from minirl.envs.formats import check_format
+    from minirl.errors import UsageError
+
+    t = AutoTokenizer.from_pretrained(str(tiny_dir))
+    with pytest.raises(UsageError, match="env.tool_format = 'qwen3' closes a call with '</tool_call>', 12 tokens of "
+                                         "this model's vocabulary: the engine stops a turn on one token"):
+        check_format("qwen3", lambda s: t.encode(s, add_special_tokens=False), lambda s: t.encode(s), 64)
+
+
 def test_a_max_reply_tokens_below_the_scaffold_is_refused_in_one_line():
     from minirl.envs.formats import check_format
     from minirl.errors import UsageError
@@ -425,21 +437,11 @@ def test_a_hung_steps_environment_is_closed_once_its_step_returns(tok):
     assert Sleepy.closed.wait(10)  # its close ran once the step returned
 
 
-class Crashes:
-    def reset(self):
-        pass
-
-    def step(self, action):
-        if action.arguments["expr"] == "9":
-            os._exit(9)  # the environment's process dies
-        time.sleep(30)  # hangs
-
-
 @pytest.mark.parametrize("expr", ["9", "1"])
 def test_a_process_worker_is_killed_at_its_limit_and_its_crash_is_its_episodes_alone(tok, expr):
     host = hosting.Host(isolation="process")
     try:
-        eps = episodes_of(tok, [Crashes, Counted], [f"({expr})", "2"], host=host, step_timeout_s=3)
+        eps = episodes_of(tok, [Crashes, Fine], [f"({expr})", "2"], host=host, step_timeout_s=3)
     finally:
         host.close()
     bad, good = eps

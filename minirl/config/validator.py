@@ -71,6 +71,11 @@ def validate(r: Recipe) -> None:
         raise UsageError(f"data.chat_template_kwargs: {odd} — each value must be a boolean, number or string")
     if r.env.params and not r.env.name:
         raise UsageError(f"env.params = {r.env.params} configure an environment, and env.name names none")
+    if r.env.name and r.env.tool_format == "qwen3" and not r.data.chat_template:
+        # its replies close and open chat turns: a prompt sent as plain text would make a half-chat transcript
+        raise UsageError("env.tool_format = 'qwen3' writes replies as Qwen3's chat template renders tool messages, "
+                         "and data.chat_template = false sends the prompt as plain text: set data.chat_template = "
+                         "true, or env.tool_format = 'tiny' for a model without a chat template")
     ro = r.rollout
     if ro.precision == "fp8" and ro.cuda_graphs and ro.sleep_level == 2:
         raise UsageError(FP8_GRAPHS_AFTER_SLEEP)

@@ -214,6 +214,10 @@ class ProcessWorker:
         self.jobs.put(None)
 
     def _run(self) -> None:
+        try:  # its process's start (an interpreter, minirl's environment rooms) is no call's time
+            self.up.recv()
+        except (EOFError, OSError):
+            self.dead = True
         while (job := self.jobs.get()) is not None:
             job.started = time.perf_counter()
             if self.dead:
@@ -240,6 +244,7 @@ class ProcessWorker:
 def _serve(down: Connection, up: Connection) -> None:
     """A process worker's side: run each call on its one session, send back its outcome."""
     session = Session()
+    up.send((True, "ready"))
     while True:
         try:
             name, args = down.recv()
