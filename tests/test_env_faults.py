@@ -531,15 +531,15 @@ def test_a_reply_with_text_no_tokenizer_takes_is_read_not_fatal(tiny_dir):
 
 
 class TightPython(PythonTool):
-    """The Python tool with a 2 s wall-clock limit: 64 programs at once on 2 cores pass it (each waits on the
+    """The Python tool with a 4 s wall-clock limit: 64 programs at once on 2 cores pass it (each waits on the
     CPU behind the others), 2 at a time do not."""
 
     def __init__(self):
-        super().__init__(wall_s=2.0)
+        super().__init__(wall_s=4.0)
 
 
 def test_64_cpu_bound_tool_calls_under_a_cap_of_2_never_time_out():
-    """64 episodes each running sum(range(10**7)) in the Python tool (a sandboxed process, a 2 s wall limit):
+    """64 episodes each running sum(range(10**7)) in the Python tool (a sandboxed process, a 4 s wall limit):
     with env.max_concurrency = 2 no program waits on the CPU behind 63 others, none is answered "ran past"
     (without the cap, on 2 cores, they are)."""
     import json
