@@ -194,3 +194,23 @@ def three_steps(tiny_dir, tmp_path, sets: list[str]):
     assert r.returncode == 0, r.stderr[-3000:]
     run = next((ws / "runs").iterdir())
     return run, [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
+
+
+def test_a_prompt_renders_the_tools_through_the_chat_template_and_the_reset_observation_within_its_limit(tmp_path):
+    """The tools as the chat template renders `tools=` (a template of the test's), and an episode's reset
+    observation after the problem, cut with the marker where the prompt would pass data.max_prompt_tokens."""
+    from transformers import AutoTokenizer
+
+    from minirl.data.prompts import Prompter, prompt_ids
+    from minirl.envs.adapters import function
+    from minirl.setup.tokenizer import WIDE_VOCAB, build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok", WIDE_VOCAB, 256)))
+    tok.chat_template = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}"
+                         "{% endif %}{% for m in messages %}user: {{ m['content'] }}{{ '\\n' }}{% endfor %}model:")
+    tools = [function("calc", "", {"type": "object"}), function("note", "", {"type": "object"})]
+    assert tok.decode(prompt_ids(tok, "1+2=", chat=True, tools=tools)) == "tools: calc note\nuser: 1+2=\nmodel:"
+    p = Prompter("prompt", chat=True, tools=tuple(tools), max_tokens=44, marker="~")
+    assert tok.decode(p.ids(tok, {"prompt": "1+2="}, " board 3")) == "tools: calc note\nuser: 1+2= board 3\nmodel:"
+    cut = tok.decode(p.ids(tok, {"prompt": "1+2="}, " " + "x" * 50))
+    assert len(tok.encode(cut, add_special_tokens=False)) == 44 and cut.endswith("x~\nmodel:"), cut

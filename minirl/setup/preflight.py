@@ -432,6 +432,11 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
     if rec.env.name and train:  # an environment that cannot start an episode: before any engine starts
         tools = check_start(rec.env, dict(train[0].record), seed=episode_seed(rec.train.seed, 0, 0))
         if tools and rec.data.chat_template:  # the model is told its tools: every prompt renders them
+            told = len(prompts_ids(tok, [""], chat=True, chat_kwargs=rec.data.chat_template_kwargs, tools=tools)[0])
+            if told >= rec.data.max_prompt_tokens:
+                raise UsageError(f"the tools of env.name = {rec.env.name!r} take {told} tokens of a prompt as the chat "
+                                 f"template renders them, and data.max_prompt_tokens = {rec.data.max_prompt_tokens}: "
+                                 "raise it (the run's context is planned with it)")
             train, skipped, heldout = _problems(rec, ws, tok, tools=tools)
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
