@@ -351,23 +351,24 @@ class Host:
             if self.returned == seen:
                 self.cond.wait(timeout)
 
-    def release_idle(self) -> None:
-        """Every idle worker ended (a process worker's process with it), the environments kept on them
-        disposed of first (a client's session closed: a server's sessions free for others); the host
-        goes on, starting workers as it needs them."""
+    def let_go(self) -> None:
+        """The environments kept on idle workers disposed of (a client's session closed: a server's
+        sessions free for others); the workers stay, for the next environments."""
         with self.cond:
-            idle, self.idle = list(self.idle), collections.deque()
-        for w in idle:
-            self._end(w)
-        if self.shared is not None:
-            while self.shared.kept:
-                self.shared.submit(self.shared.kept.pop(), dispose)
+            idle = [*self.idle, *([self.shared] if self.shared is not None else [])]
+            kept = [(w, w.kept.pop()) for w in idle for _ in range(len(w.kept))]
+        for w, session in kept:
+            w.submit(session, dispose)
 
     def close(self) -> None:
-        """`release_idle`, and the shared worker ended too: the host is done."""
-        self.release_idle()
-        if self.shared is not None:
-            self.shared.retire()
+        """Every idle worker ended (a process worker's process with it), the environments kept on them
+        disposed of first; the shared worker too: the host is done."""
+        with self.cond:
+            idle, self.idle = list(self.idle), collections.deque()
+            if self.shared is not None:
+                idle.append(self.shared)
+        for w in idle:
+            self._end(w)
 
     @staticmethod
     def _end(worker) -> None:

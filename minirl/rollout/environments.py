@@ -100,7 +100,7 @@ class Environments:
     def release(self) -> None:
         """The environments kept between episodes disposed of (a client's sessions closed): after an
         evaluation, so that the sessions a server allows are free for the run's other process."""
-        self.host.release_idle()
+        self.host.let_go()
 
     def close(self) -> None:
         self.host.close()

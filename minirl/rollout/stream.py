@@ -277,7 +277,7 @@ class Stream:
         # nothing in flight: the environments kept between episodes (a client's sessions) let go, so that
         # a server's sessions are free for the trainer's evaluation meanwhile
         while self._hosts:
-            self._hosts.pop().release_idle()
+            self._hosts.pop().let_go()
         self.engine.settle_prefix_cache()  # a reset vLLM refused while requests were in flight
         if self._cpu_routes:
             self._llm.collective_rpc(cpu_routes.stop)
