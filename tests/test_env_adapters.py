@@ -172,7 +172,8 @@ def test_a_client_trains_three_steps_through_the_cli_on_fewer_sessions_than_epis
     name = {"tools": "tests.openenv_shapes:CalcToolsClient", "game": "tests.openenv_shapes:CalcGameClient"}[kind]
     _, steps = three_steps(tiny_dir, tmp_path, [f"env.name={name}", f'env.params={{"base_url": "{url}"}}',
                                                 "env.max_reply_tokens=24"])
-    assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), [x.get("episode/faults") for x in steps]
+    assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), \
+        [x.get("episode/faults") for x in steps]
     assert sum(x["episode/env_tokens"] for x in steps) > 0
 
 

@@ -313,7 +313,8 @@ def test_every_observation_shape_is_read():
         "error": (Obs(error="division by zero"), Reading("error: division by zero", error=True)),
         "mcp": (Obs(result=mcp_ok), Reading("42")),
         "mcp failed": (Obs(result=mcp_bad), Reading("error: no such file", error=True)),
-        "mcp over a client": (Obs(result=mcp_bad.model_dump(by_alias=True)), Reading("error: no such file", error=True)),
+        "mcp over a client": (Obs(result=mcp_bad.model_dump(by_alias=True)),
+                              Reading("error: no such file", error=True)),
         "step result": (StepResult(Obs(result="hi"), reward=2, done=True), Reading("hi", done=True, reward=2.0)),
         "metadata text": (Obs(metadata={"text": "from metadata"}), Reading("from metadata")),
     }
@@ -554,7 +555,7 @@ def test_64_cpu_bound_tool_calls_under_a_cap_of_2_never_time_out():
                              step_timeout_s=60)
     eps = [g[0].episode for g in groups]
     assert all(e.tool_errors == 0 and e.env_errors == 0 and e.ended == "answer" for e in eps), \
-        [decode([t for t, m in zip(g[0].token_ids, g[0].mask) if not m]) for g in groups if g[0].episode.tool_errors][:2]
+        [decode([t for t, m in zip(c.token_ids, c.mask) if not m]) for (c,) in groups if c.episode.tool_errors][:2]
     assert all(QWEN3.text("49999995000000\n") in decode(g[0].token_ids) for g in groups)
 
 
@@ -593,8 +594,9 @@ def test_a_dynamic_sampling_top_ups_faults_are_checked_as_the_first_draws(tiny_d
                                            "env.max_turns=2", "env.max_reply_tokens=8"])
     summary = lifecycle.run(Workspace.open(ws), rec)
     assert summary["status"] == "env_fault" and summary["steps"] == 0, summary
-    assert "step 1: the environment 'tests.test_env_faults:DownAfter' failed in 32 of 32 episodes (first: could " \
-           "not start an episode: ConnectionError: the environment server is down)" in summary["error"], summary["error"]
+    said = ("step 1: the environment 'tests.test_env_faults:DownAfter' failed in 32 of 32 episodes (first: could "
+            "not start an episode: ConnectionError: the environment server is down)")
+    assert said in summary["error"], summary["error"]
 
 
 class SlowConstructor(Counted):

@@ -23,7 +23,8 @@ CONTAINERFILE = (ROOT / "Containerfile").read_text()
 
 
 def gpu_problems(lock=GPU, pyproject=PYPROJECT, containerfile=CONTAINERFILE):
-    return lockcheck.problems(lock, pyproject, extras=("gpu", "test", "tasks", "envs"), containerfile_text=containerfile)
+    return lockcheck.problems(lock, pyproject, extras=("gpu", "test", "tasks", "envs"),
+                              containerfile_text=containerfile)
 
 
 def test_both_locks_agree_with_pyproject_and_the_image():

@@ -126,7 +126,8 @@ class OpenEnv(Native):
             return [function(t.name, t.description or "", t.input_schema) for t in listed]
         schema = self.action_cls.model_json_schema()
         schema.pop("title", None)
-        schema.get("properties", {}).pop("metadata", None)  # OpenEnv's plumbing on every Action, not the model's to fill
+        # OpenEnv's plumbing on every Action, not the model's to fill
+        schema.get("properties", {}).pop("metadata", None)
         return [function(self.tool_name, _doc(self.action_cls), schema)]
 
 

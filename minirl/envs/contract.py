@@ -81,7 +81,8 @@ def accepted(fn, kwargs: dict) -> dict:
         return dict(kwargs)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return dict(kwargs)
-    named = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = {p.name for p in params if p.kind in by_name}
     return {k: v for k, v in kwargs.items() if k in named}
 
 

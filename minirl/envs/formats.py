@@ -57,8 +57,8 @@ class ToolFormat:
 
         >>> ToolFormat("(", ")", "expr", tool="calc").call("12*34=(12*34)")
         ToolCall(tool_name='calc', arguments={'expr': '12*34'})
-        >>> ToolFormat("<tool_call>", "</tool_call>").call('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
-        ToolCall(tool_name='f', arguments={'x': 1})
+        >>> ToolFormat("<tool_call>", "</tool_call>").call('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+        ToolCall(tool_name='f', arguments={})
         """
         if not text.endswith(self.close):
             return None
@@ -160,5 +160,5 @@ def check_format(fmt_name: str, encode, encode_text, max_reply_tokens: int) -> N
     least = Replies(fmt, encode, encode_text).smallest()
     if max_reply_tokens < least:
         raise UsageError(f"env.max_reply_tokens = {max_reply_tokens} cannot hold a reply in env.tool_format = "
-                         f"{fmt_name!r}: its scaffold and cut marker take {least - 1} tokens of this model's vocabulary "
-                         f"(set env.max_reply_tokens ≥ {least})")
+                         f"{fmt_name!r}: its scaffold and cut marker take {least - 1} tokens of this model's "
+                         f"vocabulary (set env.max_reply_tokens ≥ {least})")

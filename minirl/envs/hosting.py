@@ -190,7 +190,8 @@ class ProcessWorker:
         self.kept: list[Session] = []  # its process keeps the environment itself: a stand-in says that it does
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the env module where it was found
+        # the environment's module importable there as it is here
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen([sys.executable, "-m", "minirl.envs.hosting", str(down_r), str(up_w)],
                                      pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
         os.close(down_r)
@@ -401,7 +402,8 @@ def check_start(settings, row: dict, *, seed: int) -> list[dict]:
             raise UsageError(f"env.name = {settings.name!r} could not list its tools: {why}")
         closed = worker.submit(session, close)
         if host.outcome(closed, settings.step_timeout_s) and closed.err is None and closed.out[1]:
-            host.outcome(worker.submit(session, dispose), settings.step_timeout_s)  # a kept session: the run opens its own
+            # a kept session (a client's): the run opens its own
+            host.outcome(worker.submit(session, dispose), settings.step_timeout_s)
         return listed.out
     finally:
         host.release(worker, reuse=False)

@@ -179,8 +179,8 @@ def _is_step_result(obs) -> bool:
 def _mcp_result(value) -> bool:
     """An MCP `CallToolResult`: the object (`content` of text parts), or its JSON over a client."""
     if isinstance(value, dict):
-        return isinstance(value.get("content"), list) and ("isError" in value or "is_error" in value
-                                                           or "structuredContent" in value or not set(value) - {"content"})
+        marks = {"isError", "is_error", "structuredContent"}
+        return isinstance(value.get("content"), list) and bool(marks & set(value) or not set(value) - {"content"})
     parts = getattr(value, "content", None)
     return isinstance(parts, list) and hasattr(value, "is_error")
 

@@ -109,8 +109,9 @@ def evaluate(
                                  seed=seed, seeded_requests=True)
     comps = [c for g in groups for c in g]
     mode = episodes.settings.reward if episodes is not None else "final"
-    scores = grading.grade_where([(prob.record, response_text(answer_ids(c), decode, eos_id))
-                                  for prob, g in zip(problems, groups) for c in g], [needs_grade(c, mode) for c in comps])
+    items = [(prob.record, response_text(answer_ids(c), decode, eos_id))
+             for prob, g in zip(problems, groups) for c in g]
+    scores = grading.grade_where(items, [needs_grade(c, mode) for c in comps])
     rewards = episode_rewards(comps, scores, mode)
     # a sample the environment's fault ended is no sample of the model: left out of each problem's k
     per_problem = gather([[(rewards[j] >= 1.0, scores[j].info.get("extracted"), trains(comps[j]))

@@ -131,7 +131,8 @@ class EpisodeRequest:
         return envs.turns(prompts, self.rows, n=n, max_tokens=max_tokens, seed=self.seed)
 
 
-_RESIDENT: dict[str, Environments] = {}  # an engine's process: the recipe's environments, as the first call brought them
+# an engine's process: the recipe's environments, as the first call brought them
+_RESIDENT: dict[str, Environments] = {}
 
 
 SUMS = ("episode/tool_errors", "episode/env_errors", "episode/masked", "episode/replies_cut",

@@ -152,8 +152,9 @@ class Stream:
         for tag, call in self._calls.items():  # each episode whose environment answered (or started): its next turn
             if call.turns is not None:
                 self._ask_turns(tag, call.turns.poll() if self.overlap_envs else call.turns.settle())
-        done = [(tag, self._complete(tag)) for tag in [t for t, call in self._calls.items()
-                                                       if not call.waiting and (call.turns is None or call.turns.finished)]]
+        answered = [t for t, call in self._calls.items()
+                    if not call.waiting and (call.turns is None or call.turns.finished)]
+        done = [(tag, self._complete(tag)) for tag in answered]
         if not self._calls:
             self._end()
         return done
