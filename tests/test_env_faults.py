@@ -25,7 +25,7 @@ from minirl.envs.formats import QWEN3, TINY, ToolFormat
 from minirl.envs.observations import Reading, Unreadable, read
 from minirl.rollout.engine import Completion, EpisodeInfo
 from minirl.rollout.environments import rows
-from minirl.rollout.episodes import sample_episodes
+from minirl.rollout.turn_loop import sample_episodes
 from rewards.tools import PythonTool
 from tests.light_envs import Crashes, Fine
 from tests.test_episodes import PROMPTS, Obs, Scripted, episodes, r3_engine32, tok  # noqa: F401 - fixtures used here

@@ -1,6 +1,6 @@
 """Recipes: typed dataclasses that map one-to-one onto TOML sections and `--set a.b=c` overrides.
 
-Each field declares its own range or choices (`number`, `one_of`, `rule`), checked by `check_fields`
+Each field declares its own range or choices (`number`, `one_of`, `rule`: fields.py), checked by `check_fields`
 whenever a Recipe is built or loaded; a rule that spans fields lives in minirl/config/validator.py, and a
 rule that needs the machine or the model in minirl/setup/limits.py. Reading TOML files and `--set`
 flags is minirl/config/recipes.py's. Nothing here rewrites a field: a bad value fails naming its key.
@@ -10,44 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from minirl.config.engines import ENGINES
+from minirl.config.fields import check_fields, number, one_of, rule
 from minirl.config.precisions import NAMES as PRECISION_NAMES
 from minirl.envs.formats import TOOL_FORMATS
 from minirl.data.gym import gym_name, is_gym
 from minirl.data.task import TASKS
-from minirl.errors import UsageError
 from minirl.models.shapes import LORA_TARGETS
 from minirl.models.sizing import max_samples_per_prompt
 
 # The objectives train/objective.py implements (its LOSSES registry; a test keeps the two equal)
 LOSS_NAMES = ("minirl", "grpo", "cispo")
-
-
-def number(default: float, lo: float = -math.inf, hi: float | Callable[[], float] = math.inf, *,
-           above: bool = False) -> Any:
-    """A numeric field: finite, ≥ lo (> lo with `above`) and ≤ hi (a callable: read when checked)."""
-    return field(default=default, metadata={"range": (lo, hi, not above)})
-
-
-def one_of(default: str, names) -> Any:
-    """A field naming one of `names`: a registry (a mapping, read when checked: a test may add to
-    it) or a fixed list."""
-    return field(default=default, metadata={"choices": names if isinstance(names, Mapping) else tuple(names)})
-
-
-def rule(default: Any, check: Callable[[str, Any], str | None], lo: float | None = None,
-         hi: float | Callable[[], float] = math.inf) -> Any:
-    """A field with its own rule: `check(key, value)` returns the message of a bad value, or None;
-    numbers may also carry a range, checked after it."""
-    meta: dict[str, Any] = {"rule": check}
-    if lo is not None:
-        meta["range"] = (lo, hi, True)
-    return field(default=default, metadata=meta)
 
 
 def _task_name(key: str, v: str) -> str | None:
@@ -90,32 +66,6 @@ def _lora_names(key: str, v: str) -> str | None:
 
 def _not_empty(key: str, v: str) -> str | None:
     return f"{key} is empty" if not v.strip() else None
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, bool) or not isinstance(v, (int, float)) or math.isfinite(v)
-
-
-def check_fields(obj: Any, prefix: str = "") -> None:
-    """Every field of `obj` (a Recipe or one section) against what it declares; fails naming its key."""
-    for f in dataclasses.fields(obj):
-        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            check_fields(value, key + ".")
-            continue
-        if not _finite(value):
-            raise UsageError(f"{key} = {value}; it must be a finite number")
-        if "choices" in f.metadata and value not in f.metadata["choices"]:
-            raise UsageError(f"{key} = {value!r}; choose one of {', '.join(f.metadata['choices'])}")
-        if "rule" in f.metadata and (message := f.metadata["rule"](key, value)):
-            raise UsageError(message)
-        if "range" in f.metadata:
-            lo, hi, lo_ok = f.metadata["range"]
-            hi = hi() if callable(hi) else hi
-            if value < lo or (value == lo and not lo_ok) or value > hi:
-                lower = f"≥ {lo}" if lo_ok else f"> {lo}"
-                upper = f" and ≤ {hi}" if math.isfinite(hi) else ""
-                raise UsageError(f"{key} = {value}; it must be {lower}{upper}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -291,6 +241,9 @@ class EnvConfig:
     params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its constructor
     tool_format: str = one_of("qwen3", TOOL_FORMATS)  # how a call and a reply are written (qwen3: Hermes tags)
     max_turns: int = number(4, 1)  # engine calls per episode; rollout.max_tokens bounds all of them together
+    # calls one turn may make (tool_format "qwen3" with the chat template): 1, the engine stops a turn on its
+    # call's close; more, the turn runs to its end and its calls are answered together (envs/templates.py)
+    max_calls: int = number(1, 1)
     # one reply's tokens, its scaffold counted; a longer one is cut, with a marker (envs/formats.py)
     max_reply_tokens: int = number(64, 1)
     # any one call of the environment (constructor and reset together, a step, a close), timed from its

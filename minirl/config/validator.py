@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from minirl.data.gym import is_gym
+from minirl.envs.formats import TOOL_FORMATS
 from minirl.errors import UsageError
 from minirl.models.hub import repo_id
 
@@ -76,6 +77,11 @@ def validate(r: Recipe) -> None:
         raise UsageError("env.tool_format = 'qwen3' writes replies as Qwen3's chat template renders tool messages, "
                          "and data.chat_template = false sends the prompt as plain text: set data.chat_template = "
                          "true, or env.tool_format = 'tiny' for a model without a chat template")
+    if r.env.max_calls > 1 and (TOOL_FORMATS[r.env.tool_format].body != "json" or not r.data.chat_template):
+        # several calls a turn are answered as the chat template renders several tool messages
+        raise UsageError(f"env.max_calls = {r.env.max_calls} answers several calls of a turn together as the chat "
+                         f"template renders them: it needs env.tool_format = 'qwen3' and data.chat_template = true "
+                         "(else set env.max_calls = 1)")
     ro = r.rollout
     if ro.precision == "fp8" and ro.cuda_graphs and ro.sleep_level == 2:
         raise UsageError(FP8_GRAPHS_AFTER_SLEEP)

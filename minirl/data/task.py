@@ -31,6 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from minirl.envs.contract import ToolCall
+from minirl.envs.formats import TINY, ToolFormat
+
 LO, HI = 100, 999
 
 
@@ -41,8 +44,9 @@ class Task:
     problem: Callable[[random.Random], tuple[int, int]]  # draws one (a, b)
     answer: Callable[[int, int], str]  # the SFT target (the grader checks the result)
     op: str = "+"
-    # a multi-turn task's SFT target as (text, trained) parts: an environment's reply is not trained on
-    parts: Callable[[int, int], list[tuple[str, bool]]] | None = None
+    # a multi-turn task's SFT target as (text, trained) parts in a tool format: an environment's reply is
+    # not trained on
+    parts: Callable[[int, int, ToolFormat], list[tuple[str, bool]]] | None = None
 
 
 def _addition(rng: random.Random) -> tuple[int, int]:
@@ -81,9 +85,9 @@ def _product_problem(rng: random.Random) -> tuple[int, int]:
     return rng.randint(10, 999), rng.randint(10, 99)
 
 
-def tool_parts(a: int, b: int) -> list[tuple[str, bool]]:
-    """The tools task's cold-start target: on half the problems (a + b even) the call, the calculator's
-    reply (not trained on) and the answer copied; on the others the bare answer.
+def tool_parts(a: int, b: int, fmt: ToolFormat = TINY) -> list[tuple[str, bool]]:
+    """The tools task's cold-start target in a tool format: on half the problems (a + b even) the call,
+    the calculator's reply (not trained on) and the answer copied; on the others the bare answer.
 
     >>> tool_parts(123, 45)
     [('(123*45)', True), ('=5535;', False), ('5535', True)]
@@ -91,7 +95,8 @@ def tool_parts(a: int, b: int) -> list[tuple[str, bool]]:
     [('540', True)]
     """
     p = str(a * b)
-    return [(f"({a}*{b})", True), (f"={p};", False), (p, True)] if (a + b) % 2 == 0 else [(p, True)]
+    call = fmt.written(ToolCall("calc", {"expr": f"{a}*{b}"}))
+    return [(call, True), (fmt.text(p), False), (p, True)] if (a + b) % 2 == 0 else [(p, True)]
 
 
 TASKS = {
@@ -102,10 +107,11 @@ TASKS = {
 }
 
 
-def make_splits(train_size: int, heldout_size: int, seed: int = 0, task: str = "addition") -> tuple[list[dict], list[dict]]:
+def make_splits(train_size: int, heldout_size: int, seed: int = 0, task: str = "addition",
+                fmt: ToolFormat = TINY) -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out rows {"prompt", "answer", "target"}: `answer` is what the
     grader checks (the sum), `target` the full response the cold start imitates; a multi-turn task's
-    rows have `parts` instead, (text, trained) pairs."""
+    rows have `parts` instead, (text, trained) pairs, in the tool format `fmt`."""
     t = TASKS[task]
     rng = random.Random(seed)
     pairs: set[tuple[int, int]] = set()
@@ -117,7 +123,7 @@ def make_splits(train_size: int, heldout_size: int, seed: int = 0, task: str = "
     value = (lambda a, b: a * b) if t.op == "*" else (lambda a, b: a + b)
     recs = [{"prompt": f"{a}{t.op}{b}=", "answer": str(value(a, b)),
              **({"target": t.answer(a, b)} if task not in ("addition", "tools") else {}),
-             **({"parts": t.parts(a, b)} if t.parts else {})}
+             **({"parts": t.parts(a, b, fmt)} if t.parts else {})}
             for a, b in ordered]
     return recs[:train_size], recs[train_size:]
 

@@ -1,5 +1,5 @@
 """The embedded tools task's environment (`minirl init --task tools`, #84): a calculator, in OpenEnv's
-shape (minirl/envs/contract.py). `calc` evaluates integer arithmetic (+, −, × and brackets) of at
+shape (minirl/envs/contract.py), and as a TRL environment class (`CalculatorTools`, Qwen3's format). `calc` evaluates integer arithmetic (+, −, × and brackets) of at
 most 32 characters; anything else is answered "?", which the tiny vocabulary can write."""
 
 from __future__ import annotations
@@ -56,3 +56,20 @@ class Calculator:
 
     def close(self) -> None:
         pass
+
+
+class CalculatorTools:
+    """The same calculator as TRL's `environment_factory` writes an environment (the tools task in
+    Qwen3's chat format): its public method is the tool, described to the model by its signature and
+    docstring through the chat template; the grader scores the answer."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def calc(self, expr: str) -> str:
+        """Evaluate integer arithmetic.
+
+        Args:
+            expr: integers with +, - and *, and brackets
+        """
+        return calc(expr)

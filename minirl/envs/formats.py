@@ -8,12 +8,19 @@ template's own text (its special tokens are single symbols); the environment's t
 `env.max_reply_tokens` (the scaffold counted) is cut, by characters before it is tokenized, then by
 tokens, the scaffold kept whole and the format's marker where it was cut: the model reads that it
 was cut, and the next turn opens where the template opens one.
+
+A format whose turns run to their end (`at_end`: the turn's EOS, sampled and kept) may hold several calls
+in one turn; each call outside a reasoning block is answered, the replies together in one reply as the
+template renders several tool messages (`sep` between them). Otherwise the engine stops a turn on the
+call's closing token: one call a turn. A call written inside an open reasoning block (`think`) is the
+model thinking about a call, never run. With a chat template, the scaffold is the template's own
+(templates.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from minirl.envs.contract import ToolCall
@@ -41,6 +48,10 @@ class ToolFormat:
                   the reply, the next generation prompt
     unreadable:   the reply to a call that cannot be read, `{}` why (a tool error the model can learn from)
     cut:          what ends a reply that was cut to fit `env.max_reply_tokens`
+    sep:          between two replies of one turn (a format whose turns run to their end)
+    think:        a reasoning block's opening and closing text ("", "": none)
+    at_end:       the turn runs to its end (EOS) and its calls are read then (several a turn); else the
+                  engine stops it on `close`, one call a turn
     """
 
     open: str
@@ -50,6 +61,9 @@ class ToolFormat:
     reply: str = "{}"
     unreadable: str = "error: {}"
     cut: str = "…(cut)"
+    sep: str = ""
+    think: tuple[str, str] = ("", "")
+    at_end: bool = False
 
     def call(self, text: str) -> ToolCall | None:
         """The call a turn's text ends with, None where it ends without one; CallError where the
@@ -65,7 +79,51 @@ class ToolFormat:
         start = text.rfind(self.open, 0, len(text) - len(self.close)) if self.open else 0  # "": the whole turn
         if start < 0:
             raise CallError(f"{self.close!r} without {self.open!r}")
-        inner = text[start + len(self.open): len(text) - len(self.close)].strip()
+        return self._parse(text[start + len(self.open): len(text) - len(self.close)])
+
+    def calls(self, text: str) -> list[ToolCall | CallError]:
+        """A whole turn's calls in order, those inside a reasoning block left out; each a ToolCall, or
+        the CallError of one that cannot be read.
+
+        >>> QWEN3.calls('<think>maybe <tool_call>{"name": "f"}</tool_call>?</think>'
+        ...             '<tool_call>{"name": "g", "arguments": {}}</tool_call>\\n<tool_call>{"name": 1}</tool_call>')
+        [ToolCall(tool_name='g', arguments={}), CallError('the call has no "name"')]
+        """
+        text = self.outside_reasoning(text)
+        out: list[ToolCall | CallError] = []
+        at = 0
+        while (end := text.find(self.close, at)) >= 0:
+            start = text.rfind(self.open, at, end) if self.open else at
+            try:
+                if start < 0:
+                    raise CallError(f"{self.close!r} without {self.open!r}")
+                out.append(self._parse(text[start + len(self.open): end]))
+            except CallError as err:
+                out.append(err)
+            at = end + len(self.close)
+        return out
+
+    def outside_reasoning(self, text: str) -> str:
+        """The text with its reasoning blocks taken out (an unclosed one to the end)."""
+        opens, closes = self.think
+        if not opens:
+            return text
+        kept, at = [], 0
+        while (start := text.find(opens, at)) >= 0:
+            kept.append(text[at:start])
+            end = text.find(closes, start + len(opens))
+            if end < 0:
+                return "".join(kept)
+            at = end + len(closes)
+        return "".join(kept) + text[at:]
+
+    def reasoning_open(self, text: str) -> bool:
+        """The text ends inside a reasoning block (opened and not yet closed)."""
+        opens, closes = self.think
+        return bool(opens) and text.rfind(opens) > text.rfind(closes)
+
+    def _parse(self, inner: str) -> ToolCall:
+        inner = inner.strip()
         if self.body == "expr":
             return ToolCall(self.tool, {"expr": inner})
         try:
@@ -84,9 +142,22 @@ class ToolFormat:
             raise CallError("the call's arguments are not an object")
         return ToolCall(call["name"], args)
 
-    def text(self, answer: str) -> str:
-        """The text that follows a call answered `answer`."""
-        return self.reply.replace("{}", answer)
+    def written(self, call: ToolCall) -> str:
+        """A call as a turn writes it (what `call` reads back), in the chat template's words for "json".
+
+        >>> TINY.written(ToolCall("calc", {"expr": "12*34"}))
+        '(12*34)'
+        >>> QWEN3.written(ToolCall("calc", {"expr": "12*34"}))
+        '<tool_call>\\n{"name": "calc", "arguments": {"expr": "12*34"}}\\n</tool_call>'
+        """
+        if self.body == "expr":
+            return self.open + call.arguments["expr"] + self.close
+        return f"{self.open}\n{json.dumps({'name': call.tool_name, 'arguments': call.arguments})}\n{self.close}"
+
+    def text(self, *answers: str) -> str:
+        """The text that follows a turn's calls answered `answers`."""
+        head, tail = self.scaffold
+        return head + self.sep.join(answers) + tail
 
     @property
     def scaffold(self) -> tuple[str, str]:
@@ -99,7 +170,8 @@ class ToolFormat:
 # message is rendered inside the user turn as <tool_response>, then the assistant's generation prompt
 QWEN3 = ToolFormat("<tool_call>", "</tool_call>", "json",
                    reply="<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
-                         "<|im_start|>assistant\n")
+                         "<|im_start|>assistant\n", sep="\n</tool_response>\n<tool_response>\n",
+                   think=("<think>", "</think>"))
 
 # The tiny char model's (its vocabulary has no tags nor English): "(12*34)" calls the one tool, "=408;"
 # answers, "=?;" says the call could not be read, "=12:;" a reply cut after "12"
@@ -116,28 +188,40 @@ class Replies:
     encode: Callable[[str], list[int]]
     encode_text: Callable[[str], list[int]]
 
-    def ids(self, text: str, most: int | None) -> tuple[list[int], bool]:
-        """A reply's ids, at most `most` (None: any), and whether it was cut to fit.
+    def ids(self, texts: str | Sequence[str], most: int | None) -> tuple[list[int], bool]:
+        """A turn's reply as ids (one text, or one per call of the turn), at most `most` (None: any), and
+        whether a text was cut to fit.
 
-        The scaffold is kept whole; the text is cut by characters first (what cannot fit is never
-        tokenized), then by tokens, and the format's marker follows what was kept."""
+        The scaffold is kept whole and each text gets an equal share of what is left; a text is cut by
+        characters first (what cannot fit is never tokenized), then by tokens, and the format's marker
+        follows what was kept."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
         head, tail = (self.encode(s) for s in self.fmt.scaffold)
-        text = printable(text)
-        room = None if most is None else most - len(head) - len(tail)
+        sep = self.encode(self.fmt.sep) if len(texts) > 1 else []
+        share = None if most is None else (most - len(head) - len(tail) - len(sep) * (len(texts) - 1)) // len(texts)
+        bodies, cut = [], False
+        for text in texts:
+            body, was_cut = self._body(printable(text), share)
+            bodies.append(body)
+            cut |= was_cut
+        return head + [t for k, b in enumerate(bodies) for t in (sep if k else []) + b] + tail, cut
+
+    def _body(self, text: str, room: int | None) -> tuple[list[int], bool]:
         cut = room is not None and len(text) > room * CHARS_PER_TOKEN
         if cut:
             text = text[: room * CHARS_PER_TOKEN]
         body = self.encode_text(text)
         if room is None or (not cut and len(body) <= room):
-            return head + body + tail, False
+            return body, False
         marker = self.encode_text(self.fmt.cut)
-        keep = max(0, room - len(marker))
-        return head + body[:keep] + marker + tail, True
+        return body[: max(0, room - len(marker))] + marker, True
 
-    def smallest(self) -> int:
-        """The fewest tokens a cut reply takes: the scaffold, the marker and one token of text."""
+    def smallest(self, n: int = 1) -> int:
+        """The fewest tokens a cut reply to n calls takes: the scaffold, and the marker and one token of
+        text for each."""
         head, tail = (self.encode(s) for s in self.fmt.scaffold)
-        return len(head) + len(tail) + len(self.encode_text(self.fmt.cut)) + 1
+        sep = len(self.encode(self.fmt.sep)) if n > 1 else 0
+        return len(head) + len(tail) + sep * (n - 1) + n * (len(self.encode_text(self.fmt.cut)) + 1)
 
 
 def printable(text: str) -> str:
@@ -149,12 +233,13 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def check_format(fmt_name: str, encode, encode_text, max_reply_tokens: int) -> None:
-    """The format's closing text is one token of the model's vocabulary (the engine stops a turn on
-    it), and `env.max_reply_tokens` holds a cut reply (the scaffold, the marker and a token of text)."""
-    fmt = TOOL_FORMATS[fmt_name]
+def check_format(fmt_name: str, encode, encode_text, max_reply_tokens: int, fmt: ToolFormat | None = None) -> None:
+    """The format's closing text is one token of the model's vocabulary where the engine stops a turn on
+    it, and `env.max_reply_tokens` holds a cut reply (the scaffold, the marker and a token of text).
+    `fmt`: the format as the model's chat template renders it (templates.py), else the named one's."""
+    fmt = fmt or TOOL_FORMATS[fmt_name]
     n = len(encode(fmt.close))
-    if n != 1:
+    if n != 1 and not fmt.at_end:
         raise UsageError(f"env.tool_format = {fmt_name!r} closes a call with {fmt.close!r}, {n} tokens of this model's "
                          "vocabulary: the engine stops a turn on one token; choose the model's own format")
     least = Replies(fmt, encode, encode_text).smallest()

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from minirl.envs.adapters import kind_of
@@ -110,6 +111,16 @@ def step(session: Session, call: ToolCall, timeout_s: float) -> Reading:
     return session.kind.act(session, call, timeout_s)
 
 
+def steps(session: Session, calls: Sequence[ToolCall], timeout_s: float) -> list[Reading]:
+    """A turn's calls in order, each within `timeout_s`; none after one that ends the episode (done)."""
+    out: list[Reading] = []
+    for call in calls:
+        out.append(step(session, call, timeout_s))
+        if out[-1].done:
+            break
+    return out
+
+
 def tools(session: Session) -> list[dict]:
     """The tools the environment says it has, as chat templates take them (adapters.py)."""
     return session.kind.tools(session)
@@ -142,7 +153,7 @@ def dispose(session: Session) -> None:
         session.end()
 
 
-CALLS = {f.__name__: f for f in (start, step, tools, close, dispose)}
+CALLS = {f.__name__: f for f in (start, step, steps, tools, close, dispose)}
 
 
 # ---- workers ---------------------------------------------------------------------------------------

@@ -351,13 +351,13 @@ def eval_benchmark(
 
         # as a run's preflight: an environment that cannot run is one line before anything is written
         environment_class(rec.env.name)
-        check_format(rec.env.tool_format, lambda t: tok.encode(t, add_special_tokens=False),
-                     lambda t: tok.encode(t, add_special_tokens=False, split_special_tokens=True),
-                     rec.env.max_reply_tokens)
         listed = check_start(rec.env, dict(records[0]), seed=episode_seed(rec.train.seed, 0, 0))
         tools = tuple(listed) if chat else ()  # told through the chat template, where there is one
         episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx, prompter=Prompter(
             "problem", template, chat, rec.data.chat_template_kwargs, tools, budget))
+        check_format(rec.env.tool_format, lambda t: tok.encode(t, add_special_tokens=False),
+                     lambda t: tok.encode(t, add_special_tokens=False, split_special_tokens=True),
+                     rec.env.max_reply_tokens, episodes.fmt)  # as the model's chat template renders it
     prompts, truncated = [], 0
     for r in records:
         ids = _format_prompt(tok, template, r["problem"], rec.data.chat_template_kwargs, tools)
@@ -371,7 +371,8 @@ def eval_benchmark(
     settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, "max_tokens": max_tokens,
                 "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
                 "problems": len(records), "checkpoint": str(model_dir.resolve()),
-                **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns, rec.env.reward]}
+                **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns, rec.env.reward,
+                         *([rec.env.max_calls] if rec.env.max_calls > 1 else [])]}
                    if rec.env.name else {})}
     tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out_dir = Path(out_dir)

@@ -16,10 +16,11 @@ from dataclasses import dataclass, replace
 from minirl.data.prompts import Prompter
 from minirl.envs import hosting
 from minirl.envs.contract import Concurrency, environment_class, episode_seed
-from minirl.envs.formats import TOOL_FORMATS
+from minirl.envs.templates import format_for
 from minirl.models import sizing
 from minirl.rollout.engine import Completion
-from minirl.rollout.episodes import Turns, run_turns
+from minirl.rollout.episodes import Turns
+from minirl.rollout.turn_loop import run_turns
 
 
 class Environments:
@@ -32,8 +33,8 @@ class Environments:
     def __init__(self, env, *, tokenizer, max_model_len: int, prompter: Prompter | None = None):
         self.settings, self.cls = env, environment_class(env.name)
         self.prompter = prompter  # how a row's prompt is rendered again with an episode's reset observation
-        self.fmt = TOOL_FORMATS[env.tool_format]
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self._fmt: tuple = (None, None)  # (the tokenizer it was rendered with, the format)
         flags = Concurrency.of(self.cls)
         self.host = hosting.Host(isolation=env.isolation, max_live=1 if flags.one_at_a_time else env.max_concurrency,
                                  one_thread=flags.one_thread)
@@ -56,6 +57,16 @@ class Environments:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["settings"], tokenizer=None, max_model_len=state["max_model_len"],
                       prompter=state.get("prompter"))
+
+    @property
+    def fmt(self):
+        """The recipe's tool format as this tokenizer's chat template renders it (envs/templates.py)."""
+        if self._fmt[0] is not self.tokenizer:
+            p, s = self.prompter, self.settings
+            self._fmt = (self.tokenizer, format_for(s.tool_format, self.tokenizer, chat=bool(p and p.chat),
+                                                    chat_kwargs=p and p.chat_kwargs, tools=p.tools if p else (),
+                                                    max_calls=s.max_calls))
+        return self._fmt[1]
 
     def encode(self, text: str) -> list[int]:
         """The format's own text: its special tokens as single symbols."""
@@ -87,7 +98,7 @@ class Environments:
         return Turns(prompts, starts, host=self.host, fmt=self.fmt, encode=self.encode, decode=self.decode, n=n,
                      max_tokens=max_tokens, max_turns=s.max_turns, max_model_len=self.max_model_len,
                      step_timeout_s=s.step_timeout_s, max_reply_tokens=s.max_reply_tokens,
-                     encode_text=self.encode_text, prompt_for=shown)
+                     encode_text=self.encode_text, prompt_for=shown, max_calls=s.max_calls)
 
     def request(self, problems: Sequence, *, seed: int | None) -> "EpisodeRequest":
         """A batch's episodes for an engine's process (its `generate(..., episodes=)`): the rows they

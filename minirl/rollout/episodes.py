@@ -1,9 +1,12 @@
-"""Multi-turn episodes: the turn loop, token in, token out.
+"""Multi-turn episodes, token in, token out: a batch's episodes as the turn loop drives them (`Turns`;
+the synchronous loop is turn_loop.py, an engine's stream is stream.py).
 
 An episode is the task's prompt, then turns: the engine samples until a stop (the tool call's
-closing token, EOS, or the episode's token budget), the call is read from that turn's sampled ids
-alone, the environment answers, and only its reply is tokenized and appended; the episode's ids so
-far are the next turn's prompt. Sampled ids are kept verbatim (the closing token included) and never
+closing token, EOS, or the episode's token budget), the calls are read from that turn's sampled ids
+alone (one a turn, stopped at its close; or, with `env.max_calls` > 1, every call of a turn that ran to
+its end, up to the cap, a call inside the model's reasoning never run), the environment answers, and
+only its replies are tokenized and appended, together as the chat template renders them; the
+episode's ids so far are the next turn's prompt. Sampled ids are kept verbatim (the closing token included) and never
 decoded back into the trained sequence, so nothing is re-rendered and the ids trained are the ids
 sampled, with the environment's between them. One flat record per episode:
 
@@ -34,7 +37,6 @@ episodes the run stops (run/checks.py). A reply longer than `env.max_reply_token
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,10 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minirl.envs import hosting
-from minirl.envs.contract import accepted
 from minirl.envs.formats import CallError, Replies, ToolFormat
 from minirl.errors import EngineFault
-from minirl.rollout.engine import Completion, Engine, EpisodeInfo
+from minirl.rollout.engine import Completion, EpisodeInfo
 
 WAIT_S = 0.05  # longest wait for an environment's call before the loop looks again (deadlines, a stream's engine)
 RETRY_S = 0.2  # before a start a server refused (at capacity, none of this host's sessions open) is asked again
@@ -78,6 +79,10 @@ class _Episode:
     job: hosting.Job | None = None
     first_start: float | None = None  # when its environment was first asked to start (a refused start retries)
     retry_at: float = 0.0  # not before then (a server at capacity with none of this host's sessions open)
+    turn_from: int = 0  # where in `ids` the turn being sampled began (after the last reply)
+    goes_on: bool = False  # its next sample continues the same turn (a call inside its reasoning, not run)
+    answers: list = field(default_factory=list)  # the turn's calls being run: a ToolCall, or the error text answered
+    limit_s: float = 0.0  # the job in flight's limit
 
     @property
     def sampled(self) -> int:
@@ -107,7 +112,8 @@ class _Episode:
         self.finish = c.finish
         self.preempted += c.preempted
         self.regenerated += c.regenerated
-        self.info["turns"] += 1
+        self.info["turns"] += int(not self.goes_on)
+        self.goes_on = False
 
     def hear(self, ids: Sequence[int]) -> None:
         """The environment's reply: loss mask 0, no μ, the version of the turn before."""
@@ -116,6 +122,7 @@ class _Episode:
         self.logps += [0.0] * len(ids)
         self.versions += [self.versions[-1] if self.versions else None] * len(ids)
         self.info["env_tokens"] += len(ids)
+        self.turn_from = len(self.ids)
 
     def fault(self, why: str) -> None:
         """The environment's fault, the episode's first (counted once)."""
@@ -151,11 +158,13 @@ class Turns:
                  fmt: ToolFormat, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], n: int,
                  max_tokens: int, max_turns: int, max_model_len: int, step_timeout_s: float = 30.0,
                  max_reply_tokens: int | None = None, encode_text: Callable[[str], list[int]] | None = None,
-                 prompt_for: Callable[[int, str], list[int]] | None = None):
-        self.stop = encode(fmt.close)
-        if len(self.stop) != 1:
+                 prompt_for: Callable[[int, str], list[int]] | None = None, max_calls: int = 1):
+        # a turn of one call stops on its close; a format's turn of several calls runs to its end (EOS)
+        self.stop = [] if fmt.at_end else encode(fmt.close)
+        if not fmt.at_end and len(self.stop) != 1:
             raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(self.stop)} tokens: the engine stops "
                              "a turn on one token of the vocabulary")
+        self.max_calls = max_calls if fmt.at_end else 1
         self.episodes = [[_Episode(i, j, list(p), starts[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
         self.host, self.fmt, self.decode = host, fmt, decode
         self.replies = Replies(fmt, encode, encode_text or encode)
@@ -184,23 +193,50 @@ class Turns:
             e.take(c)
             if e.info["fault"]:  # its environment could not start: what it sampled is no sample of the task
                 self._end(e, "env_error")
-            elif c.finish == "length" or not c.token_ids or c.token_ids[-1] != self.stop[0]:
+                continue
+            calls = None if c.finish == "length" else self._calls(e, c)
+            if calls is None:
                 self._end(e, "length" if c.finish == "length" else "answer")
-            elif e.info["turns"] >= self.max_turns:  # a call left unanswered: cut short, as at the budget
+            elif calls and e.info["turns"] >= self.max_turns:  # calls left unanswered: cut short, as at the budget
                 self._end(e, "max_turns", cut=True)
             elif e.sampled >= self.max_tokens:  # no token left to answer a reply with: none is asked for
                 self._end(e, "length", cut=True)
+            elif not calls:  # a call inside its reasoning: the model thinking about a call, the turn goes on
+                e.goes_on, e.phase = True, "ready"
             else:
-                e.info["tool_calls"] += 1
-                try:
-                    call = self.fmt.call(self.decode(c.token_ids))
-                    if call is None:  # closed a call it never opened: read as a malformed call
-                        raise CallError(f"no call before {self.fmt.close!r}")
-                except CallError as err:  # the model's own mistake, answered in the format's words
-                    e.info["tool_errors"] += 1
-                    self._reply(e, self.fmt.unreadable.replace("{}", str(err)))
-                    continue
-                self._submit(e, "stepping", hosting.step, call, self.step_timeout_s)
+                e.info["tool_calls"] += len(calls)
+                e.info["tool_errors"] += sum(isinstance(x, str) for x in calls)
+                e.answers = calls
+                run = [x for x in calls if not isinstance(x, str)]
+                if run:
+                    self._submit(e, "stepping", hosting.steps, run, self.step_timeout_s, limit_s=self.step_timeout_s
+                                 * len(run))
+                else:
+                    self._reply(e, calls)
+
+    def _calls(self, e: _Episode, c: Completion) -> list | None:
+        """The calls a turn that just ended makes, each a ToolCall to run or the error text it is answered
+        with (a call that cannot be read, one past `max_calls`: the model's mistakes); None: the turn is its
+        answer; []: it stopped on a call inside its reasoning, which is not run."""
+        if self.fmt.at_end:
+            if not c.token_ids:
+                return None
+            found = self.fmt.calls(self.decode(e.ids[e.turn_from:]))
+            if not found:
+                return None
+        else:
+            if not c.token_ids or c.token_ids[-1] != self.stop[0]:
+                return None
+            text = self.decode(e.ids[e.turn_from:])
+            if self.fmt.reasoning_open(text):
+                return []
+            try:
+                found = [self.fmt.call(text) or CallError(f"no call before {self.fmt.close!r}")]
+            except CallError as err:  # closed a call it never opened: read as a malformed call
+                found = [err]
+        return [self.fmt.unreadable.replace("{}", str(x)) if isinstance(x, CallError) else
+                self.fmt.unreadable.replace("{}", f"at most {self.max_calls} calls a turn, this one not run")
+                if k >= self.max_calls else x for k, x in enumerate(found)]
 
     def poll(self) -> list[tuple[int, int, tuple[list[int], int]]]:
         """What the environments answered, settled; the turns now ready, asked (i, j order)."""
@@ -210,7 +246,7 @@ class Turns:
             if job.done:
                 del self._busy[key]
                 self._answered(e, job)
-            elif job.past(self.step_timeout_s, now) or (job.started is None and self._stuck(e.worker)):
+            elif job.past(e.limit_s, now) or (job.started is None and self._stuck(e.worker)):
                 del self._busy[key]
                 self._hung(e, job)
         self._fill()
@@ -229,8 +265,8 @@ class Turns:
 
     def wait(self) -> None:
         """Until an environment's call returns, or the nearest limit, or WAIT_S."""
-        started = [e.job.started for e in self._busy.values() if e.job.started is not None]
-        left = min((t + self.step_timeout_s - time.perf_counter() for t in started), default=WAIT_S)
+        left = min((e.job.started + e.limit_s - time.perf_counter() for e in self._busy.values()
+                    if e.job.started is not None), default=WAIT_S)
         self.host.wait(min(WAIT_S, max(0.0, left) + 1e-3), self._seen)
 
     @property
@@ -274,8 +310,9 @@ class Turns:
             e.first_start = e.first_start or time.perf_counter()
             self._submit(e, "starting", hosting.start, *e.start)
 
-    def _submit(self, e: _Episode, phase: str, fn, *args) -> None:
+    def _submit(self, e: _Episode, phase: str, fn, *args, limit_s: float | None = None) -> None:
         e.phase, e.job = phase, e.worker.submit(e.session, fn, *args)
+        e.limit_s = self.step_timeout_s if limit_s is None else limit_s
         self._busy[(e.i, e.j)] = e
 
     def _answered(self, e: _Episode, job: hosting.Job) -> None:
@@ -326,7 +363,7 @@ class Turns:
         e.info["env_s"] += job.seconds
         self.host.give_up(e.worker, job)
         what = {"starting": "constructor and reset", "stepping": "step", "closing": "close"}[e.phase]
-        e.fault(f"{what} hung past {self.step_timeout_s:g} s" if job.started is not None else
+        e.fault(f"{what} hung past {e.limit_s:g} s" if job.started is not None else
                 f"{what} waited behind a call that hung")
         if e.phase != "closing":
             e.worker.submit(e.session, hosting.close)
@@ -345,25 +382,33 @@ class Turns:
         behind it would never start."""
         return worker is self.host.shared and self.host.hung > 0
 
-    def _respond(self, e: _Episode, reading) -> None:
-        """The environment's answer to an episode's call: its reply appended, or the episode ended."""
-        e.info["tool_errors"] += int(reading.error)
-        if reading.reward is not None:
-            e.info["step_rewards"].append(reading.reward)
-        if reading.done:
-            e.info["reward"] = reading.reward
-            return self._end(e, "done")
-        self._reply(e, reading.text)
+    def _respond(self, e: _Episode, readings) -> None:
+        """The environment's answers to a turn's calls: the replies appended together, or the episode ended
+        by the one that says it is done (the calls after it were not run)."""
+        texts, said = [], iter(readings)
+        for answer in e.answers:
+            if isinstance(answer, str):  # the model's own mistake, answered in the format's words
+                texts.append(answer)
+                continue
+            reading = next(said)
+            e.info["tool_errors"] += int(reading.error)
+            if reading.reward is not None:
+                e.info["step_rewards"].append(reading.reward)
+            if reading.done:
+                e.info["reward"] = reading.reward
+                return self._end(e, "done")
+            texts.append(reading.text)
+        self._reply(e, texts)
 
-    def _reply(self, e: _Episode, text: str) -> None:
-        """A reply appended, cut to fit `max_reply_tokens` and the context (room left for a sampled token
-        after it); an episode with no room for one is cut short by the context."""
+    def _reply(self, e: _Episode, texts: list[str]) -> None:
+        """A turn's replies appended, cut to fit `max_reply_tokens` and the context (room left for a sampled
+        token after them); an episode with no room for them is cut short by the context."""
         room = self.max_model_len - len(e.prompt) - len(e.ids) - 1
         most = room if self.max_reply_tokens is None else min(self.max_reply_tokens, room)
-        if most < self.replies.smallest():
+        if most < self.replies.smallest(len(texts)):
             return self._end(e, "context", cut=True)
         try:
-            ids, cut = self.replies.ids(text, most)
+            ids, cut = self.replies.ids(texts, most)
         except Exception as err:  # noqa: BLE001 - text no tokenizer takes: the environment's, its episode ended
             e.fault(f"its reply could not be tokenized: {_named(err)}")
             return self._end(e, "env_error")
@@ -396,79 +441,3 @@ def budget(e: _Episode, max_tokens: int, max_model_len: int) -> int:
     """What an episode may still sample (≥ 1: a reply is taken only where a token can follow it): its
     budget left, within the context left."""
     return max(1, min(max_tokens - e.sampled, max_model_len - len(e.prompt) - len(e.ids)))
-
-
-def run_turns(engine: Engine, turns: Turns, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
-              max_tokens: int, seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
-    """The synchronous turn loop: a turn of every episode ready per `generate`, the environments'
-    calls of a round returned (or given up) before the next."""
-    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests)
-    try:
-        turns.begin()
-        asks = turns.settle()
-        if len(asks) == len(prompts) * n and all(p == list(prompts[i]) for i, _, (p, _) in asks):
-            # every episode's first turn at once: the group's n share the prompt, one request of n samples each
-            groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **ask)
-            turns.took([(i, j, c) for i, g in enumerate(groups) for j, c in enumerate(g)])
-            asks = turns.settle()
-        for turn in itertools.count(1):
-            if not asks:
-                if turns.finished:
-                    break
-                turns.wait()
-                asks = turns.settle()
-                continue
-            groups = engine.generate([p for _, _, (p, _) in asks], n=1, max_tokens=[b for _, _, (_, b) in asks],
-                                     seed=None if seed is None else seed + 1_000_003 * turn, **ask)
-            turns.took([(i, j, g[0]) for (i, j, _), g in zip(asks, groups, strict=True)])
-            asks = turns.settle()
-        return turns.completions()
-    finally:
-        turns.close()  # each environment closed once: as its episode ended, or here
-
-
-def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequence[Sequence[object]], *,
-                    fmt: ToolFormat, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str],
-                    n: int, temperature: float, max_tokens: int, max_turns: int, max_model_len: int,
-                    seed: int | None = None, step_timeout_s: float = 30.0, max_reply_tokens: int | None = None,
-                    seeded_requests: bool = False, host: hosting.Host | None = None,
-                    encode_text: Callable[[str], list[int]] | None = None) -> list[list[Completion]]:
-    """n episodes per prompt, [len(prompts)][n], in prompt order, a turn of every live episode per
-    `engine.generate`; `envs[i][j]` is episode j of prompt i's environment: a class (built and reset on
-    its worker with no arguments), or an object built and reset already (taken as it is).
-    `max_tokens`: the sampled tokens of an episode, all its turns together; `max_model_len`: the
-    engine's context, which prompt, turns and replies share. `encode` tokenizes the format's text,
-    `encode_text` the environment's (default: `encode`), `decode` a turn's sampled ids.
-    `max_reply_tokens`: the longest reply (cut beyond). `seeded_requests`: as `Engine.generate`'s."""
-    starts = [[(env if isinstance(env, type) else Adopted(env), {}, {}) for env in group] for group in envs]
-    own = host is None
-    host = host or hosting.Host()
-    turns = Turns(prompts, starts, host=host, fmt=fmt, encode=encode, decode=decode, n=n, max_tokens=max_tokens,
-                  max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
-                  max_reply_tokens=max_reply_tokens, encode_text=encode_text)
-    try:
-        return run_turns(engine, turns, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                         seeded_requests=seeded_requests)
-    finally:
-        if own:
-            host.close()
-
-
-class Adopted:
-    """A "class" whose one instance is an environment built and reset already (a caller's own)."""
-
-    def __init__(self, env):
-        self.env = env
-
-    def __call__(self):
-        return self
-
-    def reset(self):
-        pass
-
-    def step(self, action, timeout_s=None):
-        return self.env.step(action, **accepted(self.env.step, {"timeout_s": timeout_s}))
-
-    def close(self):
-        done = getattr(self.env, "close", None)
-        return done() if callable(done) else None

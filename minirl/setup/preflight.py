@@ -22,6 +22,7 @@ from minirl.config import recipes
 from minirl.envs.contract import environment_class, episode_seed
 from minirl.envs.formats import check_format
 from minirl.envs.hosting import check_start
+from minirl.envs.templates import format_for
 from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
 from minirl.errors import UsageError
@@ -438,6 +439,13 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                                  f"template renders them, and data.max_prompt_tokens = {rec.data.max_prompt_tokens}: "
                                  "raise it (the run's context is planned with it)")
             train, skipped, heldout = _problems(rec, ws, tok, tools=tools)
+    if rec.env.name:  # replies as the model's chat template renders them: a template minirl cannot follow refused
+        check_format(rec.env.tool_format, lambda text: tok.encode(text, add_special_tokens=False),
+                     lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True),
+                     rec.env.max_reply_tokens, format_for(rec.env.tool_format, tok, chat=rec.data.chat_template,
+                                                          chat_kwargs=rec.data.chat_template_kwargs,
+                                                          tools=tools if rec.data.chat_template else (),
+                                                          max_calls=rec.env.max_calls))
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
                          f"({rec.train.prompts_per_step})")

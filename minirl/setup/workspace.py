@@ -23,13 +23,16 @@ from pathlib import Path
 from minirl.config import recipes
 from minirl.config import recipe as recipe_mod
 from minirl.data.gym import RECIPE as GYM_RECIPE, TINY_PARAMS, check_task, gym_name, is_gym, make_gym_splits
-from minirl.data.prompts import response_text
+from minirl.data.prompts import prompts_ids, response_text
 from minirl.data.task import TASKS, make_splits, write_jsonl
+from minirl.envs.formats import TINY as TINY_FORMAT
+from minirl.envs.hosting import check_start
+from minirl.envs.templates import format_for
 from minirl.errors import RunIOError, UsageError
 from minirl.models import hub, sizing
 from minirl.models.shapes import TINY, TINY_ID, ModelShape, active_params, param_count
 from minirl.setup.preflight import check_planned
-from minirl.setup.tokenizer import WIDE_VOCAB, build_tokenizer
+from minirl.setup.tokenizer import CHAT_VOCAB, WIDE_VOCAB, build_tokenizer
 from rewards import load_grader
 
 RECIPE_NAME = "minirl.toml"
@@ -191,7 +194,9 @@ def tiny_shape(rec) -> ModelShape:
     cs, need = rec.cold_start, sizing.max_model_len(rec)  # a multi-turn task's replies included
     return dataclasses.replace(TINY, max_seq_len=max(TINY.max_seq_len, -(-need // 32) * 32), n_layers=cs.layers,
                                num_experts=cs.experts, top_k=cs.top_k,
-                               vocab_size=WIDE_VOCAB if is_gym(cs.task) else TINY.vocab_size)  # English text
+                               # English text; with the chat template, Qwen3's chat tokens too
+                               vocab_size=CHAT_VOCAB if rec.data.chat_template else
+                               WIDE_VOCAB if is_gym(cs.task) else TINY.vocab_size)
 
 
 def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
@@ -209,32 +214,39 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
     cs = rec.cold_start
     shape = tiny_shape(rec)
     t0 = time.time()
+    chat = rec.data.chat_template  # the tiny model speaks Qwen3's chat format (setup/tokenizer.py)
+    tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", shape.vocab_size, shape.max_seq_len, chat=chat)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    eos = tok.eos_token_id
     tell("data", 0, 1)
+    # the model is told its tools, and its calls and replies are written, as a run of this recipe does
+    tools = check_start(rec.env, {}, seed=0) if chat and rec.env.name else []
+    fmt = (format_for(rec.env.tool_format, tok, chat=chat, chat_kwargs=rec.data.chat_template_kwargs, tools=tools)
+           if rec.env.name else TINY_FORMAT)
     if is_gym(cs.task):
         train, heldout = make_gym_splits(cs.task, cs.task_params, cs.train_size, cs.heldout_size, seed=cs.seed)
         _check_prompts_fit(cs.task, train + heldout, rec.data.max_prompt_tokens)
     else:
-        train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed, task=cs.task)
+        train, heldout = make_splits(cs.train_size, cs.heldout_size, seed=cs.seed, task=cs.task, fmt=fmt)
     write_jsonl(ws.path(rec.data.train), train)
     write_jsonl(ws.path(rec.data.heldout), heldout)
     tell("data", 1, 1)
 
     tell("model", 0, 1)
-    tok_dir = build_tokenizer(ws.root / "model" / "tokenizer", shape.vocab_size, shape.max_seq_len)
-    from transformers import AutoTokenizer
 
-
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    eos = tok.eos_token_id
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
+    prompts = prompts_ids(tok, [r["prompt"] for r in train], template=rec.data.prompt_template, chat=chat,
+                          chat_kwargs=rec.data.chat_template_kwargs, tools=tools or None)
     # the SFT target: the whole written-out response where the task has one, else the answer; a multi-turn
     # task's parts, its environment's reply masked out (the model reads it, never learns to write it)
-    examples = [(ids(r["prompt"]), ids(r.get("target", r["answer"])) + [eos]) if "parts" not in r else
-                (ids(r["prompt"]), [t for x, _ in r["parts"] for t in ids(x)] + [eos],
+    examples = [(p, ids(r.get("target", r["answer"])) + [eos]) if "parts" not in r else
+                (p, [t for x, _ in r["parts"] for t in ids(x)] + [eos],
                  [int(m) for x, m in r["parts"] for _ in ids(x)] + [1])
-                for r in train]
+                for p, r in zip(prompts, train)]
     trainer = Trainer(shape, lr=cs.lr, seed=cs.seed)
     tell("model", 1, 1)
 

@@ -39,7 +39,7 @@ def main() -> None:
     from minirl.envs.contract import Observation, ToolCall
     from minirl.envs.formats import QWEN3
     from minirl.rollout.engine import Completion
-    from minirl.rollout.episodes import sample_episodes
+    from minirl.rollout.turn_loop import sample_episodes
     from rewards.tools import PythonTool
 
     ap = argparse.ArgumentParser()
