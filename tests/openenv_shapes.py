@@ -88,6 +88,39 @@ class CalcGame(Environment):
         return self._state
 
 
+class GuessAction(Action):
+    """A guess of the hidden number."""
+
+    guess: str = Field(..., description="the number guessed")
+
+
+class GuessObservation(Observation):
+    hint: str = Field(default="", description="higher, lower, or right")
+
+
+class GuessGame(Environment):
+    """A non-MCP game that answers every turn as the user would (no tool): "higher", "lower", then done."""
+
+    def __init__(self):
+        super().__init__()
+        self._state = State(episode_id=None, step_count=0)
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        self._state = State(episode_id=episode_id, step_count=0)
+        return GuessObservation(hint="guess a number from 1 to 100")
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        self._state.step_count += 1
+        said = action.guess.strip()
+        if said == "42":
+            return GuessObservation(hint="right", done=True, reward=1.0)
+        return GuessObservation(hint="higher" if said.isdigit() and int(said) < 42 else "lower")
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
 class CalcTrl:
     """A TRL environment_factory class: its public methods are its tools."""
 

@@ -61,13 +61,13 @@ def written(expr: str) -> str:
     return QWEN3.written(ToolCall("calc", {"expr": expr}))
 
 
-def episode(tok, texts, *, thinking: bool, max_calls: int = 1):
+def episode(tok, texts, *, thinking: bool, max_calls: int = 1, env=None, user_turns: bool = False):
     fmt = format_for("qwen3", tok, chat=True, chat_kwargs={"enable_thinking": thinking}, tools=TOOLS,
-                     max_calls=max_calls)
+                     max_calls=max_calls, user_turns=user_turns)
     prompt = tok.apply_chat_template([{"role": "user", "content": "6*7="}], add_generation_prompt=True, tools=TOOLS,
                                      enable_thinking=thinking, tokenize=True, return_dict=False)
-    env, engine = Calc(), Turns(tok, texts)
-    (c,), = sample_episodes(engine, [prompt], [[env]], fmt=fmt, encode=lambda s: tok.encode(s, add_special_tokens=False),
+    env, engine = env or Calc(), Turns(tok, texts)
+    (c,), = sample_episodes(engine, [prompt], [[env]], fmt=fmt, user_turns=user_turns, encode=lambda s: tok.encode(s, add_special_tokens=False),
                             encode_text=lambda s: tok.encode(s, add_special_tokens=False, split_special_tokens=True),
                             decode=lambda ids: tok.decode(list(ids)), n=1, temperature=1.0, max_tokens=400,
                             max_turns=4, max_model_len=2000, seed=0, max_reply_tokens=400, max_calls=max_calls)
@@ -157,3 +157,27 @@ def test_several_calls_need_the_chat_template_and_qwen3s_format():
         recipes.load(recipes.shipped("tiny-tools"), ["env.max_calls=2"])
     rec = recipes.load(recipes.shipped("tiny-tools-qwen3"), ["env.max_calls=2"])
     assert rec.env.max_calls == 2 and json.loads(json.dumps(rec.data.chat_template_kwargs)) == {"enable_thinking": False}
+
+
+def test_an_environment_that_answers_as_the_user_plays_a_game_of_turns_as_the_template_renders_them(chat_tok):
+    """`env.replies_to = "turns"`: an OpenEnv game (the installed package; its own Action of one text field)
+    answers each turn without a call as the next user turn, until it says done; its reward is the episode's."""
+    pytest.importorskip("openenv")
+    from tests.openenv_shapes import GuessGame
+
+    text, c, _, _ = episode(chat_tok, ["10<|im_end|>", "70<|im_end|>", "42<|im_end|>"], thinking=False, env=GuessGame,
+                            user_turns=True)
+    messages = [{"role": "user", "content": "6*7="}, {"role": "assistant", "content": "10"},
+                {"role": "user", "content": "higher"}, {"role": "assistant", "content": "70"},
+                {"role": "user", "content": "lower"}, {"role": "assistant", "content": "42"}]
+    assert text + "\n" == rendered(chat_tok, messages, thinking=False)
+    assert c.episode.ended == "done" and c.episode.reward == 1.0 and c.episode.turns == 3
+    assert c.episode.tool_calls == 0 and c.episode.env_errors == 0
+
+
+def test_replies_as_the_user_need_a_format_with_a_user_turn():
+    from minirl.config import recipes
+
+    with pytest.raises(UsageError, match="env.replies_to = 'turns' answers the model's turns as the user, and "
+                                         "env.tool_format = 'tiny' has no user turn"):
+        recipes.load(recipes.shipped("tiny-tools"), ["env.replies_to=turns"])

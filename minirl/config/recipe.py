@@ -244,6 +244,10 @@ class EnvConfig:
     # calls one turn may make (tool_format "qwen3" with the chat template): 1, the engine stops a turn on its
     # call's close; more, the turn runs to its end and its calls are answered together (envs/templates.py)
     max_calls: int = number(1, 1)
+    # "calls": the environment answers tool calls, and a turn without one is the episode's answer; "turns":
+    # it answers every turn, a call as the tool, any other turn as the user (a game, a simulated user), until
+    # it says done (env.max_turns and the budget cut it short)
+    replies_to: str = one_of("calls", ("calls", "turns"))
     # one reply's tokens, its scaffold counted; a longer one is cut, with a marker (envs/formats.py)
     max_reply_tokens: int = number(64, 1)
     # any one call of the environment (constructor and reset together, a step, a close), timed from its

@@ -82,6 +82,10 @@ def validate(r: Recipe) -> None:
         raise UsageError(f"env.max_calls = {r.env.max_calls} answers several calls of a turn together as the chat "
                          f"template renders them: it needs env.tool_format = 'qwen3' and data.chat_template = true "
                          "(else set env.max_calls = 1)")
+    if r.env.replies_to == "turns" and not TOOL_FORMATS[r.env.tool_format].user:
+        raise UsageError(f"env.replies_to = 'turns' answers the model's turns as the user, and env.tool_format = "
+                         f"{r.env.tool_format!r} has no user turn to write them in: env.tool_format = 'qwen3' with the "
+                         "chat template")
     ro = r.rollout
     if ro.precision == "fp8" and ro.cuda_graphs and ro.sleep_level == 2:
         raise UsageError(FP8_GRAPHS_AFTER_SLEEP)

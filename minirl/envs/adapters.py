@@ -1,13 +1,15 @@
 """The environments users already have, each spoken to in its own terms (#96). `kind_of(cls)` picks one:
 
     Native    minirl's own shape: `reset(seed, episode_id, **row)`, `step(action)` taking a `ToolCall`
-              (tool_name, arguments). No tools it can list (the recipe's format names them).
+              (tool_name, arguments), or a `Message` (a turn without a call, `env.replies_to = "turns"`).
+              No tools it can list (the recipe's format names them).
     OpenEnv   an `openenv` `Environment` in process. An `MCPEnvironment` is stepped with OpenEnv's own
               `CallToolAction`, its tools listed with `ListToolsAction`. Any other is stepped with its
               own `Action` class (its `step`'s annotation, else the class's generic argument), built from
               the call's arguments and validated there: a validation error is the tool's error reply (the
               model's mistake, answered); its one tool is the action class (its name without "Action",
-              snake_case; its docstring; its JSON schema). Its `rubric` gives the reward of an observation
+              snake_case; its docstring; its JSON schema). A turn without a call (`env.replies_to =
+              "turns"`) fills the action's one text field. Its `rubric` gives the reward of an observation
               that has none.
     TRL       a TRL `environment_factory` class (no `step`): its public methods are the tools (schemas from
               their signatures and docstrings, as transformers writes them), `reset(**row) -> str | None`,
@@ -26,7 +28,7 @@ import re
 import sys
 import typing
 
-from minirl.envs.contract import ToolCall, accepted, action
+from minirl.envs.contract import Message, ToolCall, accepted, action
 from minirl.envs.observations import Reading, read, reward_of, text_of
 
 def kind_of(cls) -> "Native":
@@ -97,9 +99,13 @@ class OpenEnv(Native):
     def tool_name(self) -> str:
         return tool_name(self.action_cls)
 
-    def act(self, session, call: ToolCall, timeout_s: float) -> Reading:
+    def act(self, session, call: ToolCall | Message, timeout_s: float) -> Reading:
         env = session.env
-        if self.mcp:
+        if isinstance(call, Message):  # the model's turn, as the environment's own action of one text field
+            if self.mcp:
+                raise TypeError("an MCP environment answers tool calls, not turns: env.replies_to = 'calls'")
+            act = self.action_cls.model_validate({text_field(self.action_cls): call.content})
+        elif self.mcp:
             from openenv.core.env_server.mcp_types import CallToolAction  # openenv is loaded: env is one of its
 
             act = CallToolAction(tool_name=call.tool_name, arguments=call.arguments)
@@ -168,7 +174,9 @@ class TRL(Native):
         said = session.resolve(session.env.reset(**accepted(session.env.reset, kw)))
         return "" if said is None else text_of(said)
 
-    def act(self, session, call: ToolCall, timeout_s: float) -> Reading:
+    def act(self, session, call: ToolCall | Message, timeout_s: float) -> Reading:
+        if isinstance(call, Message):
+            raise TypeError("a TRL environment class answers tool calls, not turns: env.replies_to = 'calls'")
         if call.tool_name not in self.methods:
             return Reading(f"error: no tool {call.tool_name!r}: the tools are {', '.join(self.methods)}", error=True)
         try:
@@ -206,6 +214,21 @@ def action_type(cls):
         if args and isinstance(args[0], type) and hasattr(args[0], "model_validate"):
             return args[0]
     return None
+
+
+def text_field(action_cls) -> str:
+    """The field of an action class a turn's text fills: its one required text field, else one named
+    message, content or text; TypeError where it has none (it answers tool calls, not turns)."""
+    fields = getattr(action_cls, "model_fields", {})
+    text = [n for n, f in fields.items() if f.annotation is str and n != "metadata"]
+    required = [n for n in text if fields[n].is_required()]
+    if len(required) == 1:
+        return required[0]
+    named = [n for n in ("message", "content", "text") if n in text]
+    if not named:
+        raise TypeError(f"{action_cls.__name__} has no text field a turn can fill (one required str field, or one "
+                        "named message, content or text): env.replies_to = 'calls'")
+    return named[0]
 
 
 def tool_name(action_cls) -> str:

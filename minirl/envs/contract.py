@@ -36,6 +36,14 @@ class ToolCall:
     arguments: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A turn without a call, said to an environment that answers every turn (`env.replies_to = "turns"`:
+    a game, a simulated user): the model's words, its reasoning left out."""
+
+    content: str
+
+
 @dataclass(slots=True)
 class Observation:
     """What minirl's own environments answer (OpenEnv's `Observation` and `CallToolObservation` fields)."""

@@ -52,6 +52,8 @@ class ToolFormat:
     think:        a reasoning block's opening and closing text ("", "": none)
     at_end:       the turn runs to its end (EOS) and its calls are read then (several a turn); else the
                   engine stops it on `close`, one call a turn
+    user:         the text that follows a turn without a call (its EOS sampled) answered by the environment
+                  as the user, `{}` its words, then the next generation prompt ("": the format has none)
     """
 
     open: str
@@ -64,6 +66,7 @@ class ToolFormat:
     sep: str = ""
     think: tuple[str, str] = ("", "")
     at_end: bool = False
+    user: str = ""
 
     def call(self, text: str) -> ToolCall | None:
         """The call a turn's text ends with, None where it ends without one; CallError where the
@@ -171,7 +174,7 @@ class ToolFormat:
 QWEN3 = ToolFormat("<tool_call>", "</tool_call>", "json",
                    reply="<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
                          "<|im_start|>assistant\n", sep="\n</tool_response>\n<tool_response>\n",
-                   think=("<think>", "</think>"))
+                   think=("<think>", "</think>"), user="\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
 
 # The tiny char model's (its vocabulary has no tags nor English): "(12*34)" calls the one tool, "=408;"
 # answers, "=?;" says the call could not be read, "=12:;" a reply cut after "12"
@@ -188,15 +191,15 @@ class Replies:
     encode: Callable[[str], list[int]]
     encode_text: Callable[[str], list[int]]
 
-    def ids(self, texts: str | Sequence[str], most: int | None) -> tuple[list[int], bool]:
-        """A turn's reply as ids (one text, or one per call of the turn), at most `most` (None: any), and
-        whether a text was cut to fit.
+    def ids(self, texts: str | Sequence[str], most: int | None, *, user: bool = False) -> tuple[list[int], bool]:
+        """A turn's reply as ids (one text, or one per call of the turn; `user`: the environment's words as
+        the user), at most `most` (None: any), and whether a text was cut to fit.
 
         The scaffold is kept whole and each text gets an equal share of what is left; a text is cut by
         characters first (what cannot fit is never tokenized), then by tokens, and the format's marker
         follows what was kept."""
         texts = [texts] if isinstance(texts, str) else list(texts)
-        head, tail = (self.encode(s) for s in self.fmt.scaffold)
+        head, tail = (self.encode(s) for s in self._scaffold(user))
         sep = self.encode(self.fmt.sep) if len(texts) > 1 else []
         share = None if most is None else (most - len(head) - len(tail) - len(sep) * (len(texts) - 1)) // len(texts)
         bodies, cut = [], False
@@ -216,10 +219,14 @@ class Replies:
         marker = self.encode_text(self.fmt.cut)
         return body[: max(0, room - len(marker))] + marker, True
 
-    def smallest(self, n: int = 1) -> int:
-        """The fewest tokens a cut reply to n calls takes: the scaffold, and the marker and one token of
-        text for each."""
-        head, tail = (self.encode(s) for s in self.fmt.scaffold)
+    def _scaffold(self, user: bool) -> tuple[str, str]:
+        head, _, tail = self.fmt.user.partition("{}")
+        return (head, tail) if user else self.fmt.scaffold
+
+    def smallest(self, n: int = 1, *, user: bool = False) -> int:
+        """The fewest tokens a cut reply to n calls (or to a turn, as the user) takes: the scaffold, and the
+        marker and one token of text for each."""
+        head, tail = (self.encode(s) for s in self._scaffold(user))
         sep = len(self.encode(self.fmt.sep)) if n > 1 else 0
         return len(head) + len(tail) + sep * (n - 1) + n * (len(self.encode_text(self.fmt.cut)) + 1)
 

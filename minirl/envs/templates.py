@@ -8,7 +8,8 @@ and the next generation prompt. That holds only for a template that renders the 
 whatever follows them (prefix-preserving): minirl keeps every turn as it was sampled and never renders
 history again, so a template that would render it otherwise is refused in one line. A reply so taken
 follows the template on every turn: `enable_thinking = false` closes the reasoning block of every
-generation prompt, as Qwen3's does.
+generation prompt, as Qwen3's does. An environment that answers a turn without a call as the user
+(`env.replies_to = "turns"`) is rendered the same way, as the next user turn.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from minirl.errors import UsageError
 QUESTION = "minirl question"
 REASONING = "minirl reasoning"
 TOOL = "minirl_tool"
+ANSWER = "minirl answer"
+SAID = "minirl user"
 
 
 def _reply(i: int) -> str:
@@ -29,10 +32,11 @@ def _reply(i: int) -> str:
 
 
 def rendered(base: ToolFormat, tok, *, chat_kwargs: dict | None = None, tools: Sequence[dict] = (),
-             max_calls: int = 1) -> ToolFormat:
+             max_calls: int = 1, user_turns: bool = False) -> ToolFormat:
     """`base` (a format of tags: its open, close, body, reasoning tags) with its replies as `tok`'s chat
     template renders tool messages. `max_calls` > 1: the turn runs to its end (the template's turn close,
-    the tokenizer's EOS) and holds up to that many calls, answered together."""
+    the tokenizer's EOS) and holds up to that many calls, answered together. `user_turns`: with the
+    scaffold of the environment's words as the next user turn (`env.replies_to = "turns"`)."""
     kw = {**(chat_kwargs or {}), **({"tools": list(tools)} if tools else {})}
 
     def render(messages: list[dict], gen: bool) -> str:
@@ -63,7 +67,28 @@ def rendered(base: ToolFormat, tok, *, chat_kwargs: dict | None = None, tools: S
                              "turn of several calls; set env.max_calls = 1 (one call a turn, stopped at its close)")
         after_eos = one.turn_end[len(eos):]
         fmt = dataclasses.replace(base, reply=after_eos + one.head + "{}" + one.tail, sep=two.sep, at_end=True)
+    if user_turns:
+        fmt = dataclasses.replace(fmt, user=_as_user(render, prompt, user, content, tok.eos_token or ""))
     return fmt
+
+
+def _as_user(render, prompt: str, user: dict, content: str, eos: str) -> str:
+    """What follows a turn without a call (its EOS sampled) that the environment answers as the user:
+    the template's turn close after the EOS, the user turn, the next generation prompt."""
+    answer = {"role": "assistant", "content": content + ANSWER}
+    said = render([user, answer], False)
+    after = render([user, answer, {"role": "user", "content": SAID}], True)
+    if not said.startswith(prompt) or not after.startswith(said):
+        raise UsageError("env.replies_to = 'turns': the model's chat template renders an earlier turn differently "
+                         "once a user turn follows it (Qwen3's drops the reasoning of turns before the last user "
+                         "turn): minirl keeps every turn as it was sampled; give the model a template that keeps "
+                         "them (its folder's chat_template.jinja), or env.replies_to = 'calls'")
+    end = said[said.rfind(ANSWER) + len(ANSWER):]
+    if not eos or not end.startswith(eos):
+        raise UsageError(f"env.replies_to = 'turns': the chat template ends an assistant turn with {end[:20]!r}, not "
+                         f"the tokenizer's EOS {eos!r}, where the engine stops a turn without a call")
+    at = after.find(SAID, len(said))
+    return end[len(eos):] + after[len(said):at] + "{}" + after[at + len(SAID):]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +124,10 @@ def _scaffold(render, prompt: str, before: list[dict], tool_msgs: list[dict], ba
 
 
 def format_for(name: str, tok, *, chat: bool, chat_kwargs: dict | None = None, tools: Sequence[dict] = (),
-               max_calls: int = 1) -> ToolFormat:
+               max_calls: int = 1, user_turns: bool = False) -> ToolFormat:
     """`env.tool_format` as a run writes it: a format of tags (qwen3's) with prompts through the chat
     template takes its replies from the template; any other is as named."""
     base = TOOL_FORMATS[name]
     if base.body != "json" or not chat or not getattr(tok, "chat_template", None):
         return base
-    return rendered(base, tok, chat_kwargs=chat_kwargs, tools=tools, max_calls=max_calls)
+    return rendered(base, tok, chat_kwargs=chat_kwargs, tools=tools, max_calls=max_calls, user_turns=user_turns)

@@ -372,7 +372,8 @@ def eval_benchmark(
                 "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
                 "problems": len(records), "checkpoint": str(model_dir.resolve()),
                 **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns, rec.env.reward,
-                         *([rec.env.max_calls] if rec.env.max_calls > 1 else [])]}
+                         *([rec.env.max_calls] if rec.env.max_calls > 1 else []),
+                         *([rec.env.replies_to] if rec.env.replies_to != "calls" else [])]}
                    if rec.env.name else {})}
     tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out_dir = Path(out_dir)

@@ -65,7 +65,7 @@ class Environments:
             p, s = self.prompter, self.settings
             self._fmt = (self.tokenizer, format_for(s.tool_format, self.tokenizer, chat=bool(p and p.chat),
                                                     chat_kwargs=p and p.chat_kwargs, tools=p.tools if p else (),
-                                                    max_calls=s.max_calls))
+                                                    max_calls=s.max_calls, user_turns=s.replies_to == "turns"))
         return self._fmt[1]
 
     def encode(self, text: str) -> list[int]:
@@ -98,7 +98,8 @@ class Environments:
         return Turns(prompts, starts, host=self.host, fmt=self.fmt, encode=self.encode, decode=self.decode, n=n,
                      max_tokens=max_tokens, max_turns=s.max_turns, max_model_len=self.max_model_len,
                      step_timeout_s=s.step_timeout_s, max_reply_tokens=s.max_reply_tokens,
-                     encode_text=self.encode_text, prompt_for=shown, max_calls=s.max_calls)
+                     encode_text=self.encode_text, prompt_for=shown, max_calls=s.max_calls,
+                     user_turns=s.replies_to == "turns")
 
     def request(self, problems: Sequence, *, seed: int | None) -> "EpisodeRequest":
         """A batch's episodes for an engine's process (its `generate(..., episodes=)`): the rows they

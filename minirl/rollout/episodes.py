@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minirl.envs import hosting
+from minirl.envs.contract import Message
 from minirl.envs.formats import CallError, Replies, ToolFormat
 from minirl.errors import EngineFault
 from minirl.rollout.engine import Completion, EpisodeInfo
@@ -82,6 +83,7 @@ class _Episode:
     turn_from: int = 0  # where in `ids` the turn being sampled began (after the last reply)
     goes_on: bool = False  # its next sample continues the same turn (a call inside its reasoning, not run)
     answers: list = field(default_factory=list)  # the turn's calls being run: a ToolCall, or the error text answered
+    as_user: bool = False  # ... or the turn itself, said to the environment, which answers as the user
     limit_s: float = 0.0  # the job in flight's limit
 
     @property
@@ -158,13 +160,15 @@ class Turns:
                  fmt: ToolFormat, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str], n: int,
                  max_tokens: int, max_turns: int, max_model_len: int, step_timeout_s: float = 30.0,
                  max_reply_tokens: int | None = None, encode_text: Callable[[str], list[int]] | None = None,
-                 prompt_for: Callable[[int, str], list[int]] | None = None, max_calls: int = 1):
+                 prompt_for: Callable[[int, str], list[int]] | None = None, max_calls: int = 1,
+                 user_turns: bool = False):
         # a turn of one call stops on its close; a format's turn of several calls runs to its end (EOS)
         self.stop = [] if fmt.at_end else encode(fmt.close)
         if not fmt.at_end and len(self.stop) != 1:
             raise ValueError(f"a tool call's closing text {fmt.close!r} is {len(self.stop)} tokens: the engine stops "
                              "a turn on one token of the vocabulary")
         self.max_calls = max_calls if fmt.at_end else 1
+        self.user_turns = user_turns  # the environment answers a turn without a call as the user
         self.episodes = [[_Episode(i, j, list(p), starts[i][j]) for j in range(n)] for i, p in enumerate(prompts)]
         self.host, self.fmt, self.decode = host, fmt, decode
         self.replies = Replies(fmt, encode, encode_text or encode)
@@ -195,6 +199,8 @@ class Turns:
                 self._end(e, "env_error")
                 continue
             calls = None if c.finish == "length" else self._calls(e, c)
+            if calls is None and self.user_turns and c.finish != "length" and c.token_ids:
+                calls = [Message(self.fmt.outside_reasoning(self.decode(e.ids[e.turn_from:-1])).strip())]
             if calls is None:
                 self._end(e, "length" if c.finish == "length" else "answer")
             elif calls and e.info["turns"] >= self.max_turns:  # calls left unanswered: cut short, as at the budget
@@ -204,8 +210,10 @@ class Turns:
             elif not calls:  # a call inside its reasoning: the model thinking about a call, the turn goes on
                 e.goes_on, e.phase = True, "ready"
             else:
-                e.info["tool_calls"] += len(calls)
-                e.info["tool_errors"] += sum(isinstance(x, str) for x in calls)
+                e.as_user = isinstance(calls[0], Message)  # the environment's words as the user, not a tool's
+                if not e.as_user:
+                    e.info["tool_calls"] += len(calls)
+                    e.info["tool_errors"] += sum(isinstance(x, str) for x in calls)
                 e.answers = calls
                 run = [x for x in calls if not isinstance(x, str)]
                 if run:
@@ -398,17 +406,17 @@ class Turns:
                 e.info["reward"] = reading.reward
                 return self._end(e, "done")
             texts.append(reading.text)
-        self._reply(e, texts)
+        self._reply(e, texts, user=e.as_user)
 
-    def _reply(self, e: _Episode, texts: list[str]) -> None:
+    def _reply(self, e: _Episode, texts: list[str], *, user: bool = False) -> None:
         """A turn's replies appended, cut to fit `max_reply_tokens` and the context (room left for a sampled
         token after them); an episode with no room for them is cut short by the context."""
         room = self.max_model_len - len(e.prompt) - len(e.ids) - 1
         most = room if self.max_reply_tokens is None else min(self.max_reply_tokens, room)
-        if most < self.replies.smallest(len(texts)):
+        if most < self.replies.smallest(len(texts), user=user):
             return self._end(e, "context", cut=True)
         try:
-            ids, cut = self.replies.ids(texts, most)
+            ids, cut = self.replies.ids(texts, most, user=user)
         except Exception as err:  # noqa: BLE001 - text no tokenizer takes: the environment's, its episode ended
             e.fault(f"its reply could not be tokenized: {_named(err)}")
             return self._end(e, "env_error")

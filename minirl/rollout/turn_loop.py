@@ -49,7 +49,8 @@ def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequ
                     n: int, temperature: float, max_tokens: int, max_turns: int, max_model_len: int,
                     seed: int | None = None, step_timeout_s: float = 30.0, max_reply_tokens: int | None = None,
                     seeded_requests: bool = False, host: hosting.Host | None = None,
-                    encode_text: Callable[[str], list[int]] | None = None, max_calls: int = 1) -> list[list[Completion]]:
+                    encode_text: Callable[[str], list[int]] | None = None, max_calls: int = 1,
+                    user_turns: bool = False) -> list[list[Completion]]:
     """n episodes per prompt, [len(prompts)][n], in prompt order, a turn of every live episode per
     `engine.generate`; `envs[i][j]` is episode j of prompt i's environment: a class (built and reset on
     its worker with no arguments), or an object built and reset already (taken as it is).
@@ -57,13 +58,14 @@ def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequ
     engine's context, which prompt, turns and replies share. `encode` tokenizes the format's text,
     `encode_text` the environment's (default: `encode`), `decode` a turn's sampled ids.
     `max_reply_tokens`: the longest reply (cut beyond). `seeded_requests`: as `Engine.generate`'s.
-    `max_calls`: the calls a turn may make, where `fmt`'s turns run to their end."""
+    `max_calls`: the calls a turn may make, where `fmt`'s turns run to their end. `user_turns`: the
+    environments answer a turn without a call as the user (`env.replies_to = "turns"`)."""
     starts = [[(env if isinstance(env, type) else Adopted(env), {}, {}) for env in group] for group in envs]
     own = host is None
     host = host or hosting.Host()
     turns = Turns(prompts, starts, host=host, fmt=fmt, encode=encode, decode=decode, n=n, max_tokens=max_tokens,
                   max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
-                  max_reply_tokens=max_reply_tokens, encode_text=encode_text, max_calls=max_calls)
+                  max_reply_tokens=max_reply_tokens, encode_text=encode_text, max_calls=max_calls, user_turns=user_turns)
     try:
         return run_turns(engine, turns, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
                          seeded_requests=seeded_requests)

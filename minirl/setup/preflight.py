@@ -445,7 +445,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                      rec.env.max_reply_tokens, format_for(rec.env.tool_format, tok, chat=rec.data.chat_template,
                                                           chat_kwargs=rec.data.chat_template_kwargs,
                                                           tools=tools if rec.data.chat_template else (),
-                                                          max_calls=rec.env.max_calls))
+                                                          max_calls=rec.env.max_calls,
+                                                          user_turns=rec.env.replies_to == "turns"))
     if len(train) < rec.train.prompts_per_step:
         raise UsageError(f"data.train has {len(train)} usable prompts, fewer than train.prompts_per_step "
                          f"({rec.train.prompts_per_step})")
