@@ -29,6 +29,7 @@ from minirl.models.hub import resolution
 from minirl.models.shapes import TINY_ID
 from minirl.proc.collector import collect_less_often
 from minirl.proc.quick_exit import quick_exit
+from minirl.proc.signals import handling
 from minirl.run import status as status_mod
 from minirl.run.plots import plot_metrics
 from minirl.setup.dryrun import dry_run as plan_dry_run
@@ -264,13 +265,12 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
             console.print(f"[yellow]{signal.Signals(signum).name}: stopping after this step (again to abort)...[/]")
 
     # Ctrl-C, SIGTERM (kill, schedulers) and SIGHUP (a closed terminal, #82) alike: finish the step,
-    # checkpoint, summary, then exit
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, on_stop_signal)
+    # checkpoint, summary, then exit; the handler goes with the run it guards (never raised at exit)
     if not world.main:
         console.quiet = True
-    with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
-        summary = lifecycle.run(ws, rec, resume=resume, on_event=view.on_event, world=world, started=STARTED)
+    with handling(on_stop_signal, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+        with RunView(console, total_steps=rec.train.steps, eval_key=f"avg@{rec.eval.k}") as view:
+            summary = lifecycle.run(ws, rec, resume=resume, on_event=view.on_event, world=world, started=STARTED)
     if world.main:
         view.print_summary(summary)
     if summary["status"] == "interrupted":

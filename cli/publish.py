@@ -13,6 +13,7 @@ from cli.options import SHARD_SIZE
 from cli.render import console
 from minirl.errors import UsageError
 from minirl.models import hub
+from minirl.proc.signals import handling
 from minirl.publish import export as ex
 
 
@@ -47,16 +48,17 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
     out = paths[-1]
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; choose another one")
-    # SIGTERM as Ctrl-C: the export's cleanup runs and nothing half-written is left (#82)
-    signal.signal(signal.SIGTERM, _interrupt)
-    with Progress(TextColumn("held-out eval of checkpoints"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as prog:
-        task = prog.add_task("eval", total=None)
-        run_dir, ckpt, why = ex.pick(paths[0] if len(paths) == 2 else None, workspace, step=step, best=best,
-                                     progress=lambda d, t: prog.update(task, completed=d, total=t))
-    with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
-        folder = ex.export(run_dir, out, ckpt, why=why, max_shard_size=max_shard_size, adapter=adapter,
-                           eval_results=ex.eval_results_for(run_dir.parent.parent, ckpt))
+    # SIGTERM as Ctrl-C while the export works: its cleanup runs and nothing half-written is left (#82); once
+    # the folder is in place, a SIGTERM ends the process as it would have before (never a traceback at exit)
+    with handling(_interrupt, (signal.SIGTERM,)):
+        with Progress(TextColumn("held-out eval of checkpoints"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as prog:
+            task = prog.add_task("eval", total=None)
+            run_dir, ckpt, why = ex.pick(paths[0] if len(paths) == 2 else None, workspace, step=step, best=best,
+                                         progress=lambda d, t: prog.update(task, completed=d, total=t))
+        with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
+            folder = ex.export(run_dir, out, ckpt, why=why, max_shard_size=max_shard_size, adapter=adapter,
+                               eval_results=ex.eval_results_for(run_dir.parent.parent, ckpt))
     size = sum(f.stat().st_size for f in folder.iterdir())
     console.print(f"[green]exported[/] step {ckpt.step} of run {run_dir.name} ({why}) to {folder} "
                   f"({size / 2**20:.1f} MiB, {len(list(folder.iterdir()))} files)", soft_wrap=True)

@@ -242,7 +242,7 @@ STATUS_COLORS = {"running": "green", "finished": "green", "interrupted": "yellow
 
 def status_view(st, width: int = 80) -> Group:
     """`minirl status`: the run's state line, its last metrics, held-out figures and guard events."""
-    color = STATUS_COLORS.get(st.state, "cyan")
+    color = "red" if st.state.startswith("failed start") else STATUS_COLORS.get(st.state, "cyan")
     pace = []
     if st.steps_per_s:
         pace.append(f"{st.steps_per_s:.2f} steps/s")

@@ -344,6 +344,17 @@ CASES = [
                                "env.tool_format=tiny", *ENV_FITS], None,
      "env.name = 'tests.test_env_faults:ExitsInConstructor' could not start an episode: SystemExit: the server said "
      "goodbye"),
+    # --- #99: a flag's table is JSON, said; a constructor's argument named by its key, not by the class ---
+    ("env-params-toml-table", ["run", "{ws}", "--set", 'env.params={{base_url = "http://127.0.0.1:8000"}}'], None,
+     "env.params: expected dict, got '{base_url = \"http://127.0.0.1:8000\"}' (a flag's table is a JSON object: "
+     "--set 'env.params={\"name\": \"value\"}', double-quoted keys and strings)"),
+    ("env-params-unknown-key", ["run", "{ws}", "--set", "env.name=minirl.data.tools:Calculator", "--set",
+                                "env.tool_format=tiny", "--set", 'env.params={{"base_url": "http://x"}}', *ENV_FITS],
+     None,
+     "env.params.base_url: the constructor of minirl.data.tools:Calculator takes no 'base_url' (it takes none)"),
+    ("init-rg-param-of-a-wrong-type", ["init", "{new}", "--task", "rg:chain_sum", "--set",
+                                       'cold_start.task_params={{"min_digits": 1.5}}'], None,
+     "cold_start.task_params.min_digits = 1.5: rg:chain_sum's config (ChainSumConfig) takes int"),
     ("env-isolation", ["run", "{ws}", "--set", "env.isolation=docker"], None, "env.isolation = 'docker'"),
     ("env-reward-mode", ["run", "{ws}", "--set", "env.reward=mean"], None, "env.reward = 'mean'"),
     ("env-concurrency-negative", ["run", "{ws}", "--set", "env.max_concurrency=-1"], None,

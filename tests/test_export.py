@@ -283,11 +283,11 @@ def test_an_export_into_an_empty_folder_keeps_it_and_a_fault_or_signal_leaves_no
             raise exc
         return write
 
-    class SafetensorError(Exception):  # as safetensors' Rust writer raises a full disk
+    class SafetensorError(Exception):  # as safetensors' Rust writer raises a full disk (its real message)
         pass
 
     for exc, caught in ((KeyboardInterrupt(), KeyboardInterrupt),
-                        (SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+                        (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
                          RunIOError)):
         other = parent / "again"
         monkeypatch.setattr(ex, "_write", fails(exc))
@@ -309,3 +309,76 @@ def test_an_export_into_an_empty_folder_keeps_it_and_a_fault_or_signal_leaves_no
     for where in (Path("/proc/minirl-export"), Path("/proc/self/minirl/export")):
         with pytest.raises(RunIOError, match=f"cannot write {where}: No such file or directory .*; nothing was written"):
             ex.export(run, where, picked, why=why)
+
+
+def test_an_os_error_a_library_wraps_is_read_as_the_os_said_it():
+    """#99: safetensors' Rust writer raises its own SafetensorError on a full disk, its message as the real
+    library writes it (`Error while serializing: I/O error: No space left on device (os error 28)`)."""
+    import errno
+
+    from minirl.disk.oserrors import os_error_of
+
+    class SafetensorError(Exception):
+        pass
+
+    full = os_error_of(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    assert full is not None and full.errno == errno.ENOSPC
+    assert os_error_of(ValueError("a bug")) is None
+    handled = RuntimeError("a bug raised while handling a full disk")
+    handled.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    assert os_error_of(handled, chained=False) is None and os_error_of(handled).errno == errno.ENOSPC
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (smaller than the tiny model's weights), where this machine lets the tests mount one."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("no tmpfs can be mounted here (not root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_an_export_onto_a_full_disk_is_one_line_with_the_real_weights_writer(run_dir, small_disk):
+    """#99: the weights' own library fills the disk (safetensors, through huggingface_hub), not a stand-in:
+    exit 4's one line, and nothing left on the disk."""
+    from minirl.errors import RunIOError
+    from minirl.publish import export as ex
+
+    run, picked, why = ex.pick(run_dir, None, step=None, best=False)
+    out = small_disk / "tiny-rl"
+    with pytest.raises(RunIOError) as e:
+        ex.export(run, out, picked, why=why)
+    assert str(e.value) == (f"cannot write {out}: no space left on device; nothing was written (free space, then run "
+                            "the export again)")
+    assert sorted(p.name for p in small_disk.iterdir()) == []
+
+
+def test_the_exports_sigterm_handler_goes_with_the_export(run_dir, tmp_path, monkeypatch):
+    """#99: SIGTERM is Ctrl-C while the export writes; once the folder is in place the handler is gone (a
+    SIGTERM then ends the process as before the command, never a KeyboardInterrupt raised in an exit hook)."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from cli.publish import export_cmd
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+    real = signal.signal
+
+    def spy(signum, handler):
+        seen.append((signum, handler))
+        return real(signum, handler)
+
+    import cli.publish
+
+    monkeypatch.setattr(signal, "signal", spy)
+    got = CliRunner().invoke(export_cmd, [str(run_dir), str(tmp_path / "out")], catch_exceptions=False)
+    assert got.exit_code == 0, got.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert [h for s, h in seen if s == signal.SIGTERM][0] is cli.publish._interrupt  # it guarded the export
+    assert signal.getsignal(signal.SIGTERM) is before  # and is gone with it

@@ -522,3 +522,41 @@ def test_a_rows_nonfinite_values_are_strict_json_and_read_back_as_they_were(tmp_
     back = metric_rows(f)
     assert math.isnan(back[1]["train/loss"]) and back[1]["train/grad_norm"] == math.inf and "nonfinite" not in back[1]
     assert back[1]["rollout/staleness_tokens"] == [1.0, None] and back[0] == rows[0]
+
+
+def test_the_guard_on_any_row_file_answers_or_refuses_in_one_line(tmp_path):
+    """#99: rows whose signals are null (how a run's strict JSON writes a non-finite one) are decided on, a
+    null a bad signal; bytes that are not UTF-8, a signal that is a list and a step that is not a number are
+    one line naming the file (and line), never a traceback."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    import pytest
+
+    from minirl.errors import UsageError
+    from minirl.run import guard_replay
+    from tests.conftest import ROOT
+
+    good = {"train/kl_mu_pi_old": 0.001, "train/entropy": 1.0, "rollout/reward_mean": 0.5, "train/loss": 0.1,
+            "train/grad_norm": 1.0}
+    rows = [{"step": s, **good} for s in range(1, 5)] + [{"step": 5, **good, "train/kl_mu_pi_old": None}]
+    path = tmp_path / "nulls.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = guard_replay.replay(*guard_replay.load(path, []))
+    assert [d["decision"] for d in got][:4] == ["step"] * 4 and "kl" in got[4]["reason"].lower(), got[4]
+
+    bad = {"bytes.jsonl": b'{"step": 1}\n\xff\xfe{"step": 2}\n',
+           "list.jsonl": (json.dumps({"step": 1, **good, "train/entropy": [1.0, 2.0]}) + "\n").encode(),
+           "step.jsonl": (json.dumps({"step": "one", **good}) + "\n").encode()}
+    said = {"bytes.jsonl": "not UTF-8 text", "list.jsonl": ":1: train/entropy = [1.0, 2.0] is not a number",
+            "step.jsonl": ":1: step = 'one' is not a whole number"}
+    for name, data in bad.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UsageError, match=re.escape(said[name])):
+            guard_replay.load(tmp_path / name, [])
+    r = subprocess.run([sys.executable, "-m", "cli.main", "guard", str(tmp_path / "bytes.jsonl")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "not UTF-8 text" in lines[0], r.stderr[-2000:]

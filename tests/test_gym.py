@@ -39,7 +39,13 @@ def test_the_splits_are_the_generators_entries_disjoint_and_seeded():
 @pytest.mark.parametrize("task, params, needle", [
     ("rg:chain_summ", {}, "did you mean rg:chain_sum"),
     ("rg:chain_sum", {"min_terms": 3, "max_terms": 2}, "max_terms must be >= min_terms"),
-    ("rg:chain_sum", {"nonsense": 1}, "refuses cold_start.task_params"),
+    ("rg:chain_sum", {"nonsense": 1}, r"cold_start.task_params.nonsense: rg:chain_sum's config \(ChainSumConfig\) has "
+                                      "no such field; its fields: min_terms, max_terms"),
+    # #99: checked by the config class's types before the generator runs (it crashed in randrange, two tracebacks)
+    ("rg:chain_sum", {"min_digits": 1.5}, r"cold_start.task_params.min_digits = 1.5: rg:chain_sum's config "
+                                          r"\(ChainSumConfig\) takes int"),
+    ("rg:chain_sum", {"allow_negation": "yes"}, "allow_negation = 'yes': .* takes bool"),
+    ("rg:chain_sum", {"seed": 3}, "cold_start.task_params.seed is minirl's to set"),
     ("rg:chain_sum", {"min_terms": 1, "max_terms": 1, "min_digits": 1, "max_digits": 1}, "distinct questions"),
 ])
 def test_a_task_or_config_reasoning_gym_refuses_is_one_line(task, params, needle):

@@ -140,3 +140,30 @@ def test_status_shows_trained_tokens_nonfinite_share_the_last_parity_and_an_engi
     assert "engine_fault" in out and "stopped: step 4: the rollout engine returned non-finite log-probs" in out
     assert "tokens 256/262.1k" in out and "log μ NaN 99.9%" in out and "parity 2.9e-02" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_a_run_that_ended_before_its_first_step_reads_as_a_failed_start(tmp_path):
+    """#99: a start's fault (or a kill) before the first step leaves a run folder with nothing to resume:
+    `status` says it is a failed start, and `--resume` says to run again without it."""
+    import pytest
+
+    import types
+
+    from minirl.disk import store
+    from minirl.errors import UsageError
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no process has now
+    run = make_run(tmp_path, proc={"pid": gone.pid, "host": socket.gethostname(), "started": time.time()}, rows=0)
+    assert status.read(run).state == "failed start (killed)"
+    (run / "summary.json").write_text(json.dumps({"status": "engine_fault", "written_at": time.time() + 1}))
+    assert status.read(run).state == "failed start (engine_fault)"
+    ws = types.SimpleNamespace(root=tmp_path, runs=tmp_path / "runs", runs_newest_first=lambda: [run])
+    with pytest.raises(UsageError, match=r"nothing to resume in .*runs: no run has a checkpoint \(the newest, "
+                                         r"20261123-010203, stopped before its first\); start it again: `minirl run "):
+        store.resume_checkpoint(ws, check=lambda c: None)
+    with pytest.raises(UsageError, match="it stopped before its first checkpoint; start it again: `minirl run .*` "
+                                         "without --resume"):
+        store.resume_checkpoint(ws, check=lambda c: None, run=run)
+    assert status.read(make_run(tmp_path / "b", proc={"pid": gone.pid, "host": socket.gethostname(),
+                                                    "started": time.time()})).state == "killed"  # it trained steps

@@ -58,6 +58,11 @@ def _coerce(key: str, typ: Any, value: Any, *, flag: bool) -> Any:
     hint = ""
     if not flag and isinstance(value, str) and typ in (int, float):
         hint = f" (a TOML string: write {value.strip()} without quotes)"
+    if from_flag and typ is bool:
+        hint = " (true or false)"
+    if from_flag and typ is dict:  # a flag's table is JSON, not TOML's inline table
+        hint = (f" (a flag's table is a JSON object: --set '{key}={{\"name\": \"value\"}}', double-quoted keys and "
+                "strings)")
     what = type(value).__name__ if not isinstance(value, (str, int, float, bool, dict, list)) else None
     raise UsageError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}"
                      + (f" (a TOML {what})" if what else "") + hint)

@@ -304,9 +304,14 @@ def resume_checkpoint(ws, *, check: Callable[[Path], object], auto: bool = False
         return newest
     if auto:
         return None
+    again = f"start it again: `minirl run {ws.root}` without --resume"
     if run:
-        raise UsageError(f"nothing to resume in {run}: it has no complete checkpoint")
-    raise UsageError(f"nothing to resume in {ws.runs}: no run with a checkpoint")
+        raise UsageError(f"nothing to resume in {run}: it stopped before its first checkpoint; " + again)
+    newest = next(iter(ws.runs_newest_first()), None)
+    if newest is not None:
+        raise UsageError(f"nothing to resume in {ws.runs}: no run has a checkpoint (the newest, {newest.name}, stopped "
+                         f"before its first); {again}")
+    raise UsageError(f"nothing to resume in {ws.runs}: no run yet; start one: `minirl run {ws.root}`")
 
 
 # ----- the metrics file -------------------------------------------------------------------------

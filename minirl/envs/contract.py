@@ -76,6 +76,22 @@ def environment_class(name: str):
     return cls
 
 
+def check_params(name: str, cls, params: dict) -> None:
+    """`env.params` against the class's constructor: a key it does not take is one line naming the key
+    (before any environment is built); a constructor that takes **kwargs, or has no signature to read,
+    takes any."""
+    taken = accepted(cls, params)
+    odd = [k for k in params if k not in taken]
+    if odd:
+        try:
+            names = [p.name for p in inspect.signature(cls).parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        except (TypeError, ValueError):
+            names = []
+        raise UsageError(f"env.params.{odd[0]}: the constructor of {name} takes no {odd[0]!r} "
+                         f"({'its keyword arguments: ' + ', '.join(names) if names else 'it takes none'})")
+
+
 def accepted(fn, kwargs: dict) -> dict:
     """The keyword arguments of `kwargs` that `fn`'s signature takes (all of them where it has **kwargs,
     or where it has no signature to read): OpenEnv's own rule for `reset` and `step`.

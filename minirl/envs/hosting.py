@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from minirl.envs.adapters import kind_of
-from minirl.envs.contract import ToolCall, environment_class
+from minirl.envs.contract import ToolCall, check_params, environment_class
 from minirl.envs.observations import Reading
 from minirl.errors import UsageError
 
@@ -395,9 +395,11 @@ def check_start(settings, row: dict, *, seed: int) -> list[dict]:
     `step_timeout_s`, reset with a dataset row and a seed by the run's rule), its tools listed, then
     closed: an environment that cannot start one stops the run before any engine starts, in one line.
     Returns the tools (what the model is told: chat templates' `tools=`)."""
+    cls = environment_class(settings.name)
+    check_params(settings.name, cls, settings.params)
     host = Host(isolation=settings.isolation)
     worker, session = host.open(), Session()
-    ref = settings.name if settings.isolation == "process" else environment_class(settings.name)
+    ref = settings.name if settings.isolation == "process" else cls
     job = worker.submit(session, start, ref, settings.params, {**row, "seed": seed, "episode_id": "preflight"})
     try:
         if not host.outcome(job, settings.step_timeout_s):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from minirl.config import recipes
 from minirl.disk import atomic, store
+from minirl.disk.oserrors import os_error_of
 from minirl.disk.store import Checkpoint, checkpoints, latest_trained, run_of
 from minirl.errors import RunIOError, UsageError
 from minirl.eval.evaluate import evaluate
@@ -132,9 +133,12 @@ def export(run_dir: Path, out: Path, ckpt: Checkpoint, *, why: str, max_shard_si
         except BaseException as e:
             for debris in (tmp, tmp.with_name(tmp.name + ".tmp")):  # a writer's own aside folder too
                 shutil.rmtree(debris, ignore_errors=True)
-            if _disk_full(e):
+            cause = os_error_of(e, chained=False) if isinstance(e, Exception) else None
+            if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise RunIOError(f"cannot write {out}: no space left on device; nothing was written (free space, "
                                  "then run the export again)") from None
+            if cause is not None:  # any other write the disk refused (read-only, permissions, I/O): one line
+                raise RunIOError(f"cannot write {out}: {cause.strerror or cause}; nothing was written") from None
             raise
     return out
 
@@ -174,12 +178,6 @@ def _move_into(tmp: Path, out: Path) -> None:
     for f in sorted(tmp.iterdir()):
         shutil.move(str(f), str(out / f.name))
     tmp.rmdir()
-
-
-def _disk_full(e: BaseException) -> bool:
-    """A full disk as the OS says it, or as safetensors' writer wraps it (an IoError with code 28)."""
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-        (type(e).__name__ == "SafetensorError" and ("code: 28" in str(e) or "StorageFull" in str(e)))
 
 
 def _write(tmp: Path, run_dir: Path, rec, ckpt: Checkpoint, trainer, shape, base: Path, *, adapter: bool, why: str,

@@ -13,6 +13,7 @@ are the restored weights' own; after one only the replay takes, they are what th
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -36,7 +37,13 @@ def load(source: Path, sets: list[str]) -> tuple[list[dict], Recipe]:
         raise UsageError(f"--set {other[0]}: only guard.… settings change what the guard decides on recorded rows")
     recipe = rows_path.parent / "recipe.toml"
     rec = recipes.load(recipe if recipe.is_file() else None, list(sets))
-    rows, lines = [], rows_path.read_text().splitlines()
+    try:
+        lines = rows_path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{rows_path}: not UTF-8 text (byte {e.start}); give a run's metrics.jsonl") from None
+    except OSError as e:
+        raise UsageError(f"{rows_path}: cannot be read ({e.strerror or e})") from None
+    rows = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -48,8 +55,24 @@ def load(source: Path, sets: list[str]) -> tuple[list[dict], Recipe]:
             raise UsageError(f"{rows_path}:{n}: not a JSON row") from None
         if not isinstance(row, dict) or "step" not in row:
             raise UsageError(f"{rows_path}:{n}: a row without its step")
-        rows.append(row)
+        rows.append(_checked(row, f"{rows_path}:{n}"))
     return rows, rec
+
+
+# the signals a decision reads: a number, or null (how a run's strict JSON writes a non-finite one)
+SIGNALS = ("train/kl_mu_pi_old", "train/entropy", "rollout/reward_mean", "train/loss", "train/grad_norm",
+           "rollout/staleness_mean", "train/kl_mu_pi_old_fresh", "sync/parity_abs_dlogp")
+
+
+def _checked(row: dict, where: str) -> dict:
+    """A row whose step is a whole number and whose signals are numbers or null, else one line naming it."""
+    if isinstance(row["step"], bool) or not isinstance(row["step"], int):
+        raise UsageError(f"{where}: step = {row['step']!r} is not a whole number")
+    for key in SIGNALS:
+        v = row.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise UsageError(f"{where}: {key} = {json.dumps(v)[:40]} is not a number")
+    return row
 
 
 def replay(rows: list[dict], rec: Recipe) -> list[dict]:
@@ -58,10 +81,14 @@ def replay(rows: list[dict], rec: Recipe) -> list[dict]:
     g = Guard.from_settings(rec.guard, prompts=rec.train.prompts_per_step)
     out = []
     for row in rows:
-        get = lambda key: float(row.get(key, math.nan))  # noqa: E731 - a missing signal is no good signal
+        def get(key: str, missing: float = math.nan) -> float:  # a missing or null signal is no good signal
+            v = row.get(key)
+            return missing if v is None else float(v)
+
+        fresh = row.get("train/kl_mu_pi_old_fresh")
         v = g.decide(kl=get("train/kl_mu_pi_old"), entropy=get("train/entropy"), reward=get("rollout/reward_mean"),
-                     loss=get("train/loss"), grad_norm=get("train/grad_norm"),
-                     lag=float(row.get("rollout/staleness_mean", 0.0)), kl_fresh=row.get("train/kl_mu_pi_old_fresh"))
+                     loss=get("train/loss"), grad_norm=get("train/grad_norm"), lag=get("rollout/staleness_mean", 0.0),
+                     kl_fresh=None if fresh is None else float(fresh))
         out.append({"step": row["step"], "decision": v.action, "reason": v.reason})
         if v.action == "stop":
             break

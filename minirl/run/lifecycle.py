@@ -17,6 +17,7 @@ from pathlib import Path
 from minirl.config import recipes
 from minirl.config.recipe import Recipe
 from minirl.disk import atomic, store
+from minirl.disk.oserrors import os_error_of
 from minirl.errors import EngineFault, EnvFault, GraderFault, RunIOError, UsageError
 from minirl.launch import World
 from minirl.rollout import cache as engine_cache
@@ -64,8 +65,9 @@ def run(
     try:
         return _start_and_train(ws, rec, inputs, on_event if world.main else _quiet, t_start=t_start, world=world,
                                 imports=imports)
-    except OSError as e:
-        if e.errno not in _DISK_ERRORS:
+    except Exception as err:  # noqa: BLE001 - an OSError however a library wrapped it (safetensors: its own error)
+        e = os_error_of(err, chained=False)
+        if e is None or e.errno not in _DISK_ERRORS:
             raise
         # A full disk or a read-only folder: one line. Checkpoints are written aside and renamed
         # into place, so every complete one on disk is still whole.

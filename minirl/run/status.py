@@ -76,6 +76,8 @@ def read(run_dir: Path) -> RunStatus:
     rate = _rate(rows)
     ckpts = store.complete_checkpoints(run_dir)
     state = _state(proc, summary)
+    if not ckpts and not rows and not state.startswith("running"):  # ended before its first step: nothing to resume
+        state = f"failed start ({state})"
 
     if state == "running":  # a summary on disk belongs to an earlier attempt of this run
         start = (store.peek_record(ckpts[-1]).get("heldout_start") if ckpts else None) or \

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from minirl.config import recipes
 from minirl.config import recipe as recipe_mod
-from minirl.data.gym import RECIPE as GYM_RECIPE, TINY_PARAMS, check_task, gym_name, is_gym, make_gym_splits
+from minirl.data.gym import (RECIPE as GYM_RECIPE, TINY_PARAMS, check_params, check_task, gym_name, is_gym,
+                             make_gym_splits)
 from minirl.data.prompts import prompts_ids, response_text
 from minirl.data.task import TASKS, make_splits, write_jsonl
 from minirl.envs.formats import TINY as TINY_FORMAT
@@ -114,6 +115,8 @@ def init_workspace(
     rec = recipes.load(src, list(overrides))  # a bad recipe or --set fails before anything is written
     # and what every run of it would refuse (a LoRA target the model lacks, replay on a dense model)
     check_planned(rec, tiny_shape(rec) if rec.model.id == TINY_ID else hub.model_shape(rec.model.id, "", Path.cwd()))
+    if rec.model.id == TINY_ID and is_gym(rec.cold_start.task):  # its generator's parameters, by their types
+        check_params(rec.cold_start.task, rec.cold_start.task_params)
     if (root / RECIPE_NAME).exists() and not force:
         _refuse_another_request(root, src if recipe_name else None, list(overrides))
         raise FileExistsError(str(root))  # what was asked for is what is there: left as it is

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from minirl.disk import atomic, store
+from minirl.disk.oserrors import os_error_of
 from minirl.errors import UsageError
 from minirl.train.lora import is_adapter
 
@@ -60,7 +61,7 @@ def save(model, optim, path: Path, extra: dict | None, *, sharded: bool, main: b
     except BaseException as e:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
-        cause = _os_error(e)
+        cause = os_error_of(e)
         if cause is None and not isinstance(e, KeyboardInterrupt):
             cause = _why_write_failed(path.parent, needed)
         if cause is not None:
@@ -123,23 +124,6 @@ def _check_adapters(path: Path, model_state: dict) -> None:
                          "set train.lora.rank = 0 to resume it, or start LoRA from its exported HF folder")
     raise UsageError(f"{path} holds LoRA adapters of another rank or on other weights than this trainer's "
                      "[train.lora]: resume it with the settings it was saved with")
-
-
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError (ENOSPC, EROFS, ...) behind a failed DCP save, which wraps it in CheckpointException."""
-    seen = 0
-    while e is not None and seen < 10:
-        if isinstance(e, OSError):
-            return e
-        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, stack summary)}
-        if isinstance(failures, dict):
-            for f in failures.values():
-                f = f[0] if isinstance(f, tuple) and f else f  # torch wraps each failure with its stack
-                inner = _os_error(f) if isinstance(f, BaseException) else None
-                if inner is not None:
-                    return inner
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return None
 
 
 def _nbytes(state) -> int:
