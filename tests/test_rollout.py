@@ -223,6 +223,64 @@ def test_log_mu_is_the_trainers_log_softmax_of_logits_over_t(engine32, tiny_dir,
         assert float(ent[m].mean()) < float(tr.logprobs(dataclasses.replace(batch, temperature=1.0))[1][m].mean())
 
 
+def cut_reference(z: torch.Tensor, cuts) -> torch.Tensor:
+    """The tempered logits `z` [positions, vocab] cut as vLLM documents its sampler (min-p, then top-k, then
+    top-p; ties at a boundary kept), written here from the definitions, not vLLM's code: -inf outside."""
+    z = z.clone()
+    if cuts.min_p > 0:
+        p = z.softmax(-1)
+        z[p < cuts.min_p * p.max(-1, keepdim=True).values] = -math.inf
+    if cuts.top_k > 0:
+        kth = z.topk(cuts.top_k, -1).values[:, -1:]
+        z[z < kth] = -math.inf
+    if cuts.top_p < 1:
+        sorted_z, order = z.sort(-1)  # ascending: the tail first
+        tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - cuts.top_p
+        tail[:, -1] = False  # the most likely token is always kept
+        z[tail.gather(-1, order.argsort(-1))] = -math.inf
+    return z
+
+
+@pytest.mark.parametrize("T, cuts", [(1.0, dict(top_p=0.8)), (1.0, dict(top_k=5)), (1.0, dict(min_p=0.2)),
+                                     (0.6, dict(top_p=0.95, top_k=20))],
+                         ids=["top-p 0.8", "top-k 5", "min-p 0.2", "T 0.6 top-p 0.95 top-k 20"])
+def test_log_mu_under_the_samplers_cuts_is_the_cut_distributions(engine32, tiny_dir, T, cuts):
+    """#97: with top-p, top-k or min-p (an evaluation's settings) the engine samples from the distribution cut
+    and renormalized over what it keeps; log μ of every sampled token (fp32 engine) is that distribution's,
+    within 1e-4 of the same model's fp32 logits / T cut by the definitions, and every sampled token is inside
+    the kept set. The uncut softmax(z / T) is another distribution: its mean ratio to μ shows the kept mass."""
+    from transformers import AutoModelForCausalLM
+
+    from minirl.rollout.engine import Truncation
+
+    cut = Truncation(**cuts)
+    prompts = [PROMPTS[i % 3][: 4 + i % 5] for i in range(8)]
+    groups = engine32.generate(prompts, n=4, temperature=T, max_tokens=6, seed=5, truncation=cut)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    gaps, ratios, outside, ties = [], [], 0, 0
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            ids = torch.tensor([list(prompt) + list(c.token_ids)])
+            with torch.no_grad():
+                z = model(ids).logits[0, len(prompt) - 1: -1].float() / T  # the positions that sampled each token
+            target = torch.tensor(c.token_ids)[:, None]
+            ref = cut_reference(z, cut).log_softmax(-1).gather(-1, target)[:, 0]
+            full = z.log_softmax(-1).gather(-1, target)[:, 0]
+            # a position where a token sits on a cut's edge (its kept set changes with the logits scaled by
+            # 1 ± 1e-5): two fp32 computations of the same model may keep it on either side
+            tie = (torch.isfinite(cut_reference(z * (1 + 1e-5), cut)) !=
+                   torch.isfinite(cut_reference(z * (1 - 1e-5), cut))).any(-1)
+            outside += int(torch.isinf(ref)[~tie].sum())
+            mu = torch.tensor(c.logprobs)
+            gaps += (mu - ref).abs()[~tie].tolist()
+            ties += int(tie.sum())
+            ratios += (full - mu).exp().tolist()
+    print(f"{cut}: max |log μ − cut log π| {max(gaps):.2e} over {len(gaps)} positions ({ties} on a cut's edge left "
+          f"out), uncut ratio mean {sum(ratios) / len(ratios):.4f}")
+    assert outside == 0 and max(gaps) < 1e-4 and ties <= len(gaps) // 20
+    assert sum(ratios) / len(ratios) < 0.98  # the bias a trainer's uncut log π would carry (the kept mass)
+
+
 def test_each_prompt_of_a_seeded_call_draws_its_own_noise(engine):
     """vLLM seeds child i of a request `seed + i`: one seed for every prompt of a call handed child
     i of each prompt the same noise, so identical prompts sampled identical responses and a batch's

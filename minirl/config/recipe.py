@@ -271,6 +271,11 @@ class EnvConfig:
 class EvalConfig:
     k: int = number(4, 1, max_samples_per_prompt)  # samples per held-out problem
     temperature: float = number(1.0, 0)
+    # the sampler's cuts after the temperature, as vLLM applies them (Qwen3's model cards: top-p 0.95, top-k 20
+    # in thinking mode): top-p in (0, 1] (1: off), top-k ≥ 0 (0: off), min-p in [0, 1] (0: off)
+    top_p: float = number(1.0, 0, 1, above=True)
+    top_k: int = number(0, 0)
+    min_p: float = number(0.0, 0, 1)
     max_problems: int = number(500, 1)  # held-out problems a run scores (and `minirl eval heldout`); named benchmarks: all
     every: int = number(0, 0)  # also score the held-out set every k steps during `run` (0 = at the start and end only)
     max_tokens: int = number(0, 0)  # response limit for `minirl eval` (0 = rollout.max_tokens)

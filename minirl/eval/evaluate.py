@@ -28,6 +28,7 @@ from minirl.envs.outcome import answer_ids, needs_grade, rewards as episode_rewa
 from minirl.errors import EnvFault, UsageError
 from minirl.eval import benchmarks
 from minirl.models import hub
+from minirl.rollout.engine import Truncation
 from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead
 from rewards.pool import GradingPool
 
@@ -77,13 +78,29 @@ def pass_at(n: int, c: int, k: int) -> float:
     return 1.0 - prod
 
 
+def eval_cuts(settings) -> Truncation:
+    """[eval]'s sampler cuts (top-p, top-k, min-p) as the engine takes them."""
+    return Truncation(top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p)
+
+
+def cut_settings(cuts: Truncation) -> dict:
+    """The cuts an evaluation sampled with, for its results and the key of its file: none where it has none
+    (so an evaluation without them keeps the key it always had)."""
+    return {"top_p": cuts.top_p, "top_k": cuts.top_k, "min_p": cuts.min_p} if cuts.cuts else {}
+
+
+def cut_kw(cuts: Truncation) -> dict:
+    """`generate`'s keyword for the cuts, none where there are none (an engine double need not take it)."""
+    return {"truncation": cuts} if cuts.cuts else {}
+
+
 def evaluate(
     engine,
     problems: Sequence[Problem],
     grading: GradingPool,
     *,
     k: int,
-    temperature: float,
+    sampler,
     max_tokens: int,
     decode: Callable[[list[int]], str],
     eos_id: int,
@@ -91,22 +108,24 @@ def evaluate(
     gather: Callable[[list], list] = list,
     episodes=None,
 ) -> dict:
-    """k samples per problem, graded: {avg@k, pass@k, maj@k, problems, k, temperature}.
+    """k samples per problem, graded: {avg@k, pass@k, maj@k, problems, k, temperature} (and the sampler's
+    cuts where it has any: top_p, top_k, min_p). `sampler`: the [eval] section (its temperature and cuts).
 
     gather: joins the per-problem results of every rank (each passed its share of the problems).
     episodes: a multi-turn recipe's `Environments` (rollout/episodes.py): k episodes per problem, the
     last turn graded, or the environment's reward where it ended one with a reward."""
     # each problem's samples from a generator of its own: the score does not depend on what else the
     # engine holds or how many sequences it schedules (an engine sampling ahead at k ≥ 1, #74)
+    temperature, cuts = sampler.temperature, eval_cuts(sampler)
     if episodes is not None:
         try:
             groups = episodes.sample(engine, problems, n=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                     seeded_requests=True)
+                                     seeded_requests=True, **cut_kw(cuts))
         finally:  # a client's sessions free again for the engine's process (k ≥ 1), or for training's next step
             episodes.release()
     else:
         groups = engine.generate([p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens,
-                                 seed=seed, seeded_requests=True)
+                                 seed=seed, seeded_requests=True, **cut_kw(cuts))
     comps = [c for g in groups for c in g]
     mode = episodes.settings.reward if episodes is not None else "final"
     items = [(prob.record, response_text(answer_ids(c), decode, eos_id))
@@ -125,6 +144,7 @@ def evaluate(
         **summarize([[c for c, _ in p] for p in kept], [[e for _, e in p] for p in kept], k=k),
         "k": k,
         "temperature": temperature,
+        **cut_settings(cuts),
         **({"env_faults": sum(not ok for p in per_problem for _, _, ok in p)} if episodes is not None else {}),
     }
 
@@ -368,7 +388,9 @@ def eval_benchmark(
     # everything that decides the samples and their grades, the checkpoint's resolved path among
     # them: an eval of another checkpoint or under other settings (precision, temperature, seed…)
     # neither resumes this one's partial results nor overwrites its file
-    settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, "max_tokens": max_tokens,
+    cuts = eval_cuts(rec.eval)
+    settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, **cut_settings(cuts),
+                "max_tokens": max_tokens,
                 "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
                 "problems": len(records), "checkpoint": str(model_dir.resolve()),
                 **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns, rec.env.reward,
@@ -406,10 +428,11 @@ def eval_benchmark(
                     if episodes is not None:
                         groups = episodes.sample(engine, [Problem(tuple(prompts[i]), records[i]) for i in idx],
                                                  n=rec.eval.k, temperature=rec.eval.temperature, max_tokens=max_tokens,
-                                                 seed=seed)
+                                                 seed=seed, **cut_kw(cuts))
                     else:
                         groups = engine.generate([prompts[i] for i in idx], n=rec.eval.k,
-                                                 temperature=rec.eval.temperature, max_tokens=max_tokens, seed=seed)
+                                                 temperature=rec.eval.temperature, max_tokens=max_tokens, seed=seed,
+                                                 **cut_kw(cuts))
                     comps = [c for g in groups for c in g]
                     items = [(records[i], response_text(answer_ids(c), tok.decode, eos)) for i, g in zip(idx, groups)
                              for c in g]
@@ -454,6 +477,7 @@ def eval_benchmark(
            for j in (1, 5, 10, 100) if j < k},
         **({"env_faults": sum(r.get("env_faults", 0) for r in rows)} if rec.env.name else {}),
         "temperature": rec.eval.temperature,
+        **cut_settings(cuts),
         "rollout_precision": rec.rollout.precision,
         "seed": rec.train.seed,
         "max_tokens": max_tokens,

@@ -243,7 +243,7 @@ def measure_heldout(run_dir: Path, ckpts: list[Checkpoint], metric: str,
     for i, c in enumerate(ckpts):
         trainer.load(c.path, with_optim=False)
         sync(trainer, engine, bucket_bytes=rec.rollout.sync_bucket_mib * 2**20)  # as the run's rollouts saw it
-        got = evaluate(engine, inputs.heldout, inputs.grading, k=rec.eval.k, temperature=rec.eval.temperature,
+        got = evaluate(engine, inputs.heldout, inputs.grading, k=rec.eval.k, sampler=rec.eval,
                        max_tokens=rec.rollout.max_tokens, eos_id=tok.eos_token_id,
                        decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
         out[c.path] = float(got[metric])

@@ -25,6 +25,24 @@ from minirl.config.engines import ENGINES
 
 
 @dataclass(frozen=True, slots=True)
+class Truncation:
+    """How a sample's distribution is cut after its temperature, as vLLM's sampler cuts it: min-p, then
+    top-k and top-p (each off at its default). A token's log μ is the cut distribution's, renormalized over
+    the tokens it keeps (rollout/cpu/logprobs.py)."""
+
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+
+    @property
+    def cuts(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+
+NO_CUT = Truncation()
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """One sampled response.
 
@@ -102,10 +120,12 @@ class Engine(Protocol):
     weight_format: str
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_tokens: int,
-                 seed: int | None = None, seeded_requests: bool = False) -> list[list[Completion]]:
+                 seed: int | None = None, seeded_requests: bool = False,
+                 truncation: Truncation = NO_CUT) -> list[list[Completion]]:
         """n completions per prompt, [len(prompts)][n], in prompt order; `seed` makes a call repeat.
         `seeded_requests`: each prompt's samples from a generator of its own, so that they do not
-        depend on which other requests the engine holds (the held-out evaluation, #74)."""
+        depend on which other requests the engine holds (the held-out evaluation, #74). `truncation`:
+        min-p, top-k and top-p after the temperature (an evaluation's sampler settings)."""
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """log μ of each given response token under the weights last synced."""

@@ -18,7 +18,7 @@ from minirl.envs import hosting
 from minirl.envs.contract import Concurrency, environment_class, episode_seed
 from minirl.envs.templates import format_for
 from minirl.models import sizing
-from minirl.rollout.engine import Completion
+from minirl.rollout.engine import NO_CUT, Completion, Truncation
 from minirl.rollout.episodes import Turns
 from minirl.rollout.turn_loop import run_turns
 
@@ -80,12 +80,12 @@ class Environments:
         return self.tokenizer.decode(list(ids))
 
     def sample(self, engine, problems: Sequence, *, n: int, temperature: float, max_tokens: int,
-               seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
+               seed: int | None, seeded_requests: bool = False, truncation: Truncation = NO_CUT) -> list[list[Completion]]:
         prompts = [p.prompt_ids for p in problems]
         return run_turns(engine, self.turns(prompts, [_row(p) for p in problems], n=n, max_tokens=max_tokens,
                                             seed=seed),
                          prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                         seeded_requests=seeded_requests)
+                         seeded_requests=seeded_requests, truncation=truncation)
 
     def turns(self, prompts: Sequence[Sequence[int]], rows: Sequence[dict], *, n: int, max_tokens: int,
               seed: int | None) -> Turns:

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from minirl.rollout import vllm_internals
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
-from minirl.rollout.engine import Completion
+from minirl.rollout.engine import NO_CUT, Completion, Truncation
 from minirl.rollout.seeding import call_seed, request_seed, seeded_sampling
 
 
 @dataclass
 class _Call:
-    params: dict  # temperature, stop
+    params: dict  # temperature, stop, truncation
     groups: list[list]  # [prompt][n]: the completions as their requests finish
     seed: int | None = None  # seeded requests: the call's base seed (a prompt's is base + its index)
     turns: object = None  # multi-turn: its episodes (episodes.Turns), asked each next turn
@@ -85,7 +85,7 @@ class Stream:
         return bool(self._calls)
 
     def add(self, tag: int, prompts, *, n: int, temperature: float, max_tokens, seed: int | None = None,
-            seeded_requests: bool = False, stop=(), episodes=None) -> None:
+            seeded_requests: bool = False, stop=(), episodes=None, truncation: Truncation = NO_CUT) -> None:
         """Call `tag`'s n samples of each prompt, into the engine at once (between two forward steps).
         `seeded_requests`: prompt i's samples drawn from a generator of their own, seeded from the
         call's seed and i, whatever else is in flight or how many sequences the engine schedules.
@@ -102,7 +102,8 @@ class Stream:
         if not self._calls:
             self._begin(seed)
         base = call_seed(seed if seed is not None else 0, stream=self.engine.stream) if seeded_requests else None
-        self._calls[tag] = _Call(dict(temperature=temperature, stop=tuple(stop)), [[None] * n for _ in prompts],
+        self._calls[tag] = _Call(dict(temperature=temperature, stop=tuple(stop), truncation=truncation),
+                                 [[None] * n for _ in prompts],
                                  seed=base, turns=turns)
         if turns is None:
             for i, p in enumerate(prompts):

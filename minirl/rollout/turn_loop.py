@@ -11,15 +11,17 @@ from collections.abc import Callable, Sequence
 from minirl.envs import hosting
 from minirl.envs.contract import accepted
 from minirl.envs.formats import ToolFormat
-from minirl.rollout.engine import Completion, Engine
+from minirl.rollout.engine import NO_CUT, Completion, Engine, Truncation
 from minirl.rollout.episodes import Turns
 
 
 def run_turns(engine: Engine, turns: Turns, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
-              max_tokens: int, seed: int | None, seeded_requests: bool = False) -> list[list[Completion]]:
+              max_tokens: int, seed: int | None, seeded_requests: bool = False,
+              truncation: Truncation = NO_CUT) -> list[list[Completion]]:
     """The synchronous turn loop: a turn of every episode ready per `generate`, the environments'
-    calls of a round returned (or given up) before the next."""
-    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests)
+    calls of a round returned (or given up) before the next. `truncation`: an evaluation's cuts."""
+    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests,
+               **({"truncation": truncation} if truncation.cuts else {}))
     try:
         turns.begin()
         asks = turns.settle()

@@ -52,7 +52,7 @@ from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import routes as cpu_routes
 from minirl.rollout.cpu import shm as cpu_shm
 from minirl.rollout.cpu import weights as cpu_weights
-from minirl.rollout.engine import Completion
+from minirl.rollout.engine import NO_CUT, Completion, Truncation
 from minirl.rollout.lifetime import share_process_groups
 from minirl.rollout.stream import Stream
 
@@ -252,6 +252,7 @@ class VLLMEngine:
         seed: int | None = None,
         seeded_requests: bool = False,
         stop: Sequence[int] = (),
+        truncation: Truncation = NO_CUT,
     ) -> list[list[Completion]]:
         """Sample n completions per prompt. Returns [len(prompts)][n] Completions, in prompt order.
 
@@ -263,7 +264,7 @@ class VLLMEngine:
         stream = Stream(self, max_redraws=MAX_REDRAWS)  # one call: answered when its requests finish
         try:
             stream.add(0, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                       seeded_requests=seeded_requests, stop=stop)
+                       seeded_requests=seeded_requests, stop=stop, truncation=truncation)
             while stream.busy:
                 if done := stream.step():
                     return done[0][1]
@@ -274,20 +275,23 @@ class VLLMEngine:
             raise
         raise AssertionError("unreachable: the stream ends with its call answered")
 
-    def sampling(self, *, n: int, temperature: float, max_tokens: int, seed: int | None = None, stop=()):
+    def sampling(self, *, n: int, temperature: float, max_tokens: int, seed: int | None = None, stop=(),
+                 truncation: Truncation = NO_CUT):
         """vLLM's `SamplingParams` for a rollout call (its final outputs only); `seed`: the request's
         own generator (noise independent of the other requests in the engine); `stop`: token ids that
-        end a sample as EOS does, kept in its tokens (vLLM keeps a stop token id it sampled)."""
+        end a sample as EOS does, kept in its tokens (vLLM keeps a stop token id it sampled);
+        `truncation`: min-p, top-k and top-p (none by default: the rollouts' own)."""
         from vllm import SamplingParams
 
         # token ids and their log-probs are all we read: vLLM's detokenizer would cost time
         # (graders decode what they need themselves), and so would its per-token Logprob dicts
         # over flat lists (`flat_logprobs`)
-        # no top-k, top-p or min-p, stated: log μ is softmax(z / T) only while nothing else reshapes it
-        # (the CPU capture refuses a step that has any; processed log-probs on CUDA would follow them,
-        # but the trainer's π would not)
+        # top-k, top-p and min-p stated, off unless asked: log μ is the cut distribution's (the CPU capture
+        # cuts it as the sampler does; CUDA's processed log-probs follow them), and only an evaluation
+        # asks for them until the trainer's π is renormalized over the same kept set (#97)
         return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, detokenize=False, seed=seed,
-                              top_k=0, top_p=1.0, min_p=0.0, stop_token_ids=list(stop) or None,
+                              top_k=truncation.top_k, top_p=truncation.top_p, min_p=truncation.min_p,
+                              stop_token_ids=list(stop) or None,
                               logprobs=None if self.capture_logprobs else 0, flat_logprobs=True,
                               output_kind=vllm_internals.final_only())
 

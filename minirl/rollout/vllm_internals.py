@@ -38,6 +38,8 @@ RELIED = (
      "timed_graph_capture: vllm.py times CUDA graph capture at the engine's start"),
     ("vllm.v1.sample.sampler:Sampler.compute_logprobs",
      "compute_logprobs: cpu/logprobs.py computes log μ as vLLM's sampler does"),
+    ("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
+     "cut: cpu/logprobs.py cuts the distribution log μ is taken from as vLLM's sampler cuts it (top-k, top-p)"),
     ("vllm.v1.sample.sampler:_SAMPLING_EPS",
      "greedy_below: cpu/logprobs.py treats a temperature below it as greedy, as vLLM does"),
     ("vllm.v1.core.sched.scheduler:Scheduler.schedule",
@@ -236,6 +238,17 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     from vllm.v1.sample.sampler import Sampler
 
     return Sampler.compute_logprobs(logits)
+
+
+def cut(logits: torch.Tensor, md) -> torch.Tensor:
+    """Tempered float32 logits cut as vLLM's sampler cuts them before it draws (`Sampler.sample`): its
+    argmax-invariant logits processors (min-p), then top-k and top-p (-inf outside what each row keeps),
+    with vLLM's own functions; in place where they write in place."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    for processor in md.logitsprocs.argmax_invariant:
+        logits = processor.apply(logits)
+    return apply_top_k_top_p(logits, md.top_k, md.top_p)
 
 
 def greedy_below() -> float:

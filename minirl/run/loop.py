@@ -303,7 +303,7 @@ class RLRun:
     def heldout_eval(self) -> dict:
         e, world, tp = self.rec.eval, self.world, self.tp  # a TP group evaluates its share; each member gathers its part
         return evaluate(self.rollouts, world.group_share(self.heldout, tp), self.grading, k=e.k, episodes=self.episodes,
-                        temperature=e.temperature, max_tokens=self.rec.rollout.max_tokens, decode=self.decode,
+                        sampler=e, max_tokens=self.rec.rollout.max_tokens, decode=self.decode,
                         eos_id=self.eos, gather=lambda rows: world.gather(world.member_share(rows, tp)))
 
     # ----- checkpoints --------------------------------------------------------------------------

@@ -13,8 +13,9 @@ So the engine asks for none, and this recorder, inside the worker, wraps the mod
   with the row's own temperature, as the sampler divides it (`Sampler.apply_temperature`: a
   greedy row's T taken as 1), with vLLM's own `Sampler.compute_logprobs`: what `logprobs=0`
   returns in vLLM's `processed_logprobs` mode, which the CUDA engine asks for (#79: the default
-  `raw_logprobs` is the T = 1 policy, not what sampled the token). Top-k, top-p and penalties
-  would change that distribution again; minirl sets none, and a step that has any is refused;
+  `raw_logprobs` is the T = 1 policy, not what sampled the token), then cut as the sampler cuts
+  it (min-p, top-k, top-p: an evaluation's settings), renormalized over what it keeps; penalties
+  would change it again from each request's history: minirl sets none, and a step with one is refused;
 - after it, the log-prob of each row's sampled token, kept with the step's request ids (the rows
   are the runner's batch, in order).
 `stop` cuts them per request. Each request must have exactly one per token it sampled
@@ -45,7 +46,7 @@ class LogprobRecorder:
             if spec_decode_metadata is not None:
                 raise RuntimeError("log-prob capture: speculative decoding is not supported")
             # before the sampler: fp32 logits are scaled in place
-            drawn = vllm_internals.compute_logprobs(tempered(logits, runner.input_batch.sampling_metadata))
+            drawn = vllm_internals.compute_logprobs(drawn_from(logits, runner.input_batch.sampling_metadata))
             out = original(logits, spec_decode_metadata)
             n = out.sampled_token_ids.shape[0]
             self.steps.append((runner.input_batch.req_ids[:n],
@@ -99,21 +100,23 @@ class LogprobRecorder:
             stamps.append(version)
 
 
-def tempered(logits: torch.Tensor, md) -> torch.Tensor:
+def drawn_from(logits: torch.Tensor, md) -> torch.Tensor:
     """The step's logits as its sampler draws from them: float32, each row divided by its request's
-    temperature (a new tensor: the sampler's own input is left as it is). vLLM's rule
-    (`Sampler.apply_temperature`): no division where every row is greedy, and a greedy row beside
-    sampled ones divided by 1. Anything else that would reshape the distribution is refused."""
-    if md.top_k is not None or md.top_p is not None or not md.no_penalties:
-        raise RuntimeError("log-prob capture: top-k, top-p or a penalty is set on a rollout request; log μ would "
-                           "not be the distribution the token was drawn from (minirl sets none)")
+    temperature, then cut as the sampler cuts them (min-p, top-k, top-p: -inf outside what each row
+    keeps, with vLLM's own functions), in a new tensor: the sampler's own input is left as it is.
+    vLLM's temperature rule (`Sampler.apply_temperature`): no division where every row is greedy, and
+    a greedy row beside sampled ones divided by 1. A penalty, which reshapes the distribution from the
+    request's history, is refused (minirl sets none)."""
+    if not md.no_penalties:
+        raise RuntimeError("log-prob capture: a penalty is set on a rollout request; log μ would not be the "
+                           "distribution the token was drawn from (minirl sets none)")
     x = logits.float()
-    if md.all_greedy or md.temperature is None:
+    if md.all_greedy or md.temperature is None:  # the sampler takes the argmax, and cuts nothing
         return x
     t = md.temperature[: x.shape[0]].to(x.device, torch.float32)
     if not md.all_random:
         t = torch.where(t < vllm_internals.greedy_below(), 1.0, t)
-    return x / t[:, None]
+    return vllm_internals.cut(x / t[:, None], md)  # a new tensor: the cuts write in place
 
 
 def install(worker) -> bool:
