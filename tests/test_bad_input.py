@@ -355,6 +355,14 @@ CASES = [
     ("init-rg-param-of-a-wrong-type", ["init", "{new}", "--task", "rg:chain_sum", "--set",
                                        'cold_start.task_params={{"min_digits": 1.5}}'], None,
      "cold_start.task_params.min_digits = 1.5: rg:chain_sum's config (ChainSumConfig) takes int"),
+    # --- #97: the sampler's cuts ---
+    ("rollout-cut-on-a-gpu", ["run", "{ws}", "--set", "rollout.top_p=0.9"], platform(device="cuda"),
+     "rollout.top_p / top_k / min_p: the trainer renormalizes π over what the sampler kept, which the CPU engine "
+     "records and vLLM's CUDA path does not return yet"),
+    ("renormalize-kept-off-uncut", ["run", "{ws}", "--set", "loss.renormalize_kept=false"], None,
+     "loss.renormalize_kept = false (the ablation of #97) acts on rollouts the sampler cuts"),
+    ("eval-top-p-zero", ["eval", "heldout", "{ws}", "--set", "eval.top_p=0"], None,
+     "eval.top_p = 0.0; it must be > 0 and ≤ 1"),
     ("env-isolation", ["run", "{ws}", "--set", "env.isolation=docker"], None, "env.isolation = 'docker'"),
     ("env-reward-mode", ["run", "{ws}", "--set", "env.reward=mean"], None, "env.reward = 'mean'"),
     ("env-concurrency-negative", ["run", "{ws}", "--set", "env.max_concurrency=-1"], None,

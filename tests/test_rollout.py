@@ -281,6 +281,45 @@ def test_log_mu_under_the_samplers_cuts_is_the_cut_distributions(engine32, tiny_
     assert sum(ratios) / len(ratios) < 0.98  # the bias a trainer's uncut log π would carry (the kept mass)
 
 
+@pytest.mark.parametrize("T, cuts", [(1.0, dict(top_p=0.8)), (1.0, dict(top_k=5)),
+                                     (0.6, dict(top_p=0.95, top_k=20)), (1.0, {})],
+                         ids=["top-p 0.8", "top-k 5", "T 0.6 top-p 0.95 top-k 20", "uncut"])
+def test_the_trainers_log_pi_over_the_samplers_kept_set_is_log_mu(engine32, tiny_dir, T, cuts):
+    """#97: the engine records how many tokens its cut kept at each sampled token, and the trainer's π_old,
+    renormalized over as many of its own most likely tokens, is μ: every sampled token's log μ within 1e-4
+    of the fp32 trainer's log π_old, KL(μ‖π_old) as small as uncut. Without the renormalization (the same
+    batch with no kept counts) the ratio π/μ carries the kept mass: its mean below 0.98 where the cut
+    removes mass."""
+    from minirl.rollout.engine import Truncation
+    from minirl.train import objective
+    from minirl.train.batch import batch_of
+
+    cut = Truncation(**cuts)
+    prompts = [PROMPTS[i % 3][: 4 + i % 5] for i in range(8)]
+    groups = engine32.generate(prompts, n=4, temperature=T, max_tokens=6, seed=5, **({"truncation": cut} if cuts else {}))
+    comps = [c for g in groups for c in g]
+    assert all(c.kept is not None for c in comps) == bool(cuts) and all(c.kept is None for c in comps) != bool(cuts)
+    batch = batch_of([p for p in prompts for _ in range(4)], comps, None, pad_id=0, temperature=T)
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.load_hf(tiny_dir)
+    pi, ent, _ = tr.logprobs(batch)
+    m = batch.mask_BT > 0
+    gap = float((batch.rollout_logp_BT - pi)[m].abs().max())
+    kl = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
+    stats = tr.take_cut_stats()
+    uncut, _, _ = tr.logprobs(dataclasses.replace(batch, kept_BT=None))
+    ratio = float((uncut - batch.rollout_logp_BT)[m].exp().mean())
+    print(f"{cut}: max |log μ − log π_old| {gap:.2e}, KL(μ‖π_old) {kl:.2e}, {stats}, uncut π/μ mean {ratio:.4f}")
+    assert int(m.sum()) > 100 and gap < 1e-4 and abs(kl) < 1e-6
+    if cuts:
+        assert stats["train/outside_kept_frac"] == 0.0 and 0.3 < stats["train/kept_mass"] < 1.0
+        assert all(0 < k <= TINY.vocab_size for c in comps for k in c.kept)
+        if cuts.get("top_p") == 0.8 or cuts.get("top_k"):
+            assert ratio < 0.98
+    else:
+        assert stats == {} and ratio == pytest.approx(1.0, abs=1e-4)
+
+
 def test_each_prompt_of_a_seeded_call_draws_its_own_noise(engine):
     """vLLM seeds child i of a request `seed + i`: one seed for every prompt of a call handed child
     i of each prompt the same noise, so identical prompts sampled identical responses and a batch's

@@ -199,7 +199,7 @@ def test_a_full_disk_inside_a_dcp_save_is_found_in_torchs_wrapped_failures():
 
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from minirl.train.checkpoint import _os_error
+    from minirl.disk.oserrors import os_error_of as _os_error
 
     try:
         raise OSError(errno.ENOSPC, "No space left on device")

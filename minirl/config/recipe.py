@@ -100,6 +100,12 @@ class RolloutConfig:
     # IS correction has work to do.
     precision: str = one_of("bf16", PRECISION_NAMES)
     temperature: float = rule(1.0, _not_greedy, 0)
+    # the sampler's cuts after the temperature (#97): top-p in (0, 1] (1: off), top-k ≥ 0 (0: off), min-p in
+    # [0, 1] (0: off). The engine records what each cut kept and the trainer renormalizes π over it
+    # (train/cuts.py), so the ratio π/μ carries no kept mass
+    top_p: float = number(1.0, 0, 1, above=True)
+    top_k: int = number(0, 0)
+    min_p: float = number(0.0, 0, 1)
     max_tokens: int = number(8, 1)  # response length limit
     # the share of each GPU the engine takes at its start (vLLM's gpu_memory_utilization: its weights,
     # working memory and KV cache), checked by the plan against what the trainer leaves free then;
@@ -159,6 +165,9 @@ class LossConfig:
     # paper's θ_old), or "proximal", π_old recomputed at the trained weights (decoupled PPO; r_t ≡ 1
     # at N = 1). Fresh tokens are anchored at π_old either way (objective.sampler_logp)
     clip_against: str = one_of("sampler", ("sampler", "proximal"))
+    # with rollout.top_p / top_k / min_p: π renormalized over what the sampler kept (train/cuts.py); false
+    # takes π over the whole vocabulary, whose ratio to μ carries the kept mass (TRL #7269): ablations only
+    renormalize_kept: bool = True
 
 
 @dataclass(kw_only=True, slots=True)

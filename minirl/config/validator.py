@@ -87,6 +87,9 @@ def validate(r: Recipe) -> None:
                          f"{r.env.tool_format!r} has no user turn to write them in: env.tool_format = 'qwen3' with the "
                          "chat template")
     ro = r.rollout
+    if not r.loss.renormalize_kept and not (ro.top_p < 1 or ro.top_k or ro.min_p):
+        raise UsageError("loss.renormalize_kept = false (the ablation of #97) acts on rollouts the sampler cuts, and "
+                         "rollout.top_p = 1, top_k = 0, min_p = 0 cut nothing: set one of them, or drop it")
     if ro.precision == "fp8" and ro.cuda_graphs and ro.sleep_level == 2:
         raise UsageError(FP8_GRAPHS_AFTER_SLEEP)
 

@@ -221,7 +221,8 @@ def per_response(mu_BT: torch.Tensor, pi_BT: torch.Tensor, mask_BT: torch.Tensor
 def _batch(prompts, groups, G: int, pad: int, *, temperature: float):
     comps = [c for g in groups for c in g]
     return build_batch([p for p in prompts for _ in range(G)], [c.token_ids for c in comps],
-                       [c.logprobs for c in comps], None, pad_id=pad, temperature=temperature)
+                       [c.logprobs for c in comps], None, pad_id=pad, temperature=temperature,
+                       kept=[c.kept for c in comps])
 
 
 def _as_batch(prompts, resps, logps, pad: int):

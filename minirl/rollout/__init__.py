@@ -49,7 +49,7 @@ from minirl.models import sizing
 from minirl.proc.collector import collect_as_usual
 from minirl.rollout import sync as weight_sync
 from minirl.rollout.controller import Controller, StalenessError, Ticket
-from minirl.rollout.engine import Completion, Engine, build
+from minirl.rollout.engine import Completion, Engine, Truncation, build
 from minirl.rollout.process import start_engine_process
 from minirl.rollout.remote import RemoteEngines
 from minirl.rollout.seeding import top_up_seed
@@ -218,8 +218,10 @@ class Rollouts:
     def _request(self, asked: list, *, seed: int) -> tuple[tuple, dict]:
         """A batch's `generate` call: G responses to each prompt asked, at the recipe's sampling (G
         episodes each, run by the engine's process at k ≥ 1 and on rollout GPUs: stream.py)."""
-        kw = dict(n=self._train.group_size, temperature=self._rollout.temperature, max_tokens=self._rollout.max_tokens,
-                  seed=seed)
+        ro = self._rollout
+        cuts = Truncation(top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p)  # the sampler's, recorded with each token
+        kw = dict(n=self._train.group_size, temperature=ro.temperature, max_tokens=ro.max_tokens, seed=seed,
+                  **({"truncation": cuts} if cuts.cuts else {}))
         if self._episodes is not None and (self._k or self._remote):  # run by the engines' processes
             kw["episodes"] = self._episodes.request(asked, seed=seed)
         return ([p.prompt_ids for p in asked],), kw

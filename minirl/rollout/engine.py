@@ -67,6 +67,9 @@ class Completion:
     # environment's reply put it (no μ, no loss); None: every token sampled (one turn)
     mask: tuple[int, ...] | None = None
     episode: "EpisodeInfo | None" = None  # what the episode's turns did (multi-turn only)
+    # [L] how many tokens the sampler's cut (top-k, top-p, min-p) kept where each token was drawn, the
+    # kept set being that many of the most likely (0: nothing cut there); None: nothing cut anywhere
+    kept: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # the sampler's kept counts (0: nothing cut; replies 0)
     routes: list = field(default_factory=list)  # R3: row blocks, concatenated at the end
     routed: int = 0  # positions the blocks cover
     info: dict = field(default_factory=lambda: dict(turns=0, tool_calls=0, tool_errors=0, env_errors=0, env_s=0.0,
@@ -98,6 +99,7 @@ class _Episode:
         self.mask += [1] * len(c.token_ids)
         self.logps += c.logprobs
         self.versions += c.versions if c.versions is not None else [None] * len(c.token_ids)
+        self.kept += c.kept if c.kept is not None else [0] * len(c.token_ids)
         if c.routes is not None:
             if len(c.routes) != start + len(c.token_ids) - 1 or len(c.routes) < self.routed:  # never misaligned
                 raise EngineFault(f"an episode's turn came back with routes for {len(c.routes)} positions, its "
@@ -123,6 +125,7 @@ class _Episode:
         self.mask += [0] * len(ids)
         self.logps += [0.0] * len(ids)
         self.versions += [self.versions[-1] if self.versions else None] * len(ids)
+        self.kept += [0] * len(ids)
         self.info["env_tokens"] += len(ids)
         self.turn_from = len(self.ids)
 
@@ -143,7 +146,8 @@ class _Episode:
         versions = tuple(self.versions) if self.versions and None not in self.versions else None
         info = {**self.info, "step_rewards": tuple(self.info["step_rewards"])}
         return Completion(tuple(self.ids), tuple(self.logps), self.finish, routes, versions, self.preempted,
-                          self.regenerated, mask=tuple(self.mask), episode=EpisodeInfo(**info))
+                          self.regenerated, mask=tuple(self.mask), episode=EpisodeInfo(**info),
+                          kept=tuple(self.kept) if any(self.kept) else None)
 
 
 class Turns:

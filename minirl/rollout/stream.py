@@ -125,8 +125,8 @@ class Stream:
         if finished:
             ids = [o.request_id for o in finished]
             routes = self._llm.collective_rpc(cpu_routes.take, args=(ids,))[0] if self._cpu_routes else {}
-            logps, stamps = self._llm.collective_rpc(cpu_logprobs.take, args=(ids,))[0] \
-                if self.engine.capture_logprobs else ({}, {})
+            logps, stamps, kept = self._llm.collective_rpc(cpu_logprobs.take, args=(ids,))[0] \
+                if self.engine.capture_logprobs else ({}, {}, {})
         ended: dict[int, list] = {}  # call → the episodes' turns that ended in this step, (prompt, completion, turn, sample)
         for o in finished:
             req = self._owner.pop(o.request_id)
@@ -140,7 +140,7 @@ class Stream:
                 if times and self.engine.capture_routes:  # its routes were recomputed: asked again at once
                     self._redraw(req, slot)
                     continue
-                got = self.engine.completion(req.prompt, o.request_id, c, logps, stamps, routes)
+                got = self.engine.completion(req.prompt, o.request_id, c, logps, stamps, routes, kept)
                 if got.versions is None:  # no CPU capture stamped them
                     got = dataclasses.replace(got, versions=self._versions(start, marks, len(c.token_ids)))
                 got = dataclasses.replace(got, preempted=times, regenerated=call.redrawn.get((req.i, slot, req.turn), 0))

@@ -296,9 +296,9 @@ class VLLMEngine:
                               output_kind=vllm_internals.final_only())
 
     def completion(self, prompt: Sequence[int], request_id: str, c, logps: dict, stamps: dict,
-                   routes: dict) -> Completion:
+                   routes: dict, kept: dict | None = None) -> Completion:
         """vLLM's `CompletionOutput` `c` of request `request_id` as a `Completion`, with the log μ,
-        versions and (R3) routes the captures hold under (request_id, c.index)."""
+        versions, (R3) routes and the sampler's kept counts the captures hold under (request_id, c.index)."""
         key = (request_id, c.index)
         if self.capture_logprobs:
             lps = tuple(logps.get(key, ()))
@@ -316,7 +316,9 @@ class VLLMEngine:
                 raise RuntimeError(f"captured routes for request {request_id}/{c.index}: {got} positions, need {want}")
             r = r[:want]
         versions = tuple(stamps[key]) if self.capture_logprobs and c.token_ids else None
-        return Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r, versions)
+        counts = tuple((kept or {}).get(key, ()))
+        return Completion(tuple(c.token_ids), lps, c.finish_reason or "length", r, versions,
+                          kept=counts if any(counts) else None)
 
     def set_version(self, version: int) -> None:
         """The policy version of the weights it holds (a resumed run's; a sync's comes with its weights):

@@ -43,7 +43,7 @@ from minirl.setup.preflight import RunInputs
 from minirl.setup.workspace import Workspace
 from minirl.stopwatch import Stopwatch
 from minirl.train import objective
-from minirl.train.batch import Batch, build_batch
+from minirl.train.batch import Batch, batch_of
 from minirl.train.replay import diagnostics as replay_diagnostics, rollout_routes
 from minirl.train.trainer import Trainer
 
@@ -137,10 +137,9 @@ class RLRun:
         shaping_PG = rewards_PG - graded_PG
         trains_PG = torch.stack([g.trains for g in kept])  # an episode the environment's fault ended: no sample
         adv_PG = self.advantages(rewards_PG, trains_PG)
-        batch = build_batch([p.prompt_ids for p in problems for _ in range(G)], [c.token_ids for c in comps],
-                            [c.logprobs for c in comps], adv_PG.flatten().tolist(), pad_id=self.pad,
-                            versions=[c.versions for c in comps], trained=step - 1, temperature=r.rollout.temperature,
-                            masks=[outcome.trained_mask(c) for c in comps])  # environment tokens and faults: masked
+        batch = batch_of([p.prompt_ids for p in problems for _ in range(G)], comps, adv_PG.flatten().tolist(),
+                         pad_id=self.pad, trained=step - 1, temperature=r.rollout.temperature,
+                         masks=[outcome.trained_mask(c) for c in comps], kept=r.loss.renormalize_kept)
         tokens = checks.engine_logp(batch, r, world, step)  # stops here, before any loss, on a broken engine
         clock.lap("grade")
 
@@ -223,6 +222,7 @@ class RLRun:
             "train/entropy": entropy,
             "train/kl_mu_pi_old": kl,
             **({"train/kl_mu_pi_old_fresh": kl_fresh} if kl_fresh is not None else {}),
+            **self.trainer.take_cut_stats(),  # top-k / top-p / min-p: the kept mass, tokens outside it (cuts.py)
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             **({"sync/parity_abs_dlogp": parity} if parity is not None else {}),

@@ -116,6 +116,11 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
         raise UsageError(f"rollout.max_staleness = {k} runs one trainer process and one engine process; under "
                          "torchrun every rank would need an engine process of its own, not built yet: set "
                          "rollout.max_staleness = 0 under torchrun")
+    if p.device != "cpu" and (ro.top_p < 1 or ro.top_k or ro.min_p):
+        # CUDA's processed log-probs follow the cut, but what it kept is recorded by the CPU capture only
+        raise UsageError("rollout.top_p / top_k / min_p: the trainer renormalizes π over what the sampler kept, which "
+                         "the CPU engine records and vLLM's CUDA path does not return yet (#97); sample uncut on a GPU "
+                         "(eval.top_p, eval.top_k and eval.min_p evaluate with them anywhere)")
     if k and p.device != "cpu" and ro.sleep_level > 0:
         raise UsageError(f"rollout.max_staleness = {k}: the engine samples on the trainer's GPU while it trains, so it "
                          f"cannot sleep (rollout.sleep_level = {ro.sleep_level}): set rollout.sleep_level = 0")

@@ -25,6 +25,9 @@ class Batch:
                                       trained (rollout.max_staleness ≥ 1); None: every token fresh
     temperature:      float           T the responses were sampled at: the policy is softmax(z / T),
                                       and every log π and entropy of the batch is taken at it
+    kept_BT:          int32 [B, L-1]  where the sampler cut its distribution (top-k, top-p, min-p): how
+                                      many of the most likely tokens it kept, over which log π and the
+                                      entropy are renormalized (0: nothing cut there); None: no cut
 
     Example (B=1): prompt [4, 16] ("1="), response [5, 2] ("2<eos>"):
         tokens_BL = [[4, 16, 5, 2]]; mask_BT = [[0, 1, 1]]; rollout_logp_BT = [[0, -0.1, -0.05]]
@@ -39,14 +42,17 @@ class Batch:
     seq_len_B: torch.Tensor | None = None
     behind_BT: torch.Tensor | None = None
     temperature: float = 1.0
+    kept_BT: torch.Tensor | None = None
 
     def select(self, idx: torch.Tensor | slice) -> "Batch":
-        return Batch(*(None if t is None else t[idx] for t in self._tensors()), temperature=self.temperature)
+        return Batch(*(None if t is None else t[idx] for t in self._tensors()), temperature=self.temperature,
+                     kept_BT=None if self.kept_BT is None else self.kept_BT[idx])
 
     def to(self, device: torch.device) -> "Batch":
         """The whole batch on `device` (the trainer's): masks, advantages and log-probs included."""
         return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()),
-                     temperature=self.temperature)
+                     temperature=self.temperature,
+                     kept_BT=None if self.kept_BT is None else self.kept_BT.to(device, non_blocking=True))
 
     def with_old_logp(self, old_logp_BT: torch.Tensor) -> "Batch":
         return dataclasses.replace(self, old_logp_BT=old_logp_BT)
@@ -76,12 +82,14 @@ def build_batch(
     trained: int = 0,
     temperature: float = 1.0,
     masks: Sequence[Sequence[int] | None] | None = None,
+    kept: Sequence[Sequence[int] | None] | None = None,
 ) -> Batch:
     """`versions`: each response token's policy version (`Completion.versions`; None: the
     trained weights'); a token of a version below `trained`, the weights the step trains, is behind.
     `temperature`: what the responses were sampled at (`rollout_logps` are log μ at it). `masks`:
     a multi-turn episode's (`Completion.mask`): 1 where its engine sampled the token, 0 where an
-    environment's reply put it, which no loss, IS weight or staleness counts (None: all sampled)."""
+    environment's reply put it, which no loss, IS weight or staleness counts (None: all sampled).
+    `kept`: the sampler's kept counts per response token (`Completion.kept`; None: nothing cut)."""
     B = len(prompts)
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
     tokens, mask, rlp = [], [], []  # rows as lists, one tensor each at the end (a tensor per row is slower)
@@ -106,5 +114,19 @@ def build_batch(
     mask_t = torch.tensor(mask, dtype=torch.float32)
     rlp_t = torch.tensor(rlp, dtype=torch.float32) if rollout_logps is not None else torch.zeros(B, L - 1)
     behind_t = torch.tensor(behind, dtype=torch.float32) if behind is not None else None
+    kept_t = None
+    if kept is not None and any(k is not None for k in kept):
+        kept_t = torch.tensor([[0] * (len(p) - 1) + list(k or [0] * len(r)) + [0] * (L - len(p) - len(r))
+                               for p, r, k in zip(prompts, responses, kept)], dtype=torch.int32)
     return Batch(torch.tensor(tokens, dtype=torch.long), mask_t, rlp_t, adv_t, prompt_len_B=n_p, seq_len_B=n,
-                 behind_BT=behind_t, temperature=float(temperature))
+                 behind_BT=behind_t, temperature=float(temperature), kept_BT=kept_t)
+
+
+def batch_of(prompts: Sequence[Sequence[int]], comps: Sequence, adv: Sequence[float] | None, *, pad_id: int,
+             trained: int = 0, temperature: float = 1.0, masks: Sequence[Sequence[int] | None] | None = None,
+             kept: bool = True) -> Batch:
+    """`build_batch` of completions (rollout.engine.Completion: their tokens, log μ, versions and the
+    sampler's kept counts, unless `kept` is false: loss.renormalize_kept's ablation), one per prompt given."""
+    return build_batch(prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], adv, pad_id=pad_id,
+                       versions=[c.versions for c in comps], trained=trained, temperature=temperature, masks=masks,
+                       kept=[c.kept for c in comps] if kept else None)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from minirl.train.cuts import edge_of
+
 if TYPE_CHECKING:  # for annotations only: the batch module needs nothing from here
     from minirl.train.batch import Batch
 
@@ -350,17 +352,27 @@ def _ratio_metrics(
 
 
 @torch.no_grad()
-def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_tokens: int = 4096, temperature: float = 1.0) -> torch.Tensor:
-    """Full-vocabulary entropy H_t = −Σ_v p_v log p_v per position, p = softmax(logits / T) (the
-    policy the engine samples at temperature T), [B, T], in float32 a chunk of positions at a time
-    (never a whole fp32 copy of the logits)."""
+def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_tokens: int = 4096, temperature: float = 1.0,
+                        kept_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy H_t = −Σ_v p_v log p_v per position of the distribution the engine samples: p =
+    softmax(logits / T) over the whole vocabulary, or over the sampler's kept set where it cut
+    (`kept_BT` > 0: that many of the most likely tokens), [B, T], in float32 a chunk of positions at a
+    time (never a whole fp32 copy of the logits)."""
     B, T, V = logits_BTV.shape
     x_NV = logits_BTV.reshape(B * T, V)
+    kept_N = None if kept_BT is None else kept_BT.reshape(B * T)
     out = []
     for s in range(0, B * T, chunk_tokens):
         x = x_NV[s : s + chunk_tokens].float()
-        logp = torch.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)
-        out.append(-(logp.exp() * logp).sum(dim=-1))
+        x = x if temperature == 1.0 else x / temperature
+        edge = None if kept_N is None else edge_of(x, kept_N[s : s + chunk_tokens])
+        if edge is None:
+            logp = torch.log_softmax(x, dim=-1)
+            out.append(-(logp.exp() * logp).sum(dim=-1))
+        else:  # 0 · log 0 = 0 outside the kept set
+            logp = torch.log_softmax(x.masked_fill(x < edge, float("-inf")), dim=-1)
+            p = logp.exp()
+            out.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(dim=-1))
     return torch.cat(out).view(B, T)
 
 
@@ -431,3 +443,18 @@ def loss_for(loss) -> Callable[[torch.Tensor, "Batch"], tuple[torch.Tensor, dict
         return value, m
 
     return fn
+
+
+def merge_metrics(parts: list[dict]) -> dict:
+    """Micro-batch metrics as one: token-weighted means ("loss/tokens" is each part's count), max of maxima."""
+    n = [p.get("loss/tokens", 1.0) for p in parts]
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k == "loss/tokens":
+            out[k] = sum(vals)
+        else:
+            out[k] = sum(v * w for v, w in zip(vals, n)) / max(sum(n), 1e-12)
+    return out

@@ -26,13 +26,13 @@ import torch
 
 from minirl.models.hub import check_base, fingerprint
 from minirl.models.shapes import ModelShape, attention_pair_cost, titan_config
-from minirl.train import checkpoint
+from minirl.train import checkpoint, cuts
 from minirl.train import lora as lora_mod
 from minirl.train import offload as offload_mod
 from minirl.train.batch import Batch
 from minirl.train.head import head_chunk, head_logprobs, target_logprobs, token_logprobs
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
-from minirl.train.objective import entropy_from_logits
+from minirl.train.objective import entropy_from_logits, merge_metrics
 from minirl.train.packing import pack_shared_prompts
 from minirl.train.parallel import full_ac, full_state_dict, global_count, global_max, parallelize, whole
 from minirl.train.replay import RoutingReplay
@@ -136,6 +136,7 @@ class Trainer:
         self._params = list(self.model.parameters())  # kept: a sync must not walk the module tree again
 
         self.replay = RoutingReplay(self.model)
+        self.cut_stats: dict = {}  # what forwards read of the sampler's cuts (head.py), until `take_cut_stats`
         # one fused kernel for all parameters (one process; much faster than the per-parameter loop
         # on CPU); sharded DTensor parameters keep the default implementation
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
@@ -264,6 +265,9 @@ class Trainer:
             tokens, kw = full[:, :-1], {}
         chunk = self._head_chunk(tokens.numel())
         T = batch.temperature
+        # the sampler's kept counts (top-k, top-p, min-p): π and H renormalized over as many of the most likely
+        kept, kept_K, kept_M = cuts.kept_of(batch, packed, self.device)
+        cut = {"stats": self.cut_stats} if kept is not None else {}
         self.model._skip_lm_head = bool(chunk)  # TorchTitan's decoder then returns the final hidden states
         try:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -272,7 +276,7 @@ class Trainer:
                     h = out.flatten(0, 1)
                     h, targets = (h[packed.src_N], packed.target_N) if packed is not None else (h, full[:, 1:].flatten())
                     logp, ent = head_logprobs(h, targets, self.model.lm_head, chunk=chunk, with_entropy=with_entropy,
-                                              temperature=T)
+                                              temperature=T, kept_K=kept_K, **cut)
                     ent = ent.detach() if ent is not None else None
                     if packed is not None:
                         return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
@@ -282,14 +286,22 @@ class Trainer:
         if packed is not None:
             # per packed position, then picked per target: no [targets, vocab] copy of the logits
             x_MV = out.flatten(0, 1)
-            logp = packed.unpack(target_logprobs(x_MV, packed.src_N, packed.target_N, temperature=T))
+            logp = packed.unpack(target_logprobs(x_MV, packed.src_N, packed.target_N, temperature=T, kept_N=kept_M,
+                                                 **cut))
             ent = None
             if with_entropy:
-                ent = packed.unpack(entropy_from_logits(out.detach(), temperature=T).flatten()[packed.src_N])
+                ent = entropy_from_logits(out.detach(), temperature=T,
+                                          kept_BT=None if kept_M is None else kept_M.view(out.shape[:2]))
+                ent = packed.unpack(ent.flatten()[packed.src_N])
             return logp, ent
-        logp = token_logprobs(out, full[:, 1:], temperature=T)
-        ent = entropy_from_logits(out.detach(), temperature=T) if with_entropy else None
+        logp = token_logprobs(out, full[:, 1:], temperature=T, kept_BT=kept, **cut)
+        ent = entropy_from_logits(out.detach(), temperature=T, kept_BT=kept) if with_entropy else None
         return logp, ent
+
+    def take_cut_stats(self) -> dict:
+        """What the forwards since the last call read of the sampler's cuts, as a step's row (cuts.row)."""
+        got, self.cut_stats = self.cut_stats, {}
+        return cuts.row(got)
 
     def _head_chunk(self, positions: int) -> int:
         """Positions per chunk of the output head (head.py), or 0 for whole logits (head.head_chunk)."""
@@ -380,7 +392,7 @@ class Trainer:
             t = torch.tensor([total * share])
             dist.all_reduce(t)
             total = float(t.item())
-        metrics = parts[0] if len(parts) == 1 else _merge_metrics(parts)
+        metrics = parts[0] if len(parts) == 1 else merge_metrics(parts)
         if with_logp:
             return total, metrics, torch.cat(lps), torch.cat(ents)
         return total, metrics
@@ -480,18 +492,3 @@ class Trainer:
         if self.offload == "optimizer":
             offload_mod.to_host(self.optim)
         return extra
-
-
-def _merge_metrics(parts: list[dict]) -> dict:
-    """Micro-batch metrics as one: token-weighted means ("loss/tokens" is each part's count), max of maxima."""
-    n = [p.get("loss/tokens", 1.0) for p in parts]
-    out = {}
-    for k in parts[0]:
-        vals = [p[k] for p in parts]
-        if k.endswith("_max"):
-            out[k] = max(vals)
-        elif k == "loss/tokens":
-            out[k] = sum(vals)
-        else:
-            out[k] = sum(v * w for v, w in zip(vals, n)) / max(sum(n), 1e-12)
-    return out

@@ -46,19 +46,23 @@ class LogprobRecorder:
             if spec_decode_metadata is not None:
                 raise RuntimeError("log-prob capture: speculative decoding is not supported")
             # before the sampler: fp32 logits are scaled in place
-            drawn = vllm_internals.compute_logprobs(drawn_from(logits, runner.input_batch.sampling_metadata))
+            md = runner.input_batch.sampling_metadata
+            cut = drawn_from(logits, md)
+            drawn = vllm_internals.compute_logprobs(cut)
             out = original(logits, spec_decode_metadata)
             n = out.sampled_token_ids.shape[0]
+            # what each row's cut kept, where the step cuts (0: nothing cut): the trainer renormalizes over as many
+            kept = torch.isfinite(cut[:n]).sum(-1) if cuts(md) else torch.zeros(n, dtype=torch.long)
             self.steps.append((runner.input_batch.req_ids[:n],
-                               drawn.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1), self.version))
+                               drawn.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1), self.version, kept))
             return out
 
         vllm_internals.around_sample(runner, sample)
 
     def _reset(self) -> None:
-        self.steps: list[tuple[list[str], torch.Tensor, int]] = []
-        # steps already cut per request (`take`): key → ([log μ], [version])
-        self.per_request: dict[tuple[str, int], tuple[list[float], list[int]]] = {}
+        self.steps: list[tuple[list[str], torch.Tensor, int, torch.Tensor]] = []
+        # steps already cut per request (`take`): key → ([log μ], [version], [tokens the sampler's cut kept])
+        self.per_request: dict[tuple[str, int], tuple[list[float], list[int], list[int]]] = {}
 
     def start(self) -> None:
         self.enabled = True
@@ -69,35 +73,44 @@ class LogprobRecorder:
         self.enabled = False
         self._reset()
 
-    def stop(self) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[int]]]:
-        """({(external request id, completion index): log μ of its sampled tokens, in order}, and the
-        same keys → the policy version that sampled each)."""
+    def stop(self) -> tuple[dict, dict, dict]:
+        """({(external request id, completion index): log μ of its sampled tokens, in order}, the same
+        keys → the policy version that sampled each, and → how many tokens the sampler's cut kept at each
+        (0: nothing cut))."""
         self.enabled = False
-        self._cut()
-        out = ({k: v[0] for k, v in self.per_request.items()}, {k: v[1] for k, v in self.per_request.items()})
+        self._split()
+        out = tuple({k: v[i] for k, v in self.per_request.items()} for i in range(3))
         self._reset()
         return out
 
-    def take(self, external_ids) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[int]]]:
+    def take(self, external_ids) -> tuple[dict, dict, dict]:
         """The same for the requests of these external ids only (they have finished); capturing goes on."""
-        self._cut()
+        self._split()
         wanted = set(external_ids)
         mine = [k for k in self.per_request if k[0] in wanted]
         taken = [self.per_request.pop(k) for k in mine]
-        return dict(zip(mine, (t[0] for t in taken))), dict(zip(mine, (t[1] for t in taken)))
+        return tuple(dict(zip(mine, (t[i] for t in taken))) for i in range(3))
 
-    def _cut(self) -> None:
+    def _split(self) -> None:
         """The steps recorded so far, cut per request (one tensor op for all of them)."""
         if not self.steps:
             return
-        rids = [r for ids, _, _ in self.steps for r in ids]
-        values = torch.cat([v for _, v, _ in self.steps]).tolist()
-        versions = [version for ids, _, version in self.steps for _ in ids]
+        rids = [r for ids, _, _, _ in self.steps for r in ids]
+        values = torch.cat([v for _, v, _, _ in self.steps]).tolist()
+        versions = [version for ids, _, version, _ in self.steps for _ in ids]
+        kept = torch.cat([k for _, _, _, k in self.steps]).tolist()
         self.steps = []
-        for rid, v, version in zip(rids, values, versions):
-            lps, stamps = self.per_request.setdefault(vllm_internals.split_request_id(rid), ([], []))
+        for rid, v, version, k in zip(rids, values, versions, kept):
+            lps, stamps, counts = self.per_request.setdefault(vllm_internals.split_request_id(rid), ([], [], []))
             lps.append(v)
             stamps.append(version)
+            counts.append(k)
+
+
+def cuts(md) -> bool:
+    """The step's sampler cuts some row's distribution (top-k, top-p, or an argmax-invariant processor: min-p)."""
+    return md.top_k is not None or md.top_p is not None or any(
+        getattr(p, "min_p_count", 1) for p in md.logitsprocs.argmax_invariant)
 
 
 def drawn_from(logits: torch.Tensor, md) -> torch.Tensor:
