@@ -285,7 +285,7 @@ def test_resume_run_continues_the_run_it_names_not_the_newest(tmp_path):
         with pytest.raises(UsageError, match="20261126-100000/checkpoints/step_000004: DCP metadata missing"):
             pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", run=run_folder(ws, name))
     (tmp_path / "runs" / "20261126-120000").mkdir()
-    with pytest.raises(UsageError, match="20261126-120000: it has no complete checkpoint"):
+    with pytest.raises(UsageError, match="20261126-120000: it stopped before its first checkpoint; start it again"):
         pick_resume_checkpoint(ws, TINY, "tiny-qwen3-moe", run=run_folder(ws, "20261126-120000"))
     for name in ("20261126-130000", str(tmp_path), str(older / "checkpoints")):
         with pytest.raises(UsageError, match="not a run of"):

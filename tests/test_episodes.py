@@ -167,6 +167,42 @@ def test_log_mu_and_routes_are_the_trainers_at_every_position_of_the_episode(epi
     assert route_agreement(routes, own, ends).tolist() == [1.0] * TINY.n_layers
 
 
+def test_under_the_samplers_cuts_an_episodes_log_mu_is_the_trainers_renormalized_log_pi(r3_engine32, tok, tiny_dir):
+    """#97: episodes of several turns sampled at top-p 0.8 (fp32 engine, R3): each sampled token carries what
+    the cut kept where it was drawn (the environment's replies none), and the fp32 trainer's log π_old over
+    that many of its most likely tokens is log μ within 1e-4 at every sampled position of every turn; the
+    routes still agree everywhere."""
+    from minirl.rollout.engine import Truncation
+    from minirl.train.batch import batch_of
+    from minirl.train.replay import rollout_routes, route_agreement
+    from minirl.train.trainer import Trainer
+
+    encode, decode = tok
+    fmt = ToolFormat("", often_sampled(r3_engine32, decode), "expr", tool="calc", reply="{}")
+    envs = [[Counter() for _ in range(4)] for _ in PROMPTS]
+    for group in envs:
+        for env in group:
+            env.reset()
+    groups = sample_episodes(r3_engine32, PROMPTS, envs, fmt=fmt, encode=encode, decode=decode, n=4, temperature=1.0,
+                             max_tokens=14, max_turns=3, max_model_len=32, seed=5, truncation=Truncation(top_p=0.8))
+    comps = [c for g in groups for c in g]
+    assert sum(c.episode.turns >= 2 for c in comps) >= 4
+    assert all(k > 0 if m else k == 0 for c in comps for k, m in zip(c.kept, c.mask))
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    batch = batch_of(prompts, comps, None, pad_id=0, masks=[c.mask for c in comps])
+    tr = Trainer(TINY, lr=1e-3, seed=0)
+    tr.load_hf(tiny_dir)
+    pi, _, own = tr.logprobs(batch, record_routes=True)
+    m = batch.mask_BT > 0
+    assert float((batch.rollout_logp_BT - pi)[m].abs().max()) < 1e-4
+    assert tr.take_cut_stats()["train/outside_kept_frac"] == 0.0
+    fed = torch.zeros_like(batch.mask_BT)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        fed[i, : c.routes.shape[0]] = 1.0
+    routes = rollout_routes(comps, batch, TINY.n_layers, TINY.top_k, TINY.num_experts)
+    assert route_agreement(routes, own, fed).tolist() == [1.0] * TINY.n_layers
+
+
 # ---- the turn loop's bookkeeping, on a scripted engine double: what each turn samples is fixed ----
 class Scripted:
     """Samples the given turns in order, each prompt alike (log μ −0.5 each, no routes)."""

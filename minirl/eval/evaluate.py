@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from minirl.config import recipes
 from minirl.data.prompts import Problem, Prompter, prompt_ids, response_text
@@ -28,9 +29,11 @@ from minirl.envs.outcome import answer_ids, needs_grade, rewards as episode_rewa
 from minirl.errors import EnvFault, UsageError
 from minirl.eval import benchmarks
 from minirl.models import hub
-from minirl.rollout.engine import Truncation
 from minirl.setup.preflight import check_checkpoint, check_gradable, check_model_folder, instead
 from rewards.pool import GradingPool
+
+if TYPE_CHECKING:
+    from minirl.rollout.engine import Truncation
 
 
 def summarize(correct_PK: list[list[bool]], extracted_PK: list[list[str | None]], k: int | None = None) -> dict:
@@ -80,6 +83,8 @@ def pass_at(n: int, c: int, k: int) -> float:
 
 def eval_cuts(settings) -> Truncation:
     """[eval]'s sampler cuts (top-p, top-k, min-p) as the engine takes them."""
+    from minirl.rollout.engine import Truncation  # deferred: torch (the CLI imports this module at start)
+
     return Truncation(top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p)
 
 

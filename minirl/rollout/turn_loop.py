@@ -52,7 +52,7 @@ def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequ
                     seed: int | None = None, step_timeout_s: float = 30.0, max_reply_tokens: int | None = None,
                     seeded_requests: bool = False, host: hosting.Host | None = None,
                     encode_text: Callable[[str], list[int]] | None = None, max_calls: int = 1,
-                    user_turns: bool = False) -> list[list[Completion]]:
+                    user_turns: bool = False, truncation: Truncation = NO_CUT) -> list[list[Completion]]:
     """n episodes per prompt, [len(prompts)][n], in prompt order, a turn of every live episode per
     `engine.generate`; `envs[i][j]` is episode j of prompt i's environment: a class (built and reset on
     its worker with no arguments), or an object built and reset already (taken as it is).
@@ -61,7 +61,8 @@ def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequ
     `encode_text` the environment's (default: `encode`), `decode` a turn's sampled ids.
     `max_reply_tokens`: the longest reply (cut beyond). `seeded_requests`: as `Engine.generate`'s.
     `max_calls`: the calls a turn may make, where `fmt`'s turns run to their end. `user_turns`: the
-    environments answer a turn without a call as the user (`env.replies_to = "turns"`)."""
+    environments answer a turn without a call as the user (`env.replies_to = "turns"`). `truncation`: the
+    sampler's cuts (top-p, top-k, min-p)."""
     starts = [[(env if isinstance(env, type) else Adopted(env), {}, {}) for env in group] for group in envs]
     own = host is None
     host = host or hosting.Host()
@@ -70,7 +71,7 @@ def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequ
                   max_reply_tokens=max_reply_tokens, encode_text=encode_text, max_calls=max_calls, user_turns=user_turns)
     try:
         return run_turns(engine, turns, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                         seeded_requests=seeded_requests)
+                         seeded_requests=seeded_requests, truncation=truncation)
     finally:
         if own:
             host.close()
