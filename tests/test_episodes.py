@@ -465,6 +465,20 @@ def test_an_openenv_shaped_environment_trains_three_steps_through_the_cli(tiny_d
     assert status.returncode == 0 and "turns" in status.stdout and "calls" in status.stdout, status.stdout
 
 
+def runs_and_calls_more(minirl, ws) -> None:
+    """15 steps of `minirl run` on a tools workspace: every step runs episodes, no environment fault, and the
+    tool-call rate of the last three steps above that of the first three."""
+    import json
+
+    r = minirl("run", str(ws), "--steps", "15", "--set", "train.prompts_per_step=8", "--set", "eval.k=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = next((ws / "runs").iterdir())
+    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
+    assert len(steps) == 15 and all(x["episode/env_errors"] == 0 for x in steps)
+    first, last = sum(x["episode/tool_calls"] for x in steps[:3]) / 3, sum(x["episode/tool_calls"] for x in steps[-3:]) / 3
+    assert last > first, (first, last)
+
+
 @pytest.mark.slow
 def test_the_embedded_tool_task_learns_to_call_its_calculator(tmp_path):
     """`minirl init --task tools` (a short cold start that shows the call on half the problems, the
@@ -489,13 +503,7 @@ def test_the_embedded_tool_task_learns_to_call_its_calculator(tmp_path):
     rows = [json.loads(x) for x in (ws / "data/train.jsonl").read_text().splitlines()[:50]]
     assert all(x["prompt"].count("*") == 1 and x["answer"] == str(eval(x["prompt"][:-1])) for x in rows)
     assert {len(x["parts"]) for x in rows} == {1, 3} and all(x["parts"][1][1] is False for x in rows if len(x["parts"]) == 3)
-    r = minirl("run", str(ws), "--steps", "15", "--set", "train.prompts_per_step=8", "--set", "eval.k=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = next((ws / "runs").iterdir())
-    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
-    assert len(steps) == 15 and all(x["episode/env_errors"] == 0 for x in steps)
-    first, last = sum(x["episode/tool_calls"] for x in steps[:3]) / 3, sum(x["episode/tool_calls"] for x in steps[-3:]) / 3
-    assert last > first, (first, last)
+    runs_and_calls_more(minirl, ws)
     scores = {}
     for name, extra in (("with", []), ("without", ["--set", "env.name="])):
         before = set((ws / "evals").glob("heldout-*.json"))
@@ -534,13 +542,7 @@ def test_the_tools_task_in_qwen3s_chat_format_trains_end_to_end_and_its_tool_cal
     calls = [x["parts"][0][0] for x in map(json.loads, (ws / "data/train.jsonl").read_text().splitlines()[:40])
              if len(x["parts"]) == 3]
     assert calls and all(c.startswith('<tool_call>\n{"name": "calc", "arguments": {"expr": "') for c in calls)
-    r = minirl("run", str(ws), "--steps", "15", "--set", "train.prompts_per_step=8", "--set", "eval.k=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = next((ws / "runs").iterdir())
-    steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
-    assert len(steps) == 15 and all(x["episode/env_errors"] == 0 for x in steps)
-    first, last = sum(x["episode/tool_calls"] for x in steps[:3]) / 3, sum(x["episode/tool_calls"] for x in steps[-3:]) / 3
-    assert last > first, (first, last)
+    runs_and_calls_more(minirl, ws)
 
 
 def test_a_python_tool_runs_the_models_code_in_the_sandbox_in_qwen3s_format():
