@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 
-
-@dataclass
-class Obs:
-    done: bool = False
-    reward: float | None = None
-    metadata: dict = field(default_factory=dict)
-    result: object = None
+from minirl.envs.contract import Observation as Obs  # light: the worker's process imports it anyway
 
 
 class Crashes:

@@ -589,7 +589,8 @@ def test_episodes_at_k2_with_a_sync_between_and_within_turns_stay_exact(inflight
         assert int((here & later & sampled).sum()) >= least, v  # later turns sampled cleanly by θ_v
         assert int((here & later & ~sampled).sum()) >= least, v  # ... and the replies' positions fed by θ_v
     assert int((at == -1).sum()) > 0  # the sync landed within a turn too: those forwards are mixed
-    assert sum(c.episode.turns >= 2 for c in comps) >= 2 * least and sum(c.episode.tool_calls for c in comps) >= 2 * least
+    assert sum(c.episode.turns >= 2 for c in comps) >= 2 * least
+    assert sum(c.episode.tool_calls for c in comps) >= 2 * least
     # a later turn's prefill under θ_1 recomputed positions first fed under θ_0: some routed otherwise
     # (the rows kept, θ_0's, are those the tokens were sampled under; the row says how many moved)
     from minirl.rollout.environments import rows

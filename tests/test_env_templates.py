@@ -6,8 +6,6 @@ shape), through `transformers`' own `apply_chat_template`; the turns a scripted 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from minirl.envs.contract import Observation, ToolCall
@@ -67,7 +65,8 @@ def episode(tok, texts, *, thinking: bool, max_calls: int = 1, env=None, user_tu
     prompt = tok.apply_chat_template([{"role": "user", "content": "6*7="}], add_generation_prompt=True, tools=TOOLS,
                                      enable_thinking=thinking, tokenize=True, return_dict=False)
     env, engine = env or Calc(), Turns(tok, texts)
-    (c,), = sample_episodes(engine, [prompt], [[env]], fmt=fmt, user_turns=user_turns, encode=lambda s: tok.encode(s, add_special_tokens=False),
+    (c,), = sample_episodes(engine, [prompt], [[env]], fmt=fmt, user_turns=user_turns,
+                            encode=lambda s: tok.encode(s, add_special_tokens=False),
                             encode_text=lambda s: tok.encode(s, add_special_tokens=False, split_special_tokens=True),
                             decode=lambda ids: tok.decode(list(ids)), n=1, temperature=1.0, max_tokens=400,
                             max_turns=4, max_model_len=2000, seed=0, max_reply_tokens=400, max_calls=max_calls)
@@ -139,10 +138,11 @@ def test_a_template_that_renders_earlier_turns_again_differently_is_refused_in_o
 
     tok = copy.deepcopy(chat_tok)
     # as Qwen3's own does: an earlier turn's empty reasoning block is dropped once more messages follow it
+    turn = ("{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + "
+            "content.lstrip('\\n') }}")
     tok.chat_template = tok.chat_template.replace(
-        "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}",
-        "{%- if loop.last or reasoning %}{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + "
-        "'\\n</think>\\n\\n' + content.lstrip('\\n') }}{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}")
+        turn, "{%- if loop.last or reasoning %}" + turn + "{%- else %}{{- '<|im_start|>assistant\\n' + content }}"
+              "{%- endif %}")
     assert tok.chat_template != chat_tok.chat_template
     format_for("qwen3", tok, chat=True, chat_kwargs={"enable_thinking": True}, tools=TOOLS)  # reasoning kept: fine
     with pytest.raises(UsageError, match="renders an earlier turn differently once tool messages follow it") as e:
@@ -156,7 +156,7 @@ def test_several_calls_need_the_chat_template_and_qwen3s_format():
     with pytest.raises(UsageError, match="env.max_calls = 2 answers several calls of a turn together"):
         recipes.load(recipes.shipped("tiny-tools"), ["env.max_calls=2"])
     rec = recipes.load(recipes.shipped("tiny-tools-qwen3"), ["env.max_calls=2"])
-    assert rec.env.max_calls == 2 and json.loads(json.dumps(rec.data.chat_template_kwargs)) == {"enable_thinking": False}
+    assert rec.env.max_calls == 2 and rec.data.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_an_environment_that_answers_as_the_user_plays_a_game_of_turns_as_the_template_renders_them(chat_tok):

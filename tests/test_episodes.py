@@ -475,7 +475,8 @@ def runs_and_calls_more(minirl, ws) -> None:
     run = next((ws / "runs").iterdir())
     steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
     assert len(steps) == 15 and all(x["episode/env_errors"] == 0 for x in steps)
-    first, last = sum(x["episode/tool_calls"] for x in steps[:3]) / 3, sum(x["episode/tool_calls"] for x in steps[-3:]) / 3
+    first = sum(x["episode/tool_calls"] for x in steps[:3]) / 3
+    last = sum(x["episode/tool_calls"] for x in steps[-3:]) / 3
     assert last > first, (first, last)
 
 
@@ -533,12 +534,14 @@ def test_the_tools_task_in_qwen3s_chat_format_trains_end_to_end_and_its_tool_cal
                               timeout=900)
 
     ws = tmp_path / "ws"
-    r = minirl("init", str(ws), "--task", "tools", "--recipe", "tiny-tools-qwen3", "--set", "cold_start.train_size=4000",
-               "--set", "cold_start.heldout_size=64", "--set", "cold_start.dev_size=64", "--set",
-               "cold_start.batch_size=64", "--set", "cold_start.target_acc=0.25")
+    r = minirl("init", str(ws), "--task", "tools", "--recipe", "tiny-tools-qwen3",
+               "--set", "cold_start.train_size=4000", "--set", "cold_start.heldout_size=64",
+               "--set", "cold_start.dev_size=64", "--set", "cold_start.batch_size=64",
+               "--set", "cold_start.target_acc=0.25")
     assert r.returncode == 0, r.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(str(ws / "model/coldstart"))
-    assert [len(tok.encode(t, add_special_tokens=False)) for t in ("<|im_end|>", "<tool_call>", "</tool_call>")] == [1] * 3
+    specials = ("<|im_end|>", "<tool_call>", "</tool_call>")
+    assert [len(tok.encode(t, add_special_tokens=False)) for t in specials] == [1] * 3
     calls = [x["parts"][0][0] for x in map(json.loads, (ws / "data/train.jsonl").read_text().splitlines()[:40])
              if len(x["parts"]) == 3]
     assert calls and all(c.startswith('<tool_call>\n{"name": "calc", "arguments": {"expr": "') for c in calls)

@@ -296,7 +296,8 @@ def test_the_trainers_log_pi_over_the_samplers_kept_set_is_log_mu(engine32, tiny
 
     cut = Truncation(**cuts)
     prompts = [PROMPTS[i % 3][: 4 + i % 5] for i in range(8)]
-    groups = engine32.generate(prompts, n=4, temperature=T, max_tokens=6, seed=5, **({"truncation": cut} if cuts else {}))
+    groups = engine32.generate(prompts, n=4, temperature=T, max_tokens=6, seed=5,
+                               **({"truncation": cut} if cuts else {}))
     comps = [c for g in groups for c in g]
     assert all(c.kept is not None for c in comps) == bool(cuts) and all(c.kept is None for c in comps) != bool(cuts)
     batch = batch_of([p for p in prompts for _ in range(4)], comps, None, pad_id=0, temperature=T)
@@ -309,7 +310,8 @@ def test_the_trainers_log_pi_over_the_samplers_kept_set_is_log_mu(engine32, tiny
     stats = tr.take_cut_stats()
     uncut, _, _ = tr.logprobs(dataclasses.replace(batch, kept_BT=None))
     ratio = float((uncut - batch.rollout_logp_BT)[m].exp().mean())
-    print(f"{cut}: max |log μ − log π_old| {gap:.2e}, KL(μ‖π_old) {kl:.2e}, {stats}, uncut π/μ mean {ratio:.4f}")
+    print(f"{cut}: max |log μ − log π_old| {gap:.2e}, KL(μ‖π_old) {kl:.2e}, {stats}, "
+          f"uncut π/μ mean {ratio:.4f}")
     assert int(m.sum()) > 100 and gap < 1e-4 and abs(kl) < 1e-6
     if cuts:
         assert stats["train/outside_kept_frac"] == 0.0 and 0.3 < stats["train/kept_mass"] < 1.0

@@ -1,6 +1,7 @@
 """The embedded tools task's environment (`minirl init --task tools`, #84): a calculator, in OpenEnv's
-shape (minirl/envs/contract.py), and as a TRL environment class (`CalculatorTools`, Qwen3's format). `calc` evaluates integer arithmetic (+, −, × and brackets) of at
-most 32 characters; anything else is answered "?", which the tiny vocabulary can write."""
+shape (minirl/envs/contract.py), and as a TRL environment class (`CalculatorTools`, Qwen3's format).
+`calc` evaluates integer arithmetic (+, −, × and brackets) of at most 32 characters; anything else is
+answered "?", which the tiny vocabulary can write."""
 
 from __future__ import annotations
 

@@ -94,11 +94,6 @@ def cut_settings(cuts: Truncation) -> dict:
     return {"top_p": cuts.top_p, "top_k": cuts.top_k, "min_p": cuts.min_p} if cuts.cuts else {}
 
 
-def cut_kw(cuts: Truncation) -> dict:
-    """`generate`'s keyword for the cuts, none where there are none (an engine double need not take it)."""
-    return {"truncation": cuts} if cuts.cuts else {}
-
-
 def evaluate(
     engine,
     problems: Sequence[Problem],
@@ -125,12 +120,12 @@ def evaluate(
     if episodes is not None:
         try:
             groups = episodes.sample(engine, problems, n=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                     seeded_requests=True, **cut_kw(cuts))
+                                     seeded_requests=True, **cuts.kw)
         finally:  # a client's sessions free again for the engine's process (k ≥ 1), or for training's next step
             episodes.release()
     else:
         groups = engine.generate([p.prompt_ids for p in problems], n=k, temperature=temperature, max_tokens=max_tokens,
-                                 seed=seed, seeded_requests=True, **cut_kw(cuts))
+                                 seed=seed, seeded_requests=True, **cuts.kw)
     comps = [c for g in groups for c in g]
     mode = episodes.settings.reward if episodes is not None else "final"
     items = [(prob.record, response_text(answer_ids(c), decode, eos_id))
@@ -433,11 +428,11 @@ def eval_benchmark(
                     if episodes is not None:
                         groups = episodes.sample(engine, [Problem(tuple(prompts[i]), records[i]) for i in idx],
                                                  n=rec.eval.k, temperature=rec.eval.temperature, max_tokens=max_tokens,
-                                                 seed=seed, **cut_kw(cuts))
+                                                 seed=seed, **cuts.kw)
                     else:
                         groups = engine.generate([prompts[i] for i in idx], n=rec.eval.k,
                                                  temperature=rec.eval.temperature, max_tokens=max_tokens, seed=seed,
-                                                 **cut_kw(cuts))
+                                                 **cuts.kw)
                     comps = [c for g in groups for c in g]
                     items = [(records[i], response_text(answer_ids(c), tok.decode, eos)) for i, g in zip(idx, groups)
                              for c in g]

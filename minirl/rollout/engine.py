@@ -38,6 +38,11 @@ class Truncation:
     def cuts(self) -> bool:
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
+    @property
+    def kw(self) -> dict:
+        """`generate`'s keyword for these cuts, none where nothing is cut (an engine double need not take it)."""
+        return {"truncation": self} if self.cuts else {}
+
 
 NO_CUT = Truncation()
 

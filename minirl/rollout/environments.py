@@ -80,7 +80,8 @@ class Environments:
         return self.tokenizer.decode(list(ids))
 
     def sample(self, engine, problems: Sequence, *, n: int, temperature: float, max_tokens: int,
-               seed: int | None, seeded_requests: bool = False, truncation: Truncation = NO_CUT) -> list[list[Completion]]:
+               seed: int | None, seeded_requests: bool = False,
+               truncation: Truncation = NO_CUT) -> list[list[Completion]]:
         prompts = [p.prompt_ids for p in problems]
         return run_turns(engine, self.turns(prompts, [_row(p) for p in problems], n=n, max_tokens=max_tokens,
                                             seed=seed),

@@ -20,8 +20,7 @@ def run_turns(engine: Engine, turns: Turns, prompts: Sequence[Sequence[int]], *,
               truncation: Truncation = NO_CUT) -> list[list[Completion]]:
     """The synchronous turn loop: a turn of every episode ready per `generate`, the environments'
     calls of a round returned (or given up) before the next. `truncation`: an evaluation's cuts."""
-    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests,
-               **({"truncation": truncation} if truncation.cuts else {}))
+    ask = dict(temperature=temperature, stop=turns.stop, seeded_requests=seeded_requests, **truncation.kw)
     try:
         turns.begin()
         asks = turns.settle()
@@ -68,7 +67,8 @@ def sample_episodes(engine: Engine, prompts: Sequence[Sequence[int]], envs: Sequ
     host = host or hosting.Host()
     turns = Turns(prompts, starts, host=host, fmt=fmt, encode=encode, decode=decode, n=n, max_tokens=max_tokens,
                   max_turns=max_turns, max_model_len=max_model_len, step_timeout_s=step_timeout_s,
-                  max_reply_tokens=max_reply_tokens, encode_text=encode_text, max_calls=max_calls, user_turns=user_turns)
+                  max_reply_tokens=max_reply_tokens, encode_text=encode_text, max_calls=max_calls,
+                  user_turns=user_turns)
     try:
         return run_turns(engine, turns, prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
                          seeded_requests=seeded_requests, truncation=truncation)

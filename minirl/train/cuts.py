@@ -50,7 +50,9 @@ def row(stats: dict) -> dict:
     """A step's row of what its forwards read of the cuts: the trainer's probability of the kept set (mean
     over cut tokens) and the share of sampled tokens outside its own kept set. {} where nothing was cut."""
     n = stats.get("cut_tokens", 0)
-    return {"train/kept_mass": stats["kept_mass"] / n, "train/outside_kept_frac": stats["outside_kept"] / n} if n else {}
+    if not n:
+        return {}
+    return {"train/kept_mass": stats["kept_mass"] / n, "train/outside_kept_frac": stats["outside_kept"] / n}
 
 
 def kept_of(batch, packed, device) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -52,7 +52,7 @@ class LogprobRecorder:
             out = original(logits, spec_decode_metadata)
             n = out.sampled_token_ids.shape[0]
             # what each row's cut kept, where the step cuts (0: nothing cut): the trainer renormalizes over as many
-            kept = torch.isfinite(cut[:n]).sum(-1) if cuts(md) else torch.zeros(n, dtype=torch.long)
+            kept = torch.isfinite(cut[:n]).sum(-1) if cuts(md) else None
             self.steps.append((runner.input_batch.req_ids[:n],
                                drawn.gather(-1, out.sampled_token_ids[:, :1].long()).view(-1), self.version, kept))
             return out
@@ -60,7 +60,7 @@ class LogprobRecorder:
         vllm_internals.around_sample(runner, sample)
 
     def _reset(self) -> None:
-        self.steps: list[tuple[list[str], torch.Tensor, int, torch.Tensor]] = []
+        self.steps: list[tuple[list[str], torch.Tensor, int, torch.Tensor | None]] = []
         # steps already cut per request (`take`): key → ([log μ], [version], [tokens the sampler's cut kept])
         self.per_request: dict[tuple[str, int], tuple[list[float], list[int], list[int]]] = {}
 
@@ -98,7 +98,7 @@ class LogprobRecorder:
         rids = [r for ids, _, _, _ in self.steps for r in ids]
         values = torch.cat([v for _, v, _, _ in self.steps]).tolist()
         versions = [version for ids, _, version, _ in self.steps for _ in ids]
-        kept = torch.cat([k for _, _, _, k in self.steps]).tolist()
+        kept = [c for ids, _, _, k in self.steps for c in (k.tolist() if k is not None else [0] * len(ids))]
         self.steps = []
         for rid, v, version, k in zip(rids, values, versions, kept):
             lps, stamps, counts = self.per_request.setdefault(vllm_internals.split_request_id(rid), ([], [], []))
