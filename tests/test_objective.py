@@ -174,6 +174,21 @@ def test_a_batch_without_version_stamps_has_nothing_behind():
     assert b.behind_BT.tolist() == [[1.0, 0.0], [0.0, 0.0]] and b.select(slice(0, 1)).behind_BT.shape == (1, 2)
 
 
+def test_the_ten_percent_share_counts_either_side_whatever_the_advantage():
+    """#97: TRL #7269's measure of a sampler's bias. Four tokens, A > 0, π_old/μ = 0.85, 1.05, 1.15,
+    0.95: the first and third are outside [0.9, 1.1] (a half), while none is out of the clip band in
+    its advantage's direction (below 1 is never clipped at A > 0, and 1.15 < 1 + ε_high)."""
+    from minirl.config.recipe import LossConfig
+    from minirl.train.batch import build_batch
+
+    mu = [LN(0.4)] * 4
+    batch = build_batch([[7]], [[5, 6, 7, 8]], [mu], [1.0], pad_id=0)
+    old = t([[LN(0.4 * 0.85), LN(0.4 * 1.05), LN(0.4 * 1.15), LN(0.4 * 0.95)]])
+    _, m = O.loss_for(LossConfig())(old, batch.with_old_logp(old))
+    assert m["loss/mismatch_outside_10pct"] == pytest.approx(0.5)
+    assert m["loss/mismatch_out_of_band"] == 0.0
+
+
 def test_each_clipped_token_is_counted_by_its_cause():
     """#79: the rows split the clip. Four tokens, A > 0, after an update (N > 1: π_θ ≠ π_old):
     fresh, moved 1.5× since π_old (movement); stale, π_old/μ = 1.5 with π_θ = π_old (the anchor's gap
@@ -195,6 +210,7 @@ def test_each_clipped_token_is_counted_by_its_cause():
     assert (m["loss/clip_frac_stale"], m["loss/clip_frac_fresh"]) == pytest.approx((0.5, 0.25))
     assert (m["loss/clip_frac_mismatch"], m["loss/clip_frac_movement"]) == pytest.approx((0.25, 0.5))
     assert (m["loss/stale_frac"], m["loss/mismatch_out_of_band"]) == pytest.approx((0.5, 0.25))
+    assert m["loss/mismatch_outside_10pct"] == pytest.approx(0.25)
     _, m = O.loss_for(LossConfig(clip_against="proximal"))(logp, batch)
     assert m["loss/clip_frac"] == pytest.approx(0.5) and m["loss/clip_frac_mismatch"] == 0.0
     assert (m["loss/clip_frac_stale"], m["loss/clip_frac_fresh"]) == pytest.approx((0.25, 0.25))

@@ -179,6 +179,10 @@ def clip_causes(
         loss/mismatch_out_of_band                         tokens whose π_old/μ is out of the band: what an
                                                           anchor at μ would clip before any update (at
                                                           k = 0 the precision gap alone: its floor)
+        loss/mismatch_outside_10pct                       tokens whose π_old/μ is outside [0.9, 1.1], either
+                                                          way, whatever the advantage: the sampler's bias
+                                                          as TRL #7269 counts it (a cut the trainer does
+                                                          not renormalize over puts most tokens there)
 
     Exactly the clipped tokens of the MiniRL and GRPO losses; CISPO clips no gradient (its weight is
     clamped instead): there the same shares say where the clamp binds in the advantage's direction.
@@ -203,6 +207,7 @@ def clip_causes(
         "loss/clip_frac_movement": share(clipped & ~by_gap),
         "loss/stale_frac": share(stale),
         "loss/mismatch_out_of_band": share(out(old_logp_BT - mu)),
+        "loss/mismatch_outside_10pct": share(mask & ((old_logp_BT - mu).exp() - 1).abs().gt(0.1)),
     }
 
 
