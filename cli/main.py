@@ -19,12 +19,14 @@ from cli.guard import guard_cmd
 from cli.options import DEFAULT_WORKSPACE, POSITIVE_FINITE, workspace_argument
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
+from cli.samples import samples_cmd
 from cli.study import doctor, lab
 from minirl.config import recipes
 from minirl.config.precisions import NAMES as PRECISION_NAMES
 from minirl.errors import EngineFault, EnvFault, RunIOError, UsageError
 from minirl.eval.benchmarks import get as get_bench
-from minirl.eval.evaluate import bench_records, eval_benchmark, resolve_checkpoint
+from minirl.eval.bench import bench_records, eval_benchmark
+from minirl.eval.checkpoints import resolve_checkpoint
 from minirl.models.hub import resolution
 from minirl.models.shapes import TINY_ID
 from minirl.proc.collector import collect_less_often
@@ -302,9 +304,11 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
 @click.option("--max-problems", type=click.IntRange(min=1), default=None,
               help="Score only the first N problems (a named benchmark is scored whole by default; heldout as the "
                    "recipe's eval.max_problems).")
+@click.option("--no-samples", is_flag=True, help="Keep no responses (by default every one is kept beside its grade: "
+                                               "`minirl samples --eval`).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, data_dir: Path | None, k: int | None,
-             temperature: float | None, max_problems: int | None, overrides: tuple[str, ...]) -> None:
+             temperature: float | None, max_problems: int | None, no_samples: bool, overrides: tuple[str, ...]) -> None:
     """Evaluate a checkpoint on BENCH and report avg@k, pass@k (and the unbiased pass@1, @5, @10
     below k) and maj@k.
 
@@ -312,7 +316,8 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     datasets, or a local copy with --data / --data-dir) or heldout (the workspace's held-out split,
     the default). humaneval runs each answer's program against the problem's tests in a sandbox.
     Results go to <workspace>/evals/ (or ./minirl-evals/ without a workspace) as JSON with a
-    per-problem breakdown. An interrupted eval resumes where it stopped.
+    per-problem breakdown, and every response beside its grade (`minirl samples --eval BENCH` shows
+    them). An interrupted eval resumes where it stopped.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -348,7 +353,7 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
                   console=console) as prog:
         task = prog.add_task("eval", total=None)
         result = eval_benchmark(
-            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records,
+            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records, keep_samples=not no_samples,
             on_progress=lambda done, total: prog.update(task, completed=done, total=total),
         )
     from rich.table import Table
@@ -368,6 +373,8 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     if result["resumed_problems"]:
         console.print(f"resumed: {result['resumed_problems']} problems were already done")
     console.print(f"results: {result['results_file']}")
+    if result.get("samples_file"):
+        console.print(f"responses: {result['samples_file']} (`minirl samples --eval {result['samples_file']}`)")
 
 
 @cli.command()
@@ -387,13 +394,7 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
     from rich.live import Live
 
 
-    if run_name is not None:
-        run_dir = workspace / "runs" / run_name
-        # a run is a folder in runs/ itself: not runs/ (".", ""), nor a path past it (#82)
-        if not run_dir.is_dir() or run_dir.resolve().parent != (workspace / "runs").resolve():
-            raise UsageError(f"no run {run_name!r} in {workspace / 'runs'}")
-    else:
-        run_dir = status_mod.latest_run(workspace)
+    run_dir = status_mod.run_dir_of(workspace, run_name)
     if plot_png is not None:
         out = run_dir / plot_png.name if plot_png == Path("metrics.png") else plot_png
         console.print(f"plot: {plot_metrics(run_dir / 'metrics.jsonl', out)}")
@@ -408,7 +409,7 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
             live.update(status_view(st, console.width))
 
 
-for command in (doctor, lab, export_cmd, push_cmd, guard_cmd):
+for command in (doctor, lab, export_cmd, push_cmd, guard_cmd, samples_cmd):
     cli.add_command(command)
 
 

@@ -15,7 +15,7 @@ from minirl.config import recipes
 from minirl.config.precisions import NAMES as PRECISIONS
 from minirl.disk.store import latest_trained
 from minirl.errors import UsageError
-from minirl.eval.evaluate import resolve_checkpoint
+from minirl.eval.checkpoints import resolve_checkpoint
 from minirl.setup.workspace import Workspace, init_workspace
 
 
@@ -58,7 +58,7 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     f = report["figures"]
     pm = lambda k: f"{f[k]['mean']:.2e} ± {f[k]['spread']:.1e}"  # noqa: E731
     table = Table(title=f"KL(μ‖π), k3 estimator (never below 0; runs log k1), and its sources ({report['batch']}, "
-                        f"sampled at T = {report['temperature']:g}, {seeds} seed(s), checkpoint {folder})")
+                        f"sampled at T = {report['temperature']:g}{cut_note(report['cuts'])}, {seeds} seed(s), checkpoint {folder})")
     table.add_column("source")
     table.add_column("what is compared")
     table.add_column("KL", justify="right")
@@ -74,6 +74,9 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
         rows[6:6] = [("precision", f"{p} rollouts, vLLM's routes replayed (R3)", f"kl_r3/{p}") for p in ("bf16", "fp8")]
         rows += [("routing", f"{rec.rollout.precision} rollouts, trainer's own routes", "kl/run_no_replay"),
                  ("routing", f"{rec.rollout.precision} rollouts, vLLM's routes replayed (R3)", "kl/run_r3")]
+    if "kl/uncut_pi" in f:  # the recipe cuts its sampler: what π over the whole vocabulary would add
+        rows.append(("truncation", f"{rec.rollout.precision} rollouts, π over the whole vocabulary instead of the "
+                     "sampler's kept set", "kl/uncut_pi"))
     for src, what, k in rows:
         table.add_row(src, what, pm(k))
     for p in PRECISIONS[1:]:
@@ -96,6 +99,14 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     for line in report["advice"]:
         console.print(f"[bold]advice:[/] {line}", soft_wrap=True)
     console.print(f"report: {js}  plot: {png}", soft_wrap=True)
+
+
+def cut_note(cuts: dict | None) -> str:
+    """The sampler's cuts a doctor report sampled with, for its table's title ('' where none)."""
+    if not cuts:
+        return ""
+    named = {"top_p": ("top-p", 1.0), "top_k": ("top-k", 0), "min_p": ("min-p", 0.0)}
+    return "".join(f", {label} {cuts[k]:g}" for k, (label, off) in named.items() if cuts[k] != off)
 
 
 @click.command()

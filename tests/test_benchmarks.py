@@ -8,7 +8,8 @@ import pytest
 from minirl.config.recipe import Recipe
 from minirl.errors import UsageError
 from minirl.eval import benchmarks
-from minirl.eval.evaluate import eval_benchmark, summarize
+from minirl.eval.bench import eval_benchmark
+from minirl.eval.evaluate import summarize
 from tests.conftest import SHARED
 
 BENCH = SHARED / "data" / "benchmarks"
@@ -38,7 +39,7 @@ def test_data_is_filed_under_the_benchmark_it_is_and_scored_whole_unless_cut():
     """`eval aime25 --data gsm8k.jsonl` is not aime25 (1,319 problems, not 30): filed under the
     file's own name. A named benchmark is scored whole (the recipe's eval.max_problems cuts the
     held-out split only); --max-problems cuts, and the count it was cut from is kept."""
-    from minirl.eval.evaluate import bench_records
+    from minirl.eval.bench import bench_records
 
     rec = Recipe()
     rec.eval.max_problems = 500
@@ -76,6 +77,13 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
                        chunk=8, on_progress=stop_after_first_chunk)
     partial = list(out.glob("*.partial.jsonl"))
     assert len(partial) == 1 and len(partial[0].read_text().splitlines()) == 8
+    # every response kept (#98), a line a problem done; as if a kill had come after the next problem's
+    # samples and before its row, and mid-way through another line: both go, nothing is lost or twice
+    [samples] = list(out.glob("*.samples.jsonl"))
+    first = samples.read_text().splitlines()
+    assert [json.loads(x)["index"] for x in first] == list(range(8))
+    with samples.open("a") as f:
+        f.write(json.dumps({"index": 8, "problem": "planted", "answer": "", "responses": []}) + '\n{"index": 9, "pro')
 
     # the same checkpoint under another rollout precision: its own file, nothing resumed from the other
     other = Recipe()
@@ -93,10 +101,17 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
     assert [r["index"] for r in saved["per_problem"]] == list(range(30))
     assert all(len(r["correct"]) == 2 for r in saved["per_problem"])
     assert not partial[0].exists()
+    kept = [json.loads(x) for x in samples.read_text().splitlines()]
+    assert res["samples_file"] == str(samples) and [x["index"] for x in kept] == list(range(30))
+    assert samples.read_text().splitlines()[:8] == first  # the problems done before were not generated again
+    for x, row in zip(kept, saved["per_problem"]):
+        assert [r["correct"] for r in x["responses"]] == row["correct"]
+        assert all(isinstance(r["text"], str) and r["tokens"] > 0 and "extracted" in r["grader"] for r in x["responses"])
+    assert "planted" not in samples.read_text()
 
 
 def test_prompt_uses_the_chat_template_when_the_tokenizer_has_one(tokenizer):
-    from minirl.eval.evaluate import _format_prompt
+    from minirl.eval.bench import _format_prompt
 
     plain = _format_prompt(tokenizer, "{problem}?", "1+2")
     assert tokenizer.decode(plain) == "1+2?"

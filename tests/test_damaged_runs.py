@@ -87,7 +87,7 @@ def test_an_eval_of_a_live_runs_checkpoint_pins_what_it_reads_and_writes_nothing
     goes to the workspace's cache, and the run's folder is left as it was; an ended run's checkpoint
     keeps its HF copy beside it, as before."""
     from minirl.config import recipes
-    from minirl.eval.evaluate import resolve_checkpoint
+    from minirl.eval.checkpoints import resolve_checkpoint
     from minirl.setup.workspace import Workspace
     from minirl.train.hf_io import load_hf_weights
 

@@ -179,7 +179,7 @@ def test_the_chat_templates_keyword_arguments_reach_it_on_every_prompt_path(tiny
 
     from minirl.config import recipes
     from minirl.data.prompts import prompts_ids
-    from minirl.eval.evaluate import _format_prompt
+    from minirl.eval.bench import _format_prompt
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}="

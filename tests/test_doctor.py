@@ -86,3 +86,27 @@ def test_the_staleness_mix_is_read_from_the_newest_run_that_sampled_ahead_at_k(t
     mix, source = staleness_mix(ws, 2)
     assert mix == {0: 0.3, 1: 0.1, 2: 0.6} and "20261128-010000" in source and "3 steps, 100 tokens" in source
     assert staleness_mix(ws, 1)[0] == {0: 0.5, 1: 0.5}
+
+
+@pytest.mark.slow
+def test_the_doctor_samples_with_the_recipes_cut_and_measures_what_renormalizing_removes(tiny_dir, tmp_path):
+    """#97: under a top-p cut every level samples as the run would and the trainer's π is renormalized
+    over each kept set, so fp32 stays at rounding; π over the whole vocabulary is the truncation's share
+    (the random tiny model spreads its mass: a 0.8 cut leaves a large one)."""
+    from tests.conftest import data_workspace
+
+    ws = data_workspace(tmp_path / "ws")
+    r = minirl("doctor", "-w", str(ws), "--seeds", "1", "--checkpoint", str(tiny_dir),
+               "--set", f"model.id={tiny_dir}", "--set", "model.path=", "--set", "rollout.top_p=0.8",
+               "--set", "reward.grader=numeric", "--set", 'reward.params={"tol": 500}')
+    assert r.returncode == 0, r.stderr[-3000:]
+    [report] = list((ws / "doctor").glob("doctor-*.json"))
+    rep = json.loads(report.read_text())
+    f = {k: v["mean"] for k, v in rep["figures"].items() if isinstance(v, dict)}
+    assert rep["cuts"] == {"top_p": 0.8, "top_k": 0, "min_p": 0.0}
+    print(f"\nKL(μ‖π) at top-p 0.8: fp32 {f['kl/fp32']:.2e}, bf16 {f['kl/bf16']:.2e}, "
+          f"bf16 with π over the whole vocabulary {f['kl/uncut_pi']:.2e}")
+    assert f["kl/fp32"] < 1e-6 and f["kl/uncut_pi"] > 5 * f["kl/bf16"]
+    assert "top-p 0.8" in r.stdout and "π over the whole vocabulary" in r.stdout
+    assert any(line.startswith("the sampler's cut (top-p 0.8, top-k 0, min-p 0)") and "renormalizes" in line
+               for line in rep["advice"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from minirl.disk.store import metric_rows
+from minirl.data.written import records
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -151,6 +152,7 @@ def test_init_run_kill_resume(tmp_path):
     ckpt_steps = sorted(int(c.name.split("_")[1]) for c in (run2 / "checkpoints").glob("step_*") if "." not in c.name)
     assert ckpt_steps and ckpt_steps[-1] <= logged[-1]
     before_kill = metrics(run2)
+    samples_before = [x for x in records(run2 / "samples.jsonl") if x["step"] <= logged[-1]]
     r = minirl("run", str(ws), "--resume", "--steps", str(logged[-1] + 1))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {ckpt_steps[-1]}" in r.stdout and f"vLLM compile cache: reused {cache}" in r.stdout
@@ -164,6 +166,14 @@ def test_init_run_kill_resume(tmp_path):
     assert ph["loop"] <= ph["rl"] + 0.5 and metrics(run2)[-1]["timing/loop_s"] > ph["loop"]
     # and the steps redone after the crash are the ones it lost, sample for sample and update for update
     assert [same_step(m) for m in metrics(run2)[:len(before_kill)]] == [same_step(m) for m in before_kill]
+    # what the model wrote (#98): two groups a step, every line whole, no step twice, and the steps redone
+    # wrote what they wrote before the kill
+    lines = (run2 / "samples.jsonl").read_text().splitlines()
+    after = [json.loads(x) for x in lines]
+    assert [(x["step"], x["group"]) for x in after] == [(s, g) for s in range(1, logged[-1] + 2) for g in range(2)]
+    assert after[:len(samples_before)] == samples_before
+    shown = minirl("samples", str(ws))
+    assert shown.returncode == 0 and f"step {logged[-1] + 1} · group 1" in shown.stdout and "advantage" in shown.stdout
     # a seeded run repeats exactly: its first steps are the first run's (whose held-out evals and
     # parity checks, off the training path, change nothing)
     assert [same_step(m) for m in metrics(run2)[:3]] == [same_step(m) for m in metrics(run_dir)]

@@ -210,6 +210,9 @@ def test_sigkill_at_random_moments_then_resume(small_ws, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT" and summary["steps"] == len(rows)
     assert Path(summary["checkpoint"]).name == f"step_{len(rows):06d}"
+    # what the model wrote (#98): whole lines only, each step's groups once, the same steps as the rows
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["group"]) for x in samples] == [(s, g) for s in range(1, len(rows) + 1) for g in range(2)]
     print("\nSIGKILL figures:", json.dumps(figures, indent=1))
     assert sum(f["in_checkpoint_write"] for f in figures) >= 1
 

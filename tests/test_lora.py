@@ -332,7 +332,7 @@ def test_a_lora_run_with_r3_killed_and_resumed_repeats_itself_and_exports(tmp_pa
     # `eval` and `doctor` take a checkpoint through resolve_checkpoint: one without its HF folder is
     # rebuilt from the adapters and the base they name, and holds the run's merged weights again
     from minirl.config import recipes
-    from minirl.eval.evaluate import resolve_checkpoint
+    from minirl.eval.checkpoints import resolve_checkpoint
     from minirl.setup.workspace import Workspace
 
     shutil.move(ckpt / "hf", tmp_path / "run-hf")
@@ -347,7 +347,7 @@ def test_an_exported_adapter_is_evaluated_merged_onto_its_base(tmp_path, tiny_di
     adapter_config.json names: the merged weights equal the merged export's (what the run's own
     sync gives vLLM), kept under the evaluations' folder and found again; the adapter's file is
     0644 like the rest of an export."""
-    from minirl.eval.evaluate import resolve_checkpoint
+    from minirl.eval.checkpoints import resolve_checkpoint
     from minirl.train.hf_io import load_hf_weights, save_hf_folder, save_peft_folder
 
     tr = _lora_trainer(rank=4)

@@ -131,6 +131,17 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
         assert all(same(got[s], want[s]) for s in want), key  # float32 in the event file
     texts = [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in ea.Tensors("guard/events/text_summary")]
     assert [t.split(" (")[0] for t in texts] == ["step 2: rollback", "step 4: rollback", "step 6: stop"]
+    # what the model wrote (#98): each step's samples as text, every response of the step's groups in it
+    from minirl.data.written import records
+    from minirl.run.samples import flat
+
+    recs = list(records(run_dir / "samples.jsonl"))
+    assert sorted({x["step"] for x in recs}) == [1, 2, 3, 4, 5, 6]
+    shown = {e.step: tensor_util.make_ndarray(e.tensor_proto).item().decode()
+             for e in ea.Tensors("samples/text_summary")}
+    assert sorted(shown) == [1, 2, 3, 4, 5, 6]
+    for x in flat(recs):
+        assert f"**group {x['group']}, response {x['response']}**" in shown[x["step"]] and x["text"] in shown[x["step"]]
 
     # W&B offline: the same numbers at the same steps, in the run folder, nothing sent anywhere
     [wandb_file] = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -141,6 +152,9 @@ def test_tensorboard_wandb_status_and_plot_of_a_run_with_rollbacks(tiny_dir, tmp
             assert same(float(history[m["step"]][key]), float(m[key])), (m["step"], key)
     assert history[4]["guard/events/nrows"] == 2 and history[4]["guard/events/_type"] == "table-file"  # a row per event
     assert history[6]["guard/events/nrows"] == 3
+    for step in range(1, 7):  # the samples as a table, a row a response
+        assert history[step]["samples/_type"] == "table-file"
+        assert history[step]["samples/nrows"] == len([x for x in flat(recs) if x["step"] == step]) > 0
 
     # the PNG marks the rollbacks (tab:red dashed lines on every panel); the curves are tab:blue
     import matplotlib.image as mpimg

@@ -309,6 +309,10 @@ class MetricsConfig:
     wandb_entity: str = ""  # default: the logged-in user's
     wandb_name: str = ""  # default: the run folder's name
     wandb_tags: str = ""  # comma-separated
+    # what the model wrote (runs/<id>/samples.jsonl, `minirl samples`): this many of each step's groups
+    # (0: none), each text kept to its first and last samples_max_chars / 2 characters (minirl/run/samples.py)
+    samples_groups: int = number(2, 0)
+    samples_max_chars: int = number(4000, 100)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,6 +18,10 @@ one fixed batch of rollouts (the recipe's B prompts × G responses, drawn with f
                 of how many updates behind the trained tokens were, read from the newest run that
                 sampled ahead at this k (`rollout/staleness_tokens`), else the controller's
                 steady state (every token k steps behind); a step counted as N mini-batch updates
+    truncation  where the recipe's rollout cuts its sampler (top-p, top-k, min-p), every level samples
+                with the cut and the trainer's π is renormalized over each position's kept set, as a run
+                trains; at the run's precision KL(μ‖π) is also taken with π over the whole vocabulary:
+                what the cut adds when a trainer does not renormalize (loss.renormalize_kept = false)
 
 KL(μ‖π) is estimated with k3 (`objective.train_inference_kl_k3`): unbiased like the run's k1
 (mean of log μ − log π, the paper's) and far less noisy at these sizes; k1 is kept in the JSON
@@ -42,6 +46,7 @@ from minirl.data.prompts import response_text
 from minirl.disk import atomic, store
 from minirl.models import sizing
 from minirl.rollout import make_engine
+from minirl.rollout.engine import Truncation
 from minirl.rollout.fp8 import fp8_roundtrip
 from minirl.setup.preflight import check_model_folder, prepare_run
 from minirl.train import objective
@@ -113,6 +118,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
              for p in NAMES}
     levels = tuple((p, engines["bf16" if p == "fp8-weights" else p], holds[p]) for p in NAMES)
     B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
+    cuts = Truncation.of(r)
     pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
     k = rec.rollout.max_staleness
     mix, mix_source = staleness_mix(ws, k) if k else ({0: 1.0}, "")
@@ -126,7 +132,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
         def sample(engine, w):
             engine.load_weights(w.items())
             groups = engine.generate(prompts, n=G, temperature=r.temperature, max_tokens=r.max_tokens,
-                                     seed=1000 + seed)
+                                     seed=1000 + seed, **cuts.kw)
             return groups, _batch(prompts, groups, G, pad, temperature=r.temperature)
 
         # precision, as a run measures it: each rollout precision samples its own batch
@@ -147,8 +153,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             batches[name] = (groups, batch, pi, rr, own, pi_r3)
         # weights alone: the fp32 sample's tokens, scored by the fp32 engine holding rounded weights
         groups, batch, pi, *_ = batches["fp32"]
-        if r.temperature != 1.0:  # `score` reads vLLM's prompt log-probs, which are the T = 1 policy's
-            pi = trainer.logprobs(dataclasses.replace(batch, temperature=1.0))[0]
+        if r.temperature != 1.0 or cuts.cuts:  # `score` reads vLLM's prompt log-probs: the uncut T = 1 policy's
+            pi = trainer.logprobs(dataclasses.replace(batch, temperature=1.0, kept_BT=None))[0]
         resps = [list(c.token_ids) for g in groups for c in g]
         prompts_flat = [p for p in prompts for _ in range(G)]
         for name in ("bf16", "fp8"):
@@ -157,8 +163,11 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
             fig[f"kl/weights_{name}"] = objective.train_inference_kl_k3(mu.rollout_logp_BT, pi, batch.mask_BT)
         engines["fp32"].load_weights(weights.items())
 
-        # routing and staleness on the run's own precision (its batch's forwards, from above)
+        # routing, staleness and the cut on the run's own precision (its batch's forwards, from above)
         groups, batch, pi, routes, own, r3_lp = batches[r.precision]
+        if cuts.cuts:  # π over the whole vocabulary, as a trainer that ignores the cut takes it
+            whole = trainer.logprobs(dataclasses.replace(batch, kept_BT=None))[0]
+            fig["kl/uncut_pi"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, whole, batch.mask_BT)
         if moe:
             agree = route_agreement(routes, own, batch.mask_BT)
             fig["routing/disagree_per_layer"] = [float(1 - a) for a in agree]
@@ -195,6 +204,7 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     summary = _aggregate(per_seed)
     return {"checkpoint": str(folder), "seeds": seeds, "batch": f"{B} prompts × {G} responses",
             "moe": moe, "rollout_precision": r.precision, "temperature": r.temperature,
+            "cuts": {"top_p": cuts.top_p, "top_k": cuts.top_k, "min_p": cuts.min_p} if cuts.cuts else None,
             "minibatches": rec.train.minibatches,
             "replay": rec.train.replay, "is_mode": rec.loss.is_mode, "figures": summary, "per_seed": per_seed,
             "max_staleness": k, "staleness_mix": mix, "staleness_source": mix_source,
@@ -274,6 +284,15 @@ def advice(f: dict, *, moe: bool, rec, mix: dict[int, float] | None = None, mix_
         on = rec.loss.is_mode != "off"
         out.append(f"fp8 rollouts (W8A8) raise KL(μ‖π) from {m('kl/bf16'):.2e} (bf16) to {m('kl/fp8'):.2e}: keep the token IS "
                    f"correction on{' (it is)' if on else ' (it is off: set loss.is_mode = truncate)'}.")
+    if "kl/uncut_pi" in f:
+        gap, whole = m(f"kl/{p}"), m("kl/uncut_pi")
+        on = rec.loss.renormalize_kept
+        out.append(f"the sampler's cut (top-p {rec.rollout.top_p:g}, top-k {rec.rollout.top_k}, min-p "
+                   f"{rec.rollout.min_p:g}) adds {max(whole - gap, 0.0):.2e} to KL(μ‖π) at {p} rollouts where π is taken "
+                   f"over the whole vocabulary ({whole:.2e} against {gap:.2e} over the kept set, "
+                   f"{max(whole - gap, 0.0) / max(whole, 1e-30):.0%} of it): "
+                   + ("the trainer renormalizes over the kept set (loss.renormalize_kept = true)." if on else
+                      "this run does not (loss.renormalize_kept = false): its ratio carries the kept mass."))
     if m("kl/fp32") < 0.5 * m("kl/bf16"):
         out.append(f"at equal precision vLLM and TorchTitan agree to {m('kl/fp32'):.1e}: the gap is precision, not "
                    f"kernels (bf16 weights alone give {m('kl/weights_bf16'):.1e}).")

@@ -219,7 +219,7 @@ class Rollouts:
         """A batch's `generate` call: G responses to each prompt asked, at the recipe's sampling (G
         episodes each, run by the engine's process at k ≥ 1 and on rollout GPUs: stream.py)."""
         ro = self._rollout
-        cuts = Truncation(top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p)  # the sampler's, recorded with each token
+        cuts = Truncation.of(ro)  # the sampler's, recorded with each token
         kw = dict(n=self._train.group_size, temperature=ro.temperature, max_tokens=ro.max_tokens, seed=seed, **cuts.kw)
         if self._episodes is not None and (self._k or self._remote):  # run by the engines' processes
             kw["episodes"] = self._episodes.request(asked, seed=seed)

@@ -34,6 +34,11 @@ class Truncation:
     top_k: int = 0  # 0: off
     min_p: float = 0.0
 
+    @classmethod
+    def of(cls, settings) -> "Truncation":
+        """The cuts a recipe section names (`[rollout]`'s or `[eval]`'s top_p, top_k, min_p)."""
+        return cls(top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p)
+
     @property
     def cuts(self) -> bool:
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0

@@ -25,6 +25,7 @@ from minirl.run import final_weights
 from minirl.run import status as status_mod
 from minirl.run.loop import RLRun
 from minirl.run.runlock import RunLock
+from minirl.run.samples import FILE as SAMPLES, SampleLog, truncate as truncate_samples
 from minirl.run.sinks import Sinks
 from minirl.run.summary import write_summary
 from minirl.setup.preflight import RunInputs, prepare_run
@@ -196,6 +197,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     rl_clock = Stopwatch(timing)
     sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
                   resumed_at=rl.state.step if rl.state.step else None) if world.main else None
+    samples = _sample_log(rl) if world.main else None  # after the resume's checkpoint: none past it
     with metrics_path.open("a") if world.main else open(os.devnull, "w") as mf:
         while rl.state.step < rec.train.steps:
             if world.any(Stop.requested):  # every rank stops after the same step
@@ -212,6 +214,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 fault = (f"{e}; the newest checkpoint is intact: `minirl run {rl.ws.root} --resume` continues from "
                          "it (a --set given with it applies from there)")
                 if e.row is not None:  # the step trained before its parity check failed: its row stays
+                    if samples:
+                        samples.write(e.row["step"], *rl.drawn)
                     mf.write(store.metric_line(e.row) + "\n")
                     mf.flush()
                 on_event("fault", {"text": fault})
@@ -232,10 +236,11 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 eval_s += time.time() - t0
                 timing["heldout"] = timing.get("heldout", 0.0) + time.time() - t0
             rl_clock.start()
+            written = samples.write(rl.state.step, *rl.drawn) if samples else []  # before its row: never ahead
             mf.write(store.metric_line(m) + "\n")  # one write per row; a kill can tear only the last line
             mf.flush()
             if sinks:
-                sinks.log(m)  # TensorBoard / W&B, as enabled in [metrics]
+                sinks.log(m, written)  # TensorBoard / W&B, as enabled in [metrics]
             on_event("step", m)
             if m.get("guard/action") in ("rollback", "stop", "skip"):
                 on_event("guard", {"step": m["step"], "action": m["guard/action"], "reason": m["guard/reason"],
@@ -252,6 +257,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 saving.lap("checkpoint")
                 on_event("checkpoint", {"path": str(path), "step": rl.state.step})
             rl_clock.lap("loop")  # writing the row, the sinks and the checkpoint are RL time too
+    if samples:
+        samples.close()
     rl_s = time.time() - t_rl
 
     final = rl.state.run_dir / "checkpoints" / f"step_{rl.state.step:06d}"
@@ -308,6 +315,18 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     sinks.close(summary)
     on_event("done", summary)
     return summary
+
+
+def _sample_log(rl: RLRun) -> SampleLog | None:
+    """The run's samples file (samples.py) from its step on, or None where the recipe keeps none (a
+    resumed run's lines past its checkpoint go either way)."""
+    m, run_dir = rl.rec.metrics, rl.state.run_dir
+    if not m.samples_groups:
+        truncate_samples(run_dir / SAMPLES, rl.state.step)
+        return None
+    fmt = rl.episodes.fmt if rl.episodes is not None else None
+    return SampleLog(run_dir, rl.state.step, groups=m.samples_groups, most=m.samples_max_chars, decode=rl.decode,
+                     eos_id=rl.eos, calls=(fmt.open, fmt.close) if fmt is not None and fmt.open else None)
 
 
 def _new_run_dir(runs: Path) -> Path:

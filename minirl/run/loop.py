@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from minirl.run.groups import Group, graded, samples_mean
 from minirl.run import parity as parity_check
 from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
+from minirl.run.state import RunState
 from minirl.setup.preflight import RunInputs
 from minirl.setup.workspace import Workspace
 from minirl.stopwatch import Stopwatch
@@ -48,29 +48,6 @@ from minirl.train.replay import diagnostics as replay_diagnostics, rollout_route
 from minirl.train.trainer import Trainer
 
 FRESH_TOKENS = 64  # fewest tokens sampled by the trained weights whose KL the guard judges in a batch sampled behind
-
-
-@dataclass
-class RunState:
-    """The run's own part of a checkpoint's record: its step, the held-out score it started from,
-    its stopwatch and its learning rate (lowered at each rollback). The trainer's weights, the
-    rollouts' sampler and the guard record their own parts (`record` / `restore` on each)."""
-
-    run_dir: Path
-    lr: float
-    step: int = 0
-    heldout_start: dict = field(default_factory=dict)
-    timing: dict = field(default_factory=dict)
-    started: float = field(default_factory=time.time)
-
-    def record(self) -> dict:
-        return {"step": self.step, "heldout_start": self.heldout_start, "timing": self.timing, "lr": self.lr}
-
-    def restore(self, record: dict) -> None:
-        self.step = record["step"]
-        self.heldout_start = record.get("heldout_start", {})
-        self.timing = record.get("timing", {})
-        self.lr = record.get("lr", self.lr)
 
 
 class RLRun:
@@ -137,6 +114,7 @@ class RLRun:
         shaping_PG = rewards_PG - graded_PG
         trains_PG = torch.stack([g.trains for g in kept])  # an episode the environment's fault ended: no sample
         adv_PG = self.advantages(rewards_PG, trains_PG)
+        self.drawn = (sampled, kept, adv_PG)  # the step's groups, as drawn and as trained: its samples
         batch = batch_of([p.prompt_ids for p in problems for _ in range(G)], comps, adv_PG.flatten().tolist(),
                          pad_id=self.pad, trained=step - 1, temperature=r.rollout.temperature,
                          masks=[outcome.trained_mask(c) for c in comps], kept=r.loss.renormalize_kept)

@@ -4,7 +4,8 @@ Chosen in the recipe's [metrics] section. Every number of a metrics row goes to 
 its own namespaced name (`rollout/…`, `train/…`, `loss/…`, `timing/…`, `guard/…`, `sync/…`) at
 its step; lists (per-mini-batch values) and strings stay in the JSONL. The recipe is the run's
 config, the summary its summary, and the guard's rollbacks and skipped updates are events: a text
-entry under `guard/events` in TensorBoard, a row of the `guard/events` table in W&B.
+entry under `guard/events` in TensorBoard, a row of the `guard/events` table in W&B. A step's samples
+(samples.py) are a text entry under `samples` in TensorBoard and the `samples` table in W&B (a row a response).
 
 The writers are the libraries' own: torch's `SummaryWriter` (TorchTitan's `TensorBoardLogger`
 wraps the same writer but cannot purge the steps a resumed run redoes) and `wandb.init/log`
@@ -23,6 +24,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from minirl.run import samples
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
@@ -63,7 +66,7 @@ class Sinks:
                 settings=wandb.Settings(silent=True, console="off"),
             )
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], sample_records: list[dict] = ()) -> None:
         step, values = int(row["step"]), scalars(row)
         text = event_text(row)
         if self.tb is not None:
@@ -71,6 +74,8 @@ class Sinks:
                 self.tb.add_scalar(k, v, step)
             if text:
                 self.tb.add_text("guard/events", text, step)
+            if sample_records:
+                self.tb.add_text("samples", samples.markdown(sample_records), step)
             self.tb.flush()  # a killed run keeps every step it logged, as metrics.jsonl does
         if self.wandb_run is not None:
             import wandb
@@ -81,6 +86,9 @@ class Sinks:
                                     row.get("guard/rollback_to_step", -1)])
                 extra["guard/events"] = wandb.Table(columns=["step", "action", "reason", "back_to_step"],
                                                     data=list(self.events))
+            if sample_records:
+                table = samples.flat(sample_records)
+                extra["samples"] = wandb.Table(columns=list(table[0]), data=[list(r.values()) for r in table])
             self.wandb_run.log({**values, **extra}, step=step)
 
     def close(self, summary: dict | None = None) -> None:

@@ -65,6 +65,17 @@ def latest_run(ws_root: Path) -> Path:
     return runs[0]
 
 
+def run_dir_of(ws_root: Path, run_name: str | None) -> Path:
+    """The run `--run NAME` names in a workspace, or its newest."""
+    if run_name is None:
+        return latest_run(ws_root)
+    run_dir = Path(ws_root) / "runs" / run_name
+    # a run is a folder in runs/ itself: not runs/ (".", ""), nor a path past it (#82)
+    if not run_dir.is_dir() or run_dir.resolve().parent != (Path(ws_root) / "runs").resolve():
+        raise UsageError(f"no run {run_name!r} in {Path(ws_root) / 'runs'}")
+    return run_dir
+
+
 def read(run_dir: Path) -> RunStatus:
     run_dir = Path(run_dir)
     rows = store.metric_rows(run_dir / store.METRICS)
