@@ -19,6 +19,7 @@ from cli.guard import guard_cmd
 from cli.options import DEFAULT_WORKSPACE, POSITIVE_FINITE, workspace_argument
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
+from cli.check import check_cmd
 from cli.samples import samples_cmd
 from cli.study import doctor, lab
 from minirl.config import recipes
@@ -353,8 +354,8 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
                   console=console) as prog:
         task = prog.add_task("eval", total=None)
         result = eval_benchmark(
-            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records, keep_samples=not no_samples,
-            on_progress=lambda done, total: prog.update(task, completed=done, total=total),
+            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records,
+            keep_samples=not no_samples, on_progress=lambda done, total: prog.update(task, completed=done, total=total),
         )
     from rich.table import Table
 
@@ -409,7 +410,7 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
             live.update(status_view(st, console.width))
 
 
-for command in (doctor, lab, export_cmd, push_cmd, guard_cmd, samples_cmd):
+for command in (doctor, lab, export_cmd, push_cmd, guard_cmd, samples_cmd, check_cmd):
     cli.add_command(command)
 
 

@@ -77,9 +77,11 @@ def _worth(x: dict) -> float:
 
 
 def _body(resp: dict, calls: list | None) -> Group | Text:
-    """A response's text: an episode's turns, the environment's replies set apart and calls marked."""
+    """A response's text: reasoning dimmed, an episode's turns with the environment's replies set apart,
+    calls marked."""
     def marked(text: str) -> Text:
         t = Text(text)
+        t.highlight_regex(r"<think>[\s\S]*?(</think>|$)", "dim italic")  # reasoning set apart from the answer
         if calls:
             t.highlight_regex(re.escape(calls[0]) + r"[\s\S]*?" + re.escape(calls[1]), "bold magenta")
         return t
@@ -103,7 +105,8 @@ def _facts(x: dict) -> str:
     else:  # an evaluation's
         bits = ["not scored (the environment's fault)" if x.get("correct") is None else
                 "correct" if x["correct"] else "wrong"]
-    bits += [x.get("finish", "?") + (" (length cut)" if x.get("finish") == "length" else ""), f"{x.get('tokens')} tokens"]
+    cut = " (length cut)" if x.get("finish") == "length" else ""
+    bits += [x.get("finish", "?") + cut, f"{x.get('tokens')} tokens"]
     if x.get("behind"):
         bits.append(f"{x['behind']} behind")
     if not x.get("trained", True):

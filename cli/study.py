@@ -58,7 +58,8 @@ def doctor(workspace: Path, checkpoint: str, seeds: int, overrides: tuple[str, .
     f = report["figures"]
     pm = lambda k: f"{f[k]['mean']:.2e} ± {f[k]['spread']:.1e}"  # noqa: E731
     table = Table(title=f"KL(μ‖π), k3 estimator (never below 0; runs log k1), and its sources ({report['batch']}, "
-                        f"sampled at T = {report['temperature']:g}{cut_note(report['cuts'])}, {seeds} seed(s), checkpoint {folder})")
+                        f"sampled at T = {report['temperature']:g}{cut_note(report['cuts'])}, {seeds} seed(s), "
+                        f"checkpoint {folder})")
     table.add_column("source")
     table.add_column("what is compared")
     table.add_column("KL", justify="right")

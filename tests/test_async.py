@@ -437,7 +437,8 @@ def test_k2_with_inflight_updates_through_the_cli_keeps_the_bound_token_by_token
     ws = data_workspace(tmp_path / "ws")
     shutil.copytree(tiny_dir, ws / "model/coldstart")
     args = ["--set", "rollout.max_staleness=2", "--set", "rollout.inflight_updates=true", "--set",
-            "train.prompts_per_step=8", "--set", "train.group_size=4", "--set", "eval.k=1", "--set", "checkpoint.every=2"]
+            "train.prompts_per_step=8", "--set", "train.group_size=4", "--set", "eval.k=1",
+            "--set", "checkpoint.every=2", "--replay", "r3", "--set", "metrics.record_tokens=6"]
     run = [sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "6", *args]
     r = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "MINIRL_INJECT_KILL": "0@4"})
@@ -451,6 +452,14 @@ def test_k2_with_inflight_updates_through_the_cli_keeps_the_bound_token_by_token
         assert len(hist) == 3 and sum(hist) == round(m["rollout/resp_len"] * 8 * 4)
         assert m["rollout/staleness_max"] <= 2 and hist[m["rollout/staleness_max"]] > 0
     assert rows[2]["rollout/staleness_max"] == 0  # resumed after step 2: nothing ahead, the restored weights
+    # the record of every trained token (#98), across the kill: each step's samples once, and every check holds
+    # (ids, versions at most 2 behind, R3 routes for every position, the mismatch of the fresh tokens)
+    tokens = [json.loads(x) for x in (next((ws / "runs").iterdir()) / "tokens.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["sample"]) for x in tokens] == [(s, i) for s in range(1, 7) for i in range(32)]
+    assert any(x["trained_version"] - min(x["version"]) == 2 for x in tokens) and all(x["routed"] for x in tokens)
+    checked = subprocess.run([sys.executable, "-m", "cli.main", "check", str(ws)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "COLUMNS": "250"})
+    assert checked.returncode == 0 and "no: " not in checked.stdout, checked.stdout + checked.stderr
     extra = json.loads((next((ws / "runs").iterdir()) / "checkpoints/step_000006/minirl.json").read_text())
     assert extra["sampler"] == {"epoch": 0, "pos": 48}  # the batches ahead at the kill were drawn again, none skipped
 

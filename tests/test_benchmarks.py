@@ -106,7 +106,8 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
     assert samples.read_text().splitlines()[:8] == first  # the problems done before were not generated again
     for x, row in zip(kept, saved["per_problem"]):
         assert [r["correct"] for r in x["responses"]] == row["correct"]
-        assert all(isinstance(r["text"], str) and r["tokens"] > 0 and "extracted" in r["grader"] for r in x["responses"])
+        assert all(isinstance(r["text"], str) and r["tokens"] > 0 and "extracted" in r["grader"]
+                   for r in x["responses"])
     assert "planted" not in samples.read_text()
 
 

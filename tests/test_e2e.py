@@ -107,9 +107,12 @@ def test_init_run_kill_resume(tmp_path):
     assert (ws / "model/coldstart/model.safetensors").stat().st_mtime_ns == stamp
 
     # --- 3 real RL steps ------------------------------------------------------------------------
-    r = minirl("run", str(ws), "--steps", "3", "--set", "rollout.parity_every=2", "--set", "eval.every=2")
+    r = minirl("run", str(ws), "--steps", "3", "--set", "rollout.parity_every=2", "--set", "eval.every=2",
+               "--set", "metrics.record_tokens=3")
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = sorted((ws / "runs").iterdir())[-1]
+    checked = minirl("check", str(ws))  # every trained token is what the engine sampled (#98)
+    assert checked.returncode == 0 and "no: " not in checked.stdout, checked.stdout + checked.stderr
     rows = metrics(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3]
     # parity after the run's first sync and every 2nd; held-out every 2nd step, off the RL clock

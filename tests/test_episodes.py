@@ -470,14 +470,29 @@ def runs_and_calls_more(minirl, ws) -> None:
     tool-call rate of the last three steps above that of the first three."""
     import json
 
-    r = minirl("run", str(ws), "--steps", "15", "--set", "train.prompts_per_step=8", "--set", "eval.k=2")
+    r = minirl("run", str(ws), "--steps", "15", "--set", "train.prompts_per_step=8", "--set", "eval.k=2",
+               "--set", "metrics.record_tokens=15")
     assert r.returncode == 0, r.stderr[-3000:]
     run = next((ws / "runs").iterdir())
+    checked = minirl("check", str(ws))  # the calculator's replies never trained, the model's tokens all (#98)
+    assert checked.returncode == 0 and "no: " not in checked.stdout, checked.stdout + checked.stderr
+    tokens = [json.loads(x) for x in (run / "tokens.jsonl").read_text().splitlines()]
+    assert any(x["env"] and 0 in x["env"] for x in tokens)
     steps = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "episode/turns" in x]
     assert len(steps) == 15 and all(x["episode/env_errors"] == 0 for x in steps)
     first = sum(x["episode/tool_calls"] for x in steps[:3]) / 3
     last = sum(x["episode/tool_calls"] for x in steps[-3:]) / 3
     assert last > first, (first, last)
+    # what the model wrote (#98): the samples hold episodes as turns, the calculator's replies among them,
+    # and `minirl samples` shows a step's turns with the environment's set apart
+    recs = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert sorted({x["step"] for x in recs}) == list(range(1, 16))
+    called = [(x["step"], y) for x in recs for y in x["responses"] if any(t["by"] == "env" for t in y["turns"])]
+    assert called and all(y["episode"]["tool_calls"] >= 1 for _, y in called)
+    step, y = called[-1]
+    shown = minirl("samples", str(ws), "--step", str(step))
+    reply = next(t["text"] for t in y["turns"] if t["by"] == "env").strip().splitlines()[0]
+    assert shown.returncode == 0 and "environment" in shown.stdout and reply in shown.stdout
 
 
 @pytest.mark.slow

@@ -313,6 +313,10 @@ class MetricsConfig:
     # (0: none), each text kept to its first and last samples_max_chars / 2 characters (minirl/run/samples.py)
     samples_groups: int = number(2, 0)
     samples_max_chars: int = number(4000, 100)
+    # the record of every trained token (runs/<id>/tokens.jsonl, checked by `minirl check`): the first
+    # record_tokens steps whole (0: none), then every record_tokens_every-th step's (0: none)
+    record_tokens: int = number(0, 0)
+    record_tokens_every: int = number(0, 0)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -287,10 +287,11 @@ def advice(f: dict, *, moe: bool, rec, mix: dict[int, float] | None = None, mix_
     if "kl/uncut_pi" in f:
         gap, whole = m(f"kl/{p}"), m("kl/uncut_pi")
         on = rec.loss.renormalize_kept
+        added = max(whole - gap, 0.0)
         out.append(f"the sampler's cut (top-p {rec.rollout.top_p:g}, top-k {rec.rollout.top_k}, min-p "
-                   f"{rec.rollout.min_p:g}) adds {max(whole - gap, 0.0):.2e} to KL(μ‖π) at {p} rollouts where π is taken "
-                   f"over the whole vocabulary ({whole:.2e} against {gap:.2e} over the kept set, "
-                   f"{max(whole - gap, 0.0) / max(whole, 1e-30):.0%} of it): "
+                   f"{rec.rollout.min_p:g}) adds {added:.2e} to KL(μ‖π) at {p} rollouts where π is taken over the "
+                   f"whole vocabulary ({whole:.2e} against {gap:.2e} over the kept set, "
+                   f"{added / max(whole, 1e-30):.0%} of it): "
                    + ("the trainer renormalizes over the kept set (loss.renormalize_kept = true)." if on else
                       "this run does not (loss.renormalize_kept = false): its ratio carries the kept mass."))
     if m("kl/fp32") < 0.5 * m("kl/bf16"):

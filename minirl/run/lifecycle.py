@@ -25,7 +25,9 @@ from minirl.run import final_weights
 from minirl.run import status as status_mod
 from minirl.run.loop import RLRun
 from minirl.run.runlock import RunLock
+from minirl.run import token_record
 from minirl.run.samples import FILE as SAMPLES, SampleLog, truncate as truncate_samples
+from minirl.run.token_record import TokenRecord
 from minirl.run.sinks import Sinks
 from minirl.run.summary import write_summary
 from minirl.setup.preflight import RunInputs, prepare_run
@@ -198,6 +200,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
                   resumed_at=rl.state.step if rl.state.step else None) if world.main else None
     samples = _sample_log(rl) if world.main else None  # after the resume's checkpoint: none past it
+    tokens = _token_record(rl) if world.main else None
     with metrics_path.open("a") if world.main else open(os.devnull, "w") as mf:
         while rl.state.step < rec.train.steps:
             if world.any(Stop.requested):  # every rank stops after the same step
@@ -216,6 +219,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 if e.row is not None:  # the step trained before its parity check failed: its row stays
                     if samples:
                         samples.write(e.row["step"], *rl.drawn)
+                    if tokens:
+                        tokens.write(e.row["step"], *rl.trained, update=e.row.get("guard/action", "step"))
                     mf.write(store.metric_line(e.row) + "\n")
                     mf.flush()
                 on_event("fault", {"text": fault})
@@ -237,6 +242,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 timing["heldout"] = timing.get("heldout", 0.0) + time.time() - t0
             rl_clock.start()
             written = samples.write(rl.state.step, *rl.drawn) if samples else []  # before its row: never ahead
+            if tokens:
+                tokens.write(rl.state.step, *rl.trained, update=m.get("guard/action", "step"))
             mf.write(store.metric_line(m) + "\n")  # one write per row; a kill can tear only the last line
             mf.flush()
             if sinks:
@@ -259,6 +266,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             rl_clock.lap("loop")  # writing the row, the sinks and the checkpoint are RL time too
     if samples:
         samples.close()
+    if tokens:
+        tokens.close()
     rl_s = time.time() - t_rl
 
     final = rl.state.run_dir / "checkpoints" / f"step_{rl.state.step:06d}"
@@ -315,6 +324,17 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     sinks.close(summary)
     on_event("done", summary)
     return summary
+
+
+def _token_record(rl: RLRun) -> TokenRecord | None:
+    """The record of the trained tokens (token_record.py) from the run's step on, or None where the recipe
+    keeps none (a resumed run's lines past its checkpoint go either way)."""
+    m, run_dir = rl.rec.metrics, rl.state.run_dir
+    if not (m.record_tokens or m.record_tokens_every):
+        token_record.truncate(run_dir / token_record.FILE, rl.state.step)
+        return None
+    return TokenRecord(run_dir, rl.state.step, first=m.record_tokens, every=m.record_tokens_every,
+                       k=rl.rec.rollout.max_staleness)
 
 
 def _sample_log(rl: RLRun) -> SampleLog | None:

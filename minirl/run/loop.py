@@ -140,8 +140,10 @@ class RLRun:
             loss, m, *own = self.trainer.forward_backward(
                 mb, objective.loss_for(r.loss),
                 routes=routes[:, idx] if routes is not None else None, with_logp=fused)
-            if fused:  # the one mini-batch is the whole batch, its forward π_θold
+            if fused:  # the one mini-batch is the whole batch, its forward π_θold (in the batch's order: below)
                 kl, entropy, kl_fresh = self._guard_view(mb, *own)
+                logp = own[0].detach()
+                batch = batch.with_old_logp(torch.empty_like(logp).index_copy_(0, idx.to(logp.device), logp))
             norm = self.trainer.clip_grads()
             # The guard's one decision point: after the loss, before the optimizer step.
             v = self.guard.decide(kl=kl, entropy=entropy, reward=reward, loss=loss, grad_norm=norm, new_step=j == 0,
@@ -160,6 +162,7 @@ class RLRun:
             if v.action == "skip" or v.reason:
                 verdict = v
         clock.lap("update")
+        self.trained = (batch, comps)  # what the update took, token by token, and what the engine returned
 
         rollback_to = {}
         if verdict.action in ("rollback", "stop"):  # a stopped run also ends on its last good weights
