@@ -135,3 +135,8 @@ def test_a_reasoning_gym_task_trains_twenty_steps(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(next((ws / "evals").glob("heldout-*.json")).read_text())
     assert result["problems"] == 64 and result["grader_errors"] == 0, result
+    # what the model wrote (#98): the run's newest step and the evaluation's responses, as a person reads them
+    shown = minirl("samples", str(ws))
+    assert shown.returncode == 0 and "step 20 · group 0" in shown.stdout and "Calculate " in shown.stdout
+    shown = minirl("samples", str(ws), "--eval", "heldout", "-n", "2")
+    assert shown.returncode == 0 and "problem 0 · answer" in shown.stdout and "answer '" in shown.stdout

@@ -81,7 +81,8 @@ def test_the_median_of_the_steps_decides_the_mismatch_not_one_steps_tail():
     quiet = [records(step=s) for s in range(1, 6)]
     loud = copy.deepcopy(quiet[2])
     loud[0]["logpi_old"][1] += 3.0
-    assert not tr.check([x for r in quiet[:2] + [loud] + quiet[3:] for x in r], bound=1e-3, k3=True)["mismatch"].failures
+    steps = [x for r in quiet[:2] + [loud] + quiet[3:] for x in r]
+    assert not tr.check(steps, bound=1e-3, k3=True)["mismatch"].failures
     off = [{**x, "logpi_old": [v + LN(0.8) for v in x["logpi_old"]]} for r in quiet for x in r]
     assert tr.check(off, bound=1e-3, k3=True)["mismatch"].failures
 
