@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minirl.disk import atomic
+
 FILE = "tokens.jsonl"
 
 
@@ -105,8 +107,6 @@ def lines(path: Path) -> Iterator[dict]:
 def truncate(path: Path, step: int) -> None:
     """Keep the whole lines of steps ≤ `step`, in one atomic rewrite."""
     if path.exists():
-        from minirl.disk import atomic
-
         atomic.write_text(path, "".join(json.dumps(x) + "\n" for x in lines(path) if x["step"] <= step))
 
 
