@@ -138,6 +138,9 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(run_di
         assert (out / image).is_file()
     assert "| rollback at step 5 |" not in card.text  # the card shows the run up to its checkpoint
     assert "sampled ahead" not in card.text  # a synchronous run
+    # what it writes (#98): the first responses of that evaluation, kept by `minirl eval`
+    assert "## What it writes" in card.text and "of `minirl eval heldout` of this checkpoint (k = 2" in card.text
+    assert card.text.count("(reference answer ") == 3
     # a run that sampled ahead says how far, and what its stale tokens were clipped against (#74)
     from minirl.config import recipes
     from minirl.disk.store import checkpoints

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minirl.data.prompts import load_rows
+from minirl.data.written import clipped, records, text_of
 from minirl.disk import store
 from minirl.disk.store import Checkpoint, metric_rows
 from minirl.models.hub import repo_id as hub_repo
@@ -46,6 +47,23 @@ This folder is checkpoint **step {{ step }}** of run `{{ run_name }}`: {{ why }}
 {%- endfor %}
 
 ![reward, entropy, KL, IS weights, clipping and parity per step; rollbacks dashed red](training_curves.png)
+{%- if samples %}
+
+## What it writes
+
+{{ samples_source }}
+{% for x in samples %}
+**{{ x.head }}**
+{% if x.prompt %}
+```text
+{{ x.prompt }}
+```
+{% endif %}
+```text
+{{ x.text }}
+```
+{% endfor %}
+{%- endif %}
 
 ## Recipe
 
@@ -197,6 +215,7 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
     chat_kw = f", chat_template_kwargs={dict(kw)!r}" if kw else ""
     call = (f'out = llm.chat([{{"role": "user", "content": PROMPT}}], {sp}{lora_arg}{chat_kw})' if chat else
             f"out = llm.generate([PROMPT], {sp}{lora_arg})")
+    samples, samples_source = _samples(run_dir, ckpt, eval_results)
     wall = summary.get("wall_s") if summary and Path(summary.get("checkpoint", "")).name == ckpt.path.name else None
     wall = wall if wall is not None else next((r.get("timing/elapsed_s") for r in reversed(rows)), None)
     return ModelCard.from_template(
@@ -213,7 +232,7 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
                                                                               rec.rollout.precision),
         train_precision={"auto": "float32 on CPU, bfloat16 with float32 master weights on CUDA"}.get(
             rec.train.param_dtype, rec.train.param_dtype),
-        recipe_toml=rec.to_toml().strip(),
+        recipe_toml=rec.to_toml().strip(), samples=samples, samples_source=samples_source,
         lora=_lora_words(lora, adapter_of),
         transformers_snippet=(PEFT.format(base=adapter_of, model=ref, prompt=prompt, encode=encode,
                                           max_tokens=rec.rollout.max_tokens) if adapter_of else
@@ -222,6 +241,33 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
         vllm_snippet=(VLLM_LORA.format(base=adapter_of, model=ref, prompt=prompt, call=call, rank=lora['rank'])
                       if adapter_of else VLLM.format(model=ref, prompt=prompt, call=call)),
     )
+
+
+def _samples(run_dir: Path, ckpt, eval_results: list[dict], most: int = 3) -> tuple[list[dict], str]:
+    """A few responses of these weights for the card, and what they are: the first response to each of the
+    first problems of a `minirl eval` of this checkpoint that kept them (held-out first), else the first
+    group the run sampled with these weights (its next step's), else none."""
+    for r in sorted(eval_results, key=lambda r: r.get("benchmark") != "heldout"):
+        path = Path(r.get("samples_file") or "")
+        if not path.is_file():
+            continue
+        got = [x for x in records(path, key="index") if x["responses"]][:most]
+        if got:
+            return ([{"head": f"problem {x['index']} (reference answer {x['answer']}): "
+                      + {True: "right", False: "wrong", None: "not scored"}[x["responses"][0].get("correct")],
+                      "prompt": clipped(x["problem"], 600), "text": clipped(text_of(x["responses"][0]), 1000)}
+                     for x in got],
+                    f"The first response to each of the first {len(got)} problems of `minirl eval {r['benchmark']}` "
+                    f"of this checkpoint (k = {r['k']}, T = {r['temperature']}):")
+    path = run_dir / "samples.jsonl"
+    if path.is_file():
+        nxt = next((x for x in records(path) if x["step"] == ckpt.step + 1), None)  # sampled by these weights
+        if nxt is not None:
+            return ([{"head": f"response {j}: score {x.get('score')}, reward {x.get('reward')}",
+                      "prompt": clipped(nxt["prompt"], 600) if j == 0 else "", "text": clipped(text_of(x), 1000)}
+                     for j, x in enumerate(nxt["responses"][:most])],
+                    f"What these weights wrote in training (the run's step {ckpt.step + 1}, its first group):")
+    return [], ""
 
 
 def _lora_words(lora: dict | None, adapter_of: str | None) -> str:
