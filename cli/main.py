@@ -51,6 +51,10 @@ def _prepare_env(verbose: bool) -> None:
     # made the RL loop several times slower: docs/results/speed.md). 1,000 rounds keep the quiet
     # speed (tests/bench/busy.py).
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    # oneDNN keeps up to 1,024 compiled primitives (a kernel and its scratch each) for every matmul shape
+    # it has met; the engine meets many (each batch size of a rollout and of an evaluation): 64 keep the
+    # step's own in reach at ~100 MB less peak memory, with the same numbers (docs/results/memory.md)
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
