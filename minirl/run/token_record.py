@@ -26,7 +26,7 @@ KL(μ‖π_old) over the tokens each step's trained weights sampled: its median 
 precision allows, 10 × the workspace's newest `minirl doctor` figure at that precision (k3, as the doctor
 measures it), or without one the guard's `max_kl` (k1, as the guard reads it). The median, because a
 step's KL has a heavy tail that the guard tolerates by design (on the embedded default at bf16, a step in
-a few holds a group whose route flipped: 2e-2 to 7e-2 against a median of 1e-4), where a trainer off the
+a few holds a group far off at one position: 2e-2 to 7e-2 against a median of 1e-4), where a trainer off the
 sampler's distribution (a wrong temperature, a cut not renormalized) moves every step.
 """
 
