@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from minirl.disk import atomic
+
 
 def clipped(text: str, most: int | None) -> str:
     """`text` whole (`most` None, or the text no longer), or its first and last `most` / 2 characters
@@ -63,19 +65,27 @@ def text_of(resp: dict) -> str:
     return "\n".join(f"[{'model' if t['by'] == 'model' else 'environment'}]\n{t['text']}" for t in resp["turns"])
 
 
-def records(path: Path, key: str = "step") -> Iterator[dict]:
+def records(path: Path, key: str = "step", body: str = "responses") -> Iterator[dict]:
     """Every whole record of a samples file, in order (a torn last line, or any line that is not one
-    record, is left out). `key`: what numbers a record ("step": a run's, "index": an evaluation's)."""
+    record, is left out). `key`: what numbers a record ("step": a run's, "index": an evaluation's);
+    `body`: the list every record holds ("sampled": the token record's, minirl/run/token_record.py)."""
     with path.open("rb") as f:
-        yield from parsed(f, key)
+        yield from parsed(f, key, body)
 
 
-def parsed(lines, key: str = "step") -> Iterator[dict]:
-    """The lines that are whole records (a JSON object numbered by `key`, with its responses)."""
+def parsed(lines, key: str = "step", body: str = "responses") -> Iterator[dict]:
+    """The lines that are whole records (a JSON object numbered by `key`, with its `body` list)."""
     for line in lines:
         try:
             r = json.loads(line)
         except ValueError:
             continue
-        if isinstance(r, dict) and isinstance(r.get(key), int) and isinstance(r.get("responses"), list):
+        if isinstance(r, dict) and isinstance(r.get(key), int) and isinstance(r.get(body), list):
             yield r
+
+
+def keep_through(path: Path, step: int, body: str = "responses") -> None:
+    """Keep a run's whole records of steps ≤ `step`, in one atomic rewrite: what a resume from that
+    step's checkpoint does first (it redoes the rest); a line a kill tore goes too."""
+    if path.exists():
+        atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in records(path, body=body) if r["step"] <= step))

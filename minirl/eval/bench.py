@@ -109,7 +109,8 @@ def eval_benchmark(
                          f"(max_position_embeddings in its config.json), prompt included; at most {ctx - 1}")
     max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
     budget = ctx - max_tokens
-    template = rec.eval.prompt_template if bench.hub_id is not None and rec.eval.prompt_template else bench.prompt_template
+    own = bench.hub_id is not None and rec.eval.prompt_template  # a recipe's template for a named benchmark
+    template = rec.eval.prompt_template if own else bench.prompt_template
     chat = bool(getattr(tok, "chat_template", None))
     if bench.chat_prompt_template and not rec.eval.prompt_template and chat:
         template = bench.chat_prompt_template

@@ -25,8 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from minirl.data.written import clipped, grader_info, parsed, records, text_of, written
-from minirl.disk import atomic
+from minirl.data.written import clipped, grader_info, keep_through as truncate, parsed, text_of, written
 
 FILE = "samples.jsonl"
 
@@ -106,14 +105,6 @@ def markdown(recs: list[dict]) -> str:
 
 
 # ----- reading ------------------------------------------------------------------------------------
-def truncate(path: Path, step: int) -> None:
-    """Keep the whole records of steps ≤ `step`, in one atomic rewrite (a resumed run redoes the rest)."""
-    if not path.exists():
-        return
-    kept = [r for r in records(path) if r["step"] <= step]
-    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-
-
 def newest(path: Path, chunk: int = 1 << 16) -> list[dict]:
     """The records of the file's newest step, read from its end (a long run's file is never read whole)."""
     with path.open("rb") as f:

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minirl.disk import atomic
+from minirl.data.written import keep_through, records
 
 FILE = "tokens.jsonl"
 
@@ -94,20 +94,12 @@ class TokenRecord:
 
 def lines(path: Path) -> Iterator[dict]:
     """The whole lines of a tokens file (a line a kill tore is none)."""
-    with path.open("rb") as f:
-        for raw in f:
-            try:
-                x = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(x, dict) and isinstance(x.get("step"), int) and isinstance(x.get("sampled"), list):
-                yield x
+    return records(path, body="sampled")
 
 
 def truncate(path: Path, step: int) -> None:
     """Keep the whole lines of steps ≤ `step`, in one atomic rewrite."""
-    if path.exists():
-        atomic.write_text(path, "".join(json.dumps(x) + "\n" for x in lines(path) if x["step"] <= step))
+    keep_through(path, step, body="sampled")
 
 
 # ----- the checker ----------------------------------------------------------------------------------
@@ -141,8 +133,7 @@ def check(records: list[dict], *, bound: float, k3: bool) -> dict[str, Check]:
         s, i = x["step"], x["sample"]
         n = len(x["sampled"])
         env = x["env"] or [1] * n
-        _look(out["ids"], s, i, x["trained"] == x["sampled"],
-              lambda: f"{_first_diff(x['trained'], x['sampled'])}")
+        _look(out["ids"], s, i, x["trained"] == x["sampled"], lambda: _first_diff(x["trained"], x["sampled"]))
         trains = any(x["loss"])
         wrong = [t for t in range(n) if (env[t] == 0 and x["loss"][t]) or
                  (trains and env[t] == 1 and not x["loss"][t] and math.isfinite(x["logmu"][t]))]
