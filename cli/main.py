@@ -30,6 +30,7 @@ from minirl.eval.bench import bench_records, eval_benchmark
 from minirl.eval.checkpoints import resolve_checkpoint
 from minirl.models.hub import resolution
 from minirl.models.shapes import TINY_ID
+from minirl.proc import team as team_env
 from minirl.proc.collector import collect_less_often
 from minirl.proc.quick_exit import quick_exit
 from minirl.proc.signals import handling
@@ -42,6 +43,10 @@ from minirl.setup.workspace import RECIPE_NAME, Workspace, init_workspace
 
 def _prepare_env(verbose: bool) -> None:
     """Engine settings that must be in place before torch/vLLM are imported."""
+    if "OMP_NUM_THREADS" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        # minirl chooses both, and so may change them: a run that trains and samples in one process
+        # spins long and sizes its team to the cores free (minirl/proc/team.py); its children inherit the mark
+        os.environ[team_env.AUTO] = "auto"
     # vLLM shrinks torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; the trainer
     # shares the process, so give it every core.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -252,6 +257,9 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         extra.append(f"parallel.gpus_per_node={int(os.environ.get('LOCAL_WORLD_SIZE', '1')) + int(asked)}")
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's
+    if team_env.adapts(shares_process=not rec.rollout.max_staleness and not rec.parallel.rollout_gpus):
+        assert "torch" not in sys.modules, "libgomp reads its spin count once, as torch loads it"
+        os.environ["GOMP_SPINCOUNT"] = team_env.SPIN
     if resolution(rec.model.id):
         console.print(resolution(rec.model.id), soft_wrap=True)
 

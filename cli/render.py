@@ -132,6 +132,8 @@ class RunView:
             self.console.print(f"[bold red]guard[/] step {data['step']}: {data['reason']}; {what}")
         elif kind == "warning":
             self.console.print(f"[bold yellow]warning:[/] {data['text']}")
+        elif kind == "note":
+            self.console.print(f"[dim]{data['text']}[/]")
         elif kind == "checkpoint":
             self.console.print(f"[dim]checkpoint step {data['step']}: {data['path']}[/]")
         self.live.update(self._render())

@@ -20,6 +20,7 @@ from minirl.disk import atomic, store
 from minirl.disk.oserrors import os_error_of
 from minirl.errors import EngineFault, EnvFault, GraderFault, RunIOError, UsageError
 from minirl.launch import World
+from minirl.proc.team import Team, adapts
 from minirl.rollout import cache as engine_cache
 from minirl.run import final_weights
 from minirl.run import status as status_mod
@@ -57,8 +58,9 @@ def run(
     there is none), "auto" (that, when the newest run has not ended; else a new run: the form a
     job that restarts itself uses) or a run folder's name or path (its newest checkpoint).
 
-    on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "done"; called on
-    the main rank only. world: this process's place in a torchrun job (default: the whole job).
+    on_event(kind, data) with kind in: "start", "eval", "step", "checkpoint", "warning", "note", "guard",
+    "fault", "done"; called on the main rank only. world: this process's place in a torchrun job
+    (default: the whole job).
     started: when the process began (the CLI's clock), for the summary's start-up by part.
     """
     t_start = time.time()
@@ -153,6 +155,8 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
                               json.dumps(status_mod.process_record(str(resume_from) if resume_from else None)))
         cache = engine_cache.use(ws.root)  # vLLM's compile cache in the workspace: later runs and evals reuse it
         t_built = time.time()
+        # before the engine binds the team's threads to cores (minirl/proc/team.py)
+        team = Team(watch=adapts(shares_process=not rec.rollout.max_staleness and not rec.parallel.rollout_gpus))
         rl = RLRun(ws, rec, inputs, run_dir=run_dir, world=world)
     except BaseException:
         if resume_from is None and world.main:  # a run that never started leaves no folder for --resume to pick
@@ -172,18 +176,21 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
                        "recipe_changes": {k: list(v) for k, v in changed.items()}})
 
     try:
+        team.start()
         t0 = time.time()
         if not rl.state.heldout_start:
             rl.state.heldout_start = rl.heldout_eval()
             on_event("eval", {"which": "start", **rl.state.heldout_start})
         eval_s = time.time() - t0
+        _resize(team, on_event)  # the evaluation was a window, if long enough: the first step's team
         return _train(rl, on_event, t_start=t_start, startup_s=startup_s, eval_s=eval_s,
-                      startup={"parts_s": startup, "engine_cache": cache.describe()})
+                      startup={"parts_s": startup, "engine_cache": cache.describe()}, team=team)
     finally:
         rl.close()
 
 
-def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float, startup: dict) -> dict:
+def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float, startup: dict,
+           team: Team) -> dict:
     """The steps, the checkpoints and the end of a run (final checkpoint, held-out eval, summary)."""
     rec, run_dir, world = rl.rec, rl.state.run_dir, rl.world
     if rl.last_good is None:  # a fresh run: its starting point is the first rollback target
@@ -232,6 +239,8 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 break
             rl_clock.lap("loop")  # "loop": the RL clock, every step's wall, held-out evals left out
             m["timing/loop_s"] = round(timing["loop"], 4)
+            if team.watched:
+                m["timing/threads"] = team.threads  # the team that ran this step
             if rec.eval.every and rl.state.step % rec.eval.every == 0:
                 t0 = time.time()
                 heldout = rl.heldout_eval()  # of this step's weights, off the RL clock
@@ -263,6 +272,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
                 rl.prune(rec.checkpoint.keep)
                 saving.lap("checkpoint")
                 on_event("checkpoint", {"path": str(path), "step": rl.state.step})
+            _resize(team, on_event)
             rl_clock.lap("loop")  # writing the row, the sinks and the checkpoint are RL time too
     if samples:
         samples.close()
@@ -324,6 +334,17 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     sinks.close(summary)
     on_event("done", summary)
     return summary
+
+
+def _resize(team: Team, on_event) -> None:
+    """The team for the next step, as the cores were used since the last window; said when it changes."""
+    was = team.threads
+    now = team.after_step()
+    if now < was:
+        on_event("note", {"text": f"other processes keep {team.most - now} of this run's {team.most} cores busy: "
+                                  f"{now} thread{'s' * (now > 1)} until they are free (timing/threads)"})
+    elif now > was:
+        on_event("note", {"text": f"cores free again: {now} threads"})
 
 
 def _token_record(rl: RLRun) -> TokenRecord | None:

@@ -1,11 +1,11 @@
 """Benchmark: the RL loop on a quiet machine and beside one busy process. Prints figures, asserts nothing.
 
-    .venv/bin/python tests/bench/busy.py WORKSPACE [--steps 40] [--repeats 3] [--also GOMP_SPINCOUNT=300000]
+    .venv/bin/python tests/bench/busy.py WORKSPACE [--steps 40] [--repeats 3] [--also GOMP_SPINCOUNT=300000[,ENV=VALUE...]]
 
 Each repeat runs `minirl run` on a copy of the workspace for --steps steps twice: alone, and beside
 a process that keeps one core busy (`python -c "while True: pass"`, as a user's other job would).
 The figure is the run's own RL-loop time (summary.json's phases_s.loop: rollouts, grading and
-updates, no start-up or held-out evaluation). `--also ENV=VALUE` adds the same pair under that
+updates, no start-up or held-out evaluation). `--also ENV=VALUE[,ENV=VALUE...]` adds the same pair under that
 environment (repeatable), e.g. the settings before a change, so both are measured alike,
 alternating, on the same machine.
 """
@@ -46,12 +46,11 @@ def main() -> None:
     ap.add_argument("workspace", type=Path)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--also", action="append", default=[], metavar="ENV=VALUE")
+    ap.add_argument("--also", action="append", default=[], metavar="ENV=VALUE[,ENV=VALUE...]")
     a = ap.parse_args()
     settings = {"as shipped": {}}
     for item in a.also:
-        key, _, value = item.partition("=")
-        settings[item] = {key: value}
+        settings[item] = dict(pair.partition("=")[::2] for pair in item.split(","))
     got: dict[tuple[str, bool], list[dict]] = {}
     for _ in range(a.repeats):  # alternating, so a slow minute hits every figure alike
         for name, env in settings.items():

@@ -1,0 +1,107 @@
+"""The OpenMP team of a run that trains and samples in one process: a thread per core while the cores
+are free, fewer while other processes hold some.
+
+The trainer and the in-process engine share one team of threads. At each of a step's thousands of
+small parallel regions a thread that finishes first waits at a barrier, spinning `GOMP_SPINCOUNT`
+rounds before it sleeps. Long spins keep a quiet machine's step fast (a sleeping peer costs a
+wake-up at every region); beside a process that holds a core they make it many times slower, the
+spinning thread taking the core its peer needs (docs/results/speed.md). libgomp reads the count
+once, as it loads; the team's size can change at any time. So where minirl chose both (`MINIRL_THREADS
+= auto`: the CLI set neither OMP_NUM_THREADS nor GOMP_SPINCOUNT because the user did not), a run
+whose engine shares its process spins long (SPIN) and watches its cores between steps: while
+other processes keep some busy the team shrinks to the cores left (one thread waits at no
+barrier), and it grows back once they are free. Elsewhere (the user's own settings, an engine in a
+process of its own, ranks of a torchrun job, the suite's runs) the team stays as it was set and the
+CLI's short spin guards it.
+
+Results computed by teams of different sizes can differ in their last bits (a reduction split
+another way), so a run that shrank is not bit-for-bit the quiet run of its seed; the metrics rows
+say each step's team (`timing/threads`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+AUTO = "MINIRL_THREADS"  # set to "auto" by the CLI where it chose the team and the spin (cli/main.py)
+SPIN = "30000"  # long enough that a peer does not fall asleep between a step's small regions
+WINDOW_S = 1.0  # how long the cores are watched before the team changes: a passing neighbour is ignored
+
+
+def adapts(*, shares_process: bool, env=os.environ) -> bool:
+    """Whether a run whose engine does (shares_process) or does not share its process watches its cores:
+    only where minirl chose the threads and the spin, and the one team is all of the run's threads."""
+    return shares_process and env.get(AUTO) == "auto" and int(env.get("WORLD_SIZE", "1")) == 1
+
+
+def wanted(cores: int, others: float, most: int) -> int:
+    """The team for `cores` when other processes kept `others` of them busy (in cores, over a window):
+    the cores left, rounded, between one and `most` (the team minirl started with)."""
+    return max(1, min(most, round(cores - others)))
+
+
+def busy_ticks(cpus: set[int], stat: str) -> int:
+    """The clock ticks CPUs `cpus` spent on anything but idling, by /proc/stat's per-CPU lines (user,
+    nice, system, idle, iowait, irq, softirq, steal, ...): steal counts, a vCPU the host gave away
+    being as lost to the team as one another process holds."""
+    total = 0
+    for line in stat.splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(x) for x in fields[:8]]
+            total += sum(ticks) - ticks[3] - ticks[4]
+    return total
+
+
+class Team:
+    """`start()` once the engine is built, then `after_step()` between steps: the team's size for the
+    next one (unchanged unless the window says so). Inert (the size it found, never changed) where
+    `watch` is False."""
+
+    def __init__(self, *, watch: bool, stat: Path = Path("/proc/stat")):
+        import torch  # deferred: the CLI reads this module's settings before torch (and libgomp with it) loads
+
+        self._torch = torch
+        self.threads = self.most = torch.get_num_threads()
+        # the process's CPUs as it starts: vLLM's engine later binds each team thread to one, which
+        # narrows what the main thread's own mask says
+        self._cpus = os.sched_getaffinity(0)
+        self._stat, self._hz = stat, os.sysconf("SC_CLK_TCK")
+        self._watch = watch and self.most > 1 and len(self._cpus) > 1 and stat.is_file()
+        self._grow = False  # the last window wanted a larger team too (growing needs two in a row)
+        self._last = None
+
+    def start(self) -> None:
+        """The first window opens: once the engine is built (its start runs helper processes of its own,
+        which a window would count as others')."""
+        if self._watch:
+            self._last = self._reading()
+
+    @property
+    def watched(self) -> bool:
+        return self._watch
+
+    def _reading(self) -> tuple[float, float, float]:
+        """(wall, busy seconds of the CPUs, this process's CPU seconds): every thread's, the engine's too."""
+        t = os.times()
+        return time.monotonic(), busy_ticks(self._cpus, self._stat.read_text()) / self._hz, t.user + t.system
+
+    def after_step(self) -> int:
+        if not self._watch:
+            return self.threads
+        now = self._reading()
+        wall = now[0] - self._last[0]
+        if wall < WINDOW_S:
+            return self.threads
+        others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / wall
+        self._last = now
+        want = wanted(len(self._cpus), others, self.most)
+        # shrink at once (a neighbour makes every step several times slower); grow after two windows
+        # agree (a neighbour that paused for a moment would have the team shrink again)
+        if want < self.threads or (want > self.threads and self._grow):
+            self.threads = want
+            self._torch._C.set_num_threads(want)  # vLLM replaces torch.set_num_threads with a refusal once it binds
+        self._grow = want > self.threads
+        return self.threads

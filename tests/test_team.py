@@ -1,0 +1,148 @@
+"""#100: a run that trains and samples in one process spins long and sizes its OpenMP team to the cores
+other processes leave it (minirl/proc/team.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minirl.proc import team as team_mod
+from minirl.proc.team import Team, busy_ticks, wanted
+from tests.test_faults import ROOT, fresh_copy, latest_run, metric_rows, small_ws, wait_until  # noqa: F401
+
+HOG = "import sys; open(sys.argv[1], 'w').close()\nwhile True: pass"
+
+
+def test_the_team_is_the_cores_left_between_one_and_its_first_size():
+    assert wanted(2, 0.0, 2) == 2 and wanted(2, 0.3, 2) == 2  # a quiet machine, or a little noise
+    assert wanted(2, 0.7, 2) == 1 and wanted(2, 1.0, 2) == 1 and wanted(2, 3.0, 2) == 1  # never none
+    assert wanted(16, 1.0, 16) == 15  # one core taken of many
+    assert wanted(8, 0.0, 4) == 4  # never more than the team minirl started with
+
+
+def test_only_a_run_whose_one_team_minirl_chose_watches():
+    auto = {team_mod.AUTO: "auto"}
+    assert team_mod.adapts(shares_process=True, env=auto)
+    assert not team_mod.adapts(shares_process=False, env=auto)  # an engine in a process of its own
+    assert not team_mod.adapts(shares_process=True, env={})  # the user's OMP_NUM_THREADS or GOMP_SPINCOUNT
+    assert not team_mod.adapts(shares_process=True, env={**auto, "WORLD_SIZE": "2"})  # a rank of a torchrun job
+
+
+class Readings(Team):
+    """The team's decisions on given readings: (wall s, busy s of its CPUs, its own CPU s)."""
+
+    def __init__(self, readings):
+        self.readings = iter(readings)
+        super().__init__(watch=True)
+
+    def _reading(self):
+        return next(self.readings)
+
+
+@pytest.fixture
+def two_threads():
+    import torch
+
+    was = torch.get_num_threads()
+    torch._C.set_num_threads(2)  # the suite's workers run one each
+    yield
+    torch._C.set_num_threads(was)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no team to size")
+def test_the_team_shrinks_at_once_and_grows_back_after_two_quiet_windows(two_threads):
+    import torch
+
+    n = len(os.sched_getaffinity(0))
+    # cumulative (wall, busy of its CPUs, its own); windows of 1 s, in which others keep n − 1 cores busy, then none
+    team = Readings([(0, 0, 0), (1, n, 1), (1.5, n, 1.5), (2, 2 * n, 2), (3, 2 * n + 1, 3), (4, 2 * n + 2, 4)])
+    team.start()
+    assert team.watched and team.most == 2
+    assert team.after_step() == 1 and torch.get_num_threads() == 1  # another process held a core: at once
+    assert team.after_step() == 1  # under a second: no window yet
+    assert team.after_step() == 1  # still held
+    assert team.after_step() == 1  # free, one window: not yet
+    assert team.after_step() == 2 and torch.get_num_threads() == 2  # free for a second window: grown back
+
+
+def test_a_team_minirl_did_not_choose_never_changes(two_threads):
+    team = Team(watch=False)
+    team.start()
+    assert not team.watched and team.after_step() == team.threads == 2
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="no /proc/stat")
+def test_busy_ticks_count_what_a_process_on_that_cpu_spent(tmp_path):
+    """On this machine's real /proc/stat: a process kept on one CPU adds at least its own CPU time to
+    that CPU's busy ticks (the window's measure of others' use)."""
+    cpu = min(os.sched_getaffinity(0))
+    started = tmp_path / "started"
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(started)], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        wait_until(started.exists, hog, timeout_s=60)
+
+        def spent() -> int:  # the hog's user + system ticks
+            fields = Path(f"/proc/{hog.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+
+        stat = Path("/proc/stat")
+        busy0, spent0 = busy_ticks({cpu}, stat.read_text()), spent()
+        wait_until(lambda: spent() - spent0 >= 50, hog, timeout_s=120)  # half a second of its time at 100 Hz
+        busy1, spent1 = busy_ticks({cpu}, stat.read_text()), spent()
+        assert busy1 - busy0 >= spent1 - spent0 - 5  # a few ticks of accounting's granularity
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no team to size")
+def test_a_run_beside_a_busy_process_runs_on_the_cores_left(small_ws, tmp_path):
+    """`minirl run` as a user starts it (neither OMP_NUM_THREADS nor GOMP_SPINCOUNT set) beside a
+    process that keeps a core busy: its rows say the team shrank, and the console says why."""
+    ws = fresh_copy(small_ws, tmp_path)
+    started = tmp_path / "hog-started"
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(started)])
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "MINIRL_TEST_THREADS", team_mod.AUTO)}
+    try:
+        wait_until(started.exists, hog, timeout_s=60)
+        out = tmp_path / "out.txt"
+        with out.open("w") as f:
+            run = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(ws), "--steps", "10000"], cwd=ROOT,
+                                   env={**env, "COLUMNS": "200", "PYTHONPATH": str(ROOT)}, stdout=f,
+                                   stderr=subprocess.PIPE, text=True)
+
+            def shrunk() -> bool:
+                run_dir = latest_run(ws)
+                rows = metric_rows(run_dir, allow_torn_last=True) if run_dir else []
+                return any(r["timing/threads"] < os.cpu_count() for r in rows)
+
+            wait_until(shrunk, run, timeout_s=600)  # a hang guard: the state is waited for, not a time
+            run.send_signal(signal.SIGINT)
+            assert run.wait(timeout=600) == 128 + signal.SIGINT
+    finally:
+        hog.kill()
+        hog.wait()
+    rows = metric_rows(latest_run(ws))
+    assert rows[0]["timing/threads"] <= os.cpu_count() and min(r["timing/threads"] for r in rows) >= 1
+    assert "other processes keep" in out.read_text()
+    summary = json.loads((latest_run(ws) / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+
+
+def test_the_cli_chooses_the_team_and_its_spin_only_where_the_user_set_neither(monkeypatch):
+    from cli.main import _prepare_env
+
+    for given, auto in (({}, True), ({"OMP_NUM_THREADS": "2"}, False), ({"GOMP_SPINCOUNT": "300000"}, False)):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", team_mod.AUTO)} | given
+        monkeypatch.setattr(os, "environ", env)  # what the CLI sets stays in this copy
+        _prepare_env(verbose=True)
+        assert (env.get(team_mod.AUTO) == "auto") is auto
+        assert env["GOMP_SPINCOUNT"] == given.get("GOMP_SPINCOUNT", "1000")  # `run` lengthens it where it watches
