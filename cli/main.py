@@ -53,8 +53,8 @@ def _prepare_env(verbose: bool) -> None:
     # an OpenMP thread that waits at a barrier spins 300,000 rounds (libgomp's default) before it
     # sleeps: beside another busy process the spinning takes the core its own peer needs, and each
     # of a step's thousands of small parallel regions waits a scheduler slice (one busy process
-    # made the RL loop several times slower: docs/results/speed.md). 1,000 rounds keep the quiet
-    # speed (tests/bench/busy.py).
+    # made the RL loop several times slower: docs/results/speed.md). 1,000 rounds keep most of the quiet
+    # speed (tests/bench/busy.py); `run` lengthens them where its team follows the free cores (below)
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     # oneDNN keeps up to 1,024 compiled primitives (a kernel and its scratch each) for every matmul shape
     # it has met; the engine meets many (each batch size of a rollout and of an evaluation): 64 keep the

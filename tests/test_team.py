@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minirl.proc import team as team_mod
-from minirl.proc.team import Team, busy_ticks, wanted
+from minirl.proc.team import Team, busy_ticks, tree_ticks, wanted
 from tests.test_faults import ROOT, fresh_copy, latest_run, metric_rows, small_ws, wait_until  # noqa: F401
 
 HOG = "import sys; open(sys.argv[1], 'w').close()\nwhile True: pass"
@@ -99,6 +99,29 @@ def test_busy_ticks_count_what_a_process_on_that_cpu_spent(tmp_path):
     finally:
         hog.kill()
         hog.wait()
+
+
+KID = """import subprocess, sys, time
+while time.process_time() < 0.5: pass
+subprocess.run([sys.executable, "-c", "import time\\nwhile time.process_time() < 0.5: pass"])
+open(sys.argv[1], "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_runs_own_time_counts_its_children_and_what_they_waited_for(tmp_path):
+    """A grader's sandbox or a hosted environment is the run's own work: its team waits for it, never
+    competes with it, so a window counts it as the run's, not another process's."""
+    done = tmp_path / "done"
+    before = tree_ticks(os.getpid())
+    kid = subprocess.Popen([sys.executable, "-c", KID, str(done)])
+    try:
+        wait_until(done.exists, kid, timeout_s=120)
+        hz = os.sysconf("SC_CLK_TCK")
+        assert tree_ticks(os.getpid()) - before >= 0.9 * hz  # its own half second and its child's, waited for
+    finally:
+        kid.kill()
+        kid.wait()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no team to size")

@@ -55,6 +55,23 @@ def busy_ticks(cpus: set[int], stat: str) -> int:
     return total
 
 
+def tree_ticks(pid: int, proc: Path = Path("/proc")) -> int:
+    """Clock ticks process `pid` and its live descendants spent (user and system, with the children
+    each has waited for): a run's own work, its graders' sandboxes and hosted environments included,
+    which its team waits for rather than competes with."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = (proc / str(p) / "stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime (stat's fields 14-17)
+            for task in (proc / str(p) / "task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            continue  # it ended between two reads: what it spent is its parent's now (cutime)
+    return total
+
+
 class Team:
     """`start()` once the engine is built, then `after_step()` between steps: the team's size for the
     next one (unchanged unless the window says so). Inert (the size it found, never changed) where
@@ -84,9 +101,10 @@ class Team:
         return self._watch
 
     def _reading(self) -> tuple[float, float, float]:
-        """(wall, busy seconds of the CPUs, this process's CPU seconds): every thread's, the engine's too."""
-        t = os.times()
-        return time.monotonic(), busy_ticks(self._cpus, self._stat.read_text()) / self._hz, t.user + t.system
+        """(wall, busy seconds of the CPUs, CPU seconds of this process (every thread's, the engine's
+        too) and its descendants)."""
+        busy = busy_ticks(self._cpus, self._stat.read_text())
+        return time.monotonic(), busy / self._hz, tree_ticks(os.getpid()) / self._hz
 
     def after_step(self) -> int:
         if not self._watch:
