@@ -1,6 +1,6 @@
 """Benchmark: the RL loop on a quiet machine and beside one busy process. Prints figures, asserts nothing.
 
-    .venv/bin/python tests/bench/busy.py WORKSPACE [--steps 40] [--repeats 3] [--also GOMP_SPINCOUNT=300000[,ENV=VALUE...]]
+    .venv/bin/python tests/bench/busy.py WORKSPACE [--steps 40] [--repeats 3] [--also ENV=VALUE[,ENV=VALUE...]]
 
 Each repeat runs `minirl run` on a copy of the workspace for --steps steps twice: alone, and beside
 a process that keeps one core busy (`python -c "while True: pass"`, as a user's other job would).
