@@ -60,6 +60,10 @@ def _prepare_env(verbose: bool) -> None:
     # it has met; the engine meets many (each batch size of a rollout and of an evaluation): 64 keep the
     # step's own in reach at ~100 MB less peak memory, with the same numbers (docs/results/memory.md)
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    # torch's bf16 CPU matmuls (ideep, the engine's linear layers) keep a cache of their own, of up to 1,024
+    # oneDNN primitives with their JIT kernels: each new row count adds one, and an evaluation's shrinking
+    # batches meet hundreds (~150 MiB over a long run); 64 keep the step's own, with the same numbers
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")

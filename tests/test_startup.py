@@ -122,17 +122,20 @@ def test_the_collector_runs_less_often_only_until_the_engine_is_built(monkeypatc
         gc.set_threshold(*session)
 
 
-def test_the_cli_bounds_onednns_primitive_cache_unless_the_user_set_it(monkeypatch):
-    """#100: oneDNN's cache of compiled primitives held ~100 MB of the default run's peak at its 1,024; the
-    CLI sets 64 before torch loads (docs/results/memory.md), and a user's own value stands."""
+@pytest.mark.parametrize("cache", ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"])
+def test_the_cli_bounds_the_matmul_caches_unless_the_user_set_them(monkeypatch, cache):
+    """#100: oneDNN's cache of compiled primitives held ~100 MB of the default run's peak at its 1,024, and
+    torch's bf16 matmuls' own cache (ideep's, `LRU_CACHE_CAPACITY`) grew by ~150 MiB over a long run with
+    evaluations; the CLI sets 64 for each before torch loads (docs/results/memory.md), a user's own value
+    standing."""
     import os
 
     from cli.main import _prepare_env
 
     for given, got in ((None, "64"), ("1024", "1024")):
-        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+        env = {k: v for k, v in os.environ.items() if k != cache}
         if given is not None:
-            env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
+            env[cache] = given
         monkeypatch.setattr(os, "environ", env)  # what the CLI sets stays in this copy
         _prepare_env(verbose=True)
-        assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == got
+        assert env[cache] == got
