@@ -261,7 +261,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         extra.append(f"parallel.gpus_per_node={int(os.environ.get('LOCAL_WORLD_SIZE', '1')) + int(asked)}")
     ws = Workspace.open(workspace)
     rec = run_recipe(ws, resume, extra)  # a resumed run's own recipe, not the workspace's
-    if team_env.adapts(shares_process=not rec.rollout.max_staleness and not rec.parallel.rollout_gpus):
+    if team_env.adapts(rec):
         assert "torch" not in sys.modules, "libgomp reads its spin count once, as torch loads it"
         os.environ["GOMP_SPINCOUNT"] = team_env.SPIN
     if resolution(rec.model.id):

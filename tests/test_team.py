@@ -27,22 +27,31 @@ def test_the_team_is_the_cores_left_between_one_and_its_first_size():
 
 
 def test_only_a_run_whose_one_team_minirl_chose_watches():
-    auto = {team_mod.AUTO: "auto"}
-    assert team_mod.adapts(shares_process=True, env=auto)
-    assert not team_mod.adapts(shares_process=False, env=auto)  # an engine in a process of its own
-    assert not team_mod.adapts(shares_process=True, env={})  # the user's OMP_NUM_THREADS or GOMP_SPINCOUNT
-    assert not team_mod.adapts(shares_process=True, env={**auto, "WORLD_SIZE": "2"})  # a rank of a torchrun job
+    from minirl.config.recipe import Recipe
+
+    rec, auto = Recipe(), {team_mod.AUTO: "auto"}
+    assert team_mod.adapts(rec, env=auto)
+    assert not team_mod.adapts(rec, env={})  # the user's OMP_NUM_THREADS or GOMP_SPINCOUNT
+    assert not team_mod.adapts(rec, env={**auto, "WORLD_SIZE": "2"})  # a rank of a torchrun job
+    rec.rollout.max_staleness = 1  # an engine in a process of its own
+    assert not team_mod.adapts(rec, env=auto)
+    rec.rollout.max_staleness, rec.parallel.rollout_gpus = 0, 1  # engines on rollout GPUs of their own
+    assert not team_mod.adapts(rec, env=auto)
 
 
 class Readings(Team):
-    """The team's decisions on given readings: (wall s, busy s of its CPUs, its own CPU s)."""
+    """The team's decisions on given clock readings and, once a window, CPU readings (busy s of its
+    CPUs, its own CPU s): a CPU reading is taken only where a window has passed."""
 
-    def __init__(self, readings):
-        self.readings = iter(readings)
+    def __init__(self, walls, cpus):
+        self.walls, self.cpus = iter(walls), iter(cpus)
         super().__init__(watch=True)
 
-    def _reading(self):
-        return next(self.readings)
+    def _wall(self):
+        return next(self.walls)
+
+    def _cpu(self):
+        return next(self.cpus)
 
 
 @pytest.fixture
@@ -60,8 +69,9 @@ def test_the_team_shrinks_at_once_and_grows_back_after_two_quiet_windows(two_thr
     import torch
 
     n = len(os.sched_getaffinity(0))
-    # cumulative (wall, busy of its CPUs, its own); windows of 1 s, in which others keep n − 1 cores busy, then none
-    team = Readings([(0, 0, 0), (1, n, 1), (1.5, n, 1.5), (2, 2 * n, 2), (3, 2 * n + 1, 3), (4, 2 * n + 2, 4)])
+    # cumulative (busy of its CPUs, its own); windows of 1 s, in which others keep n − 1 cores busy, then none;
+    # at 1.5 s no window has passed, and no CPU reading is taken (an exhausted iterator would say so)
+    team = Readings([0, 1, 1.5, 2, 3, 4], [(0, 0), (n, 1), (2 * n, 2), (2 * n + 1, 3), (2 * n + 2, 4)])
     team.start()
     assert team.watched and team.most == 2
     assert team.after_step() == 1 and torch.get_num_threads() == 1  # another process held a core: at once
@@ -73,7 +83,7 @@ def test_the_team_shrinks_at_once_and_grows_back_after_two_quiet_windows(two_thr
 
 def test_a_team_minirl_did_not_choose_never_changes(two_threads):
     team = Team(watch=False)
-    team.start()
+    team.start()  # reads nothing
     assert not team.watched and team.after_step() == team.threads == 2
 
 

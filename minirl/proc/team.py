@@ -27,12 +27,15 @@ from pathlib import Path
 
 AUTO = "MINIRL_THREADS"  # set to "auto" by the CLI where it chose the team and the spin (cli/main.py)
 SPIN = "30000"  # long enough that a peer does not fall asleep between a step's small regions
+STAT = Path("/proc/stat")
 WINDOW_S = 1.0  # how long the cores are watched before the team changes: a passing neighbour is ignored
 
 
-def adapts(*, shares_process: bool, env=os.environ) -> bool:
-    """Whether a run whose engine does (shares_process) or does not share its process watches its cores:
-    only where minirl chose the threads and the spin, and the one team is all of the run's threads."""
+def adapts(rec, env=os.environ) -> bool:
+    """Whether a run of recipe `rec` watches its cores: only where minirl chose the threads and the spin,
+    and the one team is all of the run's threads (its engine in its process: no `max_staleness`, no
+    rollout GPUs; not a rank of a torchrun job)."""
+    shares_process = not rec.rollout.max_staleness and not rec.parallel.rollout_gpus
     return shares_process and env.get(AUTO) == "auto" and int(env.get("WORLD_SIZE", "1")) == 1
 
 
@@ -77,7 +80,7 @@ class Team:
     next one (unchanged unless the window says so). Inert (the size it found, never changed) where
     `watch` is False."""
 
-    def __init__(self, *, watch: bool, stat: Path = Path("/proc/stat")):
+    def __init__(self, *, watch: bool):
         import torch  # deferred: the CLI reads this module's settings before torch (and libgomp with it) loads
 
         self._torch = torch
@@ -85,36 +88,39 @@ class Team:
         # the process's CPUs as it starts: vLLM's engine later binds each team thread to one, which
         # narrows what the main thread's own mask says
         self._cpus = os.sched_getaffinity(0)
-        self._stat, self._hz = stat, os.sysconf("SC_CLK_TCK")
-        self._watch = watch and self.most > 1 and len(self._cpus) > 1 and stat.is_file()
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._watch = watch and self.most > 1 and len(self._cpus) > 1 and STAT.is_file()
         self._grow = False  # the last window wanted a larger team too (growing needs two in a row)
-        self._last = None
+        self._since: tuple[float, tuple[float, float]] | None = None  # the window's start: (wall, _cpu())
 
     def start(self) -> None:
         """The first window opens: once the engine is built (its start runs helper processes of its own,
         which a window would count as others')."""
         if self._watch:
-            self._last = self._reading()
+            self._since = (self._wall(), self._cpu())
 
     @property
     def watched(self) -> bool:
         return self._watch
 
-    def _reading(self) -> tuple[float, float, float]:
-        """(wall, busy seconds of the CPUs, CPU seconds of this process (every thread's, the engine's
-        too) and its descendants)."""
-        busy = busy_ticks(self._cpus, self._stat.read_text())
-        return time.monotonic(), busy / self._hz, tree_ticks(os.getpid()) / self._hz
+    def _wall(self) -> float:
+        return time.monotonic()
+
+    def _cpu(self) -> tuple[float, float]:
+        """(busy seconds of the CPUs, CPU seconds of this process (every thread's, the engine's too) and
+        its descendants): read once a window, not every step."""
+        return busy_ticks(self._cpus, STAT.read_text()) / self._hz, tree_ticks(os.getpid()) / self._hz
 
     def after_step(self) -> int:
         if not self._watch:
             return self.threads
-        now = self._reading()
-        wall = now[0] - self._last[0]
+        t = self._wall()
+        wall = t - self._since[0]
         if wall < WINDOW_S:
             return self.threads
-        others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / wall
-        self._last = now
+        (busy0, own0), now = self._since[1], self._cpu()
+        others = max(0.0, (now[0] - busy0) - (now[1] - own0)) / wall
+        self._since = (t, now)
         want = wanted(len(self._cpus), others, self.most)
         # shrink at once (a neighbour makes every step several times slower); grow after two windows
         # agree (a neighbour that paused for a moment would have the team shrink again)

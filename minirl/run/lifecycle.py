@@ -156,7 +156,7 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
         cache = engine_cache.use(ws.root)  # vLLM's compile cache in the workspace: later runs and evals reuse it
         t_built = time.time()
         # before the engine binds the team's threads to cores (minirl/proc/team.py)
-        team = Team(watch=adapts(shares_process=not rec.rollout.max_staleness and not rec.parallel.rollout_gpus))
+        team = Team(watch=adapts(rec))
         rl = RLRun(ws, rec, inputs, run_dir=run_dir, world=world)
     except BaseException:
         if resume_from is None and world.main:  # a run that never started leaves no folder for --resume to pick
