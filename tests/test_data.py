@@ -69,20 +69,37 @@ def test_a_missing_file_is_one_line_without_asking_the_hub(tmp_path):
 
 
 def test_a_hub_id_the_loader_fails_on_is_one_line(monkeypatch):
-    """The Hub answers the probe (hub.need_hub), then the loader fails (the unreachable Hub itself:
-    tests/test_offline.py)."""
-    import datasets
+    """The Hub answers the probe (hub.need_hub), then the loader fails: a server that knows no
+    dataset stands in for the Hub (the unreachable Hub itself: tests/test_offline.py). The loader's
+    own process reads HF_ENDPOINT as it starts."""
+    import http.server
+    import threading
 
     from minirl.models import hub
 
-    def no_network(*a, **k):  # the Hub's servers: the one thing that cannot exist here
-        raise ConnectionError("Couldn't reach 'nobody-minirl/no-such-dataset' on the Hub (LocalEntryNotFoundError)\nmore")
-
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to all
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
     monkeypatch.setattr(hub, "reachable", lambda: True)
-    monkeypatch.setattr(datasets, "load_dataset", no_network)
-    with pytest.raises(UsageError) as e:
-        load_problems("nobody-minirl/no-such-dataset", encode=enc, prompt_field="p", answer_field="a", max_prompt_tokens=8)
-    assert "cannot load dataset 'nobody-minirl/no-such-dataset'" in str(e.value) and "\n" not in str(e.value)
+    try:
+        with pytest.raises(UsageError) as e:
+            load_problems("nobody-minirl/no-such-dataset", encode=enc, prompt_field="p", answer_field="a",
+                          max_prompt_tokens=8)
+    finally:
+        server.shutdown()
+    assert str(e.value).startswith("cannot load dataset 'nobody-minirl/no-such-dataset': ") and "\n" not in str(e.value)
+
+
+def test_the_run_process_never_imports_datasets(tmp_path):
+    """`datasets` (and pandas, pyarrow) stay in the loader's own process: rows come back as lists."""
+    import subprocess
+    import sys
+
+    p = write(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}])
+    code = ("import sys; from minirl.data.loader import load_rows; r = load_rows(sys.argv[1]); "
+            "print(r.column_names, r.to_list(), 'datasets' in sys.modules, 'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['prompt', 'answer'] [{'prompt': '1+1=', 'answer': '2'}, {'prompt': '2+2=', 'answer': '4'}] False False"
 
 
 def test_task_splits_are_disjoint_and_correct():
@@ -192,3 +209,22 @@ def test_the_chat_templates_keyword_arguments_reach_it_on_every_prompt_path(tiny
     assert rec.data.chat_template and rec.data.chat_template_kwargs == {"enable_thinking": True}
     with pytest.raises(UsageError, match="data.chat_template = true or drop them"):
         recipes.load(None, ['data.chat_template_kwargs={"enable_thinking": false}'])
+
+
+def test_a_check_that_fails_before_the_data_is_read_leaves_no_loader_behind(tmp_path):
+    """prepare_run starts the data's loader processes first and reads their rows after the model's
+    checks: a model folder that is not there is refused as before, and both loaders are stopped."""
+    import psutil
+
+    from minirl.config import recipes
+    from minirl.setup.preflight import prepare_run
+    from minirl.setup.workspace import Workspace
+    from tests.conftest import data_workspace
+
+    ws = Workspace.open(data_workspace(tmp_path / "ws"))
+    rec = recipes.load(ws.recipe_path, [f"model.path={tmp_path / 'no-model'}"])
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(UsageError, match="no-model"):
+        prepare_run(ws, rec, resume=None)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert left == []  # killed and waited for: not even a zombie

@@ -1,4 +1,4 @@
-"""Prompt sources, loaded through `datasets`: a local JSONL/Parquet file (or folder) or a Hub id.
+"""Prompt sources (rows read through `datasets`: loader.py), tokenised and checked.
 
 Rows with an empty prompt, a missing answer or a prompt over the token limit are skipped and
 counted; a source with no usable row is an error.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minirl.data.loader import Rows, load_rows
 from minirl.errors import UsageError
-from minirl.models import hub
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,102 +22,6 @@ class Problem:
 
     prompt_ids: tuple[int, ...]
     record: dict[str, Any]
-
-
-def load_rows(spec: str, *, base: Path | None = None, split: str = "train", config: str | None = None,
-              instead: str | None = None, typed: tuple[str, ...] = ()):
-    """A `datasets.Dataset` from a local file/folder (resolved against `base`) or a Hub dataset id.
-    instead: what to pass rather than a Hub id when the Hub cannot be had (one line, hub.need_hub).
-    typed: fields whose every row must hold one type (local files: `_one_type_per_field`)."""
-    import datasets
-
-
-    datasets.disable_progress_bars()
-    local = Path(spec) if Path(spec).is_absolute() or base is None else base / spec
-    try:
-        if local.exists():
-            files = sorted(local.glob("*.jsonl")) + sorted(local.glob("*.parquet")) if local.is_dir() else [local]
-            if not files:
-                raise UsageError(f"no .jsonl or .parquet files in {local}")
-            for f in files:
-                if f.stat().st_size == 0:
-                    raise UsageError(f"dataset file {f} is empty")
-            _same_fields(local, files)
-            kind = "parquet" if files[0].suffix == ".parquet" else "json"
-            rows = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
-            _one_type_per_field(rows, spec, typed, files)
-            return rows
-        if local.suffix in (".jsonl", ".json", ".parquet", ".csv") or spec.startswith((".", "/")):
-            raise UsageError(f"dataset file {local} not found")  # a path, not a Hub id: never ask the Hub
-        instead = instead or f"give a local copy of {spec!r} (a .jsonl or .parquet path) instead"
-        hub.need_hub(f"dataset {spec!r}", instead=instead, datasets=True)
-        try:
-            return datasets.load_dataset(spec, config, split=split)
-        except Exception as e:  # noqa: BLE001
-            if hub.offline(datasets=True):  # the cache did not have it
-                raise UsageError(f"dataset {spec!r} is not in the local cache and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE "
-                                 f"is set; {instead}") from None
-            raise
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001 - turn any loader failure into one line
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise UsageError(f"cannot load dataset {spec!r}: {type(e).__name__}{': ' + first if first else ''}") from None
-
-
-def _same_fields(folder: Path, files: list[Path]) -> None:
-    """A folder loads as one dataset only when its files have the same fields (else `datasets`
-    says only "An error occurred while generating the dataset"): each file's first row, compared."""
-    if len(files) < 2:
-        return
-    import json
-
-    fields = {}
-    for f in files:
-        try:
-            if f.suffix == ".parquet":
-                import pyarrow.parquet as pq
-
-                fields[f.name] = tuple(sorted(pq.read_schema(f).names))
-            else:
-                with f.open() as fh:
-                    fields[f.name] = tuple(sorted(json.loads(fh.readline())))
-        except (OSError, ValueError, AttributeError, TypeError):
-            return  # unreadable: `datasets` says what is wrong with it
-    kinds = sorted(set(fields.values()))
-    if len(kinds) > 1:
-        a = next(n for n, k in fields.items() if k == kinds[0])
-        b = next(n for n, k in fields.items() if k == kinds[1])
-        raise UsageError(f"dataset folder {folder} holds files with different fields ({a}: {', '.join(kinds[0])}; "
-                         f"{b}: {', '.join(kinds[1])}), which do not load as one dataset; pass one file")
-
-
-def _one_type_per_field(rows, spec: str, fields: tuple[str, ...], files: list[Path]) -> None:
-    """A field whose rows hold values of different types (a number among strings) is typed `Json`
-    by `datasets`, whose rows then read as JSON text: every prompt '"760+455="', quotes and all
-    (#82). Refused, naming the file and line of the first value whose type is not the field's most
-    common one (read from the files themselves: the decoded column has lost the types)."""
-    import collections
-    import json
-
-    for f in fields:
-        if type(rows.features.get(f)).__name__ != "Json":
-            continue
-        where = []  # (file, line, type) of each row's value
-        for path in (x for x in files if x.suffix != ".parquet"):
-            with path.open() as fh:
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        v = json.loads(line).get(f)
-                        where.append((path, n, None if v is None else type(v).__name__, v))
-        common = collections.Counter(k for *_, k, _ in where if k).most_common(1)
-        odd = next((w for w in where if w[2] and common and w[2] != common[0][0]), None)
-        if odd is None:
-            raise UsageError(f"dataset {spec!r}: field {f!r} holds values of different types, which `datasets` reads "
-                             "as JSON text: one type per field")
-        path, n, kind, v = odd
-        raise UsageError(f"dataset {spec!r} ({path.name} line {n}): field {f!r} holds a {kind} ({v!r}) where its other "
-                         f"rows hold a {common[0][0]}: one type per field (quote it, or fix the row)")
 
 
 ENCODE_BATCH = 1024  # prompts a tokenizer call takes: its batch speed, without a whole dataset's encodings at once
@@ -132,11 +36,14 @@ def load_problems(
     max_prompt_tokens: int,
     base: Path | None = None,
     split: str = "train",
+    rows: Rows | None = None,
 ) -> tuple[list[Problem], dict[str, int]]:
     """Usable problems plus skip counts {"empty_prompt", "missing_answer", "too_long"}. `encode`
     tokenises a list of prompts in one call (a tokenizer's batch path: 20,000 prompts one call each
-    took seconds of a run's start)."""
-    rows = load_rows(spec, base=base, split=split, typed=(prompt_field, answer_field))
+    took seconds of a run's start). rows: the source's, where already loaded (`load_rows` with `typed`
+    the two fields)."""
+    if rows is None:
+        rows = load_rows(spec, base=base, split=split, typed=(prompt_field, answer_field))
     for f in (prompt_field, answer_field):
         if f not in rows.column_names:
             raise UsageError(f"dataset {spec!r} has no field {f!r}; fields: {', '.join(rows.column_names)}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from minirl.data.prompts import load_rows
+from minirl.data.loader import load_rows
 from minirl.errors import UsageError
 
 BOXED_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."

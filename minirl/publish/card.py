@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minirl.data.prompts import load_rows
+from minirl.data.loader import load_rows
 from minirl.data.written import clipped, records, text_of
 from minirl.disk import store
 from minirl.disk.store import Checkpoint, metric_rows

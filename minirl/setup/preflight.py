@@ -23,6 +23,7 @@ from minirl.envs.contract import environment_class, episode_seed
 from minirl.envs.formats import check_format
 from minirl.envs.hosting import check_start
 from minirl.envs.templates import format_for
+from minirl.data.loader import Loading, Rows
 from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
 from minirl.errors import UsageError
@@ -307,15 +308,15 @@ class RunInputs:
     tools: tuple = ()
 
 
-def _problems(rec, ws, tok, *, tools: list | None = None) -> tuple[list, dict, list]:
+def _problems(rec, ws, tok, rows: list[Rows], *, tools: list | None = None) -> tuple[list, dict, list]:
     """The run's training problems (and what was skipped, by reason) and held-out problems, their prompts
     rendered as the recipe says (with the environment's `tools`, where given)."""
     enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template,
                             chat_kwargs=rec.data.chat_template_kwargs, tools=tools)
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
               max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
-    train, skipped = load_problems(rec.data.train, **kw)
-    heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split)
+    train, skipped = load_problems(rec.data.train, **kw, rows=rows[0])
+    heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split, rows=rows[1])
     train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
     heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
     return train, skipped, heldout
@@ -395,6 +396,17 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
 def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
+    typed = (rec.data.prompt_field, rec.data.answer_field)  # each source read by a process of its own (loader.py),
+    loading = [Loading(rec.data.train, base=ws.root, typed=typed),  # while the model and the rest are checked
+               Loading(rec.data.heldout, base=ws.root, split=rec.data.heldout_split, typed=typed)]
+    try:
+        return _checked_inputs(ws, rec, resume, world_size, loading)
+    finally:
+        for load in loading:
+            load.cancel()
+
+
+def _checked_inputs(ws, rec, resume: str | None, world_size: int, loading: list[Loading]) -> RunInputs:
     if ws.runs.exists() and not ws.runs.is_dir():  # where every run's folder goes
         raise UsageError(f"{ws.runs} is a file, where the workspace keeps its runs' folders: move it away")
     if ws.runs.is_symlink() and not ws.runs.exists():  # links are followed: to a folder that is there (#82)
@@ -428,7 +440,8 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
         check_format(rec.env.tool_format, lambda text: tok.encode(text, add_special_tokens=False),
                      lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True),
                      rec.env.max_reply_tokens)
-    train, skipped, heldout = _problems(rec, ws, tok)
+    rows = [load.result() for load in loading]
+    train, skipped, heldout = _problems(rec, ws, tok, rows)
     tools: list = []
     if rec.env.name and train:  # an environment that cannot start an episode: before any engine starts
         tools = check_start(rec.env, dict(train[0].record), seed=episode_seed(rec.train.seed, 0, 0))
@@ -438,7 +451,7 @@ def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInput
                 raise UsageError(f"the tools of env.name = {rec.env.name!r} take {told} tokens of a prompt as the chat "
                                  f"template renders them, and data.max_prompt_tokens = {rec.data.max_prompt_tokens}: "
                                  "raise it (the run's context is planned with it)")
-            train, skipped, heldout = _problems(rec, ws, tok, tools=tools)
+            train, skipped, heldout = _problems(rec, ws, tok, rows, tools=tools)
     if rec.env.name:  # replies as the model's chat template renders them: a template minirl cannot follow refused
         check_format(rec.env.tool_format, lambda text: tok.encode(text, add_special_tokens=False),
                      lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True),
