@@ -49,31 +49,48 @@ def load_rows(spec: str, *, base: Path | None = None, split: str = "train", conf
     """The rows of a local file/folder (resolved against `base`) or a Hub dataset id.
     instead: what to pass rather than a Hub id when the Hub cannot be had (one line, hub.need_hub).
     typed: fields whose every row must hold one type (local files: `_one_type_per_field`)."""
-    return Loading(spec, base=base, split=split, config=config, instead=instead, typed=typed).result()
+    asked = dict(spec=spec, base=base, split=split, config=config, instead=instead, typed=typed)
+    return start([asked])[0].result()
+
+
+def start(asked: list[dict]) -> list["Loading"]:
+    """`load_rows` of each of `asked` (its keyword arguments) begun, all in one loader process (one
+    import of `datasets`), which works while this one does something else."""
+    loads = [Loading(**kw) for kw in asked]
+    todo = [load for load in loads if load.request is not None]
+    if todo:
+        child = _Child([load.request for load in todo])
+        for i, load in enumerate(todo):
+            load.child, load.index = child, i
+    return loads
 
 
 class Loading:
-    """`load_rows` begun: its loader process works while this one does something else; `result()`
-    waits for the rows, or raises the load's error (one found before the process started too, so
-    errors come in the order their results are asked for)."""
+    """One source's load: `result()` waits for its rows, or raises the load's error (one found
+    before the loader process started too, so errors come in the order their results are asked for)."""
 
     def __init__(self, spec: str, *, base: Path | None = None, split: str = "train", config: str | None = None,
                  instead: str | None = None, typed: tuple[str, ...] = ()):
-        self.spec, self._error, self._proc, self._files = spec, None, None, None
+        self.spec, self._error, self._files = spec, None, None
+        self.request: tuple[dict, tuple[str, ...]] | None = None  # what the loader process is asked
+        self.child: _Child | None = None  # the process `start` asked, and where in its answers this one's is
+        self.index = 0
         local = Path(spec) if Path(spec).is_absolute() or base is None else base / spec
         self._instead = instead or f"give a local copy of {spec!r} (a .jsonl or .parquet path) instead"
         try:
             if local.exists():
                 self._files = self._local_files(local)
                 kind = "parquet" if self._files[0].suffix == ".parquet" else "json"
-                self._start({"path": kind, "data_files": [str(f) for f in self._files], "split": "train"}, typed)
+                self.request = ({"path": kind, "data_files": [str(f) for f in self._files], "split": "train"}, typed)
                 return
             if local.suffix in (".jsonl", ".json", ".parquet", ".csv") or spec.startswith((".", "/")):
                 raise UsageError(f"dataset file {local} not found")  # a path, not a Hub id: never ask the Hub
             hub.need_hub(f"dataset {spec!r}", instead=self._instead, datasets=True)
-            self._start({"path": spec, "name": config, "split": split}, ())
+            self.request = ({"path": spec, "name": config, "split": split}, ())
         except UsageError as e:
             self._error = e
+        except OSError as e:  # an unreadable folder or file: one line as well
+            self._error = UsageError(f"cannot load dataset {spec!r}: {type(e).__name__}: {e}")
 
     @staticmethod
     def _local_files(local: Path) -> list[Path]:
@@ -86,47 +103,58 @@ class Loading:
         _same_fields(local, files)
         return files
 
-    def _start(self, args: dict, typed: tuple[str, ...]) -> None:
+    def result(self) -> Rows:
+        if self._error is None:
+            ok, got = self.child.answer(self.index)
+            if ok:
+                if self._files is not None:
+                    try:
+                        _one_type_per_field(got["json_fields"], self.spec, self._files)
+                    except UsageError as e:
+                        self._error = e
+                        raise
+                return Rows(got["column_names"], got["rows"])
+            if self._files is None and hub.offline(datasets=True):  # a Hub id the cache did not have
+                self._error = UsageError(f"dataset {self.spec!r} is not in the local cache and HF_HUB_OFFLINE / "
+                                         f"HF_DATASETS_OFFLINE is set; {self._instead}")
+            else:
+                self._error = UsageError(f"cannot load dataset {self.spec!r}: {got}")
+        raise self._error
+
+    def cancel(self) -> None:
+        """Its loader process stopped, where the rows are no longer wanted (an earlier check failed)."""
+        if self.child is not None:
+            self.child.stop()
+
+
+class _Child:
+    """The loader process of one `start`: asked once, answered once, each answer (ok, rows or the
+    failure's line) in the order asked."""
+
+    def __init__(self, requests: list):
         root = str(Path(__file__).resolve().parents[2])  # the child imports this very minirl
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self._proc = subprocess.Popen([sys.executable, "-m", "minirl.data.loader"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        self._proc.stdin.write(pickle.dumps((args, typed)))  # a few hundred bytes: never blocks
+        self._proc.stdin.write(pickle.dumps(requests))  # a few hundred bytes: never blocks
         self._proc.stdin.close()
         self._proc.stdin = None  # communicate() then only reads
+        self._n, self._answers = len(requests), None
 
-    def result(self) -> Rows:
-        if self._error is None:
-            try:
-                got = self._answer()
-                if self._files is not None:
-                    _one_type_per_field(got.pop("json_fields"), self.spec, self._files)
-                return Rows(got["column_names"], got["rows"])
-            except UsageError as e:
-                self._error = e
-        raise self._error
+    def answer(self, i: int) -> tuple[bool, Any]:
+        if self._answers is None:
+            out, err = self._proc.communicate()
+            if self._proc.returncode == 0:
+                self._answers = pickle.loads(out)
+            else:  # killed, out of memory: what it said last, for every source it was asked for
+                said = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
+                line = f"the loader's process exited with code {self._proc.returncode}" + (
+                    f" ({said[-1][:200]})" if said else "")
+                self._answers = [(False, line)] * self._n
+        return self._answers[i]
 
-    def _answer(self) -> dict:
-        """The child's {"column_names", "rows", "json_fields" (those of `typed` that `datasets` typed
-        Json)}; any failure of the loader is one UsageError line."""
-        out, err = self._proc.communicate()
-        if self._proc.returncode == 0:
-            ok, got = pickle.loads(out)
-            if ok:
-                return got
-            first = got
-        else:  # killed, out of memory: what it said last
-            said = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
-            first = f"the loader's process exited with code {self._proc.returncode}" + (
-                f" ({said[-1][:200]})" if said else "")
-        if self._files is None and hub.offline(datasets=True):  # a Hub id the cache did not have
-            raise UsageError(f"dataset {self.spec!r} is not in the local cache and HF_HUB_OFFLINE / "
-                             f"HF_DATASETS_OFFLINE is set; {self._instead}")
-        raise UsageError(f"cannot load dataset {self.spec!r}: {first}")
-
-    def cancel(self) -> None:
-        """Its process stopped, where the rows are no longer wanted (an earlier check failed)."""
-        if self._proc is not None and self._proc.returncode is None:
+    def stop(self) -> None:
+        if self._proc.returncode is None:
             self._proc.kill()
             self._proc.communicate()
 
@@ -195,16 +223,18 @@ def _one_type_per_field(json_fields: list[str], spec: str, files: list[Path]) ->
 
 
 def _child() -> None:
-    args, typed = pickle.loads(sys.stdin.buffer.read())
+    requests = pickle.loads(sys.stdin.buffer.read())
     answer_fd = os.dup(1)
-    os.dup2(2, 1)  # what the libraries print goes to stderr: stdout carries the answer alone
-    try:
-        answer = (True, _load(args, typed))
-    except Exception as e:  # noqa: BLE001 - any loader failure, as the one line the parent raises
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        answer = (False, f"{type(e).__name__}{': ' + first if first else ''}")
+    os.dup2(2, 1)  # what the libraries print goes to stderr: stdout carries the answers alone
+    answers = []
+    for args, typed in requests:
+        try:
+            answers.append((True, _load(args, typed)))
+        except Exception as e:  # noqa: BLE001 - any loader failure, as the one line the parent raises
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            answers.append((False, f"{type(e).__name__}{': ' + first if first else ''}"))
     with os.fdopen(answer_fd, "wb") as out:
-        out.write(pickle.dumps(answer))
+        out.write(pickle.dumps(answers))
 
 
 if __name__ == "__main__":

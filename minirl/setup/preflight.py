@@ -23,6 +23,7 @@ from minirl.envs.contract import environment_class, episode_seed
 from minirl.envs.formats import check_format
 from minirl.envs.hosting import check_start
 from minirl.envs.templates import format_for
+from minirl.data import loader
 from minirl.data.loader import Loading, Rows
 from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
@@ -396,9 +397,10 @@ def check_layout(rec, shape: ModelShape, world_size: int) -> None:
 def prepare_run(ws, rec, *, resume: str | None, world_size: int = 1) -> RunInputs:
     """Model folder, tokenizer, both data splits, the grader and (with `resume`) the checkpoint,
     each checked; raises one UsageError line and writes nothing in the workspace."""
-    typed = (rec.data.prompt_field, rec.data.answer_field)  # each source read by a process of its own (loader.py),
-    loading = [Loading(rec.data.train, base=ws.root, typed=typed),  # while the model and the rest are checked
-               Loading(rec.data.heldout, base=ws.root, split=rec.data.heldout_split, typed=typed)]
+    typed = (rec.data.prompt_field, rec.data.answer_field)
+    # both sources are read by one process of their own (loader.py) while this one checks the model and the rest
+    loading = loader.start([dict(spec=rec.data.train, base=ws.root, typed=typed),
+                            dict(spec=rec.data.heldout, base=ws.root, split=rec.data.heldout_split, typed=typed)])
     try:
         return _checked_inputs(ws, rec, resume, world_size, loading)
     finally:
