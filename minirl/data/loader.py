@@ -1,5 +1,5 @@
-"""A dataset's rows, read by `datasets` in a Python process of its own: a local JSONL/Parquet file
-(or folder) or a Hub id.
+"""Datasets' rows, read by `datasets` in a Python process of their own (one process for the sources
+of one `start`): a local JSONL/Parquet file (or folder) or a Hub id.
 
 Why a process: `datasets` imports pandas, pyarrow, aiohttp and fsspec, ~90 MiB that stay in a
 process for good once imported, while a run keeps its rows as plain Python lists
