@@ -97,9 +97,10 @@ def test_the_run_process_never_imports_datasets(tmp_path):
 
     p = write(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}])
     code = ("import sys; from minirl.data.loader import load_rows; r = load_rows(sys.argv[1]); "
-            "print(r.column_names, r.to_list(), 'datasets' in sys.modules, 'pandas' in sys.modules)")
+            "print(repr((r.column_names, r.rows, 'datasets' in sys.modules, 'pandas' in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['prompt', 'answer'] [{'prompt': '1+1=', 'answer': '2'}, {'prompt': '2+2=', 'answer': '4'}] False False"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    assert eval(out) == (["prompt", "answer"], rows, False, False)
 
 
 def test_task_splits_are_disjoint_and_correct():

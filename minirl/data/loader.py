@@ -29,19 +29,7 @@ class Rows:
     """The rows of a dataset split, in file order, as `datasets` decoded them."""
 
     column_names: list[str]
-    rows: list[dict[str, Any]]
-
-    def to_list(self) -> list[dict[str, Any]]:
-        return self.rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.rows[i]
+    rows: list[dict[str, Any]]  # decoded from Arrow once, in the loader's process
 
 
 def load_rows(spec: str, *, base: Path | None = None, split: str = "train", config: str | None = None,
@@ -104,22 +92,17 @@ class Loading:
         return files
 
     def result(self) -> Rows:
-        if self._error is None:
-            ok, got = self.child.answer(self.index)
-            if ok:
-                if self._files is not None:
-                    try:
-                        _one_type_per_field(got["json_fields"], self.spec, self._files)
-                    except UsageError as e:
-                        self._error = e
-                        raise
-                return Rows(got["column_names"], got["rows"])
+        if self._error is not None:
+            raise self._error
+        ok, got = self.child.answer(self.index)
+        if not ok:
             if self._files is None and hub.offline(datasets=True):  # a Hub id the cache did not have
-                self._error = UsageError(f"dataset {self.spec!r} is not in the local cache and HF_HUB_OFFLINE / "
-                                         f"HF_DATASETS_OFFLINE is set; {self._instead}")
-            else:
-                self._error = UsageError(f"cannot load dataset {self.spec!r}: {got}")
-        raise self._error
+                raise UsageError(f"dataset {self.spec!r} is not in the local cache and HF_HUB_OFFLINE / "
+                                 f"HF_DATASETS_OFFLINE is set; {self._instead}")
+            raise UsageError(f"cannot load dataset {self.spec!r}: {got}")
+        if self._files is not None:
+            _one_type_per_field(got["json_fields"], self.spec, self._files)
+        return Rows(got["column_names"], got["rows"])
 
     def cancel(self) -> None:
         """Its loader process stopped, where the rows are no longer wanted (an earlier check failed)."""

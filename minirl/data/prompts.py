@@ -49,7 +49,7 @@ def load_problems(
             raise UsageError(f"dataset {spec!r} has no field {f!r}; fields: {', '.join(rows.column_names)}")
     skipped = {"empty_prompt": 0, "missing_answer": 0, "too_long": 0}
     records, prompts = [], []
-    for i, row in enumerate(rows.to_list()):  # Arrow to Python once, not row by row
+    for i, row in enumerate(rows.rows):
         prompt, answer = row.get(prompt_field), row.get(answer_field)
         if prompt is not None and not isinstance(prompt, str):
             raise UsageError(f"dataset {spec!r} row {i + 1}: field {prompt_field!r} must be a string, "

@@ -85,7 +85,7 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
     if missing:
         raise UsageError(f"{bench.name}: the data has no {', '.join(map(repr, missing))} field; it has {', '.join(fields)}")
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows.rows):
         if not isinstance(row[pf], str):  # never str()-ed into a prompt: a number is no problem statement
             raise UsageError(f"{bench.name}: row {i + 1} of {data or bench.hub_id}: field {pf!r} holds a "
                              f"{type(row[pf]).__name__} ({row[pf]!r}); a problem is text")

@@ -292,7 +292,7 @@ def _sample_prompt(run_dir: Path, rec) -> str:
     """A prompt as the model saw it in training (the recipe's template, without the chat wrapper)."""
     try:
         rows = load_rows(rec.data.heldout, base=run_dir.parent.parent, split=rec.data.heldout_split)
-        text = str(rows[0][rec.data.prompt_field])
+        text = str(rows.rows[0][rec.data.prompt_field])
     except Exception:  # noqa: BLE001 - a card without the data at hand still gets a snippet
         text = "What is 1 + 1?"
     return rec.data.prompt_template.format(problem=text)
