@@ -58,7 +58,8 @@ def one_update(trainer, batch, replay: str, routes=None) -> tuple[float, dict[st
 def one_process_init() -> dict[str, torch.Tensor]:
     """The initial weights of `Trainer(TINY, seed=0)` in one process (sharded ranks draw theirs
     shard by shard, so a comparison starts both from these)."""
-    from minirl.models.shapes import TINY, titan_config
+    from minirl.models.shapes import TINY
+    from minirl.models.titan import titan_config
 
     torch.manual_seed(0)
     model = titan_config(TINY).build()

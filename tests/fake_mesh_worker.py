@@ -19,7 +19,8 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
     from torchtitan.distributed.utils import init_fake_mode
 
-    from minirl.models.shapes import KNOWN_SHAPES, titan_config
+    from minirl.models.shapes import KNOWN_SHAPES
+    from minirl.models.titan import titan_config
     from minirl.train import offload
     from minirl.train.parallel import parallelize
 

@@ -438,8 +438,8 @@ CASES = [
     ("init-tiny-lora-target", ["init", "{new}", "--set", "train.lora.rank=4", "--set", "train.lora.targets=mlp"], None,
      "train.lora.targets names mlp, which this model does not have"),
     ("batch-past-kv-cache", ["run", "{ws}", "--set", "train.group_size=64", "--set", "rollout.kv_cache_gib=0.01"], None,
-     "2,048 sequences of up to 23 tokens are sampled at once on a CPU and need 0.25 GiB of KV cache; "
-     "rollout.kv_cache_gib = 0.01, room for 81 of them"),
+     "2,048 sequences of up to 23 tokens are sampled at once on a CPU and need 0.06 GiB of KV cache; "
+     "rollout.kv_cache_gib = 0.01, room for 327 of them"),
     ("eval-max-tokens-past-context", ["eval", "-w", "{ws}", "--checkpoint", "coldstart", "--set",
                                       "eval.max_tokens=99999999999999999999"], None,
      "eval.max_tokens = 99999999999999999999: the model's context is 64 tokens"),

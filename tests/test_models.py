@@ -4,7 +4,8 @@ transformers' own Qwen3MoeForCausalLM on the converted folder."""
 import pytest
 import torch
 
-from minirl.models.shapes import QWEN3_30B_A3B, TINY, ModelShape, hf_config_dict, param_count, titan_config
+from minirl.models.shapes import QWEN3_30B_A3B, TINY, ModelShape, hf_config_dict, param_count
+from minirl.models.titan import titan_config
 from minirl.train.hf_io import hf_to_titan, load_hf_weights, titan_to_hf
 from minirl.train.trainer import Trainer
 
@@ -149,7 +150,7 @@ def test_decoding_with_the_kv_cache_gives_the_full_recomputes_logits():
     """The cold start's dev check decodes one token at a time from cached keys and values
     (models.kv_cache): every step's logits match a full forward over the whole sequence so far,
     and leaving the cache restores plain causal forwards."""
-    from minirl.models.shapes import kv_cache
+    from minirl.models.titan import kv_cache
 
     tr = Trainer(TINY, lr=1e-3, seed=0)
     tr.model.eval()

@@ -128,7 +128,7 @@ def test_repeated_kv_heads_attend_as_sdpas_own_gqa():
     """The CUDA branch of the masked attention repeats KV heads instead of `enable_gqa`."""
     import torch.nn.functional as F
 
-    from minirl.models.shapes import repeat_kv_heads
+    from minirl.models.titan import repeat_kv_heads
 
     g = torch.Generator().manual_seed(4)
     q, k, v = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)

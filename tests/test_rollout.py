@@ -48,14 +48,15 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
 
 
 def test_a_cpu_engine_sized_for_the_job_holds_its_sequences_and_no_more(engine):
-    """kv_cache_gib = 0 on a CPU: a 128-token block for each of max_num_seqs sequences of up to
-    max_model_len tokens, and vLLM's empty block (the default of 0.25 GiB held 2,048 blocks)."""
+    """kv_cache_gib = 0 on a CPU: a block (the fewest multiple of 32 tokens that holds a sequence) for
+    each of max_num_seqs sequences of up to max_model_len tokens, and vLLM's empty block (the default
+    of 0.25 GiB held 2,048 blocks of 128)."""
     from minirl.models.shapes import TINY
-    from minirl.models.sizing import CPU_KV_BLOCK, cpu_kv_cache_bytes
+    from minirl.models.sizing import cpu_kv_block, cpu_kv_cache_bytes
 
     s = engine.settings
     assert s.kv_cache_gib * 2**30 == cpu_kv_cache_bytes(TINY, s.max_num_seqs, s.max_model_len, 2)
-    assert engine._llm.llm_engine.vllm_config.cache_config.block_size == CPU_KV_BLOCK
+    assert engine._llm.llm_engine.vllm_config.cache_config.block_size == cpu_kv_block(s.max_model_len) < 128
     assert engine._llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == s.max_num_seqs + 1
     full = engine.generate([[1, 2, 3]] * s.max_num_seqs, n=1, temperature=1.0, max_tokens=s.max_model_len - 3, seed=0)
     assert len(full) == s.max_num_seqs  # every sequence at once, at full length
@@ -544,7 +545,7 @@ def test_preempted_samples_are_counted_and_with_r3_drawn_again_with_whole_routes
     from minirl.train.replay import rollout_routes, route_agreement
 
     prompts = [(PROMPTS[i % 3] * 4)[: 26 + i % 3] for i in range(12)]  # 26–28 tokens: one block, then two
-    kv = 4 * cpu_kv_cache_bytes(TINY, 1, 64, 4) / 2**30  # 16 blocks of 32 for 48 requests
+    kv = 4 * cpu_kv_cache_bytes(TINY, 1, 64, 4, block=128) / 2**30  # 32 blocks of 32 for 48 requests
     drawn = {}
     for r3 in (False, True):
         eng = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=64, kv_cache_gib=kv, kv_block=32,

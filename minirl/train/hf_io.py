@@ -16,7 +16,8 @@ import torch
 
 from minirl.disk import atomic
 from minirl.errors import UsageError
-from minirl.models.shapes import ModelShape, hf_config_dict, titan_config
+from minirl.models.shapes import ModelShape, hf_config_dict
+from minirl.models.titan import titan_config
 from minirl.train.lora import adapted
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")

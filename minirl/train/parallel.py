@@ -8,7 +8,7 @@ causes were ours):
   for, or the dispatcher asks a mesh that does not exist for its process group.
 - Sharding plans live on the model *config* (`set_qwen3_sharding_config`), filled before build;
   without them FSDP2 and EP find plain tensors where they expect DTensors.
-- minirl's CPU experts (models/shapes.py) must compute on `to_local()` shards, as TorchTitan's own do.
+- minirl's CPU experts (models/titan.py) must compute on `to_local()` shards, as TorchTitan's own do.
 gloo has no PREMUL_SUM, so FSDP2 reduces gradients by sum on every backend, and the trainer
 scales each rank's loss by its share of the global batch: the result equals one process's mean.
 """

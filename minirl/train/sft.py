@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from minirl.models.shapes import kv_cache
+from minirl.models.titan import kv_cache
 from minirl.train.batch import build_batch
 from minirl.train.trainer import Trainer
 

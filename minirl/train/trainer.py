@@ -6,7 +6,7 @@ TorchTitan is imported only on this side: here, `models`, `parallel`, `replay` a
 (tests/test_imports.py).
 
 Precision (`train.param_dtype`; "auto": bfloat16 on CUDA, float32 on CPU). float32 computes
-everything in fp32, the routed experts included (models/shapes.py). bfloat16 computes under autocast in
+everything in fp32, the routed experts included (models/titan.py). bfloat16 computes under autocast in
 one process, or under FSDP2's mixed-precision policy when sharded, with TorchTitan's own bf16
 grouped-GEMM experts, while weights, gradients and Adam state stay float32 (master weights).
 Forced on a CPU, bfloat16 runs the same dtype code as CUDA (tests/test_train.py, test_parallel.py).
@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from minirl.models.hub import check_base, fingerprint
-from minirl.models.shapes import ModelShape, attention_pair_cost, titan_config
+from minirl.models.shapes import ModelShape, attention_pair_cost
+from minirl.models.titan import titan_config
 from minirl.train import checkpoint, cuts
 from minirl.train import lora as lora_mod
 from minirl.train import offload as offload_mod
@@ -107,7 +108,7 @@ class Trainer:
             raise RuntimeError("Trainer(shard=True) needs an initialised process group")
         self.rank = dist.get_rank() if self.sharded else 0
         # bf16 compute runs TorchTitan's own grouped experts (its bf16 grouped GEMM, CUDA's only
-        # kernel); fp32 compute keeps the experts in fp32 (models/shapes.py)
+        # kernel); fp32 compute keeps the experts in fp32 (models/titan.py)
         cfg = titan_config(shape, expert_dtype="bfloat16" if param_dtype == "bfloat16" else "float32")
         self.lora = dict(lora) if lora and lora.get("rank") else None
         adapt = None
