@@ -47,6 +47,19 @@ def test_generate_returns_sampled_logprobs_that_score_reproduces(engine, fixed):
     assert mean_abs_diff(scored, sampled) < 1e-4
 
 
+def test_a_cpu_kv_block_holds_one_sequence_in_multiples_of_32_up_to_vllms_128():
+    """The rule, at its edges: vLLM's CPU kernels take multiples of 32; past 128 tokens a sequence takes
+    several of vLLM's default blocks, as before."""
+    from minirl.models.shapes import TINY
+    from minirl.models.sizing import cpu_kv_block, cpu_kv_cache_bytes
+
+    assert [cpu_kv_block(t) for t in (1, 23, 32, 33, 64, 65, 128, 129, 5000)] == [32, 32, 32, 64, 64, 96, 128, 128, 128]
+    per_token = TINY.kv_bytes_per_token(2)
+    assert cpu_kv_cache_bytes(TINY, 256, 23, 2) == (256 + 1) * 32 * per_token  # a block each, and vLLM's empty one
+    assert cpu_kv_cache_bytes(TINY, 256, 300, 2) == (256 * 3 + 1) * 128 * per_token
+    assert cpu_kv_cache_bytes(TINY, 256, 23, 2, block=128) == (256 + 1) * 128 * per_token  # a block given wins
+
+
 def test_a_cpu_engine_sized_for_the_job_holds_its_sequences_and_no_more(engine):
     """kv_cache_gib = 0 on a CPU: a block (the fewest multiple of 32 tokens that holds a sequence) for
     each of max_num_seqs sequences of up to max_model_len tokens, and vLLM's empty block (the default
