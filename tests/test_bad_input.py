@@ -412,7 +412,8 @@ CASES = [
     ("kv-cache-past-memory", ["run", "{ws}", "--set", "rollout.kv_cache_gib=1e6"], None,
      "rollout.kv_cache_gib = 1000000.0 is more than this machine can give one engine"),
     ("batch-past-memory", ["run", "{ws}", "--set", "train.prompts_per_step=400000"], None,
-     "3,200,000 sequences of up to 23 tokens are sampled at once on a CPU and need 97.66 GiB of KV cache; this machine has"),
+     "3,200,000 sequences of up to 23 tokens are sampled at once on a CPU and need 97.66 GiB of KV cache; "
+     "this machine has"),
     ("group-past-vllms-n", ["run", "{ws}", "--set", "train.group_size=100000"], None,
      "train.group_size = 100000; it must be ≥ 1 and ≤ 16384"),
     ("eval-k-past-vllms-n", ["eval", "-w", "{ws}", "--k", "20000"], None, "eval.k = 20000; it must be ≥ 1 and ≤ 16384"),

@@ -11,7 +11,8 @@ PACKAGES = ("minirl", "cli", "rewards")
 # where each engine may be imported: vLLM in the rollout package, TorchTitan on the trainer's side
 ENGINE_HOMES = {
     "vllm": ("minirl.rollout",),
-    "torchtitan": ("minirl.models.titan", "minirl.train.parallel", "minirl.train.replay", "minirl.train.hf_io", "minirl.train.trainer"),
+    "torchtitan": ("minirl.models.titan", "minirl.train.parallel", "minirl.train.replay", "minirl.train.hf_io",
+                   "minirl.train.trainer"),
 }
 
 

@@ -37,7 +37,8 @@ def _fp32_grouped_experts_cls():
 
             # under expert parallelism the weights are DTensors sharded over experts: compute on
             # this rank's experts, as the parent class does
-            w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+            w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                          for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
             offs_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
             x = x_RD.to(w1.dtype)
             gate_RF = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs_E)
