@@ -436,7 +436,7 @@ def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
         engine.load_weights(updated.items())
         direct = engine.score(prompts, responses)
         assert mean_abs_diff(direct, fresh) > 0.05
-        assert mean_abs_diff(direct, via_reload) < 1e-6
+        assert mean_abs_diff(direct, via_reload) == 0, mean_abs_diff(direct, via_reload)
 
         # each a one-line stop (errors.EngineFault), on this path as on vLLM's reload (test_cluster_seams.py)
         with pytest.raises(EngineFault, match="no weight 'model.layers.0.bogus.weight'"):
@@ -451,6 +451,37 @@ def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
         engine.direct_sync = True
         engine.load_weights(original.items())
     assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
+
+
+def _linear_kernels(worker) -> list[tuple[str, bool, bool]]:
+    """(module kind, computes with a packed copy, that copy is the packing of the weight as synced) of
+    every linear layer the CPU sync writer relinked."""
+    out = []
+    for mod, linear in worker._minirl_writer.relink:
+        assert mod.cpu_linear is linear
+        packed = linear.packed
+        fresh = packed is not None and torch.equal(packed, torch.ops._C.convert_weight_packed(linear.weight))
+        out.append((type(mod).__name__, packed is not None, fresh))
+    return out
+
+
+def test_a_synced_linear_layer_computes_with_vllms_packed_kernel(engine, tiny_dir):
+    """After a direct sync, each linear layer whose shape vLLM's own CPU dispatch gives its packed
+    small-GEMM kernel computes with that kernel, over a copy packed from the weight this sync wrote
+    (not the one before it); the tiny model's layers all qualify on AMX. Without AMX every layer
+    reads its weight through F.linear."""
+    tr = Trainer(TINY, lr=1e-2, seed=0)
+    tr.load_hf(tiny_dir)
+    original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
+    amx = torch.cpu._is_amx_tile_supported()
+    try:
+        for scale in (1.0, 0.5):  # two syncs with different weights: the packed copy follows each
+            engine.load_weights([(k, v * scale) for k, v in original.items()])
+            (kernels,) = engine._llm.collective_rpc(_linear_kernels)
+            assert {kind for kind, *_ in kernels} >= {"QKVParallelLinear", "RowParallelLinear", "ParallelLMHead"}
+            assert all(packed == amx and fresh == amx for _, packed, fresh in kernels), kernels
+    finally:
+        engine.load_weights(original.items())
 
 
 def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_path, monkeypatch):

@@ -68,7 +68,10 @@ def seeded_sampling(seed: int | None, *, stream: int = 0):
     try:
         with torch.random.fork_rng(devices=devices):
             s = call_seed(seed, stream=stream)
-            torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
+            if devices:
+                torch.random.manual_seed(s)  # seeds the CPU generator (and every CUDA device's; only this one is used)
+            else:  # the CPU's alone: torch.manual_seed would also queue a CUDA seeding, with a stack trace, per call
+                torch.default_generator.manual_seed(s)
             # vLLM's CUDA runner gives each unseeded request a seed from NumPy's global generator
             np.random.seed(s % 2**32)
             yield

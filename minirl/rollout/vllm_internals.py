@@ -56,6 +56,10 @@ RELIED = (
      "register_norm: cpu/norms.py registers its fused add + RMSNorm kernel"),
     ("vllm._custom_ops:__name__",
      "load_kernels: cpu/norms.py and cpu/weights.py call vLLM's `_C` ops, which importing this module loads"),
+    ("vllm._custom_ops:weight_packed_linear_cpu",
+     "packed_linear: cpu/weights.py computes a synced linear layer with vLLM's packed small-GEMM kernel"),
+    ("vllm.model_executor.layers.utils:check_cpu_sgl_kernel",
+     "packed_linear: cpu/weights.py uses that kernel for the shapes vLLM's own dispatch gives it"),
     ("vllm.sampling_params:RequestOutputKind.FINAL_ONLY",
      "final_only: vllm.py asks for each request's final output only"),
 )
@@ -275,6 +279,15 @@ def layerwise_groups(names: list[str]) -> list[list[str]]:
 def load_kernels() -> None:
     """vLLM's `_C` ops (torch.ops._C) are loaded by importing its `_custom_ops`."""
     import vllm._custom_ops  # noqa: F401
+
+
+def packed_linear(n: int, k: int, dtype: torch.dtype):
+    """vLLM's packed small-GEMM linear, `(x, packed weight, n, bias) -> y`, where vLLM's own CPU dispatch
+    computes an [n, k] weight of `dtype` with it (AMX and the shapes its tiles take); else None."""
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    return _custom_ops.weight_packed_linear_cpu if check_cpu_sgl_kernel(n, k, dtype) else None
 
 
 def register_norm(op: str, provider: str, impl, supports_args, *, inplace: bool = False) -> bool:

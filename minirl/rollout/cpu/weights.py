@@ -10,13 +10,14 @@ allocated: the trainer's own parameters' views (one process: `Trainer.hf_views`)
 slot the trainer's process writes before each sync (the engine in a process of its own:
 rollout/process.py `queue_weights`). What goes where:
 
-- a linear layer: vLLM computes it with a oneDNN handle (`cpu_linear`, set by
-  `dispatch_cpu_unquantized_gemm`) that holds its own reordered copy of the weight, and empties
-  the `weight` parameter. We keep one weight tensor of the vLLM layout per such layer ("staging":
-  stacked q/k/v rows for `qkv_proj`, gate/up rows for merged projections) and copy the new rows
-  into it. A write relinks the layer to compute with `F.linear` over that tensor where it does
-  not yet, so every later sync is the copy alone: rebuilding a handle at every sync costs more
-  than computing without one saves (docs/results/cpu-path.md);
+- a linear layer: vLLM computes it with a kernel of its own (`cpu_linear`, set by
+  `dispatch_cpu_unquantized_gemm`) that holds its own packed or reordered copy of the weight, and
+  empties the `weight` parameter. We keep one weight tensor of the vLLM layout per such layer
+  ("staging": stacked q/k/v rows for `qkv_proj`, gate/up rows for merged projections) and copy the
+  new rows into it. A write relinks the layer to a `_Linear` over that tensor: where vLLM's dispatch
+  gives the shape its packed small-GEMM kernel, the same kernel over a copy packed at each sync (a
+  few µs a layer); elsewhere `F.linear` over the tensor itself, since rebuilding a oneDNN handle at
+  every sync costs more than computing without one saves (docs/results/cpu-path.md);
 - routed experts: the CPU MoE kernel pads and prepacks `w13_weight` / `w2_weight` into new
   tensors, so we keep both in the checkpoint layout too (gate_proj / up_proj as the two halves
   of `w13[e]`, down_proj as `w2[e]`), and prepack them with the kernel's own op straight into
@@ -34,7 +35,7 @@ weight. tests/test_rollout.py holds it to `reload_weights` (equal log-probs afte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ from minirl.rollout import vllm_internals
 class Writer:
     """Built once per engine (in its worker); `write` is one sync."""
 
-    def __init__(self, targets: dict[str, torch.Tensor], relink: list[tuple[torch.nn.Module, Callable]],
+    def __init__(self, targets: dict[str, torch.Tensor], relink: list[tuple[torch.nn.Module, _Linear]],
                  experts: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor, object]]):
         # HF name -> where it goes: a view of the live parameter, or of a linear layer's staging weight
         self.targets, self.relink, self.experts = targets, relink, experts
@@ -82,7 +83,7 @@ class Writer:
                     return None
                 w = mod.weight
                 if id(w) in owned:  # tied: the embedding's weight, handled already
-                    relink.append((mod, _reading(w.data)))
+                    relink.append((mod, _Linear(w.data)))
                     continue
                 if w.numel() == 0:  # emptied by vLLM (its handle holds the weight); TP 1: the whole shape
                     out, inp = getattr(mod, "output_size", None), getattr(mod, "input_size", None)
@@ -101,7 +102,7 @@ class Writer:
                 # an embedding's vocabulary is padded (to a multiple of 64): the pad rows stay as loaded
                 if start != staging.shape[0] and not hasattr(mod, "org_vocab_size"):
                     return None
-                relink.append((mod, _reading(staging)))
+                relink.append((mod, _Linear(staging)))
                 owned.add(id(w))
         for name, p in model.named_parameters():
             if id(p) in owned:
@@ -133,17 +134,19 @@ class Writer:
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """One sync from checked pairs: each source copied (and cast) into its destination, then
-        the experts' packed copies rebuilt. Returns how many."""
+        the linear layers' and the experts' packed copies rebuilt. Returns how many."""
         with torch.no_grad():
             self._relink()  # from the first write on (again after a vLLM reload)
             if (packs := self._packs()) is not None:  # into the tensors the kernel computes with
                 _copy_and_pack(pairs, packs)
-                return len(pairs)
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-            for _, mod, w13, w2, kernel in self.experts:  # the kernel pads and prepacks into new tensors
-                vllm_internals.replace_parameter(mod, "w13_weight", w13)
-                vllm_internals.replace_parameter(mod, "w2_weight", w2)
-                kernel.process_weights_after_loading(mod)
+            else:
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+                for _, mod, w13, w2, kernel in self.experts:  # the kernel pads and prepacks into new tensors
+                    vllm_internals.replace_parameter(mod, "w13_weight", w13)
+                    vllm_internals.replace_parameter(mod, "w2_weight", w2)
+                    kernel.process_weights_after_loading(mod)
+            for _, linear in self.relink:
+                linear.repack()
         return len(pairs)
 
     def _relink(self) -> None:
@@ -223,13 +226,27 @@ def _prepacks_in_place(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor
             and mod.w13_weight.dtype == w13.dtype and mod.w2_weight.dtype == w2.dtype)
 
 
-def _reading(weight: torch.Tensor) -> Callable:
-    """A linear layer's `cpu_linear` that computes with `weight` as it is at each call (vLLM
-    passes the layer's own weight parameter, emptied where a handle held it; it is not read)."""
-    def linear(x: torch.Tensor, _own: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+class _Linear:
+    """A linear layer's `cpu_linear` over `weight` as the last sync wrote it (vLLM passes the layer's
+    own weight parameter, emptied where its kernel held a copy; it is not read). Where vLLM's own
+    dispatch computes this shape with its packed small-GEMM kernel, so does this, over a copy packed
+    at each `repack`: the kernel vLLM computes the loaded weights with, and at decode sizes about
+    half the time of `F.linear`'s oneDNN call on tiny weights (docs/results/speed.md). Elsewhere
+    `F.linear` over `weight` itself."""
 
-    return linear
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.kernel = vllm_internals.packed_linear(*weight.shape, weight.dtype)
+        self.packed: torch.Tensor | None = None
+
+    def repack(self) -> None:
+        if self.kernel is not None:
+            self.packed = torch.ops._C.convert_weight_packed(self.weight)
+
+    def __call__(self, x: torch.Tensor, _own: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, bias)
+        return self.kernel(x, self.packed, self.weight.shape[0], bias)
 
 
 def _row_split(name: str, mod: torch.nn.Module) -> list[tuple[str, int]] | None:
