@@ -47,6 +47,8 @@ def _prepare_env(verbose: bool) -> None:
         # minirl chooses both, and so may change them: a run that trains and samples in one process
         # spins long and sizes its team to the cores free (minirl/proc/team.py); its children inherit the mark
         os.environ[team_env.AUTO] = "auto"
+    elif "GOMP_SPINCOUNT" not in os.environ and team_env.AUTO not in os.environ:
+        os.environ[team_env.AUTO] = team_env.USER_THREADS  # the user's team, the CLI's spin: `run` says so
     # vLLM shrinks torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; the trainer
     # shares the process, so give it every core.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -266,6 +268,8 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         os.environ["GOMP_SPINCOUNT"] = team_env.SPIN
     if resolution(rec.model.id):
         console.print(resolution(rec.model.id), soft_wrap=True)
+    if note := team_env.fixed_team_note(rec):
+        console.print(f"[dim]{note}[/]", soft_wrap=True, highlight=False)
 
     from minirl import launch  # deferred: torch, after _prepare_env set the engines' environment
     from minirl.run import lifecycle

@@ -172,10 +172,30 @@ def test_a_run_beside_a_busy_process_runs_on_the_cores_left(small_ws, tmp_path):
 def test_the_cli_chooses_the_team_and_its_spin_only_where_the_user_set_neither(monkeypatch):
     from cli.main import _prepare_env
 
-    for given, auto in (({}, True), ({"OMP_NUM_THREADS": "2"}, False), ({"GOMP_SPINCOUNT": "300000"}, False)):
+    for given, mark in (({}, "auto"), ({"OMP_NUM_THREADS": "2"}, team_mod.USER_THREADS),
+                        ({"GOMP_SPINCOUNT": "300000"}, None), ({"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "9"}, None)):
         env = {k: v for k, v in os.environ.items()
                if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", team_mod.AUTO)} | given
         monkeypatch.setattr(os, "environ", env)  # what the CLI sets stays in this copy
         _prepare_env(verbose=True)
-        assert (env.get(team_mod.AUTO) == "auto") is auto
+        assert env.get(team_mod.AUTO) == mark
         assert env["GOMP_SPINCOUNT"] == given.get("GOMP_SPINCOUNT", "1000")  # `run` lengthens it where it watches
+        _prepare_env(verbose=True)  # a child of the CLI inherits the mark, whatever the CLI set
+        assert env.get(team_mod.AUTO) == mark
+
+
+def test_a_run_that_keeps_the_users_threads_with_a_short_spin_says_so():
+    """OMP_NUM_THREADS alone (common on ML hosts) keeps the user's team with the CLI's short spin, slower on a
+    quiet machine than the team minirl would choose: the run says so in one line, and how to choose."""
+    from minirl.config.recipe import Recipe
+
+    rec = Recipe()
+    env = {team_mod.AUTO: team_mod.USER_THREADS, "OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "1000"}
+    note = team_mod.fixed_team_note(rec, env=env)
+    assert "OMP_NUM_THREADS=2" in note and "GOMP_SPINCOUNT=1000" in note and "unset it" in note
+    assert not team_mod.adapts(rec, env=env)
+    assert team_mod.fixed_team_note(rec, env={**env, team_mod.AUTO: "auto"}) is None  # minirl chose: it watches
+    assert team_mod.fixed_team_note(rec, env={"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "9"}) is None  # both chosen
+    assert team_mod.fixed_team_note(rec, env={**env, "WORLD_SIZE": "2"}) is None  # a rank: its team is the launcher's
+    rec.rollout.max_staleness = 1  # an engine in a process of its own: no team to choose for both
+    assert team_mod.fixed_team_note(rec, env=env) is None

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 AUTO = "MINIRL_THREADS"  # set to "auto" by the CLI where it chose the team and the spin (cli/main.py)
+USER_THREADS = "threads"  # AUTO's value where the user set OMP_NUM_THREADS and the CLI chose the (short) spin
 SPIN = "30000"  # long enough that a peer does not fall asleep between a step's small regions
 STAT = Path("/proc/stat")
 WINDOW_S = 1.0  # how long the cores are watched before the team changes: a passing neighbour is ignored
@@ -35,8 +36,25 @@ def adapts(rec, env=os.environ) -> bool:
     """Whether a run of recipe `rec` watches its cores: only where minirl chose the threads and the spin,
     and the one team is all of the run's threads (its engine in its process: no `max_staleness`, no
     rollout GPUs; not a rank of a torchrun job)."""
+    return env.get(AUTO) == "auto" and _one_team(rec, env)
+
+
+def fixed_team_note(rec, env=os.environ) -> str | None:
+    """A line for a run that would watch its cores and spin long but for the user's OMP_NUM_THREADS (set
+    without GOMP_SPINCOUNT): it keeps the user's team with the CLI's short spin, which guards a busy
+    machine and costs a quiet one (docs/runs.md). None elsewhere."""
+    if env.get(AUTO) != USER_THREADS or not _one_team(rec, env):
+        return None
+    return (f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')} is set: the run keeps that many threads and waits at each "
+            f"barrier with short spins (GOMP_SPINCOUNT={env.get('GOMP_SPINCOUNT')}), slower on a quiet machine; "
+            "unset it to let minirl size its team to the free cores, or set GOMP_SPINCOUNT too (docs/runs.md)")
+
+
+def _one_team(rec, env) -> bool:
+    """The one team is all of the run's threads: its engine in its process (no `max_staleness`, no rollout
+    GPUs), not a rank of a torchrun job."""
     shares_process = not rec.rollout.max_staleness and not rec.parallel.rollout_gpus
-    return shares_process and env.get(AUTO) == "auto" and int(env.get("WORLD_SIZE", "1")) == 1
+    return shares_process and int(env.get("WORLD_SIZE", "1")) == 1
 
 
 def wanted(cores: int, others: float, most: int) -> int:
