@@ -549,10 +549,12 @@ def test_the_tools_task_in_qwen3s_chat_format_trains_end_to_end_and_its_tool_cal
                               timeout=900)
 
     ws = tmp_path / "ws"
+    # the cold start is most of this test's time: its SFT stops at the first dev check of 0.1, a model that
+    # already calls its tool in Qwen3's format and learns to call it more (docs/contributing.md: the suite's time)
     r = minirl("init", str(ws), "--task", "tools", "--recipe", "tiny-tools-qwen3",
                "--set", "cold_start.train_size=4000", "--set", "cold_start.heldout_size=64",
                "--set", "cold_start.dev_size=64", "--set", "cold_start.batch_size=64",
-               "--set", "cold_start.target_acc=0.25")
+               "--set", "cold_start.target_acc=0.1")
     assert r.returncode == 0, r.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(str(ws / "model/coldstart"))
     specials = ("<|im_end|>", "<tool_call>", "</tool_call>")
