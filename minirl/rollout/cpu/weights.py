@@ -230,9 +230,9 @@ class _Linear:
     """A linear layer's `cpu_linear` over `weight` as the last sync wrote it (vLLM passes the layer's
     own weight parameter, emptied where its kernel held a copy; it is not read). Where vLLM's own
     dispatch computes this shape with its packed small-GEMM kernel, so does this, over a copy packed
-    at each `repack`: the kernel vLLM computes the loaded weights with, and at decode sizes about
-    half the time of `F.linear`'s oneDNN call on tiny weights (docs/results/speed.md). Elsewhere
-    `F.linear` over `weight` itself."""
+    at each `repack`: the kernel vLLM computes the loaded weights with, and faster than `F.linear`'s
+    oneDNN call on small weights (the figures: docs/results/speed.md). Elsewhere `F.linear` over
+    `weight` itself."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
