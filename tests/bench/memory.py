@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     a = ap.parse_args()
+    from cli.main import _prepare_env
 
+    _prepare_env(verbose=False)  # the engines' settings `minirl run` makes before torch loads (thread team, caches)
     reset_peak()
     ph = Phases()
     ph.mark("the interpreter")
