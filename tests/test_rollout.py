@@ -466,14 +466,14 @@ def _linear_kernels(worker) -> list[tuple[str, bool, bool]]:
 
 
 def test_a_synced_linear_layer_computes_with_vllms_packed_kernel(engine, tiny_dir):
-    """After a direct sync, each linear layer whose shape vLLM's own CPU dispatch gives its packed
-    small-GEMM kernel computes with that kernel, over a copy packed from the weight this sync wrote
-    (not the one before it); the tiny model's layers all qualify on AMX. Without AMX every layer
-    reads its weight through F.linear."""
+    """After a direct sync, each linear layer whose shape vLLM's packed small-GEMM kernel takes
+    computes with that kernel, over a copy packed from the weight this sync wrote (not the one before
+    it); the tiny model's bf16 layers all qualify on AMX and on AVX-512 BF16. Without either every
+    layer reads its weight through F.linear."""
     tr = Trainer(TINY, lr=1e-2, seed=0)
     tr.load_hf(tiny_dir)
     original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
-    amx = torch.cpu._is_amx_tile_supported()
+    amx = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     try:
         for scale in (1.0, 0.5):  # two syncs with different weights: the packed copy follows each
             engine.load_weights([(k, v * scale) for k, v in original.items()])
@@ -482,6 +482,21 @@ def test_a_synced_linear_layer_computes_with_vllms_packed_kernel(engine, tiny_di
             assert all(packed == amx and fresh == amx for _, packed, fresh in kernels), kernels
     finally:
         engine.load_weights(original.items())
+
+
+def test_the_packed_kernel_takes_the_shapes_vllms_rule_gives_it_and_bf16_alone_without_amx():
+    """vLLM's size and tile rule for its packed kernel, on AMX and (minirl's) on AVX-512 BF16: a weight over
+    1 MiB or with columns that fill no tile stays with F.linear, and without AMX so does an fp32 one."""
+    from minirl.rollout import vllm_internals
+
+    vllm_internals.load_kernels()
+    avx512_bf16, amx = torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported()
+    for n, k in ((256, 64), (64, 128), (8, 64)):  # the tiny model's qkv, o_proj and router
+        assert (vllm_internals.packed_linear(n, k, torch.bfloat16) is not None) == (amx or avx512_bf16)
+    assert vllm_internals.packed_linear(1024, 1024, torch.bfloat16) is None  # 2 MiB
+    assert vllm_internals.packed_linear(256, 40, torch.bfloat16) is None  # 40 columns: no whole tile
+    if not amx:
+        assert vllm_internals.packed_linear(256, 64, torch.float32) is None
 
 
 def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_path, monkeypatch):

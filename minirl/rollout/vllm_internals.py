@@ -60,6 +60,8 @@ RELIED = (
      "packed_linear: cpu/weights.py computes a synced linear layer with vLLM's packed small-GEMM kernel"),
     ("vllm.model_executor.layers.utils:check_cpu_sgl_kernel",
      "packed_linear: cpu/weights.py uses that kernel for the shapes vLLM's own dispatch gives it"),
+    ("vllm.model_executor.layers.utils:_CPU_SGL_GEMM_MAX_WEIGHT_BYTES",
+     "packed_linear: the kernel's weight size limit, for the same shapes on AVX-512 BF16 without AMX"),
     ("vllm.sampling_params:RequestOutputKind.FINAL_ONLY",
      "final_only: vllm.py asks for each request's final output only"),
 )
@@ -283,11 +285,22 @@ def load_kernels() -> None:
 
 def packed_linear(n: int, k: int, dtype: torch.dtype):
     """vLLM's packed small-GEMM linear, `(x, packed weight, n, bias) -> y`, where vLLM's own CPU dispatch
-    computes an [n, k] weight of `dtype` with it (AMX and the shapes its tiles take); else None."""
+    computes an [n, k] weight of `dtype` with it (AMX and the shapes its tiles take), and for a bf16 weight
+    of those shapes on a CPU with AVX-512 BF16 but no AMX; else None. vLLM's rule asks for AMX, but the
+    kernel's bf16 paths run on AVX-512 BF16 as well, faster than `F.linear` on the shapes it takes and with
+    none of its cached primitives (docs/results/speed.md, memory.md). CPUs with neither keep `F.linear`: the
+    kernel was not tried there."""
     from vllm import _custom_ops
-    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+    from vllm.model_executor.layers.utils import _CPU_SGL_GEMM_MAX_WEIGHT_BYTES, check_cpu_sgl_kernel
 
-    return _custom_ops.weight_packed_linear_cpu if check_cpu_sgl_kernel(n, k, dtype) else None
+    if check_cpu_sgl_kernel(n, k, dtype):
+        return _custom_ops.weight_packed_linear_cpu
+    # vLLM's shape rule for bf16 (check_cpu_sgl_kernel): a weight under its size limit, and either fewer
+    # rows than a tile (packed as fp32) or rows and columns that fill whole tiles
+    shapes = n * k * dtype.itemsize <= _CPU_SGL_GEMM_MAX_WEIGHT_BYTES and (n < 16 or (k % 32 == 0 and n % 16 == 0))
+    if dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported() and shapes:
+        return _custom_ops.weight_packed_linear_cpu
+    return None
 
 
 def register_norm(op: str, provider: str, impl, supports_args, *, inplace: bool = False) -> bool:

@@ -14,9 +14,9 @@ rollout/process.py `queue_weights`). What goes where:
   `dispatch_cpu_unquantized_gemm`) that holds its own packed or reordered copy of the weight, and
   empties the `weight` parameter. We keep one weight tensor of the vLLM layout per such layer
   ("staging": stacked q/k/v rows for `qkv_proj`, gate/up rows for merged projections) and copy the
-  new rows into it. A write relinks the layer to a `_Linear` over that tensor: where vLLM's dispatch
-  gives the shape its packed small-GEMM kernel, the same kernel over a copy packed at each sync (a
-  few µs a layer); elsewhere `F.linear` over the tensor itself, since rebuilding a oneDNN handle at
+  new rows into it. A write relinks the layer to a `_Linear` over that tensor: where vLLM's packed
+  small-GEMM kernel takes the shape (`vllm_internals.packed_linear`), that kernel over a copy packed at
+  each sync (a few µs a layer); elsewhere `F.linear` over the tensor itself, since rebuilding a oneDNN handle at
   every sync costs more than computing without one saves (docs/results/cpu-path.md);
 - routed experts: the CPU MoE kernel pads and prepacks `w13_weight` / `w2_weight` into new
   tensors, so we keep both in the checkpoint layout too (gate_proj / up_proj as the two halves
@@ -228,11 +228,11 @@ def _prepacks_in_place(mod: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor
 
 class _Linear:
     """A linear layer's `cpu_linear` over `weight` as the last sync wrote it (vLLM passes the layer's
-    own weight parameter, emptied where its kernel held a copy; it is not read). Where vLLM's own
-    dispatch computes this shape with its packed small-GEMM kernel, so does this, over a copy packed
-    at each `repack`: the kernel vLLM computes the loaded weights with, and faster than `F.linear`'s
-    oneDNN call on small weights (the figures: docs/results/speed.md). Elsewhere `F.linear` over
-    `weight` itself."""
+    own weight parameter, emptied where its kernel held a copy; it is not read). Where vLLM's packed
+    small-GEMM kernel takes this shape (vLLM's own dispatch on AMX; minirl's on AVX-512 BF16 without it:
+    `vllm_internals.packed_linear`), so does this, over a copy packed at each `repack`: faster than
+    `F.linear`'s oneDNN call on small weights, with no cache of oneDNN primitives (the figures:
+    docs/results/speed.md). Elsewhere `F.linear` over `weight` itself."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
