@@ -61,7 +61,7 @@ def main() -> None:
     a = ap.parse_args()
     from cli.main import _prepare_env
 
-    _prepare_env(verbose=False)  # the engines' settings `minirl run` makes before torch loads (thread team, caches)
+    _prepare_env(verbose=False)  # the CLI's settings before torch loads (threads, caches; not `run`'s longer spin)
     reset_peak()
     ph = Phases()
     ph.mark("the interpreter")
