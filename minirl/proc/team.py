@@ -29,7 +29,7 @@ AUTO = "MINIRL_THREADS"  # set to "auto" by the CLI where it chose the team and 
 USER_THREADS = "threads"  # AUTO's value where the user set OMP_NUM_THREADS and the CLI chose the (short) spin
 # long enough that a peer does not fall asleep between a step's small regions: libgomp's own default. A count
 # is rounds of a pause loop whose length differs by CPU: 30,000 covered a step's gaps on the Xeon it was chosen
-# on, but lasted only ~150 µs on an AVX-512 EPYC, shorter than the engine's gaps (docs/results/speed.md)
+# on, but fell short of the engine's gaps on an AVX-512 EPYC (measured in docs/results/speed.md)
 SPIN = "300000"
 STAT = Path("/proc/stat")
 WINDOW_S = 1.0  # how long the cores are watched before the team changes: a passing neighbour is ignored
