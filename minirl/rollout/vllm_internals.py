@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import platform
 import re
 import sys
 import time
@@ -301,6 +302,15 @@ def packed_linear(n: int, k: int, dtype: torch.dtype):
     if dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported() and shapes:
         return _custom_ops.weight_packed_linear_cpu
     return None
+
+
+def bf16_arithmetic() -> bool:
+    """Whether this CPU computes in bf16 itself (AMX, AVX-512 BF16, Arm's BF16 extension), as vLLM's CPU
+    dispatch asks. Without it (AVX2 alone) oneDNN cannot build vLLM's bf16 matmul handle and torch's bf16
+    matmul converts every element in software."""
+    if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+        return True
+    return platform.machine() in ("aarch64", "arm64") and bool(torch.cpu.get_capabilities().get("bf16", False))
 
 
 def register_norm(op: str, provider: str, impl, supports_args, *, inplace: bool = False) -> bool:

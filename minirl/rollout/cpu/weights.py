@@ -16,8 +16,9 @@ rollout/process.py `queue_weights`). What goes where:
   ("staging": stacked q/k/v rows for `qkv_proj`, gate/up rows for merged projections) and copy the
   new rows into it. A write relinks the layer to a `_Linear` over that tensor: where vLLM's packed
   small-GEMM kernel takes the shape (`vllm_internals.packed_linear`), that kernel over a copy packed at
-  each sync (a few µs a layer); elsewhere `F.linear` over the tensor itself, since rebuilding a oneDNN handle at
-  every sync costs more than computing without one saves (docs/results/cpu-path.md);
+  each sync (a few µs a layer); on a CPU with no bf16 arithmetic, `F.linear` in fp32 over a widened copy;
+  elsewhere `F.linear` over the tensor itself, since rebuilding a oneDNN handle at every sync costs more
+  than computing without one saves (docs/results/cpu-path.md);
 - routed experts: the CPU MoE kernel pads and prepacks `w13_weight` / `w2_weight` into new
   tensors, so we keep both in the checkpoint layout too (gate_proj / up_proj as the two halves
   of `w13[e]`, down_proj as `w2[e]`), and prepack them with the kernel's own op straight into
@@ -231,19 +232,29 @@ class _Linear:
     own weight parameter, emptied where its kernel held a copy; it is not read). Where vLLM's packed
     small-GEMM kernel takes this shape (vLLM's own dispatch on AMX; minirl's on AVX-512 BF16 without it:
     `vllm_internals.packed_linear`), so does this, over a copy packed at each `repack`: faster than
-    `F.linear`'s oneDNN call on small weights, with no cache of oneDNN primitives (the figures:
-    docs/results/speed.md). Elsewhere `F.linear` over `weight` itself."""
+    `F.linear`'s oneDNN call on small weights, with no cache of oneDNN primitives. A bf16 weight on a CPU
+    with no bf16 arithmetic (AVX2 alone) is widened to fp32 at each `repack` instead: there `F.linear` in
+    bf16 converts in software, many times slower than the same product in fp32, which sums in fp32 and
+    rounds its output to bf16 as the bf16 call does (the figures: docs/results/speed.md). Elsewhere
+    `F.linear` over `weight` itself."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.kernel = vllm_internals.packed_linear(*weight.shape, weight.dtype)
         self.packed: torch.Tensor | None = None
+        self.widens = (self.kernel is None and weight.dtype == torch.bfloat16
+                       and not vllm_internals.bf16_arithmetic())
+        self.wide: torch.Tensor | None = None
 
     def repack(self) -> None:
         if self.kernel is not None:
             self.packed = torch.ops._C.convert_weight_packed(self.weight)
+        elif self.widens:
+            self.wide = self.weight.float()  # exact: every bf16 is an fp32
 
     def __call__(self, x: torch.Tensor, _own: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.wide is not None:
+            return F.linear(x.float(), self.wide, None if bias is None else bias.float()).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight, bias)
         return self.kernel(x, self.packed, self.weight.shape[0], bias)
