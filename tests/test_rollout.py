@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minirl.errors import EngineFault
 from minirl.models.shapes import TINY
@@ -453,33 +454,43 @@ def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
     assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
 
 
-def _linear_kernels(worker) -> list[tuple[str, bool, bool]]:
-    """(module kind, computes with a packed copy, that copy is the packing of the weight as synced) of
-    every linear layer the CPU sync writer relinked."""
+def _linear_kernels(worker) -> list[tuple[str, str | None, bool]]:
+    """(module kind, what it computes with besides its weight: "packed" or "wide", that copy is the weight as
+    synced) for every linear layer the CPU sync writer relinked."""
     out = []
     for mod, linear in worker._minirl_writer.relink:
         assert mod.cpu_linear is linear
-        packed = linear.packed
-        fresh = packed is not None and torch.equal(packed, torch.ops._C.convert_weight_packed(linear.weight))
-        out.append((type(mod).__name__, packed is not None, fresh))
+        if linear.packed is not None:
+            out.append((type(mod).__name__, "packed",
+                        torch.equal(linear.packed, torch.ops._C.convert_weight_packed(linear.weight))))
+        elif linear.wide is not None:
+            x = torch.randn(5, linear.weight.shape[1]).to(linear.weight.dtype)
+            computes = torch.equal(linear(x, None, None), F.linear(x.float(), linear.weight.float()).to(x.dtype))
+            out.append((type(mod).__name__, "wide", computes and torch.equal(linear.wide, linear.weight.float())))
+        else:
+            out.append((type(mod).__name__, None, True))
     return out
 
 
-def test_a_synced_linear_layer_computes_with_vllms_packed_kernel(engine, tiny_dir):
+def test_a_synced_linear_layer_computes_with_vllms_packed_kernel_or_in_fp32_without_bf16_arithmetic(engine, tiny_dir):
     """After a direct sync, each linear layer whose shape vLLM's packed small-GEMM kernel takes
     computes with that kernel, over a copy packed from the weight this sync wrote (not the one before
-    it); the tiny model's bf16 layers all qualify on AMX and on AVX-512 BF16. Without either every
-    layer reads its weight through F.linear."""
+    it); the tiny model's bf16 layers all qualify on AMX and on AVX-512 BF16. On a CPU with no bf16
+    arithmetic (AVX2 alone) every layer computes in fp32 over a copy widened from the weight this sync
+    wrote, rounding its output to bf16."""
+    from minirl.rollout import vllm_internals
+
     tr = Trainer(TINY, lr=1e-2, seed=0)
     tr.load_hf(tiny_dir)
     original = {k: v.clone() for k, v in tr.hf_state_dict().items()}
     amx = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    want = "packed" if amx else None if vllm_internals.bf16_arithmetic() else "wide"
     try:
-        for scale in (1.0, 0.5):  # two syncs with different weights: the packed copy follows each
+        for scale in (1.0, 0.5):  # two syncs with different weights: the copy follows each
             engine.load_weights([(k, v * scale) for k, v in original.items()])
             (kernels,) = engine._llm.collective_rpc(_linear_kernels)
             assert {kind for kind, *_ in kernels} >= {"QKVParallelLinear", "RowParallelLinear", "ParallelLMHead"}
-            assert all(packed == amx and fresh == amx for _, packed, fresh in kernels), kernels
+            assert all(copy == want and fresh for _, copy, fresh in kernels), kernels
     finally:
         engine.load_weights(original.items())
 
@@ -497,6 +508,61 @@ def test_the_packed_kernel_takes_the_shapes_vllms_rule_gives_it_and_bf16_alone_w
     assert vllm_internals.packed_linear(256, 40, torch.bfloat16) is None  # 40 columns: no whole tile
     if not amx:
         assert vllm_internals.packed_linear(256, 64, torch.float32) is None
+
+
+def test_a_layer_widened_for_a_cpu_without_bf16_arithmetic_rounds_as_the_bf16_call_does(monkeypatch):
+    """Where the CPU has no bf16 arithmetic a synced bf16 layer computes in fp32 over its weight widened at
+    each repack: every output is the fp32 product rounded to bf16, and equal to the bf16 call's but for
+    the order of the fp32 sums (a few of ~10^5 elements, by one bf16 ulp or where the terms cancel); an fp32
+    layer is never widened."""
+    from minirl.rollout import vllm_internals
+    from minirl.rollout.cpu.weights import _Linear
+
+    monkeypatch.setattr(vllm_internals, "packed_linear", lambda *a: None)
+    monkeypatch.setattr(vllm_internals, "bf16_arithmetic", lambda: False)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(192, 64, generator=gen).bfloat16()
+    lin = _Linear(w)
+    assert lin.widens and lin.wide is None and not _Linear(w.float()).widens
+    lin.repack()
+    w.mul_(0.5)  # a sync writes the weight in place: the next repack follows it
+    lin.repack()
+    x = torch.randn(600, 64, generator=gen).bfloat16()
+    y = lin(x, None, None)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, F.linear(x.float(), w.float()).bfloat16())
+    bf16 = F.linear(x, w)
+    # one bf16 ulp, or (where the terms cancel) the fp32 sums' own rounding of the terms' magnitude
+    bound = torch.finfo(torch.bfloat16).eps * bf16.float().abs() + 1e-5 * (x.float().abs() @ w.float().abs().T)
+    assert ((y.float() - bf16.float()).abs() <= bound).all()
+    assert (y != bf16).float().mean() < 1e-3
+
+
+def test_an_engine_that_never_syncs_computes_widened_where_the_cpu_has_no_bf16_arithmetic(tiny_dir, fixed):
+    """`minirl eval` never writes weights: on a CPU with no bf16 arithmetic its engine's linear layers compute
+    widened from the weights vLLM loaded from the start, scoring as the same engine does once those weights
+    are synced; elsewhere they keep vLLM's own kernels until a write."""
+    import gc
+
+    from minirl.rollout import vllm_internals
+    from minirl.rollout.cpu.weights import _Linear
+    from minirl.rollout.vllm import VLLMEngine
+
+    def kinds(worker):
+        return [isinstance(mod.cpu_linear, _Linear) for mod, _ in worker._minirl_writer.relink]
+
+    prompts, responses, _ = fixed
+    widened = not vllm_internals.bf16_arithmetic()
+    own = VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=32)
+    (relinked,) = own._llm.collective_rpc(kinds)
+    assert len(relinked) >= 9 and all(r == widened for r in relinked), relinked  # 4 layers' qkv and o, the head
+    if widened:
+        loaded = own.score(prompts, responses)
+        tr = Trainer(TINY, lr=1e-2, seed=0)
+        tr.load_hf(tiny_dir)
+        own.load_weights(tr.hf_state_dict().items())
+        assert own.score(prompts, responses) == loaded
+    del own
+    gc.collect()
 
 
 def test_live_sync_follows_the_trainer_in_place(engine, tiny_dir, fixed, tmp_path, monkeypatch):

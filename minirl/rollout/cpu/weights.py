@@ -27,7 +27,7 @@ rollout/process.py `queue_weights`). What goes where:
 - everything else (embeddings, norms) is copied into its parameter as is.
 
 Until its first write an engine computes with the weights vLLM loaded (`minirl eval` never
-writes). `Writer.build` returns None for what it does not know (biases, quantized layers, tensor
+writes), its linear layers with vLLM's kernels but for those that widen, which do from the start. `Writer.build` returns None for what it does not know (biases, quantized layers, tensor
 or expert parallel shards, a module kind not listed above); the engine then keeps
 `reload_weights`. The names it accepts are exactly the model's, checked at every streamed sync
 and at `bind`: a name it does not know, or one missing, is an error, never a silently stale
@@ -149,6 +149,19 @@ class Writer:
             for _, linear in self.relink:
                 linear.repack()
         return len(pairs)
+
+    def widen_loaded(self) -> int:
+        """Before any write: the linear layers that widen (a CPU with no bf16 arithmetic) and still hold the
+        weight vLLM loaded compute with it widened now, so an engine that never syncs (`minirl eval`) computes
+        as a synced one does. Returns how many."""
+        n = 0
+        with torch.no_grad():
+            for mod, linear in self.relink:
+                if linear.widens and linear.weight.data_ptr() == mod.weight.data_ptr():
+                    linear.repack()
+                    mod.cpu_linear = linear
+                    n += 1
+        return n
 
     def _relink(self) -> None:
         for mod, linear in self.relink:
@@ -280,6 +293,8 @@ def _row_split(name: str, mod: torch.nn.Module) -> list[tuple[str, int]] | None:
 def install(worker) -> bool:
     """collective_rpc target: build the writer on the worker's model; False when it does not apply."""
     worker._minirl_writer = Writer.build(worker.model_runner.model)
+    if worker._minirl_writer is not None:
+        worker._minirl_writer.widen_loaded()
     return worker._minirl_writer is not None
 
 
