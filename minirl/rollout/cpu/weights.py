@@ -27,7 +27,8 @@ rollout/process.py `queue_weights`). What goes where:
 - everything else (embeddings, norms) is copied into its parameter as is.
 
 Until its first write an engine computes with the weights vLLM loaded (`minirl eval` never
-writes), its linear layers with vLLM's kernels but for those that widen, which do from the start. `Writer.build` returns None for what it does not know (biases, quantized layers, tensor
+writes), its linear layers with vLLM's kernels but for those that widen, which do from the start.
+`Writer.build` returns None for what it does not know (biases, quantized layers, tensor
 or expert parallel shards, a module kind not listed above); the engine then keeps
 `reload_weights`. The names it accepts are exactly the model's, checked at every streamed sync
 and at `bind`: a name it does not know, or one missing, is an error, never a silently stale
