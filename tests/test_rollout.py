@@ -495,6 +495,37 @@ def test_a_synced_linear_layer_computes_with_vllms_packed_kernel_or_in_fp32_with
         engine.load_weights(original.items())
 
 
+def test_a_cpu_engines_start_inspects_the_model_class_in_its_own_process(monkeypatch):
+    """vLLM inspects a model class whose cache entry is missing (a new workspace's first engine) in a Python
+    subprocess that imports torch and vLLM again; a CPU engine's start does it in its own process: the
+    registry's real inspection, its cache read missing, spawns nothing and answers what the class says;
+    vLLM's own runner is back after the block."""
+    import os
+    import subprocess
+
+    from vllm.model_executor.models import registry
+
+    from minirl.rollout import vllm_internals
+
+    own = registry._run_in_subprocess
+    model = registry.ModelRegistry.models["Qwen3MoeForCausalLM"]
+    monkeypatch.setattr(type(model), "_load_modelinfo_from_cache", lambda self, module_hash: None)
+    monkeypatch.setattr(type(model), "_save_modelinfo_to_cache", lambda self, mi, module_hash: None)
+
+    run = subprocess.run
+
+    def spawned(cmd, *a, **k):
+        assert cmd != registry._SUBPROCESS_COMMAND, "the registry's inspection ran in a subprocess"
+        return run(cmd, *a, **k)
+
+    monkeypatch.setattr(subprocess, "run", spawned)
+    with vllm_internals.inspection_in_process():
+        assert registry._run_in_subprocess(os.getpid) == os.getpid()
+        info = model.inspect_model_cls()
+    assert info == registry._ModelInfo.from_model_cls(model.load_model_cls()) and info.supports_pp is not None
+    assert registry._run_in_subprocess is own
+
+
 def test_the_packed_kernel_takes_the_shapes_vllms_rule_gives_it_and_bf16_alone_without_amx():
     """vLLM's size and tile rule for its packed kernel, on AMX and (minirl's) on AVX-512 BF16: a weight over
     1 MiB or with columns that fill no tile stays with F.linear, and without AMX so does an fp32 one."""

@@ -195,7 +195,8 @@ class VLLMEngine:
             cpu_shm.clear_stale()
         freeze_before_engine()  # vLLM's start walks the whole heap five times otherwise (minirl/proc/collector.py)
         t0 = time.perf_counter()
-        with vllm_internals.timed_graph_capture() as graphs:
+        inspection = contextlib.nullcontext() if cuda else vllm_internals.inspection_in_process()
+        with vllm_internals.timed_graph_capture() as graphs, inspection:
             self._llm = LLM(**engine_args(s, cuda=cuda, spmd=spmd))
         compile_s = float(self._llm.llm_engine.vllm_config.compilation_config.compilation_time or 0.0)
         # seconds of its start, by part (the run's summary): torch.compile, CUDA graph capture, the rest

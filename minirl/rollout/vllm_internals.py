@@ -65,6 +65,8 @@ RELIED = (
      "packed_linear: the kernel's weight size limit, for the same shapes on AVX-512 BF16 without AMX"),
     ("vllm.sampling_params:RequestOutputKind.FINAL_ONLY",
      "final_only: vllm.py asks for each request's final output only"),
+    ("vllm.model_executor.models.registry:_run_in_subprocess",
+     "inspection_in_process: a CPU engine's start inspects the model's class in its own process"),
 )
 
 
@@ -169,6 +171,19 @@ def _replaced(obj, name: str, value):
             delattr(obj, name)
         else:
             setattr(obj, name, own)
+
+
+@contextlib.contextmanager
+def inspection_in_process():
+    """vLLM's registry inspects a model's class in a fresh Python subprocess when its cache (VLLM_CACHE_ROOT's
+    modelinfos/, a workspace's own) has no entry, so that importing the model cannot initialise CUDA in the
+    engine's parent. A CPU engine has no CUDA to keep out, and the subprocess imports torch and vLLM again:
+    most of a new workspace's first engine start (docs/results/startup.md). While the block runs the same
+    inspection runs in this process; vLLM still checks and writes its cache as before."""
+    from vllm.model_executor.models import registry
+
+    with _replaced(registry, "_run_in_subprocess", lambda fn: fn()):
+        yield
 
 
 def final_only():
