@@ -319,6 +319,7 @@ def packed_linear(n: int, k: int, dtype: torch.dtype):
     return None
 
 
+@functools.cache
 def bf16_arithmetic() -> bool:
     """Whether this CPU computes in bf16 itself (AMX, AVX-512 BF16, Arm's BF16 extension), as vLLM's CPU
     dispatch asks. Without it (AVX2 alone) oneDNN cannot build vLLM's bf16 matmul handle and torch's bf16

@@ -151,18 +151,15 @@ class Writer:
                 linear.repack()
         return len(pairs)
 
-    def widen_loaded(self) -> int:
+    def widen_loaded(self) -> None:
         """Before any write: the linear layers that widen (a CPU with no bf16 arithmetic) and still hold the
         weight vLLM loaded compute with it widened now, so an engine that never syncs (`minirl eval`) computes
-        as a synced one does. Returns how many."""
-        n = 0
+        as a synced one does."""
         with torch.no_grad():
             for mod, linear in self.relink:
                 if linear.widens and linear.weight.data_ptr() == mod.weight.data_ptr():
                     linear.repack()
                     mod.cpu_linear = linear
-                    n += 1
-        return n
 
     def _relink(self) -> None:
         for mod, linear in self.relink:
@@ -263,8 +260,11 @@ class _Linear:
     def repack(self) -> None:
         if self.kernel is not None:
             self.packed = torch.ops._C.convert_weight_packed(self.weight)
-        elif self.widens:
-            self.wide = self.weight.float()  # exact: every bf16 is an fp32
+        elif self.widens:  # exact: every bf16 is an fp32; a sync's copy into the tensor it already has
+            if self.wide is None:
+                self.wide = self.weight.float()
+            else:
+                self.wide.copy_(self.weight)
 
     def __call__(self, x: torch.Tensor, _own: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.wide is not None:
