@@ -118,6 +118,58 @@ def test_micro_batches_give_the_whole_batch_gradient():
         torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7)
 
 
+def test_length_groups_cost_the_fewest_positions_and_keep_one_forward_where_no_cut_pays():
+    """The cold start's rows by length: every row in one forward, each forward padded to its longest row;
+    the grouping's positions (plus `fixed` a forward) are the fewest of every split of the sorted rows."""
+    import itertools
+    import random
+
+    from minirl.train.sft import length_groups
+
+    def cost(lengths, groups, fixed):
+        return sum(fixed + max(lengths[i] for i in g) * len(g) for g in groups)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.choice([3, 4, 5, 40, 41, 90]) + rng.randrange(2) for _ in range(rng.randrange(1, 9))]
+        fixed = rng.choice([0, 8, 64, 10**6])
+        groups = length_groups(lengths, fixed)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = min(cost(lengths, [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], fixed)
+                   for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
+        assert cost(lengths, groups, fixed) == best
+    # targets of about one length (the embedded default's): one forward, in the batch's own order
+    assert length_groups([12, 13, 12, 14, 13] * 20, 256) == [list(range(100))]
+    assert length_groups([74, 163, 75, 160], 100) == [[0, 2], [3, 1]]
+
+
+def test_sft_in_forwards_by_length_gives_the_whole_batchs_gradient():
+    """A multi-turn task's SFT batch (short answers, long calls with a masked reply) in two forwards by
+    length: the loss and every gradient are the one forward's token mean."""
+    from minirl.train.sft import length_groups, sft_backward
+
+    g = torch.Generator().manual_seed(3)
+
+    def ids(n):
+        return [int(x) for x in torch.randint(3, 30, (n,), generator=g)]
+
+    examples = [(ids(5), ids(3) + [2]) if i % 2 else (ids(5), ids(40) + [2], [1] * 10 + [0] * 20 + [1] * 11)
+                for i in range(16)]
+    assert len(length_groups([len(p) + len(t) for p, t, *_ in examples])) == 2
+
+    def run(fixed):
+        tr = Trainer(TINY, lr=1e-3, seed=0)
+        loss = sft_backward(tr, examples, pad_id=0, fixed=fixed)
+        return loss, {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+
+    loss1, g1 = run(10**9)  # a forward costs more than any padding: one forward
+    loss2, g2 = run(256)
+    assert loss2 == pytest.approx(loss1, rel=1e-5)
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("micro", [0, 2])
 def test_on_policy_update_gives_pi_old_itself(micro):
     """N = 1: the update's own forward is at θ_old, so the loop takes log π_θold and H from it

@@ -21,9 +21,50 @@ from minirl.train.batch import build_batch
 from minirl.train.trainer import Trainer
 
 
+# one more forward and backward of the tiny model costs as much as this many positions more in one
+# (docs/results/cpu-path.md, `minirl/train/sft.py`)
+FORWARD_POSITIONS = 256
+
+
+def length_groups(lengths: Sequence[int], fixed: int = FORWARD_POSITIONS) -> list[list[int]]:
+    """A batch's rows, given their lengths, in forwards of rows of like length, each padded to its own
+    longest row rather than the batch's: the runs of the rows sorted by length that cost the fewest
+    positions, `fixed` more for each forward. One forward in the batch's own order where no cut pays
+    (a task whose targets are all about as long: its numbers are the one forward's, bit for bit)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    longest = [lengths[i] for i in order]
+    # a forward starts and ends where the length changes: a cut between rows of one length saves nothing
+    ends = [j for j in range(1, len(order)) if longest[j] != longest[j - 1]] + [len(order)] if order else []
+    cost, start = {0: 0}, {}  # the fewest positions for the j shortest rows; where their last forward starts
+    for b, j in enumerate(ends):
+        cost[j], start[j] = min((cost[i] + fixed + longest[j - 1] * (j - i), i) for i in [0, *ends[:b]])
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[start[j]:j])
+        j = start[j]
+    return groups[::-1] if len(groups) > 1 else [list(range(len(lengths)))]
+
+
 def sft_loss(logp_BT: torch.Tensor, batch) -> tuple[torch.Tensor, dict]:
     n = batch.mask_BT.sum().clamp(min=1.0)
     return -(logp_BT * batch.mask_BT).sum() / n, {}
+
+
+def sft_backward(trainer: Trainer, examples: Sequence[tuple], *, pad_id: int, fixed: int = FORWARD_POSITIONS) -> float:
+    """Accumulate the gradient of the SFT loss of `examples`, (prompt_ids, target_ids[, target mask]) as
+    one batch, in forwards of rows of like length (`length_groups`: a multi-turn task's targets run from
+    an answer's few tokens to a call, its reply and the answer); each forward's token mean is weighed by
+    its share of the batch's trained tokens, so the gradient is the whole batch's. Returns the loss."""
+    trained = [sum(ex[2]) if len(ex) > 2 else len(ex[1]) for ex in examples]
+    loss = 0.0
+    for rows in length_groups([len(ex[0]) + len(ex[1]) for ex in examples], fixed):
+        part = [examples[i] for i in rows]
+        batch = build_batch([ex[0] for ex in part], [ex[1] for ex in part], None, None, pad_id=pad_id,
+                            masks=[ex[2] if len(ex) > 2 else None for ex in part])
+        share = sum(trained[i] for i in rows) / max(1, sum(trained)) if len(rows) < len(examples) else 1.0
+        part_loss, _ = trainer.forward_backward(batch, sft_loss, scale=share)
+        loss += share * part_loss
+    return loss
 
 
 @torch.no_grad()
@@ -91,9 +132,7 @@ def cold_start(
     for step in range(max_steps):
         trainer.set_lr(lr * min(1.0, (step + 1) / warmup))
         picks = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        batch = build_batch([ex[0] for ex in picks], [ex[1] for ex in picks], None, None, pad_id=pad_id,
-                            masks=[ex[2] if len(ex) > 2 else None for ex in picks])
-        loss, _ = trainer.forward_backward(batch, sft_loss)
+        loss = sft_backward(trainer, picks, pad_id=pad_id)
         trainer.optim_step()
         if on_step is not None:
             on_step(step, loss)
