@@ -526,6 +526,78 @@ def test_a_cpu_engines_start_inspects_the_model_class_in_its_own_process(monkeyp
     assert registry._run_in_subprocess is own
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_distinct_rows_finds_each_rows_first_copy_and_never_joins_rows_that_differ(dtype, monkeypatch):
+    """rollout/cpu/moe_rows.py: rows hashed and then compared whole: every row is its first copy's, bit for
+    bit; rows all distinct, or a hash that joins rows that differ, give None (vLLM's own call)."""
+    from minirl.rollout.cpu import moe_rows
+
+    base = torch.randn(5, 64).to(dtype)
+    x = base[torch.tensor([3, 0, 3, 1, 3, 4, 0, 2])].contiguous()
+    first, copy = moe_rows.distinct_rows(x)
+    assert first.numel() == 5 and torch.equal(x[first][copy], x)
+    assert [int(first[copy[i]]) for i in range(8)] == [0, 1, 0, 3, 0, 5, 1, 7]  # each row's first occurrence
+    assert moe_rows.distinct_rows(base) is None
+    x[2, 5] = -x[2, 5]  # one word of a copy changed: no longer the same row
+    first, copy = moe_rows.distinct_rows(x)
+    assert first.numel() == 6 and torch.equal(x[first][copy], x)
+    monkeypatch.setattr(moe_rows, "_WEIGHTS", {x.view(torch.int16).shape[1]: torch.zeros(x.view(torch.int16).shape[1],
+                                                                                      dtype=torch.float64)})
+    assert moe_rows.distinct_rows(x) is None  # every row hashes alike: the comparison refuses the join
+
+
+def test_the_experts_on_distinct_rows_fill_every_copy_and_keep_vllms_call_where_routes_differ():
+    """The wrapper runs vLLM's `apply` on a call's distinct rows and writes each copy's row in place; where
+    a copy's routes are not its first copy's, vLLM's call on every row."""
+    from minirl.rollout.cpu import moe_rows
+
+    calls = []
+
+    def apply(self, output, hidden, w1, w2, topk_weights, topk_ids, *rest):
+        calls.append(hidden.shape[0])
+        output.copy_(hidden * 2 + topk_weights[:, :1] + topk_ids[:, :1])
+
+    wrapped = moe_rows._on_distinct_rows(apply)
+    hidden = torch.randn(3, 8).to(torch.bfloat16)[torch.tensor([0, 1, 0, 2, 1, 0])].contiguous()
+    weights = (hidden.float().sum(1, keepdim=True) > 0).float().repeat(1, 2)
+    ids = torch.zeros(6, 2, dtype=torch.int32)
+    out = torch.empty_like(hidden)
+
+    def expected():
+        return (hidden * 2 + weights[:, :1] + ids[:, :1]).to(hidden.dtype)
+
+    wrapped(None, out, hidden, None, None, weights, ids)
+    assert calls == [3] and torch.equal(out, expected())
+    ids[2, 0] = 1  # a copy routed elsewhere than its first copy
+    wrapped(None, out, hidden, None, None, weights, ids)
+    assert calls == [3, 6] and torch.equal(out, expected())
+
+
+def test_a_rollout_with_the_experts_on_distinct_rows_is_vllms_own_bit_for_bit(engine, monkeypatch):
+    """A prompt's n samples forward its prompt n times (and their shared tokens again): on distinct rows
+    the engine samples the same tokens with the same log μ as with vLLM's call on every row, having
+    computed fewer rows."""
+    from minirl.rollout.cpu import moe_rows
+
+    seen = {"rows": 0, "distinct": 0}
+    find = moe_rows.distinct_rows
+
+    def counted(x):
+        found = find(x)
+        seen["rows"] += x.shape[0]
+        seen["distinct"] += x.shape[0] if found is None else found[0].numel()
+        return found
+
+    monkeypatch.setattr(moe_rows, "distinct_rows", counted)
+    runs = {}
+    for active in (True, False):
+        monkeypatch.setattr(moe_rows, "active", active)
+        groups = engine.generate(PROMPTS * 4, n=8, temperature=1.0, max_tokens=6, seed=21)
+        runs[active] = [[(c.token_ids, list(c.logprobs)) for c in g] for g in groups]
+    assert runs[True] == runs[False]
+    assert seen["distinct"] < seen["rows"] / 2, seen
+
+
 def test_the_packed_kernel_takes_the_shapes_vllms_rule_gives_it_and_bf16_alone_without_amx():
     """vLLM's size and tile rule for its packed kernel, on AMX and (minirl's) on AVX-512 BF16: a weight over
     1 MiB or with columns that fill no tile stays with F.linear, and without AMX so does an fp32 one."""

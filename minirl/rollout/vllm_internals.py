@@ -67,6 +67,8 @@ RELIED = (
      "final_only: vllm.py asks for each request's final output only"),
     ("vllm.model_executor.models.registry:_run_in_subprocess",
      "inspection_in_process: a CPU engine's start inspects the model's class in its own process"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
+     "cpu_unquantized_experts: cpu/moe_rows.py runs the CPU experts on a forward's distinct rows"),
 )
 
 
@@ -339,3 +341,11 @@ def register_norm(op: str, provider: str, impl, supports_args, *, inplace: bool 
         return False
     ops.register_impl(provider, supports_args=supports_args, inplace=inplace)(impl)
     return True
+
+
+def cpu_unquantized_experts():
+    """The class of vLLM's unquantized CPU MoE experts, whose `apply(output, hidden_states, w1, w2,
+    topk_weights, topk_ids, ...)` writes `output` in place; each CPU's kernel class inherits it."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return CPUUnquantizedExperts
