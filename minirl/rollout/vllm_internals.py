@@ -68,7 +68,7 @@ RELIED = (
     ("vllm.model_executor.models.registry:_run_in_subprocess",
      "inspection_in_process: a CPU engine's start inspects the model's class in its own process"),
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
-     "cpu_unquantized_experts: cpu/moe_rows.py runs the CPU experts on a forward's distinct rows"),
+     "around_cpu_experts: cpu/moe_rows.py runs the CPU experts on a forward's distinct rows"),
 )
 
 
@@ -343,9 +343,14 @@ def register_norm(op: str, provider: str, impl, supports_args, *, inplace: bool 
     return True
 
 
-def cpu_unquantized_experts():
-    """The class of vLLM's unquantized CPU MoE experts, whose `apply(output, hidden_states, w1, w2,
-    topk_weights, topk_ids, ...)` writes `output` in place; each CPU's kernel class inherits it."""
+
+def around_cpu_experts(wrap) -> None:
+    """vLLM's unquantized CPU MoE experts (each CPU's kernel class inherits their `apply(output,
+    hidden_states, w1, w2, topk_weights, topk_ids, ...)`, which writes `output` in place) compute
+    through `wrap(apply)` from now on in this process; once, however often it is asked."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    return CPUUnquantizedExperts
+    if not getattr(CPUUnquantizedExperts.apply, "minirl_wrapped", False):
+        wrapped = wrap(CPUUnquantizedExperts.apply)
+        wrapped.minirl_wrapped = True
+        CPUUnquantizedExperts.apply = wrapped

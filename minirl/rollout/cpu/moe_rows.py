@@ -70,12 +70,9 @@ def _on_distinct_rows(apply):
         apply(self, out, hidden_states[first], w1, w2, weights.contiguous(), ids.contiguous(), *args, **kwargs)
         torch.index_select(out, 0, copy, out=output)
 
-    distinct_apply.minirl_distinct_rows = True
     return distinct_apply
 
 
 def install() -> None:
-    """Wrap vLLM's unquantized CPU experts (every CPU's kernel class inherits `apply`), once."""
-    experts = vllm_internals.cpu_unquantized_experts()
-    if not getattr(experts.apply, "minirl_distinct_rows", False):
-        experts.apply = _on_distinct_rows(experts.apply)
+    """The CPU experts on distinct rows in this process, once."""
+    vllm_internals.around_cpu_experts(_on_distinct_rows)
