@@ -343,7 +343,6 @@ def register_norm(op: str, provider: str, impl, supports_args, *, inplace: bool 
     return True
 
 
-
 def around_cpu_experts(wrap) -> None:
     """vLLM's unquantized CPU MoE experts (each CPU's kernel class inherits their `apply(output,
     hidden_states, w1, w2, topk_weights, topk_ids, ...)`, which writes `output` in place) compute

@@ -25,8 +25,11 @@ _HASH_SPAN = 2**20  # the hash's weights: an int16 word × 2^20 × 2^18 words st
 def distinct_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(first, copy) for the rows of a 2-D tensor: the index of each distinct row's first occurrence
     and, for every row, which distinct row it is (x == x[first][copy], bit for bit). None where every
-    row is distinct or the rows cannot be read as 16-bit words."""
+    row is distinct, where the hash joins rows that differ, or where the rows cannot be read as at most
+    2^18 16-bit words (the hash's exact range)."""
     if x.dim() != 2 or not x.is_contiguous() or x.element_size() % 2 or x.shape[0] < 2:
+        return None
+    if x.shape[1] * x.element_size() // 2 > 2**18:
         return None
     words = x.view(torch.int16)
     weights = _weights(words.shape[1])
