@@ -56,12 +56,13 @@ def sft_backward(trainer: Trainer, examples: Sequence[tuple], *, pad_id: int, fi
     an answer's few tokens to a call, its reply and the answer); each forward's token mean is weighed by
     its share of the batch's trained tokens, so the gradient is the whole batch's. Returns the loss."""
     trained = [sum(ex[2]) if len(ex) > 2 else len(ex[1]) for ex in examples]
+    total = max(1, sum(trained))
     loss = 0.0
     for rows in length_groups([len(ex[0]) + len(ex[1]) for ex in examples], fixed):
         part = [examples[i] for i in rows]
         batch = build_batch([ex[0] for ex in part], [ex[1] for ex in part], None, None, pad_id=pad_id,
                             masks=[ex[2] if len(ex) > 2 else None for ex in part])
-        share = sum(trained[i] for i in rows) / max(1, sum(trained)) if len(rows) < len(examples) else 1.0
+        share = sum(trained[i] for i in rows) / total  # one forward with tokens to train: 1.0 exactly, as before
         part_loss, _ = trainer.forward_backward(batch, sft_loss, scale=share)
         loss += share * part_loss
     return loss

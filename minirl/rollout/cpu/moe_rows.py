@@ -14,6 +14,8 @@ CPU engine (rollout/vllm.py); `active` turns it off for a comparison.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minirl.rollout import vllm_internals
@@ -46,14 +48,10 @@ def distinct_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return first, copy
 
 
-_WEIGHTS: dict[int, torch.Tensor] = {}
-
-
+@functools.cache
 def _weights(width: int) -> torch.Tensor:
-    if width not in _WEIGHTS:
-        gen = torch.Generator().manual_seed(width)
-        _WEIGHTS[width] = torch.randint(1, _HASH_SPAN, (width,), generator=gen).to(torch.float64)
-    return _WEIGHTS[width]
+    gen = torch.Generator().manual_seed(width)
+    return torch.randint(1, _HASH_SPAN, (width,), generator=gen).to(torch.float64)
 
 
 def _on_distinct_rows(apply):
