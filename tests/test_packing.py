@@ -15,35 +15,51 @@ def _pack(prompts, resps, **kw):
     return b, pack_shared_prompts(b.tokens_BL, b.prompt_len_B, b.seq_len_B, pad_id=0, **kw)
 
 
-def test_layout_of_two_groups():
-    # rows 0 and 2 share the prompt [4, 5, 6]; row 1 has its own; row 3 a one-token response
-    prompts = [[4, 5, 6], [7, 8], [4, 5, 6], [7, 8]]
-    resps = [[10, 11, 2], [12, 2], [13, 14, 15, 2], [2]]
-    b, p = _pack(prompts * 2, resps * 2)  # 8 rows, so packing pays (the 10% rule)
+def test_layout_of_shared_prompts_twins_and_prompts_sharing_a_row():
+    A, Bp, D = [4, 5, 6], [7, 8], [9, 9]
+    prompts = [A, Bp, A, Bp, A, Bp, A, Bp, D, D]
+    resps = [[10, 11, 2], [12, 2], [13, 14, 15, 2], [2], [10, 11, 2], [12, 2], [16, 2], [17, 18, 2], [19, 2], [20, 2]]
+    b, p = _pack(prompts, resps)
     B, T = b.mask_BT.shape
-    assert (p.B, p.T) == (8, T) == (8, 6)
-    assert p.tokens_CS.shape[0] == 2  # one packed row per prompt
-    S = p.tokens_CS.shape[1]
-    # prompt once, then each response without its last token; positions restart after the prompt
-    assert p.tokens_CS[0].tolist()[:13] == [4, 5, 6, 10, 11, 13, 14, 15, 10, 11, 13, 14, 15]
-    assert p.positions_CS[0].tolist()[:13] == [0, 1, 2, 3, 4, 3, 4, 5, 3, 4, 3, 4, 5]
-    assert p.tokens_CS[1].tolist()[:5] == [7, 8, 12, 12, 0] and p.positions_CS[1].tolist()[:4] == [0, 1, 2, 2]
-    a = p.attend_C1SS[0, 0]
-    assert a[4].tolist()[:6] == [True, True, True, True, True, False]  # 11 sees the prompt and 10
-    assert a[5].tolist()[:6] == [True, True, True, False, False, True]  # 13 sees the prompt, never 10, 11
+    assert (p.B, p.T) == (10, T) == (10, 6)
+    # A's prompt once, then each distinct response without its last token (row 4 repeats row 0: not again)
+    assert p.tokens_CS.tolist() == [[4, 5, 6, 10, 11, 13, 14, 15, 16], [7, 8, 12, 17, 18, 9, 9, 19, 20]]
+    # positions restart after each prompt; B's and D's chunks share the second row, the longest first
+    assert p.positions_CS.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 3], [0, 1, 2, 2, 3, 0, 1, 2, 2]]
+    a, a1 = p.attend_C1SS[0, 0], p.attend_C1SS[1, 0]
+    assert a[4].tolist() == [True, True, True, True, True, False, False, False, False]  # 11 sees A and 10
+    assert a[5].tolist()[:6] == [True, True, True, False, False, True]  # 13 sees A, never 10, 11
     assert not a[2, 3]  # causal: the prompt never sees a response
-    # targets: every response token, predicted by the prompt's last token or its own previous token
-    got = {(int(d) // T, int(d) % T): (int(s) // S, int(s) % S, int(t))
+    assert a1[5].tolist() == [False] * 5 + [True] + [False] * 3  # D's prompt never sees B's positions
+    assert a1[8].tolist() == [False] * 5 + [True, True, False, True]  # 20 sees D, never 19
+    assert not a1[3, 5:].any()  # nor B's responses D's
+    # targets: every response token, predicted by the prompt's last token or its own previous token;
+    # a twin's from its first copy's positions
+    got = {(int(d) // T, int(d) % T): (int(s) // 9, int(s) % 9, int(t))
            for s, d, t in zip(p.src_N, p.dst_N, p.target_N)}
     assert got[(0, 2)] == (0, 2, 10) and got[(0, 3)] == (0, 3, 11) and got[(0, 4)] == (0, 4, 2)
+    assert [got[(4, k)] for k in (2, 3, 4)] == [got[(0, k)] for k in (2, 3, 4)]  # the twin
     assert got[(2, 2)] == (0, 2, 13) and got[(2, 3)] == (0, 5, 14) and got[(2, 5)] == (0, 7, 2)
     assert got[(3, 1)] == (1, 1, 2)  # a one-token response: predicted by the prompt alone
+    assert got[(5, 1)] == got[(1, 1)] == (1, 1, 12) and got[(5, 2)] == got[(1, 2)] == (1, 2, 2)
+    assert got[(8, 1)] == (1, 6, 19) and got[(8, 2)] == (1, 7, 2) and got[(9, 1)] == (1, 6, 20)
     assert len(got) == int(b.mask_BT.sum())
     assert {k for k, v in got.items()} == {tuple(x) for x in b.mask_BT.nonzero().tolist()}
 
 
+def test_a_response_is_a_twin_only_with_the_same_tokens_and_the_same_kept_counts():
+    prompts, resps = [[4, 5, 6]] * 8, [[10, 11, 2]] * 4 + [[10, 11, 12, 2], [10, 2], [10, 11, 2], [10, 11, 2]]
+    b, p = _pack(prompts, resps)
+    assert p.tokens_CS.tolist() == [[4, 5, 6, 10, 11, 10, 11, 12, 10]]  # three distinct responses
+    kept = torch.zeros_like(b.mask_BT, dtype=torch.int32)
+    kept[6, 3] = 5  # the sampler cut row 6's second token elsewhere: not its twins' distribution
+    p = pack_shared_prompts(b.tokens_BL, b.prompt_len_B, b.seq_len_B, kept_BT=kept)
+    assert p.tokens_CS.tolist() == [[4, 5, 6, 10, 11, 10, 11, 12, 10, 10, 11]]
+    assert len(p.src_N) == int(b.mask_BT.sum()) and p.src_N.unique().tolist() == list(range(2, 11))
+
+
 def test_rows_split_at_max_len_and_unshared_batches_stay_unpacked():
-    prompts, resps = [[4, 5, 6]] * 8, [[10, 11, 12, 2]] * 8  # each response adds 3 positions
+    prompts, resps = [[4, 5, 6]] * 8, [[10 + i, 11, 12, 2] for i in range(8)]  # each response adds 3 positions
     _, p = _pack(prompts, resps, max_len=3 + 3 * 3)
     assert p.tokens_CS.shape == (3, 12)  # 3 + 3 + 2 responses: each row holds its prompt once
     assert _pack([[4, i] for i in range(8)], [[10, 2]] * 8)[1] is None  # no prompt shared: nothing saved
@@ -72,11 +88,14 @@ def test_long_responses_stay_unpacked_where_the_dense_attention_would_cost_more(
 def _grouped_batch(seed: int):
     g = torch.Generator().manual_seed(seed)
     prompts, resps = [], []
-    for n_p in (5, 9, 7):  # three prompts of different lengths, 5 responses each, 1-6 tokens
+    # four prompts of different lengths, 6 responses each, two of them twins: 1-6 tokens, and 1-2 for the last
+    # prompt, whose row then also holds another prompt's
+    for n_p, most in ((5, 6), (9, 6), (7, 6), (2, 2)):
         p = torch.randint(3, 32, (n_p,), generator=g).tolist()
-        for _ in range(5):
+        for k in range(6):
             prompts.append(p)
-            resps.append(torch.randint(3, 32, (int(torch.randint(1, 7, (), generator=g)),), generator=g).tolist())
+            n = int(torch.randint(1, most + 1, (), generator=g))
+            resps.append(resps[-3] if k in (3, 5) else torch.randint(3, 32, (n,), generator=g).tolist())
     order = torch.randperm(len(prompts), generator=g).tolist()  # groups need not be contiguous
     prompts, resps = [prompts[i] for i in order], [resps[i] for i in order]
     rlp = [(-torch.rand(len(r), generator=g) - 0.1).tolist() for r in resps]

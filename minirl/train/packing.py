@@ -13,8 +13,20 @@ so every response token gets the logits it gets in its own right-padded row (to 
 tests/test_packing.py). The logits of x's last token predict the first token of every response in
 the row. The idea is "Prefix Grouper" (Liu et al., 2025) on minirl's right-padded batches.
 
+Two more things a response's logits do not depend on:
+- a response its group already holds token for token (a twin; with the same kept counts where the
+  sampler cut) computes what its first copy computes: it is not packed again, and its targets read
+  the first copy's positions. Its loss terms stay its own (its row's advantage, log μ and mask, in
+  the batch's layout), and their gradients add up at the shared positions: the batch's gradient
+  to float rounding. A policy that has learned an answer writes it G times over;
+- other prompts in the same row, which it never attends to: the chunks (a prompt and responses to
+  it) are laid into rows as wide as the longest chunk, several to a row where they fit
+  (`best_fit`), so rows with few distinct responses do not each pad to the longest.
+
 On the embedded default (32 prompts × 8 responses, 8-token prompts, ~5-token responses) the model
-sees ~1,300 positions instead of ~3,300 (timings: docs/results/cpu-path.md).
+sees at most ~1,300 positions instead of ~3,300, and fewer as its policy repeats its answers
+(figures: docs/results/speed.md, docs/results/cpu-path.md).
+
 The logits of a packed batch are read per target (`Trainer._forward_logp`): one logsumexp per
 packed position, picked by index, so no [targets, vocab] copy of them is made.
 
@@ -31,6 +43,7 @@ than `max_len` are never packed: the mask is dense.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +84,27 @@ class Packed:
         return Packed(**moved, B=self.B, T=self.T)
 
 
+def best_fit(lengths: list[int], width: int) -> list[list[int]]:
+    """Indices of `lengths` in bins of `width`, longest first, each into the fullest bin it fits
+    (best-fit decreasing: few bins, in n log n).
+
+    >>> best_fit([5, 9, 4, 3, 6], 9)
+    [[1], [4, 3], [0, 2]]
+    """
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, bin), sorted
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        at = bisect.bisect_left(room, (lengths[k], -1))
+        if at == len(room):
+            bins.append([])
+            left, c = width, len(bins) - 1
+        else:
+            left, c = room.pop(at)
+        bins[c].append(k)
+        bisect.insort(room, (left - lengths[k], c))
+    return bins
+
+
 def pack_shared_prompts(
     tokens_BL: torch.Tensor,
     prompt_len_B: torch.Tensor,
@@ -79,13 +113,17 @@ def pack_shared_prompts(
     pad_id: int = 0,
     max_len: int = MAX_LEN,
     pair_cost: float = 0.0,
+    kept_BT: torch.Tensor | None = None,
 ) -> Packed | None:
     """Rows with the same prompt (anywhere in the batch) share one copy of it per packed row, as
-    many responses to a row as fit in `max_len` positions. None where packing does not pay (see
-    the module docstring): the caller forwards the batch as it is."""
+    many responses to a row as fit in `max_len` positions, and a response its group already holds
+    token for token (a twin: with the same kept counts where the sampler cut, `kept_BT`) reads the
+    first copy's positions. Packed rows take several prompts where they fit (see the module
+    docstring). None where packing does not pay: the caller forwards the batch as it is."""
     B, L = tokens_BL.shape
     T = L - 1
     rows = tokens_BL.tolist()
+    kept = kept_BT.tolist() if kept_BT is not None else None
     n_p_B, n_B = prompt_len_B.tolist(), seq_len_B.tolist()
     if T > max_len or B == 0 or min(n_p_B) < 1:
         return None
@@ -93,49 +131,72 @@ def pack_shared_prompts(
     for i in range(B):
         groups.setdefault(tuple(rows[i][: n_p_B[i]]), []).append(i)
 
-    chunks: list[tuple[tuple[int, ...], list[int]]] = []  # (prompt, its rows) per packed row
-    S = 0  # the longest packed row
+    twins: dict[int, list[int]] = {}  # a group's first copy of a response -> the rows that repeat it
+    chunks: list[tuple[tuple[int, ...], list[int], int]] = []  # (prompt, its distinct rows, length) per chunk
     for prompt, members in groups.items():
-        length, current = len(prompt), []
+        n_p = len(prompt)
+        first: dict[tuple, int] = {}
+        length, current = n_p, []
         for i in members:
-            cost = max(n_B[i] - len(prompt) - 1, 0)  # the response's tokens but its last
+            key = (tuple(rows[i][n_p : n_B[i]]), tuple(kept[i][n_p - 1 : n_B[i] - 1]) if kept else ())
+            if key in first:
+                twins[first[key]].append(i)
+                continue
+            first[key] = i
+            twins[i] = []
+            cost = max(n_B[i] - n_p - 1, 0)  # the response's tokens but its last
             if current and length + cost > max_len:
-                chunks.append((prompt, current))
-                S, length, current = max(S, length), len(prompt), []
+                chunks.append((prompt, current, length))
+                length, current = n_p, []
             current.append(i)
             length += cost
-        chunks.append((prompt, current))
-        S = max(S, length)
-    C = len(chunks)
+        chunks.append((prompt, current, length))
+    S = max(length for *_, length in chunks)  # the longest chunk: no packed row is longer
+    bins = best_fit([length for *_, length in chunks], S)
+    C = len(bins)
     if C * S + pair_cost * C * S * S > 0.9 * (B * T + pair_cost * B * T * T / 2):
         return None
 
-    tokens, positions, segment = [], [], []  # segment -1: the prompt, j: response j, -2: padding
+    # per position: which prompt of the row it belongs to (-1: padding), and its segment there
+    # (-1: the prompt, j: response j, -2: padding)
+    tokens, positions, owner, segment = [], [], [], []
     src, dst, target = [], [], []
-    for c, (prompt, members) in enumerate(chunks):
-        n_p, base = len(prompt), c * S
-        tok, pos, seg = list(prompt), list(range(n_p)), [-1] * n_p
-        for j, i in enumerate(members):
-            resp = rows[i][n_p : n_B[i]]
-            m = len(resp)
-            if m == 0:
-                continue
-            o = len(tok)
-            tok += resp[:-1]
-            pos += range(n_p, n_p + m - 1)
-            seg += [j] * (m - 1)
-            # response token k is predicted by the prompt's last token (k = 0) or by token k - 1
-            src += [base + n_p - 1, *range(base + o, base + o + m - 1)]
-            dst += range(i * T + n_p - 1, i * T + n_p - 1 + m)
-            target += resp
+    for c, members in enumerate(bins):
+        base = c * S
+        tok, pos, own, seg = [], [], [], []
+        for o, k in enumerate(members):
+            prompt, distinct, _ = chunks[k]
+            n_p, start = len(prompt), base + len(tok)
+            tok += prompt
+            pos += range(n_p)
+            own += [o] * n_p
+            seg += [-1] * n_p
+            for i in distinct:
+                resp = rows[i][n_p : n_B[i]]
+                m = len(resp)
+                if m == 0:
+                    continue
+                at = base + len(tok)
+                j = len(seg)  # unique in the row
+                tok += resp[:-1]
+                pos += range(n_p, n_p + m - 1)
+                own += [o] * (m - 1)
+                seg += [j] * (m - 1)
+                # response token k is predicted by the prompt's last token (k = 0) or by token k - 1
+                for r in (i, *twins[i]):
+                    src += [start + n_p - 1, *range(at, at + m - 1)]
+                    dst += range(r * T + n_p - 1, r * T + n_p - 1 + m)
+                    target += resp
         pad = S - len(tok)
         tokens.append(tok + [pad_id] * pad)
         positions.append(pos + [0] * pad)
+        owner.append(own + [-1] * pad)
         segment.append(seg + [-2] * pad)
     as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-    tokens, positions, segment = as_long(tokens), as_long(positions), as_long(segment)
+    tokens, positions, owner, segment = as_long(tokens), as_long(positions), as_long(owner), as_long(segment)
     idx = torch.arange(S)
     causal_SS = idx[None, :] <= idx[:, None]
     seg_a, seg_b = segment[:, :, None], segment[:, None, :]
-    attend = causal_SS[None] & ((seg_b == -1) | (seg_b == seg_a))  # padding sees the prompt and itself
+    # a token sees its own prompt and its own response, causally; padding sees the padding before it
+    attend = causal_SS[None] & (owner[:, :, None] == owner[:, None, :]) & ((seg_b == -1) | (seg_b == seg_a))
     return Packed(tokens, positions, attend[:, None], as_long(src), as_long(dst), as_long(target), B=B, T=T)

@@ -315,7 +315,8 @@ class Trainer:
         if not self.pack_prompts or batch.prompt_len_B is None or self.replay.active:
             return None
 
-        packed = pack_shared_prompts(batch.tokens_BL, batch.prompt_len_B, batch.seq_len_B, pair_cost=self._pair_cost)
+        packed = pack_shared_prompts(batch.tokens_BL, batch.prompt_len_B, batch.seq_len_B, pair_cost=self._pair_cost,
+                                     kept_BT=batch.kept_BT)
         return packed.to(self.device) if packed is not None else None
 
     @torch.no_grad()
