@@ -88,9 +88,9 @@ def test_long_responses_stay_unpacked_where_the_dense_attention_would_cost_more(
 def _grouped_batch(seed: int):
     g = torch.Generator().manual_seed(seed)
     prompts, resps = [], []
-    # four prompts of different lengths, 6 responses each, two of them twins: 1-6 tokens, and 1-2 for the last
+    # four prompts of different lengths, 6 responses each, two of them twins: 1-6 tokens, and 1 for the last
     # prompt, whose row then also holds another prompt's
-    for n_p, most in ((5, 6), (9, 6), (7, 6), (2, 2)):
+    for n_p, most in ((5, 6), (9, 6), (7, 6), (2, 1)):
         p = torch.randint(3, 32, (n_p,), generator=g).tolist()
         for k in range(6):
             prompts.append(p)

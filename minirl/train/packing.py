@@ -157,31 +157,32 @@ def pack_shared_prompts(
     if C * S + pair_cost * C * S * S > 0.9 * (B * T + pair_cost * B * T * T / 2):
         return None
 
-    # per position: which prompt of the row it belongs to (-1: padding), and its segment there
-    # (-1: the prompt, j: response j, -2: padding)
-    tokens, positions, owner, segment = [], [], [], []
+    # per position: its segment, a prompt or a response, named by where it starts in the row (-2: padding),
+    # and the segment of the prompt it belongs to (-3: padding)
+    tokens, positions, segment, own_prompt = [], [], [], []
     src, dst, target = [], [], []
     for c, members in enumerate(bins):
         base = c * S
-        tok, pos, own, seg = [], [], [], []
-        for o, k in enumerate(members):
+        tok, pos, seg, own = [], [], [], []
+        for k in members:
             prompt, distinct, _ = chunks[k]
-            n_p, start = len(prompt), base + len(tok)
+            n_p, p_seg = len(prompt), len(tok)
+            start = base + p_seg
             tok += prompt
             pos += range(n_p)
-            own += [o] * n_p
-            seg += [-1] * n_p
+            seg += [p_seg] * n_p
+            own += [p_seg] * n_p
             for i in distinct:
                 resp = rows[i][n_p : n_B[i]]
                 m = len(resp)
                 if m == 0:
                     continue
                 at = base + len(tok)
-                j = len(seg)  # unique in the row
+                j = len(seg)
                 tok += resp[:-1]
                 pos += range(n_p, n_p + m - 1)
-                own += [o] * (m - 1)
                 seg += [j] * (m - 1)
+                own += [p_seg] * (m - 1)
                 # response token k is predicted by the prompt's last token (k = 0) or by token k - 1
                 for r in (i, *twins[i]):
                     src += [start + n_p - 1, *range(at, at + m - 1)]
@@ -190,13 +191,14 @@ def pack_shared_prompts(
         pad = S - len(tok)
         tokens.append(tok + [pad_id] * pad)
         positions.append(pos + [0] * pad)
-        owner.append(own + [-1] * pad)
         segment.append(seg + [-2] * pad)
+        own_prompt.append(own + [-3] * pad)
     as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-    tokens, positions, owner, segment = as_long(tokens), as_long(positions), as_long(owner), as_long(segment)
+    tokens, positions, segment, own_prompt = as_long(tokens), as_long(positions), as_long(segment), as_long(own_prompt)
     idx = torch.arange(S)
     causal_SS = idx[None, :] <= idx[:, None]
-    seg_a, seg_b = segment[:, :, None], segment[:, None, :]
-    # a token sees its own prompt and its own response, causally; padding sees the padding before it
-    attend = causal_SS[None] & (owner[:, :, None] == owner[:, None, :]) & ((seg_b == -1) | (seg_b == seg_a))
+    seg_b = segment[:, None, :]
+    # a token sees its own segment and its own prompt, causally: a response never another response or
+    # another prompt of the row; padding sees the padding before it
+    attend = causal_SS[None] & ((seg_b == segment[:, :, None]) | (seg_b == own_prompt[:, :, None]))
     return Packed(tokens, positions, attend[:, None], as_long(src), as_long(dst), as_long(target), B=B, T=T)
