@@ -177,15 +177,14 @@ def pack_shared_prompts(
                 m = len(resp)
                 if m == 0:
                     continue
-                at = base + len(tok)
-                j = len(seg)
+                r_seg = len(tok)
                 tok += resp[:-1]
                 pos += range(n_p, n_p + m - 1)
-                seg += [j] * (m - 1)
+                seg += [r_seg] * (m - 1)
                 own += [p_seg] * (m - 1)
                 # response token k is predicted by the prompt's last token (k = 0) or by token k - 1
                 for r in (i, *twins[i]):
-                    src += [start + n_p - 1, *range(at, at + m - 1)]
+                    src += [start + n_p - 1, *range(base + r_seg, base + r_seg + m - 1)]
                     dst += range(r * T + n_p - 1, r * T + n_p - 1 + m)
                     target += resp
         pad = S - len(tok)
