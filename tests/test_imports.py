@@ -227,7 +227,8 @@ def private_vllm_reaches(known: dict[str, Path], door: str = "minirl.rollout.vll
     that minirl replaces (RELIED's last names), in a module other than the door."""
     from minirl.rollout.vllm_internals import RELIED
 
-    replaced = {target.rpartition(".")[2].rpartition(":")[2] for target, _ in RELIED} - {"__name__"}
+    # `forward`: every torch module has one, and train/replay.py hooks TorchTitan's routers' own
+    replaced = {target.rpartition(".")[2].rpartition(":")[2] for target, _ in RELIED} - {"__name__", "forward"}
     out = []
     for name, path in known.items():
         if name == door:

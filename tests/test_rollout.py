@@ -576,8 +576,9 @@ def test_a_rollout_with_the_experts_on_distinct_rows_is_vllms_own_bit_for_bit(en
     """A prompt's n samples forward its prompt n times (and their shared tokens again): on distinct rows
     the engine samples the same tokens with the same log μ as with vLLM's call on every row, having
     computed fewer rows."""
-    from minirl.rollout.cpu import moe_rows
+    from minirl.rollout.cpu import moe_rows, shared_prefill
 
+    monkeypatch.setattr(shared_prefill, "active", False)  # the prompts' rows reach the experts n times each
     seen = {"rows": 0, "distinct": 0}
     find = moe_rows.distinct_rows
 
@@ -595,6 +596,52 @@ def test_a_rollout_with_the_experts_on_distinct_rows_is_vllms_own_bit_for_bit(en
         runs[active] = [[(c.token_ids, list(c.logprobs)) for c in g] for g in groups]
     assert runs[True] == runs[False]
     assert seen["distinct"] < seen["rows"] / 2, seen
+
+
+def test_repeated_rows_joins_only_requests_whose_whole_sequence_this_forward_holds():
+    """rollout/cpu/shared_prefill.py: a request repeats an earlier one where this forward holds all of its
+    tokens and they are the same; a request that continues from tokens computed before (a decode step,
+    a later chunk) is its own rows whatever its rows hold, and so are padding rows."""
+    from minirl.rollout.cpu.shared_prefill import repeated_rows
+
+    # requests: [5 6] new, [7] decoding, [5 6] new, [9] decoding, [5 6] new, [5 7] new; one padding row
+    ids, starts, lens = [5, 6, 7, 5, 6, 9, 5, 6, 5, 7], [0, 2, 3, 5, 6, 8, 10], [2, 4, 2, 7, 2, 2]
+    assert repeated_rows(ids, starts, lens, 11).tolist() == [0, 1, 2, 0, 1, 5, 0, 1, 8, 9, 10]
+    assert repeated_rows([5, 6, 5, 6], [0, 2, 4], [2, 3], 4) is None  # the second continues a sequence
+    assert repeated_rows([5, 6, 5, 7], [0, 2, 4], [2, 2], 4) is None  # different prompts
+    assert repeated_rows([], [0], [], 0) is None
+
+
+def _shared_prefill_on(worker) -> bool:
+    return getattr(worker.model_runner, "minirl_shared_prefill", False)
+
+
+def test_a_rollout_with_a_prompts_requests_prefilled_once_is_vllms_own_bit_for_bit(engine, engine_r3, monkeypatch):
+    """A prompt's n requests are forwarded once in the step that admits them: the engine samples the same
+    tokens with the same log μ as with vLLM's forward of every request, with fewer rows computed, also
+    where requests are admitted while others decode (more requests than the engine runs at once). Off
+    under R3's route capture, which reads every row of a forward."""
+    from minirl.rollout.cpu import shared_prefill
+
+    seen = {"rows": 0, "computed": 0}
+    plan = shared_prefill._plan
+
+    def counted(input_ids, positions):
+        found = plan(input_ids, positions)
+        seen["rows"] += input_ids.shape[0]
+        seen["computed"] += input_ids.shape[0] if found is None else found[0].numel()
+        return found
+
+    monkeypatch.setattr(shared_prefill, "_plan", counted)
+    runs = {}
+    for active in (True, False):
+        monkeypatch.setattr(shared_prefill, "active", active)
+        groups = engine.generate(PROMPTS * 14, n=8, temperature=1.0, max_tokens=6, seed=23)  # 336 > 256 at once
+        runs[active] = [[(c.token_ids, list(c.logprobs)) for c in g] for g in groups]
+    assert runs[True] == runs[False]
+    assert seen["computed"] < seen["rows"] * 0.6, seen
+    assert engine._llm.collective_rpc(_shared_prefill_on) == [True]
+    assert engine_r3._llm.collective_rpc(_shared_prefill_on) == [False]
 
 
 def test_the_packed_kernel_takes_the_shapes_vllms_rule_gives_it_and_bf16_alone_without_amx():

@@ -69,6 +69,14 @@ RELIED = (
      "inspection_in_process: a CPU engine's start inspects the model's class in its own process"),
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
      "around_cpu_experts: cpu/moe_rows.py runs the CPU experts on a forward's distinct rows"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+     "around_model_forward: cpu/shared_prefill.py forwards a step's repeated requests once"),
+    ("vllm.model_executor.layers.attention.attention:Attention.forward",
+     "around_model_forward: cpu/shared_prefill.py widens attention to every row of such a forward"),
+    ("vllm.forward_context:get_forward_context",
+     "forward_requests: cpu/shared_prefill.py reads a forward's requests from its attention metadata"),
+    ("vllm.forward_context:is_forward_context_available",
+     "forward_requests: outside a forward (a warm-up, a profile) there is none to read"),
 )
 
 
@@ -353,3 +361,37 @@ def around_cpu_experts(wrap) -> None:
         wrapped = wrap(CPUUnquantizedExperts.apply)
         wrapped.minirl_wrapped = True
         CPUUnquantizedExperts.apply = wrapped
+
+
+def around_model_forward(wrap_forward, wrap_attention) -> None:
+    """The runner's `_model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)`
+    computes through `wrap_forward(_model_forward)` and vLLM's `Attention.forward(query, key, value,
+    output_shape, output_dtype)` through `wrap_attention(forward)` from now on in this process; once,
+    however often it is asked."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for cls, name, wrap in ((GPUModelRunner, "_model_forward", wrap_forward), (Attention, "forward", wrap_attention)):
+        if not getattr(getattr(cls, name), "minirl_wrapped", False):
+            wrapped = wrap(getattr(cls, name))
+            wrapped.minirl_wrapped = True
+            setattr(cls, name, wrapped)
+
+
+def forward_requests() -> tuple[list[int], list[int]] | None:
+    """The forward in flight's requests from the attention metadata vLLM set for it: where each one's
+    rows start (one more entry: where the last ends) and how many tokens its sequence holds, counting
+    those computed before. None where no metadata of that form is set."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    if not isinstance(md, dict):
+        return None
+    for m in md.values():
+        starts, seq_lens = getattr(m, "query_start_loc", None), getattr(m, "seq_lens", None)
+        if isinstance(starts, torch.Tensor) and isinstance(seq_lens, torch.Tensor):
+            n = seq_lens.shape[0]
+            return starts[: n + 1].tolist(), seq_lens.tolist()
+    return None

@@ -145,6 +145,7 @@ def install(worker) -> int:
     """Attach one recorder to this worker (idempotent); returns the number of MoE layers hooked."""
     if getattr(worker, "_minirl_routes", None) is None:
         worker._minirl_routes = RouteRecorder(worker)
+    worker.model_runner.minirl_shared_prefill = False  # the capture's layout is every row of a forward
     return len(worker._minirl_routes.routers)
 
 
