@@ -36,7 +36,15 @@ def graded(problems: list, groups: list, rec, grading, decode, eos_id: int) -> l
     """Each prompt's group graded: R(x, y) by the truncation rule, then the overlong shaping."""
     G, mode = rec.train.group_size, rec.env.reward
     comps = [c for g in groups for c in g]
-    scores = grading.grade_where([(prob.record, response_text(outcome.answer_ids(c), decode, eos_id))
+    texts: dict[tuple[int, ...], str] = {}  # a step's repeated answers (a group's twins) decoded once
+
+    def text(ids) -> str:
+        key = tuple(ids)
+        if key not in texts:
+            texts[key] = response_text(key, decode, eos_id)
+        return texts[key]
+
+    scores = grading.grade_where([(prob.record, text(outcome.answer_ids(c)))
                                   for prob, g in zip(problems, groups) for c in g],
                                  [outcome.needs_grade(c, mode) for c in comps])
     cut = [c.finish == "length" for c in comps]
