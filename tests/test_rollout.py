@@ -579,23 +579,35 @@ def test_a_rollout_with_the_experts_on_distinct_rows_is_vllms_own_bit_for_bit(en
     from minirl.rollout.cpu import moe_rows, shared_prefill
 
     monkeypatch.setattr(shared_prefill, "active", False)  # the prompts' rows reach the experts n times each
-    seen = {"rows": 0, "distinct": 0}
-    find = moe_rows.distinct_rows
+    counted, seen = _counted(moe_rows.distinct_rows)
+    monkeypatch.setattr(moe_rows, "distinct_rows", counted)
+    runs = _on_and_off(engine, monkeypatch, moe_rows, PROMPTS * 4, seed=21)
+    assert runs[True] == runs[False]
+    assert seen["computed"] < seen["rows"] / 2, seen
 
-    def counted(x):
-        found = find(x)
+
+def _counted(find):
+    """`find(x, ...)` (an answer (first, copy) or None), counting the rows of x it is given and the rows
+    its answers leave to compute."""
+    seen = {"rows": 0, "computed": 0}
+
+    def counted(x, *rest):
+        found = find(x, *rest)
         seen["rows"] += x.shape[0]
-        seen["distinct"] += x.shape[0] if found is None else found[0].numel()
+        seen["computed"] += x.shape[0] if found is None else found[0].numel()
         return found
 
-    monkeypatch.setattr(moe_rows, "distinct_rows", counted)
+    return counted, seen
+
+
+def _on_and_off(engine, monkeypatch, module, prompts, *, seed: int) -> dict:
+    """The engine's tokens and log μ for n = 8 samples of each prompt, with `module.active` on and off."""
     runs = {}
     for active in (True, False):
-        monkeypatch.setattr(moe_rows, "active", active)
-        groups = engine.generate(PROMPTS * 4, n=8, temperature=1.0, max_tokens=6, seed=21)
+        monkeypatch.setattr(module, "active", active)
+        groups = engine.generate(prompts, n=8, temperature=1.0, max_tokens=6, seed=seed)
         runs[active] = [[(c.token_ids, list(c.logprobs)) for c in g] for g in groups]
-    assert runs[True] == runs[False]
-    assert seen["distinct"] < seen["rows"] / 2, seen
+    return runs
 
 
 def test_repeated_rows_joins_only_requests_whose_whole_sequence_this_forward_holds():
@@ -623,21 +635,9 @@ def test_a_rollout_with_a_prompts_requests_prefilled_once_is_vllms_own_bit_for_b
     under R3's route capture, which reads every row of a forward."""
     from minirl.rollout.cpu import shared_prefill
 
-    seen = {"rows": 0, "computed": 0}
-    plan = shared_prefill._plan
-
-    def counted(input_ids, positions):
-        found = plan(input_ids, positions)
-        seen["rows"] += input_ids.shape[0]
-        seen["computed"] += input_ids.shape[0] if found is None else found[0].numel()
-        return found
-
+    counted, seen = _counted(shared_prefill._plan)
     monkeypatch.setattr(shared_prefill, "_plan", counted)
-    runs = {}
-    for active in (True, False):
-        monkeypatch.setattr(shared_prefill, "active", active)
-        groups = engine.generate(PROMPTS * 14, n=8, temperature=1.0, max_tokens=6, seed=23)  # 336 > 256 at once
-        runs[active] = [[(c.token_ids, list(c.logprobs)) for c in g] for g in groups]
+    runs = _on_and_off(engine, monkeypatch, shared_prefill, PROMPTS * 14, seed=23)  # 336 requests: > 256 at once
     assert runs[True] == runs[False]
     assert seen["computed"] < seen["rows"] * 0.6, seen
     assert engine._llm.collective_rpc(_shared_prefill_on) == [True]
