@@ -123,3 +123,19 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "model 'someone/not-cached-here' is not in the local Hugging Face cache" in r.stderr
     assert not (tmp_path / "nohub").exists()
+
+
+
+def test_a_dense_qwen3s_rollout_with_its_prompts_prefilled_once_is_vllms_own_bit_for_bit(tiny_dir, tmp_path,
+                                                                                          monkeypatch):
+    """rollout/cpu/shared_prefill.py names dense Qwen3 beside Qwen3-MoE: its engine forwards a prompt's
+    requests once too, and samples the same tokens with the same log μ as with vLLM's forward of every
+    request (336 requests: some admitted while others decode)."""
+    from minirl.rollout.cpu import shared_prefill
+    from minirl.rollout.vllm import VLLMEngine
+    from tests.test_rollout import PROMPTS, _on_and_off, _shared_prefill_on
+
+    engine = VLLMEngine(make_folder("dense", tmp_path / "dense", tiny_dir), dtype="bfloat16", seed=0, max_model_len=32)
+    assert engine._llm.collective_rpc(_shared_prefill_on) == [True]
+    runs = _on_and_off(engine, monkeypatch, shared_prefill, PROMPTS * 14, seed=3)
+    assert runs[True] == runs[False]
