@@ -125,7 +125,6 @@ def test_init_model_writes_a_recipe_suited_to_it(tiny_dir, tmp_path):
     assert not (tmp_path / "nohub").exists()
 
 
-
 def test_a_dense_qwen3s_rollout_with_its_prompts_prefilled_once_is_vllms_own_bit_for_bit(tiny_dir, tmp_path,
                                                                                           monkeypatch):
     """rollout/cpu/shared_prefill.py names dense Qwen3 beside Qwen3-MoE: its engine forwards a prompt's

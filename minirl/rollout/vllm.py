@@ -53,8 +53,8 @@ from minirl.rollout.coverage import Coverage, expected_weights, named_faults
 from minirl.rollout.cpu import activations as cpu_activations
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import moe_rows as cpu_moe_rows
-from minirl.rollout.cpu import shared_prefill as cpu_shared_prefill
 from minirl.rollout.cpu import routes as cpu_routes
+from minirl.rollout.cpu import shared_prefill as cpu_shared_prefill
 from minirl.rollout.cpu import shm as cpu_shm
 from minirl.rollout.cpu import weights as cpu_weights
 from minirl.rollout.engine import NO_CUT, Completion, Truncation

@@ -357,10 +357,7 @@ def around_cpu_experts(wrap) -> None:
     through `wrap(apply)` from now on in this process; once, however often it is asked."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    if not getattr(CPUUnquantizedExperts.apply, "minirl_wrapped", False):
-        wrapped = wrap(CPUUnquantizedExperts.apply)
-        wrapped.minirl_wrapped = True
-        CPUUnquantizedExperts.apply = wrapped
+    _wrap_once(CPUUnquantizedExperts, "apply", wrap)
 
 
 def around_model_forward(wrap_forward, wrap_attention) -> None:
@@ -371,11 +368,16 @@ def around_model_forward(wrap_forward, wrap_attention) -> None:
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    for cls, name, wrap in ((GPUModelRunner, "_model_forward", wrap_forward), (Attention, "forward", wrap_attention)):
-        if not getattr(getattr(cls, name), "minirl_wrapped", False):
-            wrapped = wrap(getattr(cls, name))
-            wrapped.minirl_wrapped = True
-            setattr(cls, name, wrapped)
+    _wrap_once(GPUModelRunner, "_model_forward", wrap_forward)
+    _wrap_once(Attention, "forward", wrap_attention)
+
+
+def _wrap_once(cls, name: str, wrap) -> None:
+    """`cls.name` replaced by `wrap(cls.name)`, unless a wrapper of minirl's already stands there."""
+    if not getattr(getattr(cls, name), "minirl_wrapped", False):
+        wrapped = wrap(getattr(cls, name))
+        wrapped.minirl_wrapped = True
+        setattr(cls, name, wrapped)
 
 
 def forward_requests() -> tuple[list[int], list[int]] | None:

@@ -81,9 +81,7 @@ def _forward_distinct(model_forward):
             out = model_forward(self, input_ids[first], positions[first], None, None, **kwargs)
         finally:
             _rows = None
-        if not isinstance(out, torch.Tensor):  # not a last stage's hidden states: vLLM's forward on every row
-            return model_forward(self, input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        return torch.index_select(out, 0, copy)
+        return torch.index_select(out, 0, copy)  # the hidden states: one pipeline stage, none other (install)
 
     return forward
 
@@ -107,10 +105,12 @@ def _attention_widened(attention_forward):
 
 
 def install(worker) -> bool:
-    """Repeated requests forwarded once by this worker's runner, where its model is one of MODELS, it
-    serves no LoRA and captures no routes (installing the capture turns this off); whether it is on."""
+    """Repeated requests forwarded once by this worker's runner, where its model is one of MODELS in one
+    pipeline stage (whose forward returns the hidden states), it serves no LoRA and captures no routes
+    (installing the capture turns this off); whether it is on."""
     runner = worker.model_runner
     on = (type(runner.get_model()).__name__ in MODELS and getattr(runner, "lora_config", None) is None
+          and runner.parallel_config.pipeline_parallel_size == 1
           and getattr(worker, "_minirl_routes", None) is None)  # R3's capture (cpu/routes.py) reads every row
     if on:
         vllm_internals.around_model_forward(_forward_distinct, _attention_widened)
