@@ -393,9 +393,14 @@ def full_attention(single_type_manager) -> bool:
 
 def running(request) -> bool:
     """Whether a scheduler's request is running (decoding or in a later prefill chunk), not waiting or resumed."""
+    return request.status == _running_status()
+
+
+@functools.cache
+def _running_status():  # asked for every scheduled request at every step: vLLM's enum looked up once
     from vllm.v1.request import RequestStatus
 
-    return request.status == RequestStatus.RUNNING
+    return RequestStatus.RUNNING
 
 
 def _wrap_once(cls, name: str, wrap) -> None:
