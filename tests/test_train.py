@@ -285,7 +285,10 @@ def test_logprobs_forwards_at_most_the_micro_batchs_tokens_at_once():
 
 def test_the_cpu_token_dispatch_is_torchtitans_bit_for_bit():
     """The MoE's tokens gathered and combined by index on a CPU (models/titan.py): outputs and
-    every gradient equal to TorchTitan's own dispatcher's, bit for bit, on the same weights."""
+    every gradient equal to TorchTitan's own dispatcher's, bit for bit, on the same weights; and
+    no more kept for backward than TorchTitan's keeps, which is what the plan's activations count
+    and tests/test_memory_model.py measures on a CPU for CUDA (autograd's own `index_add` kept an
+    [N, D] copy of the routed outputs a layer more)."""
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     from minirl.models.titan import titan_config
@@ -306,11 +309,20 @@ def test_the_cpu_token_dispatch_is_torchtitans_bit_for_bit():
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, TINY.vocab_size, (16, 24), generator=g)  # 384 tokens over 8 experts, 2 each
     weights = torch.randn(16, 24, TINY.vocab_size, generator=g)
-    results = []
+    results, kept = [], []
     for model in (ours, theirs):
-        out = model(tokens)
+        storages = {}  # what the forward saves for backward, each storage once (held: no address reused)
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(tokens)
+        kept.append(sum(t.untyped_storage().nbytes() for t in storages.values()))
         (out * weights).sum().backward()
         results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (out_a, grads_a), (out_b, grads_b) = results
     assert torch.equal(out_a, out_b)
+    assert kept[0] <= kept[1], kept
     assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

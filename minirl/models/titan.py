@@ -60,6 +60,23 @@ def _index_dispatcher_cls():
     import torch
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
+    class IndexAdd(torch.autograd.Function):
+        """`zeros(rows, D).index_add(0, index_N, source_ND)` keeping only the index for backward.
+        Autograd's own `index_add` also saves `source` (its formula reads only the source's shape):
+        the routed outputs, top_k rows of D a token in every MoE layer, which TorchTitan's scatter
+        does not keep and the plan's activations do not count (docs/cluster.md). The gradient is
+        autograd's formula for it, `grad.index_select(0, index_N)`: the same bits."""
+
+        @staticmethod
+        def forward(ctx, index_N, source_ND, like_TD):
+            ctx.save_for_backward(index_N)
+            return torch.zeros_like(like_TD).index_add(0, index_N, source_ND)
+
+        @staticmethod
+        def backward(ctx, grad_TD):
+            (index_N,) = ctx.saved_tensors
+            return None, grad_TD.index_select(0, index_N), None
+
     class IndexTokenDispatcher(AllToAllTokenDispatcher):
         @dataclass(kw_only=True, slots=True)
         class Config(AllToAllTokenDispatcher.Config):
@@ -78,7 +95,7 @@ def _index_dispatcher_cls():
                 return super().combine(routed_output_RD, metadata, x_TD)
             scored_RD = (routed_output_RD.to(torch.float32)
                          * metadata.topk_scores_experts_sorted_N.reshape(-1, 1)).to(routed_output_RD.dtype)
-            return torch.zeros_like(x_TD).index_add(0, metadata.token_indices_experts_sorted_N, scored_RD)
+            return IndexAdd.apply(metadata.token_indices_experts_sorted_N, scored_RD, x_TD.detach())
 
     return IndexTokenDispatcher
 
