@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -188,9 +189,12 @@ def test_k2_runs_ahead_within_the_bound_and_a_rollback_discards_what_is_ahead(ti
     args = ["--set", "rollout.max_staleness=2", "--set", "train.prompts_per_step=8", "--set", "train.group_size=4",
             "--set", "checkpoint.every=2", "--set", "eval.k=1"]
     run = [sys.executable, "-m", "cli.main", "run", str(ws)]
-    r = subprocess.run([*run, "--steps", "6", *args, "--set", "checkpoint.keep=0"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+    with tempfile.TemporaryDirectory() as tmp:  # the run's and its engine process's own (short: sockets go there)
+        r = subprocess.run([*run, "--steps", "6", *args, "--set", "checkpoint.keep=0"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "TMPDIR": tmp})
+        left = list(Path(tmp).glob("vllm_dist_*"))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not left, left  # the file the engine process's groups met through, deleted as it ends
     run_dir = next((ws / "runs").iterdir())
     rows = _rows(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]

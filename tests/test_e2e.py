@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,9 +52,9 @@ def install_throwaway_grader(site: Path) -> None:
     ENV.pop("VLLM_CACHE_ROOT", None)  # the workspace's own vLLM cache, as a user has it (#73)
 
 
-def minirl(*args, **kw):
+def minirl(*args, env=None, **kw):
     return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=ENV, timeout=600, **kw)
+                          env={**ENV, **(env or {})}, timeout=600, **kw)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -107,9 +108,12 @@ def test_init_run_kill_resume(tmp_path):
     assert (ws / "model/coldstart/model.safetensors").stat().st_mtime_ns == stamp
 
     # --- 3 real RL steps ------------------------------------------------------------------------
-    r = minirl("run", str(ws), "--steps", "3", "--set", "rollout.parity_every=2", "--set", "eval.every=2",
-               "--set", "metrics.record_tokens=3")
+    with tempfile.TemporaryDirectory() as tmp:  # the run's own (short: Python's sockets go there too)
+        r = minirl("run", str(ws), "--steps", "3", "--set", "rollout.parity_every=2", "--set", "eval.every=2",
+                   "--set", "metrics.record_tokens=3", env={"TMPDIR": tmp})
+        left = list(Path(tmp).glob("vllm_dist_*"))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not left, left  # the file the engine's process groups met through (vLLM's), deleted as the run ends
     run_dir = sorted((ws / "runs").iterdir())[-1]
     checked = minirl("check", str(ws))  # every trained token is what the engine sampled (#98)
     assert checked.returncode == 0 and "no: " not in checked.stdout, checked.stdout + checked.stderr

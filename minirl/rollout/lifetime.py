@@ -7,10 +7,18 @@ engine of the process computes with: any other engine still alive fails at its n
 one process (the doctor's precisions, a run's engine beside an evaluation's, the test suite's
 session engines beside a test's own), so each engine built here counts itself in, and only the
 last one alive releases the groups; the others shut down their core alone.
+
+The groups meet through a file in the temporary folder (vLLM's choice), which torch deletes when
+they are torn down. A process that ends without the teardown (`process_ends`, proc/quick_exit.py)
+deletes it in its exit handlers instead: otherwise every run, evaluation and engine process would
+leave one behind.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import threading
 import weakref
 
@@ -19,6 +27,7 @@ from minirl.rollout import vllm_internals
 _lock = threading.Lock()
 _alive = 0  # in-process engines built and not yet shut down
 _ending = False  # the process is leaving: nothing after it uses the groups or the memory
+_rendezvous: set[str] = set()  # the files the groups of this process's engines met through
 
 
 def share_process_groups(llm) -> None:
@@ -30,9 +39,20 @@ def share_process_groups(llm) -> None:
     core = getattr(client, "engine_core", None)
     if finalizer is None or core is None or not finalizer.detach():
         return
+    path = vllm_internals.rendezvous_file(llm)
     with _lock:
         _alive += 1
+        if path is not None:
+            if not _rendezvous:
+                atexit.register(_remove_rendezvous_files)
+            _rendezvous.add(path)
     client._finalizer = weakref.finalize(client, _shutdown, core)
+
+
+def _remove_rendezvous_files() -> None:
+    for path in _rendezvous:
+        with contextlib.suppress(OSError):  # already deleted by torch, at a teardown
+            os.remove(path)
 
 
 def process_ends() -> None:

@@ -251,6 +251,22 @@ def keep_process_groups():
         core_module.cleanup_dist_env_and_memory = saved
 
 
+def rendezvous_file(llm) -> str | None:
+    """The file an in-process engine's process groups met through (vLLM's uniprocess executor picks a
+    `file://` FileStore under the temporary folder; torch deletes the file when the store is destroyed,
+    which a process that ends without its teardown never does), or None: another rendezvous, or a
+    worker in a process of its own, or a vLLM that keeps the method elsewhere."""
+    try:
+        [method] = llm.collective_rpc(_init_method)
+    except (AttributeError, TypeError, ValueError):  # no in-process worker here to ask
+        return None
+    return method.removeprefix("file://") if isinstance(method, str) and method.startswith("file://") else None
+
+
+def _init_method(worker):
+    return getattr(worker, "distributed_init_method", None)
+
+
 # ---- inside the worker: the model runner, the sampler, the CPU kernels ----
 
 def around_sample(runner, hook) -> None:
