@@ -384,6 +384,8 @@ CASES = [
      "set rollout.max_staleness = 0 under torchrun"),
     ("staleness-one-core", ["run", "{ws}", "--set", "rollout.max_staleness=1"], platform(cores=1),
      "rollout.max_staleness = 1 needs at least 2 cores for a trainer and an engine; this process has 1"),
+    ("staleness-long-tmpdir", ["run", "{ws}", "--set", "rollout.max_staleness=1"], platform(tmpdir="/tmp/" + "x" * 71),
+     "(76 characters), and a socket's path must fit in 107 bytes: set TMPDIR to a folder of at most 75 characters"),
     ("rollout-gpus-negative", ["run", "{ws}", "--rollout-gpus", "-1"], None, "parallel.rollout_gpus = -1; it must be ≥ 0"),
     ("rollout-gpus-tp", ["run", "{ws}", "--rollout-gpus", "2", "--set", "rollout.tensor_parallel=2"], None,
      "rollout.tensor_parallel = 2 on rollout GPUs: an engine there is one process on one GPU"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
     from minirl.config.recipe import Recipe, RolloutConfig
 
 
+# Python 3.11's multiprocessing makes its sockets at <TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX, and a
+# Unix socket's path holds at most 107 bytes: longer, the run would stop at its first sync with a traceback
+SOCKET_FOLDER_MAX = 107 - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
 @dataclass(frozen=True, slots=True)
 class Platform:
     """Where a recipe is about to run: what the rules that depend on the machine check."""
@@ -30,6 +36,7 @@ class Platform:
     memory_gib: float = math.inf  # what one engine can allocate at most: the machine's RAM, or one GPU's memory
     local_ranks: int = 1  # the job's ranks on this node (torchrun's LOCAL_WORLD_SIZE)
     gpus: int = 0  # the GPUs this node shows the job
+    tmpdir: str = "/tmp"  # the temporary folder (TMPDIR), where Python's multiprocessing makes its sockets
 
     @classmethod
     def here(cls, world_size: int = 1) -> "Platform":
@@ -38,9 +45,10 @@ class Platform:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if torch.cuda.is_available():
             return cls("cuda", world_size, len(os.sched_getaffinity(0)),
-                       torch.cuda.get_device_properties(0).total_memory / 2**30, local, torch.cuda.device_count())
+                       torch.cuda.get_device_properties(0).total_memory / 2**30, local, torch.cuda.device_count(),
+                       tmpdir=tempfile.gettempdir())
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        return cls("cpu", world_size, len(os.sched_getaffinity(0)), ram, local)
+        return cls("cpu", world_size, len(os.sched_getaffinity(0)), ram, local, tmpdir=tempfile.gettempdir())
 
 
 def check(r: Recipe, platform: Platform | None = None, model: ModelShape | None = None) -> None:
@@ -128,6 +136,11 @@ def _check_platform(ro: RolloutConfig, p: Platform, rollout_gpus: int) -> None:
     if k and p.cores < 2:
         raise UsageError(f"rollout.max_staleness = {k} needs at least 2 cores for a trainer and an engine; this "
                          f"process has {p.cores}: set rollout.max_staleness = 0")
+    if (k or rollout_gpus) and len(p.tmpdir) > SOCKET_FOLDER_MAX:
+        uses = f"rollout.max_staleness = {k}" if k else f"parallel.rollout_gpus = {rollout_gpus}"
+        raise UsageError(f"{uses} hands tensors to engine processes over sockets that Python makes in the temporary "
+                         f"folder, {p.tmpdir} ({len(p.tmpdir)} characters), and a socket's path must fit in 107 "
+                         f"bytes: set TMPDIR to a folder of at most {SOCKET_FOLDER_MAX} characters (e.g. /tmp)")
     if rollout_gpus and p.cores < 2:
         raise UsageError(f"parallel.rollout_gpus = {rollout_gpus} needs at least 2 cores for rank 0 and the engines "
                          f"it starts; this process has {p.cores}: set parallel.rollout_gpus = 0")
