@@ -253,6 +253,18 @@ def embedded_default(_embedded_default_built, tmp_path) -> Path:
     return shutil.copytree(_embedded_default_built, tmp_path / "embedded-ws", symlinks=True)
 
 
+@pytest.fixture
+def short_tmpdir():
+    """A temporary folder of the test's own for a child's TMPDIR, short (under the system's, not pytest's
+    deep tmp_path): Python's sockets go there and a socket's path must fit in 107 bytes."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="mt"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
     from transformers import AutoTokenizer

@@ -14,11 +14,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_device_command_runs_end_to_end_in_dry_mode(tmp_path):
+def test_the_device_command_runs_end_to_end_in_dry_mode(tmp_path, short_tmpdir):
     out = tmp_path / "report"
     r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "PYTHON": sys.executable, "MINIRL_GPU_OUT": str(out)})
+                       timeout=600, env={**os.environ, "PYTHON": sys.executable, "MINIRL_GPU_OUT": str(out),
+                                         "TMPDIR": str(short_tmpdir)})
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert not list(short_tmpdir.glob("minirl-*")), list(short_tmpdir.iterdir())  # its install is gone with it
     report = json.loads((out / "report.json").read_text())
     outcomes = {o["test"].split("::", 1)[1]: o["outcome"] for o in report["tests"]}
     assert "failed" not in report["counts"] and report["counts"]["passed"] >= 6, report["counts"]
@@ -48,7 +50,7 @@ def test_without_its_wheels_the_device_command_says_what_to_run(tmp_path):
     assert "tests/gpu/prepare.sh" in r.stderr
 
 
-def test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode(tmp_path):
+def test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode(tmp_path, short_tmpdir):
     """The vLLM sequence of docs/gpu.md on stand-in wheels: prepare cuts them into pieces with a
     manifest; each piece's call checks its piece (a damaged one is one line naming it); the last
     call joins the pieces back into the same wheels, installs them into a temporary target and
@@ -96,8 +98,9 @@ def test_vllms_pieces_travel_and_the_rollout_half_runs_in_dry_mode(tmp_path):
 
     out = tmp_path / "report"
     r = subprocess.run(["bash", "tests/gpu/run-on-device.sh", "--dry", "--vllm"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**env, "MINIRL_GPU_OUT": str(out)})
+                       text=True, timeout=600, env={**env, "MINIRL_GPU_OUT": str(out), "TMPDIR": str(short_tmpdir)})
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert not list(short_tmpdir.glob("minirl-*")), list(short_tmpdir.iterdir())  # the joined wheels and the install
     report = json.loads((out / "report.json").read_text())
     outcomes = {o["test"].split("::", 1)[1]: (o["outcome"], o["reason"]) for o in report["tests"]}
     gpu_only = ("test_sleep", "test_fp8_decode")  # sleep mode, FP8 kernels and CUDA graphs: a GPU's alone

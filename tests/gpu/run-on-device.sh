@@ -99,9 +99,10 @@ if [ $half = step ]; then  # a step of the sequence: the kits installed once per
   echo "run-on-device: step $step, exit $rc, $((SECONDS - t0)) s; figures in $out/"
   exit $rc
 fi
-site=$(mktemp -d /tmp/minirl-gpu-site.XXXX)
+site=$(mktemp -d "${TMPDIR:-/tmp}/minirl-gpu-site.XXXX")
+trap 'rm -rf "$site" ${wheels:+"$wheels"}' EXIT  # the kits' one-call install: gone when the call ends
 if [ $half = vllm ]; then  # vLLM's pieces joined (each wheel checked) and installed first
-  wheels=$(mktemp -d /tmp/minirl-vllm-wheels.XXXX)
+  wheels=$(mktemp -d "${TMPDIR:-/tmp}/minirl-vllm-wheels.XXXX")
   "$py" tests/gpu/pieces.py join "$vkit" "$wheels" || exit 2
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl || exit 2
   rm -rf "$wheels"
