@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -176,7 +175,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_k2_runs_ahead_within_the_bound_and_a_rollback_discards_what_is_ahead(tiny_dir, tmp_path):
+def test_k2_runs_ahead_within_the_bound_and_a_rollback_discards_what_is_ahead(tiny_dir, tmp_path, short_tmpdir):
     """k = 2 through the CLI. Each batch is sampled by the weights of the syncs sent before it
     (a version known when it is admitted): staleness 0, 1, then 2 for every step. A checkpoint
     records the prompts of the steps trained (those of the batches ahead are drawn again by a
@@ -189,10 +188,9 @@ def test_k2_runs_ahead_within_the_bound_and_a_rollback_discards_what_is_ahead(ti
     args = ["--set", "rollout.max_staleness=2", "--set", "train.prompts_per_step=8", "--set", "train.group_size=4",
             "--set", "checkpoint.every=2", "--set", "eval.k=1"]
     run = [sys.executable, "-m", "cli.main", "run", str(ws)]
-    with tempfile.TemporaryDirectory() as tmp:  # the run's and its engine process's own (short: sockets go there)
-        r = subprocess.run([*run, "--steps", "6", *args, "--set", "checkpoint.keep=0"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=600, env={**os.environ, "TMPDIR": tmp})
-        left = list(Path(tmp).glob("vllm_dist_*"))
+    r = subprocess.run([*run, "--steps", "6", *args, "--set", "checkpoint.keep=0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "TMPDIR": str(short_tmpdir)})  # its and its engine's
+    left = list(short_tmpdir.glob("vllm_dist_*"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert not left, left  # the file the engine process's groups met through, deleted as it ends
     run_dir = next((ws / "runs").iterdir())

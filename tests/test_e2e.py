@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def titan_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_init_run_kill_resume(tmp_path):
+def test_init_run_kill_resume(tmp_path, short_tmpdir):
     install_throwaway_grader(tmp_path / "site")
     ws = tmp_path / "ws"
     r = minirl("init", str(ws), *SMALL)
@@ -108,10 +107,9 @@ def test_init_run_kill_resume(tmp_path):
     assert (ws / "model/coldstart/model.safetensors").stat().st_mtime_ns == stamp
 
     # --- 3 real RL steps ------------------------------------------------------------------------
-    with tempfile.TemporaryDirectory() as tmp:  # the run's own (short: Python's sockets go there too)
-        r = minirl("run", str(ws), "--steps", "3", "--set", "rollout.parity_every=2", "--set", "eval.every=2",
-                   "--set", "metrics.record_tokens=3", env={"TMPDIR": tmp})
-        left = list(Path(tmp).glob("vllm_dist_*"))
+    r = minirl("run", str(ws), "--steps", "3", "--set", "rollout.parity_every=2", "--set", "eval.every=2",
+               "--set", "metrics.record_tokens=3", env={"TMPDIR": str(short_tmpdir)})  # the run's own
+    left = list(short_tmpdir.glob("vllm_dist_*"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert not left, left  # the file the engine's process groups met through (vLLM's), deleted as the run ends
     run_dir = sorted((ws / "runs").iterdir())[-1]
