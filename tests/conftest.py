@@ -141,6 +141,20 @@ def data_workspace(root: Path, *, train: int = 400, heldout: int = 16) -> Path:
     return root
 
 
+def cli_telling_imports() -> list[str]:
+    """The argv of a `minirl` process that says, as its last line on stderr, `imported: <torch> <vllm>`
+    (True or False): whether that process itself, not a child of it, imported torch and vLLM."""
+    import sys
+
+    code = ("import sys, atexit\n"
+            "atexit.register(lambda: print('imported:', 'torch' in sys.modules, 'vllm' in sys.modules, "
+            "file=sys.__stderr__))\n"
+            "sys.argv = ['minirl', *sys.argv[1:]]\n"
+            "from cli.main import entry\n"
+            "entry()\n")
+    return [sys.executable, "-c", code]
+
+
 def free_port() -> int:
     """A free port for a rendezvous of several torchrun agents on this machine, which must agree on
     it before any binds it (one agent, `--standalone`, needs none): another process could take it

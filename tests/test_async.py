@@ -181,18 +181,22 @@ def test_k2_runs_ahead_within_the_bound_and_a_rollback_discards_what_is_ahead(ti
     records the prompts of the steps trained (those of the batches ahead are drawn again by a
     resume: a SIGKILL and its resume at k = 2, the test below). A rollback discards what was
     ahead: the step after it trains a batch sampled by the restored weights."""
-    from tests.conftest import data_workspace
+    from tests.conftest import cli_telling_imports, data_workspace
 
     ws = data_workspace(tmp_path / "ws")
     shutil.copytree(tiny_dir, ws / "model/coldstart")
     args = ["--set", "rollout.max_staleness=2", "--set", "train.prompts_per_step=8", "--set", "train.group_size=4",
             "--set", "checkpoint.every=2", "--set", "eval.k=1"]
     run = [sys.executable, "-m", "cli.main", "run", str(ws)]
-    r = subprocess.run([*run, "--steps", "6", *args, "--set", "checkpoint.keep=0"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "TMPDIR": str(short_tmpdir)})  # its and its engine's
+    r = subprocess.run([*cli_telling_imports(), "run", str(ws), "--steps", "6", *args, "--set", "checkpoint.keep=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(short_tmpdir)})  # its and its engine's
     left = list(short_tmpdir.glob("vllm_dist_*"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert not left, left  # the file the engine process's groups met through, deleted as it ends
+    # the trainer's process never imports vLLM, its syncs and its final HF folder included: vLLM's
+    # import patches torch's compiler and sets the process's environment
+    assert r.stderr.strip().splitlines()[-1] == "imported: True False", r.stderr[-2000:]
     run_dir = next((ws / "runs").iterdir())
     rows = _rows(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]

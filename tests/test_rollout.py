@@ -416,6 +416,40 @@ def test_bf16_sync_parity_within_precision(engine, tiny_dir, fixed):
     assert mean_abs_diff(engine.score(prompts, responses), fresh) < 1e-6
 
 
+def test_the_syncs_layers_are_vllms_layerwise_groups_on_every_models_names():
+    """sync.layer_groups is minirl's own (a trainer whose engine is elsewhere never imports vLLM) and
+    must group as vLLM's layerwise reload does: the same answer as vLLM's `layerwise_groups` on the
+    TorchTitan names of the tiny model, of Qwen3-30B-A3B and a dense Qwen3, with LoRA's adapters, in
+    their own order and shuffled, on their HF names, and on names of layouts minirl does not train."""
+    import random
+
+    from torchtitan.models.qwen3 import qwen3_configs
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    from minirl.models.titan import titan_config
+    from minirl.train import lora as lora_mod
+
+    layouts = []
+    for config in (titan_config(TINY), qwen3_configs["30B-A3B"]("flex"), qwen3_configs["0.6B"]("flex")):
+        with torch.device("meta"):
+            model = config.build()
+        layouts.append(list(model.state_dict()))
+    with torch.device("meta"):
+        model = titan_config(TINY).build()
+        lora_mod.attach(model, rank=4, alpha=8.0, targets=("q", "v", "experts"))
+    layouts.append(list(model.state_dict()))
+    assert any("lora" in n for n in layouts[-1]), layouts[-1][:8]
+    layouts.append([f"model.{n}" for n in layouts[0]] + ["lm_head.weight"])
+    layouts.append(["lm_head.weight", "visual.blocks.1.attn.qkv", "visual.blocks.0.norm", "model.embed_tokens.weight",
+                    "model.language_model.layers.10.mlp.experts.3.w1", "model.language_model.layers.2.norm",
+                    "visual.merger.proj", "model.language_model.layers.2.mlp.experts.11.w2", "model.norm.weight"])
+    rng = random.Random(0)
+    for names in layouts:
+        shuffled = rng.sample(names, len(names))
+        for order in (names, shuffled):
+            assert weight_sync.layer_groups(order) == layerwise_groups(order)
+    assert len(weight_sync.layer_groups(layouts[1])) == 48 + 2  # embeddings, 48 decoder layers, norm and head
+
 def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
     """The CPU fast path (rollout/cpu/weights.py) against vLLM's own `reload_weights`, the same updated
     weights through each: identical log-probs. And it refuses a stream that would leave weights

@@ -65,16 +65,14 @@ def test_a_command_that_runs_no_engine_starts_without_torch(argv, tmp_path):
     """Help, a bad input's line and the status of a workspace are answered before torch is
     imported (1.3 s of the 1.5 s such a command took): what imports torch is deferred to the
     commands that train, sample or plan."""
-    from tests.conftest import data_workspace
+    import subprocess
+
+    from tests.conftest import ROOT, cli_telling_imports, data_workspace
 
     ws = data_workspace(tmp_path / "ws")
-    code = ("import sys, atexit\n"
-            "atexit.register(lambda: print('torch' in sys.modules, 'vllm' in sys.modules, file=sys.__stderr__))\n"
-            "sys.argv = ['minirl', *sys.argv[1:]]\n"
-            "from cli.main import entry\n"
-            "entry()\n")
-    r = _python(code, *[a.format(ws=ws) for a in argv])
-    assert r.stderr.strip().splitlines()[-1] == "False False", r.stderr[-2000:]
+    r = subprocess.run([*cli_telling_imports(), *[a.format(ws=ws) for a in argv]], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stderr.strip().splitlines()[-1] == "imported: False False", r.stderr[-2000:]
 
 
 def test_quick_exit_waits_for_threads_runs_the_exit_handlers_and_flushes(tmp_path):

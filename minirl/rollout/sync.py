@@ -1,8 +1,8 @@
 """Trainer weights -> rollout engine, in bounded buckets of whole decoder layers, never through disk.
 
-`hf_buckets` walks the trainer's state dict one decoder layer at a time (vLLM's own
-`layerwise_groups`: the unit its in-place layerwise reload processes, so a layer never waits
-half-loaded), and for each layer:
+`hf_buckets` walks the trainer's state dict one decoder layer at a time (`layer_groups`, vLLM's
+rule: the unit its in-place layerwise reload processes, so a layer never waits half-loaded), and
+for each layer:
 - gathers every parameter whole (`full_tensor()` of an FSDP2 / expert-parallel shard: an
   all-gather, so every rank walks the same names in the same order);
 - casts it to the engine's dtype;
@@ -36,7 +36,6 @@ import torch
 
 from minirl import faults
 from minirl.train.hf_io import adapter
-from minirl.rollout import vllm_internals
 from minirl.rollout.fp8 import fp8_roundtrip
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -49,8 +48,27 @@ def gather(t: torch.Tensor) -> torch.Tensor:
 
 
 def layer_groups(names: list[str]) -> list[list[str]]:
-    """Names grouped by decoder layer (embeddings first, final norm and head last), vLLM's rule."""
-    return vllm_internals.layerwise_groups(names)
+    """Names grouped by decoder layer, the unit vLLM's layerwise reload loads, by vLLM's own rule
+    (`vllm.distributed.weight_transfer.base.layerwise_groups`; tests/test_rollout.py holds the two
+    to one answer on the models' real names): a name's layer is its first integer segment with the
+    segments before it (`layers.3` of `layers.3.moe.experts.w1_EFD`, never the expert's index);
+    stacks in the order they first appear, each by index; the names in no layer before the first
+    one that is form the first group (embeddings), every other such name the last (final norm, head).
+    minirl's own so that a trainer whose engine is elsewhere (k ≥ 1, rollout GPUs, a rank without
+    one) never imports vLLM: its import patches torch's compiler and sets the process's environment."""
+    before: list[str] = []
+    after: list[str] = []
+    layers: dict[tuple[str, int], list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if at is None:
+            (after if layers else before).append(name)
+        else:
+            layers.setdefault((".".join(parts[:at]), int(parts[at])), []).append(name)
+    stacks = list(dict.fromkeys(stack for stack, _ in layers))  # in order of first appearance
+    ordered = sorted(layers, key=lambda key: (stacks.index(key[0]), key[1]))
+    return [group for group in (before, *(layers[key] for key in ordered), after) if group]
 
 
 def hf_buckets(

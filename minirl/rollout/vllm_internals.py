@@ -49,8 +49,6 @@ RELIED = (
      "keep_process_groups: lifetime.py shuts one in-process engine down while others share the process's groups"),
     ("vllm.model_executor.utils:replace_parameter",
      "replace_parameter: cpu/weights.py writes a synced weight into the engine's own tensor"),
-    ("vllm.distributed.weight_transfer.base:layerwise_groups",
-     "layerwise_groups: sync.py sends weights in vLLM's per-layer buckets"),
     ("vllm.ir:ops.rms_norm.register_impl",
      "register_norm: cpu/norms.py registers its RMSNorm kernels"),
     ("vllm.ir:ops.fused_add_rms_norm.register_impl",
@@ -317,13 +315,6 @@ def replace_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) 
     from vllm.model_executor.utils import replace_parameter as replace
 
     replace(module, name, tensor)
-
-
-def layerwise_groups(names: list[str]) -> list[list[str]]:
-    """Weight names grouped by decoder layer (embeddings first, final norm and head last), vLLM's rule."""
-    from vllm.distributed.weight_transfer.base import layerwise_groups as groups
-
-    return groups(names)
 
 
 def load_kernels() -> None:
