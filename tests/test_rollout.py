@@ -450,6 +450,7 @@ def test_the_syncs_layers_are_vllms_layerwise_groups_on_every_models_names():
             assert weight_sync.layer_groups(order) == layerwise_groups(order)
     assert len(weight_sync.layer_groups(layouts[1])) == 48 + 2  # embeddings, 48 decoder layers, norm and head
 
+
 def test_direct_cpu_sync_equals_vllms_reload(engine, tiny_dir, fixed):
     """The CPU fast path (rollout/cpu/weights.py) against vLLM's own `reload_weights`, the same updated
     weights through each: identical log-probs. And it refuses a stream that would leave weights

@@ -66,8 +66,8 @@ def layer_groups(names: list[str]) -> list[list[str]]:
             (after if layers else before).append(name)
         else:
             layers.setdefault((".".join(parts[:at]), int(parts[at])), []).append(name)
-    stacks = list(dict.fromkeys(stack for stack, _ in layers))  # in order of first appearance
-    ordered = sorted(layers, key=lambda key: (stacks.index(key[0]), key[1]))
+    first = {stack: i for i, stack in enumerate(dict.fromkeys(stack for stack, _ in layers))}  # by first appearance
+    ordered = sorted(layers, key=lambda key: (first[key[0]], key[1]))
     return [group for group in (before, *(layers[key] for key in ordered), after) if group]
 
 
