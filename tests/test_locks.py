@@ -1,15 +1,19 @@
 """Both installs are pinned (.ci/constraints-{cpu,gpu}.txt) and cannot drift from pyproject.toml or
 the Containerfile (.ci/lockcheck.py): every direct requirement pinned within its range, one
 version a package, torch's companions from torch's release, one CUDA major, and the image's CUDA
-that major. Planted mismatches show that each check can fail."""
+that major; and the environment the tests run in is its lock's, whether uv or pip installed it. Planted
+mismatches show that each check can fail."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / ".ci"))
@@ -59,3 +63,35 @@ def swap(text: str, old: str, new: str) -> str:
 ])
 def test_a_planted_mismatch_is_found(plant, expected):
     assert expected in plant()
+
+
+def installed_against(lock_text: str, installed: dict[str, str]) -> list[str]:
+    """How an environment's packages (name -> version) differ from a lock: a pin missing or at another version,
+    a package the install removes still there."""
+    locked, _ = lockcheck.pins(lock_text)
+    removed = lockcheck.removed_after_install(lock_text)
+    got = {canonicalize_name(n): v for n, v in installed.items()}
+    found = [f"{n} is installed, though the install removes it" for n in sorted(removed & set(got))]
+    for name, version in sorted(locked.items()):
+        if name in removed:
+            continue
+        if name not in got:
+            found.append(f"{name}=={version} is not installed")
+        elif Version(got[name]) != version:
+            found.append(f"{name} is {got[name]}, the lock pins {version}")
+    return found
+
+
+def test_the_environment_the_tests_run_in_is_the_locks():
+    """The README's set-up installs the lock (through uv, or pip where uv cannot be had): what the suite runs on
+    is every pin at its version and nothing the lock removes, whichever installed it."""
+    stamp = Path(sys.prefix) / ".minirl-installed"
+    if not stamp.exists():
+        pytest.skip("not the .venv of bash .ci/setup")
+    lock = {"cpu": CPU, "gpu": GPU}[stamp.read_text().split()[0]]
+    installed = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    assert installed_against(lock, installed) == []
+    assert installed_against(lock, {**installed, "torchcodec": "0.17.0"}) == [
+        "torchcodec is installed, though the install removes it"]
+    torch = lockcheck.pins(lock)[0]["torch"]
+    assert installed_against(lock, {**installed, "torch": "2.12.0"}) == [f"torch is 2.12.0, the lock pins {torch}"]
