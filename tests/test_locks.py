@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,10 @@ def test_the_environment_the_tests_run_in_is_the_locks():
     if not stamp.exists():
         pytest.skip("not the .venv of bash .ci/setup")
     lock = {"cpu": CPU, "gpu": GPU}[stamp.read_text().split()[0]]
-    installed = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    # what the install put in site-packages: a package's vendored copies (setuptools/_vendor) join sys.path
+    # once it is imported
+    dirs = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=dirs)}
     assert installed_against(lock, installed) == []
     assert installed_against(lock, {**installed, "torchcodec": "0.17.0"}) == [
         "torchcodec is installed, though the install removes it"]
