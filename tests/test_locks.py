@@ -93,7 +93,8 @@ def test_the_environment_the_tests_run_in_is_the_locks():
     # what the install put in site-packages: a package's vendored copies (setuptools/_vendor) join sys.path
     # once it is imported
     dirs = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-    installed = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=dirs)}
+    found = importlib.metadata.distributions(path=dirs)
+    installed = {d.metadata["Name"]: d.version for d in found if d.metadata["Name"]}
     assert installed_against(lock, installed) == []
     assert installed_against(lock, {**installed, "torchcodec": "0.17.0"}) == [
         "torchcodec is installed, though the install removes it"]
