@@ -1131,6 +1131,35 @@ def test_an_engine_dropped_in_process_leaves_the_others_working(engine, tiny_dir
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in before]
 
 
+def test_an_engine_released_as_its_process_ends_leaves_the_heap_frozen_and_uncollected(engine, tiny_dir, monkeypatch):
+    """At exit (quick_exit: `lifetime.process_ends`) an engine is not shut down: vLLM's shutdown unfreezes
+    the heap and collects all of it to free memory the process no longer needs once it ends."""
+    import gc
+
+    from minirl.rollout import lifetime, vllm_internals
+    from minirl.rollout.vllm import VLLMEngine
+
+    own = VLLMEngine(tiny_dir, dtype="float32", seed=0, max_model_len=32, kv_cache_gib=0.05)
+    core = own._llm.llm_engine.engine_core.engine_core
+    frozen, full = gc.get_freeze_count(), []
+
+    def seen(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(info)
+
+    monkeypatch.setattr(lifetime, "_ending", True)
+    gc.callbacks.append(seen)
+    try:
+        own._llm.llm_engine.engine_core._finalizer()  # what the exit handlers call
+    finally:
+        gc.callbacks.remove(seen)
+    assert frozen > 0 and gc.get_freeze_count() == frozen and not full
+    with vllm_internals.keep_process_groups():  # this worker goes on: the memory freed after all
+        core.shutdown()
+    gc.freeze()  # as vLLM's start left it
+    assert len(engine.generate(PROMPTS, n=1, temperature=1.0, max_tokens=4, seed=3)) == len(PROMPTS)
+
+
 def test_the_prefix_cache_never_serves_a_request_from_an_older_version(tiny_dir, monkeypatch):
     """#74: with R3 on CUDA vLLM keeps its prefix cache on, and `reset_prefix_cache()` is refused
     while requests are in flight: a request after a sync could then reuse prompt KV (and routes) the

@@ -6,7 +6,7 @@ one by one and release each vLLM engine, which collects every object the engine 
 after the last line, on every `minirl` command and every engine process (figures:
 docs/results/startup.md). `quick_exit` keeps what matters at exit and skips the rest: threads that
 are not daemons are waited for, the exit handlers run (temporary folders, child processes,
-logging, the metrics sinks' libraries, an engine's core), the streams are flushed.
+logging, the metrics sinks' libraries; an engine is not shut down), the streams are flushed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def quick_exit(code: int | str | None = 0) -> None:
         code = 1
     lifetime = sys.modules.get("minirl.rollout.lifetime")  # imported where an engine was built
     if lifetime is not None:
-        lifetime.process_ends()  # an engine still alive releases its core, not the process's groups
+        lifetime.process_ends()  # an engine still alive is left to the process's end: its shutdown frees memory
     for t in threading.enumerate():
         if t is not threading.main_thread() and t is not threading.current_thread() and not t.daemon:
             t.join()

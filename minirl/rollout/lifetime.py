@@ -56,8 +56,9 @@ def _remove_rendezvous_files() -> None:
 
 
 def process_ends() -> None:
-    """The process exits next (cli.main's `entry`): an engine still alive shuts its core down
-    without the process-wide teardown, whose full collection of every object is wasted at exit."""
+    """The process exits next (quick_exit): an engine still alive is left as it is. Its core's shutdown
+    frees memory for the process to reuse: vLLM's worker unfreezes the heap and collects all of it, and
+    the last engine tears down the process's groups. At exit the process's end frees both."""
     global _ending
     _ending = True
 
@@ -66,7 +67,9 @@ def _shutdown(core) -> None:
     global _alive
     with _lock:
         _alive -= 1
-        last = _alive == 0 and not _ending
+        last, ending = _alive == 0, _ending
+    if ending:
+        return
     if last:
         core.shutdown()
         return
