@@ -215,7 +215,7 @@ def _serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
             return
         if method == "stop":
             conn.send((call_id, "ok", None, 0.0))
-            quick_exit(0)  # the trainer joins this process: its engine's release, without the teardown
+            quick_exit(0)  # the trainer joins this process: its engine left to the process's end
         run(call_id, method, args, kwargs)
 
 
