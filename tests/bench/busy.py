@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import host  # tests/bench/host.py, beside this file
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,7 +40,7 @@ def loop_seconds(ws: Path, steps: int, env: dict, busy: bool) -> dict:
                 hog.kill()
                 hog.wait()
         summary = json.loads(next((copy / "runs").glob("*/summary.json")).read_text())
-        return summary["phases_s"]
+        return {**summary["phases_s"], "env": summary["env"]}
 
 
 def main() -> None:
@@ -51,11 +53,13 @@ def main() -> None:
     settings = {"as shipped": {}}
     for item in a.also:
         settings[item] = dict(pair.partition("=")[::2] for pair in item.split(","))
+    commit = host.commit()  # before the runs: what they measured
     got: dict[tuple[str, bool], list[dict]] = {}
     for _ in range(a.repeats):  # alternating, so a slow minute hits every figure alike
         for name, env in settings.items():
             for busy in (False, True):
                 got.setdefault((name, busy), []).append(loop_seconds(a.workspace, a.steps, env, busy))
+    print(f"commit {commit}; host (the first run): {host.machine(got[('as shipped', False)][0]['env'])}")
     print(f"{a.steps} steps, {a.repeats} repeat(s), {os.cpu_count()} cores; RL loop seconds, min / median / max")
     for name in settings:
         quiet = [p["loop"] for p in got[(name, False)]]

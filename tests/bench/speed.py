@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import host  # tests/bench/host.py, beside this file
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 MINIRL = str(Path(PY).with_name("minirl"))
@@ -89,7 +91,7 @@ def minirl_once(ws: Path, tmp: Path, a, sets: list[str], tag: str, seed: int) ->
     ph = summary["phases_s"]
     shutil.rmtree(w, ignore_errors=True)
     return {"side": "minirl", "startup_s": ph["startup"], "curve": curve, "steps": summary["steps"],
-            "rl_s": ph["loop"], "wall_s": wall, "rss_gb": rss, "phases": ph}
+            "rl_s": ph["loop"], "wall_s": wall, "rss_gb": rss, "phases": ph, "env": summary["env"]}
 
 
 def trl_once(ws: Path, tmp: Path, a, tag: str, seed: int) -> dict:
@@ -253,9 +255,11 @@ def main() -> None:
     ws = a.workspace.resolve()
     if not (ws / "minirl.toml").exists():
         raise SystemExit(f"{ws} is not a minirl workspace (minirl init {a.workspace} first)")
+    print(f"commit: {host.commit()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="minirl-bench-") as d:
         tmp = Path(d)
         mine = race(ws, tmp, a)
+        print(f"host (minirl's first run): {host.machine(mine[0]['env'])}")
         breakdown(mine)
         print(f"peak RSS of the default run: {mmm([r['rss_gb'] for r in mine], '{:.2f}')} GB")
         if not a.skip_scaling:
