@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def commit() -> str:
     """The checkout's commit, and whether tracked files differ from it."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on this machine
+            return ""
 
     head = git("rev-parse", "--short", "HEAD") or "unknown (not a git checkout)"
     return head + (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
