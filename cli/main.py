@@ -134,7 +134,6 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-
     labels = {"data": "task splits", "model": "tiny Qwen3-MoE + tokenizer", "cold-start": "cold-start SFT",
               "save": "save HF + DCP"}
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -413,7 +412,6 @@ def status(workspace: Path, run_name: str | None, follow: bool, plot_png: Path |
     import time
 
     from rich.live import Live
-
 
     run_dir = status_mod.run_dir_of(workspace, run_name)
     if plot_png is not None:

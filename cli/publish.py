@@ -41,7 +41,6 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-
     if len(paths) not in (1, 2):
         raise UsageError("minirl export [WORKSPACE_RUN_OR_CHECKPOINT] OUT: give the output folder (and optionally "
                          "the workspace, run or checkpoint)")
@@ -96,7 +95,6 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
     import tempfile
 
     from rich.table import Table
-
 
     hub.check_repo_name(repo)  # before any export
     with tempfile.TemporaryDirectory(prefix="minirl-push-") as tmp:

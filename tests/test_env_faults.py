@@ -8,7 +8,6 @@ tokens must be real (tests/test_episodes.py's fixture)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import sqlite3
@@ -23,7 +22,7 @@ import torch
 from minirl.envs import hosting, outcome
 from minirl.envs.formats import QWEN3, TINY, ToolFormat
 from minirl.envs.observations import Reading, Unreadable, read
-from minirl.rollout.engine import Completion, EpisodeInfo
+from minirl.rollout.engine import Completion
 from minirl.rollout.environments import rows
 from minirl.rollout.turn_loop import sample_episodes
 from rewards.tools import PythonTool

@@ -167,7 +167,6 @@ def read_shape(folder) -> ModelShape:
     """The shape of the HF model folder's config.json."""
     from pathlib import Path
 
-
     path = Path(folder) / "config.json"
     return ModelShape.from_hf_config(read_json(path, "model config"), source=str(path))
 

@@ -159,7 +159,6 @@ def model_card(run_dir: Path, rec, ckpt, *, why: str, folder: Path, eval_results
     adapter_of: the folder is a PEFT LoRA adapter of this base model."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-
     summary = store.read_summary(run_dir)
     rows = metric_rows(run_dir / "metrics.jsonl", upto=ckpt.step)
     model_id = rec.model.id

@@ -32,7 +32,6 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, *, upto: int | None = None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-
     rows = metric_rows(metrics_jsonl, upto=upto)
     marks = [(r["step"], "tab:red", "--", "rollback") for r in rows if r.get("guard/action") in ("rollback", "stop")]
     marks += [(r["step"], "tab:orange", ":", "skipped update") for r in rows if r.get("guard/action") == "skip"]

@@ -68,7 +68,6 @@ def _meta_state_dict(shape: ModelShape) -> dict:
     """The TorchTitan model's state dict on the meta device: every name and shape, no memory."""
     import torch
 
-
     with torch.device("meta"):
         return dict(titan_config(shape).build().state_dict())
 
@@ -90,7 +89,6 @@ def check_model_folder(folder: Path) -> ModelShape:
     tokenizer, and safetensors whose tensors are exactly that config's names and shapes. Opening a
     file checks its header and that the file holds every byte the header promises. Returns the shape."""
     from safetensors import safe_open
-
 
     folder = Path(folder)
     if not folder.is_dir():
