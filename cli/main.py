@@ -136,11 +136,12 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
 
     labels = {"data": "task splits", "model": "tiny Qwen3-MoE + tokenizer", "cold-start": "cold-start SFT",
               "save": "save HF + DCP"}
+    plain = not console.is_terminal  # a log: rich draws no live bars there, so init says where it is in lines
+    # (and no bars at all: their last frame would repeat the lines, or be a blank line before an early error)
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as prog:
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=plain) as prog:
         tasks: dict[str, int] = {}
 
-        plain = not console.is_terminal  # a log: rich draws no live bars there, so say where init is in lines
 
         def progress(stage: str, done: int, total: int, info: dict) -> None:
             if stage not in tasks:
@@ -369,8 +370,9 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
         from minirl.rollout import cache as engine_cache  # deferred: the rollout package imports torch
 
         engine_cache.use(ws.root)
+    # in a log, no bar: rich draws none live there, and its last frame would stand before a refusal's line
     with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as prog:
+                  console=console, disable=not console.is_terminal) as prog:
         task = prog.add_task("eval", total=None)
         result = eval_benchmark(
             bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records,

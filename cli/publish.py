@@ -51,7 +51,7 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
     # the folder is in place, a SIGTERM ends the process as it would have before (never a traceback at exit)
     with handling(_interrupt, (signal.SIGTERM,)):
         with Progress(TextColumn("held-out eval of checkpoints"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True) as prog:
+                      TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as prog:
             task = prog.add_task("eval", total=None)
             run_dir, ckpt, why = ex.pick(paths[0] if len(paths) == 2 else None, workspace, step=step, best=best,
                                          progress=lambda d, t: prog.update(task, completed=d, total=t))

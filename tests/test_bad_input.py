@@ -697,6 +697,8 @@ def test_bad_input(ws_template, tmp_path, capfd, monkeypatch, args, mutate, need
     assert len(lines) == 1 and lines[0].startswith("minirl: error: "), err[-2000:]
     assert needle in lines[0], lines[0]
     assert "Traceback" not in out + err
+    # before a refusal, notes at most: no blank line or frame a progress bar left (init's, export's, eval's did)
+    assert not out.startswith("\n") and "━" not in out, out
     assert snapshot(tmp_path) == before  # nothing written, nothing created, nothing deleted
     while _HOLDERS:
         holder = _HOLDERS.pop()
