@@ -15,6 +15,8 @@ timed test):
 3. peak RSS of each side's process (os.wait4).
 4. scaling: minirl's step time against G (4 → 32), response length and model size (the tiny
    default, ~4× and ~16× parameters), from short runs of untrained models of those sizes.
+`--record R.json` keeps every run of both sides (curves, steps, memory, seeds, commit, host) and `--plot P.png`
+draws held-out against RL time and steps (tests/bench/speed_plot.py, which redraws from a record).
 
 TRL is installed into .bench/trl on first use (`pip install --target`, pinned, no
 dependencies: it runs on minirl's own torch and transformers), and only the TRL process has it
@@ -91,7 +93,8 @@ def minirl_once(ws: Path, tmp: Path, a, sets: list[str], tag: str, seed: int) ->
     ph = summary["phases_s"]
     shutil.rmtree(w, ignore_errors=True)
     return {"side": "minirl", "startup_s": ph["startup"], "curve": curve, "steps": summary["steps"],
-            "rl_s": ph["loop"], "wall_s": wall, "rss_gb": rss, "phases": ph, "env": summary["env"]}
+            "rl_s": ph["loop"], "wall_s": wall, "rss_gb": rss, "phases": ph, "env": summary["env"], "seed": seed,
+            "metric": key}
 
 
 def trl_once(ws: Path, tmp: Path, a, tag: str, seed: int) -> dict:
@@ -100,7 +103,7 @@ def trl_once(ws: Path, tmp: Path, a, tag: str, seed: int) -> dict:
     cmd = [PY, str(ROOT / "tests/bench/trl_grpo.py"), str(ws), "--seconds", str(a.seconds), "--eval-every",
            str(a.eval_every), "--eval-problems", str(a.eval_problems), "--seed", str(seed), "--out", str(out)]
     wall, rss = timed_process(cmd, env=env, log=tmp / f"{tag}.log")
-    return {**json.loads(out.read_text()), "wall_s": wall, "rss_gb": rss}
+    return {**json.loads(out.read_text()), "wall_s": wall, "rss_gb": rss, "seed": seed}
 
 
 def to_target(res: dict, target: float) -> float | None:
@@ -189,7 +192,20 @@ def race(ws: Path, tmp: Path, a) -> list[dict]:
         st = [med([steps_to_target(r, a.target) for r in rs]) for rs in (mine, theirs)]
         print(f"  time a step, median: {ms[0]:.0f} against {ms[1]:.0f} ms ({ms[0] / ms[1]:.2f}); "
               f"steps to target, median: {st[0]:.0f} against {st[1]:.0f} ({st[0] / st[1]:.2f})")
-    return mine
+    return mine, theirs
+
+
+def keep(mine: list[dict], theirs: list[dict], a) -> None:
+    """--record: every run of both sides as JSON (what speed_plot.py redraws); --plot: the figure."""
+    record = {"commit": host.commit(), "host": host.machine(mine[0]["env"]), "target": a.target,
+              "metric": mine[0]["metric"], "seconds": a.seconds, "eval_every": a.eval_every, "runs": mine + theirs}
+    if a.record:
+        a.record.write_text(json.dumps(record, indent=1))
+        print(f"record: {a.record}")
+    if a.plot:
+        import speed_plot  # tests/bench/speed_plot.py, beside this file
+
+        print(f"plot: {speed_plot.draw(record, a.plot)}")
 
 
 def scaling(ws: Path, tmp: Path, a) -> None:
@@ -251,6 +267,8 @@ def main() -> None:
     ap.add_argument("--minirl-set", action="append", default=[], help="recipe override for minirl's side")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument("--record", type=Path, help="write every run of both sides here (JSON: curves, steps, memory)")
+    ap.add_argument("--plot", type=Path, help="draw held-out against RL time and steps here (PNG; speed_plot.py)")
     a = ap.parse_args()
     ws = a.workspace.resolve()
     if not (ws / "minirl.toml").exists():
@@ -258,8 +276,9 @@ def main() -> None:
     print(f"commit: {host.commit()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="minirl-bench-") as d:
         tmp = Path(d)
-        mine = race(ws, tmp, a)
+        mine, theirs = race(ws, tmp, a)
         print(f"host (minirl's first run): {host.machine(mine[0]['env'])}")
+        keep(mine, theirs, a)
         breakdown(mine)
         print(f"peak RSS of the default run: {mmm([r['rss_gb'] for r in mine], '{:.2f}')} GB")
         if not a.skip_scaling:

@@ -1,0 +1,74 @@
+"""The figure of a `tests/bench/speed.py --record` file: held-out score against RL wall time and against steps.
+
+    .venv/bin/python tests/bench/speed_plot.py RECORD.json OUT.png
+
+speed.py draws it itself with `--plot OUT.png`; this redraws it from the record alone. Each run is one line
+(minirl's in blue, TRL's in orange); the target is a dashed line, and each side's median RL time to it a
+dotted one. The left panel is what the ratio in speed.md measures (time); the right one shows whether the
+two sides learn as much per step, so that a gap on the left is the step's speed and not the recipe's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+SIDES = (("minirl", "tab:blue", "minirl"), ("trl", "tab:orange", "TRL GRPOTrainer"))
+
+
+def first_at(curve: list, target: float, column: int) -> float | None:
+    """The first point of a run's [step, rl_s, score] curve at or above the target: its step (column 0)
+    or RL seconds (column 1)."""
+    return next((point[column] for point in curve if point[2] >= target), None)
+
+
+def draw(record: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    target = record["target"]
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for side, color, label in SIDES:
+        runs = [r for r in record["runs"] if r["side"] == side]
+        for i, r in enumerate(runs):
+            steps, seconds, score = zip(*r["curve"])
+            kw = {"color": color, "alpha": 0.55, "linewidth": 1.2, "label": f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})" if i == 0
+                  else None}
+            by_time.plot(seconds, score, **kw)
+            by_step.plot(steps, score, **kw)
+        reached = [first_at(r["curve"], target, 1) for r in runs]
+        if runs and None not in reached:
+            median = statistics.median(reached)
+            by_time.axvline(median, color=color, linestyle=":", linewidth=1.5)
+            by_time.annotate(f"{median:.0f} s", (median, 0.02), xycoords=("data", "axes fraction"), color=color,
+                             xytext=(3, 0), textcoords="offset points")
+    for ax, xlabel in ((by_time, "RL wall time (s; held-out scoring excluded)"), (by_step, "RL steps")):
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    k = record.get("metric", "avg@4")
+    by_time.set_ylabel(f"held-out {k}")
+    by_time.legend(loc="lower right")
+    by_time.set_title(f"to held-out {target} in time (dotted: each side's median)", fontsize=10)
+    by_step.set_title("the same runs by step", fontsize=10)
+    fig.suptitle(f"minirl against TRL's GRPOTrainer on the embedded default ({record['commit']})\n{record['host']}",
+                 fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: speed_plot.py RECORD.json OUT.png")
+    print(draw(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])))
+
+
+if __name__ == "__main__":
+    main()
