@@ -2,10 +2,11 @@
 
     .venv/bin/python tests/bench/speed_plot.py RECORD.json OUT.png
 
-speed.py draws it itself with `--plot OUT.png`; this redraws it from the record alone. Each run is one line
-(minirl's in blue, TRL's in orange); the target is a dashed line, and each side's median RL time to it a
-dotted one. The left panel is what the ratio in speed.md measures (time); the right one shows whether the
-two sides learn as much per step, so that a gap on the left is the step's speed and not the recipe's.
+speed.py draws it itself with `--plot OUT.png`; this redraws it from the record alone. Each run is a thin
+line (minirl's blue, TRL's orange), each side's median over runs at every step it scored a thick one; the
+target is a dashed line, and each side's median RL time to it a dotted one. The left panel is what the ratio
+in speed.md measures (time); the right one shows whether the two sides learn as much per step, so that a gap
+on the left is the step's speed and not the recipe's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ def first_at(curve: list, target: float, column: int) -> float | None:
     return next((point[column] for point in curve if point[2] >= target), None)
 
 
+def median_curve(runs: list[dict]) -> tuple[list, list, list]:
+    """At each step every run scored, the median over runs of its RL seconds and of its score."""
+    common = set.intersection(*({point[0] for point in r["curve"]} for r in runs))
+    at = [{point[0]: point for point in r["curve"]} for r in runs]
+    steps = sorted(common)
+    seconds = [statistics.median(a[s][1] for a in at) for s in steps]
+    return steps, seconds, [statistics.median(a[s][2] for a in at) for s in steps]
+
+
 def draw(record: dict, out: Path) -> Path:
     import matplotlib
 
@@ -34,10 +44,14 @@ def draw(record: dict, out: Path) -> Path:
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     for side, color, label in SIDES:
         runs = [r for r in record["runs"] if r["side"] == side]
-        for i, r in enumerate(runs):
+        for r in runs:
             steps, seconds, score = zip(*r["curve"])
-            kw = {"color": color, "alpha": 0.55, "linewidth": 1.2, "label": f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})" if i == 0
-                  else None}
+            by_time.plot(seconds, score, color=color, alpha=0.25, linewidth=0.8)
+            by_step.plot(steps, score, color=color, alpha=0.25, linewidth=0.8)
+        if runs:
+            steps, seconds, score = median_curve(runs)
+            seeds = f"{len(runs)} seed{'s' * (len(runs) > 1)}"
+            kw = {"color": color, "linewidth": 2, "label": f"{label}: median of {seeds}"}
             by_time.plot(seconds, score, **kw)
             by_step.plot(steps, score, **kw)
         reached = [first_at(r["curve"], target, 1) for r in runs]
