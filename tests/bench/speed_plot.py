@@ -60,6 +60,10 @@ def draw(record: dict, out: Path) -> Path:
             by_time.axvline(median, color=color, linestyle=":", linewidth=1.5)
             by_time.annotate(f"{median:.0f} s", (median, 0.02), xycoords=("data", "axes fraction"), color=color,
                              xytext=(3, 0), textcoords="offset points")
+    # by step, over the steps both sides ran: the faster side's longer tail would squeeze where they compare
+    last = [max(r["curve"][-1][0] for r in record["runs"] if r["side"] == side) for side, _, _ in SIDES
+            if any(r["side"] == side for r in record["runs"])]
+    by_step.set_xlim(0, min(last))
     for ax, xlabel in ((by_time, "RL wall time (s; held-out scoring excluded)"), (by_step, "RL steps")):
         ax.axhline(target, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel(xlabel)
@@ -68,7 +72,7 @@ def draw(record: dict, out: Path) -> Path:
     by_time.set_ylabel(f"held-out {k}")
     by_time.legend(loc="lower right")
     by_time.set_title(f"to held-out {target} in time (dotted: each side's median)", fontsize=10)
-    by_step.set_title("the same runs by step", fontsize=10)
+    by_step.set_title("the same runs by step, over the steps both sides ran", fontsize=10)
     fig.suptitle(f"minirl against TRL's GRPOTrainer on the embedded default ({record['commit']})\n{record['host']}",
                  fontsize=10)
     fig.tight_layout()
