@@ -70,7 +70,7 @@ def draw(record: dict, out: Path) -> Path:
         ax.grid(alpha=0.3)
     k = record.get("metric", "avg@4")
     by_time.set_ylabel(f"held-out {k}")
-    by_time.legend(loc="lower right")
+    by_time.legend(loc="center right")  # the medians' time labels sit at the bottom
     by_time.set_title(f"to held-out {target} in time (dotted: each side's median)", fontsize=10)
     by_step.set_title("the same runs by step, over the steps both sides ran", fontsize=10)
     fig.suptitle(f"minirl against TRL's GRPOTrainer on the embedded default ({record['commit']})\n{record['host']}",
