@@ -142,7 +142,6 @@ def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: s
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=plain) as prog:
         tasks: dict[str, int] = {}
 
-
         def progress(stage: str, done: int, total: int, info: dict) -> None:
             if stage not in tasks:
                 tasks[stage] = prog.add_task(labels.get(stage, stage), total=total, info="")

@@ -16,13 +16,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from speed import to_target  # tests/bench/speed.py, beside this file: the RL seconds of a run's first score ≥ target
+
 SIDES = (("minirl", "tab:blue", "minirl"), ("trl", "tab:orange", "TRL GRPOTrainer"))
-
-
-def first_at(curve: list, target: float, column: int) -> float | None:
-    """The first point of a run's [step, rl_s, score] curve at or above the target: its step (column 0)
-    or RL seconds (column 1)."""
-    return next((point[column] for point in curve if point[2] >= target), None)
 
 
 def median_curve(runs: list[dict]) -> tuple[list, list, list]:
@@ -42,8 +38,11 @@ def draw(record: dict, out: Path) -> Path:
 
     target = record["target"]
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    last_steps = []  # each side's longest run
     for side, color, label in SIDES:
         runs = [r for r in record["runs"] if r["side"] == side]
+        if runs:
+            last_steps.append(max(r["curve"][-1][0] for r in runs))
         for r in runs:
             steps, seconds, score = zip(*r["curve"])
             by_time.plot(seconds, score, color=color, alpha=0.25, linewidth=0.8)
@@ -54,22 +53,19 @@ def draw(record: dict, out: Path) -> Path:
             kw = {"color": color, "linewidth": 2, "label": f"{label}: median of {seeds}"}
             by_time.plot(seconds, score, **kw)
             by_step.plot(steps, score, **kw)
-        reached = [first_at(r["curve"], target, 1) for r in runs]
+        reached = [to_target(r, target) for r in runs]
         if runs and None not in reached:
             median = statistics.median(reached)
             by_time.axvline(median, color=color, linestyle=":", linewidth=1.5)
             by_time.annotate(f"{median:.0f} s", (median, 0.02), xycoords=("data", "axes fraction"), color=color,
                              xytext=(3, 0), textcoords="offset points")
     # by step, over the steps both sides ran: the faster side's longer tail would squeeze where they compare
-    last = [max(r["curve"][-1][0] for r in record["runs"] if r["side"] == side) for side, _, _ in SIDES
-            if any(r["side"] == side for r in record["runs"])]
-    by_step.set_xlim(0, min(last))
+    by_step.set_xlim(0, min(last_steps))
     for ax, xlabel in ((by_time, "RL wall time (s; held-out scoring excluded)"), (by_step, "RL steps")):
         ax.axhline(target, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    k = record.get("metric", "avg@4")
-    by_time.set_ylabel(f"held-out {k}")
+    by_time.set_ylabel(f"held-out {record['metric']}")
     by_time.legend(loc="center right")  # the medians' time labels sit at the bottom
     by_time.set_title(f"to held-out {target} in time (dotted: each side's median)", fontsize=10)
     by_step.set_title("the same runs by step, over the steps both sides ran", fontsize=10)
