@@ -538,7 +538,7 @@ def test_sampling_ahead_plans_the_weights_queued_for_the_engines_process():
     training and the weight-sync phases; on a CPU, k snapshots of the fp32 weights in the host's
     shared memory. A refusal names them and what shrinks them."""
     from minirl.setup.footprint import host_memory
-    from minirl.setup.plan import _REMEDY
+    from minirl.setup.overflow import REMEDY
 
     shape = KNOWN_SHAPES["Qwen3-0.6B"]
     plans = {k: make_plan(recipes.load(None, ["rollout.sleep_level=0", f"rollout.max_staleness={k}"]), shape,
@@ -547,7 +547,7 @@ def test_sampling_ahead_plans_the_weights_queued_for_the_engines_process():
     assert row not in plans[0].memory_gib and plans[2].memory_gib[row] == pytest.approx(2 * 2 * P / GiB)
     for phase in ("training (no AC)", "weight sync"):
         assert plans[2].phases_gib[phase] - plans[0].phases_gib[phase] == pytest.approx(4 * P / GiB)
-    assert _REMEDY[row] == "lower rollout.max_staleness"
+    assert REMEDY[row] == "lower rollout.max_staleness"
     cpu = {k: host_memory(recipes.load(None, [f"rollout.max_staleness={k}"]), shape, device="cpu") for k in (0, 2)}
     assert cpu[2]["weight snapshots for the engine's process (k ≥ 1)"] == 2 * 4 * P
     assert "weight snapshots for the engine's process (k ≥ 1)" not in cpu[0]

@@ -47,8 +47,9 @@ trainer's activations are gone while vLLM samples, so the peak is the largest of
                      before the engine wakes) + vLLM's weights + one bucket + one gathered parameter
     rollout          what the trainer keeps between updates + the engine (weights, working memory, KV cache)
 
-A plan that does not fit names every phase that overflows (the most that fits rounded down), and
-setup/advice.py finds the cheapest change that makes all fit: the engine's share, micro-batch, offload,
+The engine's KV cache, its share of the GPU at its start and the refusals of an engine without room are
+setup/engine_share.py's. A plan that does not fit names every phase that overflows (the most that fits rounded
+down, the largest part and what shrinks it: setup/overflow.py), and setup/advice.py finds the cheapest change that makes all fit: the engine's share, micro-batch, offload,
 rollout TP, FP8, LoRA, more GPUs, in that order. Host memory per node (`host_memory`) and the moments'
 transfer time per step (at HOST_LINK_BYTES_S, an assumption) are reported beside the GPU's figures.
 """
@@ -63,9 +64,9 @@ from minirl.config.recipes import with_sets
 from minirl.models import sizing
 from minirl.models.shapes import ModelShape, active_params, param_count
 from minirl.setup.footprint import activation_bytes, host_memory, trainer_path, trainer_state
+from minirl.setup.engine_share import beside_trainer, on_rollout_gpus
+from minirl.setup.overflow import GiB, HEADROOM, largest_part  # the plan's units, read by its callers too
 
-GiB = 2**30
-HEADROOM = 0.9  # of a GPU's memory a plan may use (allocator fragmentation, CUDA context, NCCL buffers)
 LOGIT_CHUNK = 4096
 # pinned host <-> GPU copies, each GPU on its own PCIe Gen5 x16 link (64 GB/s a direction on paper):
 # an assumption for the transfer-time estimate, not a measurement
@@ -109,112 +110,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return not self.problems
-
-
-def _down(nbytes: float) -> str:  # GiB to one decimal, rounded down: the most a refusal names must fit (#82)
-    return f"{math.floor(max(0.0, nbytes) / GiB * 10) / 10:.1f}"
-
-
-# what shrinks each part of a phase (the refusal's advice)
-_REMEDY = {
-    "fp32 weights (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
-    "fp32 gradients (sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
-    "Adam moments (sharded)": 'train.offload = "optimizer" (host memory between updates), or more GPUs',
-    "gathered bf16 layers": "raise parallel.ep (a GPU gathers only its share of the experts)",
-    "activations (no AC)": 'set train.activation_checkpoint = "full", or lower train.micro_batch_tokens',
-    "activations (full AC)": "lower train.micro_batch_tokens",
-    "logits": "lower train.micro_batch_tokens",
-    "weight sync bucket": "lower rollout.sync_bucket_mib",
-    "weight broadcast bucket": "lower rollout.sync_bucket_mib",
-    "weight copies queued for the engine (k ≥ 1)": "lower rollout.max_staleness",
-    "vLLM working memory (estimate)": "fewer sequences a step (train.prompts_per_step × train.group_size: the sampler's rows)",
-    "largest parameter gathered in fp32": "a GPU with more memory (it is gathered whole)",
-    "base weights (bf16, frozen, sharded)": "more GPUs (--nodes, --gpus-per-node): FSDP2 shards it over all of them",
-    "base weights (fp32, frozen, sharded)": 'train.param_dtype = "bfloat16" (the frozen base in bf16), or more GPUs',
-    "fp32 LoRA adapters (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
-    "fp32 LoRA gradients (sharded)": "a lower train.lora.rank, or fewer train.lora.targets",
-    "Adam moments of the adapters (sharded)": 'train.offload = "optimizer", or a lower train.lora.rank',
-}
-
-
-def _largest(parts: dict[str, float], r, *, offloaded: dict | None = None) -> str:
-    """'the largest part is NAME (X GiB): what shrinks it'; `offloaded`: the parts already in host
-    memory between updates."""
-    name, size = max(parts.items(), key=lambda kv: kv[1])
-    if name in (offloaded or {}):  # back on the GPU only for the step
-        return f"the largest part is {name} ({size / GiB:.1f} GiB, on the GPU for the step): more GPUs"
-    if name.startswith("vLLM weights"):
-        fixes = [f"raise rollout.tensor_parallel ({r.tensor_parallel})"] if r.tensor_parallel < 8 else []
-        fixes += ['set rollout.precision = "fp8"'] if r.precision != "fp8" else []
-        remedy = " or ".join(fixes) or "more GPUs per engine"
-    else:
-        remedy = _REMEDY.get(name, "more GPUs")
-    return f"the largest part is {name} ({size / GiB:.1f} GiB): {remedy}"
-
-
-def _start_refusal(r, *, asked: float, free: float, room: float, resident: float, gpu_gib: float, awake: bool,
-                   fixed: float) -> str:
-    """The engine's budget is more than the GPU has free when it starts (vLLM would refuse), or, awake,
-    more than the trainer's larger phase leaves it: which setting asks it, and the most that fits."""
-    limit = min(free, room)
-    key = "rollout.kv_cache_gib" if r.kv_cache_gib > 0 else "rollout.memory_fraction"
-    value = r.kv_cache_gib if r.kv_cache_gib > 0 else r.memory_fraction
-    most = (f"at most {_down(limit - fixed)}" if key == "rollout.kv_cache_gib"
-            else f"at most {int(limit / (gpu_gib * GiB) * 1000) / 1000:g}")
-    beside = ("the trainer's larger phase (training or the weight sync) leaves it" if awake and room < free
-              else f"are free when it starts (the trainer's state between updates holds {resident / GiB:.1f} GiB, "
-                   f"within {HEADROOM:.0%} of {gpu_gib:g} GiB)")
-    return (f"vLLM's start: {key} = {value:g} gives the engine {asked / GiB:.1f} GiB of each GPU, and "
-            f"{max(0.0, limit) / GiB:.1f} GiB {beside}: set {key} {most}, or 0 (the plan's: what the trainer leaves, "
-            "sized for the job)")
-
-
-def _kv_cache(r, *, room: float, job_kv: float, fixed: float, gpu_bytes: float, short: str) -> tuple[float, str]:
-    """An engine's KV cache and what decided it: rollout.kv_cache_gib; vLLM's own sizing from
-    rollout.memory_fraction (the rest of its share once its weights and working memory, `fixed`,
-    are in); else sized for the job (`job_kv`) within `room`, or `room` where the job needs more."""
-    if r.kv_cache_gib > 0:
-        return r.kv_cache_gib * GiB, "rollout.kv_cache_gib"
-    if r.memory_fraction > 0:
-        return max(0.0, r.memory_fraction * gpu_bytes - fixed), "rollout.memory_fraction"
-    return max(0.0, min(room, job_kv)), "sized for the job" if job_kv <= room else short
-
-
-def _rollout_gpu(r, *, vllm_w: float, working: float, job_kv: float, bucket: float, budget: float, gpu_gib: float,
-                 seq: int, kv_per_token: float) -> dict:
-    """An engine alone on rollout GPUs of its own (parallel.rollout_gpus): its weights, working
-    memory, a KV cache (sized for the job within the GPU, or the recipe's memory_fraction /
-    kv_cache_gib), and the bucket the trainer's weights arrive in at each sync (broadcast). What
-    it holds by part, its KV cache and what decided it, vLLM's gpu_memory_utilization, the
-    full-length sequences it holds at once, and what does not fit."""
-    gpu_bytes, tp = gpu_gib * GiB, r.tensor_parallel
-    kv, kv_sizing = _kv_cache(r, room=budget - vllm_w - working - bucket, job_kv=job_kv, fixed=vllm_w + working,
-                              gpu_bytes=gpu_bytes, short="what its GPU holds")
-    engine_bytes = vllm_w + working + kv
-    fraction = r.memory_fraction or sizing.fraction(engine_bytes, gpu_bytes, limit=max(0.0, budget - bucket))
-    in_flight = int(kv * tp // (seq * kv_per_token))
-    parts = {f"vLLM weights ({r.precision}, TP {tp})": vllm_w, "vLLM working memory (estimate)": working,
-             "vLLM KV cache": kv, "weight broadcast bucket": bucket}
-    problems = []
-    room = max(0.0, budget - bucket)  # what the engine may take beside the bucket the weights arrive in
-    if r.kv_cache_gib > 0 and vllm_w + working + kv > room:  # #75: "fits" at a sampling peak of 532 GiB on 141
-        problems.append(f"sampling on a rollout GPU needs {(vllm_w + working + kv + bucket) / GiB:.1f} GiB, over "
-                        f"{HEADROOM:.0%} of {gpu_gib:g} GiB: rollout.kv_cache_gib = {r.kv_cache_gib:g} is more than is "
-                        f"left beside its weights, working memory and the bucket: set it at most "
-                        f"{_down(room - vllm_w - working)}, or 0 (the plan's: sized for the job)")
-    elif fraction * gpu_bytes > room:
-        key = "rollout.kv_cache_gib" if r.kv_cache_gib > 0 else "rollout.memory_fraction"
-        most = f"at most {int(room / gpu_bytes * 1000) / 1000:g}" if key == "rollout.memory_fraction" else \
-            f"at most {_down(room - vllm_w - working)}"
-        problems.append(f"vLLM's start on a rollout GPU: {key} gives the engine {fraction * gpu_bytes / GiB:.1f} GiB, and "
-                        f"{room / GiB:.1f} GiB are left beside the weight broadcast's bucket within "
-                        f"{HEADROOM:.0%} of {gpu_gib:g} GiB: set it {most}, or 0 (the plan's: sized for the job)")
-    elif in_flight < 1:
-        problems.append(f"rollouts: on a rollout GPU, vLLM's weights and working memory ({(vllm_w + working) / GiB:.1f} "
-                        f"GiB) leave no KV cache for one {seq}-token sequence; "
-                        f"{_largest({k: v for k, v in parts.items() if k != 'vLLM KV cache'}, r)}")
-    return {"parts": parts, "kv": kv, "kv_sizing": kv_sizing, "fraction": fraction, "in_flight": in_flight,
-            "problems": problems}
 
 
 def fit_mesh(rec, shape: ModelShape, keep=frozenset()) -> dict[str, int]:
@@ -293,6 +188,33 @@ def _with_micro(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     return plan
 
 
+def _mesh_problems(rec, shape: ModelShape, *, world: int, dp_shard: int, ep: int) -> list[str]:
+    """What the recipe's mesh asks that the plan cannot lay out on its `world` training ranks."""
+    p, tp_vllm = rec.parallel, rec.rollout.tensor_parallel
+    problems = []
+    if dp_shard != world:
+        problems.append(f"parallel.dp_shard = {dp_shard} must be -1 or the world size {world} (no other "
+                        "parallelism is planned yet)")
+    if ep > 1 and (world % ep or shape.num_experts % ep):
+        problems.append(f"parallel.ep = {ep} must divide the world size {world} and the {shape.num_experts} experts")
+    if p.rollout_gpus and p.rollout_gpus % tp_vllm:
+        problems.append(f"rollout.tensor_parallel = {tp_vllm} must divide each node's {p.rollout_gpus} rollout GPU(s)")
+    elif not p.rollout_gpus and (world % tp_vllm or tp_vllm > p.gpus_per_node):
+        problems.append(f"rollout.tensor_parallel = {tp_vllm} must divide the world size and fit in one node "
+                        f"({p.gpus_per_node} GPUs)")
+    return problems
+
+
+def _flops(rec, shape: ModelShape, *, tokens: int, seq: int) -> tuple[float, float]:
+    """(training, rollout) FLOPs a step: 2·active a token forward, 4·active backward; attention
+    2·2·L·(seq/2)·heads·head_dim a token forward."""
+    attn_fwd = 4 * shape.n_layers * (seq // 2) * shape.n_heads * shape.head_dim
+    fwd = tokens * (2 * active_params(shape) + attn_fwd)
+    t = rec.train
+    passes = 1 + (1 if t.replay == "r3" and t.replay_diagnostics else 0)  # π_old (+ own routes for R3 metrics)
+    return float(fwd * passes + 3 * fwd), float(fwd)  # + forward and backward of the update; one forward to sample
+
+
 def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     p, t, r = rec.parallel, rec.train, rec.rollout
     world = p.training_gpus  # the trainer's ranks (every GPU, unless parallel.rollout_gpus keeps some to sample)
@@ -300,17 +222,7 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     dp_shard = world if p.dp_shard == -1 else p.dp_shard
     ep = p.ep if shape.is_moe else 1
     tp_vllm = r.tensor_parallel
-    problems = []
-    if dp_shard != world:
-        problems.append(f"parallel.dp_shard = {dp_shard} must be -1 or the world size {world} (no other "
-                        "parallelism is planned yet)")
-    if ep > 1 and (world % ep or shape.num_experts % ep):
-        problems.append(f"parallel.ep = {ep} must divide the world size {world} and the {shape.num_experts} experts")
-    if split and p.rollout_gpus % tp_vllm:
-        problems.append(f"rollout.tensor_parallel = {tp_vllm} must divide each node's {p.rollout_gpus} rollout GPU(s)")
-    elif not split and (world % tp_vllm or tp_vllm > p.gpus_per_node):
-        problems.append(f"rollout.tensor_parallel = {tp_vllm} must divide the world size and fit in one node "
-                        f"({p.gpus_per_node} GPUs)")
+    problems = _mesh_problems(rec, shape, world=world, dp_shard=dp_shard, ep=ep)
 
     P, A = param_count(shape), active_params(shape)
     seq = sizing.max_model_len(rec) - 1  # prompt and response; a multi-turn episode's replies too
@@ -380,111 +292,73 @@ def _make_plan(rec, shape: ModelShape, *, model: str, gpu_gib: float) -> Plan:
     training_state, in_sync = training_state + queued, in_sync + queued
     # rollout.sleep_level: at 1 and 2 the engine frees its weights (1: to host memory) and its KV cache
     # while the trainer works; at 0 both stay, and the engine gets what the trainer's larger phase
-    # (training, or the sync) leaves. The engine (models/sizing.py) is its weights, its working memory
-    # and a KV cache: sized for the job (every sequence of a step at full length, no more) within what
-    # the trainer leaves, or what the recipe's memory_fraction / kv_cache_gib make of it. vLLM takes
-    # that budget at its start, beside the trainer's state between updates, and refuses to start
-    # when less is free (its `request_memory`)
+    # (training, or the sync) leaves (engine_share.py)
     awake = r.sleep_level == 0
     trainer_peak = max(training_state, in_sync) if awake else resident
-    gpu_bytes = gpu_gib * GiB
     working = sizing.working_bytes(shape, sizing.max_num_seqs(rec, engines))
     seqs_engine = math.ceil(sequences / engines)
     job_kv = sizing.kv_cache_bytes(shape, seqs_engine, seq, 2, block=sizing.CUDA_KV_BLOCK, tensor_parallel=tp_vllm)
     if split:  # the engines on GPUs of their own: nothing of them on the trainer's, nothing else on theirs
         del mem[next(k for k in mem if k.startswith("vLLM weights"))]
         mem["weight sync bucket"] = bucket
-        gpu = _rollout_gpu(r, vllm_w=vllm_w, working=working, job_kv=job_kv, bucket=bucket, budget=budget,
-                           gpu_gib=gpu_gib, seq=seq, kv_per_token=kv_per_token)
-        mem.update({f"rollout GPU: {k}": v for k, v in gpu["parts"].items()})
-        kv, kv_sizing, engine_fraction, in_flight = gpu["kv"], gpu["kv_sizing"], gpu["fraction"], gpu["in_flight"]
+        engine = on_rollout_gpus(r, vllm_w=vllm_w, working=working, job_kv=job_kv, bucket=bucket, budget=budget,
+                                 gpu_gib=gpu_gib, seq=seq, kv_per_token=kv_per_token)
+        mem.update({f"rollout GPU: {k}": v for k, v in engine["parts"].items()})
         start_free = budget  # the engine starts alone on its GPU(s)
         phases = {f"training ({ac})": training_state, "weight sync": in_sync,
-                  "sampling (rollout GPUs)": sum(gpu["parts"].values())}
+                  "sampling (rollout GPUs)": sum(engine["parts"].values())}
         parts = {f"training ({ac})": {**state, "gathered bf16 layers": mem["gathered bf16 layers"],
                                       f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits},
-                 "weight sync": {**kept, "weight sync bucket": bucket, "largest parameter gathered in fp32": 4 * largest}}
+                 "weight sync": {**kept, "weight sync bucket": bucket,
+                                 "largest parameter gathered in fp32": 4 * largest}}
     else:
-        kv, kv_sizing = _kv_cache(r, room=budget - trainer_peak - vllm_w - working, job_kv=job_kv,
-                                  fixed=vllm_w + working, gpu_bytes=gpu_bytes, short="what the trainer leaves")
+        engine = beside_trainer(r, vllm_w=vllm_w, working=working, job_kv=job_kv, gpu_gib=gpu_gib, kept=kept,
+                                trainer_peak=trainer_peak, seq=seq, kv_per_token=kv_per_token)
+        kv = engine["kv"]
         mem["vLLM working memory (estimate)"] = working
         mem["vLLM KV cache"] = kv
-        engine_bytes = vllm_w + working + kv
-        start_free = budget - resident  # free when the engine starts: the trainer's weights (and moments) are in
-        if r.memory_fraction > 0:
-            engine_fraction = r.memory_fraction
-        else:  # what the engine needs, rounded up to vLLM's thousandths, never past what is free then
-            engine_fraction = sizing.fraction(engine_bytes, gpu_bytes, limit=max(0.0, min(start_free, budget - trainer_peak)))
-        asked = engine_fraction * gpu_bytes
-        training = training_state + (engine_bytes if awake else 0.0)
+        start_free = engine["start_free"]
+        training = training_state + (engine["engine_bytes"] if awake else 0.0)
         if r.sleep_level == 1:
             mem["host memory: vLLM weights asleep"] = vllm_w
         mem["weight sync bucket"] = bucket
-        in_flight = int(kv * tp_vllm // (seq * kv_per_token))
         # an engine that never sleeps keeps its KV cache through the sync too
         sync = in_sync + vllm_w + working + (kv if awake else 0.0)
-        phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + engine_bytes}
+        phases = {f"training ({ac})": training, "weight sync": sync, "rollout": resident + engine["engine_bytes"]}
         # each phase's parts, so a refusal names the largest part of the phase that overflows, and the
-        # setting that shrinks it (`_REMEDY`)
-        engine = next(k for k in mem if k.startswith("vLLM weights"))
-        vllm_parts = {engine: vllm_w, "vLLM working memory (estimate)": working}
+        # setting that shrinks it (overflow.py `REMEDY`)
+        vllm_parts = {next(k for k in mem if k.startswith("vLLM weights")): vllm_w,
+                      "vLLM working memory (estimate)": working}
+        awake_kv = {"vLLM KV cache": kv} if awake else {}
         parts = {
             f"training ({ac})": {**state, "gathered bf16 layers": mem["gathered bf16 layers"],
                                  f"activations ({ac})": acts[f"activations ({ac})"], "logits": logits, **copies,
-                                 **({**vllm_parts, "vLLM KV cache": kv} if awake else {})},
+                                 **({**vllm_parts, **awake_kv} if awake else {})},
             "weight sync": {**kept, **vllm_parts, "weight sync bucket": bucket, **copies,
-                            "largest parameter gathered in fp32": 4 * largest, **({"vLLM KV cache": kv} if awake else {})},
-            "rollout": {**kept, **vllm_parts},
+                            "largest parameter gathered in fp32": 4 * largest, **awake_kv},
         }
     # every phase that overflows, at once (a fix for one must not reveal the next only on the next try)
     overflows = [f"{phase.split(' (')[0]} needs {phases[phase] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
-                 f"{gpu_gib:g} GiB; {_largest(parts[phase], r, offloaded=moments if offloaded else None)}"
+                 f"{gpu_gib:g} GiB; {largest_part(parts[phase], r, offloaded=moments if offloaded else None)}"
                  for phase in (f"training ({ac})", "weight sync") if phases[phase] > budget]
-    if split:
-        overflows += gpu["problems"]
-    else:
-        limit = min(start_free, budget - trainer_peak)  # the most the engine may take
-        if asked > limit >= vllm_w + working and (r.memory_fraction > 0 or r.kv_cache_gib > 0):
-            overflows.append(_start_refusal(r, asked=asked, free=start_free, room=budget - trainer_peak, resident=resident,
-                                            gpu_gib=gpu_gib, awake=awake, fixed=vllm_w + working))
-        elif in_flight < 1 and r.memory_fraction > 0 and r.kv_cache_gib <= 0 and limit - vllm_w - working >= seq * kv_per_token / tp_vllm:
-            overflows.append(f"rollouts: rollout.memory_fraction = {r.memory_fraction:g} gives the engine {asked / GiB:.1f} GiB, "
-                             f"and its weights and working memory take {(vllm_w + working) / GiB:.1f} GiB of it, leaving no KV "
-                             f"cache for one {seq}-token sequence: raise it (at most {int(limit / gpu_bytes * 1000) / 1000:g}), "
-                             "or 0 (the plan's: what the trainer leaves, sized for the job)")
-        elif in_flight < 1 or asked > limit:
-            overflows.append(f"rollouts: after the trainer's state between updates, vLLM's weights and its working memory "
-                             f"({(resident + vllm_w + working) / GiB:.1f} GiB) no KV cache is left for one {seq}-token "
-                             f"sequence; {_largest(parts['rollout'], r)}")
-        elif phases["rollout"] > budget:  # #75: a KV cache set by hand past the GPU: "fits" at 230.9 GiB on 80
-            most = _down(budget - resident - vllm_w - working)
-            overflows.append(f"rollouts need {phases['rollout'] / GiB:.1f} GiB per GPU, over {HEADROOM:.0%} of "
-                             f"{gpu_gib:g} GiB, the largest part vLLM's KV cache ({kv / GiB:.1f} GiB): set "
-                             f"rollout.kv_cache_gib at most {most}, or 0 (the plan's: sized for the job within what "
-                             "the trainer leaves)")
-    problems = overflows + problems
+    problems = overflows + engine["problems"] + problems
     # Adam's moments cross the host link twice an update (to the GPU for the step, back after it)
     n_updates = t.minibatches
     offload_s = 2 * n_updates * sum(moments.values()) / HOST_LINK_BYTES_S if offloaded else 0.0
     host = host_memory(rec, shape, device="cuda")
     host_per_node = host["peak"]
 
-    # FLOPs: 2·active per token forward, 4·active backward; attention 2·2·L·(seq/2)·heads·head_dim a token forward
-    attn_fwd = 4 * L * (seq // 2) * shape.n_heads * shape.head_dim
-    fwd = tokens * (2 * A + attn_fwd)
-    passes = 1 + (1 if t.replay == "r3" and t.replay_diagnostics else 0)  # π_old (+ own routes for R3 metrics)
-    train_flops = fwd * passes + 3 * fwd  # + forward and backward of the update
-    rollout_flops = tokens * (2 * A + attn_fwd)
+    train_flops, rollout_flops = _flops(rec, shape, tokens=tokens, seq=seq)
 
     return Plan(
         model=model, shape=shape, nodes=p.nodes, gpus_per_node=p.gpus_per_node, gpu_gib=gpu_gib,
         mesh={"world": world, "dp_shard (FSDP2)": dp_shard, "ep": ep, "vLLM tp": tp_vllm, "vLLM engines": engines,
               **({"rollout GPUs": p.nodes * p.rollout_gpus} if split else {})},
         params=P, active=A, adapters=adapters, tokens_per_step=tokens, micro_batch_tokens=micro,
-        train_flops_per_step=float(train_flops), rollout_flops_per_step=float(rollout_flops),
+        train_flops_per_step=train_flops, rollout_flops_per_step=rollout_flops,
         memory_gib={k: v / GiB for k, v in mem.items()}, phases_gib={k: v / GiB for k, v in phases.items()},
-        in_flight=in_flight, engine_fraction=engine_fraction, engine_start_free_gib=start_free / GiB, kv_sizing=kv_sizing,
-        sequences_per_engine=seqs_engine,
+        in_flight=engine["in_flight"], engine_fraction=engine["fraction"], engine_start_free_gib=start_free / GiB,
+        kv_sizing=engine["kv_sizing"], sequences_per_engine=seqs_engine,
         host_gib_per_node=host_per_node / GiB, host_gib={k: v / GiB for k, v in host.items()},
         offload_s_per_step=offload_s, problems=problems, rollout_gpus=p.rollout_gpus, trainer_path=path,
         sleep_level=r.sleep_level, rollout_draws_max=1 + (t.dynamic_sampling_draws if t.dynamic_sampling else 0),
