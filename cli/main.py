@@ -37,7 +37,7 @@ from minirl.proc.signals import handling
 from minirl.run import status as status_mod
 from minirl.run.plots import plot_metrics
 from minirl.setup.dryrun import dry_run as plan_dry_run
-from minirl.setup.preflight import run_recipe
+from minirl.setup.run_inputs import run_recipe
 from minirl.setup.workspace import RECIPE_NAME, Workspace, init_workspace
 
 

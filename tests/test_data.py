@@ -218,7 +218,7 @@ def test_a_check_that_fails_before_the_data_is_read_leaves_no_loader_behind(tmp_
     import psutil
 
     from minirl.config import recipes
-    from minirl.setup.preflight import prepare_run
+    from minirl.setup.run_inputs import prepare_run
     from minirl.setup.workspace import Workspace
     from tests.conftest import data_workspace
 

@@ -12,7 +12,7 @@ import pytest
 from minirl.config import recipes
 from minirl.disk.store import latest_trained
 from minirl.errors import UsageError
-from minirl.setup.preflight import run_recipe
+from minirl.setup.run_inputs import run_recipe
 from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 

@@ -48,7 +48,8 @@ from minirl.models import sizing
 from minirl.rollout import make_engine
 from minirl.rollout.engine import Truncation
 from minirl.rollout.fp8 import fp8_roundtrip
-from minirl.setup.preflight import check_model_folder, prepare_run
+from minirl.setup.preflight import check_model_folder
+from minirl.setup.run_inputs import prepare_run
 from minirl.train import objective
 from minirl.train.batch import build_batch
 from minirl.train.objective import loss_for, minibatch_indices

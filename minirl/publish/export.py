@@ -34,7 +34,8 @@ from minirl.models import sizing
 from minirl.models.hub import model_dir, repo_id as hub_repo
 from minirl.publish.card import known_score, model_card
 from minirl.run.plots import plot_metrics
-from minirl.setup.preflight import check_checkpoint, check_model_folder, prepare_run
+from minirl.setup.preflight import check_checkpoint, check_model_folder
+from minirl.setup.run_inputs import prepare_run
 from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 

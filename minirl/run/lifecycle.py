@@ -31,7 +31,7 @@ from minirl.run.samples import FILE as SAMPLES, SampleLog, truncate as truncate_
 from minirl.run.token_record import TokenRecord
 from minirl.run.sinks import Sinks
 from minirl.run.summary import write_summary
-from minirl.setup.preflight import RunInputs, prepare_run
+from minirl.setup.run_inputs import RunInputs, prepare_run
 from minirl.setup.workspace import Workspace
 from minirl.stopwatch import Stopwatch
 

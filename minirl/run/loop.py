@@ -39,7 +39,7 @@ from minirl.run import parity as parity_check
 from minirl.run.gpumem import PhasePeaks
 from minirl.run.guard import Guard, Verdict
 from minirl.run.state import RunState
-from minirl.setup.preflight import RunInputs
+from minirl.setup.run_inputs import RunInputs
 from minirl.setup.workspace import Workspace
 from minirl.stopwatch import Stopwatch
 from minirl.train import objective

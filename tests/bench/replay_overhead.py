@@ -68,7 +68,7 @@ def isolated(ws_src: Path, repeats: int = 10) -> None:
     from minirl.config import recipes
     from minirl.data.prompts import PromptSampler
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.setup.preflight import prepare_run
+    from minirl.setup.run_inputs import prepare_run
     from minirl.setup.workspace import Workspace
     from minirl.train.batch import build_batch
     from minirl.train.objective import loss_for
