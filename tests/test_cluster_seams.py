@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from minirl.errors import UsageError
-from minirl.rollout.vllm import CPU_WORKAROUNDS, EngineSettings, VLLMEngine, engine_args
+from minirl.rollout.vllm import VLLMEngine
+from minirl.rollout.vllm_args import CPU_WORKAROUNDS, EngineSettings, engine_args
 
 
 def test_cpu_and_cuda_engines_differ_only_by_the_documented_workarounds():

@@ -30,7 +30,7 @@ def _engine_settings(monkeypatch, rec, **kw) -> dict:
 def test_a_gpu_run_builds_its_engine_with_the_plans_kv_cache_and_bounded_graphs(monkeypatch):
     from minirl.config import recipes
     from minirl.models.shapes import KNOWN_SHAPES
-    from minirl.rollout.vllm import EngineSettings, engine_args
+    from minirl.rollout.vllm_args import EngineSettings, engine_args
     from minirl.setup.limits import Platform
     from minirl.setup.preflight import check_gpu_plan, engine_kv_gib
 

@@ -2,7 +2,7 @@
 
     engine.py    the engine's contract (`Engine`, `Completion`) and its in-process build;
                  `make_engine` here is the one factory every caller uses
-    vllm.py      the vLLM engine (CPU and CUDA arguments from one function, `engine_args`)
+    vllm.py      the vLLM engine (its CPU and CUDA arguments from one function: vllm_args.py)
     vllm_internals.py  the one door to vLLM's non-public parts (the scheduler's preemptions, request ids,
                  the runner's hooks, the sampler's log-probs), each named and checked before an engine starts
     lifetime.py  in-process engines share the process's parallel groups: the last one alive tears them down
@@ -10,6 +10,7 @@
                  are trained, the bound every trained token keeps (`rollout.max_staleness`)
     process.py   the engine in a process of its own (`rollout.max_staleness` ≥ 1; syncs queued, or
                  loaded between two forward steps with `rollout.inflight_updates`)
+    serve.py     that process's loop: the engine built, its calls answered in order
     sync.py      trainer → engine weights (bucketed streams; direct writes on CPU)
     broadcast.py the same across processes: a group of their own (gloo; NCCL between GPUs)
     remote.py    engines on rollout GPUs of their own (`parallel.rollout_gpus`), started by each node's
