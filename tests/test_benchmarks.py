@@ -1,5 +1,6 @@
 """Benchmark registry on the real files, avg/pass/maj@k by hand, and `minirl eval` with resume."""
 
+import errno
 import json
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def test_summarize_by_hand():
     assert s["maj@3"] == pytest.approx(1 / 3)  # majority "4" right; "1" wrong; "7" wrong
 
 
-def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
+def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path, monkeypatch):
     rec = Recipe()
     rec.eval.k, rec.eval.grader_workers, rec.rollout.kv_cache_gib = 2, 0, 0.25
     out = tmp_path / "evals"
@@ -92,9 +93,28 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
     assert res["resumed_problems"] == 0 and res["rollout_precision"] == "fp32"
     assert Path(res["results_file"]).exists() and len(partial[0].read_text().splitlines()) == 8
 
+    # the disk fills as the results are written, half of them on disk: no torn results file is left (export's
+    # card and the lab read every one), and the rows stay for the next try, which generates nothing again
+    real_open = Path.open
+
+    def disk_fills(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if "w" in mode and path.name.endswith((".json", ".json.tmp")):
+            write = f.write
+            f.write = lambda text: (write(text[: len(text) // 2]), _raise(OSError(errno.ENOSPC, "No space left")))
+        return f
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "open", disk_fills)
+        with pytest.raises(OSError, match="No space left"):
+            eval_benchmark(bench_name="aime25", model_dir=tiny_dir, out_dir=out, rec=rec, data=BENCH / "aime25.jsonl",
+                           chunk=8)
+    assert len(partial[0].read_text().splitlines()) == 30
+    assert [json.loads(f.read_text())["rollout_precision"] for f in out.glob("*.json")] == ["fp32"]  # whole, or none
+
     res = eval_benchmark(bench_name="aime25", model_dir=tiny_dir, out_dir=out, rec=rec, data=BENCH / "aime25.jsonl",
                          chunk=8)
-    assert res["resumed_problems"] == 8 and res["problems"] == 30 and res["k"] == 2
+    assert res["resumed_problems"] == 30 and res["problems"] == 30 and res["k"] == 2
     assert res["truncated_prompts"] == 30  # AIME problems do not fit the tiny model's 64-token context
     assert 0.0 <= res["avg@2"] <= res["pass@2"] <= 1.0
     saved = json.loads(open(res["results_file"]).read())
@@ -109,6 +129,10 @@ def test_eval_aime25_on_the_tiny_model_with_resume(tiny_dir, tmp_path):
         assert all(isinstance(r["text"], str) and r["tokens"] > 0 and "extracted" in r["grader"]
                    for r in x["responses"])
     assert "planted" not in samples.read_text()
+
+
+def _raise(e: BaseException):
+    raise e
 
 
 def test_prompt_uses_the_chat_template_when_the_tokenizer_has_one(tokenizer):

@@ -247,7 +247,8 @@ def eval_benchmark(
         "results_file": str(final),
         **({"samples_file": str(samples_path)} if keep_samples else {}),
     }
-    final.write_text(json.dumps(result, indent=2))
+    # whole or not at all (a full disk, a kill): the partial rows stay until the results are in place
+    atomic.write_text(final, json.dumps(result, indent=2))
     partial.unlink(missing_ok=True)
     return result
 

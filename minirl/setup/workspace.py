@@ -26,6 +26,7 @@ from minirl.data.gym import (RECIPE as GYM_RECIPE, TINY_PARAMS, check_params, ch
                              make_gym_splits)
 from minirl.data.prompts import prompts_ids, response_text
 from minirl.data.task import TASKS, make_splits, write_jsonl
+from minirl.disk import atomic
 from minirl.envs.formats import TINY as TINY_FORMAT
 from minirl.envs.hosting import check_start
 from minirl.envs.templates import format_for
@@ -137,9 +138,9 @@ def init_workspace(
     if overrides:  # the resolved recipe, --set values folded in, under the shipped one's notes
         lines = src.read_text().splitlines()
         notes = lines[: next((i for i, x in enumerate(lines) if not x.startswith("#")), len(lines))]
-        ws.recipe_path.write_text("".join(x + "\n" for x in notes) + "\n" + rec.to_toml())
-    else:
-        shutil.copy(src, ws.recipe_path)
+        atomic.write_text(ws.recipe_path, "".join(x + "\n" for x in notes) + "\n" + rec.to_toml())
+    else:  # whole or not at all: a recipe torn by a kill would count as a workspace
+        atomic.write_text(ws.recipe_path, src.read_text())
     return report
 
 
