@@ -37,7 +37,8 @@ def serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
         signal.signal(signum, signal.SIG_IGN)
     collect_less_often()  # before vLLM's import (minirl/proc/collector.py)
     os.sched_setaffinity(0, cores)
-    stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)  # rollout GPUs (remote.py): which engine, where to join
+    # rollout GPUs (remote.py): which engine this is, and where it joins the weights' broadcast
+    stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)
     channel = None
     try:
         engine = build(Path(model_dir), rollout, **kw)

