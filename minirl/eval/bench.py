@@ -109,24 +109,10 @@ def eval_benchmark(
                          f"(max_position_embeddings in its config.json), prompt included; at most {ctx - 1}")
     max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
     budget = ctx - max_tokens
-    own = bench.hub_id is not None and rec.eval.prompt_template  # a recipe's template for a named benchmark
-    template = rec.eval.prompt_template if own else bench.prompt_template
-    chat = bool(getattr(tok, "chat_template", None))
-    if bench.chat_prompt_template and not rec.eval.prompt_template and chat:
-        template = bench.chat_prompt_template
+    template = _template(bench, rec, chat=bool(getattr(tok, "chat_template", None)))
     episodes, tools = None, ()
     if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
-        from minirl.rollout.environments import Environments  # deferred: torch (the CLI imports this module at start)
-
-        # as a run's preflight: an environment that cannot run is one line before anything is written
-        environment_class(rec.env.name)
-        listed = check_start(rec.env, dict(records[0]), seed=episode_seed(rec.train.seed, 0, 0))
-        tools = tuple(listed) if chat else ()  # told through the chat template, where there is one
-        episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx, prompter=Prompter(
-            "problem", template, chat, rec.data.chat_template_kwargs, tools, budget))
-        check_format(rec.env.tool_format, lambda t: tok.encode(t, add_special_tokens=False),
-                     lambda t: tok.encode(t, add_special_tokens=False, split_special_tokens=True),
-                     rec.env.max_reply_tokens, episodes.fmt)  # as the model's chat template renders it
+        episodes, tools = _environment(rec, records[0], tok, template, ctx=ctx, budget=budget)
     prompts, truncated = [], 0
     for r in records:
         ids = _format_prompt(tok, template, r["problem"], rec.data.chat_template_kwargs, tools)
@@ -134,31 +120,11 @@ def eval_benchmark(
             ids, truncated = ids[-budget:], truncated + 1
         prompts.append(ids)
 
-    # everything that decides the samples and their grades, the checkpoint's resolved path among
-    # them: an eval of another checkpoint or under other settings (precision, temperature, seed…)
-    # neither resumes this one's partial results nor overwrites its file
     cuts = eval_cuts(rec.eval)
-    settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, **cut_settings(cuts),
-                "max_tokens": max_tokens,
-                "seed": rec.train.seed, "template": template, "grader": [grader_name, params],
-                "problems": len(records), "checkpoint": str(model_dir.resolve()),
-                **({"env": [rec.env.name, rec.env.params, rec.env.tool_format, rec.env.max_turns, rec.env.reward,
-                         *([rec.env.max_calls] if rec.env.max_calls > 1 else []),
-                         *([rec.env.replies_to] if rec.env.replies_to != "calls" else [])]}
-                   if rec.env.name else {})}
-    tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / f"{got.name}-k{rec.eval.k}-{checkpoint_label(model_dir)}-{tag}.json"
+    final = _results_file(Path(out_dir), got, rec, model_dir, template=template, grader=[grader_name, params],
+                          max_tokens=max_tokens, cuts=cuts)
     partial = final.with_suffix(".partial.jsonl")
-    done = {}
-    if partial.exists():
-        for line in partial.read_text().splitlines():
-            try:
-                row = json.loads(line)
-                done[row["index"]] = row
-            except json.JSONDecodeError:
-                break  # a line cut by a crash: regenerate from there
+    done = _rows_done(partial)
     todo = [i for i in range(len(records)) if i not in done]
     samples_path = final.with_suffix(".samples.jsonl")
     samples = _samples_file(samples_path, set(done)) if keep_samples else None
@@ -192,16 +158,7 @@ def eval_benchmark(
                     won = episode_rewards(comps, scores, mode)  # the grader's, or an episode's own reward
                     for j, i in enumerate(idx):
                         at = slice(j * rec.eval.k, (j + 1) * rec.eval.k)
-                        ok = [trains(c) for c in comps[at]]  # a sample the environment's fault ended: left out
-                        sc = [x for x, keep in zip(scores[at], ok) if keep]
-                        row = {"index": i, "answer": records[i]["answer"],
-                               "correct": [w >= 1.0 for w, keep in zip(won[at], ok) if keep],
-                               "extracted": [x.info.get("extracted") for x in sc],
-                               "timeouts": sum(bool(x.info.get("timeout")) for x in sc),
-                               "errors": sum("error" in x.info for x in sc),
-                               **({"env_faults": ok.count(False),
-                                   "fault": next((c.episode.fault for c in comps[at] if not trains(c)), "")}
-                                  if episodes is not None else {})}
+                        row = _problem_row(i, records[i], comps[at], scores[at], won[at], env=episodes is not None)
                         if samples:  # before its row: a row on disk always has its samples
                             samples.write(json.dumps(_problem_samples(i, records[i], comps[at], scores[at], won[at],
                                                                       tok.decode, eos)) + "\n")
@@ -217,11 +174,96 @@ def eval_benchmark(
             pool.close()
             if samples:
                 samples.close()
-    rows = [done[i] for i in range(len(records))]
+    result = _summary(rec, got, [done[i] for i in range(len(records))], model_dir=model_dir, cuts=cuts,
+                      max_tokens=max_tokens, truncated=truncated, grader_name=grader_name,
+                      resumed=len(records) - len(todo), seconds=round(time.time() - t0, 1), final=final,
+                      samples_path=samples_path if keep_samples else None)
+    # whole or not at all (a full disk, a kill): the partial rows stay until the results are in place
+    atomic.write_text(final, json.dumps(result, indent=2))
+    partial.unlink(missing_ok=True)
+    return result
+
+
+def _template(bench, rec, *, chat: bool) -> str:
+    """The prompt template: a recipe's own for a named benchmark where it sets one, else the benchmark's
+    (its chat form where the tokenizer has a chat template)."""
+    if bench.hub_id is not None and rec.eval.prompt_template:
+        return rec.eval.prompt_template
+    if bench.chat_prompt_template and not rec.eval.prompt_template and chat:
+        return bench.chat_prompt_template
+    return bench.prompt_template
+
+
+def _environment(rec, first: dict, tok, template: str, *, ctx: int, budget: int):
+    """(a multi-turn recipe's episodes, the tools its prompts are told), checked as a run's preflight checks
+    them: an environment that cannot run is one line before anything is written."""
+    from minirl.rollout.environments import Environments  # deferred: torch (the CLI imports this module at start)
+
+    chat = bool(getattr(tok, "chat_template", None))
+    environment_class(rec.env.name)
+    listed = check_start(rec.env, dict(first), seed=episode_seed(rec.train.seed, 0, 0))
+    tools = tuple(listed) if chat else ()  # told through the chat template, where there is one
+    episodes = Environments(rec.env, tokenizer=tok, max_model_len=ctx, prompter=Prompter(
+        "problem", template, chat, rec.data.chat_template_kwargs, tools, budget))
+    check_format(rec.env.tool_format, lambda t: tok.encode(t, add_special_tokens=False),
+                 lambda t: tok.encode(t, add_special_tokens=False, split_special_tokens=True),
+                 rec.env.max_reply_tokens, episodes.fmt)  # as the model's chat template renders it
+    return episodes, tools
+
+
+def _results_file(out_dir: Path, got: BenchData, rec, model_dir: Path, *, template: str, grader: list,
+                  max_tokens: int, cuts) -> Path:
+    """Where an evaluation's results go, named by a hash of everything that decides the samples and their
+    grades, the checkpoint's resolved path among them: an eval of another checkpoint or under other settings
+    (precision, temperature, seed…) neither resumes this one's partial results nor overwrites its file."""
+    env = rec.env
+    settings = {"precision": rec.rollout.precision, "temperature": rec.eval.temperature, **cut_settings(cuts),
+                "max_tokens": max_tokens,
+                "seed": rec.train.seed, "template": template, "grader": grader,
+                "problems": len(got.records), "checkpoint": str(model_dir.resolve()),
+                **({"env": [env.name, env.params, env.tool_format, env.max_turns, env.reward,
+                            *([env.max_calls] if env.max_calls > 1 else []),
+                            *([env.replies_to] if env.replies_to != "calls" else [])]}
+                   if env.name else {})}
+    tag = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / f"{got.name}-k{rec.eval.k}-{checkpoint_label(model_dir)}-{tag}.json"
+
+
+def _rows_done(partial: Path) -> dict[int, dict]:
+    """The problems an earlier try of the same evaluation finished, by index, up to a line a crash cut."""
+    done = {}
+    for line in partial.read_text().splitlines() if partial.exists() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut by a crash: regenerate from there
+        done[row["index"]] = row
+    return done
+
+
+def _problem_row(i: int, record: dict, comps: list, scores: list, won: list, *, env: bool) -> dict:
+    """A problem's row of the results: its k samples' grades, what the grader extracted, its timeouts and
+    errors; with an environment, the samples its fault ended (left out of the grades) and the first fault."""
+    ok = [trains(c) for c in comps]  # a sample the environment's fault ended: left out
+    sc = [x for x, keep in zip(scores, ok) if keep]
+    return {"index": i, "answer": record["answer"],
+            "correct": [w >= 1.0 for w, keep in zip(won, ok) if keep],
+            "extracted": [x.info.get("extracted") for x in sc],
+            "timeouts": sum(bool(x.info.get("timeout")) for x in sc),
+            "errors": sum("error" in x.info for x in sc),
+            **({"env_faults": ok.count(False), "fault": next((c.episode.fault for c in comps if not trains(c)), "")}
+               if env else {})}
+
+
+def _summary(rec, got: BenchData, rows: list[dict], *, model_dir: Path, cuts, max_tokens: int, truncated: int,
+             grader_name: str, resumed: int, seconds: float, final: Path, samples_path: Path | None) -> dict:
+    """The results file's content: avg@k, pass@j, maj@k over the problems scored, the settings that
+    decided them, and every problem's row."""
     scored = [r for r in rows if r["correct"]]  # a problem whose every sample the environment's fault ended: none
     correct = [r["correct"] for r in scored]
     k = rec.eval.k
-    result = {
+    return {
         "benchmark": got.name,
         "of": got.total,  # problems in the data; "problems" (below) is how many were scored
         "checkpoint": str(model_dir.resolve()),  # the same checkpoint however its path was typed (export's card)
@@ -241,16 +283,12 @@ def eval_benchmark(
         "grader": grader_name,
         "grader_timeouts": sum(r["timeouts"] for r in rows),
         "grader_errors": sum(r["errors"] for r in rows),
-        "resumed_problems": len(records) - len(todo),
-        "seconds": round(time.time() - t0, 1),
+        "resumed_problems": resumed,
+        "seconds": seconds,
         "per_problem": rows,
         "results_file": str(final),
-        **({"samples_file": str(samples_path)} if keep_samples else {}),
+        **({"samples_file": str(samples_path)} if samples_path is not None else {}),
     }
-    # whole or not at all (a full disk, a kill): the partial rows stay until the results are in place
-    atomic.write_text(final, json.dumps(result, indent=2))
-    partial.unlink(missing_ok=True)
-    return result
 
 
 def _samples_file(path: Path, done: set[int]):
