@@ -22,6 +22,7 @@ from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.check import check_cmd
 from cli.samples import samples_cmd
 from cli.study import doctor, lab
+from minirl import faults
 from minirl.config import recipes
 from minirl.config.precisions import NAMES as PRECISION_NAMES
 from minirl.errors import EngineFault, EnvFault, RunIOError, UsageError
@@ -370,13 +371,24 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
 
         engine_cache.use(ws.root)
     # in a log, no bar: rich draws none live there, and its last frame would stand before a refusal's line
-    with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not console.is_terminal) as prog:
-        task = prog.add_task("eval", total=None)
-        result = eval_benchmark(
-            bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records,
-            keep_samples=not no_samples, on_progress=lambda done, total: prog.update(task, completed=done, total=total),
-        )
+    kept = [0, 0]  # problems done and kept, of all: what a Ctrl-C leaves for the same command to resume
+
+    def progress(done: int, total: int) -> None:
+        kept[:] = done, total
+        prog.update(task, completed=done, total=total)
+
+    try:
+        with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=not console.is_terminal) as prog:
+            task = prog.add_task("eval", total=None)
+            result = eval_benchmark(bench_name=bench, model_dir=model_dir, out_dir=out_dir, rec=rec, records=records,
+                                    keep_samples=not no_samples, on_progress=faults.eval_progress(progress))
+    except KeyboardInterrupt:
+        if not kept[0]:
+            raise
+        print(f"minirl: eval stopped: {kept[0]:,} of {kept[1]:,} problems kept; the same command resumes from there",
+              file=sys.stderr)
+        sys.exit(130)
     from rich.table import Table
 
     kk = result["k"]

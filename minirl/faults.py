@@ -29,6 +29,10 @@ run/final_weights.py on the rank that writes.
 MINIRL_INJECT_INVERT="100" trains on the rewards inverted (1 − r) from step 100 on, while the
 reward logged and judged stays the grader's: the policy unlearns the task and the reward slides
 with the entropy calm, the slide the guard must catch (#64): "invert".
+
+MINIRL_INJECT_EVAL_STOP="1" sends `minirl eval` a SIGINT as soon as it has kept 1 problem (its progress
+callback: `eval_progress`), a Ctrl-C at a known point: the evaluation must say what it kept and the same
+command resume from there.
 """
 
 from __future__ import annotations
@@ -140,3 +144,18 @@ def drop_weight(weights):
     if isinstance(weights, dict):
         return {k: v for k, v in weights.items() if k != name}
     return [(k, v) for k, v in weights if k != name]
+
+
+def eval_progress(on_progress):
+    """`on_progress` of an evaluation, followed by a SIGINT to this process once MINIRL_INJECT_EVAL_STOP
+    problems are kept; `on_progress` itself where it is not set."""
+    at = os.environ.get("MINIRL_INJECT_EVAL_STOP", "")
+    if not at.isdigit():
+        return on_progress
+
+    def progress(done: int, total: int) -> None:
+        on_progress(done, total)
+        if done >= int(at):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return progress

@@ -310,6 +310,26 @@ def test_a_preemption_mid_collapse_rolls_back_to_the_newest_good_and_an_end_cut_
     assert not (run_dir / "end_started").exists() and not (run_dir / "checkpoints" / "step_000006" / "hf").exists()
 
 
+def test_an_interrupted_eval_says_what_it_kept_and_the_same_command_resumes_there(small_ws, tmp_path):
+    """A Ctrl-C mid-evaluation (MINIRL_INJECT_EVAL_STOP: a SIGINT as soon as a problem is kept) ends in one
+    line saying how many problems are kept, exit code 130 and no traceback; the same command resumes them
+    and generates the rest."""
+    ws = fresh_copy(small_ws, tmp_path)
+    cmd = [sys.executable, "-m", "cli.main", "eval", "heldout", str(ws), "--checkpoint", "coldstart"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(MINIRL_INJECT_EVAL_STOP="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 130, r.stderr[-3000:]
+    [partial] = (ws / "evals").glob("*.partial.jsonl")
+    kept = len(partial.read_text().splitlines())
+    assert 0 < kept < 32 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"minirl: eval stopped: {kept} of 32 problems kept; the same command "
+                                                 "resumes from there")
+    r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed: {kept} problems were already done" in r.stdout
+    assert not partial.exists()
+
+
 def test_a_disk_full_before_the_first_checkpoint_advises_a_new_run(tiny_dir, tmp_path, monkeypatch):
     """#82: the exit-4 line said "free space, then `minirl run … --resume`" when the run had no
     checkpoint yet, and that resume answers "nothing to resume". The advice is what works."""
