@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from minirl.config import recipes
@@ -189,6 +190,19 @@ def _locked_start_and_train(ws: Workspace, rec: Recipe, inputs: RunInputs, on_ev
         rl.close()
 
 
+@dataclass
+class _Stopped:
+    """How a run's steps ended: its status ("finished" unless a stop, a fault or the guard ended them), the
+    fault said (None: none), the newest periodic held-out eval as (step, result), and the seconds of the
+    held-out evaluations (off the RL clock) and of the RL clock."""
+
+    status: str
+    fault: str | None
+    last_eval: tuple
+    eval_s: float
+    rl_s: float
+
+
 def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: float, startup: dict,
            team: Team) -> dict:
     """The steps, the checkpoints and the end of a run (final checkpoint, held-out eval, summary)."""
@@ -198,14 +212,23 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
     metrics_path = run_dir / "metrics.jsonl"
     if world.main:
         store.truncate_metrics(metrics_path, rl.state.step)  # rows past the checkpoint are redone; a torn last line goes
+    before = dict(rl.state.timing)  # what earlier attempts spent: the summary's phases are this attempt's
+    sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
+                  resumed_at=rl.state.step if rl.state.step else None) if world.main else None
+    stopped = _steps(rl, on_event, team=team, metrics_path=metrics_path, sinks=sinks, eval_s=eval_s)
+    return _end(rl, on_event, stopped, t_start=t_start, startup_s=startup_s, startup=startup, before=before,
+                sinks=sinks, metrics_path=metrics_path)
+
+
+def _steps(rl: RLRun, on_event, *, team: Team, metrics_path: Path, sinks: Sinks | None, eval_s: float) -> _Stopped:
+    """The run's steps until its last, a stop, a fault or the guard's stop: each step's row, samples and
+    trained tokens written, the periodic held-out evals and checkpoints."""
+    rec, world = rl.rec, rl.world
     status, fault = "finished", None
     last_eval = (None, {})  # (step, held-out result) of the newest periodic eval (eval.every)
     t_rl = time.time()
     timing = rl.state.timing  # summed over the run's attempts (a checkpoint carries it)
-    before = dict(timing)  # what earlier attempts spent: the summary's phases are this attempt's, as its wall
     rl_clock = Stopwatch(timing)
-    sinks = Sinks(rec.metrics, run_dir=run_dir, recipe=rec.to_dict(),
-                  resumed_at=rl.state.step if rl.state.step else None) if world.main else None
     samples = _sample_log(rl) if world.main else None  # after the resume's checkpoint: none past it
     tokens = _token_record(rl) if world.main else None
     with metrics_path.open("a") if world.main else open(os.devnull, "w") as mf:
@@ -278,8 +301,15 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
         samples.close()
     if tokens:
         tokens.close()
-    rl_s = time.time() - t_rl
+    return _Stopped(status, fault, last_eval, eval_s, time.time() - t_rl)
 
+
+def _end(rl: RLRun, on_event, stopped: _Stopped, *, t_start: float, startup_s: float, startup: dict, before: dict,
+         sinks: Sinks | None, metrics_path: Path) -> dict:
+    """The end of a run however its steps ended: its final checkpoint, then (where it ended as it should)
+    the held-out eval and the HF folder, and the summary."""
+    rec, run_dir, world = rl.rec, rl.state.run_dir, rl.world
+    status, fault, last_eval, eval_s = stopped.status, stopped.fault, stopped.last_eval, stopped.eval_s
     final = rl.state.run_dir / "checkpoints" / f"step_{rl.state.step:06d}"
     # A fault right after a scheduled checkpoint, or a resume of a run whose steps were all done: it
     # holds these weights already
@@ -325,7 +355,7 @@ def _train(rl: RLRun, on_event, *, t_start: float, startup_s: float, eval_s: flo
             on_event("fault", {"text": fault})
     if not world.main:
         return {"status": status}
-    phases = {"startup": startup_s, "eval": eval_s, "rl": rl_s,
+    phases = {"startup": startup_s, "eval": eval_s, "rl": stopped.rl_s,
               **{k: v - before.get(k, 0.0) for k, v in rl.state.timing.items()}}
     summary = write_summary(rl, status=status, stop_signal=Stop.signal, wall_s=time.time() - t_start, phases=phases,
                             heldout_end=heldout_end, checkpoint=final, hf_dir=hf_dir, metrics_path=metrics_path,
