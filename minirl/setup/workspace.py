@@ -266,6 +266,7 @@ def build_embedded_default(ws: Workspace, rec, *, progress=None) -> dict:
         if reply_at is not None and text.startswith("".join(x for x, _ in parts[:reply_at])):
             return True
         return grader(train[i], text).score >= 1.0
+
     losses: list[float] = []
     dev_acc: list[float] = []
 
