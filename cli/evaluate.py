@@ -72,20 +72,20 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     model_dir = resolve_checkpoint(ws, rec, checkpoint)
     from minirl.setup import limits  # deferred: Platform.here imports torch
 
-    limits.check_engine(rec.rollout, limits.Platform.here())  # what this machine cannot give the engine: before it starts
+    # what this machine cannot give the engine: refused before it starts
+    limits.check_engine(rec.rollout, limits.Platform.here())
     out_dir = ws.root / "evals" if ws else Path("minirl-evals")
     if ws:  # the workspace's vLLM compile cache, which its runs fill (#73)
         from minirl.rollout import cache as engine_cache  # deferred: the rollout package imports torch
 
         engine_cache.use(ws.root)
-    # in a log, no bar: rich draws none live there, and its last frame would stand before a refusal's line
     kept = [0, 0]  # problems done and kept, of all: what a Ctrl-C leaves for the same command to resume
 
     def progress(done: int, total: int) -> None:
         kept[:] = done, total
         prog.update(task, completed=done, total=total)
 
-    try:
+    try:  # in a log, no bar: rich draws none live there, and its last frame would stand before a refusal's line
         with Progress(TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not console.is_terminal) as prog:
             task = prog.add_task("eval", total=None)

@@ -109,10 +109,11 @@ def eval_benchmark(
                          f"(max_position_embeddings in its config.json), prompt included; at most {ctx - 1}")
     max_tokens = min(rec.eval.max_tokens or rec.rollout.max_tokens, ctx - 1)  # a run's limit, fitted to this model
     budget = ctx - max_tokens
-    template = _template(bench, rec, chat=bool(getattr(tok, "chat_template", None)))
+    chat = bool(getattr(tok, "chat_template", None))
+    template = _template(bench, rec, chat=chat)
     episodes, tools = None, ()
     if rec.env.name:  # a multi-turn recipe: its episodes, with its environment, scored as the run scores them
-        episodes, tools = _environment(rec, records[0], tok, template, ctx=ctx, budget=budget)
+        episodes, tools = _environment(rec, records[0], tok, template, chat=chat, ctx=ctx, budget=budget)
     prompts, truncated = [], 0
     for r in records:
         ids = _format_prompt(tok, template, r["problem"], rec.data.chat_template_kwargs, tools)
@@ -194,12 +195,11 @@ def _template(bench, rec, *, chat: bool) -> str:
     return bench.prompt_template
 
 
-def _environment(rec, first: dict, tok, template: str, *, ctx: int, budget: int):
+def _environment(rec, first: dict, tok, template: str, *, chat: bool, ctx: int, budget: int):
     """(a multi-turn recipe's episodes, the tools its prompts are told), checked as a run's preflight checks
     them: an environment that cannot run is one line before anything is written."""
     from minirl.rollout.environments import Environments  # deferred: torch (the CLI imports this module at start)
 
-    chat = bool(getattr(tok, "chat_template", None))
     environment_class(rec.env.name)
     listed = check_start(rec.env, dict(first), seed=episode_seed(rec.train.seed, 0, 0))
     tools = tuple(listed) if chat else ()  # told through the chat template, where there is one

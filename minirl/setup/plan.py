@@ -50,8 +50,9 @@ trainer's activations are gone while vLLM samples, so the peak is the largest of
 The engine's KV cache, its share of the GPU at its start and the refusals of an engine without room are
 setup/engine_share.py's. A plan that does not fit names every phase that overflows (the most that fits rounded
 down, the largest part and what shrinks it: setup/overflow.py), and setup/advice.py finds the cheapest change
-that makes all fit: the engine's share, micro-batch, offload, rollout TP, FP8, LoRA, more GPUs, in that order. Host memory per node (`host_memory`) and the moments'
-transfer time per step (at HOST_LINK_BYTES_S, an assumption) are reported beside the GPU's figures.
+that makes all fit: the engine's share, micro-batch, offload, rollout TP, FP8, LoRA, more GPUs, in that order.
+Host memory per node (`host_memory`) and the moments' transfer time per step (at HOST_LINK_BYTES_S, an
+assumption) are reported beside the GPU's figures.
 """
 
 from __future__ import annotations
