@@ -117,8 +117,11 @@ class RunView:
             if changes:
                 self.console.print("[yellow]the run's recipe changed as it resumed[/] (recorded in "
                                    "recipe_changes.jsonl): " + ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changes.items()))
-            self.progress.update(self.task, completed=data["step"])
+            # the bar's clock starts here, not when the view was made, before the engine's start
+            self.progress.reset(self.task, completed=data["step"])
         elif kind == "eval":
+            if data["which"] == "start":  # off the RL clock, as the summary's "time: rl" counts it
+                self.progress.reset(self.task, completed=self.progress.tasks[0].completed)  # the one task
             self.console.print(f"held-out {data['which']}: {self.eval_key} = [bold]{data[self.eval_key]:.3f}[/] "
                                f"over {data['problems']} problems (T={data['temperature']})")
         elif kind == "step":

@@ -10,7 +10,7 @@ again on what the engine says sampled each token. k = 0 is synchronous: a batch 
 after the sync of the step before. At most k + 1 batches are admitted and not yet trained.
 
 Nothing here knows an engine, a process or a clock: Rollouts drives it with a vLLM engine, the
-tests with a fake one, tests/bench/async_sim.py with simulated engines on a simulated clock.
+tests with a fake one, tests/async_sim.py with simulated engines on a simulated clock.
 """
 
 from __future__ import annotations
