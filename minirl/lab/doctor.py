@@ -38,6 +38,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,11 +105,10 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     weights = trainer.hf_state_dict()
     rounded = {"bf16": {k: v.to(torch.bfloat16).float() for k, v in weights.items()}, "fp8": fp8_roundtrip(weights),
                "e5m2": fp8_roundtrip(weights, fmt="e5m2"), "nvfp4": fp8_roundtrip(weights, fmt="nvfp4")}
-    max_len = sizing.max_model_len(rec)
     progress("starting vLLM (fp32, bf16, and bf16 with activations rounded to e4m3, e5m2 and NVFP4)")
     # one engine a level, side by side, never asleep, each on one GPU at most
-    kw = dict(seed=rec.train.seed, max_model_len=max_len, capture_routes=moe, max_num_seqs=sizing.max_num_seqs(rec),
-              sleep_level=0, tensor_parallel=1)
+    kw = dict(seed=rec.train.seed, max_model_len=sizing.max_model_len(rec), capture_routes=moe,
+              max_num_seqs=sizing.max_num_seqs(rec), sleep_level=0, tensor_parallel=1)
     level = lambda p: make_engine(folder, dataclasses.replace(rec.rollout, precision=p), **kw)  # noqa: E731
     # fp8-weights is the bf16 engine holding FP8-rounded weights; every other level an engine of its own
     engines = {p: level(p) for p in NAMES if p != "fp8-weights"}
@@ -118,9 +118,8 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
     holds = {p: rounded[fmt.get(PRECISIONS[p].emulate, PRECISIONS[p].emulate)] if PRECISIONS[p].rounds else weights
              for p in NAMES}
     levels = tuple((p, engines["bf16" if p == "fp8-weights" else p], holds[p]) for p in NAMES)
-    B, G, r = rec.train.prompts_per_step, rec.train.group_size, rec.rollout
-    cuts = Truncation.of(r)
-    pad, eos = inputs.tokenizer.pad_token_id, inputs.tokenizer.eos_token_id
+    bench = _Bench(trainer, rec, shape, inputs, start)
+    B, r = rec.train.prompts_per_step, rec.rollout
     k = rec.rollout.max_staleness
     mix, mix_source = staleness_mix(ws, k) if k else ({0: 1.0}, "")
     per_seed = []
@@ -128,88 +127,139 @@ def diagnose(ws, rec, folder: Path, *, seeds: int = 3,
         progress(f"seed {seed + 1}/{seeds}")
         problems = inputs.train[seed * B : (seed + 1) * B] if len(inputs.train) >= (seed + 1) * B else inputs.train[:B]
         prompts = [p.prompt_ids for p in problems]
-        fig: dict = {}
-
-        def sample(engine, w):
-            engine.load_weights(w.items())
-            groups = engine.generate(prompts, n=G, temperature=r.temperature, max_tokens=r.max_tokens,
-                                     seed=1000 + seed, **cuts.kw)
-            return groups, _batch(prompts, groups, G, pad, temperature=r.temperature)
-
-        # precision, as a run measures it: each rollout precision samples its own batch
-        batches = {}
-        for name, engine, w in levels:
-            groups, batch = sample(engine, w)
-            pi, _, own = trainer.logprobs(batch, record_routes=moe)  # own: the trainer's routes, where they flip
-            rr = pi_r3 = None
-            fig[f"kl/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
-            fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
-            fig.update({f"{k}/{name}": v for k, v in per_response(batch.rollout_logp_BT, pi, batch.mask_BT).items()})
-            if moe:  # the same with the engine's routes replayed: precision without route flips
-                rr = rollout_routes([c for g in groups for c in g], batch, trainer.replay.num_layers, shape.top_k,
-                                    shape.num_experts)
-                pi_r3, _, _ = trainer.logprobs(batch, routes=rr)
-                fig[f"kl_r3/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi_r3, batch.mask_BT)
-                fig[f"routing/tokens_with_a_flip/{name}"] = tokens_with_a_flip(rr, own, batch.mask_BT)
-            batches[name] = (groups, batch, pi, rr, own, pi_r3)
-        # weights alone: the fp32 sample's tokens, scored by the fp32 engine holding rounded weights
-        groups, batch, pi, *_ = batches["fp32"]
-        if r.temperature != 1.0 or cuts.cuts:  # `score` reads vLLM's prompt log-probs: the uncut T = 1 policy's
-            pi = trainer.logprobs(dataclasses.replace(batch, temperature=1.0, kept_BT=None))[0]
-        resps = [list(c.token_ids) for g in groups for c in g]
-        prompts_flat = [p for p in prompts for _ in range(G)]
-        for name in ("bf16", "fp8"):
-            engines["fp32"].load_weights(rounded[name].items())
-            mu = _as_batch(prompts_flat, resps, engines["fp32"].score(prompts_flat, resps), pad)
-            fig[f"kl/weights_{name}"] = objective.train_inference_kl_k3(mu.rollout_logp_BT, pi, batch.mask_BT)
-        engines["fp32"].load_weights(weights.items())
-
-        # routing, staleness and the cut on the run's own precision (its batch's forwards, from above)
-        groups, batch, pi, routes, own, r3_lp = batches[r.precision]
-        if cuts.cuts:  # π over the whole vocabulary, as a trainer that ignores the cut takes it
-            whole = trainer.logprobs(dataclasses.replace(batch, kept_BT=None))[0]
-            fig["kl/uncut_pi"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, whole, batch.mask_BT)
-        if moe:
-            agree = route_agreement(routes, own, batch.mask_BT)
-            fig["routing/disagree_per_layer"] = [float(1 - a) for a in agree]
-            fig["routing/disagree"] = float(1 - agree.mean())
-            fig["kl/run_no_replay"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
-            fig["kl/run_r3"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, r3_lp, batch.mask_BT)
-
-        scores = inputs.grading.grade([(p.record, _text(c.token_ids, inputs.tokenizer, eos))
-                                       for p, g in zip(problems, groups) for c in g])
-        adv = objective.group_advantages(torch.tensor([s.score for s in scores], dtype=torch.float32).view(-1, G),
-                                         std_scale=rec.loss.adv_std).flatten()
-        batch = _with_adv(batch, adv)
-        loss_fn = loss_for(rec.loss)
-        for mode in ("off", "r2", "r3") if moe else ("off",):
-            trainer.model.load_state_dict(start)
-            trainer.optim.state.clear()
-            replay = routes if mode == "r3" else None
-            old, _, recorded = trainer.logprobs(batch, routes=replay, record_routes=mode == "r2")
-            replay = recorded if mode == "r2" else replay
-            b = batch.with_old_logp(old)
-            order = minibatch_indices(len(problems), G, max(STALENESS_UPDATES), seed=seed)
-            for j, idx in enumerate(order, start=1):
-                trainer.forward_backward(b.select(idx), loss_fn, routes=replay[:, idx] if replay is not None else None)
-                trainer.optim_step()
-                if j in STALENESS_UPDATES:
-                    now, _, _ = trainer.logprobs(b, routes=replay)
-                    fig[f"staleness/{mode}/{j}"] = _kl_from_old(now, old, batch.mask_BT)
+        fig, batches = _precision_levels(bench, levels, prompts, seed)
+        fig.update(_weights_alone(bench, engines["fp32"], weights, rounded, prompts, *batches["fp32"][:3]))
+        groups, batch, pi, routes, own, r3_lp = batches[r.precision]  # the run's own precision
+        fig.update(_cut_and_routes(bench, batch, pi, routes, own, r3_lp))
+        fig.update(_staleness(bench, problems, groups, batch, routes, seed))
         if k:
             fig["staleness/behind"] = kl_behind(fig, rec.train.replay if moe else "off", mix, rec.train.minibatches)
-        trainer.model.load_state_dict(start)
-        trainer.optim.state.clear()
         per_seed.append(fig)
     inputs.grading.close()
     summary = _aggregate(per_seed)
-    return {"checkpoint": str(folder), "seeds": seeds, "batch": f"{B} prompts × {G} responses",
+    cuts = bench.cuts
+    return {"checkpoint": str(folder), "seeds": seeds, "batch": f"{B} prompts × {rec.train.group_size} responses",
             "moe": moe, "rollout_precision": r.precision, "temperature": r.temperature,
             "cuts": {"top_p": cuts.top_p, "top_k": cuts.top_k, "min_p": cuts.min_p} if cuts.cuts else None,
             "minibatches": rec.train.minibatches,
             "replay": rec.train.replay, "is_mode": rec.loss.is_mode, "figures": summary, "per_seed": per_seed,
             "max_staleness": k, "staleness_mix": mix, "staleness_source": mix_source,
             "advice": advice(summary, moe=moe, rec=rec, mix=mix, mix_source=mix_source)}
+
+
+@dataclasses.dataclass
+class _Bench:
+    """What every measurement of a seed shares: the trainer, put back at the checkpoint (`start`) after
+    each measurement that updates it, the recipe, the model's shape and the run's inputs."""
+
+    trainer: Trainer
+    rec: Any
+    shape: Any
+    inputs: Any
+    start: dict
+
+    @property
+    def cuts(self) -> Truncation:
+        return Truncation.of(self.rec.rollout)
+
+    @property
+    def pad(self) -> int:
+        return self.inputs.tokenizer.pad_token_id
+
+    def restart(self) -> None:
+        self.trainer.model.load_state_dict(self.start)
+        self.trainer.optim.state.clear()
+
+
+def _precision_levels(bench: _Bench, levels, prompts: list, seed: int) -> tuple[dict, dict]:
+    """Precision, as a run measures it: each rollout precision samples its own batch and the trainer scores
+    it, KL(μ‖π) and the spread over responses; for an MoE also with the engine's routes replayed (precision
+    without route flips). Returns the figures and, per level, (groups, batch, π, routes, the trainer's own
+    routes, π with the routes replayed)."""
+    trainer, r, G, moe = bench.trainer, bench.rec.rollout, bench.rec.train.group_size, bench.shape.is_moe
+    fig, batches = {}, {}
+    for name, engine, w in levels:
+        engine.load_weights(w.items())
+        groups = engine.generate(prompts, n=G, temperature=r.temperature, max_tokens=r.max_tokens,
+                                 seed=1000 + seed, **bench.cuts.kw)
+        batch = _batch(prompts, groups, G, bench.pad, temperature=r.temperature)
+        pi, _, own = trainer.logprobs(batch, record_routes=moe)  # own: the trainer's routes, where they flip
+        rr = pi_r3 = None
+        fig[f"kl/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
+        fig[f"k1/{name}"] = objective.train_inference_kl(batch.rollout_logp_BT, pi, batch.mask_BT)
+        fig.update({f"{k}/{name}": v for k, v in per_response(batch.rollout_logp_BT, pi, batch.mask_BT).items()})
+        if moe:
+            rr = rollout_routes([c for g in groups for c in g], batch, trainer.replay.num_layers, bench.shape.top_k,
+                                bench.shape.num_experts)
+            pi_r3, _, _ = trainer.logprobs(batch, routes=rr)
+            fig[f"kl_r3/{name}"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi_r3, batch.mask_BT)
+            fig[f"routing/tokens_with_a_flip/{name}"] = tokens_with_a_flip(rr, own, batch.mask_BT)
+        batches[name] = (groups, batch, pi, rr, own, pi_r3)
+    return fig, batches
+
+
+def _weights_alone(bench: _Bench, fp32_engine, weights: dict, rounded: dict, prompts: list, groups, batch,
+                   pi) -> dict:
+    """Weights alone: the fp32 sample's tokens scored by the fp32 engine holding bf16- and FP8-rounded
+    weights; the engine holds the checkpoint's weights again after."""
+    G = bench.rec.train.group_size
+    if bench.rec.rollout.temperature != 1.0 or bench.cuts.cuts:  # `score` reads vLLM's prompt log-probs: T = 1, uncut
+        pi = bench.trainer.logprobs(dataclasses.replace(batch, temperature=1.0, kept_BT=None))[0]
+    resps = [list(c.token_ids) for g in groups for c in g]
+    prompts_flat = [p for p in prompts for _ in range(G)]
+    fig = {}
+    for name in ("bf16", "fp8"):
+        fp32_engine.load_weights(rounded[name].items())
+        mu = _as_batch(prompts_flat, resps, fp32_engine.score(prompts_flat, resps), bench.pad)
+        fig[f"kl/weights_{name}"] = objective.train_inference_kl_k3(mu.rollout_logp_BT, pi, batch.mask_BT)
+    fp32_engine.load_weights(weights.items())
+    return fig
+
+
+def _cut_and_routes(bench: _Bench, batch, pi, routes, own, r3_lp) -> dict:
+    """On the run's own precision: what a cut sampler adds where π is taken over the whole vocabulary, and
+    for an MoE the routes' per-layer disagreement and KL(μ‖π) without and with R3."""
+    fig = {}
+    if bench.cuts.cuts:  # π over the whole vocabulary, as a trainer that ignores the cut takes it
+        whole = bench.trainer.logprobs(dataclasses.replace(batch, kept_BT=None))[0]
+        fig["kl/uncut_pi"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, whole, batch.mask_BT)
+    if bench.shape.is_moe:
+        agree = route_agreement(routes, own, batch.mask_BT)
+        fig["routing/disagree_per_layer"] = [float(1 - a) for a in agree]
+        fig["routing/disagree"] = float(1 - agree.mean())
+        fig["kl/run_no_replay"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, pi, batch.mask_BT)
+        fig["kl/run_r3"] = objective.train_inference_kl_k3(batch.rollout_logp_BT, r3_lp, batch.mask_BT)
+    return fig
+
+
+def _staleness(bench: _Bench, problems: list, groups, batch, routes, seed: int) -> dict:
+    """KL(π_θ‖π_θold) after 1, 2, 4 and 8 mini-batch updates of the recipe's loss on the run's precision's
+    batch, graded and given its group advantages: without replay, and for an MoE with R2 and R3. The
+    trainer is back at the checkpoint after."""
+    trainer, rec, G = bench.trainer, bench.rec, bench.rec.train.group_size
+    tok = bench.inputs.tokenizer
+    scores = bench.inputs.grading.grade([(p.record, _text(c.token_ids, tok, tok.eos_token_id))
+                                         for p, g in zip(problems, groups) for c in g])
+    adv = objective.group_advantages(torch.tensor([s.score for s in scores], dtype=torch.float32).view(-1, G),
+                                     std_scale=rec.loss.adv_std).flatten()
+    batch = _with_adv(batch, adv)
+    loss_fn = loss_for(rec.loss)
+    fig = {}
+    for mode in ("off", "r2", "r3") if bench.shape.is_moe else ("off",):
+        bench.restart()
+        replay = routes if mode == "r3" else None
+        old, _, recorded = trainer.logprobs(batch, routes=replay, record_routes=mode == "r2")
+        replay = recorded if mode == "r2" else replay
+        b = batch.with_old_logp(old)
+        order = minibatch_indices(len(problems), G, max(STALENESS_UPDATES), seed=seed)
+        for j, idx in enumerate(order, start=1):
+            trainer.forward_backward(b.select(idx), loss_fn, routes=replay[:, idx] if replay is not None else None)
+            trainer.optim_step()
+            if j in STALENESS_UPDATES:
+                now, _, _ = trainer.logprobs(b, routes=replay)
+                fig[f"staleness/{mode}/{j}"] = _kl_from_old(now, old, batch.mask_BT)
+    bench.restart()
+    return fig
 
 
 def per_response(mu_BT: torch.Tensor, pi_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
