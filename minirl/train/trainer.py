@@ -111,27 +111,7 @@ class Trainer:
         # kernel); fp32 compute keeps the experts in fp32 (models/titan.py)
         cfg = titan_config(shape, expert_dtype="bfloat16" if param_dtype == "bfloat16" else "float32")
         self.lora = dict(lora) if lora and lora.get("rank") else None
-        adapt = None
-        if self.lora:  # before TorchTitan's sharding and activation checkpointing see the model
-            adapt = functools.partial(self._adapt, base_dtype=getattr(torch, param_dtype))
-        if self.sharded:
-            self.model = parallelize(cfg, ep=ep if shape.is_moe else 1, device=self.device, seed=seed,
-                                     param_dtype=param_dtype, activation_checkpoint=activation_checkpoint, adapt=adapt)
-        elif adapt is not None:  # built on the meta device and allocated in the base's dtype: no float32 copy, ever
-            with torch.device("meta"):
-                self.model = cfg.build()
-            adapt(self.model)
-            self.model.to_empty(device=self.device)
-            with torch.no_grad():
-                self.model.init_states()
-                lora_mod.init_adapters(self.model)
-            if activation_checkpoint == "full":
-                full_ac(self.model)
-        else:
-            self.model = cfg.build().to(self.device)
-            self._init_weights()
-            if activation_checkpoint == "full":
-                full_ac(self.model)
+        self.model = self._build(cfg, seed=seed, activation_checkpoint=activation_checkpoint)
         self.base: dict | None = None  # the frozen base's folder and fingerprint, once `load_hf` read it (LoRA)
         self._views = None  # (parameter storages, HF-named views of them): `hf_views`
         self._params = list(self.model.parameters())  # kept: a sync must not walk the module tree again
@@ -175,9 +155,28 @@ class Trainer:
             p.data = p.data.to(base_dtype)
         lora_mod.attach(model, rank=self.lora["rank"], alpha=self.lora["alpha"], targets=tuple(self.lora["targets"]))
 
-    def _init_weights(self) -> None:
-        """TorchTitan configs carry per-parameter init functions; apply them to the fresh model."""
-        self.model.init_states()
+    def _build(self, cfg, *, seed: int, activation_checkpoint: str) -> torch.nn.Module:
+        """The TorchTitan model, its weights initialised by the config's per-parameter init functions. Under a
+        process group, through TorchTitan's `parallelize` (FSDP2, the experts over `ep` ranks). LoRA's adapters
+        go on before TorchTitan's sharding and activation checkpointing see the model."""
+        adapt = functools.partial(self._adapt, base_dtype=getattr(torch, self.param_dtype)) if self.lora else None
+        if self.sharded:
+            return parallelize(cfg, ep=self.ep if self.shape.is_moe else 1, device=self.device, seed=seed,
+                               param_dtype=self.param_dtype, activation_checkpoint=activation_checkpoint, adapt=adapt)
+        if adapt is not None:  # built on the meta device and allocated in the base's dtype: no float32 copy, ever
+            with torch.device("meta"):
+                model = cfg.build()
+            adapt(model)
+            model.to_empty(device=self.device)
+            with torch.no_grad():
+                model.init_states()
+                lora_mod.init_adapters(model)
+        else:
+            model = cfg.build().to(self.device)
+            model.init_states()
+        if activation_checkpoint == "full":
+            full_ac(model)
+        return model
 
     # ----- weights in / out --------------------------------------------------------------------
     def load_hf(self, folder: Path) -> None:
