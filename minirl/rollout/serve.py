@@ -26,6 +26,7 @@ from minirl.rollout.engine import build
 # calls that bring weights and their version: loaded as they come, between two forward steps (sync.py `queue`)
 WEIGHTS = ("bind_slot", "sync_slot", "load_stream", "set_version", "receive_weights")
 
+
 def serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     """The engine's process: build the engine, then answer calls until told to stop, each answer naming
     its call. Calls run one at a time, in order, but for the weights, loaded as they come. With
@@ -39,7 +40,6 @@ def serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     os.sched_setaffinity(0, cores)
     # rollout GPUs (remote.py): which engine this is, and where it joins the weights' broadcast
     stream_no, joins = kw.pop("stream", 0), kw.pop("channel", None)
-    channel = None
     try:
         engine = build(Path(model_dir), rollout, **kw)
         collect_as_usual()
@@ -50,43 +50,51 @@ def serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
     except BaseException as e:  # noqa: BLE001 - the parent raises it
         conn.send((0, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
         return
-    from minirl.rollout.stream import Stream  # deferred: it imports vLLM's CPU captures
-    from minirl.rollout.vllm import MAX_REDRAWS
+    _Server(conn, engine, rollout, joins).loop()
 
-    # every `generate` steps here, between which calls are read: a rollback's cancel aborts a batch under
-    # way. With rollout.inflight_updates calls join the requests in flight and syncs load between two
-    # forward steps; without, one call runs at a time, in the order sent
-    inflight = rollout.inflight_updates
-    stream = Stream(engine, max_redraws=MAX_REDRAWS, overlap_envs=inflight)
-    slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
-    deferred: collections.deque = collections.deque()  # calls that wait for the requests in flight
-    hold_after: int | None = None  # a test's pause: wait for the next call after this many forward steps
-    stepped, stepping = 0, 0.0  # forward steps since the stream began; seconds since its last answer
 
-    def run(call_id: int, method: str, args: tuple, kwargs: dict) -> None:
-        nonlocal hold_after, channel
+class _Server:
+    """The engine process's loop after the build: every `generate` steps here, between which calls are read,
+    so a rollback's cancel aborts a batch under way. With rollout.inflight_updates calls join the requests in
+    flight and syncs load between two forward steps; without, one call runs at a time, in the order sent."""
+
+    def __init__(self, conn, engine, rollout, joins) -> None:
+        from minirl.rollout.stream import Stream  # deferred: it imports vLLM's CPU captures
+        from minirl.rollout.vllm import MAX_REDRAWS
+
+        self.conn, self.engine, self.joins = conn, engine, joins
+        self.inflight = rollout.inflight_updates
+        self.stream = Stream(engine, max_redraws=MAX_REDRAWS, overlap_envs=self.inflight)
+        self.channel = None  # the weights' broadcast from the trainer (rollout GPUs), joined at the first
+        self.slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
+        self.deferred: collections.deque = collections.deque()  # calls that wait for the requests in flight
+        self.hold_after: int | None = None  # a test's pause: wait for the next call after this many forward steps
+        self.stepped, self.stepping = 0, 0.0  # forward steps since the stream began; seconds since its last answer
+
+    def run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+        conn, engine = self.conn, self.engine
         t0 = time.perf_counter()
         try:
             if method == "bind_slot":
-                slots[args[0]], out = args[1], None
+                self.slots[args[0]], out = args[1], None
             elif method == "sync_slot":  # (slot, the policy version it holds)
-                out = engine.load_live_weights(slots[args[0]], key=args[0], version=args[1])
+                out = engine.load_live_weights(self.slots[args[0]], key=args[0], version=args[1])
             elif method == "load_stream":  # (the policy version): its buckets follow on the pipe, one at a time
-                out = engine.load_weights(_taken_buckets(conn, call_id, deferred.appendleft), version=args[0])
+                out = engine.load_weights(_taken_buckets(conn, call_id, self.deferred.appendleft), version=args[0])
             elif method == "receive_weights":  # (the policy version, one flat buffer or buckets): remote.py
-                if channel is None:
-                    host, port, rank, size, backend = joins
-                    channel = WeightChannel.join(host, port, rank, size, backend,  # its first GPU: the buffers' device
-                                                 device="cuda:0" if torch.cuda.is_available() else "cpu")
+                if self.channel is None:
+                    host, port, rank, size, backend = self.joins
+                    self.channel = WeightChannel.join(host, port, rank, size, backend,  # its first GPU: the buffers'
+                                                      device="cuda:0" if torch.cuda.is_available() else "cpu")
                 if args[1]:
-                    out = engine.load_live_weights(channel.receive(), key=-1, version=args[0])
+                    out = engine.load_live_weights(self.channel.receive(), key=-1, version=args[0])
                 else:
-                    out = engine.load_weights((x for bucket in channel.receive_buckets() for x in bucket),
+                    out = engine.load_weights((x for bucket in self.channel.receive_buckets() for x in bucket),
                                               version=args[0])
             elif method == "hold_after":
-                hold_after, out = args[0], None
+                self.hold_after, out = args[0], None
             elif method == "generate":
-                stream.add(call_id, *args, **kwargs)  # answered when its requests have finished
+                self.stream.add(call_id, *args, **kwargs)  # answered when its requests have finished
                 return
             else:
                 out = getattr(engine, method)(*args, **kwargs)
@@ -96,68 +104,75 @@ def serve(conn, model_dir: str, rollout, kw: dict, cores: list[int]) -> None:
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send((call_id, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
 
-    def arrived(message) -> None:
+    def arrived(self, message) -> None:
         """A call read while requests are in flight, or before the next call runs: a cancel at once;
         with in-flight updates weights now and a generate now unless calls wait before it; anything
         else after them, in order."""
         method = message[1]
         if method == "cancel":
-            cancel(message[0], set(message[2][0]))
-        elif method == "hold_after" or (inflight and (method in WEIGHTS or (method == "generate" and not deferred))):
-            run(*message)
+            self.cancel(message[0], set(message[2][0]))
+        elif method == "hold_after" or (self.inflight and (method in WEIGHTS or
+                                                           (method == "generate" and not self.deferred))):
+            self.run(*message)
         else:
-            deferred.append(message)
+            self.deferred.append(message)
 
-    def cancel(call_id: int, tags: set[int]) -> None:
+    def cancel(self, call_id: int, tags: set[int]) -> None:
         """A rollback's: the `generate` calls `tags`, queued or under way, answered "cancelled" and
         never sampled further, so the restored weights' batch comes next (#74)."""
-        kept = [m for m in deferred if not (m[1] == "generate" and m[0] in tags)]
-        dropped = [m[0] for m in deferred if m[1] == "generate" and m[0] in tags]
-        deferred.clear()
-        deferred.extend(kept)
-        for tag in dropped + stream.cancel(tags):
-            conn.send((tag, "cancelled", None, 0.0))
-        conn.send((call_id, "ok", None, 0.0))
+        kept = [m for m in self.deferred if not (m[1] == "generate" and m[0] in tags)]
+        dropped = [m[0] for m in self.deferred if m[1] == "generate" and m[0] in tags]
+        self.deferred.clear()
+        self.deferred.extend(kept)
+        for tag in dropped + self.stream.cancel(tags):
+            self.conn.send((tag, "cancelled", None, 0.0))
+        self.conn.send((call_id, "ok", None, 0.0))
 
-    while True:
-        if stream.busy:  # between two forward steps
+    def step(self) -> None:
+        """Between two forward steps: the calls that came in read (a test's pause: none before it, then one),
+        then one forward step of the requests in flight, the batches it finished answered."""
+        conn = self.conn
+        if self.hold_after is None:
+            while conn.poll():
+                self.arrived(conn.recv())
+        elif self.stepped >= self.hold_after:
+            self.hold_after = None
+            self.arrived(conn.recv())
+        t0 = time.perf_counter()
+        try:
+            done = self.stream.step()
+        except Exception as e:  # noqa: BLE001 - every call in flight gets it
+            for tag in self.stream.fail():
+                conn.send((tag, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
+            return
+        self.stepped, self.stepping = self.stepped + 1, self.stepping + time.perf_counter() - t0
+        for tag, groups in done:
+            conn.send((tag, "ok", groups, self.stepping))
+            self.stepping = 0.0
+
+    def loop(self) -> None:
+        """Until `stop`, or the trainer's process is gone (its end of the pipe closed)."""
+        conn = self.conn
+        while True:
             try:
-                if hold_after is None:
-                    while conn.poll():
-                        arrived(conn.recv())
-                elif stepped >= hold_after:  # a test's pause: nothing is read before it, then one call
-                    hold_after = None
-                    arrived(conn.recv())
+                if self.stream.busy:
+                    self.step()
+                    continue
+                self.stepped = 0
+                while conn.poll() and not self.stream.busy:  # what came before the next call runs: a cancel among it
+                    self.arrived(conn.recv())
+                if self.stream.busy:  # a generate that came in started (in-flight updates)
+                    continue
+                if not self.deferred:
+                    self.arrived(conn.recv())
+                    continue
+                call_id, method, args, kwargs = self.deferred.popleft()
             except EOFError:  # the trainer's process is gone
                 return
-            t0 = time.perf_counter()
-            try:
-                done = stream.step()
-            except Exception as e:  # noqa: BLE001 - every call in flight gets it
-                for tag in stream.fail():
-                    conn.send((tag, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", 0.0))
-                continue
-            stepped, stepping = stepped + 1, stepping + time.perf_counter() - t0
-            for tag, groups in done:
-                conn.send((tag, "ok", groups, stepping))
-                stepping = 0.0
-            continue
-        stepped = 0
-        try:
-            while conn.poll() and not stream.busy:  # what came before the next call runs: a cancel among it
-                arrived(conn.recv())
-            if stream.busy:  # a generate that came in started (in-flight updates)
-                continue
-            if not deferred:
-                arrived(conn.recv())
-                continue
-            call_id, method, args, kwargs = deferred.popleft()
-        except EOFError:  # the trainer's process is gone
-            return
-        if method == "stop":
-            conn.send((call_id, "ok", None, 0.0))
-            quick_exit(0)  # the trainer joins this process: its engine left to the process's end
-        run(call_id, method, args, kwargs)
+            if method == "stop":
+                conn.send((call_id, "ok", None, 0.0))
+                quick_exit(0)  # the trainer joins this process: its engine left to the process's end
+            self.run(call_id, method, args, kwargs)
 
 
 def _taken_buckets(conn, call_id: int, put_back):
