@@ -45,6 +45,9 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
         raise UsageError("minirl export [WORKSPACE_RUN_OR_CHECKPOINT] OUT: give the output folder (and optionally "
                          "the workspace, run or checkpoint)")
     out = paths[-1]
+    if len(paths) == 1 and ex.is_source(out):  # `minirl export WS`: what to export, and no folder to write
+        raise UsageError(f"{out} is what to export, and OUT is missing: `minirl export {out} OUT` writes it to a new "
+                         "folder OUT")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; choose another one")
     # SIGTERM as Ctrl-C while the export works: its cleanup runs and nothing half-written is left (#82); once

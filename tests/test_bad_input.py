@@ -611,6 +611,8 @@ CASES = [
      "holds other weights"),
     ("doctor-workspace-positional", ["doctor", "{ws}", "--seeds", "0"], None, "--seeds"),
     ("export-workspace-as-source", ["export", "{ws}", "{new}", "--step", "7"], None, "no checkpoint of step 7"),
+    ("export-workspace-without-out", ["export", "{ws}"], None, "is what to export, and OUT is missing"),
+    ("export-checkpoint-without-out", ["export", f"{{ws}}/{CKPT}"], None, "is what to export, and OUT is missing"),
     ("eval-no-checkpoint", ["eval", "-w", "{ws}", "--checkpoint", "/nonexistent/ckpt"], None, "checkpoint not found"),
     ("eval-damaged-json", ["eval", "-w", "{ws}", "--checkpoint", f"{{ws}}/{CKPT}"], truncate(f"{CKPT}/minirl.json", 0.3),
      "is not readable JSON"),

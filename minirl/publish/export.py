@@ -39,6 +39,13 @@ from minirl.setup.run_inputs import prepare_run
 from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 
+def is_source(path: Path) -> bool:
+    """A workspace, a run folder or one of its checkpoints: what `pick` exports from, never a folder to write."""
+    path = Path(path)
+    return ((path / RECIPE_NAME).is_file() or (path / "checkpoints").is_dir()
+            or (store.has_record(path) and path.parent.name == "checkpoints"))
+
+
 def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,
          progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[Path, Checkpoint, str]:
     """(run folder, checkpoint, why) for a run or checkpoint folder, else the workspace's latest
