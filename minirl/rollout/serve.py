@@ -65,7 +65,7 @@ class _Server:
         self.conn, self.engine, self.joins = conn, engine, joins
         self.inflight = rollout.inflight_updates
         self.stream = Stream(engine, max_redraws=MAX_REDRAWS, overlap_envs=self.inflight)
-        self.channel = None  # the weights' broadcast from the trainer (rollout GPUs), joined at the first
+        self.channel = None  # the broadcast of the trainer's weights (rollout GPUs), joined at its first receive
         self.slots: dict[int, dict] = {}  # snapshot slots of the trainer's weights (`queue_weights`), once sent each
         self.deferred: collections.deque = collections.deque()  # calls that wait for the requests in flight
         self.hold_after: int | None = None  # a test's pause: wait for the next call after this many forward steps
