@@ -56,6 +56,12 @@ class Workspace:
     def open(cls, root: Path) -> "Workspace":
         root = Path(root)
         if not (root / RECIPE_NAME).is_file():
+            # a folder in a workspace (a run's, the model's) given for the workspace: never `minirl init` in there
+            inside = None if not root.is_dir() else next(
+                (p for p in root.absolute().parents if (p / RECIPE_NAME).is_file()), None)
+            if inside is not None:
+                raise UsageError(f"{root} is not a minirl workspace (no {RECIPE_NAME}); it is inside the workspace "
+                                 f"{inside}: give that")
             beside = sorted(p.parent.name for p in root.absolute().parent.glob(f"*/{RECIPE_NAME}"))
             hint = f"; workspaces beside it: {', '.join(beside[:5])}{', ...' if len(beside) > 5 else ''}" if beside else ""
             raise UsageError(f"{root} is not a minirl workspace (no {RECIPE_NAME}){hint}; create one with "
