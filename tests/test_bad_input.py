@@ -516,7 +516,7 @@ CASES = [
     ("toml-unknown-section", ["run", "{ws}"], write("minirl.toml", "[trian]\nlr = 1\n"), "unknown recipe section [trian]"),
     ("toml-nan", ["run", "{ws}"], write("minirl.toml", "[train]\nlr = nan\n"), "train.lr = nan"),
     ("not-a-workspace", ["run", "{ws}"], delete("minirl.toml"), "is not a minirl workspace"),
-    ("a-run-for-its-workspace", ["status", f"{{ws}}/{RUN}"], None, "is inside the workspace"),
+    ("a-folder-inside-for-its-workspace", ["samples", "{ws}/model/coldstart"], None, "is inside the workspace"),
     # --- data files ---------------------------------------------------------------------------------
     ("runs-a-dangling-link", ["run", "{ws}"], dangling("runs", "/nonexistent/minirl-runs"),
      "runs is a link to /nonexistent/minirl-runs, which does not exist: create that folder, or remove the link"),

@@ -167,3 +167,23 @@ def test_a_run_that_ended_before_its_first_step_reads_as_a_failed_start(tmp_path
         store.resume_checkpoint(ws, check=lambda c: None, run=run)
     assert status.read(make_run(tmp_path / "b", proc={"pid": gone.pid, "host": socket.gethostname(),
                                                     "started": time.time()})).state == "killed"  # it trained steps
+
+
+def test_a_runs_folder_given_for_its_workspace_is_that_run(tmp_path):
+    """`minirl status|samples|check demo/runs/ID` (the path a run prints) reads that run; the newest
+    otherwise; a folder elsewhere in the workspace names the workspace; two runs given are refused."""
+    import pytest
+
+    from minirl.errors import UsageError
+
+    run = make_run(tmp_path)
+    (tmp_path / "minirl.toml").write_text("")
+    newer = tmp_path / "runs" / "20991231-000000"
+    newer.mkdir()
+    assert status.run_dir_of(tmp_path, None) == newer
+    assert status.run_dir_of(run, None) == tmp_path / "runs" / run.name
+    assert status.run_dir_of(run, run.name) == tmp_path / "runs" / run.name
+    with pytest.raises(UsageError, match="two runs given"):
+        status.run_dir_of(run, newer.name)
+    with pytest.raises(UsageError, match="is inside the workspace"):
+        status.run_dir_of(tmp_path / "runs", None)
