@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import DEFAULT_WORKSPACE, workspace_argument
+from cli.options import default_workspace, workspace_argument
 from cli.render import SET_HELP, console
 from minirl import faults
 from minirl.config import recipes
@@ -50,7 +50,7 @@ def eval_cmd(bench: str, workspace: Path, checkpoint: str, data: Path | None, da
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if (Path(bench) / RECIPE_NAME).is_file() and workspace == DEFAULT_WORKSPACE:  # `minirl eval demo`, as `run demo`
+    if (Path(bench) / RECIPE_NAME).is_file() and workspace == default_workspace():  # `minirl eval demo`, as `run demo`
         bench, workspace = "heldout", Path(bench)
     get_bench(bench)  # an unknown name fails before anything loads
     ws = Workspace.open(workspace) if (workspace / RECIPE_NAME).exists() else None

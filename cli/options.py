@@ -8,24 +8,34 @@ from pathlib import Path
 import click
 
 from minirl.errors import UsageError
+from minirl.setup.workspace import RECIPE_NAME
 
 DEFAULT_WORKSPACE = Path("minirl-ws")
 _WS_TYPE = click.Path(file_okay=False, path_type=Path)
 
 
+def default_workspace() -> Path:
+    """The workspace a command without one works on: ./minirl-ws, or the current folder where it is a
+    workspace and ./minirl-ws is not (`cd demo && minirl status`)."""
+    if not (DEFAULT_WORKSPACE / RECIPE_NAME).is_file() and Path(RECIPE_NAME).is_file():
+        return Path(".")
+    return DEFAULT_WORKSPACE
+
+
 def workspace_argument(f):
     """WORKSPACE the way a user gives it to any command: as the positional argument
-    (`minirl status demo`) or as -w/--workspace (`minirl status -w demo`); default ./minirl-ws.
+    (`minirl status demo`) or as -w/--workspace (`minirl status -w demo`); default `default_workspace()`.
     The command receives one `workspace`; two different ones are refused."""
 
     @functools.wraps(f)
     def with_workspace(*args, workspace: Path | None = None, workspace_opt: Path | None = None, **kw):
         if workspace is not None and workspace_opt is not None and Path(workspace) != Path(workspace_opt):
             raise UsageError(f"two workspaces given: {workspace} and -w {workspace_opt}; give one")
-        return f(*args, workspace=workspace or workspace_opt or DEFAULT_WORKSPACE, **kw)
+        return f(*args, workspace=workspace or workspace_opt or default_workspace(), **kw)
 
     with_workspace = click.option("-w", "--workspace", "workspace_opt", type=_WS_TYPE, default=None,
-                                  help="The workspace, as the WORKSPACE argument [default: ./minirl-ws].")(with_workspace)
+                                  help="The workspace, as the WORKSPACE argument [default: ./minirl-ws, or the "
+                                       "current folder where it is a workspace].")(with_workspace)
     return click.argument("workspace", type=_WS_TYPE, required=False, default=None)(with_workspace)
 
 

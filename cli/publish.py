@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import SHARD_SIZE
+from cli.options import SHARD_SIZE, default_workspace
 from cli.render import console
 from minirl.errors import UsageError
 from minirl.models import hub
@@ -19,8 +19,9 @@ from minirl.publish import export as ex
 
 @click.command("export")
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[WORKSPACE_RUN_OR_CHECKPOINT] OUT")
-@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose latest run to export when no run or checkpoint is given.")
+@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Workspace whose latest run to export when no run or checkpoint is given [default: ./minirl-ws, or "
+                   "the current folder where it is a workspace].")
 @click.option("--best", is_flag=True, help="The good checkpoint (never one a rollback undid) with the best held-out "
                                            "score; checkpoints without a score are evaluated first.")
 @click.option("--step", type=int, default=None, help="The checkpoint of this step.")
@@ -28,7 +29,7 @@ from minirl.publish import export as ex
               help="Safetensors shard size (an index above it): TB, GB, MB or KB.")
 @click.option("--adapter", is_flag=True, help="A LoRA run: its adapter alone, as a PEFT folder (adapter_config.json, "
                                               "adapter_model.safetensors) for the run's base model, not the merged model.")
-def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int | None, max_shard_size: int,
+def export_cmd(paths: tuple[Path, ...], workspace: Path | None, best: bool, step: int | None, max_shard_size: int,
                adapter: bool) -> None:
     """Export a run's checkpoint as a Hugging Face model folder OUT with a model card.
 
@@ -56,7 +57,8 @@ def export_cmd(paths: tuple[Path, ...], workspace: Path, best: bool, step: int |
         with Progress(TextColumn("held-out eval of checkpoints"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as prog:
             task = prog.add_task("eval", total=None)
-            run_dir, ckpt, why = ex.pick(paths[0] if len(paths) == 2 else None, workspace, step=step, best=best,
+            run_dir, ckpt, why = ex.pick(paths[0] if len(paths) == 2 else None, workspace or default_workspace(),
+                                         step=step, best=best,
                                          progress=lambda d, t: prog.update(task, completed=d, total=t))
         with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
             folder = ex.export(run_dir, out, ckpt, why=why, max_shard_size=max_shard_size, adapter=adapter,
@@ -78,8 +80,9 @@ def _interrupt(signum, frame):
 @click.option("--revision", default=None, metavar="BRANCH", help="Branch to commit to (created from main).")
 @click.option("--force", is_flag=True, help="Replace what the branch already holds.")
 @click.option("--dry-run", is_flag=True, help="List the files and sizes that would be uploaded; touch nothing.")
-@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default="minirl-ws",
-              show_default=True, help="Workspace whose latest run to push when no folder or run is given.")
+@click.option("-w", "--workspace", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Workspace whose latest run to push when no folder or run is given [default: ./minirl-ws, or the "
+                   "current folder where it is a workspace].")
 @click.option("--best", is_flag=True, help="With a run: export its best good checkpoint (see `minirl export`).")
 @click.option("--step", type=int, default=None, help="With a run: export the checkpoint of this step.")
 @click.option("--adapter", is_flag=True, help="With a LoRA run: export and push its PEFT adapter, not the merged model.")
@@ -87,7 +90,7 @@ def _interrupt(signum, frame):
               help="An adapter whose base model is a local folder: the Hub repo of that base, which the uploaded "
                    "adapter_config.json and card then name.")
 def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None, force: bool, dry_run: bool,
-             workspace: Path, best: bool, step: int | None, adapter: bool, base_repo: str | None) -> None:
+             workspace: Path | None, best: bool, step: int | None, adapter: bool, base_repo: str | None) -> None:
     """Push an exported model folder to the Hugging Face Hub as one commit.
 
     FOLDER_OR_RUN: a folder `minirl export` wrote (a model or a LoRA adapter), or a run / checkpoint / workspace (exported
@@ -107,7 +110,7 @@ def push_cmd(source: Path | None, repo: str, private: bool, revision: str | None
                 raise UsageError(f"push --adapter: {folder} is a whole model folder (config.json, no adapter_config.json); "
                                  "push it without --adapter, or export the LoRA run with --adapter first")
         else:
-            run_dir, ckpt, why = ex.pick(source, workspace, step=step, best=best)
+            run_dir, ckpt, why = ex.pick(source, workspace or default_workspace(), step=step, best=best)
             with console.status(f"exporting step {ckpt.step} of {run_dir.name}..."):
                 folder = ex.export(run_dir, Path(tmp) / repo.split("/")[-1], ckpt, why=why, repo_id=repo, adapter=adapter,
                                    eval_results=ex.eval_results_for(run_dir.parent.parent, ckpt))

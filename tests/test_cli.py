@@ -124,3 +124,16 @@ def test_init_task_builds_the_long_response_workspace_in_the_recipes_shape(tmp_p
     assert shape == (6, 16, 4) and report["shape"] == {"layers": 6, "experts": 16, "top_k": 4, "max_seq_len": 192}
     lens = report["response_tokens"]
     assert 70 <= lens["min"] <= lens["median"] <= lens["max"] <= 136 and report["cold_start_steps"] <= 1
+
+
+def test_in_a_workspaces_folder_a_command_without_one_works_on_it(bare_ws):
+    """`cd demo && minirl status`: the current folder, where it is a workspace, is the default; ./minirl-ws
+    still where it is one, and a folder that is neither says so of ./minirl-ws."""
+    one_line_error(minirl("status", cwd=bare_ws), "no runs in .")
+    one_line_error(minirl("export", "out", cwd=bare_ws), "has trained a step yet")
+    (bare_ws / "minirl-ws").mkdir()
+    (bare_ws / "minirl-ws" / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
+    one_line_error(minirl("status", cwd=bare_ws), "no runs in minirl-ws")
+    elsewhere = bare_ws / "minirl-ws" / "data"
+    elsewhere.mkdir()
+    one_line_error(minirl("status", cwd=elsewhere), "minirl-ws is not a minirl workspace")
