@@ -120,7 +120,7 @@ def cli(verbose: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def init(workspace: Path, model_id: str | None, recipe_name: str | None, task: str | None, force: bool,
          overrides: tuple[str, ...]) -> None:
-    """Create a workspace in WORKSPACE (default ./minirl-ws; in a workspace's folder, that one, left as it is).
+    """Create a workspace in WORKSPACE (default ./minirl-ws).
 
     On the embedded default (model tiny-qwen3-moe) it also writes the synthetic task's train and
     held-out splits, builds a tiny Qwen3-MoE with its tokenizer (HF folder + TorchTitan DCP), and
@@ -217,7 +217,7 @@ def run(workspace: Path, model_id: str | None, replay: str | None, steps: int | 
         rollout_precision: str | None, overrides: tuple[str, ...], resume: str | None, dry_run: bool,
         recipe_name: str | None, nodes: int | None, gpus_per_node: int | None,
         gpu_mem_gib: float, rollout_gpus: int | None) -> None:
-    """Run RL in WORKSPACE (default ./minirl-ws, or the current folder where it is a workspace) with its recipe.
+    """Run RL in WORKSPACE (default ./minirl-ws) with its recipe.
 
     Every step: sample prompts, generate G responses each with vLLM (keeping log μ_old), grade,
     compute group advantages, recompute log π_old in TorchTitan, apply N mini-batch updates of the
