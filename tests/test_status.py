@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from minirl.run import status
 
@@ -169,8 +170,8 @@ def test_a_run_that_ended_before_its_first_step_reads_as_a_failed_start(tmp_path
                                                     "started": time.time()})).state == "killed"  # it trained steps
 
 
-def test_a_runs_folder_given_for_its_workspace_is_that_run(tmp_path):
-    """`minirl status|samples|check demo/runs/ID` (the path a run prints) reads that run; the newest
+def test_a_runs_folder_given_for_its_workspace_is_that_run(tmp_path, monkeypatch):
+    """`minirl status|samples|check demo/runs/ID` (the path a run prints; ID in runs/) reads that run; the newest
     otherwise; a folder elsewhere in the workspace names the workspace; two runs given are refused."""
     import pytest
 
@@ -183,6 +184,8 @@ def test_a_runs_folder_given_for_its_workspace_is_that_run(tmp_path):
     assert status.run_dir_of(tmp_path, None) == newer
     assert status.run_dir_of(run, None) == tmp_path / "runs" / run.name
     assert status.run_dir_of(run, run.name) == tmp_path / "runs" / run.name
+    monkeypatch.chdir(tmp_path / "runs")
+    assert status.run_dir_of(Path(run.name), None) == tmp_path / "runs" / run.name
     with pytest.raises(UsageError, match="two runs given"):
         status.run_dir_of(run, newer.name)
     with pytest.raises(UsageError, match="is inside the workspace"):

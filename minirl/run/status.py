@@ -68,12 +68,12 @@ def latest_run(ws_root: Path) -> Path:
 def run_dir_of(ws_root: Path, run_name: str | None) -> Path:
     """The run `--run NAME` names in a workspace, or its newest. A run's folder given for the workspace
     (`minirl status demo/runs/ID`, the path a run prints) is that run."""
-    ws_root = Path(ws_root)
-    if ws_root.parent.name == "runs" and ws_root.is_dir() and not (ws_root / RECIPE_NAME).is_file() \
-            and (ws_root.parent.parent / RECIPE_NAME).is_file():
-        if run_name not in (None, ws_root.name):
+    run = Path(ws_root).absolute()  # `minirl status ID` in runs/ too
+    if run.parent.name == "runs" and run.is_dir() and not (run / RECIPE_NAME).is_file() \
+            and (run.parent.parent / RECIPE_NAME).is_file():
+        if run_name not in (None, run.name):
             raise UsageError(f"two runs given: {ws_root} and --run {run_name}; give one")
-        ws_root, run_name = ws_root.parent.parent, ws_root.name
+        ws_root, run_name = run.parent.parent, run.name
     if run_name is None:
         return latest_run(ws_root)
     run_dir = Path(ws_root) / "runs" / run_name
