@@ -16,7 +16,7 @@ STARTED = time.time()  # the process's start, near enough: the run's summary cou
 import click
 
 from cli.guard import guard_cmd
-from cli.options import POSITIVE_FINITE, workspace_argument
+from cli.options import POSITIVE_FINITE, new_workspace_argument, workspace_argument
 from cli.publish import export_cmd, push_cmd
 from cli.render import SET_HELP, RunView, console, print_plan, status_view
 from cli.check import check_cmd
@@ -101,7 +101,7 @@ def cli(verbose: bool) -> None:
 
 
 @cli.command()
-@workspace_argument
+@new_workspace_argument
 @click.option("--model", "model_id", default=None,
               help="A Qwen3 / Qwen3-MoE to train instead of the embedded default: a short name (Qwen3-8B, "
                    "Qwen3-30B-A3B, ...), a Hugging Face repo id or a local HF folder. The workspace gets a math RL "

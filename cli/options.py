@@ -22,21 +22,27 @@ def default_workspace() -> Path:
     return DEFAULT_WORKSPACE
 
 
-def workspace_argument(f):
+def workspace_argument(f, *, new: bool = False):
     """WORKSPACE the way a user gives it to any command: as the positional argument
-    (`minirl status demo`) or as -w/--workspace (`minirl status -w demo`); default `default_workspace()`.
-    The command receives one `workspace`; two different ones are refused."""
+    (`minirl status demo`) or as -w/--workspace (`minirl status -w demo`); default `default_workspace()`,
+    or ./minirl-ws alone for a command that makes one (`new`: `init --force` in a workspace's folder must
+    never rebuild that workspace unasked). The command receives one `workspace`; two different ones are
+    refused."""
 
     @functools.wraps(f)
     def with_workspace(*args, workspace: Path | None = None, workspace_opt: Path | None = None, **kw):
         if workspace is not None and workspace_opt is not None and Path(workspace) != Path(workspace_opt):
             raise UsageError(f"two workspaces given: {workspace} and -w {workspace_opt}; give one")
-        return f(*args, workspace=workspace or workspace_opt or default_workspace(), **kw)
+        return f(*args, workspace=workspace or workspace_opt or (DEFAULT_WORKSPACE if new else default_workspace()),
+                 **kw)
 
+    default = "./minirl-ws" if new else "./minirl-ws, or the current folder where it is a workspace"
     with_workspace = click.option("-w", "--workspace", "workspace_opt", type=_WS_TYPE, default=None,
-                                  help="The workspace, as the WORKSPACE argument [default: ./minirl-ws, or the "
-                                       "current folder where it is a workspace].")(with_workspace)
+                                  help=f"The workspace, as the WORKSPACE argument [default: {default}].")(with_workspace)
     return click.argument("workspace", type=_WS_TYPE, required=False, default=None)(with_workspace)
+
+
+new_workspace_argument = functools.partial(workspace_argument, new=True)
 
 
 class _PositiveFinite(click.ParamType):

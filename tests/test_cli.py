@@ -131,6 +131,11 @@ def test_in_a_workspaces_folder_a_command_without_one_works_on_it(bare_ws):
     still where it is one, and a folder that is neither says so of ./minirl-ws."""
     one_line_error(minirl("status", cwd=bare_ws), "no runs in .")
     one_line_error(minirl("export", "out", cwd=bare_ws), "has trained a step yet")
+    # a command that makes one makes ./minirl-ws (here a file, so that it stops there): `init --force` in a
+    # workspace's folder never rebuilds that workspace
+    (bare_ws / "minirl-ws").write_text("")
+    one_line_error(minirl("init", "--force", cwd=bare_ws), "minirl-ws exists and is not a folder")
+    (bare_ws / "minirl-ws").unlink()
     (bare_ws / "minirl-ws").mkdir()
     (bare_ws / "minirl-ws" / "minirl.toml").write_text((ROOT / "recipes" / "tiny.toml").read_text())
     one_line_error(minirl("status", cwd=bare_ws), "no runs in minirl-ws")
