@@ -37,8 +37,9 @@ def workspace_argument(f, *, new: bool = False):
                  **kw)
 
     default = "./minirl-ws" if new else "./minirl-ws, or the current folder where it is a workspace"
-    with_workspace = click.option("-w", "--workspace", "workspace_opt", type=_WS_TYPE, default=None,
-                                  help=f"The workspace, as the WORKSPACE argument [default: {default}].")(with_workspace)
+    option = click.option("-w", "--workspace", "workspace_opt", type=_WS_TYPE, default=None,
+                          help=f"The workspace, as the WORKSPACE argument [default: {default}].")
+    with_workspace = option(with_workspace)
     return click.argument("workspace", type=_WS_TYPE, required=False, default=None)(with_workspace)
 
 
