@@ -32,6 +32,7 @@ The trainer is fp32 (the CPU setting); vLLM's bf16 is its compute and weight dty
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -158,11 +159,11 @@ class _Bench:
     inputs: Any
     start: dict
 
-    @property
+    @functools.cached_property
     def cuts(self) -> Truncation:
         return Truncation.of(self.rec.rollout)
 
-    @property
+    @functools.cached_property
     def pad(self) -> int:
         return self.inputs.tokenizer.pad_token_id
 

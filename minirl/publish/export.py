@@ -41,9 +41,13 @@ from minirl.setup.workspace import RECIPE_NAME, Workspace
 
 def is_source(path: Path) -> bool:
     """A workspace, a run folder or one of its checkpoints: what `pick` exports from, never a folder to write."""
-    path = Path(path)
-    return ((path / RECIPE_NAME).is_file() or (path / "checkpoints").is_dir()
-            or (store.has_record(path) and path.parent.name == "checkpoints"))
+    if (Path(path) / RECIPE_NAME).is_file():
+        return True
+    try:
+        run_of(path)
+    except UsageError:
+        return False
+    return True
 
 
 def pick(source: Path | None, workspace: Path, *, step: int | None, best: bool,

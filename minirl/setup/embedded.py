@@ -145,12 +145,16 @@ def _sft_examples(tok, rec, train: list[dict], tools: list) -> list[tuple]:
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
+    def example(prompt: list[int], row: dict) -> tuple:
+        if "parts" not in row:
+            return prompt, ids(row.get("target", row["answer"])) + [eos]
+        parts = [(ids(x), trained) for x, trained in row["parts"]]  # each part tokenized once
+        return (prompt, [t for part, _ in parts for t in part] + [eos],
+                [int(trained) for part, trained in parts for _ in part] + [1])
+
     prompts = prompts_ids(tok, [r["prompt"] for r in train], template=rec.data.prompt_template,
                           chat=rec.data.chat_template, chat_kwargs=rec.data.chat_template_kwargs, tools=tools or None)
-    return [(p, ids(r.get("target", r["answer"])) + [eos]) if "parts" not in r else
-            (p, [t for x, _ in r["parts"] for t in ids(x)] + [eos],
-             [int(m) for x, m in r["parts"] for _ in ids(x)] + [1])
-            for p, r in zip(prompts, train)]
+    return [example(p, r) for p, r in zip(prompts, train)]
 
 
 def _dev_judge(rec, train: list[dict], tok):
