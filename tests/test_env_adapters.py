@@ -177,8 +177,8 @@ def test_a_client_trains_three_steps_through_the_cli_on_fewer_sessions_than_epis
     assert sum(x["episode/env_tokens"] for x in steps) > 0
 
 
-def three_steps(tiny_dir, tmp_path, sets: list[str]):
-    """Three steps of `minirl run` on the random tiny model with the `any` format (tests/env_any_format.py:
+def three_steps(tiny_dir, tmp_path, sets: list[str], fmt: str = "any"):
+    """Three steps of `minirl run` on the random tiny model with a format of tests/env_any_format.py (`any`:
     whatever a turn wrote before ")" goes to `calc`), 8 prompts × 4 episodes: the run folder and its steps' rows."""
     import json
     import subprocess
@@ -187,7 +187,7 @@ def three_steps(tiny_dir, tmp_path, sets: list[str]):
     from tests.conftest import ROOT, data_workspace
 
     ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
-    sets = [*sets, "env.tool_format=any", "env.max_turns=2", "rollout.max_tokens=8", "train.prompts_per_step=8",
+    sets = [*sets, f"env.tool_format={fmt}", "env.max_turns=2", "rollout.max_tokens=8", "train.prompts_per_step=8",
             "train.group_size=4", "eval.k=1"]
     r = subprocess.run([sys.executable, "-m", "tests.env_any_format", "run", str(ws), "--model", str(tiny_dir),
                         "--steps", "3", *[a for s in sets for a in ("--set", s)]], cwd=ROOT, capture_output=True,

@@ -242,7 +242,9 @@ def tool_name(action_cls) -> str:
 
 
 def _doc(cls) -> str:
-    return (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+    """The first paragraph of the class's own docstring: never a base class's (`inspect.getdoc` would
+    describe an OpenEnv action written without one as "Base class for all environment actions.")."""
+    return inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("\n", " ")
 
 
 def _validation_text(err: Exception) -> str:
