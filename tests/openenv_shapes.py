@@ -1,9 +1,11 @@
 """Environments written against the installed `openenv` package in the shapes its own repository uses
 (huggingface/OpenEnv's envs/: an MCPEnvironment with FastMCP tools; an Environment with its own Action and
-Observation classes and `def reset(self)`), and a class written as TRL's docs write an `environment_factory`.
-Written for minirl's tests; no minirl import. Each serves the one tool the tiny format can call, `calc(expr)`."""
+Observation classes and `def reset(self)`), a class written as TRL's docs write an `environment_factory`, and
+factories (functions that build one, as TRL's `EnvironmentFactory` type allows). Written for minirl's tests; no minirl import. Each serves the one tool the tiny format can call, `calc(expr)`."""
 
 from __future__ import annotations
+
+import functools
 
 from fastmcp import FastMCP
 from openenv.core.env_server.interfaces import Environment
@@ -169,6 +171,31 @@ class TrlCalculator:
 from openenv.core.client_types import StepResult  # noqa: E402
 from openenv.core.env_client import EnvClient  # noqa: E402
 from openenv.core.mcp_client import MCPToolClient  # noqa: E402
+
+
+def make_calc_trl() -> CalcTrl:
+    """A TRL `environment_factory` as its type says one is, `Callable[[], env]`: a function that builds one."""
+    return CalcTrl()
+
+
+def make_bound_calc():
+    """A factory whose class gets its tools as it is built, as TRL's OpenReward adapter binds each tool the
+    server lists onto a class it makes: the tools are on what it returns, not on anything importable."""
+
+    def calc(self, expr: str) -> str:
+        """Evaluate an integer expression.
+
+        Args:
+            expr: digits and + - *
+        """
+        return value(expr)
+
+    cls = type("BoundTools", (), {"reset": lambda self, **row: None})
+    setattr(cls, "calc", calc)
+    return cls()
+
+
+calc_game_factory = functools.partial(CalcGame)  # an OpenEnv environment's class behind a partial
 
 
 class CalcToolsClient(MCPToolClient):

@@ -319,6 +319,11 @@ CASES = [
     ("env-not-an-environment", ["run", "{ws}", "--set", "env.name=json:JSONDecoder", "--set", "env.tool_format=tiny",
                                 *ENV_FITS],
      None, "env.name = 'json:JSONDecoder' has no reset()"),
+    ("env-not-callable", ["run", "{ws}", "--set", "env.name=json:__all__", "--set", "env.tool_format=tiny", *ENV_FITS],
+     None, "env.name = 'json:__all__' is a list: name an environment class, or a function that builds one"),
+    ("env-factory-builds-no-environment", ["run", "{ws}", "--set", "env.name=os:getcwd", "--set",
+                                           "env.tool_format=tiny", *ENV_FITS], None,
+     "env.name = 'os:getcwd' could not start an episode: TypeError: the factory built a str, which has no reset()"),
     ("env-qwen3-format-plain-prompts", ["run", "{ws}", "--set", "env.name=tests.test_episodes:Counter", *ENV_FITS],
      None, "env.tool_format = 'qwen3' writes replies as Qwen3's chat template renders tool messages, and "
            "data.chat_template = false sends the prompt as plain text"),

@@ -38,6 +38,46 @@ def test_each_kind_is_stepped_in_its_own_terms_and_lists_its_tools(name):
     assert not got.error and wrong.error and wrong.text.startswith("error: ")  # the model's mistake, answered
 
 
+FACTORIES = {  # what each builds is spoken to as its kind, as the class itself would be
+    "tests.openenv_shapes:make_calc_trl": ("TRL", "", "36", 1.0),
+    "tests.openenv_shapes:make_bound_calc": ("TRL", "", "36", None),  # its tools only on what it built
+    "tests.openenv_shapes:calc_game_factory": ("OpenEnv", "value: 0\ncalls: 0", "value: 36\ncalls: 1", None),
+}
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_a_factory_is_called_and_what_it_built_is_spoken_to_in_its_own_terms(name):
+    """TRL's `environment_factory` is any callable that builds an environment: env.name may name one."""
+    s, reset_text = started(name, prompt="12*3=", answer="36")
+    kind = type(s.kind).__name__
+    assert [t["function"]["name"] for t in hosting.tools(s)] == ["calc"]
+    got = hosting.step(s, ToolCall("calc", {"expr": "12*3"}), 5.0)
+    wrong = hosting.step(s, ToolCall("calc", {"exp": "12*3"}), 5.0)
+    reward, _ = hosting.close(s)
+    assert (kind, reset_text, got.text, reward) == FACTORIES[name]
+    assert not got.error and wrong.error
+
+
+def test_a_factory_runs_in_an_environment_process_by_its_name(tiny_tok):
+    """env.isolation = "process": the worker's process imports the factory by name and calls it there."""
+    from minirl.config.recipe import EnvConfig
+    from minirl.data.prompts import Problem, Prompter
+    from minirl.rollout.environments import Environments
+
+    envs = Environments(EnvConfig(name="tests.openenv_shapes:make_bound_calc", tool_format="tiny", max_turns=3,
+                                  max_reply_tokens=32, isolation="process"), tokenizer=tiny_tok, max_model_len=128,
+                        prompter=Prompter("prompt", max_tokens=64))
+    encode = envs.encode
+    engine = ByTurn([encode("(12*3)"), encode("36") + [tiny_tok.eos_token_id]], encode(")")[0])
+    try:
+        groups = envs.sample(engine, [Problem(tuple(encode("12*3=")), {"prompt": "12*3=", "answer": "36"})], n=2,
+                             temperature=1.0, max_tokens=20, seed=7)
+    finally:
+        envs.close()
+    assert all(c.episode.env_errors == 0 and c.episode.tool_calls == 1 and
+               envs.decode([t for t, m in zip(c.token_ids, c.mask) if not m]).startswith("=36") for c in groups[0])
+
+
 def test_an_openenv_action_that_does_not_validate_is_the_tools_error_reply():
     s, _ = started("tests.openenv_shapes:CalcGame")
     wrong = hosting.step(s, ToolCall("calc", {"exp": "1"}), 5.0)

@@ -404,11 +404,22 @@ class OneAtATime(Counted):
     SUPPORTS_CONCURRENT_SESSIONS = False  # OpenEnv's flag
 
 
+def one_at_a_time() -> OneAtATime:
+    """A factory that says what it builds."""
+    return OneAtATime()
+
+
 def test_the_cap_bounds_environments_alive_at_once_and_openenvs_flag_is_honoured(tok):
+    """OpenEnv's flag, on the class or on what a factory says it builds (a partial's class, a return annotation)."""
+    import functools
+
+    from minirl.envs.contract import Concurrency
+
+    said = [Concurrency.of(f).one_at_a_time for f in (functools.partial(OneAtATime), one_at_a_time,
+                                                       functools.partial(Counted), lambda: OneAtATime())]
+    assert said == [True, True, False, False]  # the last says nothing of what it builds
     for cls, cap, most in ((Counted, 3, 3), (OneAtATime, 0, 1), (Counted, 0, 12)):
         Counted.alive = Counted.most = 0
-        from minirl.envs.contract import Concurrency
-
         host = hosting.Host(max_live=1 if Concurrency.of(cls).one_at_a_time else cap)
         eps = episodes_of(tok, [cls] * 12, ["(1+1)", "2"], host=host)
         assert all(c.episode.ended == "answer" and c.episode.env_errors == 0 and c.episode.tool_calls == 1 for c in eps)

@@ -141,22 +141,15 @@ def test_over_the_environments_own_client_the_replies_are_those_in_process(kind,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["connect4", "echo-client"])
-def test_an_openenv_environment_trains_three_steps_through_the_cli(kind, tiny_dir, tmp_path, monkeypatch):
+def test_connect4_trains_three_steps_through_the_cli(tiny_dir, tmp_path, monkeypatch):
     """`minirl run` with connect4 in process (the `column` format of tests/env_any_format.py: the last digit
-    a turn wrote before ")" is its move) or with echo over its client and server: three steps, no
-    environment fault; connect4's ends and rewards are the game's, a move that does not validate the
-    model's mistake."""
+    a turn wrote before ")" is its move): three steps, no environment fault; the game's own end and reward
+    are the episode's R, a move that does not validate the model's mistake. (echo's client to OpenEnv's
+    server answers as echo in process, above; a client through the CLI: tests/test_env_adapters.py.)"""
     from tests.test_env_adapters import three_steps
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ENVS), str(ROOT)]))
-    with contextlib.ExitStack() as stack:
-        if kind == "connect4":
-            sets, fmt = [f"env.name={CONNECT4}"], "column"
-        else:
-            url = stack.enter_context(serving("echo", tmp_path / "server.log"))
-            sets, fmt = [f"env.name={CLIENTS['echo']}", f'env.params={{"base_url": "{url}"}}'], "echo"
-        run, steps = three_steps(tiny_dir, tmp_path, [*sets, "env.max_reply_tokens=24"], fmt)
+    run, steps = three_steps(tiny_dir, tmp_path, [f"env.name={CONNECT4}", "env.max_reply_tokens=24"], "column")
     assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), \
         [x.get("episode/faults") for x in steps]
     assert sum(x["episode/tool_calls"] for x in steps) > 0 and sum(x["episode/env_tokens"] for x in steps) > 0

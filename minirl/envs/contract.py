@@ -1,7 +1,8 @@
 """The contract of a multi-turn task's environment: OpenEnv's shape, with or without OpenEnv installed.
 
 An environment is any importable class (`env.name = "module:Class"`, `env.params` its constructor's
-keyword arguments) with
+keyword arguments), or what an importable factory builds (a callable that is not a class: TRL's
+`environment_factory`, `env.params` its arguments), with
 
     reset(seed=None, episode_id=None, **row) -> observation     a new episode of the task's row
     step(action, timeout_s=None) -> observation                 one tool call, answered
@@ -20,6 +21,7 @@ import hashlib
 import importlib
 import inspect
 import sys
+import typing
 from dataclasses import dataclass, field
 
 from minirl.errors import UsageError
@@ -56,7 +58,10 @@ class Observation:
 
 
 def environment_class(name: str):
-    """`module:Class` (env.name), imported; one line naming it where it cannot be, or is no environment."""
+    """`module:Class` (env.name), imported; one line naming it where it cannot be, or is no environment.
+    A callable that is not a class is a factory (TRL's `environment_factory`: it builds and returns an
+    environment, `env.params` its arguments); what it builds is checked when it has built one
+    (`check_built`: the run's preflight starts one episode)."""
     module, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module), attr)
@@ -66,18 +71,35 @@ def environment_class(name: str):
         where = (" (its module must be importable: installed, or its folder on PYTHONPATH)"
                  if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] else "")
         raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}{where}") from None
-    tools = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-             if n not in ("reset", "get_reward") and not n.startswith("_")] if isinstance(cls, type) else []
-    if not callable(getattr(cls, "reset", None)) or not (callable(getattr(cls, "step", None)) or tools):
-        missing = "reset()" if not callable(getattr(cls, "reset", None)) else "step() (nor public methods as tools)"
-        raise UsageError(f"env.name = {name!r} has no {missing}: an environment has reset(seed, episode_id, **row) "
-                         "and step(action) (OpenEnv's shape), or reset(**row) and public methods as its tools "
-                         "(a TRL environment_factory class): docs/tasks.md")
+    if isinstance(cls, type) and (missing := _missing(cls)):
+        raise UsageError(f"env.name = {name!r} has no {missing}: {_SHAPES}")
+    if not callable(cls):
+        raise UsageError(f"env.name = {name!r} is a {type(cls).__name__}: name an environment class, or a function "
+                         "that builds one (TRL's environment_factory; one environment a run, not a dict of them)")
     return cls
 
 
+def check_built(env) -> None:
+    """What a factory (env.name a callable, not a class) built: an environment, else TypeError naming it."""
+    if missing := _missing(type(env)):
+        raise TypeError(f"the factory built a {type(env).__name__}, which has no {missing}: {_SHAPES}")
+
+
+_SHAPES = ("an environment has reset(seed, episode_id, **row) and step(action) (OpenEnv's shape), or reset(**row) "
+           "and public methods as its tools (a TRL environment_factory class): docs/tasks.md")
+
+
+def _missing(cls: type) -> str:
+    """What an environment class lacks ("" where nothing)."""
+    if not callable(getattr(cls, "reset", None)):
+        return "reset()"
+    tools = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+             if n not in ("reset", "get_reward") and not n.startswith("_")]
+    return "" if callable(getattr(cls, "step", None)) or tools else "step() (nor public methods as tools)"
+
+
 def check_params(name: str, cls, params: dict) -> None:
-    """`env.params` against the class's constructor: a key it does not take is one line naming the key
+    """`env.params` against the class's constructor (a factory's own arguments): a key it does not take is one line naming the key
     (before any environment is built); a constructor that takes **kwargs, or has no signature to read,
     takes any."""
     taken = accepted(cls, params)
@@ -88,7 +110,8 @@ def check_params(name: str, cls, params: dict) -> None:
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         except (TypeError, ValueError):
             names = []
-        raise UsageError(f"env.params.{odd[0]}: the constructor of {name} takes no {odd[0]!r} "
+        what = f"the constructor of {name}" if isinstance(cls, type) else name  # else a factory's own arguments
+        raise UsageError(f"env.params.{odd[0]}: {what} takes no {odd[0]!r} "
                          f"({'its keyword arguments: ' + ', '.join(names) if names else 'it takes none'})")
 
 
@@ -149,7 +172,16 @@ class Concurrency:
     one_thread: bool = False
 
     @classmethod
-    def of(cls, env_cls) -> "Concurrency":
+    def of(cls, env_ref) -> "Concurrency":
+        """The flags of `env_ref`'s class: a class's own, a factory's where it says which class it builds (a
+        `functools.partial` of one, a function annotated to return one); else none said."""
+        env_cls = env_ref
+        if not isinstance(env_ref, type):
+            try:
+                built = typing.get_type_hints(env_ref).get("return")
+            except Exception:  # noqa: BLE001 - annotations that do not resolve, or none to read: none said
+                built = None
+            env_cls = getattr(env_ref, "func", built)
         says = getattr(env_cls, "SUPPORTS_CONCURRENT_SESSIONS", None)
         return cls(one_at_a_time=says is not None and not says,
                    one_thread=bool(getattr(env_cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False)))

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from minirl.envs.adapters import kind_of
-from minirl.envs.contract import ToolCall, check_params, environment_class
+from minirl.envs.contract import ToolCall, check_built, check_params, environment_class
 from minirl.envs.observations import Reading
 from minirl.errors import UsageError
 
@@ -100,9 +100,14 @@ def start(session: Session, env_ref, params: dict, reset: dict) -> str:
     reset observation ("" where it gives none). A kept one (a reusable kind's: a client's session) is
     reset alone."""
     if session.env is None:
-        cls = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
-        session.kind = kind_of(cls)
-        session.env = session.kind.build(cls, params)
+        ref = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
+        if isinstance(ref, type):
+            session.kind = kind_of(ref)
+            session.env = session.kind.build(ref, params)
+        else:  # a factory: what it builds decides the kind
+            env = ref(**params)
+            check_built(env)
+            session.kind, session.env = kind_of(type(env)), env
     return session.kind.reset(session, reset)
 
 
