@@ -35,7 +35,8 @@ def test_each_kind_is_stepped_in_its_own_terms_and_lists_its_tools(name):
             "tests.openenv_shapes:CalcGame": ("OpenEnv", ["calc"], "value: 0\ncalls: 0", "value: 36\ncalls: 1", None),
             "tests.openenv_shapes:CalcTrl": ("TRL", ["calc"], "", "36", 1.0)}[name] == \
         (kind, tools, reset_text, got.text, reward)
-    assert not got.error and wrong.error and wrong.text.startswith("error: ")  # the model's mistake, answered
+    assert not got.error and wrong.error  # the model's mistake, answered
+    assert wrong.text.startswith("{'error': " if name.endswith("Trl") else "error: ")  # TRL's words for TRL's class
 
 
 FACTORIES = {  # what each builds is spoken to as its kind, as the class itself would be
@@ -91,11 +92,65 @@ def test_an_openenv_action_that_does_not_validate_is_the_tools_error_reply():
 def test_a_trl_tools_exception_is_its_error_reply_and_get_reward_is_r():
     s, _ = started("tests.openenv_shapes:CalcTrl")
     raised = hosting.step(s, ToolCall("calc", {"expr": "0"}), 5.0)
-    assert raised.error and raised.text == "error: ValueError: zero is not an expression"
+    assert raised.error and raised.text == "{'error': 'zero is not an expression'}"  # TRL's own tool message
+    unknown = hosting.step(s, ToolCall("calc2", {}), 5.0)
+    assert unknown.error and unknown.text == "{'error': 'Tool calc2 not found.'}"
     schema = hosting.tools(s)[0]["function"]
     assert schema["description"] == "Evaluate an integer expression." and \
         schema["parameters"]["properties"]["expr"]["description"] == "digits and + - *"
-    assert hosting.close(s) == (1.0, False)
+    assert hosting.close(s) == (1.0, True)  # kept for the worker's next episode, as TRL pools them
+
+
+class Pooled:
+    """A TRL class that counts how often it is built, reset and closed."""
+
+    built = reset_ = closed = 0
+
+    def __init__(self):
+        Pooled.built += 1
+
+    def reset(self, **row) -> None:
+        Pooled.reset_ += 1
+        self.calls = 0
+
+    def calc(self, expr: str) -> str:
+        """Evaluate an integer expression.
+
+        Args:
+            expr: digits and + - *
+        """
+        self.calls += 1
+        return str(eval(expr))
+
+    def close(self) -> None:
+        Pooled.closed += 1
+
+
+def test_a_trl_class_is_built_once_a_worker_and_reset_for_each_episode(tiny_tok):
+    """TRL's contract, "construct once, reset often": 12 episodes a batch, two batches, on 2 workers at
+    once: two built, reset 24 times, each episode's state its own (one call each); closed when the
+    environments let go of what they keep."""
+    from minirl.config.recipe import EnvConfig
+    from minirl.data.prompts import Problem, Prompter
+    from minirl.rollout.environments import Environments
+
+    Pooled.built = Pooled.reset_ = Pooled.closed = 0
+    envs = Environments(EnvConfig(name="tests.test_env_adapters:Pooled", tool_format="tiny", max_turns=3,
+                                  max_reply_tokens=32, max_concurrency=2), tokenizer=tiny_tok, max_model_len=128,
+                        prompter=Prompter("prompt", max_tokens=64))
+    encode = envs.encode
+    engine = ByTurn([encode("(12*3)"), encode("36") + [tiny_tok.eos_token_id]], encode(")")[0])
+    problems = [Problem(tuple(encode("12*3=")), {"prompt": "12*3=", "answer": "36"})] * 3
+    for _ in range(2):
+        groups = envs.sample(engine, problems, n=4, temperature=1.0, max_tokens=20, seed=3)
+        assert all(c.episode.env_errors == 0 and c.episode.tool_calls == 1 for g in groups for c in g)
+    assert (Pooled.built, Pooled.reset_, Pooled.closed) == (2, 24, 0)
+    envs.release()  # their workers' last jobs: each worker's kept environment disposed of, on its own thread
+    for w in envs.host.idle:
+        done = w.submit(hosting.Session(), hosting.close)  # queued behind the disposal
+        assert envs.host.outcome(done, 10)
+    envs.close()
+    assert Pooled.closed == 2
 
 
 @pytest.fixture(scope="module")

@@ -160,9 +160,12 @@ class Client(OpenEnv):
 
 
 class TRL(Native):
-    """A TRL `environment_factory` class: its public methods are the tools."""
+    """A TRL `environment_factory` class: its public methods are the tools. Built once and reset often, as
+    TRL pools them: kept for the worker's next episode (`reset` starts it), closed when the run's
+    environments let go of what they keep."""
 
     name = "trl"
+    reusable = True
 
     def __init__(self, cls):
         # TRL's own rule: the class's functions, but `reset`, `get_reward` and the private ones
@@ -175,15 +178,17 @@ class TRL(Native):
         return "" if said is None else text_of(said)
 
     def act(self, session, call: ToolCall | Message, timeout_s: float) -> Reading:
+        """In TRL's own words (GRPOTrainer's tool loop): the tool message is `str(result)`, a list of
+        content blocks read as text; a missing tool or a tool's exception `str({"error": str(e)})`."""
         if isinstance(call, Message):
             raise TypeError("a TRL environment class answers tool calls, not turns: env.replies_to = 'calls'")
         if call.tool_name not in self.methods:
-            return Reading(f"error: no tool {call.tool_name!r}: the tools are {', '.join(self.methods)}", error=True)
+            return Reading(str({"error": f"Tool {call.tool_name} not found."}), error=True)
         try:
             out = session.resolve(getattr(session.env, call.tool_name)(**call.arguments))
         except Exception as err:  # noqa: BLE001 - TRL answers a tool's exception as its error message
-            return Reading(f"error: {type(err).__name__}: {err}", error=True)
-        return Reading(text_of(out) if out is not None else "")
+            return Reading(str({"error": str(err)}), error=True)
+        return Reading(text_of(out) if isinstance(out, list) else str(out))
 
     def tools(self, session) -> list[dict]:
         from transformers.utils import get_json_schema  # what TRL and the chat templates use
@@ -193,6 +198,12 @@ class TRL(Native):
     def reward(self, session) -> float | None:
         get = getattr(session.env, "get_reward", None)
         return reward_of(session.resolve(get())) if callable(get) else None
+
+    def close(self, session) -> None:
+        pass  # kept: `dispose` ends it
+
+    def dispose(self, session) -> None:
+        Native.close(self, session)
 
 
 def function(name: str, description: str, parameters: dict) -> dict:
