@@ -153,6 +153,7 @@ def test_connect4_trains_three_steps_through_the_cli(tiny_dir, tmp_path, monkeyp
     assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), \
         [x.get("episode/faults") for x in steps]
     assert sum(x["episode/tool_calls"] for x in steps) > 0 and sum(x["episode/env_tokens"] for x in steps) > 0
+    assert json.loads((run / "summary.json").read_text())["heldout"]["end"]["env_faults"] == 0  # it runs them too
     samples = [r for line in (run / "samples.jsonl").read_text().splitlines() for r in json.loads(line)["responses"]]
     for r in samples:  # the game's end is its R (a random model's moves end it only by an illegal one), not graded
         assert (r["reward"], r["score"]) == (-1.0, None) if r["episode"]["ended"] == "done" else r["score"] is not None

@@ -366,6 +366,9 @@ class Turns:
             if reward is not None and e.info["ended"] != "env_error":  # the reward it gives at the end (TRL's)
                 e.info["reward"] = reward
                 e.info["step_rewards"].append(reward)
+            if keeps and e.info["fault"]:  # what faulted may be broken: never another episode's, closed now
+                e.worker.submit(e.session, hosting.dispose)
+                keeps = False
             self.host.release(e.worker, reuse=True, kept=e.session if keeps else None)
             e.phase = "done"
 
