@@ -1,7 +1,8 @@
 """Environments written against the installed `openenv` package in the shapes its own repository uses
 (huggingface/OpenEnv's envs/: an MCPEnvironment with FastMCP tools; an Environment with its own Action and
 Observation classes and `def reset(self)`), a class written as TRL's docs write an `environment_factory`, and
-factories (functions that build one, as TRL's `EnvironmentFactory` type allows). Written for minirl's tests; no minirl import. Each serves the one tool the tiny format can call, `calc(expr)`."""
+factories (functions that build one, as TRL's `EnvironmentFactory` type allows). Written for minirl's tests; no
+minirl import. Each serves the one tool the tiny format can call, `calc(expr)`."""
 
 from __future__ import annotations
 

@@ -99,9 +99,9 @@ def _missing(cls: type) -> str:
 
 
 def check_params(name: str, cls, params: dict) -> None:
-    """`env.params` against the class's constructor (a factory's own arguments): a key it does not take is one line naming the key
-    (before any environment is built); a constructor that takes **kwargs, or has no signature to read,
-    takes any."""
+    """`env.params` against the class's constructor (a factory's own arguments): a key it does not take is
+    one line naming the key (before any environment is built); a constructor that takes **kwargs, or has
+    no signature to read, takes any."""
     taken = accepted(cls, params)
     odd = [k for k in params if k not in taken]
     if odd:
