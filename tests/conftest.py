@@ -6,6 +6,7 @@ weights restore them (or build their own) so order never matters.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Every core for one process; pytest-xdist's workers (which inherit the controller's environment)
@@ -164,6 +165,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], port: int, log: Path, env: dict | None = None):
+    """A server process (`argv`, listening on 127.0.0.1:`port`, its stderr in `log`) started: its URL once its
+    /health answers; killed at the end."""
+    import subprocess
+    import time
+    import urllib.request
+
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        for _ in range(300):  # its /health answers once uvicorn listens
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def last_digit_rewards(ws: Path) -> None:

@@ -208,28 +208,14 @@ def test_each_kind_trains_three_steps_through_the_cli(name, tiny_dir, tmp_path):
 @pytest.fixture(params=["tools", "game"])
 def server(request, tmp_path):
     """OpenEnv's own server for the test's environment on 127.0.0.1, 2 sessions at once; waits until it answers."""
-    import subprocess
     import sys
-    import time
-    import urllib.request
 
-    from tests.conftest import ROOT, free_port
+    from tests.conftest import free_port, serving
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.openenv_shapes", request.param, str(port), "2"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
-    try:
-        for _ in range(300):  # its /health answers once uvicorn listens
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "server.log").read_text()
-                time.sleep(0.1)
-        yield request.param, f"http://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
+    with serving([sys.executable, "-m", "tests.openenv_shapes", request.param, str(port), "2"], port,
+                 tmp_path / "server.log") as url:
+        yield request.param, url
 
 
 def test_a_client_runs_more_episodes_than_its_server_has_sessions(server, tiny_tok):

@@ -7,10 +7,8 @@ server; nothing here is written in their shape by minirl's side."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -98,31 +96,14 @@ def test_maze_its_action_class_from_the_environments_generic_arguments_and_its_p
     assert all(not m.error and m.reward is not None for m in moves)
 
 
-@contextlib.contextmanager
 def serving(kind: str, log):
     """OpenEnv's own server for the environment (its app module, under uvicorn) on 127.0.0.1: its URL, once
     the server answers."""
-    import time
-    import urllib.request
-
-    from tests.conftest import free_port
+    from tests.conftest import free_port, serving as server
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ENVS), str(ROOT)])}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", APPS[kind], "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    try:
-        for _ in range(300):  # its /health answers once uvicorn listens
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, log.read_text()
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
+    return server([sys.executable, "-m", "uvicorn", APPS[kind], "--port", str(port)], port, log, env)
 
 
 @pytest.mark.parametrize("kind", ["echo", "connect4"])
