@@ -14,7 +14,9 @@
     TRL       a TRL `environment_factory` class (no `step`): its public methods are the tools (schemas from
               their signatures and docstrings, as transformers writes them), `reset(**row) -> str | None`,
               an optional `get_reward()` the episode's reward; a tool that raises is answered with its
-              error (the model's call failed, not the environment).
+              error (the model's call failed, not the environment), in TRL's words. Kept between
+              episodes, as TRL pools them. A factory (a callable that is not a class) is spoken to as
+              what it builds.
 
 Every kind's reset observation is read (observations.py): the model reads it after its prompt. Its
 tools (`tools`) are OpenAI-style function schemas, what a chat template's `tools=` renders. All of this
@@ -27,9 +29,11 @@ import inspect
 import re
 import sys
 import typing
+import warnings
 
 from minirl.envs.contract import Message, ToolCall, accepted, action
 from minirl.envs.observations import Reading, read, reward_of, text_of
+
 
 def kind_of(cls) -> "Native":
     """The adapter for an environment class (its kind decided by what it is, never by its name)."""
@@ -127,6 +131,11 @@ class OpenEnv(Native):
         if self.mcp:
             from openenv.core.env_server.mcp_types import ListToolsAction
 
+            # openenv 0.10.0 reads fastmcp's `Tool.inputSchema`, which fastmcp 4 (installed beside vLLM's mcp 2:
+            # pyproject.toml) renames: each listing warned the user of code neither theirs nor minirl's. Set
+            # here, after fastmcp's import put its own filter first.
+            warnings.filterwarnings("ignore", message=r"Accessing `Tool\.inputSchema` is deprecated",
+                                    category=DeprecationWarning)
             listed = session.resolve(session.env.step(ListToolsAction()))
             listed = getattr(listed, "observation", listed).tools  # a client's StepResult holds the observation
             return [function(t.name, t.description or "", t.input_schema) for t in listed]
