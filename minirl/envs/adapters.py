@@ -31,7 +31,7 @@ import sys
 import typing
 import warnings
 
-from minirl.envs.contract import Message, ToolCall, accepted, action
+from minirl.envs.contract import Message, ToolCall, accepted, action, public_tools
 from minirl.envs.observations import Reading, read, reward_of, text_of
 
 
@@ -177,9 +177,7 @@ class TRL(Native):
     reusable = True
 
     def __init__(self, cls):
-        # TRL's own rule: the class's functions, but `reset`, `get_reward` and the private ones
-        self.methods = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-                        if n not in ("reset", "get_reward") and not n.startswith("_")]
+        self.methods = public_tools(cls)
 
     def reset(self, session, kw: dict) -> str:
         """TRL calls `reset(**row)`: the row's fields (and minirl's seed and episode id) its signature takes."""

@@ -93,9 +93,14 @@ def _missing(cls: type) -> str:
     """What an environment class lacks ("" where nothing)."""
     if not callable(getattr(cls, "reset", None)):
         return "reset()"
-    tools = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-             if n not in ("reset", "get_reward") and not n.startswith("_")]
-    return "" if callable(getattr(cls, "step", None)) or tools else "step() (nor public methods as tools)"
+    return "" if callable(getattr(cls, "step", None)) or public_tools(cls) else "step() (nor public methods as tools)"
+
+
+def public_tools(cls: type) -> list[str]:
+    """TRL's own rule for an environment class's tools: its functions, but `reset`, `get_reward` and the
+    private ones."""
+    return [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if n not in ("reset", "get_reward") and not n.startswith("_")]
 
 
 def check_params(name: str, cls, params: dict) -> None:
