@@ -1,7 +1,8 @@
 """Environments written against the installed `openenv` package in the shapes its own repository uses
 (huggingface/OpenEnv's envs/: an MCPEnvironment with FastMCP tools; an Environment with its own Action and
-Observation classes and `def reset(self)`), a class written as TRL's docs write an `environment_factory`, and
-factories (functions that build one, as TRL's `EnvironmentFactory` type allows). Written for minirl's tests; no
+Observation classes and `def reset(self)`), a class written as TRL's docs write an `environment_factory`,
+factories (functions that build one, as TRL's `EnvironmentFactory` type allows) and a list of tool functions
+(TRL's `tools=`). Written for minirl's tests; no
 minirl import. Each serves the one tool the tiny format can call, `calc(expr)`."""
 
 from __future__ import annotations
@@ -197,6 +198,18 @@ def make_bound_calc():
 
 
 calc_game_factory = functools.partial(CalcGame)  # an OpenEnv environment's class behind a partial
+
+
+def calc(expr: str) -> str:
+    """Evaluate an integer expression.
+
+    Args:
+        expr: digits and + - *
+    """
+    return value(expr)
+
+
+CALC_FUNCTIONS = [calc]  # TRL's standalone tools (`GRPOTrainer(tools=[calc])`): a list of functions
 
 
 class CalcToolsClient(MCPToolClient):

@@ -12,7 +12,8 @@ from minirl.envs.contract import ToolCall
 from minirl.envs.formats import TINY
 from tests.test_env_faults import ByTurn
 
-SHAPES = ["tests.openenv_shapes:CalcTools", "tests.openenv_shapes:CalcGame", "tests.openenv_shapes:CalcTrl"]
+SHAPES = ["tests.openenv_shapes:CalcTools", "tests.openenv_shapes:CalcGame", "tests.openenv_shapes:CalcTrl",
+          "tests.openenv_shapes:CALC_FUNCTIONS"]
 
 
 def started(name: str, **row):
@@ -33,10 +34,11 @@ def test_each_kind_is_stepped_in_its_own_terms_and_lists_its_tools(name):
     reward, _ = hosting.close(s)
     assert {"tests.openenv_shapes:CalcTools": ("OpenEnv", ["calc", "fail"], "", "36", None),
             "tests.openenv_shapes:CalcGame": ("OpenEnv", ["calc"], "value: 0\ncalls: 0", "value: 36\ncalls: 1", None),
-            "tests.openenv_shapes:CalcTrl": ("TRL", ["calc"], "", "36", 1.0)}[name] == \
+            "tests.openenv_shapes:CalcTrl": ("TRL", ["calc"], "", "36", 1.0),
+            "tests.openenv_shapes:CALC_FUNCTIONS": ("TRL", ["calc"], "", "36", None)}[name] == \
         (kind, tools, reset_text, got.text, reward)
     assert not got.error and wrong.error  # the model's mistake, answered
-    assert wrong.text.startswith("{'error': " if name.endswith("Trl") else "error: ")  # TRL's words for TRL's class
+    assert wrong.text.startswith("{'error': " if kind == "TRL" else "error: ")  # TRL's words for TRL's tools
 
 
 FACTORIES = {  # what each builds is spoken to as its kind, as the class itself would be
@@ -180,8 +182,7 @@ def test_each_kind_runs_episodes_its_replies_verbatim_and_its_reset_observation_
     engine.generate = lambda prompts, **kw: (asked.extend(prompts), generate(prompts, **kw))[1]
     groups = envs.sample(engine, [Problem(tuple(encode("12*3=")), {"prompt": "12*3=", "answer": "36"})], n=2,
                          temperature=1.0, max_tokens=20, seed=7)
-    want = {"tests.openenv_shapes:CalcTools": ("", "36"), "tests.openenv_shapes:CalcGame": ("value: 0\ncalls: 0",
-            "value: 36\ncalls: 1"), "tests.openenv_shapes:CalcTrl": ("", "36")}[name]
+    want = {"tests.openenv_shapes:CalcGame": ("value: 0\ncalls: 0", "value: 36\ncalls: 1")}.get(name, ("", "36"))
     reply, _ = Replies(TINY, encode, envs.encode_text).ids(want[1], 32)
     for c in groups[0]:
         assert c.episode.env_errors == 0 and c.episode.ended == "answer" and c.episode.tool_calls == 1
@@ -191,12 +192,13 @@ def test_each_kind_runs_episodes_its_replies_verbatim_and_its_reset_observation_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in SHAPES if not n.endswith("CalcGame")])
+@pytest.mark.parametrize("name", [n for n in SHAPES if not n.endswith(("CalcGame", "CalcTrl"))])
 def test_each_kind_trains_three_steps_through_the_cli(name, tiny_dir, tmp_path):
     """`minirl run` with each kind as env.name, unchanged: three steps on the random tiny model (the `any`
     format of tests/env_any_format.py sends whatever a turn wrote before ")" to `calc`), no environment
     fault, the environment's replies in the episodes; the held-out evaluation runs them too. (An OpenEnv
-    Environment with its own Action class: OpenEnv's own connect4, tests/test_openenv_envs.py.)"""
+    Environment with its own Action class: OpenEnv's own connect4, tests/test_openenv_envs.py; a TRL class:
+    the embedded tools task's calculator, tests/test_episodes.py.)"""
     import json
 
     run, steps = three_steps(tiny_dir, tmp_path, [f"env.name={name}", "env.max_reply_tokens=16"])

@@ -31,7 +31,7 @@ import sys
 import typing
 import warnings
 
-from minirl.envs.contract import Message, ToolCall, accepted, action, public_tools
+from minirl.envs.contract import Message, ToolCall, accepted, action, main_thread_only, public_tools
 from minirl.envs.observations import Reading, read, reward_of, text_of
 
 
@@ -194,6 +194,8 @@ class TRL(Native):
         try:
             out = session.resolve(getattr(session.env, call.tool_name)(**call.arguments))
         except Exception as err:  # noqa: BLE001 - TRL answers a tool's exception as its error message
+            if main_thread_only(err):  # where it runs, not what the model asked: the episode's fault (hosting.py)
+                raise
             return Reading(str({"error": str(err)}), error=True)
         return Reading(text_of(out) if isinstance(out, list) else str(out))
 

@@ -1,8 +1,9 @@
 """The contract of a multi-turn task's environment: OpenEnv's shape, with or without OpenEnv installed.
 
 An environment is any importable class (`env.name = "module:Class"`, `env.params` its constructor's
-keyword arguments), or what an importable factory builds (a callable that is not a class: TRL's
-`environment_factory`, `env.params` its arguments), with
+keyword arguments), what an importable factory builds (a callable that is not a class: TRL's
+`environment_factory`, `env.params` its arguments), or an importable list of tool functions (TRL's
+`tools=`: no state, nothing to reset; `tool_functions`), with
 
     reset(seed=None, episode_id=None, **row) -> observation     a new episode of the task's row
     step(action, timeout_s=None) -> observation                 one tool call, answered
@@ -17,6 +18,7 @@ is observations.py's; how each environment is hosted, hosting.py's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -61,7 +63,8 @@ def environment_class(name: str):
     """`module:Class` (env.name), imported; one line naming it where it cannot be, or is no environment.
     A callable that is not a class is a factory (TRL's `environment_factory`: it builds and returns an
     environment, `env.params` its arguments); what it builds is checked when it has built one
-    (`check_built`: the run's preflight starts one episode)."""
+    (`check_built`: the run's preflight starts one episode). A list of functions is TRL's `tools=`: the class
+    `tool_functions` makes of it."""
     module, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module), attr)
@@ -71,12 +74,58 @@ def environment_class(name: str):
         where = (" (its module must be importable: installed, or its folder on PYTHONPATH)"
                  if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] else "")
         raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}{where}") from None
+    if isinstance(cls, (list, tuple)):
+        return tool_functions(name, cls)
     if isinstance(cls, type) and (missing := _missing(cls)):
         raise UsageError(f"env.name = {name!r} has no {missing}: {_SHAPES}")
     if not callable(cls):
-        raise UsageError(f"env.name = {name!r} is a {type(cls).__name__}: name an environment class, or a function "
-                         "that builds one (TRL's environment_factory; one environment a run, not a dict of them)")
+        raise UsageError(f"env.name = {name!r} is a {type(cls).__name__}: name an environment class, a function that "
+                         "builds one (TRL's environment_factory; one environment a run, not a dict of them), or a list "
+                         "of tool functions (TRL's tools=)")
     return cls
+
+
+def tool_functions(name: str, functions) -> type:
+    """TRL's standalone `tools=[f, g]` as an environment class of the TRL kind: each function (sync or
+    async) a tool under its own name, its JSON schema read from its signature and docstring as TRL reads
+    it; no state, `reset` says nothing, no reward of its own (the task's grader scores the answer).
+    One line where a tool could not be told to the model: not a function, a name twice, a name TRL's rule
+    for a class's tools would not list (`reset`, `get_reward`, a private one)."""
+    if not functions:
+        raise UsageError(f"env.name = {name!r} is an empty list: name a list of tool functions (TRL's tools=)")
+    tools: dict = {}
+    for f in functions:
+        if isinstance(f, type) or not callable(f) or not hasattr(f, "__name__"):
+            raise UsageError(f"env.name = {name!r} lists {f!r}, which is not a function: a list names tool "
+                             "functions (TRL's tools=)")
+        tool = f.__name__
+        if tool in tools:
+            raise UsageError(f"env.name = {name!r} lists two functions named {tool!r}: the model calls a tool by its "
+                             "name, rename one")
+        if tool in ("reset", "get_reward") or tool.startswith("_"):
+            raise UsageError(f"env.name = {name!r} lists a function named {tool!r}, a name TRL's rule keeps out of an "
+                             "environment's tools: rename it")
+        tools[tool] = staticmethod(f if inspect.isfunction(f) else _as_function(f))
+    body = {**tools, "reset": lambda self, **row: None, "__doc__": f"The tool functions of {name} (TRL's tools=).",
+            "__tool_functions__": tuple(tools)}  # in the list's order, as TRL tells them to the model
+    return type(name.partition(":")[2] or "tools", (), body)
+
+
+def _as_function(f):
+    """A callable that is no plain function (a bound method) as one, its signature and docstring its own:
+    what a class's tools are read as (`public_tools`)."""
+
+    @functools.wraps(f)
+    def tool(*args, **kwargs):
+        return f(*args, **kwargs)
+
+    return tool
+
+
+def main_thread_only(err: BaseException) -> bool:
+    """Python's refusal to set a signal handler off a process's main thread (a tool's own timeout by
+    SIGALRM, as TRL's example tools write one): where the environment runs, never what the model asked."""
+    return isinstance(err, ValueError) and str(err).endswith("only works in main thread of the main interpreter")
 
 
 def check_built(env) -> None:
@@ -98,7 +147,9 @@ def _missing(cls: type) -> str:
 
 def public_tools(cls: type) -> list[str]:
     """TRL's own rule for an environment class's tools: its functions, but `reset`, `get_reward` and the
-    private ones."""
+    private ones (by name, as `inspect.getmembers` gives them); a list of tool functions' in its own order."""
+    if listed := getattr(cls, "__tool_functions__", None):
+        return list(listed)
     return [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
             if n not in ("reset", "get_reward") and not n.startswith("_")]
 
@@ -116,6 +167,8 @@ def check_params(name: str, cls, params: dict) -> None:
         except (TypeError, ValueError):
             names = []
         what = f"the constructor of {name}" if isinstance(cls, type) else name  # else a factory's own arguments
+        if getattr(cls, "__tool_functions__", None):
+            what = f"{name}, a list of tool functions,"
         raise UsageError(f"env.params.{odd[0]}: {what} takes no {odd[0]!r} "
                          f"({'its keyword arguments: ' + ', '.join(names) if names else 'it takes none'})")
 

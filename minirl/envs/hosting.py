@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from minirl.envs.adapters import kind_of
-from minirl.envs.contract import ToolCall, check_built, check_params, environment_class
+from minirl.envs.contract import ToolCall, check_built, check_params, environment_class, main_thread_only
 from minirl.envs.observations import Reading
 from minirl.errors import UsageError
 
@@ -99,21 +99,37 @@ def start(session: Session, env_ref, params: dict, reset: dict) -> str:
     keyword arguments its `reset` takes of `reset` (seed, episode_id, the row's fields): the text of its
     reset observation ("" where it gives none). A kept one (a reusable kind's: a client's session) is
     reset alone."""
-    if session.env is None:
-        ref = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
-        if isinstance(ref, type):
-            session.kind = kind_of(ref)
-            session.env = session.kind.build(ref, params)
-        else:  # a factory: what it builds decides the kind
-            env = ref(**params)
-            check_built(env)
-            session.kind, session.env = kind_of(type(env)), env
-    return session.kind.reset(session, reset)
+    with _off_the_main_thread():
+        if session.env is None:
+            ref = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
+            if isinstance(ref, type):
+                session.kind = kind_of(ref)
+                session.env = session.kind.build(ref, params)
+            else:  # a factory: what it builds decides the kind
+                env = ref(**params)
+                check_built(env)
+                session.kind, session.env = kind_of(type(env)), env
+        return session.kind.reset(session, reset)
 
 
 def step(session: Session, call: ToolCall, timeout_s: float) -> Reading:
     """One call of the environment, its observation read (observations.py)."""
-    return session.kind.act(session, call, timeout_s)
+    with _off_the_main_thread():
+        return session.kind.act(session, call, timeout_s)
+
+
+@contextlib.contextmanager
+def _off_the_main_thread():
+    """An environment that sets a signal handler (a tool's own timeout by SIGALRM) cannot on a worker
+    thread: its episode's fault, saying which isolation runs it on a main thread (a process worker's)."""
+    try:
+        yield
+    except ValueError as err:
+        if not main_thread_only(err):
+            raise
+        raise RuntimeError(f"{err}: the environment sets a signal handler, which Python allows only on a process's "
+                           "main thread, and env.isolation = 'thread' runs it on a worker thread: set "
+                           "env.isolation = 'process'") from None
 
 
 def steps(session: Session, calls: Sequence[ToolCall], timeout_s: float) -> list[Reading]:

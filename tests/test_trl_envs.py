@@ -1,0 +1,124 @@
+"""TRL's own tools and environment classes, unchanged (tests/data/trl/README.md: the commit, the excerpts, its
+licence): the tool functions of TRL's GRPOTrainer docs (`tools=[multiply, async_add]`, one of them async), its
+agent example's database tool (`tools=[query_biogrid]`, which times itself out by SIGALRM), and the
+`environment_factory` classes of its docs (`IncrementEnv`) and its 2048 example (`Game2048Env`). minirl speaks to
+each as TRL does: the tools told to the model as TRL's schemas, in TRL's order, answered in TRL's words."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from minirl.envs import hosting
+from minirl.envs.contract import ToolCall, environment_class
+from tests.data.trl.grpo_agent import query_biogrid
+from tests.data.trl.grpo_trainer_docs import async_add, multiply
+
+DOCS_TOOLS = [multiply, async_add]  # what a TRL user passes as `tools=`: env.name names the list
+BIOGRID_TOOLS = [query_biogrid]
+ROW = {"seed": 1, "episode_id": "e-1", "prompt": "Does the gene TP53 interact with MDM2?", "answer": "yes"}
+
+
+def started(name: str):
+    s = hosting.Session()
+    return s, hosting.start(s, environment_class(name), {}, ROW)
+
+
+def told(s) -> list[tuple[str, str, dict]]:
+    return [(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]["properties"])
+            for t in hosting.tools(s)]
+
+
+def test_trls_tool_functions_are_told_in_its_order_and_answered_in_its_words():
+    """`tools=[multiply, async_add]` from TRL's docs: both told to the model, in the list's order (TRL's, not by
+    name), with the descriptions of their docstrings; the async one awaited; a bad call answered as TRL answers
+    it (`str({"error": str(e)})`), the model's mistake; no reward of their own (the task's grader scores)."""
+    s, reset_text = started("tests.test_trl_envs:DOCS_TOOLS")
+    assert type(s.kind).__name__ == "TRL" and reset_text == ""
+    assert told(s) == [
+        ("multiply", "Multiplies two integers.", {"a": {"type": "integer", "description": "The first integer."},
+                                                  "b": {"type": "integer", "description": "The second integer."}}),
+        ("async_add", "Asynchronously adds two integers.",
+         {"a": {"type": "integer", "description": "The first integer."},
+          "b": {"type": "integer", "description": "The second integer."}})]
+    assert hosting.step(s, ToolCall("multiply", {"a": 6, "b": 7}), 5.0) == hosting.Reading("42")
+    assert hosting.step(s, ToolCall("async_add", {"a": 2, "b": 3}), 5.0) == hosting.Reading("5")
+    missing = hosting.step(s, ToolCall("multiply", {"a": 6}), 5.0)
+    assert missing == hosting.Reading(str({"error": "multiply() missing 1 required positional argument: 'b'"}),
+                                      error=True)
+    assert hosting.step(s, ToolCall("divide", {}), 5.0) == \
+        hosting.Reading("{'error': 'Tool divide not found.'}", error=True)
+    assert hosting.close(s)[0] is None
+
+
+@pytest.fixture
+def biogrid(tmp_path, monkeypatch):
+    """The database TRL's example builds from a Hub dataset (`biogrid.db` in the working folder, table
+    `interactions`), a few rows of it here: no download."""
+    monkeypatch.chdir(tmp_path)
+    with sqlite3.connect("biogrid.db") as db:
+        db.execute("CREATE TABLE interactions (Official_Symbol_Interactor_A TEXT, Official_Symbol_Interactor_B TEXT)")
+        db.executemany("INSERT INTO interactions VALUES (?, ?)", [("TP53", "MDM2"), ("BRCA1", "BARD1")])
+    return "tests.test_trl_envs:BIOGRID_TOOLS"
+
+
+def run_calls(name: str, isolation: str, calls: list[ToolCall]):
+    """An episode on a worker of `isolation`, as a run's are: started, then each call; the jobs' outcomes."""
+    host = hosting.Host(isolation=isolation)
+    worker, session = host.open(), hosting.Session()
+    jobs = [worker.submit(session, hosting.start, name, {}, ROW)]
+    jobs += [worker.submit(session, hosting.step, call, 10.0) for call in calls]
+    try:
+        for job in jobs:
+            assert host.outcome(job, 20.0)
+        return jobs
+    finally:
+        host.release(worker, reuse=False)
+        host.close()
+
+
+def test_a_tool_that_times_itself_out_by_a_signal_is_the_environments_fault_on_a_thread_and_runs_in_a_process(
+        biogrid):
+    """TRL's `query_biogrid` sets a SIGALRM handler, which Python allows only on a process's main thread. On a
+    worker thread (env.isolation = "thread") that is where minirl runs it, never the model's mistake: the call
+    raises, its episode's fault, naming the isolation that runs it; TRL's words would have answered the model
+    `{'error': 'signal only works in main thread …'}` after every call. In a process of its own its calls run on
+    that process's main thread: rows answered as text, a bad query in TRL's words (the model's mistake)."""
+    query = ToolCall("query_biogrid", {"sql_command": "SELECT * FROM interactions WHERE "
+                                                      "Official_Symbol_Interactor_A = 'TP53'"})
+    _, on_thread = run_calls(biogrid, "thread", [query])
+    said = str(on_thread.err)
+    assert isinstance(on_thread.err, RuntimeError) and said.startswith("signal only works in main thread")
+    assert said.endswith("set env.isolation = 'process'")
+    start, rows, wrong = run_calls(biogrid, "process", [query, ToolCall("query_biogrid", {"sql_command": "SELECT x"})])
+    assert (start.err, start.out, rows.err, wrong.err) == (None, "", None, None)
+    assert rows.out == hosting.Reading('[["TP53", "MDM2"]]')
+    assert wrong.out == hosting.Reading("{'error': 'no such column: x'}", error=True)
+
+
+def test_trls_docs_increment_env_its_reset_text_its_tool_and_its_own_reward():
+    """`IncrementEnv` of TRL's docs: what `reset` returns is said to the model after the row's prompt, its
+    `increment` is the tool, and its `get_reward` the episode's R."""
+    s, reset_text = started("tests.data.trl.grpo_trainer_docs:IncrementEnv")
+    target = s.env.target
+    assert reset_text == f"Increment the counter by {target}."
+    assert [name for name, _, _ in told(s)] == ["increment"]
+    assert hosting.step(s, ToolCall("increment", {"step": target}), 5.0) == hosting.Reading(str(target))
+    assert hosting.close(s)[0] == 1.0
+
+
+def test_trls_2048_example_its_board_its_move_and_its_game_over_in_its_words():
+    """`Game2048Env` of TRL's example: the board said at reset, `move` the one tool (its private helpers and
+    static method not told), a move answered with the board, and its own "Game over." raised as TRL answers it."""
+    s, reset_text = started("tests.data.trl.grpo_2048:Game2048Env")
+    lines = reset_text.splitlines()
+    assert lines[0] == "score=0.0" and lines[-1] == "done=False" and len(lines) == 6
+    assert sorted(int(v) for row in lines[1:5] for v in row.split() if v != "0") in ([2, 2], [2, 4], [4, 4])
+    assert told(s) == [("move", "Play one move in 2048.", {"direction": {"type": "string", "description":
+                                                                          'One of "up", "down", "left", "right".'}})]
+    moved = hosting.step(s, ToolCall("move", {"direction": "left"}), 5.0)
+    assert not moved.error and moved.text.startswith("score=") and moved.text.endswith("done=False")
+    s.env.done = True
+    assert hosting.step(s, ToolCall("move", {"direction": "up"}), 5.0) == \
+        hosting.Reading("{'error': 'Game over.'}", error=True)
