@@ -362,6 +362,18 @@ CASES = [
                                 "env.tool_format=tiny", "--set", 'env.params={{"base_url": "http://x"}}', *ENV_FITS],
      None,
      "env.params.base_url: the constructor of minirl.data.tools:Calculator takes no 'base_url' (it takes none)"),
+    ("env-reward-func-needs-a-field", ["run", "{ws}", "--set", "env.name=minirl.data.tools:Calculator", "--set",
+                                       "env.tool_format=tiny", "--set", "env.reward_func=json:dumps", *ENV_FITS], None,
+     "env.reward_func = 'json:dumps' takes 'obj', a field the rows do not have: minirl calls it on the environment's "
+     "worker with environments=[env] and the row's fields"),
+    ("env-reward-func-not-a-function", ["run", "{ws}", "--set", "env.name=minirl.data.tools:Calculator", "--set",
+                                        "env.tool_format=tiny", "--set", "env.reward_func=json:__all__", *ENV_FITS],
+     None, "env.reward_func = 'json:__all__' is a list: name a reward function, reward_func(environments, **kwargs) as "
+     "TRL's take them"),
+    ("env-reward-func-unnamed", ["run", "{ws}", "--set", "env.reward_func=score"], None,
+     "env.reward_func = 'score': name the reward function as module:function (importable), or \"\" for none"),
+    ("env-reward-func-without-env", ["run", "{ws}", "--set", "env.reward_func=m:f"], None,
+     "env.reward_func = 'm:f' reads an environment, and env.name names none"),
     ("env-params-for-tool-functions", ["run", "{ws}", "--set", "env.name=tests.openenv_shapes:CALC_FUNCTIONS", "--set",
                                        "env.tool_format=tiny", "--set", 'env.params={{"base_url": "http://x"}}',
                                        *ENV_FITS], None,

@@ -1,8 +1,9 @@
 """TRL's own tools and environment classes, unchanged (tests/data/trl/README.md: the commit, the excerpts, its
 licence): the tool functions of TRL's GRPOTrainer docs (`tools=[multiply, async_add]`, one of them async), its
 agent example's database tool (`tools=[query_biogrid]`, which times itself out by SIGALRM), and the
-`environment_factory` classes of its docs (`IncrementEnv`) and its 2048 example (`Game2048Env`). minirl speaks to
-each as TRL does: the tools told to the model as TRL's schemas, in TRL's order, answered in TRL's words."""
+`environment_factory` classes of its docs (`IncrementEnv`) and its 2048 example (`Game2048Env`, scored by the
+example's own reward function, which reads the environment). minirl speaks to each as TRL does: the tools told
+to the model as TRL's schemas, in TRL's order, answered in TRL's words."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ BIOGRID_TOOLS = [query_biogrid]
 ROW = {"seed": 1, "episode_id": "e-1", "prompt": "Does the gene TP53 interact with MDM2?", "answer": "yes"}
 
 
-def started(name: str):
+def started(name: str, reward_func: str = ""):
     s = hosting.Session()
-    return s, hosting.start(s, environment_class(name), {}, ROW)
+    return s, hosting.start(s, environment_class(name), {}, ROW, reward_func)
 
 
 def told(s) -> list[tuple[str, str, dict]]:
@@ -122,3 +123,65 @@ def test_trls_2048_example_its_board_its_move_and_its_game_over_in_its_words():
     s.env.done = True
     assert hosting.step(s, ToolCall("move", {"direction": "up"}), 5.0) == \
         hosting.Reading("{'error': 'Game over.'}", error=True)
+
+
+SEEN: list = []
+
+
+def what_it_is_given(environments, answer, **kwargs):
+    """A reward function that says what it was given, and gives no reward (the grader scores)."""
+    SEEN.append((len(environments), answer, sorted(kwargs)))
+    return [None]
+
+
+def test_trls_2048_reward_function_reads_the_environment_as_its_episode_ends():
+    """`reward_score(environments, **kwargs)` of TRL's 2048 example as env.reward_func: called as the episode
+    ends with `environments=[env]`, its one value the episode's R; the row's fields each a list of one (TRL's
+    columns), but its prompt and minirl's seed and episode id; None gives no R (the grader scores); beside an
+    environment's own `get_reward` refused (TRL would add the two), the episode's fault."""
+    s, _ = started("tests.data.trl.grpo_2048:Game2048Env", "tests.data.trl.grpo_2048:reward_score")
+    s.env.board = [[2, 2, 0, 0], [0] * 4, [0] * 4, [4, 4, 8, 0]]
+    assert hosting.step(s, ToolCall("move", {"direction": "left"}), 5.0).text.startswith("score=12.0\n")
+    assert hosting.close(s) == (12.0, True)  # 2 + 2 and 4 + 4 merged: the game's own score
+    SEEN.clear()
+    s, _ = started("tests.test_trl_envs:DOCS_TOOLS", "tests.test_trl_envs:what_it_is_given")
+    assert hosting.close(s) == (None, True) and SEEN == [(1, ["yes"], [])]
+    s, _ = started("tests.data.trl.grpo_trainer_docs:IncrementEnv", "tests.data.trl.grpo_2048:reward_score")
+    with pytest.raises(TypeError, match="IncrementEnv has its own get_reward"):
+        hosting.close(s)
+
+
+def test_a_reward_function_that_reads_the_texts_is_refused_before_any_engine_starts():
+    """TRL passes a reward function the prompts and completions too; minirl calls one on the environment's
+    worker, where the texts are the grader's: one that needs them, or a field the rows lack, is one line."""
+    from minirl.envs.contract import check_reward_function
+    from minirl.errors import UsageError
+
+    def reads_texts(completions, environments, **kwargs):
+        return [0.0]
+
+    with pytest.raises(UsageError, match="takes 'completions', the texts, which a grader scores"):
+        check_reward_function("m:reads_texts", reads_texts, {"prompt": "p", "answer": "a"})
+    with pytest.raises(UsageError, match="takes 'answer', a field the rows do not have"):
+        check_reward_function("m:what_it_is_given", what_it_is_given, {"prompt": "p"})
+    check_reward_function("m:what_it_is_given", what_it_is_given, {"prompt": "p", "answer": "a"})
+
+
+@pytest.mark.slow
+def test_trls_2048_example_trains_three_steps_through_the_cli_scored_by_its_own_reward_function(tiny_dir, tmp_path):
+    """`minirl run` with TRL's `Game2048Env` and `reward_score`, unchanged, each environment in a process of its
+    own (which imports both by name): three steps of the random tiny model (the `move` format of
+    tests/env_any_format.py: what a turn wrote before ")" is its direction), no environment fault, every
+    episode's R the game's score, none graded."""
+    import json
+
+    from tests.test_env_adapters import three_steps
+
+    run, steps = three_steps(tiny_dir, tmp_path, ["env.name=tests.data.trl.grpo_2048:Game2048Env",
+                                                  "env.reward_func=tests.data.trl.grpo_2048:reward_score",
+                                                  "env.isolation=process", "env.max_reply_tokens=24"], "move")
+    assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), \
+        [x.get("episode/faults") for x in steps]
+    assert sum(x["episode/tool_calls"] for x in steps) > 0
+    samples = [r for line in (run / "samples.jsonl").read_text().splitlines() for r in json.loads(line)["responses"]]
+    assert samples and all(r["score"] is None and r["reward"] == 0.0 for r in samples)  # no merge: a score of 0

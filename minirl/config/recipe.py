@@ -242,6 +242,13 @@ def _env_class(key: str, v: str) -> str | None:
     return None
 
 
+def _reward_func(key: str, v: str) -> str | None:
+    module, _, name = v.partition(":")
+    if v and not (module and name):
+        return f"{key} = {v!r}: name the reward function as module:function (importable), or \"\" for none"
+    return None
+
+
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
     # multi-turn episodes (#84, rollout/episodes.py): "" = one prompt, one response; else the environment's
@@ -274,6 +281,10 @@ class EnvConfig:
     # R of an episode whose environment gives rewards: "final", the reward of the observation that
     # ended it (else the grader's score); "sum", every step's reward added up
     reward: str = one_of("final", ("final", "sum"))
+    # module:function, a TRL reward function that reads the environment (`reward_func(environments, **kwargs)`,
+    # as TRL's environment examples score theirs): called on the environment's worker as its episode ends,
+    # its value the episode's R (None: the grader scores); "" none (envs/hosting.py)
+    reward_func: str = rule("", _reward_func)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -72,6 +72,8 @@ def validate(r: Recipe) -> None:
         raise UsageError(f"data.chat_template_kwargs: {odd} — each value must be a boolean, number or string")
     if r.env.params and not r.env.name:
         raise UsageError(f"env.params = {r.env.params} configure an environment, and env.name names none")
+    if r.env.reward_func and not r.env.name:
+        raise UsageError(f"env.reward_func = {r.env.reward_func!r} reads an environment, and env.name names none")
     if r.env.name and r.env.tool_format == "qwen3" and not r.data.chat_template:
         # its replies close and open chat turns: a prompt sent as plain text would make a half-chat transcript
         raise UsageError("env.tool_format = 'qwen3' writes replies as Qwen3's chat template renders tool messages, "

@@ -65,15 +65,7 @@ def environment_class(name: str):
     environment, `env.params` its arguments); what it builds is checked when it has built one
     (`check_built`: the run's preflight starts one episode). A list of functions is TRL's `tools=`: the class
     `tool_functions` makes of it."""
-    module, _, attr = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except BaseException as e:  # an import that fails in any way, SystemExit included: the run cannot start (one line)
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        where = (" (its module must be importable: installed, or its folder on PYTHONPATH)"
-                 if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] else "")
-        raise UsageError(f"env.name = {name!r} cannot be imported: {type(e).__name__}: {e}{where}") from None
+    cls = _imported("env.name", name)
     if isinstance(cls, (list, tuple)):
         return tool_functions(name, cls)
     if isinstance(cls, type) and (missing := _missing(cls)):
@@ -83,6 +75,19 @@ def environment_class(name: str):
                          "builds one (TRL's environment_factory; one environment a run, not a dict of them), or a list "
                          "of tool functions (TRL's tools=)")
     return cls
+
+
+def _imported(key: str, name: str):
+    """`module:attr` imported, or one line naming the recipe's `key`."""
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except BaseException as e:  # an import that fails in any way, SystemExit included: the run cannot start (one line)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        where = (" (its module must be importable: installed, or its folder on PYTHONPATH)"
+                 if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] else "")
+        raise UsageError(f"{key} = {name!r} cannot be imported: {type(e).__name__}: {e}{where}") from None
 
 
 def tool_functions(name: str, functions) -> type:
@@ -126,6 +131,38 @@ def main_thread_only(err: BaseException) -> bool:
     """Python's refusal to set a signal handler off a process's main thread (a tool's own timeout by
     SIGALRM, as TRL's example tools write one): where the environment runs, never what the model asked."""
     return isinstance(err, ValueError) and str(err).endswith("only works in main thread of the main interpreter")
+
+
+def reward_function(name: str):
+    """`module:function` (env.reward_func), imported: a TRL reward function that reads the environment; one
+    line where it cannot be, or is no function."""
+    fn = _imported("env.reward_func", name)
+    if isinstance(fn, type) or not callable(fn):
+        raise UsageError(f"env.reward_func = {name!r} is a {type(fn).__name__}: name a reward function, "
+                         "reward_func(environments, **kwargs) as TRL's take them")
+    return fn
+
+
+# what TRL gives a reward function that minirl does not: the texts are the grader's to read (reward.grader)
+_TEXTS = ("prompts", "completions", "completion_ids")
+
+
+def check_reward_function(name: str, fn, row: dict) -> None:
+    """A reward function that needs what minirl does not give it (the prompts and completions TRL passes, or
+    a field the rows lack) refused in one line before any engine starts; minirl gives `environments` and the
+    row's fields, each as a list of one, as TRL gives its dataset's columns."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    given = {"environments", *row}
+    needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+              and p.name not in given]
+    if needed:
+        what = ("the texts, which a grader scores (reward.grader)" if needed[0] in _TEXTS
+                else "a field the rows do not have")
+        raise UsageError(f"env.reward_func = {name!r} takes {needed[0]!r}, {what}: minirl calls it on the "
+                         "environment's worker with environments=[env] and the row's fields")
 
 
 def check_built(env) -> None:

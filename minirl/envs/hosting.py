@@ -37,8 +37,9 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from minirl.envs.adapters import kind_of
-from minirl.envs.contract import ToolCall, check_built, check_params, environment_class, main_thread_only
-from minirl.envs.observations import Reading
+from minirl.envs.contract import (ToolCall, accepted, check_built, check_params, check_reward_function,
+                                  environment_class, main_thread_only, reward_function)
+from minirl.envs.observations import Reading, reward_of
 from minirl.errors import UsageError
 
 
@@ -70,10 +71,11 @@ class Session:
     """One episode's environment as its worker holds it: the object, how it is spoken to (its kind:
     adapters.py), and the event loop its awaitables run on (made on first need, closed with it)."""
 
-    __slots__ = ("env", "kind", "loop")
+    __slots__ = ("env", "kind", "loop", "scorer", "row")
 
     def __init__(self):
-        self.env = self.kind = self.loop = None
+        self.env = self.kind = self.loop = self.scorer = None
+        self.row: dict = {}  # what the episode was reset with: the row's fields for a reward function
 
     def resolve(self, value):
         """`value`, awaited on the session's own loop where it is awaitable (an `async def` method)."""
@@ -86,7 +88,7 @@ class Session:
     def end(self) -> None:
         if self.loop is not None:
             self.loop.close()
-        self.env = self.kind = self.loop = None
+        self.env = self.kind = self.loop = self.scorer = None
 
 
 async def _awaited(value):
@@ -94,11 +96,11 @@ async def _awaited(value):
 
 
 # ---- the calls a worker runs (module functions: a process worker runs them by name) ----------------
-def start(session: Session, env_ref, params: dict, reset: dict) -> str:
+def start(session: Session, env_ref, params: dict, reset: dict, reward_func: str = "") -> str:
     """A new environment (`env_ref`: its class, or `module:Class`), spoken to as its kind, reset with the
     keyword arguments its `reset` takes of `reset` (seed, episode_id, the row's fields): the text of its
     reset observation ("" where it gives none). A kept one (a reusable kind's: a client's session) is
-    reset alone."""
+    reset alone. `reward_func` (env.reward_func): what scores the episode as it ends (`close`)."""
     with _off_the_main_thread():
         if session.env is None:
             ref = environment_class(env_ref) if isinstance(env_ref, str) else env_ref
@@ -109,6 +111,8 @@ def start(session: Session, env_ref, params: dict, reset: dict) -> str:
                 env = ref(**params)
                 check_built(env)
                 session.kind, session.env = kind_of(type(env)), env
+            session.scorer = reward_function(reward_func) if reward_func else None
+        session.row = reset
         return session.kind.reset(session, reset)
 
 
@@ -156,13 +160,29 @@ def close(session: Session) -> tuple[float | None, bool]:
         return None, False
     kept = session.kind.reusable
     try:
-        reward = session.kind.reward(session)
+        reward = scored(session) if session.scorer is not None else session.kind.reward(session)
         if not kept:
             session.kind.close(session)
         return reward, kept
     finally:
         if not kept:
             session.end()
+
+
+def scored(session: Session) -> float | None:
+    """The episode's R by env.reward_func, as TRL calls a reward function: `environments=[env]` and the row's
+    fields (but its prompt, and minirl's seed and episode id), each a list of one; it returns one value a
+    list (None: no reward, the grader scores). An environment with its own `get_reward` beside it is
+    refused: TRL would add the two."""
+    if callable(getattr(session.env, "get_reward", None)):
+        raise TypeError(f"{type(session.env).__name__} has its own get_reward(), and env.reward_func names another "
+                        "reward: TRL would add the two; keep one")
+    fields = {k: [v] for k, v in session.row.items() if k not in ("prompt", "seed", "episode_id")}
+    out = session.resolve(session.scorer(**accepted(session.scorer, {**fields, "environments": [session.env]})))
+    if not isinstance(out, (list, tuple)) or len(out) != 1:
+        raise TypeError(f"env.reward_func returned {out!r} for one environment: a reward function returns a list, "
+                        "one value an environment")
+    return reward_of(out[0])
 
 
 def dispose(session: Session) -> None:
@@ -418,10 +438,13 @@ def check_start(settings, row: dict, *, seed: int) -> list[dict]:
     Returns the tools (what the model is told: chat templates' `tools=`)."""
     cls = environment_class(settings.name)
     check_params(settings.name, cls, settings.params)
+    if settings.reward_func:
+        check_reward_function(settings.reward_func, reward_function(settings.reward_func), row)
     host = Host(isolation=settings.isolation)
     worker, session = host.open(), Session()
     ref = settings.name if settings.isolation == "process" else cls
-    job = worker.submit(session, start, ref, settings.params, {**row, "seed": seed, "episode_id": "preflight"})
+    job = worker.submit(session, start, ref, settings.params, {**row, "seed": seed, "episode_id": "preflight"},
+                        settings.reward_func)
     try:
         if not host.outcome(job, settings.step_timeout_s):
             host.give_up(worker, job)

@@ -93,8 +93,8 @@ class Environments:
         """n episodes of each prompt, each with an environment of its own reset with its row."""
         s = self.settings
         ref = s.name if s.isolation == "process" else self.cls  # a process imports it by name
-        starts = [[(ref, s.params, {**row, "seed": episode_seed(seed, i, j), "episode_id": self._episode_id()})
-                   for j in range(n)] for i, row in enumerate(rows)]
+        starts = [[(ref, s.params, {**row, "seed": episode_seed(seed, i, j), "episode_id": self._episode_id()},
+                    s.reward_func) for j in range(n)] for i, row in enumerate(rows)]
         shown = None if self.prompter is None else (lambda i, text: self.prompter.ids(self.tokenizer, rows[i], text))
         return Turns(prompts, starts, host=self.host, fmt=self.fmt, encode=self.encode, decode=self.decode, n=n,
                      max_tokens=max_tokens, max_turns=s.max_turns, max_model_len=self.max_model_len,
