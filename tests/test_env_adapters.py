@@ -261,16 +261,21 @@ def test_a_client_trains_three_steps_through_the_cli_on_fewer_sessions_than_epis
     assert sum(x["episode/env_tokens"] for x in steps) > 0
 
 
-def three_steps(tiny_dir, tmp_path, sets: list[str], fmt: str = "any"):
+def three_steps(tiny_dir, tmp_path, sets: list[str], fmt: str = "any", rows: list[dict] | None = None):
     """Three steps of `minirl run` on the random tiny model with a format of tests/env_any_format.py (`any`:
-    whatever a turn wrote before ")" goes to `calc`), 8 prompts × 4 episodes: the run folder and its steps' rows."""
+    whatever a turn wrote before ")" goes to `calc`), 8 prompts × 4 episodes: the run folder and its steps' rows.
+    `rows`: both splits' rows instead of the embedded task's."""
     import json
     import subprocess
     import sys
 
+    from minirl.data.task import write_jsonl
     from tests.conftest import ROOT, data_workspace
 
     ws = data_workspace(tmp_path / "ws", train=64, heldout=8)
+    if rows is not None:
+        for split in ("train", "heldout"):
+            write_jsonl(ws / f"data/{split}.jsonl", rows)
     sets = [*sets, f"env.tool_format={fmt}", "env.max_turns=2", "rollout.max_tokens=8", "train.prompts_per_step=8",
             "train.group_size=4", "eval.k=1"]
     r = subprocess.run([sys.executable, "-m", "tests.env_any_format", "run", str(ws), "--model", str(tiny_dir),

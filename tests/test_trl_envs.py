@@ -170,18 +170,42 @@ def test_a_reward_function_that_reads_the_texts_is_refused_before_any_engine_sta
 @pytest.mark.slow
 def test_trls_2048_example_trains_three_steps_through_the_cli_scored_by_its_own_reward_function(tiny_dir, tmp_path):
     """`minirl run` with TRL's `Game2048Env` and `reward_score`, unchanged, each environment in a process of its
-    own (which imports both by name): three steps of the random tiny model (the `move` format of
+    own (which imports both by name), on rows of a prompt alone as TRL's example's dataset is (no answer: the
+    game scores every episode): three steps of the random tiny model (the `move` format of
     tests/env_any_format.py: what a turn wrote before ")" is its direction), no environment fault, every
-    episode's R the game's score, none graded."""
+    episode's R the game's score, none graded; the held-out evaluation scores its episodes so too."""
     import json
 
     from tests.test_env_adapters import three_steps
 
     run, steps = three_steps(tiny_dir, tmp_path, ["env.name=tests.data.trl.grpo_2048:Game2048Env",
                                                   "env.reward_func=tests.data.trl.grpo_2048:reward_score",
-                                                  "env.isolation=process", "env.max_reply_tokens=24"], "move")
+                                                  "env.isolation=process", "env.max_reply_tokens=24"], "move",
+                             rows=[{"prompt": "2048"}] * 64)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["heldout"]["end"]["env_faults"] == 0 and summary["heldout"]["end"]["avg@1"] == 0.0
     assert len(steps) == 3 and all(x["episode/env_errors"] == 0 for x in steps), \
         [x.get("episode/faults") for x in steps]
     assert sum(x["episode/tool_calls"] for x in steps) > 0
     samples = [r for line in (run / "samples.jsonl").read_text().splitlines() for r in json.loads(line)["responses"]]
     assert samples and all(r["score"] is None and r["reward"] == 0.0 for r in samples)  # no merge: a score of 0
+
+
+def test_rows_need_no_answer_where_the_environment_gives_every_r(tmp_path):
+    """TRL's environment examples train on rows of a prompt alone (their reward reads the environment): with
+    env.reward_func, or a class with its own get_reward, such rows are the run's problems and the held-out
+    benchmark's records (answer ""); without, the data is refused as before, naming the missing field."""
+    from minirl.config import recipes
+    from minirl.data.task import write_jsonl
+    from minirl.eval.bench import bench_records
+    from minirl.errors import UsageError
+
+    write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "2048"}, {"prompt": "4096"}])
+    sets = ["env.name=tests.data.trl.grpo_2048:Game2048Env", "env.tool_format=tiny", "data.chat_template=false"]
+    for scoring in (["env.reward_func=tests.data.trl.grpo_2048:reward_score"],
+                    ["env.name=tests.data.trl.grpo_trainer_docs:IncrementEnv"]):
+        rec = recipes.load(recipes.shipped("tiny"), sets + scoring)
+        got = bench_records("heldout", rec, heldout_path=tmp_path / "rows.jsonl")
+        assert [(r["problem"], r["answer"]) for r in got.records] == [("2048", ""), ("4096", "")]
+    with pytest.raises(UsageError, match="need a problem field .* and 'answer'"):
+        bench_records("heldout", recipes.load(recipes.shipped("tiny"), sets), heldout_path=tmp_path / "rows.jsonl")

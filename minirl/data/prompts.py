@@ -37,14 +37,15 @@ def load_problems(
     base: Path | None = None,
     split: str = "train",
     rows: Rows | None = None,
+    answers: bool = True,
 ) -> tuple[list[Problem], dict[str, int]]:
     """Usable problems plus skip counts {"empty_prompt", "missing_answer", "too_long"}. `encode`
     tokenises a list of prompts in one call (a tokenizer's batch path: 20,000 prompts one call each
     took seconds of a run's start). rows: the source's, where already loaded (`load_rows` with `typed`
-    the two fields)."""
+    the two fields). `answers` False: a row needs none (the environment scores every episode)."""
     if rows is None:
         rows = load_rows(spec, base=base, split=split, typed=(prompt_field, answer_field))
-    for f in (prompt_field, answer_field):
+    for f in (prompt_field, answer_field) if answers else (prompt_field,):
         if f not in rows.column_names:
             raise UsageError(f"dataset {spec!r} has no field {f!r}; fields: {', '.join(rows.column_names)}")
     skipped = {"empty_prompt": 0, "missing_answer": 0, "too_long": 0}
@@ -57,7 +58,7 @@ def load_problems(
         if not prompt or not str(prompt).strip():
             skipped["empty_prompt"] += 1
             continue
-        if answer is None or str(answer).strip() == "":
+        if answers and (answer is None or str(answer).strip() == ""):
             skipped["missing_answer"] += 1
             continue
         # No tokenizer's tokens average 1,000 characters: a longer prompt is too long without the

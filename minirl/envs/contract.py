@@ -165,6 +165,14 @@ def check_reward_function(name: str, fn, row: dict) -> None:
                          "environment's worker with environments=[env] and the row's fields")
 
 
+def scores_itself(env) -> bool:
+    """Whether a recipe's [env] gives every episode its R, so that its rows need no answer (TRL's environment
+    examples' datasets hold a prompt alone): env.reward_func, or a class with its own `get_reward` (TRL's)."""
+    if not env.name:
+        return False
+    return bool(env.reward_func) or callable(getattr(environment_class(env.name), "get_reward", None))
+
+
 def check_built(env) -> None:
     """What a factory (env.name a callable, not a class) built: an environment, else TypeError naming it."""
     if missing := _missing(type(env)):

@@ -12,7 +12,7 @@ from pathlib import Path
 from minirl.data.prompts import Problem, Prompter, prompt_ids, response_text
 from minirl.data.written import grader_info, records, written
 from minirl.disk import atomic
-from minirl.envs.contract import environment_class, episode_seed
+from minirl.envs.contract import environment_class, episode_seed, scores_itself
 from minirl.envs.formats import check_format
 from minirl.envs.hosting import check_start
 from minirl.envs.outcome import answer_ids, needs_grade, rewards as episode_rewards, trains
@@ -59,13 +59,15 @@ def bench_records(bench_name: str, rec, *, heldout_path=None, data=None, data_di
         data = Path(data_dir) / f"{bench.name}.jsonl"
     elif data is not None and (Path(data) / f"{bench.name}.jsonl").is_file():
         data = Path(data) / f"{bench.name}.jsonl"  # a folder of benchmark files, as --data-dir takes
-    records = benchmarks.load_records(bench, data=data)
+    answers = bench.hub_id is not None or not scores_itself(rec.env)  # the environment gives every R: no answers
+    records = benchmarks.load_records(bench, data=data, answers=answers)
     name = bench.name
     if bench.problems is not None and data is not None and len(records) != bench.problems:
         name = Path(data).name  # e.g. `eval aime25 --data gsm8k.jsonl`: never filed as aime25
     cut = max_problems or (rec.eval.max_problems if bench.hub_id is None else 0)
     kept = records[:cut] if cut else records
-    check_gradable(kept, str(data or bench.hub_id), *grader_of(bench_name, rec))
+    if answers:
+        check_gradable(kept, str(data or bench.hub_id), *grader_of(bench_name, rec))
     return BenchData(name, kept, len(records))
 
 

@@ -63,8 +63,10 @@ def get(name: str) -> Benchmark:
     return REGISTRY[name]
 
 
-def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path | None = None) -> list[dict]:
-    """Rows as {"problem", "answer", "index"} from a local file/folder or the Hub."""
+def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path | None = None,
+                 answers: bool = True) -> list[dict]:
+    """Rows as {"problem", "answer", "index"} from a local file/folder or the Hub. `answers` False: a row
+    needs none (the workspace's held-out split where the environment scores every episode); its answer "" """
     if data is None and data_dir is not None:
         data = Path(data_dir) / f"{bench.name}.jsonl"
     if data is not None:
@@ -78,7 +80,7 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
                                  f"{bench.answer_field!r})")
     fields = rows.column_names
     pf = bench.problem_field if bench.problem_field in fields else next((f for f in PROBLEM_FIELD_ALIASES if f in fields), None)
-    if pf is None or bench.answer_field not in fields:
+    if pf is None or (answers and bench.answer_field not in fields):
         raise UsageError(f"{bench.name}: need a problem field ({'/'.join(PROBLEM_FIELD_ALIASES)}) and "
                          f"{bench.answer_field!r}; the data has {', '.join(fields)}")
     missing = [f for f in bench.row_fields if f not in fields]
@@ -89,7 +91,7 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
         if not isinstance(row[pf], str):  # never str()-ed into a prompt: a number is no problem statement
             raise UsageError(f"{bench.name}: row {i + 1} of {data or bench.hub_id}: field {pf!r} holds a "
                              f"{type(row[pf]).__name__} ({row[pf]!r}); a problem is text")
-        answer = "" if row[bench.answer_field] is None else str(row[bench.answer_field])  # none: not gradable
+        answer = "" if row.get(bench.answer_field) is None else str(row[bench.answer_field])  # none: not gradable
         if bench.answer_after and bench.answer_after in answer:
             answer = answer.rsplit(bench.answer_after, 1)[1].strip()
         # the workspace's own split keeps every field: its grader may read any (rg's metadata)

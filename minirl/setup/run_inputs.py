@@ -16,7 +16,7 @@ from minirl.data import loader
 from minirl.data.loader import Loading, Rows
 from minirl.data.prompts import load_problems, prompts_ids
 from minirl.disk import store
-from minirl.envs.contract import environment_class, episode_seed
+from minirl.envs.contract import environment_class, episode_seed, scores_itself
 from minirl.envs.formats import check_format
 from minirl.envs.hosting import check_start
 from minirl.envs.templates import format_for
@@ -61,12 +61,15 @@ def _problems(rec, ws, tok, rows: list[Rows], *, tools: list | None = None) -> t
     rendered as the recipe says (with the environment's `tools`, where given)."""
     enc = functools.partial(prompts_ids, tok, template=rec.data.prompt_template, chat=rec.data.chat_template,
                             chat_kwargs=rec.data.chat_template_kwargs, tools=tools)
+    answers = not scores_itself(rec.env)  # rows of a prompt alone, where the environment gives every R
     kw = dict(encode=enc, prompt_field=rec.data.prompt_field, answer_field=rec.data.answer_field,
-              max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root)
+              max_prompt_tokens=rec.data.max_prompt_tokens, base=ws.root, answers=answers)
     train, skipped = load_problems(rec.data.train, **kw, rows=rows[0])
     heldout, _ = load_problems(rec.data.heldout, **kw, split=rec.data.heldout_split, rows=rows[1])
-    train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
-    heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
+    skipped["ungradable"] = 0
+    if answers:
+        train, skipped["ungradable"] = gradable_problems(train, rec.data.train, rec.reward.grader, rec.reward.params)
+        heldout, _ = gradable_problems(heldout, rec.data.heldout, rec.reward.grader, rec.reward.params)
     return train, skipped, heldout
 
 
