@@ -164,6 +164,12 @@ def test_a_reward_function_that_reads_the_texts_is_refused_before_any_engine_sta
         check_reward_function("m:reads_texts", reads_texts, {"prompt": "p", "answer": "a"})
     with pytest.raises(UsageError, match="takes 'answer', a field the rows do not have"):
         check_reward_function("m:what_it_is_given", what_it_is_given, {"prompt": "p"})
+
+    def reads_the_prompt(environments, prompt):  # TRL gives the prompts as `prompts`, never a row's `prompt`
+        return [0.0]
+
+    with pytest.raises(UsageError, match="takes 'prompt', the texts, which a grader scores"):
+        check_reward_function("m:reads_the_prompt", reads_the_prompt, {"prompt": "p", "answer": "a"})
     check_reward_function("m:what_it_is_given", what_it_is_given, {"prompt": "p", "answer": "a"})
 
 

@@ -145,6 +145,8 @@ def reward_function(name: str):
 
 # what TRL gives a reward function that minirl does not: the texts are the grader's to read (reward.grader)
 _TEXTS = ("prompts", "completions", "completion_ids")
+# a row's fields a reward function is not given: its prompt (TRL passes it as `prompts`), minirl's own two
+NOT_GIVEN = ("prompt", "seed", "episode_id")
 
 
 def check_reward_function(name: str, fn, row: dict) -> None:
@@ -155,11 +157,11 @@ def check_reward_function(name: str, fn, row: dict) -> None:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return
-    given = {"environments", *row}
+    given = {"environments", *(k for k in row if k not in NOT_GIVEN)}
     needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
               and p.name not in given]
     if needed:
-        what = ("the texts, which a grader scores (reward.grader)" if needed[0] in _TEXTS
+        what = ("the texts, which a grader scores (reward.grader)" if needed[0] in (*_TEXTS, "prompt")
                 else "a field the rows do not have")
         raise UsageError(f"env.reward_func = {name!r} takes {needed[0]!r}, {what}: minirl calls it on the "
                          "environment's worker with environments=[env] and the row's fields")

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from minirl.envs.adapters import kind_of
-from minirl.envs.contract import (ToolCall, accepted, check_built, check_params, check_reward_function,
+from minirl.envs.contract import (NOT_GIVEN, ToolCall, accepted, check_built, check_params, check_reward_function,
                                   environment_class, main_thread_only, reward_function)
 from minirl.envs.observations import Reading, reward_of
 from minirl.errors import UsageError
@@ -177,7 +177,7 @@ def scored(session: Session) -> float | None:
     if callable(getattr(session.env, "get_reward", None)):
         raise TypeError(f"{type(session.env).__name__} has its own get_reward(), and env.reward_func names another "
                         "reward: TRL would add the two; keep one")
-    fields = {k: [v] for k, v in session.row.items() if k not in ("prompt", "seed", "episode_id")}
+    fields = {k: [v] for k, v in session.row.items() if k not in NOT_GIVEN}
     out = session.resolve(session.scorer(**accepted(session.scorer, {**fields, "environments": [session.env]})))
     if not isinstance(out, (list, tuple)) or len(out) != 1:
         raise TypeError(f"env.reward_func returned {out!r} for one environment: a reward function returns a list, "
