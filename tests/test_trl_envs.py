@@ -200,11 +200,14 @@ def test_trls_2048_example_trains_three_steps_through_the_cli_scored_by_its_own_
 def test_rows_need_no_answer_where_the_environment_gives_every_r(tmp_path):
     """TRL's environment examples train on rows of a prompt alone (their reward reads the environment): with
     env.reward_func, or a class with its own get_reward, such rows are the run's problems and the held-out
-    benchmark's records (answer ""); without, the data is refused as before, naming the missing field."""
+    benchmark's records, with no answer (an ungraded episode the grader's counted error, never a 0 against "");
+    without, the data is refused as before, naming the missing field."""
     from minirl.config import recipes
+    from minirl.data.prompts import load_problems
     from minirl.data.task import write_jsonl
     from minirl.eval.bench import bench_records
     from minirl.errors import UsageError
+    from rewards.pool import GradingPool
 
     write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "2048"}, {"prompt": "4096"}])
     sets = ["env.name=tests.data.trl.grpo_2048:Game2048Env", "env.tool_format=tiny", "data.chat_template=false"]
@@ -212,6 +215,14 @@ def test_rows_need_no_answer_where_the_environment_gives_every_r(tmp_path):
                     ["env.name=tests.data.trl.grpo_trainer_docs:IncrementEnv"]):
         rec = recipes.load(recipes.shipped("tiny"), sets + scoring)
         got = bench_records("heldout", rec, heldout_path=tmp_path / "rows.jsonl")
-        assert [(r["problem"], r["answer"]) for r in got.records] == [("2048", ""), ("4096", "")]
+        assert [(r["problem"], "answer" in r) for r in got.records] == [("2048", False), ("4096", False)]
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "2048", "answer": ""}, {"prompt": "4096", "answer": "8"}])
+    problems, skipped = load_problems(str(tmp_path / "train.jsonl"), encode=lambda texts: [[1] * len(t) for t in texts],
+                                      prompt_field="prompt", answer_field="answer", max_prompt_tokens=8, answers=False)
+    assert [p.record for p in problems] == [{"prompt": "2048"}, {"prompt": "4096", "answer": "8"}]
+    assert skipped["missing_answer"] == 0
+    # an episode the environment leaves without R reaches the grader with no answer: its error, counted, not a 0
+    score, = GradingPool("arith", {}, workers=0, timeout_s=5).grade([(got.records[0], "4")])
+    assert score.score == 0.0 and score.info["error"] == "KeyError: 'answer'"
     with pytest.raises(UsageError, match="need a problem field .* and 'answer'"):
         bench_records("heldout", recipes.load(recipes.shipped("tiny"), sets), heldout_path=tmp_path / "rows.jsonl")

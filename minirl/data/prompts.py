@@ -58,9 +58,13 @@ def load_problems(
         if not prompt or not str(prompt).strip():
             skipped["empty_prompt"] += 1
             continue
-        if answers and (answer is None or str(answer).strip() == ""):
-            skipped["missing_answer"] += 1
-            continue
+        if answer is None or str(answer).strip() == "":
+            if answers:
+                skipped["missing_answer"] += 1
+                continue
+            # no answer to grade: an episode the environment leaves without R is a grader's error (counted),
+            # never a grade of 0 against ""
+            row = {k: v for k, v in row.items() if k != answer_field}
         # No tokenizer's tokens average 1,000 characters: a longer prompt is too long without the
         # cost of tokenizing it (a many-megabyte line takes seconds).
         if len(prompt) > 1000 * max_prompt_tokens:

@@ -249,7 +249,7 @@ def _problem_row(i: int, record: dict, comps: list, scores: list, won: list, *, 
     errors; with an environment, the samples its fault ended (left out of the grades) and the first fault."""
     ok = [trains(c) for c in comps]  # a sample the environment's fault ended: left out
     sc = [x for x, keep in zip(scores, ok) if keep]
-    return {"index": i, "answer": record["answer"],
+    return {"index": i, "answer": record.get("answer", ""),
             "correct": [w >= 1.0 for w, keep in zip(won, ok) if keep],
             "extracted": [x.info.get("extracted") for x in sc],
             "timeouts": sum(bool(x.info.get("timeout")) for x in sc),
@@ -308,7 +308,7 @@ def _samples_file(path: Path, done: set[int]):
 def _problem_samples(i: int, record: dict, comps: list, scores: list, won: list, decode, eos_id: int) -> dict:
     """A problem's k responses, whole, as a person reads them, each with its grade (None: the
     environment's fault ended it, not scored) and what the grader extracted."""
-    return {"index": i, "problem": record["problem"], "answer": record["answer"],
+    return {"index": i, "problem": record["problem"], "answer": record.get("answer", ""),
             "responses": [{**written(c, decode, eos_id, None), "correct": bool(w >= 1.0) if trains(c) else None,
                            **({"grader": grader_info(x.info)} if x.info else {}), "finish": c.finish,
                            "tokens": len(c.token_ids)}

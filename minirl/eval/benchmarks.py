@@ -96,6 +96,11 @@ def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path |
             answer = answer.rsplit(bench.answer_after, 1)[1].strip()
         # the workspace's own split keeps every field: its grader may read any (rg's metadata)
         extra = row if bench.hub_id is None else {f: row[f] for f in bench.row_fields}
+        if not answers and not answer.strip():  # none needed, none there: an episode the environment leaves
+            # without R is the grader's error (counted), never a grade against ""
+            extra = {k: v for k, v in extra.items() if k != bench.answer_field}
+            out.append({**extra, "index": i, "problem": str(row[pf])})
+            continue
         out.append({**extra, "index": i, "problem": str(row[pf]), "answer": answer})
     if not out:
         raise UsageError(f"{bench.name}: no rows")
