@@ -370,6 +370,11 @@ CASES = [
                                         "env.tool_format=tiny", "--set", "env.reward_func=json:__all__", *ENV_FITS],
      None, "env.reward_func = 'json:__all__' is a list: name a reward function, reward_func(environments, **kwargs) as "
      "TRL's take them"),
+    ("env-reward-func-beside-get-reward", ["run", "{ws}", "--set", "env.name=tests.openenv_shapes:CalcTrl", "--set",
+                                           "env.tool_format=tiny", "--set",
+                                           "env.reward_func=tests.data.trl.grpo_2048:reward_score", *ENV_FITS], None,
+     "env.name = 'tests.openenv_shapes:CalcTrl' has its own get_reward(), and env.reward_func = "
+     "'tests.data.trl.grpo_2048:reward_score' names another reward: TRL would add the two; keep one"),
     ("env-reward-func-unnamed", ["run", "{ws}", "--set", "env.reward_func=score"], None,
      "env.reward_func = 'score': name the reward function as module:function (importable), or \"\" for none"),
     ("env-reward-func-without-env", ["run", "{ws}", "--set", "env.reward_func=m:f"], None,

@@ -235,18 +235,20 @@ class RewardConfig:
     max_error_frac: float = number(0.5, 0, 1)
 
 
-def _env_class(key: str, v: str) -> str | None:
-    module, _, name = v.partition(":")
-    if v and not (module and name):
-        return f"{key} = {v!r}: name the environment's class as module:Class (importable), or \"\" for one turn"
-    return None
+def _importable(what: str, form: str, empty: str):
+    """The rule of a field that names an importable `module:attr` (or "" for `empty`)."""
+
+    def check(key: str, v: str) -> str | None:
+        module, _, name = v.partition(":")
+        if v and not (module and name):
+            return f"{key} = {v!r}: name {what} as {form} (importable), or \"\" for {empty}"
+        return None
+
+    return check
 
 
-def _reward_func(key: str, v: str) -> str | None:
-    module, _, name = v.partition(":")
-    if v and not (module and name):
-        return f"{key} = {v!r}: name the reward function as module:function (importable), or \"\" for none"
-    return None
+_env_class = _importable("the environment's class", "module:Class", "one turn")
+_reward_func = _importable("the reward function", "module:function", "none")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -440,6 +440,9 @@ def check_start(settings, row: dict, *, seed: int) -> list[dict]:
     check_params(settings.name, cls, settings.params)
     if settings.reward_func:
         check_reward_function(settings.reward_func, reward_function(settings.reward_func), row)
+        if callable(getattr(cls, "get_reward", None)):  # a factory's: at its episodes' end (`scored`)
+            raise UsageError(f"env.name = {settings.name!r} has its own get_reward(), and env.reward_func = "
+                             f"{settings.reward_func!r} names another reward: TRL would add the two; keep one")
     host = Host(isolation=settings.isolation)
     worker, session = host.open(), Session()
     ref = settings.name if settings.isolation == "process" else cls

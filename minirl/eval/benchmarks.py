@@ -66,7 +66,8 @@ def get(name: str) -> Benchmark:
 def load_records(bench: Benchmark, *, data: Path | None = None, data_dir: Path | None = None,
                  answers: bool = True) -> list[dict]:
     """Rows as {"problem", "answer", "index"} from a local file/folder or the Hub. `answers` False: a row
-    needs none (the workspace's held-out split where the environment scores every episode); its answer "" """
+    needs none (the workspace's held-out split where the environment scores every episode), and a row
+    without one has no "answer" key."""
     if data is None and data_dir is not None:
         data = Path(data_dir) / f"{bench.name}.jsonl"
     if data is not None:
